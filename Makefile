@@ -22,6 +22,7 @@ help:
 	@echo "make lab         open the workbook in JupyterLab (installs on first run)"
 	@echo "make test        package tests, then every notebook under nbval"
 	@echo "make test-fast   package tests only"
+	@echo "make test-notebooks  notebooks under nbval only"
 	@echo "make bench       run benchmarks/*.py"
 	@echo "make gpu-check   CUDA tests + reference numbers into data/reference (needs a GPU)"
 	@echo "make strip       remove outputs from notebooks/*.ipynb"
@@ -77,6 +78,7 @@ bench: venv
 
 gpu-check: venv
 	$(PY) -m pytest -m cuda tests/ || { rc=$$?; [ $$rc -eq 5 ] && echo "no cuda tests collected"; [ $$rc -eq 5 ]; }
+	@mkdir -p data/reference
 	$(PY) -m memlab.gpu_check --out data/reference
 
 strip:
