@@ -1,0 +1,12 @@
+"""memlab: where the memory of a training step goes, and how to get it back.
+
+Three lenses on one training step: :func:`estimate_step` (closed-form formulas),
+:func:`simulate_step` (fake tensors, for GPUs you do not have) and :func:`measure_step`
+(a real step, tracked exactly on CPU, with allocator statistics on CUDA).
+"""
+from .hardware import GPU_PRESETS, fmt_bytes, parse_size, pick_device, resolve_budget
+from .measure import MemoryReport, StepConfig, build_trainer, make_batch, measure_step, time_step
+from .models import GPT, PRESETS, UNET_PRESETS, GPTConfig, UNet, UNetConfig, build_model, get_config
+from .tracking import CATEGORIES, MemoryTracker
+
+__version__ = "0.1.0"

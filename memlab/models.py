@@ -1,0 +1,375 @@
+"""Instrumented models: a GPT-style decoder and a small diffusion UNet.
+
+Both are written to make their memory visible rather than to be fast: the GPT can
+materialise the full ``s x s`` attention matrix (``attention="naive"``) so the O(L^2)
+activations of long sequences show up in a measurement, and it can recompute activations in
+backward (``checkpointing="full"`` per block, ``"selective"`` for the attention core only,
+after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", section 5).
+
+The GPT follows nanoGPT's layout (one config dataclass, small modules). Presets are
+shape-alike copies of well-known models: the same widths and depths, so estimates and
+simulations of them are meaningful, without pretending to load their weights.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+Attention = Literal["naive", "sdpa"]
+Checkpointing = Literal["none", "full", "selective"]
+ATTENTIONS = ("naive", "sdpa")
+CHECKPOINTINGS = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape and behaviour of a decoder-only transformer.
+
+    ``mlp="gelu"`` with LayerNorm and learned positions is GPT-2's block; ``mlp="swiglu"``
+    with RMSNorm and rotary positions is LLaMA's.
+    """
+
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    vocab_size: int = 1000
+    block_size: int = 1024
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp_hidden: int | None = None  # default 4 * d_model
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    position: Literal["learned", "rope"] = "learned"
+    bias: bool = True
+    tie_embeddings: bool = True
+    attention: Attention = "sdpa"
+    checkpointing: Checkpointing = "none"
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for field, value in (("n_layer", self.n_layer), ("n_head", self.n_head),
+                             ("d_model", self.d_model), ("vocab_size", self.vocab_size),
+                             ("block_size", self.block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; "
+                             f"choose d_model as a multiple of the number of heads")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention={self.attention!r}; allowed: {', '.join(ATTENTIONS)}")
+        if self.checkpointing not in CHECKPOINTINGS:
+            raise ValueError(f"checkpointing={self.checkpointing!r}; "
+                             f"allowed: {', '.join(CHECKPOINTINGS)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def hidden(self) -> int:
+        return self.mlp_hidden or 4 * self.d_model
+
+    def num_params(self) -> int:
+        """Parameter count, closed form (tied embeddings counted once)."""
+        d, h, v, L = self.d_model, self.hidden, self.vocab_size, self.n_layer
+        b = 1 if self.bias else 0
+        norm = 2 * d if self.norm == "layernorm" else d
+        attn = 4 * d * d + b * 4 * d
+        mlp = (3 * d * h) if self.mlp == "swiglu" else (2 * d * h + b * (h + d))
+        per_layer = attn + mlp + 2 * norm
+        emb = v * d + (self.block_size * d if self.position == "learned" else 0)
+        head = 0 if self.tie_embeddings else v * d
+        return L * per_layer + emb + norm + head
+
+
+def _llama(name: str, d: int, layers: int, heads: int, hidden: int) -> GPTConfig:
+    return GPTConfig(n_layer=layers, n_head=heads, d_model=d, vocab_size=32000, block_size=4096,
+                     mlp="swiglu", mlp_hidden=hidden, norm="rmsnorm", position="rope",
+                     bias=False, tie_embeddings=False, name=name)
+
+
+def _gpt2(name: str, d: int, layers: int, heads: int) -> GPTConfig:
+    return GPTConfig(n_layer=layers, n_head=heads, d_model=d, vocab_size=50257,
+                     block_size=1024, name=name)
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(name="tiny"),
+    "gpt2-small": _gpt2("gpt2-small", 768, 12, 12),
+    "gpt2-medium": _gpt2("gpt2-medium", 1024, 24, 16),
+    "gpt2-large": _gpt2("gpt2-large", 1280, 36, 20),
+    "gpt2-xl": _gpt2("gpt2-xl", 1600, 48, 25),
+    "llama-7b": _llama("llama-7b", 4096, 32, 32, 11008),
+    "llama-13b": _llama("llama-13b", 5120, 40, 40, 13824),
+}
+
+
+def get_config(name: str, **overrides) -> "GPTConfig | UNetConfig":
+    """Look up a preset by name (``tiny``, ``gpt2-xl``, ``unet-small``, ...) with overrides."""
+    table = {**PRESETS, **UNET_PRESETS}
+    if name not in table:
+        raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(table)}")
+    return replace(table[name], **overrides) if overrides else table[name]
+
+
+# --------------------------------------------------------------------------------------
+# GPT
+# --------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _norm(cfg: GPTConfig) -> nn.Module:
+    return nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.norm == "layernorm" else RMSNorm(cfg.d_model)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        if cfg.position == "rope":
+            inv = 1.0 / (10000 ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+            freqs = torch.outer(torch.arange(cfg.block_size).float(), inv)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.register_buffer("cos", emb.cos(), persistent=False)
+            self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v with a causal mask; (b, h, s, hd) in and out."""
+        if self.cfg.attention == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        s = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
+        att = att.masked_fill(mask, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        return att @ v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.cfg.n_head
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (t.view(b, s, h, d // h).transpose(1, 2) for t in (q, k, v))
+        if self.cfg.position == "rope":
+            cos, sin = self.cos[:s].to(q.dtype), self.sin[:s].to(q.dtype)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        if self.cfg.checkpointing == "selective":
+            y = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            y = self.core(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        self.fc = nn.Linear(cfg.d_model, cfg.hidden, bias=cfg.bias)
+        if self.swiglu:
+            self.gate = nn.Linear(cfg.d_model, cfg.hidden, bias=cfg.bias)
+        self.out = nn.Linear(cfg.hidden, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.out(F.silu(self.gate(x)) * self.fc(x))
+        return self.out(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.ln1, self.attn = _norm(cfg), CausalSelfAttention(cfg)
+        self.ln2, self.mlp = _norm(cfg), MLP(cfg)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
+            # Non-reentrant checkpoint: keeps only the block input, recomputes the rest.
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer. ``forward(idx, targets)`` returns the mean token loss.
+
+    The logits are not returned with the loss: keeping them would hold ``b*s*vocab`` more
+    values alive until the end of the step, which a training loop never needs.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.d_model) if cfg.position == "learned" else None
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = _norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        b, s = idx.shape
+        if s > self.cfg.block_size:
+            raise ValueError(f"sequence length {s} exceeds block_size {self.cfg.block_size}")
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(s, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+# --------------------------------------------------------------------------------------
+# A small diffusion UNet (DDPM-style noise prediction)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UNetConfig:
+    """A DDPM-style UNet (Ho et al. 2020): ResBlocks with a time embedding, skip connections,
+    self-attention at the lowest resolution. ``image_size`` plays the role of sequence length."""
+
+    channels: int = 3
+    base: int = 32
+    mults: tuple[int, ...] = (1, 2, 2)
+    groups: int = 8
+    image_size: int = 32
+    checkpointing: Checkpointing = "none"
+    name: str = "custom-unet"
+
+    def __post_init__(self) -> None:
+        if self.base % self.groups:
+            raise ValueError(f"base={self.base} must be divisible by groups={self.groups}")
+        if self.checkpointing not in CHECKPOINTINGS:
+            raise ValueError(f"checkpointing={self.checkpointing!r}; "
+                             f"allowed: {', '.join(CHECKPOINTINGS)}")
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in UNet(self).parameters())
+
+
+UNET_PRESETS: dict[str, UNetConfig] = {
+    "unet-small": UNetConfig(name="unet-small"),
+}
+
+
+def _time_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device) / half)
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([args.sin(), args.cos()], dim=-1)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, tdim: int, groups: int):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(groups, cin), nn.Conv2d(cin, cout, 3, padding=1)
+        self.temb = nn.Linear(tdim, cout)
+        self.norm2, self.conv2 = nn.GroupNorm(groups, cout), nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + self.temb(temb)[:, :, None, None]
+        h = self.conv2(F.silu(self.norm2(h)))
+        return h + self.skip(x)
+
+
+class AttnBlock(nn.Module):
+    def __init__(self, ch: int, groups: int):
+        super().__init__()
+        self.norm = nn.GroupNorm(groups, ch)
+        self.qkv = nn.Conv2d(ch, 3 * ch, 1)
+        self.proj = nn.Conv2d(ch, ch, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, hh, ww = x.shape
+        q, k, v = self.qkv(self.norm(x)).reshape(b, 3, c, hh * ww).unbind(1)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2)[:, None], k.transpose(1, 2)[:, None],
+                                           v.transpose(1, 2)[:, None])
+        return x + self.proj(y[:, 0].transpose(1, 2).reshape(b, c, hh, ww))
+
+
+class UNet(nn.Module):
+    """Predicts the noise added to an image; ``forward(x, t, noise)`` returns the MSE loss."""
+
+    def __init__(self, cfg: UNetConfig):
+        super().__init__()
+        self.cfg = cfg
+        tdim = cfg.base * 4
+        self.time = nn.Sequential(nn.Linear(cfg.base, tdim), nn.SiLU(), nn.Linear(tdim, tdim))
+        self.inp = nn.Conv2d(cfg.channels, cfg.base, 3, padding=1)
+        chans = [cfg.base * m for m in cfg.mults]
+        self.down, self.pool = nn.ModuleList(), nn.ModuleList()
+        cin = cfg.base
+        for i, c in enumerate(chans):
+            self.down.append(ResBlock(cin, c, tdim, cfg.groups))
+            last = i == len(chans) - 1
+            self.pool.append(nn.Identity() if last else nn.Conv2d(c, c, 3, stride=2, padding=1))
+            cin = c
+        self.mid = ResBlock(cin, cin, tdim, cfg.groups)
+        self.mid_attn = AttnBlock(cin, cfg.groups)
+        self.up, self.upsample = nn.ModuleList(), nn.ModuleList()
+        for i, c in reversed(list(enumerate(chans))):
+            self.up.append(ResBlock(cin + c, c, tdim, cfg.groups))
+            first = i == 0
+            self.upsample.append(nn.Identity() if first else nn.Upsample(scale_factor=2))
+            cin = c
+        self.out = nn.Sequential(nn.GroupNorm(cfg.groups, cin), nn.SiLU(),
+                                 nn.Conv2d(cin, cfg.channels, 3, padding=1))
+
+    def _res(self, block: ResBlock, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
+            return checkpoint(block, x, temb, use_reentrant=False)
+        return block(x, temb)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        temb = self.time(_time_embedding(t, self.cfg.base))
+        h = self.inp(x)
+        skips = []
+        for block, pool in zip(self.down, self.pool):
+            h = self._res(block, h, temb)
+            skips.append(h)
+            h = pool(h)
+        h = self.mid_attn(self._res(self.mid, h, temb))
+        for block, up in zip(self.up, self.upsample):
+            h = self._res(block, torch.cat([h, skips.pop()], dim=1), temb)
+            h = up(h)
+        return F.mse_loss(self.out(h), noise)
+
+
+def build_model(cfg: GPTConfig | UNetConfig) -> nn.Module:
+    """Instantiate the model a config describes, on the current default device."""
+    return UNet(cfg) if isinstance(cfg, UNetConfig) else GPT(cfg)

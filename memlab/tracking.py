@@ -1,0 +1,381 @@
+"""Measure: exact live tensor bytes by category, on CPU, CUDA and fake tensors.
+
+:class:`MemoryTracker` is a ``TorchDispatchMode``. Every op's output storages are recorded
+once (weakly keyed) and their bytes subtracted when the storage is finalized, so the live
+total is exact at op granularity, on any device, including under ``FakeTensorMode`` where no
+memory exists at all. Each storage gets one category:
+
+``parameters``  storages of registered model parameters
+``gradients``   storages that become a ``.grad`` of a registered parameter
+``optimizer``   optimizer state (found through the optimizer step hooks)
+``activations`` allocated in forward and still alive when forward ends: what autograd
+                keeps for backward (plus the loss)
+``temporaries`` everything else the step allocates: forward scratch, backward buffers,
+                recomputation under checkpointing, optimizer scratch
+``other``       buffers, inputs, anything registered as such
+
+Categories are settled at phase changes (forward, backward, optimizer), then the whole
+timeline is replayed with them, so a stacked plot shows activations as activations from the
+moment they were made.
+
+A *budget* turns the tracker into a simulated device: the op that takes live bytes over it
+raises ``torch.OutOfMemoryError`` with a CUDA-like message. On CUDA the tracker also records
+the caching allocator's own figures and, if asked, a ``_record_memory_history`` snapshot.
+"""
+from __future__ import annotations
+
+import pickle
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .hardware import fmt_bytes, resolve_budget
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other")
+_IDX = {c: i for i, c in enumerate(CATEGORIES)}
+
+
+@dataclass
+class _Storage:
+    nbytes: int
+    phase: str
+    hint: str | None = None
+    survived_forward: bool = False
+    alive: bool = True
+
+    @property
+    def category(self) -> str:
+        if self.hint is not None:
+            return self.hint
+        if self.phase == "forward" and self.survived_forward:
+            return "activations"
+        return "temporaries"
+
+
+@dataclass(frozen=True)
+class Event:
+    """Live bytes after one op: ``by_category`` follows :data:`CATEGORIES`."""
+
+    index: int
+    op: str
+    module: str
+    phase: str
+    by_category: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_category)
+
+
+@dataclass
+class OOMInfo:
+    """What broke the budget: the op, how much it asked for, and what was live."""
+
+    op: str
+    module: str
+    phase: str
+    requested_bytes: int
+    live_bytes: int
+    budget_bytes: int
+    message: str
+    by_category: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def culprit(self) -> str:
+        """The category holding the most bytes when the budget broke."""
+        return max(self.by_category, key=self.by_category.get) if self.by_category else "unknown"
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Track live tensor bytes by category.
+
+    >>> with MemoryTracker(budget="512MiB") as mt:
+    ...     mt.track_model(model); mt.track_optimizer(opt)
+    ...     loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    >>> mt.peak_bytes, mt.peak_by_category()
+
+    ``budget`` is bytes, a size string or a GPU preset name; ``cuda_history=True`` records a
+    CUDA allocator history (switched off again on exit, also after an exception).
+    """
+
+    def __init__(self, budget: int | str | None = None, *, cuda_history: bool = False,
+                 max_history_entries: int = 100_000):
+        super().__init__()
+        self.budget_bytes = resolve_budget(budget)
+        self.cuda_history = cuda_history
+        self.max_history_entries = max_history_entries
+        self._records: list[_Storage] = []
+        self._by_storage: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # event: (op index or -1, sid, +1 alloc / -1 free / 0 op marker)
+        self._log: list[tuple[int, int]] = []
+        self._ops: list[tuple[str, str, str]] = []
+        self._modules: list[weakref.ref] = []
+        self._optimizers: list[weakref.ref] = []
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._peak_op = -1
+        self._peak_live: tuple[int, ...] | None = None
+        self._phase = "idle"
+        self._in_optimizer = False
+        self._active = False
+        self.oom: OOMInfo | None = None
+        self.cuda_stats: dict[str, int] = {}
+        self.snapshot: dict | None = None
+        self._module_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._module_stack: list[str] = []
+        self._hooks: list = []
+        self._replayed: list[Event] | None = None
+
+    # -- registration --------------------------------------------------------------------
+    def track_tensors(self, tensors, category: str = "other") -> None:
+        """Register tensors that existed before tracking started."""
+        if category not in _IDX:
+            raise ValueError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._record(t.untyped_storage(), category, op_index=None)
+
+    def track_model(self, model: torch.nn.Module) -> None:
+        """Register a model's parameters, buffers and existing gradients."""
+        self._modules.append(weakref.ref(model))
+        for name, sub in model.named_modules(prefix=type(model).__name__):
+            self._module_names.setdefault(sub, name)
+        self._scan_module(model)
+
+    def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Register an optimizer's state (and its parameters' gradients)."""
+        if not any(r() is optimizer for r in self._optimizers):
+            self._optimizers.append(weakref.ref(optimizer))
+        self._scan_optimizer(optimizer)
+
+    def _scan_module(self, model: torch.nn.Module) -> None:
+        self.track_tensors(model.parameters(), "parameters")
+        self.track_tensors(model.buffers(), "other")
+        self.track_tensors((p.grad for p in model.parameters() if p.grad is not None), "gradients")
+
+    def _scan_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        for group in opt.param_groups:
+            self.track_tensors((p.grad for p in group["params"] if p.grad is not None), "gradients")
+        for state in opt.state.values():
+            self.track_tensors(state.values(), "optimizer")
+
+    def _rescan(self) -> None:
+        for ref in self._modules:
+            if (m := ref()) is not None:
+                self.track_tensors((p.grad for p in m.parameters() if p.grad is not None),
+                                   "gradients")
+        for ref in self._optimizers:
+            if (o := ref()) is not None:
+                self._scan_optimizer(o)
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def _record(self, storage: torch.UntypedStorage, hint: str | None, op_index: int | None) -> int:
+        sid = self._by_storage.get(storage)
+        if sid is not None:
+            rec = self._records[sid]
+            if hint is not None and hint != "other" and rec.hint in (None, "other"):
+                rec.hint = hint
+            elif hint is not None and rec.hint is None:
+                rec.hint = hint
+            return 0
+        nbytes = storage.nbytes()
+        sid = len(self._records)
+        self._records.append(_Storage(nbytes, self._phase, hint))
+        self._by_storage[storage] = sid
+        weakref.finalize(storage, self._free, sid)
+        self._log.append((sid, +1))
+        self.live_bytes += nbytes
+        self._replayed = None
+        return nbytes
+
+    def _free(self, sid: int) -> None:
+        rec = self._records[sid]
+        if rec.alive:
+            rec.alive = False
+            self.live_bytes -= rec.nbytes
+            self._log.append((sid, -1))
+            self._replayed = None
+
+    def _set_phase(self, phase: str) -> None:
+        if phase == self._phase:
+            return
+        self._module_stack.clear()
+        if self._phase == "forward":
+            for rec in self._records:
+                if rec.alive and rec.phase == "forward":
+                    rec.survived_forward = True
+        self._rescan()
+        self._phase = phase
+
+    def _current_module(self) -> str:
+        """The innermost module running forward (also when recomputed in backward), else
+        the autograd node running backward."""
+        if self._module_stack:
+            return self._module_stack[-1]
+        node = torch._C._current_autograd_node()
+        return node.name() if node is not None else "Global"
+
+    def _push_module(self, module, args) -> None:
+        self._module_stack.append(self._module_names.get(module) or type(module).__name__)
+
+    def _pop_module(self, module, args, output) -> None:
+        if self._module_stack:
+            self._module_stack.pop()
+
+    # -- the dispatch mode ---------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._in_optimizer:
+            phase = "optimizer"
+        elif torch._C._current_graph_task_id() != -1:
+            phase = "backward"
+        else:
+            phase = "forward"
+        self._set_phase(phase)
+        new = 0
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                new += self._record(t.untyped_storage(), None, len(self._ops))
+        op = func.__name__
+        module = self._current_module()
+        self._ops.append((op, module, phase))
+        self._log.append((len(self._ops) - 1, 0))
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self._peak_op = len(self._ops) - 1
+        if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
+            self._raise_oom(op, module, phase, new)
+        return out
+
+    def _raise_oom(self, op: str, module: str, phase: str, requested: int) -> None:
+        self._set_phase("oom")  # settles which forward tensors were activations
+        by_cat = dict.fromkeys(CATEGORIES, 0)
+        for rec in self._records:
+            if rec.alive:
+                by_cat[rec.category] += rec.nbytes
+        in_use = self.live_bytes - requested
+        msg = (f"Simulated device out of memory. Tried to allocate {fmt_bytes(requested)} in "
+               f"{op} ({module}, {phase}). {fmt_bytes(in_use)} already in use; "
+               f"budget {fmt_bytes(self.budget_bytes)}, so {fmt_bytes(self.live_bytes - self.budget_bytes)} "
+               f"short. Largest category: {max(by_cat, key=by_cat.get)} "
+               f"({fmt_bytes(max(by_cat.values()))}).")
+        self.oom = OOMInfo(op, module, phase, requested, self.live_bytes, self.budget_bytes,
+                           msg, by_cat)
+        raise torch.OutOfMemoryError(msg)
+
+    # -- context -------------------------------------------------------------------------
+    def __enter__(self):
+        self._active = True
+
+        def pre(opt, args, kwargs):
+            self.track_optimizer(opt)
+            self._in_optimizer = True
+            self._set_phase("optimizer")
+
+        def post(opt, args, kwargs):
+            self._scan_optimizer(opt)
+            self._in_optimizer = False
+
+        # Our own module stack: torch's ModuleTracker keeps checkpointed graphs alive.
+        self._hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post),
+                       register_module_forward_pre_hook(self._push_module),
+                       register_module_forward_hook(self._pop_module)]
+        self._cuda_start()
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            return super().__exit__(exc_type, exc, tb)
+        finally:
+            self._set_phase("idle")
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            self._in_optimizer = False
+            self._cuda_stop()
+            self._active = False
+
+    def _cuda_start(self) -> None:
+        if not torch.cuda.is_available():
+            return
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self._cuda_base = torch.cuda.memory_allocated()
+        if self.cuda_history:
+            torch.cuda.memory._record_memory_history(max_entries=self.max_history_entries)
+
+    def _cuda_stop(self) -> None:
+        if not torch.cuda.is_available():
+            return
+        try:
+            torch.cuda.synchronize()
+            self.cuda_stats = {
+                "max_memory_allocated": torch.cuda.max_memory_allocated(),
+                "max_memory_reserved": torch.cuda.max_memory_reserved(),
+                "memory_allocated_at_start": self._cuda_base,
+            }
+            if self.cuda_history:
+                self.snapshot = torch.cuda.memory._snapshot()
+        finally:
+            if self.cuda_history:
+                torch.cuda.memory._record_memory_history(enabled=None)
+
+    def dump_snapshot(self, path: str) -> str:
+        """Write the CUDA allocator snapshot as a ``.pickle`` for pytorch.org/memory_viz."""
+        if self.snapshot is None:
+            raise RuntimeError("no CUDA snapshot recorded: use MemoryTracker(cuda_history=True) "
+                               "on a CUDA device")
+        with open(path, "wb") as f:
+            pickle.dump(self.snapshot, f)
+        return path
+
+    # -- results -------------------------------------------------------------------------
+    @property
+    def timeline(self) -> list[Event]:
+        """One event per op, live bytes by category with settled categories."""
+        if self._replayed is None:
+            self._replayed = self._replay()
+        return self._replayed
+
+    def _replay(self) -> list[Event]:
+        live = [0] * len(CATEGORIES)
+        cats = [_IDX[r.category] for r in self._records]
+        events = []
+        for key, kind in self._log:
+            if kind == 0:
+                op, module, phase = self._ops[key]
+                events.append(Event(key, op, module, phase, tuple(live)))
+            else:
+                live[cats[key]] += kind * self._records[key].nbytes
+        return events
+
+    def by_category(self) -> dict[str, int]:
+        """Live bytes now, by category."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        for rec in self._records:
+            if rec.alive:
+                out[rec.category] += rec.nbytes
+        return out
+
+    def peak_by_category(self) -> dict[str, int]:
+        """Live bytes by category at the op where the total peaked (sums to ``peak_bytes``
+        unless the peak was set by registration before the first op)."""
+        if self._peak_op < 0:
+            return self.by_category()
+        ev = self.timeline[self._peak_op]
+        return dict(zip(CATEGORIES, ev.by_category))
+
+    @property
+    def peak_event(self) -> Event | None:
+        return self.timeline[self._peak_op] if self._peak_op >= 0 else None
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now (e.g. after a warm-up step)."""
+        self.peak_bytes = self.live_bytes
+        self._peak_op = len(self._ops) - 1 if self._ops else -1
