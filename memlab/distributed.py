@@ -125,10 +125,11 @@ def _entry(rank: int, world_size: int, worker, kwargs: dict, port: int, backend:
 
 
 def _kill(procs) -> None:
-    for p in procs:
+    started = [p for p in procs if p.pid is not None]
+    for p in started:
         if p.is_alive():
             p.kill()
-    for p in procs:
+    for p in started:
         p.join(timeout=5)
 
 
@@ -176,7 +177,8 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
                     except queue_mod.Empty:
                         r = dead[0]
                         raise RankError(r, f"exited with code {procs[r].exitcode} without a "
-                                           f"result (killed, crashed or os._exit)") from None
+                                           f"result (killed, crashed, os._exit, or failed to "
+                                           f"start: see its stderr)") from None
                 elif time.monotonic() > deadline:
                     pending = [r for r in range(world_size) if r not in out]
                     raise RankError(pending[0], f"timed out after {timeout:g} s "
@@ -204,4 +206,255 @@ def allreduce_worker(rank: int, world_size: int, value: float = 1.0) -> dict:
             "sum": t.item(), "pid": os.getpid()}
 
 
-__all__ = ["RankError", "allreduce_worker", "run_ranks", "default_backend", "set_dist_env", "set_cache_env"]
+# --------------------------------------------------------------------------------------
+# ZeRO with real DeepSpeed
+# --------------------------------------------------------------------------------------
+BUCKET_ELEMENTS = 2**20  # explicit buckets: DeepSpeed's ZeRO-3 defaults allocate ~1.9 GiB/rank
+PERSISTENCE_THRESHOLD = 10_000  # ZeRO-3 keeps parameters smaller than this whole on every rank
+ACCOUNTS = ("parameters", "gradients", "fp32_master", "optimizer_state", "comm_buffers")
+
+
+def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
+                     persistence_threshold: int = PERSISTENCE_THRESHOLD) -> dict:
+    """The DeepSpeed config for ``step`` (a :class:`~memlab.measure.StepConfig`).
+
+    Modelled on the seed's config (train_batch_size, gradient_accumulation_steps, fp16/bf16,
+    zero_optimization with offload, activation_checkpointing). ``step.batch`` is the batch of
+    one rank, so train_batch_size = batch x world_size. Adam runs as ``torch.optim.AdamW``
+    (``torch_adam``): no op is compiled, and the state lives where ZeRO puts it.
+    """
+    if step.precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision={step.precision!r} for DeepSpeed here; allowed: fp32, bf16 "
+                         f"(fp16 loss scaling is not supported by DeepSpeed's CPU accelerator)")
+    if step.optimizer != "adamw":
+        raise ValueError(f"optimizer={step.optimizer!r} for DeepSpeed here; allowed: adamw")
+    if step.offload == "all" and step.zero != 3:
+        raise ValueError(f"offload='all' (parameters too) needs ZeRO stage 3, got stage {step.zero}")
+    if step.offload == "optimizer" and step.zero == 0:
+        raise ValueError("offload='optimizer' needs ZeRO stage 1-3, got stage 0")
+    if bucket_elements < 1:
+        raise ValueError(f"bucket_elements must be positive, got {bucket_elements}")
+    zero: dict[str, Any] = {"stage": step.zero, "reduce_bucket_size": bucket_elements,
+                            "allgather_bucket_size": bucket_elements,
+                            "contiguous_gradients": True, "overlap_comm": False}
+    if step.zero == 3:
+        zero.update(stage3_prefetch_bucket_size=bucket_elements,
+                    stage3_param_persistence_threshold=persistence_threshold,
+                    stage3_max_live_parameters=4 * bucket_elements,
+                    stage3_max_reuse_distance=4 * bucket_elements)
+    if step.offload in ("optimizer", "all"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if step.offload == "all":
+        zero["offload_param"] = {"device": "cpu"}
+    cfg = {
+        "train_batch_size": step.batch * step.world_size,
+        "train_micro_batch_size_per_gpu": step.batch // step.micro_batches,
+        "gradient_accumulation_steps": step.micro_batches,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": step.precision == "bf16"},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if step.model_config.checkpointing != "none":
+        cfg["activation_checkpointing"] = {"partition_activations": step.zero == 3,
+                                           "contiguous_memory_optimization": False}
+    return cfg
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of the tensors themselves (views into DeepSpeed's flat buffers count once)."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _flat(obj) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _flat(o)]
+    return []
+
+
+def _ds_tensors(opt, name: str) -> list:
+    return _flat(getattr(opt, name, None))
+
+
+def zero_accounting(engine, stage: int) -> dict[str, int]:
+    """Exact bytes one rank holds, read from DeepSpeed's own structures.
+
+    parameters: the model's parameters (stage 3: the rank's ``ds_tensor`` shards plus the
+    small persistent parameters kept whole); gradients: what backward left for the step
+    (``p.grad`` at stage 0, the reduced partitions at 1-3); fp32_master: the rank's fp32
+    partition the optimizer updates; optimizer_state: Adam's moments; comm_buffers: the
+    contiguous gradient reduce bucket (configured elements x dtype size; it exists only
+    during backward, so the tracker sees it as a temporary).
+    """
+    opt = engine.optimizer
+    params = list(engine.module.parameters())
+    if stage == 3:
+        p_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params) \
+            + sum(p.numel() * p.element_size() for p in params if p.data.numel() > 0)
+    else:
+        p_bytes = _nbytes(params)
+    grads = _nbytes(p.grad for p in params if p.grad is not None)
+    if stage in (1, 2):
+        grads += _nbytes(_ds_tensors(opt, "averaged_gradients"))
+    elif stage == 3:
+        grads += _nbytes(_ds_tensors(opt, "grad_partitions_flat_buffer"))
+    master = _ds_tensors(opt, "single_partition_of_fp32_groups" if stage in (1, 2)
+                         else "fp32_partitioned_groups_flat")
+    inner = getattr(opt, "optimizer", opt)
+    state = [t for st in inner.state.values() for t in st.values()
+             if isinstance(t, torch.Tensor) and t.dim() > 0]
+    # the contiguous reduce bucket lives only during backward: account the configured size
+    bucket = engine.zero_reduce_bucket_size() if stage > 0 else 0
+    comm = bucket * (2 if engine.bfloat16_enabled() else 4)
+    return {"parameters": p_bytes, "gradients": grads, "fp32_master": _nbytes(master),
+            "optimizer_state": _nbytes(state), "comm_buffers": comm}
+
+
+def _host_accounts(offload: str) -> tuple[str, ...]:
+    """Which accounts ZeRO-Offload keeps in host memory."""
+    if offload == "optimizer":
+        return ("fp32_master", "optimizer_state")
+    if offload == "all":
+        return ("fp32_master", "optimizer_state", "parameters")
+    return ()
+
+
+def _zero_one(rank: int, world_size: int, step, steps: int = 2) -> dict:
+    """Build a DeepSpeed engine for ``step``, warm up, account, and track one step."""
+    import gc
+    import deepspeed
+    from .measure import build_trainer, make_batch
+    from .tracking import MemoryTracker
+
+    trainer = build_trainer(step, "cpu" if not torch.cuda.is_available() else "cuda")
+    model = trainer.model
+    del trainer
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=deepspeed_config(step))
+    batch = make_batch(step, engine.device, seed=rank)
+    micro = list(zip(*(t.chunk(step.micro_batches) for t in batch)))
+
+    def one_step(account: bool = False) -> dict | None:
+        acc = None
+        for i, mb in enumerate(micro):
+            loss = engine(*mb)
+            engine.backward(loss)
+            if account and i == len(micro) - 1:
+                acc = zero_accounting(engine, step.zero)  # gradients are held right here
+            engine.step()
+            del loss
+        return acc
+
+    for _ in range(steps - 1):
+        one_step()  # warm-up: Adam's state exists afterwards
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", None)
+    tracker = MemoryTracker()
+    start = time.perf_counter()
+    with tracker:
+        tracker.track_model(engine.module)
+        if step.zero == 3:
+            tracker.track_tensors((p.ds_tensor for p in engine.module.parameters()), "parameters")
+        tracker.track_tensors(_ds_tensors(opt, "single_partition_of_fp32_groups")
+                              + _ds_tensors(opt, "fp32_partitioned_groups_flat"), "optimizer")
+        if isinstance(inner, torch.optim.Optimizer):
+            tracker.track_optimizer(inner)
+        tracker.track_tensors(batch, "other")
+        tracker.reset_peak()
+        acc = one_step(account=True)
+    seconds = time.perf_counter() - start
+    out = {"rank": rank, "peak_bytes": tracker.peak_bytes,
+           "by_category": tracker.peak_by_category(), "accounting": acc,
+           "step_seconds": seconds, "host_accounts": _host_accounts(step.offload)}
+    del engine, opt, inner, model
+    gc.collect()
+    return out
+
+
+def zero_worker(rank: int, world_size: int, steps: list) -> list[dict]:
+    """Run each :class:`StepConfig` in ``steps`` with DeepSpeed on this rank, one after
+    another in one process group (one launch for several stages saves start-up time)."""
+    import logging
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    import deepspeed
+    deepspeed.init_distributed(dist_backend=default_backend())
+    return [_zero_one(rank, world_size, s) for s in steps]
+
+
+def _rank_report(step, res: dict, device: str):
+    from .measure import MemoryReport
+    rep = MemoryReport("measure", step, device, res["peak_bytes"], dict(res["by_category"]),
+                       step_seconds=res["step_seconds"])
+    acc = dict(res["accounting"])
+    host = sum(acc[k] for k in res["host_accounts"])
+    acc["host_bytes"] = host
+    acc["device_bytes"] = sum(acc[k] for k in ACCOUNTS) - host
+    acc["device_peak_bytes"] = res["peak_bytes"] - (
+        sum(acc[k] for k in res["host_accounts"] if k != "parameters"))
+    rep.allocator = acc
+    rep.notes.append(f"rank {res['rank']} of {step.world_size}; 'allocator' holds DeepSpeed's "
+                     f"exact per-rank accounting (bytes): " + ", ".join(ACCOUNTS))
+    if res["host_accounts"]:
+        rep.notes.append("offload: host_bytes are what ZeRO-Offload keeps in CPU memory; on a "
+                         "CPU-only machine host and device are one memory, so the saving is "
+                         "shown by accounting, not by a second memory")
+    return rep
+
+
+def measure_zero(steps: list, *, device: str = "cpu", timeout: float = 600.0) -> list:
+    """Measure several ZeRO configurations in one multi-rank launch.
+
+    All ``steps`` must share ``world_size``. Returns one :class:`MemoryReport` per step
+    (lens "measure", the peak of rank 0, ``per_rank`` one report per rank).
+    """
+    from .measure import MemoryReport
+    steps = list(steps)
+    if not steps:
+        raise ValueError("steps is empty; give at least one StepConfig")
+    sizes = {s.world_size for s in steps}
+    if len(sizes) != 1:
+        raise ValueError(f"all steps must share one world_size, got {sorted(sizes)}")
+    for s in steps:
+        deepspeed_config(s)  # validate before spawning anything
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}; allowed: cpu, cuda")
+    backend = "nccl" if device == "cuda" else "gloo"
+    world = sizes.pop()
+    ranks = run_ranks(zero_worker, world, kwargs={"steps": steps}, timeout=timeout,
+                      backend=backend)
+    reports = []
+    for i, s in enumerate(steps):
+        per = [_rank_report(s, ranks[r][i], device) for r in range(world)]
+        top = max(per, key=lambda r: r.peak_bytes)
+        rep = MemoryReport("measure", s, device, top.peak_bytes, dict(top.by_category),
+                           step_seconds=max(r.step_seconds for r in per), per_rank=per,
+                           allocator=dict(top.allocator))
+        rep.notes.append(f"DeepSpeed ZeRO-{s.zero}, {world} ranks ({backend}); peak and "
+                         f"categories are the largest rank's")
+        reports.append(rep)
+    return reports
+
+
+def measure_distributed(step=None, *, device: str = "cpu", timeout: float = 600.0, **overrides):
+    """One ZeRO step on ``step.world_size`` ranks with DeepSpeed: a :class:`MemoryReport`
+    whose ``per_rank`` holds one report per rank (``to_dict()["per_rank"]``)."""
+    from .measure import StepConfig
+    from dataclasses import replace
+    step = step or StepConfig()
+    step = replace(step, **overrides) if overrides else step
+    return measure_zero([step], device=device, timeout=timeout)[0]
+
+
+__all__ = ["RankError", "allreduce_worker", "deepspeed_config",
+           "zero_accounting", "zero_worker", "measure_zero", "measure_distributed", "ACCOUNTS", "run_ranks", "default_backend", "set_dist_env", "set_cache_env"]
