@@ -456,5 +456,100 @@ def measure_distributed(step=None, *, device: str = "cpu", timeout: float = 600.
     return measure_zero([step], device=device, timeout=timeout)[0]
 
 
+# --------------------------------------------------------------------------------------
+# Per-rank memory without the ranks: FSDP2 on a fake process group and fake tensors
+# --------------------------------------------------------------------------------------
+def _fsdp_tracked_step(step, mesh, mode=None) -> "MemoryTracker":
+    """Shard each block and the root with FSDP2 ``fully_shard`` (= ZeRO-3: parameters,
+    gradients and optimizer state sharded), warm up, then track one step."""
+    import contextlib
+    from torch.distributed.fsdp import fully_shard
+    from .measure import make_batch
+    from .models import build_model
+    from .tracking import MemoryTracker
+
+    real_batch = make_batch(step, "cpu")
+    with mode if mode is not None else contextlib.nullcontext():
+        torch.manual_seed(0)
+        with torch.device("cpu"):
+            model = build_model(step.model_config)
+        for block in getattr(model, "blocks", []):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        batch = tuple(mode.from_tensor(b) for b in real_batch) if mode else real_batch
+
+        def one_step() -> None:
+            for micro in zip(*(t.chunk(step.micro_batches) for t in batch)):
+                loss = model(*micro) / step.micro_batches
+                loss.backward()
+                del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        one_step()
+        tracker = MemoryTracker()
+        with tracker:
+            tracker.track_model(model)
+            tracker.track_optimizer(opt)
+            tracker.track_tensors(batch, "other")
+            tracker.reset_peak()
+            one_step()
+    return tracker
+
+
+def fsdp_worker(rank: int, world_size: int, step) -> dict:
+    """A real FSDP2 step on this rank (the check for :func:`simulate_sharded`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world_size,))
+    t = _fsdp_tracked_step(step, mesh)
+    return {"rank": rank, "peak_bytes": t.peak_bytes, "by_category": t.peak_by_category()}
+
+
+def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, **overrides):
+    """Per-rank memory of a fully sharded step on ``world_size`` ranks, in this process.
+
+    A fake process group (backend ``"fake"``: collectives return at once) and fake tensors
+    run FSDP2 ``fully_shard`` as rank 0; FSDP2's full sharding is ZeRO stage 3 (parameters,
+    gradients and optimizer state each 1/N per rank). Shards are padded to equal size, so
+    every rank holds what rank 0 holds. No fp32 master copy exists in fp32 training (FSDP2
+    updates the sharded parameters in place), where DeepSpeed keeps one. Returns a
+    :class:`MemoryReport` (lens "simulate") with ``per_rank``.
+    """
+    from dataclasses import replace
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from .hardware import resolve_budget
+    from .measure import MemoryReport, StepConfig
+
+    step = step or StepConfig()
+    world_size = world_size or step.world_size
+    step = replace(step, world_size=world_size, zero=3, **overrides)
+    if step.precision != "fp32":
+        raise ValueError(f"precision={step.precision!r} for simulate_sharded; allowed: fp32")
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists in this process; simulate_sharded "
+                           "needs its own fake one (run it outside a distributed job)")
+    budget_bytes = resolve_budget(budget)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))  # outside fake mode: it reads ranks
+        start = time.perf_counter()
+        tracker = _fsdp_tracked_step(step, mesh, FakeTensorMode())
+        seconds = time.perf_counter() - start
+    finally:
+        dist.destroy_process_group()
+    one = MemoryReport("simulate", step, "cpu", tracker.peak_bytes, tracker.peak_by_category(),
+                       budget_bytes, seconds)
+    rep = MemoryReport("simulate", step, "cpu", one.peak_bytes, dict(one.by_category),
+                       budget_bytes, seconds, per_rank=[one] * world_size)
+    rep.notes.append(f"FSDP2 fully_shard (= ZeRO-3) on a fake {world_size}-rank process group; "
+                     f"ranks hold equal padded shards")
+    return rep
+
+
 __all__ = ["RankError", "allreduce_worker", "deepspeed_config",
-           "zero_accounting", "zero_worker", "measure_zero", "measure_distributed", "ACCOUNTS", "run_ranks", "default_backend", "set_dist_env", "set_cache_env"]
+           "zero_accounting", "zero_worker", "measure_zero", "measure_distributed", "ACCOUNTS",
+           "simulate_sharded", "fsdp_worker", "run_ranks", "default_backend", "set_dist_env", "set_cache_env"]
