@@ -1,0 +1,276 @@
+"""Single-device techniques the lessons measure: sweeps, fp16 loss scaling, gradient
+accumulation and two ways to find the largest batch that fits a budget.
+
+Everything here runs real steps through :func:`memlab.measure.measure_step` (or the other
+lenses), so what a lesson asserts is measured, not assumed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from .hardware import resolve_budget
+from .measure import MemoryReport, StepConfig, build_trainer, make_batch, measure_step
+
+LENSES = ("estimate", "simulate", "measure")
+# The smallest positive fp16 value (a subnormal): anything below rounds to zero.
+FP16_TINY = 2.0 ** -24
+
+
+def lens_fn(lens: str) -> Callable[..., MemoryReport]:
+    """The function behind a lens name: ``estimate_step``, ``simulate_step`` or ``measure_step``."""
+    if lens == "measure":
+        return measure_step
+    if lens == "estimate":
+        from .estimate import estimate_step  # lazy: written alongside this module
+        return estimate_step
+    if lens == "simulate":
+        from .simulate import simulate_step
+        return simulate_step
+    raise ValueError(f"lens={lens!r}; allowed: {', '.join(LENSES)}")
+
+
+def sweep(step: StepConfig, param: str, values: Sequence, lens: str = "measure", *,
+          budget: int | str | None = None, progress: bool = True, **kwargs) -> list[MemoryReport]:
+    """One report per value of a :class:`StepConfig` field (``seq``, ``batch``, ...).
+
+    ``kwargs`` go to the lens function (e.g. ``device="cuda"`` for measure); a tqdm bar shows
+    progress in notebooks.
+    """
+    if param not in StepConfig.__dataclass_fields__:
+        raise ValueError(f"param={param!r} is not a StepConfig field; "
+                         f"allowed: {', '.join(StepConfig.__dataclass_fields__)}")
+    fn = lens_fn(lens)
+    from tqdm.auto import tqdm
+    out = []
+    for v in tqdm(list(values), desc=f"{lens} {param}", disable=not progress, leave=False):
+        out.append(fn(replace(step, **{param: v}), budget=budget, **kwargs))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# fp16 gradient underflow and loss scaling (Micikevicius et al. 2018, sec. 3.2)
+# --------------------------------------------------------------------------------------
+@dataclass
+class UnderflowResult:
+    """Gradients of one fp16-autocast backward compared with the fp32 reference."""
+
+    loss_scale: float | None
+    zero_fraction: float      # entries exactly 0 in fp16 whose fp32 reference is not 0
+    rel_error: float          # ||g - g_ref|| / ||g_ref|| over all parameters
+    reference: torch.Tensor = field(repr=False)  # fp32 gradients, flattened
+    grads: torch.Tensor = field(repr=False)      # fp16-autocast gradients, unscaled
+
+    @property
+    def below_fp16(self) -> float:
+        """Fraction of reference gradient entries smaller than fp16 can hold at all."""
+        return (self.reference.abs() < FP16_TINY).float().mean().item()
+
+
+def _underflow_model(seed: int, width: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                          nn.Linear(width, 1))
+    x = torch.randn(256, width, generator=g)
+    y = torch.randn(256, 1, generator=g)
+    return model, x, y
+
+
+def fp16_underflow(loss_scale: float | None = None, *, loss_weight: float = 1e-4,
+                   seed: int = 0, width: int = 64) -> UnderflowResult:
+    """Backward of a small MLP under fp16 autocast, with or without loss scaling.
+
+    ``loss_weight`` makes the gradients small, as late in training or for a weighted loss
+    term; fp16 then flushes many of them to zero. With ``loss_scale`` the loss is multiplied
+    before backward and the gradients divided after it, in fp32, as ``GradScaler`` does
+    (``torch.amp.GradScaler("cpu", init_scale=loss_scale)``, ``scale`` / ``unscale_``).
+    """
+    if loss_scale is not None and not loss_scale > 0:
+        raise ValueError(f"loss_scale={loss_scale!r}; give a positive number or None")
+    model, x, y = _underflow_model(seed, width)
+
+    def grads(fp16: bool, scale: float | None) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            loss = loss_weight * ((model(x).float() - y) ** 2).mean()
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)  # divides the fp32 gradients by the scale
+        return torch.cat([p.grad.detach().flatten().float() for p in model.parameters()])
+
+    ref = grads(False, None)
+    got = grads(True, loss_scale)
+    zero = ((got == 0) & (ref != 0)).float().mean().item()
+    err = ((got - ref).norm() / ref.norm()).item()
+    return UnderflowResult(loss_scale, zero, err, ref, got)
+
+
+# --------------------------------------------------------------------------------------
+# Gradient accumulation
+# --------------------------------------------------------------------------------------
+@dataclass
+class AccumulationCheck:
+    """One batch of ``batch`` against ``k`` micro-batches of ``batch // k``."""
+
+    k: int
+    max_abs_diff: float
+    max_grad: float
+    same: bool  # torch.allclose at fp32 tolerance
+
+
+def _grads(step: StepConfig, k: int, seed: int) -> list[torch.Tensor]:
+    trainer = build_trainer(replace(step, micro_batches=k), "cpu", seed=seed)
+    batch = make_batch(step, "cpu", seed=seed)
+    for micro in zip(*(t.chunk(k) for t in batch)):
+        (trainer.model(*micro) / k).backward()  # mean over micro-batches = mean over batch
+    return [p.grad.detach().clone() for p in trainer.model.parameters()]
+
+
+def accumulation_check(step: StepConfig, k: int, *, seed: int = 0,
+                       rtol: float = 1e-4, atol: float = 1e-6) -> AccumulationCheck:
+    """Do ``k`` accumulated micro-batches give the gradients of one big batch? (fp32)"""
+    if k < 1 or step.batch % k:
+        raise ValueError(f"k={k} must be a positive divisor of batch {step.batch}")
+    one = _grads(replace(step, precision="fp32"), 1, seed)
+    acc = _grads(replace(step, precision="fp32"), k, seed)
+    diff = max((a - b).abs().max().item() for a, b in zip(one, acc))
+    same = all(torch.allclose(a, b, rtol=rtol, atol=atol) for a, b in zip(one, acc))
+    return AccumulationCheck(k, diff, max(a.abs().max().item() for a in one), same)
+
+
+# --------------------------------------------------------------------------------------
+# Dynamic batch size
+# --------------------------------------------------------------------------------------
+@dataclass
+class BatchSearch:
+    """The largest batch that fits, and every trial that found it: (batch, fits, peak)."""
+
+    batch: int
+    trials: list[tuple[int, bool, int]]
+    method: str
+
+    @property
+    def n_trials(self) -> int:
+        return len(self.trials)
+
+
+def find_max_batch_search(step: StepConfig, budget: int | str, *, start: int = 1,
+                          max_batch: int = 1024, progress: bool = False, **kwargs) -> BatchSearch:
+    """Grow the batch by doubling until a step runs out of memory, then bisect between the
+    last size that fit and the first that did not (Lightning's ``BatchSizeFinder``,
+    ``mode="binsearch"``). Every trial is a real step under the budget; OOMs are caught.
+    Returns batch 0 if even ``start`` does not fit.
+    """
+    budget_bytes = resolve_budget(budget)
+    if budget_bytes is None:
+        raise ValueError("find_max_batch_search needs a budget, e.g. '120MiB' or 'T4-16GB'")
+    if start < 1 or max_batch < start:
+        raise ValueError(f"need 1 <= start <= max_batch, got start={start}, max_batch={max_batch}")
+    from tqdm.auto import tqdm
+    bar = tqdm(desc="batch search", disable=not progress, leave=False)
+    trials: list[tuple[int, bool, int]] = []
+
+    def fits(b: int) -> bool:
+        r = measure_step(replace(step, batch=b, micro_batches=1), budget=budget_bytes, **kwargs)
+        trials.append((b, bool(r.fits), r.peak_bytes))
+        bar.update()
+        return bool(r.fits)
+
+    good, bad = 0, None
+    b = start
+    while b <= max_batch:            # grow
+        if not fits(b):
+            bad = b
+            break
+        good, b = b, b * 2
+    if bad is None:                  # everything up to max_batch fit
+        bad = max_batch + 1
+        if good < max_batch and fits(max_batch):
+            good = max_batch
+    while bad - good > 1:            # bisect (good fits, bad does not)
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    bar.close()
+    return BatchSearch(good, trials, "search")
+
+
+@dataclass
+class BatchPrediction:
+    """Live bytes after every op of a step are linear in the batch: ``static + slope * batch``
+    (static: parameters, optimizer state, ...; slope: what one more sample adds). Two measured
+    runs give every op's line; the step's peak at any batch is the highest line there."""
+
+    batch: int
+    static_bytes: float   # the line that binds at ``batch``
+    slope_bytes: float
+    binding_op: str       # "op (phase)" where that line comes from
+    calibration: list[tuple[int, int]]  # (batch, measured peak)
+    lines: list[tuple[float, float]] = field(repr=False, default_factory=list)
+    method: str = "predict"
+
+    def peak_at(self, batch: int) -> float:
+        """Predicted peak of the whole step at ``batch``: the max over every op's line."""
+        return max(a + c * batch for a, c in self.lines)
+
+
+def phase_peaks(report: MemoryReport) -> dict[str, int]:
+    """The highest live total in each phase of a measured step's timeline."""
+    out: dict[str, int] = {}
+    for e in report.timeline:
+        out[e.phase] = max(out.get(e.phase, 0), e.total)
+    return out
+
+
+def predict_max_batch(step: StepConfig, budget: int | str, *, calibrate: tuple[int, int] = (1, 2),
+                      **kwargs) -> BatchPrediction:
+    """Measure the step at two batch sizes (no budget), fit ``static + slope * batch`` to the
+    live bytes after each op, and pick the largest batch whose highest line stays within
+    ``budget``: two runs, no trial and error.
+
+    Fitting the peak alone is fragile: at a small batch the peak may sit in the optimizer
+    step, which does not grow with the batch, so its slope says nothing about a large batch.
+    Fitting per op keeps every place the peak could move to. Returns batch 0 if nothing fits.
+    """
+    budget_bytes = resolve_budget(budget)
+    if budget_bytes is None:
+        raise ValueError("predict_max_batch needs a budget, e.g. '120MiB' or 'T4-16GB'")
+    b1, b2 = calibrate
+    if not 1 <= b1 < b2:
+        raise ValueError(f"calibrate={calibrate!r}; need two batch sizes 1 <= b1 < b2")
+    r1, r2 = (measure_step(replace(step, batch=b, micro_batches=1), **kwargs) for b in (b1, b2))
+    if len(r1.timeline) == len(r2.timeline) and r1.timeline:
+        pairs = [(e1.total, e2.total, f"{e1.op} ({e1.phase})")
+                 for e1, e2 in zip(r1.timeline, r2.timeline)]
+    else:  # the step ran different ops (should not happen): fall back to the peaks
+        pairs = [(r1.peak_bytes, r2.peak_bytes, "peak")]
+    lines, best, where = [], None, "none"
+    for p1, p2, name in pairs:
+        slope = (p2 - p1) / (b2 - b1)
+        static = p1 - slope * b1
+        lines.append((static, slope))
+        if static > budget_bytes:
+            limit = 0
+        elif slope <= 0:
+            continue
+        else:
+            limit = int((budget_bytes - static) // slope)
+        if best is None or limit < best:
+            best, where, bind = limit, name, (static, slope)
+    if best is None:
+        raise ValueError("no op grows with the batch; the step's memory does not depend on it")
+    return BatchPrediction(max(best, 0), bind[0], bind[1], where,
+                           [(b1, r1.peak_bytes), (b2, r2.peak_bytes)], lines)
+
+
+__all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "UnderflowResult", "fp16_underflow",
+           "AccumulationCheck", "accumulation_check", "BatchSearch", "find_max_batch_search",
+           "BatchPrediction", "phase_peaks", "predict_max_batch"]

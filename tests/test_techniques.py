@@ -1,0 +1,77 @@
+"""Single-device techniques: accumulation, fp16 loss scaling, finding the largest batch."""
+from dataclasses import replace
+
+import pytest
+
+from memlab import GPTConfig, StepConfig, measure_step
+from memlab.techniques import (FP16_TINY, accumulation_check, find_max_batch_search, fp16_underflow,
+                               predict_max_batch, sweep)
+
+# smaller than ``tiny`` so that a batch search of ~8 real steps takes seconds
+MICRO = GPTConfig(n_layer=2, n_head=2, d_model=64, vocab_size=256, block_size=256, name="micro")
+SMALL = StepConfig(model=MICRO, seq=32, batch=4)
+
+
+def test_accumulation_gives_the_big_batch_gradients():
+    chk = accumulation_check(SMALL, 4)
+    assert chk.same
+    assert chk.max_abs_diff < 1e-5 * max(chk.max_grad, 1.0)
+
+
+def test_accumulation_lowers_the_peak():
+    one = measure_step(SMALL, seq=128, batch=8)
+    four = measure_step(SMALL, seq=128, batch=8, micro_batches=4)
+    assert four.by_category["activations"] < one.by_category["activations"] / 2
+    assert four.peak_bytes < one.peak_bytes
+
+
+def test_accumulation_rejects_a_non_divisor():
+    with pytest.raises(ValueError, match="divisor"):
+        accumulation_check(SMALL, 3)
+
+
+def test_fp16_underflow_and_loss_scaling():
+    plain = fp16_underflow(None)
+    scaled = fp16_underflow(2.0**16)
+    assert plain.below_fp16 > 0.05          # the fp32 reference has gradients fp16 cannot hold
+    assert plain.zero_fraction > 0.05       # ... and fp16 flushed them to zero
+    assert plain.rel_error > 0.1
+    assert scaled.zero_fraction == 0.0
+    assert scaled.rel_error < 0.01
+    assert FP16_TINY == 2.0**-24
+
+
+def test_fp16_underflow_rejects_bad_scale():
+    with pytest.raises(ValueError, match="loss_scale"):
+        fp16_underflow(-1.0)
+
+
+def test_search_and_prediction_agree():
+    budget = 8 * 2**20
+    found = find_max_batch_search(SMALL, budget, max_batch=64)
+    pred = predict_max_batch(SMALL, budget)
+    assert found.batch >= 1
+    tried = {b: fits for b, fits, _ in found.trials}
+    assert tried[found.batch] and tried.get(found.batch + 1) is False
+    assert abs(pred.batch - found.batch) <= 1
+    assert len(pred.calibration) == 2 and found.n_trials > 2
+    # the per-op lines predict the measured peak at the found batch
+    peak = measure_step(SMALL, batch=found.batch).peak_bytes
+    assert pred.peak_at(found.batch) == pytest.approx(peak, rel=0.01)
+
+
+def test_batch_finders_need_a_budget():
+    with pytest.raises(ValueError, match="budget"):
+        find_max_batch_search(SMALL, None)
+    with pytest.raises(ValueError, match="calibrate"):
+        predict_max_batch(SMALL, "1GiB", calibrate=(4, 2))
+
+
+def test_sweep_grows_activations_with_seq():
+    reports = sweep(replace(SMALL, batch=8), "seq", [64, 128], progress=False)
+    acts = [r.by_category["activations"] for r in reports]
+    assert acts[1] > 1.8 * acts[0]
+    with pytest.raises(ValueError, match="not a StepConfig field"):
+        sweep(SMALL, "sequence", [1])
+    with pytest.raises(ValueError, match="lens"):
+        sweep(SMALL, "seq", [32], lens="guess")
