@@ -76,3 +76,74 @@ def test_unimportable_worker_is_refused():
         run_ranks(allreduce_worker, 0)
     with pytest.raises(ValueError, match="module:function"):
         run_ranks("no_colon_here", 2)
+
+
+# --- ZeRO with DeepSpeed: one 2-rank launch serves all the assertions below -------------
+from memlab.distributed import deepspeed_config, fsdp_worker, measure_zero, simulate_sharded  # noqa: E402
+from memlab.measure import StepConfig  # noqa: E402
+
+SMALL = dict(seq=128, batch=4, world_size=2)
+
+
+@pytest.fixture(scope="module")
+def zero_reports():
+    steps = [StepConfig(zero=z, **SMALL) for z in range(4)]
+    steps.append(StepConfig(zero=3, offload="all", **SMALL))
+    return measure_zero(steps, timeout=600)
+
+
+def _acc(rep, key, rank=0):
+    return rep.per_rank[rank].allocator[key]
+
+
+def test_zero_stages_shard_as_the_paper_says(zero_reports):
+    z0, z1, z2, z3, _ = zero_reports
+    n_bytes = StepConfig(**SMALL).model_config.num_params() * 4
+    assert _acc(z0, "parameters") == n_bytes
+    assert _acc(z0, "optimizer_state") == 2 * n_bytes  # Adam: two fp32 moments
+    # stage 1: optimizer state (and the fp32 master) halve at 2 ranks, within padding
+    assert _acc(z1, "optimizer_state") == pytest.approx(_acc(z0, "optimizer_state") / 2, rel=0.01)
+    assert _acc(z1, "fp32_master") == pytest.approx(n_bytes / 2, rel=0.01)
+    # stage 2: gradients halve
+    assert _acc(z2, "gradients") == pytest.approx(_acc(z0, "gradients") / 2, rel=0.01)
+    # stage 3: parameters halve (plus the small persistent parameters kept whole)
+    assert _acc(z3, "parameters") == pytest.approx(n_bytes / 2, rel=0.02)
+    assert _acc(z3, "parameters") < _acc(z2, "parameters") * 0.55
+    for rep in zero_reports:
+        assert len(rep.per_rank) == 2 and rep.peak_bytes > 0
+
+
+def test_offload_moves_model_states_to_host(zero_reports):
+    z3, off = zero_reports[3], zero_reports[4]
+    host = off.per_rank[0].allocator["host_bytes"]
+    assert host == _acc(off, "fp32_master") + _acc(off, "optimizer_state") + _acc(off, "parameters")
+    assert _acc(off, "device_bytes") < _acc(z3, "device_bytes") - host * 0.9
+    assert z3.per_rank[0].allocator["host_bytes"] == 0
+
+
+def test_to_dict_has_per_rank(zero_reports):
+    d = zero_reports[2].to_dict()
+    assert [r["lens"] for r in d["per_rank"]] == ["measure", "measure"]
+    assert d["per_rank"][1]["allocator"]["gradients"] == _acc(zero_reports[2], "gradients", 1)
+
+
+def test_simulated_sharding_matches_real_ranks(zero_reports):
+    step = StepConfig(**SMALL)
+    sim = simulate_sharded(step, 2)
+    real = run_ranks(fsdp_worker, 2, kwargs={"step": step})
+    assert [r["peak_bytes"] for r in real] == [sim.per_rank[r].peak_bytes for r in range(2)]
+    # the sharded model states agree with DeepSpeed's ZeRO-3 (which adds an fp32 master)
+    z3 = zero_reports[3].per_rank[0].allocator
+    assert sim.by_category["optimizer"] == pytest.approx(z3["optimizer_state"], rel=0.01)
+    assert sim.by_category["parameters"] == pytest.approx(z3["parameters"], rel=0.02)
+
+
+def test_deepspeed_config_is_validated():
+    cfg = deepspeed_config(StepConfig(zero=3, offload="optimizer", micro_batches=2, **SMALL))
+    assert cfg["train_batch_size"] == 8 and cfg["gradient_accumulation_steps"] == 2
+    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 2**20
+    with pytest.raises(ValueError, match="needs ZeRO stage 3"):
+        deepspeed_config(StepConfig(zero=2, offload="all", **SMALL))
+    with pytest.raises(ValueError, match="fp16"):
+        deepspeed_config(StepConfig(zero=1, precision="fp16", **SMALL))
