@@ -1,0 +1,42 @@
+"""ZeRO step as a plain script, for launchers that start the ranks themselves.
+
+One machine or many, the same file::
+
+    torchrun --nproc-per-node 2 -m memlab.zero_worker --zero 2
+    deepspeed --hostfile hostfile -m memlab.zero_worker --zero 3 --offload optimizer
+
+Each rank prints one JSON line: its exact ZeRO accounting and tracked peak (bytes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from .distributed import _zero_one, default_backend, set_cache_env
+from .measure import StepConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4, help="per-rank batch")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--zero", type=int, default=2, choices=(0, 1, 2, 3))
+    ap.add_argument("--offload", default="none", choices=("none", "optimizer", "all"))
+    ap.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
+    args = ap.parse_args(argv)
+    set_cache_env()
+    import deepspeed
+    deepspeed.init_distributed(dist_backend=default_backend())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    step = StepConfig(model=args.model, seq=args.seq, batch=args.batch, precision=args.precision,
+                      zero=args.zero, world_size=world, offload=args.offload)
+    out = _zero_one(rank, world, step)
+    out["host_accounts"] = list(out["host_accounts"])
+    print(json.dumps({"world_size": world, **out}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
