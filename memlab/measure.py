@@ -208,11 +208,16 @@ def make_batch(step: StepConfig, device: torch.device | str = "cpu", seed: int =
 
 
 def build_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
-    """AdamW (two fp32 moments per parameter) or SGD with momentum (one)."""
+    """AdamW (two moments per parameter) or SGD with momentum (one), as fused kernels.
+
+    Fused kernels update each parameter in one pass without full-size temporaries (the
+    ``foreach`` default on CUDA adds up to 4 bytes per parameter at the optimizer step), and
+    they are what large-model training uses (nanoGPT's ``configure_optimizers``, say).
+    """
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
     raise ValueError(f"optimizer={name!r}; allowed: {', '.join(OPTIMIZERS)}")
 
 
@@ -234,6 +239,17 @@ class Trainer:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
+    fake: bool = False  # under FakeTensorMode: no data-dependent branches
+
+    def warm_up_optimizer(self) -> None:
+        """Create the optimizer (and loss-scaler) state without a forward/backward pass."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.scale(torch.ones((), device=self.device))
 
     def step(self, batch: tuple) -> torch.Tensor:
         """One optimizer step over ``micro_batches`` slices; returns the detached loss."""
@@ -245,7 +261,13 @@ class Trainer:
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
             del loss
-        if self.scaler:
+        if self.scaler and self.fake:
+            # GradScaler.step skips the update when it finds inf/nan, which needs real values;
+            # fake tensors have none, so take the no-overflow path (same memory).
+            self.scaler.unscale_(self.optimizer)
+            self.optimizer.step()
+            self.scaler._per_optimizer_states.clear()
+        elif self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
@@ -254,16 +276,22 @@ class Trainer:
         return total
 
 
-def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: int = 0) -> Trainer:
-    """Model + optimizer for ``step`` on ``device`` (also a fake device under FakeTensorMode)."""
+def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: int = 0,
+                  fake: bool = False) -> Trainer:
+    """Model + optimizer for ``step`` on ``device``; ``fake=True`` under FakeTensorMode."""
     device = torch.device(device)
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = build_model(step.model_config)
-    if step.precision == "pure-bf16":
-        model = model.to(torch.bfloat16)
+    # Build in the target dtype rather than calling model.to(): that fails under fake mode.
+    dtype = torch.bfloat16 if step.precision == "pure-bf16" else torch.get_default_dtype()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(step.model_config)
+    finally:
+        torch.set_default_dtype(previous)
     scaler = torch.amp.GradScaler(device.type) if step.precision == "fp16" else None
-    return Trainer(step, device, model, build_optimizer(model, step.optimizer), scaler)
+    return Trainer(step, device, model, build_optimizer(model, step.optimizer), scaler, fake)
 
 
 def _batch_to(batch: tuple, step: StepConfig) -> tuple:
@@ -273,15 +301,20 @@ def _batch_to(batch: tuple, step: StepConfig) -> tuple:
 
 
 def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *,
-                     cuda_history: bool = False, warmup: bool = True) -> tuple[MemoryTracker, float, int, int]:
+                     cuda_history: bool = False, warmup: bool | str = True) -> tuple[MemoryTracker, float, int, int]:
     """Warm up, then one tracked step; an OOM is caught, memory released, and recorded.
+
+    ``warmup``: ``True`` runs a whole untracked step first, ``"optimizer"`` only creates the
+    optimizer state (same steady state, half the work: used by the simulation).
 
     Returns the tracker, the tracked step's seconds, and live bytes before and after it.
     """
-    if warmup:
+    if warmup == "optimizer":
+        trainer.warm_up_optimizer()
+    elif warmup:
         trainer.step(batch)
     on_cuda = trainer.device.type == "cuda"
-    tracker = MemoryTracker(None if on_cuda else budget_bytes, cuda_history=cuda_history)
+    tracker = MemoryTracker(None if on_cuda else budget_bytes, cuda=on_cuda, cuda_history=cuda_history)
     with _cuda_budget(budget_bytes if on_cuda else None), tracker:
         tracker.track_model(trainer.model)
         tracker.track_optimizer(trainer.optimizer)

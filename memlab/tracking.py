@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
@@ -39,6 +39,16 @@ from .hardware import fmt_bytes, resolve_budget
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other")
 _IDX = {c: i for i, c in enumerate(CATEGORIES)}
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding a tensor's bytes. A wrapper subclass (a DTensor shard, an async
+    collective's result) reports its global size; its bytes live in its inner tensors."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        inner = (getattr(t, a) for a in attrs)
+        return [s for i in inner if isinstance(i, torch.Tensor) for s in _storages(i)]
+    return [t.untyped_storage()]
 
 
 @dataclass
@@ -104,9 +114,11 @@ class MemoryTracker(TorchDispatchMode):
     CUDA allocator history (switched off again on exit, also after an exception).
     """
 
-    def __init__(self, budget: int | str | None = None, *, cuda_history: bool = False,
-                 max_history_entries: int = 100_000):
+    def __init__(self, budget: int | str | None = None, *, cuda: bool | None = None,
+                 cuda_history: bool = False, max_history_entries: int = 100_000):
         super().__init__()
+        # cuda: read the CUDA allocator too; None = whenever CUDA is available
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self.budget_bytes = resolve_budget(budget)
         self.cuda_history = cuda_history
         self.max_history_entries = max_history_entries
@@ -139,7 +151,8 @@ class MemoryTracker(TorchDispatchMode):
             raise ValueError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self._record(t.untyped_storage(), category, op_index=None)
+                for st in _storages(t):
+                    self._record(st, category, op_index=None)
 
     def track_model(self, model: torch.nn.Module) -> None:
         """Register a model's parameters, buffers and existing gradients."""
@@ -241,7 +254,7 @@ class MemoryTracker(TorchDispatchMode):
         new = 0
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                new += self._record(t.untyped_storage(), None, len(self._ops))
+                new += sum(self._record(st, None, len(self._ops)) for st in _storages(t))
         op = func.__name__
         module = self._current_module()
         self._ops.append((op, module, phase))
@@ -302,7 +315,7 @@ class MemoryTracker(TorchDispatchMode):
             self._active = False
 
     def _cuda_start(self) -> None:
-        if not torch.cuda.is_available():
+        if not self.cuda:
             return
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -311,7 +324,7 @@ class MemoryTracker(TorchDispatchMode):
             torch.cuda.memory._record_memory_history(max_entries=self.max_history_entries)
 
     def _cuda_stop(self) -> None:
-        if not torch.cuda.is_available():
+        if not self.cuda:
             return
         try:
             torch.cuda.synchronize()

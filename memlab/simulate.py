@@ -1,0 +1,56 @@
+"""Simulate: the measured step, run on fake tensors, for hardware you do not have.
+
+Under ``FakeTensorMode`` every op computes shapes, dtypes and strides but allocates nothing,
+so a gpt2-xl or llama-7b step "runs" on a laptop in seconds while
+:class:`~memlab.tracking.MemoryTracker` counts the bytes it would hold, exactly as it counts
+a real step (the two agree to the byte on the tiny model).
+
+The step runs on the *fake CPU* device and the GPU is applied as a budget: on a CPU-only
+torch build, fake CUDA tensors cannot be initialised, and the first autograd op on one
+aborts the process. Kernels that differ between CPU and CUDA (SDPA's flash path keeps a
+few extra statistics per row) make small differences from a real GPU; ``data/reference/``
+holds measured GPU figures to compare against.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .hardware import resolve_budget
+from .measure import MemoryReport, StepConfig, _batch_to, _resolve_step, build_trainer, run_tracked_step
+from .models import UNetConfig
+
+
+def _fake_batch(step: StepConfig) -> tuple:
+    cfg = step.model_config
+    if isinstance(cfg, UNetConfig):
+        x = torch.randn(step.batch, cfg.channels, step.seq, step.seq)
+        return x, torch.randint(0, 1000, (step.batch,)), torch.randn_like(x)
+    idx = torch.randint(0, cfg.vocab_size, (step.batch, step.seq))
+    return idx, torch.randint(0, cfg.vocab_size, (step.batch, step.seq))
+
+
+def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
+                  **overrides) -> MemoryReport:
+    """Run one steady-state step on fake tensors and report its peak by category.
+
+    ``budget`` is bytes, a size string, or a GPU preset (``"A100-40GB"``): the report says
+    whether the step fits and, if not, where it ran out (``report.oom``).
+    """
+    step = _resolve_step(step, **overrides)
+    budget_bytes = resolve_budget(budget)
+    start = time.perf_counter()
+    # One mode for building and running: mixing fake modes is not supported.
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        trainer = build_trainer(step, "cpu", fake=True)
+        batch = _batch_to(_fake_batch(step), step)
+        tracker, _, before, after = run_tracked_step(trainer, batch, budget_bytes, warmup="optimizer")
+        report = MemoryReport("simulate", step, "cpu (fake)", tracker.peak_bytes,
+                              tracker.peak_by_category(), budget_bytes, None, tracker.oom,
+                              tracker.timeline, {}, before, after)
+        del trainer, batch, tracker
+    report.step_seconds = time.perf_counter() - start
+    report.notes.append("step_seconds is the wall time of the whole simulation")
+    return report
