@@ -466,7 +466,6 @@ def _fsdp_tracked_step(step, mesh, mode=None) -> "MemoryTracker":
     from torch.distributed.fsdp import fully_shard
     from .measure import make_batch
     from .models import build_model
-    from .tracking import MemoryTracker
 
     real_batch = make_batch(step, "cpu")
     with mode if mode is not None else contextlib.nullcontext():
@@ -488,14 +487,49 @@ def _fsdp_tracked_step(step, mesh, mode=None) -> "MemoryTracker":
             opt.zero_grad(set_to_none=True)
 
         one_step()
-        tracker = MemoryTracker()
+        tracker = _FSDPTracker(model, opt)
         with tracker:
-            tracker.track_model(model)
-            tracker.track_optimizer(opt)
-            tracker.track_tensors(batch, "other")
-            tracker.reset_peak()
             one_step()
     return tracker
+
+
+# FSDP2 frees gathered parameters with ``untyped_storage().resize_(0)``, which no dispatch
+# mode sees; torch's FSDPMemTracker follows those resizes. Its categories map onto ours:
+_FSDP_CATEGORIES = {"Sharded Param": "parameters", "Sharded Grad": "gradients",
+                    "OptState": "optimizer", "Activation": "activations",
+                    "Unsharded Param": "temporaries", "Unsharded Grad": "temporaries",
+                    "All Gather": "temporaries", "Reduce Scatter": "temporaries",
+                    "Temp": "temporaries", "Inputs": "other", "Buffer": "other"}
+
+
+class _FSDPTracker:
+    """FSDPMemTracker around one step, read out as ``peak_bytes`` and ``peak_by_category``.
+    Gathered parameters and gradients and the collectives' buffers count as temporaries."""
+
+    def __init__(self, model, opt):
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        self._t = FSDPMemTracker(mod=model, optm=opt)
+        self.peak_bytes = 0
+        self._cats: dict[str, int] = {}
+
+    def __enter__(self):
+        self._t.__enter__()
+        self._t.reset_mod_stats()
+        return self
+
+    def __exit__(self, *exc):
+        self._t.__exit__(*exc)
+        from .tracking import CATEGORIES
+        snap = next(iter(self._t.get_tracker_snapshot("peak").values()))
+        self._cats = dict.fromkeys(CATEGORIES, 0)
+        for key, value in snap.items():
+            name = getattr(key, "value", key)
+            if name != "Total":
+                self._cats[_FSDP_CATEGORIES.get(name, "other")] += value
+        self.peak_bytes = snap.get("Total", sum(self._cats.values()))
+
+    def peak_by_category(self) -> dict[str, int]:
+        return dict(self._cats)
 
 
 def fsdp_worker(rank: int, world_size: int, step) -> dict:
