@@ -240,6 +240,10 @@ def tp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256
             hk.remove()
     per_layer = [b - a for a, b in zip(marks, marks[1:])]
     out["layer_activation_bytes"] = per_layer
+    # the median: an all-reduce result may be freed one block late, moving bytes between
+    # neighbouring layers (the sum over layers is exact)
+    out["layer_activation"] = sorted(per_layer)[len(per_layer) // 2] if len(per_layer) % 2 else \
+        sum(sorted(per_layer)[len(per_layer) // 2 - 1:len(per_layer) // 2 + 1]) / 2
     out["peak_bytes"] = mt.peak_bytes
     out["by_category"] = mt.peak_by_category()
     out["formula"] = tp_activation_bytes(cfg, seq, batch, world_size)
@@ -266,7 +270,7 @@ class ParallelResult:
 
 
 def measure_tensor_parallel(step: StepConfig | None = None, tp: int = 2, *, check: bool = True,
-                            timeout: float = 300.0) -> ParallelResult:
+                            timeout: float = 300.0, backend: str | None = None) -> ParallelResult:
     """Run one TP step of ``step``'s GPT on ``tp`` ranks (spawned, gloo on CPU)."""
     from .distributed import run_ranks
     step = step or StepConfig()
@@ -274,7 +278,7 @@ def measure_tensor_parallel(step: StepConfig | None = None, tp: int = 2, *, chec
     if not isinstance(cfg, GPTConfig) or not isinstance(step.model, str):
         raise ValueError("tensor parallelism needs a GPT preset name as the model")
     attention = cfg.attention
-    res = run_ranks(tp_worker, tp, timeout=timeout,
+    res = run_ranks(tp_worker, tp, timeout=timeout, backend=backend,
                     kwargs=dict(model=step.model, seq=step.seq, batch=step.batch,
                                 attention=attention, check=check))
     return ParallelResult("tensor parallel", step, res)
@@ -458,7 +462,8 @@ def pp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256
 
 def measure_pipeline(step: StepConfig | None = None, stages: int = 2, *,
                      micro_batches=(1, 2, 4, 8), schedules=SCHEDULES, repeats: int = 2,
-                     track: bool = True, timeout: float = 300.0) -> ParallelResult:
+                     track: bool = True, timeout: float = 300.0,
+                     backend: str | None = None) -> ParallelResult:
     """Run ``step``'s GPT as a ``stages``-rank pipeline for each schedule and micro-batch
     count; per stage: wall and busy time, bubble, micro-batches in flight, peak bytes."""
     from .distributed import run_ranks
@@ -472,12 +477,134 @@ def measure_pipeline(step: StepConfig | None = None, stages: int = 2, *,
             raise ValueError(f"schedule={s!r}; allowed: {', '.join(SCHEDULES)}")
     if not isinstance(step.model, str):
         raise ValueError("pipeline parallelism needs a GPT preset name as the model")
-    res = run_ranks(pp_worker, stages, timeout=timeout,
+    res = run_ranks(pp_worker, stages, timeout=timeout, backend=backend,
                     kwargs=dict(model=step.model, seq=step.seq, batch=step.batch,
                                 attention=step.model_config.attention,
                                 micro_batches=tuple(micro_batches), schedules=tuple(schedules),
                                 repeats=repeats, track=track))
     return ParallelResult("pipeline parallel", step, res)
+
+
+# --------------------------------------------------------------------------------------
+# Figures and a control panel for the lesson (matplotlib / ipywidgets imported lazily:
+# spawned ranks import this module and need neither)
+# --------------------------------------------------------------------------------------
+def pipeline_run(result: ParallelResult, schedule: str, m: int, rank: int = 0) -> dict | None:
+    """The measured run of ``schedule`` with ``m`` micro-batches on ``rank``, or None."""
+    return next((r for r in result.per_rank[rank]["runs"]
+                 if r["schedule"] == schedule and r["m"] == m), None)
+
+
+def pipeline_bubble(result: ParallelResult, schedule: str, m: int) -> float:
+    """Measured bubble of a run, averaged over the stages."""
+    runs = [pipeline_run(result, schedule, m, r) for r in range(len(result.per_rank))]
+    return sum(r["bubble"] for r in runs) / len(runs)
+
+
+def plot_pipeline(result: ParallelResult, schedule: str, m: int, ax=None):
+    """Gantt chart of one step: forward (light) and backward (dark) of each micro-batch."""
+    import matplotlib.pyplot as plt
+    ax = ax or plt.subplots(figsize=(8, 2))[1]
+    p = len(result.per_rank)
+    for rank in range(p):
+        run = pipeline_run(result, schedule, m, rank)
+        for kind, mb, s, e in run["events"]:
+            color = "tab:blue" if kind == "F" else "tab:orange"
+            ax.barh(rank, e - s, left=s, color=color, alpha=0.5 if kind == "F" else 0.9,
+                    edgecolor="k", linewidth=0.3)
+            ax.text((s + e) / 2, rank, str(mb), ha="center", va="center", fontsize=7)
+    wall = pipeline_run(result, schedule, m)["wall"]
+    ax.axvline(wall, color="k", ls=":", lw=1)
+    ax.set_yticks(range(p), [f"stage {r}" for r in range(p)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (blue: forward, orange: backward; number: micro-batch)")
+    ax.set_title(f"{schedule}, m={m}: bubble measured {pipeline_bubble(result, schedule, m):.2f}, "
+                 f"formula {bubble_fraction(p, m):.2f}")
+    return ax
+
+
+def plot_bubble(result: ParallelResult, ax=None, *, highlight: tuple[str, int] | None = None):
+    """Measured bubble (mean of the stages) against (p - 1)/(m + p - 1), over m."""
+    import matplotlib.pyplot as plt
+    ax = ax or plt.subplots(figsize=(4, 3))[1]
+    p = len(result.per_rank)
+    ms = sorted({r["m"] for r in result.per_rank[0]["runs"]})
+    grid = range(1, max(ms) + 1)
+    ax.plot(list(grid), [bubble_fraction(p, m) for m in grid], "k-", label="(p-1)/(m+p-1)")
+    for sched, mark in (("gpipe", "o"), ("1f1b", "s")):
+        pts = [(m, pipeline_bubble(result, sched, m)) for m in ms if pipeline_run(result, sched, m)]
+        if pts:
+            ax.plot(*zip(*pts), mark, label=f"{sched} measured")
+    if highlight and pipeline_run(result, *highlight):
+        ax.plot(highlight[1], pipeline_bubble(result, *highlight), "r*", ms=14)
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble (idle share)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_stage_memory(result: ParallelResult, ax=None, *, rank: int = 0):
+    """Peak bytes of one stage against m, GPipe vs 1F1B (the batch is fixed)."""
+    import matplotlib.pyplot as plt
+    ax = ax or plt.subplots(figsize=(4, 3))[1]
+    for sched, mark in (("gpipe", "o-"), ("1f1b", "s-")):
+        pts = [(r["m"], r["peak_bytes"] / 2**20) for r in result.per_rank[rank]["runs"]
+               if r["schedule"] == sched and "peak_bytes" in r]
+        if pts:
+            ax.plot(*zip(*pts), mark, label=sched)
+    ax.set_xlabel("micro-batches m (same batch)")
+    ax.set_ylabel(f"stage {rank} peak (MiB)")
+    ax.legend(fontsize=8)
+    return ax
+
+
+class PipelinePanel:
+    """A micro-batch slider and a schedule drop-down over a measured
+    :func:`measure_pipeline` result; redraws the step's Gantt chart, the bubble curve and
+    the stage's memory. :attr:`data` holds what was drawn last."""
+
+    def __init__(self, result: ParallelResult, *, draw: bool = True):
+        import ipywidgets as W
+        self.result = result
+        ms = sorted({r["m"] for r in result.per_rank[0]["runs"]})
+        self.m = W.SelectionSlider(options=ms, value=ms[len(ms) // 2], description="m",
+                                   continuous_update=False)
+        scheds = sorted({r["schedule"] for r in result.per_rank[0]["runs"]})
+        self.schedule = W.Dropdown(options=scheds, value=scheds[-1], description="schedule")
+        self.output = W.Output()
+        self.data: dict | None = None
+        for w in (self.m, self.schedule):
+            w.observe(lambda change: self.refresh(), names="value")
+        self.box = W.VBox([W.HBox([self.m, self.schedule]), self.output])
+        if draw:
+            self.refresh()
+
+    def refresh(self) -> None:
+        import matplotlib.pyplot as plt
+        from IPython.display import clear_output, display
+        sched, m = self.schedule.value, self.m.value
+        if pipeline_run(self.result, sched, m) is None:
+            sched = "gpipe"  # 1F1B needs m >= p; below that it is GPipe
+        run = pipeline_run(self.result, sched, m)
+        self.data = {"schedule": sched, "m": m, "bubble": pipeline_bubble(self.result, sched, m),
+                     "formula": bubble_fraction(len(self.result.per_rank), m),
+                     "in_flight": run["in_flight"], "peak_bytes": run.get("peak_bytes")}
+        with self.output:
+            clear_output(wait=True)
+            fig = plt.figure(figsize=(10, 5))
+            plot_pipeline(self.result, sched, m, fig.add_subplot(2, 1, 1))
+            plot_bubble(self.result, fig.add_subplot(2, 2, 3), highlight=(sched, m))
+            ax = plot_stage_memory(self.result, fig.add_subplot(2, 2, 4))
+            if run.get("peak_bytes"):
+                ax.plot(m, run["peak_bytes"] / 2**20, "r*", ms=14)
+            fig.tight_layout()
+            display(fig)
+            plt.close(fig)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+        display(self.box)
 
 
 # --------------------------------------------------------------------------------------
