@@ -584,6 +584,19 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, *
     return rep
 
 
+def zero_formula(num_params: int, stage: int, world_size: int, *, param_bytes: int = 2,
+                 grad_bytes: int = 2, k: int = 12) -> dict[str, float]:
+    """Model-state bytes per rank from the ZeRO paper (Rajbhandari et al. 2020, sec. 5.1):
+    (2 + 2 + K) psi for mixed-precision Adam (K = 12: fp32 master, momentum, variance);
+    stage 1 divides K psi by N_d, stage 2 also the gradients, stage 3 also the parameters."""
+    if stage not in (0, 1, 2, 3) or world_size < 1:
+        raise ValueError(f"stage must be 0-3 and world_size >= 1, got {stage}, {world_size}")
+    n = world_size
+    return {"parameters": param_bytes * num_params / (n if stage >= 3 else 1),
+            "gradients": grad_bytes * num_params / (n if stage >= 2 else 1),
+            "optimizer": k * num_params / (n if stage >= 1 else 1)}
+
+
 __all__ = ["RankError", "allreduce_worker", "deepspeed_config",
-           "zero_accounting", "zero_worker", "measure_zero", "measure_distributed", "ACCOUNTS",
+           "zero_accounting", "zero_worker", "measure_zero", "measure_distributed", "ACCOUNTS", "zero_formula",
            "simulate_sharded", "fsdp_worker", "run_ranks", "default_backend", "set_dist_env", "set_cache_env"]
