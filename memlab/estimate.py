@@ -1,0 +1,249 @@
+"""Estimate: the bytes of one training step, in closed form.
+
+Two parts, as in the literature:
+
+* **Model states** (Rajbhandari et al. 2020, "ZeRO", section 3.1): with mixed-precision Adam
+  every parameter costs 2 + 2 + K bytes (fp16 weights and gradients, K = 12 for the fp32
+  master copy, momentum and variance); in fp32 it costs 4 + 4 + 8. ZeRO stage 1 divides the
+  optimizer states by the data-parallel degree N, stage 2 also the gradients, stage 3 also the
+  parameters (section 5, figure 1).
+* **Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models", section 4): per layer ``sbh(34 + 5as/h)`` bytes for fp16 with dropout.
+  memlab's blocks have no dropout and keep the residual stream in fp32 under autocast, so
+  :func:`activation_bytes` counts the tensors *this* model saves for backward, one by one; the
+  structure (a term linear in ``sbh``, an ``as^2 b`` term for materialised attention scores,
+  and a ``4 s b V`` term for the fp32 log-softmax) is the paper's.
+
+The peak is the largest of a few moments of the step (the start of backward, the language
+model head's backward, the backward of one recomputed block, the end of backward, the
+optimizer step); :func:`estimate_step` returns the categories at that moment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .hardware import resolve_budget
+from .measure import MemoryReport, StepConfig, _resolve_step
+from .models import GPTConfig, UNet, UNetConfig
+from .tracking import CATEGORIES
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element for each kind of tensor under a precision."""
+
+    param: int      # stored weights
+    grad: int       # .grad
+    compute: int    # matmul outputs and their saved inputs
+    residual: int   # the residual stream (adds, norm inputs)
+    norm_stats: int # LayerNorm mean / rstd
+    softmax: int    # the loss's log-softmax output
+    weight_copy: int  # autocast's low-precision copies of matmul weights (0: none)
+
+
+def dtypes(precision: str) -> Dtypes:
+    """Element sizes for ``fp32``, ``bf16``/``fp16`` autocast (fp32 master weights) and
+    ``pure-bf16``. Under autocast, matmuls run in 16 bits while norms, the residual adds and
+    the log-softmax stay in fp32 (torch.amp's op lists)."""
+    if precision == "fp32":
+        return Dtypes(4, 4, 4, 4, 4, 4, 0)
+    if precision in ("bf16", "fp16"):
+        return Dtypes(4, 4, 2, 4, 4, 4, 2)
+    if precision == "pure-bf16":
+        return Dtypes(2, 2, 2, 2, 2, 2, 0)
+    raise ValueError(f"precision={precision!r}; allowed: fp32, bf16, fp16, pure-bf16")
+
+
+def optimizer_bytes_per_param(optimizer: str, precision: str) -> int:
+    """AdamW keeps two moments per parameter, SGD with momentum one, in the parameter dtype."""
+    per = {"adamw": 2, "sgd": 1}
+    if optimizer not in per:
+        raise ValueError(f"optimizer={optimizer!r}; allowed: adamw, sgd")
+    return per[optimizer] * dtypes(precision).param
+
+
+def model_state_bytes(num_params: int, *, precision: str = "fp32", optimizer: str = "adamw",
+                      zero: int = 0, world_size: int = 1, offload: str = "none") -> dict[str, float]:
+    """Parameters, gradients and optimizer state per rank, with ZeRO and offload.
+
+    Stage 0 replicates everything; stages 1-3 shard optimizer state (with DeepSpeed's fp32
+    master partition, counted as optimizer state as in the paper's K), then gradients, then
+    parameters over ``world_size`` ranks. ``offload="optimizer"`` moves optimizer state and
+    master weights to host memory (ZeRO-Offload, Ren et al. 2021); ``"all"`` also the
+    parameters (ZeRO-3 offload): those bytes leave the device and are reported as host bytes.
+    """
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage {zero!r} is outside 0-3")
+    if world_size < 1:
+        raise ValueError(f"world size {world_size!r} must be >= 1")
+    d = dtypes(precision)
+    n = world_size
+    params = d.param * num_params
+    grads = d.grad * num_params
+    opt = optimizer_bytes_per_param(optimizer, precision) * num_params
+    if zero >= 1:
+        opt = (opt + 4 * num_params) / n  # the fp32 master partition DeepSpeed keeps
+    if zero >= 2:
+        grads /= n
+    if zero >= 3:
+        params /= n
+    host = 0.0
+    if offload in ("optimizer", "all"):
+        host += opt
+        opt = 0.0
+    if offload == "all":
+        host += params
+        params = 0.0
+    return {"parameters": params, "gradients": grads, "optimizer": opt, "host": host}
+
+
+def _linear_weights(cfg: GPTConfig) -> tuple[int, int]:
+    """Elements of matmul weights per layer and in the head (autocast copies these)."""
+    d, f = cfg.d_model, cfg.hidden
+    per_layer = 4 * d * d + (3 if cfg.mlp == "swiglu" else 2) * d * f
+    return per_layer, cfg.vocab_size * d
+
+
+def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str) -> float:
+    """Bytes one transformer block saves for backward (no checkpointing).
+
+    With ``t = s*b`` tokens, ``h = d_model``, ``f`` the MLP width and ``a`` heads, in element
+    sizes of :func:`dtypes` (R residual, C compute, N norm statistics):
+    two residual adds ``2thR``; per norm its saved output ``thC`` plus ``2tN`` statistics
+    (RMSNorm: ``th(R + C) + 4t``); q, k, v ``3thC``; the attention output ``thC``; with
+    naive attention the softmax ``a s^2 b C`` and the causal mask ``s^2`` bytes, with SDPA a
+    log-sum-exp ``4 a t``; the MLP ``2tfC`` (SwiGLU ``4tfC``); rotary q, k ``2thC``.
+    """
+    d = dtypes(precision)
+    t, h, f, a, s = seq * batch, cfg.d_model, cfg.hidden, cfg.n_head, seq
+    R, C = d.residual, d.compute
+    norm = t * h * C + 2 * t * d.norm_stats if cfg.norm == "layernorm" else t * h * (R + C) + 4 * t
+    total = 2 * t * h * R + 2 * norm + 3 * t * h * C + t * h * C
+    if cfg.checkpointing != "selective":
+        if cfg.attention == "naive":
+            total += a * s * s * batch * C + s * s
+        else:
+            total += 4 * a * t
+    total += (4 if cfg.mlp == "swiglu" else 2) * t * f * C
+    if cfg.position == "rope":
+        total += 2 * t * h * C
+    return total
+
+
+def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str) -> dict[str, float]:
+    """Saved-for-backward bytes of the whole forward, split into its parts."""
+    d = dtypes(precision)
+    t, h, v = seq * batch, cfg.d_model, cfg.vocab_size
+    layer_w, head_w = _linear_weights(cfg)
+    if cfg.norm == "layernorm":
+        final_norm = t * h * d.compute + 2 * t * d.norm_stats
+    else:
+        final_norm = t * h * (d.residual + d.compute) + 4 * t
+    embed = t * h * d.residual + (8 * seq if cfg.position == "learned" else 0)
+    if cfg.checkpointing == "full":
+        layers = cfg.n_layer * t * h * d.residual  # each block keeps its input only
+        copies = d.weight_copy * head_w
+    else:
+        layers = cfg.n_layer * layer_activation_bytes(cfg, seq, batch, precision)
+        copies = d.weight_copy * (cfg.n_layer * layer_w + head_w)
+    return {"embedding": embed, "layers": layers, "final_norm": final_norm,
+            "weight_copies": copies, "log_softmax": t * v * d.softmax}
+
+
+def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float]) -> tuple[dict, str]:
+    """Categories at the step's peak moment, and which moment that is."""
+    d = dtypes(step.precision)
+    k = step.micro_batches
+    seq, batch = step.seq, step.batch // k
+    t, h, f, v, L = seq * batch, cfg.d_model, cfg.hidden, cfg.vocab_size, cfg.n_layer
+    P, G, O = states["parameters"], states["gradients"], states["optimizer"]
+    acts = activation_bytes(cfg, seq, batch, step.precision)
+    A = sum(acts.values())
+    head_grad = v * h * d.grad / (step.world_size if step.zero >= 2 else 1)
+    layer_grad = G * (1 - v * h / cfg.num_params()) / L if L else 0
+    # With accumulation, gradients of earlier micro-batches are already there.
+    G_prev = G if k > 1 else 0.0
+    lse = t * v * d.softmax
+    m = {}
+    # start of backward: the loss gradient and the log-softmax gradient, all activations alive
+    m["loss backward"] = dict(activations=A, temporaries=2 * lse, gradients=G_prev)
+    # the head's backward: logits gradient, gradient of the final norm's output, head grad
+    m["head backward"] = dict(activations=A - lse, gradients=max(G_prev, head_grad),
+                              temporaries=lse + t * h * d.compute)
+    layer = layer_activation_bytes(cfg, seq, batch, step.precision) + d.weight_copy * _linear_weights(cfg)[0]
+    # one block's backward: the MLP's two hidden-size gradients and the residual gradient
+    transient = t * f * d.compute + t * h * d.residual
+    if cfg.checkpointing == "full":
+        # the block recomputed last (block 0) holds its activations again, with nearly all grads
+        m["recomputed block"] = dict(activations=acts["embedding"],
+                                     gradients=max(G_prev, G - layer_grad),
+                                     temporaries=layer + transient)
+        m["first recomputed block"] = dict(
+            activations=A - lse - acts["final_norm"], gradients=max(G_prev, head_grad),
+            temporaries=layer + transient)
+    else:
+        m["first block backward"] = dict(activations=A - lse - acts["final_norm"],
+                                         gradients=max(G_prev, head_grad),
+                                         temporaries=transient + t * f * d.compute)
+    # end of backward: all gradients; a tied embedding adds its dense gradient, then the sum
+    tied = 2 * head_grad if cfg.tie_embeddings else 0.0
+    m["end of backward"] = dict(gradients=G, temporaries=tied + t * h * d.residual)
+    m["optimizer step"] = dict(gradients=G)
+    name, best = max(m.items(), key=lambda kv: sum(kv[1].values()))
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    out.update(parameters=P, optimizer=O, **best)
+    return out, name
+
+
+def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float]) -> tuple[dict, str]:
+    """UNet activations by counting each module's saved tensors on a shape walk."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .tracking import MemoryTracker
+
+    # A conv net's saved tensors depend on every resolution, so we count them on a fake
+    # forward (no memory, milliseconds) rather than in a hand-written table.
+    with FakeTensorMode():
+        model = UNet(cfg)
+        b = step.batch // step.micro_batches
+        x = torch.randn(b, cfg.channels, step.seq, step.seq)
+        with MemoryTracker() as mt:
+            mt.track_model(model)
+            mt.track_tensors([x], "other")
+            loss = model(x, torch.randint(0, 1000, (b,)), torch.randn_like(x))
+            mt._set_phase("backward")
+            acts = mt.by_category()["activations"]
+        del loss, model
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    out.update(parameters=states["parameters"], optimizer=states["optimizer"],
+               activations=acts, gradients=states["gradients"] if step.micro_batches > 1 else 0)
+    return out, "start of backward"
+
+
+def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
+                  **overrides) -> MemoryReport:
+    """Closed-form peak bytes of one steady-state training step, by category, per rank.
+
+    ``batch`` is per rank; ``zero``, ``world_size`` and ``offload`` shard and move the model
+    states as :func:`model_state_bytes` describes.
+    """
+    step = _resolve_step(step, **overrides)
+    cfg = step.model_config
+    states = model_state_bytes(cfg.num_params(), precision=step.precision,
+                               optimizer=step.optimizer, zero=step.zero,
+                               world_size=step.world_size, offload=step.offload)
+    if isinstance(cfg, UNetConfig):
+        cats, moment = _unet_peak(step, cfg, states)
+    else:
+        cats, moment = _gpt_peak(step, cfg, states)
+    cats = {c: int(round(v)) for c, v in cats.items()}
+    report = MemoryReport("estimate", step, "formula", sum(cats.values()), cats,
+                          resolve_budget(budget), 0.0)
+    report.notes.append(f"peak moment: {moment}")
+    if states["host"]:
+        report.notes.append(f"host memory (offloaded): {int(states['host'])} bytes")
+    if step.world_size > 1:
+        report.per_rank = [replace(report, per_rank=None, notes=list(report.notes))
+                           for _ in range(step.world_size)]
+    return report
