@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .hardware import resolve_budget
-from .measure import MemoryReport, StepConfig, _resolve_step
+from .measure import MemoryReport, StepConfig, _resolve_step, autocast_for
 from .models import GPTConfig, UNet, UNetConfig
 from .tracking import CATEGORIES
 
@@ -116,9 +116,8 @@ def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str)
     """
     d = dtypes(precision)
     t, h, f, a, s = seq * batch, cfg.d_model, cfg.hidden, cfg.n_head, seq
-    R, C = d.residual, d.compute
-    norm = t * h * C + 2 * t * d.norm_stats if cfg.norm == "layernorm" else t * h * (R + C) + 4 * t
-    total = 2 * t * h * R + 2 * norm + 3 * t * h * C + t * h * C
+    C = d.compute
+    total = 2 * t * h * _residual_saved(cfg, d) + 2 * _norm_bytes(cfg, d, t) + 4 * t * h * C
     if cfg.checkpointing != "selective":
         if cfg.attention == "naive":
             total += a * s * s * batch * C + s * s
@@ -126,8 +125,28 @@ def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str)
             total += 4 * a * t
     total += (4 if cfg.mlp == "swiglu" else 2) * t * f * C
     if cfg.position == "rope":
-        total += 2 * t * h * C
+        if cfg.attention == "sdpa" or cfg.checkpointing == "selective":
+            total += 2 * t * h * C  # rotated q and k (naive attention saves copies instead)
+        if C != 4:
+            total += 2 * s * cfg.head_dim * C  # cos and sin cast to the compute dtype
     return total
+
+
+def _residual_saved(cfg: GPTConfig, d: Dtypes) -> int:
+    """Bytes per element of the residual stream kept for the norms' backward. A bf16 RMSNorm
+    keeps its own fp32 upcast instead (counted in :func:`_norm_bytes`)."""
+    return 0 if (cfg.norm == "rmsnorm" and d.residual == 2) else d.residual
+
+
+def _norm_bytes(cfg: GPTConfig, d: Dtypes, t: int) -> int:
+    """One norm's saved bytes: LayerNorm its output and two statistics per token; RMSNorm
+    (computed in fp32) ``x * rsqrt``, its output and ``rsqrt``."""
+    h = cfg.d_model
+    if cfg.norm == "layernorm":
+        return t * h * d.compute + 2 * t * d.norm_stats
+    if d.residual == 2:  # bf16 input: its fp32 upcast, x * rsqrt in fp32, the output
+        return t * h * (4 + 4 + d.compute) + 4 * t
+    return t * h * (d.residual + d.compute) + 4 * t
 
 
 def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str) -> dict[str, float]:
@@ -135,11 +154,8 @@ def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str) -> di
     d = dtypes(precision)
     t, h, v = seq * batch, cfg.d_model, cfg.vocab_size
     layer_w, head_w = _linear_weights(cfg)
-    if cfg.norm == "layernorm":
-        final_norm = t * h * d.compute + 2 * t * d.norm_stats
-    else:
-        final_norm = t * h * (d.residual + d.compute) + 4 * t
-    embed = t * h * d.residual + (8 * seq if cfg.position == "learned" else 0)
+    final_norm = _norm_bytes(cfg, d, t)
+    embed = t * h * _residual_saved(cfg, d) + (8 * seq if cfg.position == "learned" else 0)
     if cfg.checkpointing == "full":
         layers = cfg.n_layer * t * h * d.residual  # each block keeps its input only
         copies = d.weight_copy * head_w
@@ -191,8 +207,14 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float]) -> tup
     m["optimizer step"] = dict(gradients=G)
     name, best = max(m.items(), key=lambda kv: sum(kv[1].values()))
     out = dict.fromkeys(CATEGORIES, 0.0)
-    out.update(parameters=P, optimizer=O, **best)
+    out.update(parameters=P, optimizer=O, other=_gpt_other(cfg, step), **best)
     return out, name
+
+
+def _gpt_other(cfg: GPTConfig, step: StepConfig) -> int:
+    """Token ids and targets (int64) and the rotary tables (fp32 buffers)."""
+    rope = 2 * cfg.block_size * cfg.head_dim * 4 * cfg.n_layer if cfg.position == "rope" else 0
+    return 2 * 8 * step.seq * step.batch + rope
 
 
 def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float]) -> tuple[dict, str]:
@@ -210,13 +232,15 @@ def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float]) -> t
         x = torch.randn(b, cfg.channels, step.seq, step.seq)
         with MemoryTracker() as mt:
             mt.track_model(model)
-            mt.track_tensors([x], "other")
-            loss = model(x, torch.randint(0, 1000, (b,)), torch.randn_like(x))
+            with autocast_for(step.precision, torch.device("cpu")):
+                loss = model(x, torch.randint(0, 1000, (b,)), torch.randn_like(x))
             mt._set_phase("backward")
             acts = mt.by_category()["activations"]
         del loss, model
     out = dict.fromkeys(CATEGORIES, 0.0)
-    out.update(parameters=states["parameters"], optimizer=states["optimizer"],
+    # images, timesteps and noise of the whole batch
+    other = 4 * step.batch * (2 * cfg.channels * step.seq ** 2) + 8 * step.batch
+    out.update(parameters=states["parameters"], optimizer=states["optimizer"], other=other,
                activations=acts, gradients=states["gradients"] if step.micro_batches > 1 else 0)
     return out, "start of backward"
 

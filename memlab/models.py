@@ -109,12 +109,12 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def get_config(name: str, **overrides) -> "GPTConfig | UNetConfig":
+def get_config(preset: str, **overrides) -> "GPTConfig | UNetConfig":
     """Look up a preset by name (``tiny``, ``gpt2-xl``, ``unet-small``, ...) with overrides."""
     table = {**PRESETS, **UNET_PRESETS}
-    if name not in table:
-        raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(table)}")
-    return replace(table[name], **overrides) if overrides else table[name]
+    if preset not in table:
+        raise ValueError(f"unknown model preset {preset!r}; allowed: {', '.join(table)}")
+    return replace(table[preset], **overrides) if overrides else table[preset]
 
 
 # --------------------------------------------------------------------------------------
