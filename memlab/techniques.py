@@ -51,6 +51,35 @@ def sweep(step: StepConfig, param: str, values: Sequence, lens: str = "measure",
     return out
 
 
+def category_max(report: MemoryReport, category: str) -> int:
+    """Most bytes of one category alive at any op of the step. The peak's breakdown can miss
+    a category: at a small batch the peak sits in the optimizer step, after activations are
+    freed and before gradients are; this finds activations at the end of forward, gradients
+    at the end of backward."""
+    from .tracking import CATEGORIES
+    if category not in CATEGORIES:
+        raise ValueError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
+    if not report.timeline:  # estimate lens: no timeline, only the peak's breakdown
+        return int(report.by_category.get(category, 0))
+    i = CATEGORIES.index(category)
+    return max(e.by_category[i] for e in report.timeline)
+
+
+def step_flops(step: StepConfig, *, device: str = "cpu") -> int:
+    """Floating-point operations of one steady-state training step (forward, backward and
+    any recomputation), counted with ``torch.utils.flop_counter.FlopCounterMode``: a compute
+    cost that, unlike wall-clock time, does not depend on what else the machine is doing."""
+    from torch.utils.flop_counter import FlopCounterMode
+    trainer = build_trainer(step, device)
+    batch = make_batch(step, device)
+    if step.precision == "pure-bf16":
+        batch = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in batch)
+    trainer.step(batch)
+    with FlopCounterMode(display=False) as counter:
+        trainer.step(batch)
+    return int(counter.get_total_flops())
+
+
 # --------------------------------------------------------------------------------------
 # fp16 gradient underflow and loss scaling (Micikevicius et al. 2018, sec. 3.2)
 # --------------------------------------------------------------------------------------
@@ -271,6 +300,6 @@ def predict_max_batch(step: StepConfig, budget: int | str, *, calibrate: tuple[i
                            [(b1, r1.peak_bytes), (b2, r2.peak_bytes)], lines)
 
 
-__all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "UnderflowResult", "fp16_underflow",
+__all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "category_max", "step_flops", "UnderflowResult", "fp16_underflow",
            "AccumulationCheck", "accumulation_check", "BatchSearch", "find_max_batch_search",
            "BatchPrediction", "phase_peaks", "predict_max_batch"]

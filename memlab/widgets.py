@@ -20,8 +20,7 @@ from IPython.display import clear_output, display
 
 from .measure import MemoryReport, StepConfig
 from .plots import plot_lenses, plot_timeline
-from .techniques import lens_fn
-from .tracking import CATEGORIES
+from .techniques import category_max, lens_fn
 
 
 class StepPanel:
@@ -118,10 +117,7 @@ class StepPanel:
 def max_activations(report: MemoryReport) -> int:
     """Most activation bytes alive at any point of the step (end of forward, usually): the
     peak by category can sit in the optimizer step, where activations are already gone."""
-    i = CATEGORIES.index("activations")
-    if report.timeline:
-        return max(e.by_category[i] for e in report.timeline)
-    return int(report.by_category.get("activations", 0))
+    return category_max(report, "activations")
 
 
 def _pick(options: Sequence, value):

@@ -5,7 +5,7 @@ import pytest
 
 from memlab import GPTConfig, StepConfig, measure_step
 from memlab.techniques import (FP16_TINY, accumulation_check, find_max_batch_search, fp16_underflow,
-                               predict_max_batch, sweep)
+                               predict_max_batch, step_flops, sweep)
 
 # smaller than ``tiny`` so that a batch search of ~8 real steps takes seconds
 MICRO = GPTConfig(n_layer=2, n_head=2, d_model=64, vocab_size=256, block_size=256, name="micro")
@@ -75,3 +75,10 @@ def test_sweep_grows_activations_with_seq():
         sweep(SMALL, "sequence", [1])
     with pytest.raises(ValueError, match="lens"):
         sweep(SMALL, "seq", [32], lens="guess")
+
+
+def test_full_checkpointing_recomputes_the_forward():
+    base = step_flops(SMALL)
+    full = step_flops(replace(SMALL, checkpointing="full"))
+    # one more forward of the blocks: between +0% and +50% (fwd:bwd is about 1:2)
+    assert 1.05 < full / base < 1.5
