@@ -170,6 +170,11 @@ def _step_config(model: str, seq: int, batch: int, attention: str, tie: bool | N
     return step
 
 
+def _default_backend(ranks: int) -> str:
+    """NCCL when every rank can have its own GPU, gloo (CPU) otherwise."""
+    return "nccl" if torch.cuda.device_count() >= ranks else "gloo"
+
+
 def _threads(world_size: int) -> None:
     """Ranks on one CPU share its cores: one rank per core keeps the timing honest."""
     if not torch.cuda.is_available():
@@ -188,7 +193,8 @@ def tp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256
     torch.manual_seed(0)
     with torch.device(dev):
         ref = GPT(cfg)
-    tp = apply_tensor_parallel(copy.deepcopy(ref), init_device_mesh(dev.type, (world_size,)))
+    tp = apply_tensor_parallel(copy.deepcopy(ref) if check else ref,
+                               init_device_mesh(dev.type, (world_size,)))
     idx, tgt = make_batch(step, dev)
     # fused kernels refuse a mix of DTensor (sharded) and plain (replicated) parameters;
     # the per-tensor loop makes no full-size temporaries either
@@ -199,7 +205,7 @@ def tp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256
     loss = tp(idx, tgt)
     loss.backward()
     out["loss"] = loss.item()
-    if check:
+    if check:  # the single-process model on the same batch
         ref_loss = ref(idx, tgt)
         ref_loss.backward()
         perm = qkv_head_permutation(cfg, world_size)
@@ -271,14 +277,16 @@ class ParallelResult:
 
 def measure_tensor_parallel(step: StepConfig | None = None, tp: int = 2, *, check: bool = True,
                             timeout: float = 300.0, backend: str | None = None) -> ParallelResult:
-    """Run one TP step of ``step``'s GPT on ``tp`` ranks (spawned, gloo on CPU)."""
+    """Run one TP step of ``step``'s GPT on ``tp`` spawned ranks: loss and gradients against
+    one process (``check``), parameter bytes, activations per layer and the tracked peak.
+    ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank); default NCCL with CUDA."""
     from .distributed import run_ranks
     step = step or StepConfig()
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig) or not isinstance(step.model, str):
         raise ValueError("tensor parallelism needs a GPT preset name as the model")
     attention = cfg.attention
-    res = run_ranks(tp_worker, tp, timeout=timeout, backend=backend,
+    res = run_ranks(tp_worker, tp, timeout=timeout, backend=backend or _default_backend(tp),
                     kwargs=dict(model=step.model, seq=step.seq, batch=step.batch,
                                 attention=attention, check=check))
     return ParallelResult("tensor parallel", step, res)
@@ -394,11 +402,18 @@ def pp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256
     step = _step_config(model, seq, batch, attention, tie=False)  # a tie would span stages
     cfg = step.model_config
     torch.manual_seed(0)
-    with torch.device(dev):
+    # without the check, only this stage is materialised: a large model need not fit a rank
+    with torch.device(dev if check else "meta"):
         full = GPT(cfg)
     lo, hi = stage_bounds(cfg.n_layer, world_size)[rank]
     first, last = rank == 0, rank == world_size - 1
     mod = PipelineStageModule(full, lo, hi, first, last)
+    if not check:
+        mod.to_empty(device=dev)
+        for sub in mod.modules():
+            if hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
+        mod.apply(GPT._init_weights)
     idx, tgt = make_batch(step, dev)
     out: dict = {"rank": rank, "world_size": world_size, "blocks": (lo, hi), "runs": []}
     if check and last:
@@ -436,7 +451,7 @@ def pp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256
 
             _, losses, _ = run()  # warm-up: optimizer state, buffers, shape inference
             run_out = {"schedule": name, "m": m}
-            if last and check and not out.get("loss"):
+            if last and "loss" not in out:
                 out["loss"] = float(torch.stack([x.detach() for x in losses]).mean())
             best = None
             for _ in range(repeats):
@@ -477,7 +492,8 @@ def measure_pipeline(step: StepConfig | None = None, stages: int = 2, *,
             raise ValueError(f"schedule={s!r}; allowed: {', '.join(SCHEDULES)}")
     if not isinstance(step.model, str):
         raise ValueError("pipeline parallelism needs a GPT preset name as the model")
-    res = run_ranks(pp_worker, stages, timeout=timeout, backend=backend,
+    res = run_ranks(pp_worker, stages, timeout=timeout,
+                    backend=backend or _default_backend(stages),
                     kwargs=dict(model=step.model, seq=step.seq, batch=step.batch,
                                 attention=step.model_config.attention,
                                 micro_batches=tuple(micro_batches), schedules=tuple(schedules),
@@ -555,6 +571,7 @@ def plot_stage_memory(result: ParallelResult, ax=None, *, rank: int = 0):
             ax.plot(*zip(*pts), mark, label=sched)
     ax.set_xlabel("micro-batches m (same batch)")
     ax.set_ylabel(f"stage {rank} peak (MiB)")
+    ax.set_ylim(0, None)
     ax.legend(fontsize=8)
     return ax
 
@@ -622,13 +639,17 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
     ap.add_argument("--attention", default="sdpa", choices=("sdpa", "naive"))
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--schedule", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    ap.add_argument("--no-check", dest="check", action="store_false",
+                    help="skip the single-process reference (needed when the whole model "
+                         "does not fit one rank)")
     args = ap.parse_args(argv)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        common = dict(model=args.model, seq=args.seq, batch=args.batch, attention=args.attention)
+        common = dict(model=args.model, seq=args.seq, batch=args.batch, attention=args.attention,
+                      check=args.check)
         if args.mode == "tp":
             out = tp_worker(rank, world, **common)
         else:
