@@ -263,7 +263,7 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
         cats, moment = _gpt_peak(step, cfg, states)
     cats = {c: int(round(v)) for c, v in cats.items()}
     report = MemoryReport("estimate", step, "formula", sum(cats.values()), cats,
-                          resolve_budget(budget), 0.0)
+                          resolve_budget(budget), None)
     report.notes.append(f"peak moment: {moment}")
     if states["host"]:
         report.notes.append(f"host memory (offloaded): {int(states['host'])} bytes")

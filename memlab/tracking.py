@@ -262,7 +262,8 @@ class MemoryTracker(TorchDispatchMode):
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self._peak_op = len(self._ops) - 1
-        if self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
+        # like a real allocator, only an op that asks for memory can run out of it
+        if new and self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
             self._raise_oom(op, module, phase, new)
         return out
 

@@ -1,0 +1,171 @@
+"""``memlab``: estimate, simulate or measure the memory of one training step.
+
+    memlab estimate --model gpt2-xl --seq 1024 --batch 4 --gpu A100-40GB
+    memlab simulate --model gpt2-medium --seq 2048 --batch 8 --precision bf16 --json
+    memlab measure  --model tiny --budget 120MiB
+    memlab measure  --model tiny --zero 2 --world-size 2 --json
+    memlab presets
+
+Bad input exits with status 2 and one line naming the value and what is allowed. A step that
+does not fit its budget is a result, not an error: ``fits: false`` and exit status 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
+from .measure import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
+from .models import CHECKPOINTINGS, ATTENTIONS, PRESETS, UNET_PRESETS, GPTConfig, get_config
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's default prints the whole usage first
+        raise UsageError(message)
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {value}")
+        return value
+    return parse
+
+
+def _zero_stage(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value not in (0, 1, 2, 3):
+        raise argparse.ArgumentTypeError(f"ZeRO stage {text!r} is outside 0-3")
+    return value
+
+
+def _add_step_args(p: argparse.ArgumentParser, *, device: bool) -> None:
+    models = ", ".join([*PRESETS, *UNET_PRESETS])
+    p.add_argument("--model", default="tiny", help=f"preset: {models}")
+    p.add_argument("--d-model", type=_positive_int("d-model"), help="custom GPT width")
+    p.add_argument("--layers", type=_positive_int("layers"), help="custom GPT depth")
+    p.add_argument("--heads", type=_positive_int("heads"), help="custom GPT heads")
+    p.add_argument("--vocab", type=_positive_int("vocab"), help="custom GPT vocabulary")
+    p.add_argument("--seq", type=_positive_int("seq"), default=256, help="sequence length (UNet: image side)")
+    p.add_argument("--batch", type=_positive_int("batch"), default=8, help="batch size per rank")
+    p.add_argument("--micro-batches", type=_positive_int("micro-batches"), default=1,
+                   help="gradient accumulation: split the batch into this many micro-batches")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--checkpointing", choices=CHECKPOINTINGS, default=None)
+    p.add_argument("--attention", choices=ATTENTIONS, default=None)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--zero", type=_zero_stage, default=0, help="ZeRO stage 0-3")
+    p.add_argument("--world-size", type=_positive_int("world size"), default=1)
+    p.add_argument("--offload", choices=OFFLOADS, default="none")
+    p.add_argument("--gpu", default=None, help=f"budget from a card: {', '.join(GPU_PRESETS)}")
+    p.add_argument("--budget", default=None, help="budget as a size: 512MiB, 40GB, 1073741824")
+    if device:
+        p.add_argument("--device", default="cpu", help="cpu or cuda")
+        p.add_argument("--snapshot", default=None,
+                       help="CUDA only: write the allocator history (.pickle) for pytorch.org/memory_viz")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="memlab", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_step_args(sub.add_parser("estimate", help="closed-form formulas"), device=False)
+    _add_step_args(sub.add_parser("simulate", help="the step on fake tensors"), device=False)
+    _add_step_args(sub.add_parser("measure", help="a real step, tracked"), device=True)
+    p = sub.add_parser("presets", help="list model and GPU presets")
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def step_from_args(args: argparse.Namespace) -> StepConfig:
+    """A validated StepConfig from parsed flags; ValueError names a bad value."""
+    custom = {k: v for k, v in (("d_model", args.d_model), ("n_layer", args.layers),
+                                ("n_head", args.heads), ("vocab_size", args.vocab)) if v is not None}
+    model = get_config(args.model)
+    if custom:
+        if not isinstance(model, GPTConfig):
+            raise ValueError(f"--d-model/--layers/--heads/--vocab apply to GPT models, not {args.model!r}")
+        model = replace(model, name="custom", **custom)
+    return StepConfig(model=model, seq=args.seq, batch=args.batch, precision=args.precision,
+                      checkpointing=args.checkpointing, attention=args.attention,
+                      optimizer=args.optimizer, micro_batches=args.micro_batches, zero=args.zero,
+                      world_size=args.world_size, offload=args.offload)
+
+
+def _budget(args: argparse.Namespace) -> int | None:
+    if args.gpu is not None and args.gpu not in GPU_PRESETS:
+        raise ValueError(f"unknown GPU preset {args.gpu!r}; allowed: {', '.join(GPU_PRESETS)}")
+    if args.gpu is not None and args.budget is not None:
+        raise ValueError("give --gpu or --budget, not both")
+    return resolve_budget(args.gpu if args.gpu is not None else args.budget)
+
+
+def run(args: argparse.Namespace) -> MemoryReport:
+    """Compute the report a subcommand asks for."""
+    step = step_from_args(args)
+    budget = _budget(args)
+    if args.command == "estimate":
+        from .estimate import estimate_step
+        return estimate_step(step, budget=budget)
+    if args.command == "simulate":
+        if step.world_size > 1:
+            if step.zero != 3:
+                raise ValueError(f"simulate shards with FSDP2 (ZeRO-3) only; got --zero {step.zero} "
+                                 f"with --world-size {step.world_size}: use --zero 3, or estimate/measure")
+            from .distributed import simulate_sharded
+            return simulate_sharded(step, step.world_size, budget=budget)
+        from .simulate import simulate_step
+        return simulate_step(step, budget=budget)
+    if args.device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {args.device!r}; allowed: cpu, cuda")
+    if step.world_size > 1 or step.zero > 0 or step.offload != "none":
+        from .distributed import measure_distributed
+        report = measure_distributed(step, device=args.device)
+        report.budget_bytes = budget
+        return report
+    from .measure import measure_step
+    return measure_step(step, device=args.device, budget=budget, snapshot_path=args.snapshot)
+
+
+def _presets(as_json: bool) -> str:
+    models = {name: {"params": cfg.num_params(), "d_model": cfg.d_model, "layers": cfg.n_layer,
+                     "heads": cfg.n_head, "vocab": cfg.vocab_size} for name, cfg in PRESETS.items()}
+    models.update({name: {"params": cfg.num_params()} for name, cfg in UNET_PRESETS.items()})
+    if as_json:
+        return json.dumps({"models": models, "gpus": GPU_PRESETS}, indent=2)
+    lines = ["models:"]
+    lines += [f"  {n:<12} {m['params'] / 1e6:10.1f} M params" for n, m in models.items()]
+    lines += ["gpus:"] + [f"  {n:<14} {fmt_bytes(b)}" for n, b in GPU_PRESETS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "presets":
+            print(_presets(args.json))
+            return 0
+        report = run(args)
+    except (UsageError, ValueError) as e:
+        print(f"memlab: error: {e}", file=sys.stderr)
+        return 2
+    print(report.to_json() if args.json else report.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The CLI contract: JSON keys, exit codes, one-line errors."""
+import json
+
+import pytest
+
+from memlab.cli import main
+
+KEYS = {"lens", "config", "seq", "batch", "device", "peak_bytes", "by_category",
+        "budget_bytes", "fits", "step_seconds"}
+
+
+@pytest.mark.parametrize("lens", ["estimate", "simulate", "measure"])
+def test_json_keys(lens, capsys):
+    assert main([lens, "--model", "tiny", "--seq", "64", "--batch", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert KEYS <= out.keys()
+    assert out["lens"] == lens
+    assert set(out["by_category"]) == {"parameters", "gradients", "optimizer", "activations",
+                                       "temporaries", "other"}
+
+
+def test_not_fitting_is_a_result(capsys):
+    assert main(["measure", "--seq", "128", "--batch", "4", "--budget", "60MiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["budget_bytes"] == 60 * 2**20
+    assert "Tried to allocate" in out["oom"]["message"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["estimate", "--seq", "0"], "seq must be a positive integer, got 0"),
+    (["estimate", "--seq", "abc"], "seq must be a positive integer, got 'abc'"),
+    (["estimate", "--batch", "-3"], "batch must be a positive integer, got -3"),
+    (["estimate", "--model", "gpt5"], "unknown model preset 'gpt5'; allowed: tiny"),
+    (["estimate", "--gpu", "Z100"], "unknown GPU preset 'Z100'; allowed: T4-16GB"),
+    (["estimate", "--d-model", "100", "--heads", "3"], "d_model=100 is not divisible by n_head=3"),
+    (["estimate", "--zero", "4"], "ZeRO stage '4' is outside 0-3"),
+    (["estimate", "--world-size", "0"], "world size must be a positive integer, got 0"),
+    (["estimate", "--budget", "-5"], "malformed size '-5'"),
+    (["estimate", "--budget", "12XB"], "malformed size '12XB'"),
+    (["measure", "--device", "tpu"], "unknown device 'tpu'; allowed: cpu, cuda"),
+    (["estimate", "--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["estimate", "--seq", "5000"], "seq 5000 exceeds the model's block size; allowed: 1-1024"),
+])
+def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_presets_lists_models_and_gpus(capsys):
+    assert main(["presets", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["models"]["gpt2-small"]["params"] == 124_439_808
+    assert "A100-40GB" in out["gpus"]

@@ -1,0 +1,92 @@
+"""The three lenses agree: estimate within 5% of measure, simulate equal to measure."""
+import itertools
+import time
+
+import pytest
+
+from memlab.estimate import estimate_step, model_state_bytes
+from memlab.measure import StepConfig, measure_step
+from memlab.models import get_config
+from memlab.simulate import simulate_step
+
+# Held out: none of these shapes were used to write the formula (it was derived on tiny at
+# seq 64/128/256 with batch 2/4/8).
+GRID = [StepConfig(model=get_config("tiny", d_model=192, n_head=6, n_layer=3, vocab_size=1500),
+                   seq=s, batch=b, precision=p, checkpointing=c, attention=a)
+        for (p, c, a), (s, b) in itertools.product(
+            [("fp32", "none", "naive"), ("fp32", "none", "sdpa"), ("bf16", "none", "naive"),
+             ("bf16", "selective", "naive"), ("fp32", "full", "sdpa"), ("pure-bf16", "none", "sdpa"),
+             ("bf16", "full", "naive"), ("fp16", "none", "sdpa")],
+            [(96, 3), (200, 2)])]
+
+
+@pytest.mark.parametrize("step", GRID, ids=lambda s: f"{s.precision}-{s.checkpointing}-{s.attention}-s{s.seq}b{s.batch}")
+def test_estimate_within_5_percent_of_simulate(step):
+    sim = simulate_step(step)
+    est = estimate_step(step)
+    assert abs(est.peak_bytes - sim.peak_bytes) / sim.peak_bytes < 0.05
+    assert est.by_category["parameters"] == sim.by_category["parameters"]
+
+
+LLAMA = get_config("tiny", mlp="swiglu", norm="rmsnorm", position="rope", bias=False,
+                   tie_embeddings=False, name="tiny-llama")
+
+
+@pytest.mark.parametrize("step", [
+    StepConfig(model=LLAMA, seq=96, batch=2),
+    StepConfig(model=LLAMA, seq=96, batch=2, precision="bf16", checkpointing="full"),
+    StepConfig(seq=96, batch=4, micro_batches=2),
+    StepConfig(model="unet-small", seq=32, batch=4),
+], ids=["llama-like", "llama-like-bf16-full", "accumulation", "unet"])
+def test_estimate_of_other_shapes_within_5_percent(step):
+    sim = simulate_step(step)
+    assert abs(estimate_step(step).peak_bytes - sim.peak_bytes) / sim.peak_bytes < 0.05
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(checkpointing="full", precision="bf16"),
+                                dict(precision="fp16"), dict(micro_batches=2)])
+def test_simulate_equals_measure_to_the_byte(kw):
+    step = StepConfig(seq=64, batch=4, **kw)
+    real, fake = measure_step(step), simulate_step(step)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.by_category == real.by_category
+
+
+def test_measure_matches_estimate_on_the_default_step():
+    step = StepConfig()
+    real = measure_step(step)
+    assert abs(estimate_step(step).peak_bytes - real.peak_bytes) / real.peak_bytes < 0.05
+
+
+def test_gpt2_xl_simulates_quickly_and_fits_an_a100_40gb():
+    start = time.perf_counter()
+    rep = simulate_step(StepConfig(model="gpt2-xl", seq=1024, batch=1), budget="A100-40GB")
+    assert time.perf_counter() - start < 30  # < 10 s on an idle 2-core machine
+    assert rep.fits
+    assert rep.by_category["parameters"] == 4 * get_config("gpt2-xl").num_params()
+
+
+def test_simulated_oom_on_a_small_card():
+    rep = simulate_step(StepConfig(model="gpt2-xl", seq=1024, batch=4), budget="T4-16GB")
+    assert rep.fits is False and rep.oom is not None
+
+
+def test_zero_stages_divide_model_states():
+    psi = 10**9
+    s0 = model_state_bytes(psi, precision="bf16", zero=0, world_size=8)
+    s1 = model_state_bytes(psi, precision="bf16", zero=1, world_size=8)
+    s2 = model_state_bytes(psi, precision="bf16", zero=2, world_size=8)
+    s3 = model_state_bytes(psi, precision="bf16", zero=3, world_size=8)
+    assert s0["optimizer"] == 8 * psi and s1["optimizer"] == (8 + 4) * psi / 8
+    assert s2["gradients"] == s0["gradients"] / 8
+    assert s3["parameters"] == s0["parameters"] / 8
+    off = model_state_bytes(psi, precision="bf16", zero=3, world_size=8, offload="all")
+    assert off["optimizer"] == 0 and off["parameters"] == 0 and off["host"] > 0
+
+
+def test_adding_checkpointing_or_precision_never_raises_the_estimate():
+    base = StepConfig(model="gpt2-small", seq=1024, batch=8)
+    e0 = estimate_step(base).peak_bytes
+    assert estimate_step(base, precision="bf16").peak_bytes < e0
+    assert estimate_step(base, checkpointing="full").peak_bytes < e0
+    assert estimate_step(base, zero=2, world_size=4).peak_bytes < e0

