@@ -265,10 +265,20 @@ class ParallelResult:
     per_rank: list[dict]
     extra: dict = field(default_factory=dict)
 
-    def report(self) -> MemoryReport:
-        """The per-rank peaks as a :class:`MemoryReport` (``per_rank`` filled)."""
-        ranks = [MemoryReport("measure", self.step, "cpu", r["peak_bytes"], r["by_category"],
-                              notes=[f"rank {r['rank']}"]) for r in self.per_rank]
+    def report(self, schedule: str | None = None, m: int | None = None) -> MemoryReport:
+        """The per-rank peaks as a :class:`MemoryReport` (``per_rank`` filled); for a
+        pipeline, of the run with ``schedule`` and ``m`` (default: the last one measured)."""
+        ranks = []
+        for r in self.per_rank:
+            src = r
+            if "runs" in r:
+                runs = [x for x in r["runs"] if (schedule is None or x["schedule"] == schedule)
+                        and (m is None or x["m"] == m) and "peak_bytes" in x]
+                if not runs:
+                    raise ValueError(f"no tracked run with schedule={schedule!r}, m={m!r}")
+                src = runs[-1]
+            ranks.append(MemoryReport("measure", self.step, "cpu", src["peak_bytes"],
+                                      src["by_category"], notes=[f"rank {r['rank']}"]))
         top = max(ranks, key=lambda r: r.peak_bytes)
         return MemoryReport("measure", self.step, top.device, top.peak_bytes,
                             dict(top.by_category), per_rank=ranks,

@@ -98,3 +98,4 @@ def test_pipeline_loss_and_1f1b_holds_fewer_micro_batches():
     assert runs["gpipe"]["in_flight"] == 4 and runs["1f1b"]["in_flight"] == 2
     assert runs["1f1b"]["peak_bytes"] < runs["gpipe"]["peak_bytes"]
     assert 0 < runs["gpipe"]["bubble"] < 1
+    assert res.report("1f1b", 4).per_rank[0].peak_bytes == runs["1f1b"]["peak_bytes"]
