@@ -87,7 +87,41 @@ def build_parser() -> argparse.ArgumentParser:
     _add_step_args(sub.add_parser("measure", help="a real step, tracked"), device=True)
     p = sub.add_parser("presets", help="list model and GPU presets")
     p.add_argument("--json", action="store_true")
+    _add_advise_args(sub.add_parser("advise", help="the techniques, in order, until the step fits"))
     return parser
+
+
+def _headroom(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"headroom {text!r} is outside [0, 1): give a fraction such as 0.1")
+    return value
+
+
+def _add_advise_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--gpu", default=None, help=f"the card: {', '.join(GPU_PRESETS)}")
+    p.add_argument("--budget", default=None, help="or a size: 512MiB, 40GB")
+    p.add_argument("--world-size", type=_positive_int("world size"), default=1)
+    p.add_argument("--seq", type=_positive_int("seq"), default=1024, help="sequence length")
+    p.add_argument("--batch", type=_positive_int("batch"), default=8, help="batch size per rank")
+    p.add_argument("--attention", choices=ATTENTIONS, default=None)
+    p.add_argument("--headroom", type=_headroom, default=0.1, help="fraction of the card kept free")
+    p.add_argument("--no-simulate", action="store_true", help="estimate only, never simulate")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _advise(args: argparse.Namespace):
+    from .advisor import advise
+    budget = _budget(args)
+    if budget is None:
+        raise ValueError(f"give --gpu ({', '.join(GPU_PRESETS)}) or --budget SIZE")
+    return advise(args.model, budget, args.world_size, args.seq, args.batch,
+                  attention=args.attention, headroom=args.headroom,
+                  simulate=False if args.no_simulate else None)
 
 
 def step_from_args(args: argparse.Namespace) -> StepConfig:
@@ -115,6 +149,8 @@ def _budget(args: argparse.Namespace) -> int | None:
 
 def run(args: argparse.Namespace) -> MemoryReport:
     """Compute the report a subcommand asks for."""
+    if args.command == "advise":
+        return _advise(args)
     step = step_from_args(args)
     budget = _budget(args)
     if args.command == "estimate":

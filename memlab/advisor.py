@@ -1,0 +1,242 @@
+"""The advisor: walk the seed's decision flowchart until a training step fits the GPU.
+
+The seed's flowchart (curriculum section 6) is: enough memory? -> mixed precision -> still
+short? checkpointing -> still short? ZeRO-1/2/3 -> still short? tensor + pipeline parallel
+-> CPU offload -> train. :func:`advise` walks it on the estimate
+(:func:`memlab.estimate.estimate_step`), adding one technique at a time to the plan, and
+stops at the first plan whose peak fits the card with ``headroom`` to spare (allocator
+fragmentation, the CUDA context and NCCL buffers are not in the formulas: 10% by default).
+Where a simulation is cheap (one rank, under ~2B parameters) each step is also run on fake
+tensors (:func:`memlab.simulate.simulate_step`) and the larger of the two peaks decides.
+
+A technique that raises the peak (bf16 autocast on a model whose activations are
+small keeps fp32 weights *and* adds bf16 copies) is tried, reported, and left out of the plan; one that leaves it equal (ZeRO-2 when the peak
+sits where gradients do not exist yet) is kept, as later stages build on it.
+
+>>> a = advise("llama-7b", "A100-40GB", world_size=8, seq=4096, batch=1)
+>>> a.plan, a.fits
+(['bf16', 'checkpointing', 'zero-1', 'zero-2', 'zero-3'], True)
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+
+from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
+from .measure import StepConfig
+from .models import GPTConfig, get_config
+
+SIMULATE_MAX_PARAMS = 2_000_000_000  # gpt2-xl (1.6B) simulates in ~4 s on 2 cores
+TP_MAX = 8  # tensor parallelism all-reduces twice per layer each way: keep it inside a node
+
+
+@dataclass
+class Advice:
+    """What :func:`advise` found: every step tried, the plan kept, and its DeepSpeed config."""
+
+    steps: list[dict]
+    plan: list[str]
+    step: StepConfig
+    peak_bytes: int
+    budget_bytes: int
+    usable_bytes: int
+    headroom: float
+    fits: bool
+    tensor_parallel: int = 1
+    deepspeed_config: dict = field(default_factory=dict)
+    message: str = ""
+
+    @property
+    def short_bytes(self) -> int:
+        """Bytes the best plan is over the usable budget (0 when it fits)."""
+        return max(0, self.peak_bytes - self.usable_bytes)
+
+    def to_dict(self) -> dict:
+        """The CLI's JSON (keys fixed by the project's contract, plus a few extras)."""
+        return {"steps": [dict(s) for s in self.steps], "plan": list(self.plan),
+                "peak_bytes": self.peak_bytes, "budget_bytes": self.budget_bytes,
+                "usable_bytes": self.usable_bytes, "headroom": self.headroom,
+                "fits": self.fits, "short_bytes": self.short_bytes,
+                "tensor_parallel": self.tensor_parallel, "message": self.message,
+                "config": self.step.describe(), "deepspeed_config": self.deepspeed_config}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self) -> str:
+        cfg = self.step.model_config
+        lines = [f"advise | {cfg.name} | seq {self.step.seq} batch {self.step.batch} | "
+                 f"{self.step.world_size} rank(s) | budget {fmt_bytes(self.budget_bytes)} "
+                 f"(usable {fmt_bytes(self.usable_bytes)}, {self.headroom:.0%} headroom)"]
+        for s in self.steps:
+            mark = "fits" if s["fits"] else ("kept" if s["kept"] else "not kept")
+            sim = "" if s["simulated_bytes"] is None else f"  (simulated {fmt_bytes(s['simulated_bytes'])})"
+            lines.append(f"  + {s['technique']:<22} {fmt_bytes(s['peak_bytes']):>12}  {mark}{sim}")
+        lines.append(f"  plan: {' + '.join(self.plan) or 'nothing to add'}")
+        lines.append(f"  {self.message}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def tensor_parallel_degree(cfg: GPTConfig, world_size: int, limit: int = TP_MAX) -> int:
+    """Largest ``t <= limit`` dividing the world size, the heads and the MLP width."""
+    return max(t for t in range(1, min(limit, world_size) + 1)
+               if world_size % t == 0 and cfg.n_head % t == 0 and cfg.hidden % t == 0)
+
+
+def flowchart(step: StepConfig, world_size: int) -> list[tuple[str, dict]]:
+    """The seed's flowchart as ``(technique, StepConfig overrides)``, in order.
+
+    ZeRO and tensor parallelism need several ranks; one rank goes straight to offload, with
+    ZeRO-Offload's own stage (2 for the optimizer, 3 to move the parameters too: Ren et al.
+    2021, section 4).
+    """
+    chain = [("bf16", {"precision": "bf16"}), ("checkpointing", {"checkpointing": "full"})]
+    if world_size > 1:
+        chain += [("zero-1", {"zero": 1}), ("zero-2", {"zero": 2}), ("zero-3", {"zero": 3}),
+                  ("tensor-parallel", {})]
+    chain += [("offload-optimizer", {"offload": "optimizer", "zero": 2}),
+              ("offload-all", {"offload": "all", "zero": 3})]
+    return chain
+
+
+def _tp_estimate(step: StepConfig, t: int) -> int:
+    """Peak per rank with tensor parallelism of degree ``t`` on top of ``step``.
+
+    With ZeRO-3 over the ``N/t`` data-parallel ranks of each TP group, a rank holds ``1/N`` of
+    the model states as before; what TP adds is a split of the activations: with sequence
+    parallelism (Korthikanti et al. 2022, section 4.2.2) every activation and transient of a
+    layer is divided by ``t`` (the vocabulary-parallel loss divides the logits too).
+    Pipeline parallelism adds nothing here: with 1F1B the first of ``p`` stages keeps ``p``
+    micro-batches of ``L/p`` layers, the activations of one rank without it (section 4.2.3),
+    and ZeRO-3 already divided the model states.
+    """
+    from .estimate import estimate_step
+    cats = dict(estimate_step(step).by_category)
+    for c in ("activations", "temporaries"):
+        cats[c] = cats[c] / t
+    return int(sum(cats.values()))
+
+
+def _simulate(step: StepConfig) -> int:
+    """Simulated peak of ``step`` run unsharded, with its model states put right by formula.
+
+    The simulation runs one rank without ZeRO or offload; the parameters and optimizer state
+    that those move away (persistent all step) are replaced by :func:`model_state_bytes`.
+    """
+    from .estimate import model_state_bytes
+    from .simulate import simulate_step
+    plain = replace(step, zero=0, offload="none", world_size=1)
+    peak = simulate_step(plain).peak_bytes
+    n = step.model_config.num_params()
+    kw = dict(precision=step.precision, optimizer=step.optimizer)
+    full = model_state_bytes(n, **kw)
+    ours = model_state_bytes(n, zero=step.zero, world_size=step.world_size,
+                             offload=step.offload, **kw)
+    return int(peak - full["parameters"] - full["optimizer"] + ours["parameters"] + ours["optimizer"])
+
+
+def _model(model: str | GPTConfig) -> GPTConfig:
+    cfg = get_config(model) if isinstance(model, str) else model
+    if not isinstance(cfg, GPTConfig):
+        raise ValueError(f"the advisor plans GPT models; got {getattr(cfg, 'name', cfg)!r}")
+    return cfg
+
+
+def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_size: int = 1,
+           seq: int = 256, batch: int = 8, *, attention: str | None = None,
+           optimizer: str = "adamw", headroom: float = 0.10, simulate: bool | None = None,
+           simulate_seconds: float = 30.0) -> Advice:
+    """Walk the flowchart for ``model`` on ``world_size`` cards of ``gpu`` (a preset name or
+    a size such as ``"150MiB"``), ``batch`` sequences of ``seq`` tokens per rank.
+
+    ``simulate``: ``None`` simulates each step when affordable (one rank, fewer than 2B
+    parameters) until ``simulate_seconds`` are spent; ``True``/``False`` force it.
+    """
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom {headroom!r} is outside [0, 1): give a fraction such as 0.1")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    budget = resolve_budget(gpu)
+    if budget is None:
+        raise ValueError(f"gpu {gpu!r}: give a GPU preset ({', '.join(GPU_PRESETS)}) or a size")
+    cfg = _model(model)
+    step = StepConfig(model=cfg, seq=seq, batch=batch, attention=attention, optimizer=optimizer,
+                      world_size=world_size)
+    usable = int(budget * (1 - headroom))
+    if simulate is None:
+        simulate = world_size == 1 and cfg.num_params() < SIMULATE_MAX_PARAMS
+    tp = tensor_parallel_degree(cfg, world_size) if world_size > 1 else 1
+    started = time.perf_counter()
+
+    def peak_of(s: StepConfig, t: int) -> tuple[int, int | None]:
+        from .estimate import estimate_step
+        est = _tp_estimate(s, t) if t > 1 else estimate_step(s).peak_bytes
+        sim = None
+        if simulate and t == 1 and time.perf_counter() - started < simulate_seconds:
+            sim = _simulate(s)
+        return est, sim
+
+    def record(technique: str, s: StepConfig, t: int, kept: bool) -> dict:
+        est, sim = peak_of(s, t)
+        peak = max(est, sim or 0)
+        return {"technique": technique, "peak_bytes": peak, "fits": peak <= usable,
+                "kept": kept, "estimate_bytes": est, "simulated_bytes": sim}
+
+    steps = [record("baseline", step, 1, True)]
+    plan: list[str] = []
+    current, t_now = step, 1
+    for technique, over in flowchart(step, world_size):
+        if _best(steps)["fits"]:
+            break
+        if "zero" in over and technique.startswith("offload"):
+            over = {**over, "zero": max(over["zero"], current.zero)}  # never a lower stage
+        cand, t_cand = replace(current, **over), t_now
+        if technique == "tensor-parallel":
+            if tp == 1:
+                continue
+            t_cand = tp
+        row = record(technique + (f" (t={tp})" if technique == "tensor-parallel" else ""),
+                     cand, t_cand, True)
+        if row["peak_bytes"] <= _best(steps)["peak_bytes"]:
+            plan.append(technique)
+            current, t_now = cand, t_cand
+        else:
+            row["kept"] = False
+        steps.append(row)
+    best = _best(steps)
+    advice = Advice(steps, plan, current, best["peak_bytes"], budget, usable, headroom,
+                    best["peak_bytes"] <= usable, t_now)
+    advice.deepspeed_config = _ds_config(current, t_now)
+    if advice.fits:
+        advice.message = (f"fits: {fmt_bytes(advice.peak_bytes)} of {fmt_bytes(usable)} usable "
+                          f"({fmt_bytes(usable - advice.peak_bytes)} to spare)")
+    else:
+        advice.message = (f"does NOT fit: even with {' + '.join(plan) or 'every technique'} the "
+                          f"peak is {fmt_bytes(advice.peak_bytes)} against {fmt_bytes(usable)} "
+                          f"usable ({fmt_bytes(budget)} less {headroom:.0%} headroom): short by "
+                          f"{fmt_bytes(advice.short_bytes)}; use more ranks, a shorter sequence "
+                          f"or a smaller batch (with gradient accumulation)")
+    return advice
+
+
+def _best(steps: list[dict]) -> dict:
+    """The last step the plan kept (the plan's current peak)."""
+    return [s for s in steps if s["kept"]][-1]
+
+
+def _ds_config(step: StepConfig, tp: int) -> dict:
+    """DeepSpeed's config for the plan, from :func:`memlab.distributed.deepspeed_config`."""
+    from .distributed import deepspeed_config
+    cfg = deepspeed_config(step)
+    if tp > 1:
+        # AutoTP (DeepSpeed >= 0.16.4) splits the Linear layers; the data-parallel degree is N/t
+        cfg["tensor_parallel"] = {"autotp_size": tp}
+        cfg["train_batch_size"] = step.batch * step.world_size // tp
+    return cfg
+
+
+__all__ = ["Advice", "advise", "flowchart", "tensor_parallel_degree"]

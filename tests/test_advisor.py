@@ -1,0 +1,115 @@
+"""The advisor: its plans fit by its own estimate and by simulation, techniques that the
+formulas say lower memory never raise the estimate, and bad input exits 2 with one line."""
+import json
+from dataclasses import replace
+
+import pytest
+
+from memlab.advisor import advise, flowchart, tensor_parallel_degree
+from memlab.cli import main
+from memlab.estimate import estimate_step
+from memlab.measure import StepConfig
+from memlab.models import get_config
+from memlab.simulate import simulate_step
+
+MiB = 2**20
+
+
+def test_tiny_plan_fits_by_estimate_and_simulation():
+    a = advise("tiny", "150MiB", seq=256, batch=8)
+    assert a.fits and a.budget_bytes == 150 * MiB and a.usable_bytes == int(150 * MiB * 0.9)
+    assert a.steps[0]["technique"] == "baseline" and not a.steps[0]["fits"]
+    assert a.plan and a.plan[-1] == "checkpointing"  # bf16 alone (147 MiB) is not enough
+    assert estimate_step(a.step).peak_bytes <= a.usable_bytes
+    assert simulate_step(a.step).peak_bytes <= a.usable_bytes
+    assert all(s["simulated_bytes"] is not None for s in a.steps)  # one rank, small: simulated
+    peaks = [s["peak_bytes"] for s in a.steps if s["kept"]]
+    assert peaks == sorted(peaks, reverse=True)
+
+
+def test_a_plan_that_fits_already_is_empty():
+    a = advise("tiny", "1GiB", seq=64, batch=2, simulate=False)
+    assert a.fits and a.plan == [] and len(a.steps) == 1
+    assert a.deepspeed_config["zero_optimization"]["stage"] == 0
+
+
+def test_done_when_llama_7b_on_8_a100_40gb(capsys):
+    assert main(["advise", "--model", "llama-7b", "--gpu", "A100-40GB", "--world-size", "8",
+                 "--seq", "4096", "--batch", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"steps", "plan", "peak_bytes", "budget_bytes", "fits", "deepspeed_config"} <= out.keys()
+    assert out["fits"] is True and out["peak_bytes"] <= 0.9 * out["budget_bytes"]
+    assert {"technique", "peak_bytes", "fits"} <= out["steps"][0].keys()
+    assert out["steps"][-1]["fits"] and not any(s["fits"] for s in out["steps"][:-1])
+    ds = out["deepspeed_config"]
+    assert ds["zero_optimization"]["stage"] == int(out["plan"][-1][-1])  # last ZeRO stage taken
+    assert ds["bf16"]["enabled"] and ds["train_batch_size"] == 8
+    assert all(s["simulated_bytes"] is None for s in out["steps"])  # 7B on 8 ranks: estimate only
+
+
+def test_nothing_fits_says_by_how_much():
+    a = advise("llama-13b", "T4-16GB", seq=4096, batch=1)
+    assert not a.fits and a.short_bytes > 0
+    assert a.plan[-1] == "offload-all"
+    assert "short by" in a.message and "GiB" in a.message
+    assert a.to_dict()["fits"] is False
+
+
+def test_tensor_parallel_when_zero_3_is_not_enough():
+    a = advise("llama-7b", "T4-16GB", world_size=8, seq=4096, batch=16)
+    assert a.fits and "zero-3" in a.plan and "tensor-parallel" in a.plan
+    assert a.tensor_parallel == tensor_parallel_degree(get_config("llama-7b"), 8) == 8
+    ds = a.deepspeed_config
+    assert ds["tensor_parallel"] == {"autotp_size": 8} and ds["train_batch_size"] == 16
+    # offload keeps ZeRO-3 (a lower stage would undo the sharding): the config says stage 3
+    assert ds["zero_optimization"]["stage"] == 3
+    kept = [s["peak_bytes"] for s in a.steps if s["kept"]]
+    assert kept == sorted(kept, reverse=True)
+
+
+@pytest.mark.parametrize("model, world", [("tiny", 2), ("gpt2-small", 4), ("llama-7b", 8)])
+def test_techniques_that_lower_memory_never_raise_the_estimate(model, world):
+    """Checkpointing, each further ZeRO stage and each offload lower every category the
+    formulas model; mixed precision is left out: with fp32 master weights and small
+    activations its bf16 weight copies can cost more than it saves (the advisor skips it)."""
+    seq = 256 if model == "tiny" else 1024
+    base = StepConfig(model=model, seq=seq, batch=2, precision="bf16", world_size=world)
+    peak = lambda s: estimate_step(s).peak_bytes  # noqa: E731
+    assert peak(replace(base, checkpointing="full")) <= peak(base)
+    ck = replace(base, checkpointing="full")
+    for stage in (1, 2, 3):
+        assert peak(replace(ck, zero=stage)) <= peak(replace(ck, zero=stage - 1))
+    z3 = replace(ck, zero=3)
+    assert peak(replace(z3, offload="optimizer")) <= peak(z3)
+    assert peak(replace(z3, offload="all")) <= peak(replace(z3, offload="optimizer"))
+
+
+def test_flowchart_order_follows_the_seed():
+    step = StepConfig()
+    assert [t for t, _ in flowchart(step, 1)] == ["bf16", "checkpointing", "offload-optimizer",
+                                                 "offload-all"]
+    assert [t for t, _ in flowchart(step, 8)] == ["bf16", "checkpointing", "zero-1", "zero-2",
+                                                 "zero-3", "tensor-parallel",
+                                                 "offload-optimizer", "offload-all"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["advise", "--gpu", "Z100"], "unknown GPU preset 'Z100'; allowed: T4-16GB"),
+    (["advise", "--model", "gpt5", "--gpu", "T4-16GB"], "unknown model preset 'gpt5'"),
+    (["advise", "--gpu", "T4-16GB", "--world-size", "0"], "world size must be a positive integer, got 0"),
+    (["advise", "--gpu", "T4-16GB", "--headroom", "1.5"], "headroom '1.5' is outside [0, 1)"),
+    (["advise", "--gpu", "T4-16GB", "--seq", "5000"], "seq 5000 exceeds the model's block size"),
+    (["advise"], "give --gpu"),
+    (["advise", "--model", "unet-small", "--gpu", "T4-16GB"], "the advisor plans GPT models"),
+])
+def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_bad_arguments_in_python():
+    with pytest.raises(ValueError, match="headroom -0.1 is outside"):
+        advise("tiny", "T4-16GB", headroom=-0.1)
+    with pytest.raises(ValueError, match="world size must be a positive integer, got 0"):
+        advise("tiny", "T4-16GB", world_size=0)
