@@ -33,7 +33,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .hardware import fmt_bytes, resolve_budget
 
@@ -123,7 +122,8 @@ class MemoryTracker(TorchDispatchMode):
         self.cuda_history = cuda_history
         self.max_history_entries = max_history_entries
         self._records: list[_Storage] = []
-        self._by_storage: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # StorageImpl address -> record; an entry leaves when its storage is freed
+        self._by_storage: dict[int, int] = {}
         # event: (op index or -1, sid, +1 alloc / -1 free / 0 op marker)
         self._log: list[tuple[int, int]] = []
         self._ops: list[tuple[str, str, str]] = []
@@ -189,7 +189,8 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- bookkeeping ---------------------------------------------------------------------
     def _record(self, storage: torch.UntypedStorage, hint: str | None, op_index: int | None) -> int:
-        sid = self._by_storage.get(storage)
+        key = storage._cdata
+        sid = self._by_storage.get(key)
         if sid is not None:
             rec = self._records[sid]
             if hint is not None and hint != "other" and rec.hint in (None, "other"):
@@ -200,14 +201,16 @@ class MemoryTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         sid = len(self._records)
         self._records.append(_Storage(nbytes, self._phase, hint))
-        self._by_storage[storage] = sid
-        weakref.finalize(storage, self._free, sid)
+        self._by_storage[key] = sid
+        weakref.finalize(storage, self._free, sid, key)
         self._log.append((sid, +1))
         self.live_bytes += nbytes
         self._replayed = None
         return nbytes
 
-    def _free(self, sid: int) -> None:
+    def _free(self, sid: int, key: int) -> None:
+        if self._by_storage.get(key) == sid:
+            del self._by_storage[key]
         rec = self._records[sid]
         if rec.alive:
             rec.alive = False
