@@ -80,6 +80,8 @@ gpu-check: venv
 	$(PY) -m pytest -m cuda tests/ || { rc=$$?; [ $$rc -eq 5 ] && echo "no cuda tests collected"; [ $$rc -eq 5 ]; }
 	@mkdir -p data/reference
 	$(PY) -m memlab.gpu_check --out data/reference
+	MPLBACKEND=Agg $(PY) -m pytest --nbval --nbval-current-env -p no:cacheprovider \
+	  --nbval-cell-timeout=$(NBVAL_CELL_TIMEOUT) notebooks/
 
 strip:
 	$(PYTHON) tools/nbstrip.py
