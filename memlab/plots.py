@@ -56,7 +56,9 @@ def plot_timeline(report: MemoryReport, ax=None, *, title: str | None = None):
     if report.budget_bytes is not None:
         ax.axhline(report.budget_bytes / MiB, color="k", ls="--", lw=1, label="budget")
     if report.oom is not None:
-        ax.plot([len(data) - 1], [data[-1].sum()], "kx", ms=10, mew=2, label="OOM", zorder=3)
+        # the failing op is where live bytes went over the budget: the highest point
+        at = int(data.sum(axis=1).argmax())
+        ax.plot([at], [report.oom.live_bytes / MiB], "kx", ms=10, mew=2, label="OOM", zorder=3)
     ax.set_xlim(0, max(len(data) - 1, 1))
     ax.set_xlabel("op")
     ax.set_ylabel("live MiB")
