@@ -181,6 +181,45 @@ def _threads(world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
 
+def _tp_tracked_step(tp: GPT, opt: torch.optim.Optimizer, idx: torch.Tensor,
+                     tgt: torch.Tensor) -> dict:
+    """Parameter bytes on this rank, then one tracked step; the live bytes before and after
+    each block's forward give the activations that block keeps."""
+    blocks = {n for n, _ in tp.blocks.named_parameters(prefix="blocks")}
+    params = dict(tp.named_parameters())
+    out = {"param_bytes": sum(_local_bytes(p) for p in params.values()),
+           "block_param_bytes": sum(_local_bytes(params[n]) for n in blocks),
+           "sharded_param_bytes": sum(_local_bytes(p) for p in params.values() if _is_sharded(p)),
+           "full_block_param_bytes": sum(p.numel() * p.element_size()
+                                         for n, p in params.items() if n in blocks),
+           "full_param_bytes": sum(p.numel() * p.element_size() for p in params.values())}
+    marks: list[int] = []
+    with MemoryTracker() as mt:
+        hooks = [tp.blocks[0].register_forward_pre_hook(lambda m, a: marks.append(mt.live_bytes))]
+        hooks += [b.register_forward_hook(lambda m, a, o: marks.append(mt.live_bytes))
+                  for b in tp.blocks]
+        mt.track_model(tp)
+        mt.track_optimizer(opt)
+        mt.track_tensors((idx, tgt), "other")
+        mt.reset_peak()
+        loss = tp(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for hk in hooks:
+            hk.remove()
+    per_layer = sorted(b - a for a, b in zip(marks, marks[1:]))
+    out["layer_activation_bytes"] = [b - a for a, b in zip(marks, marks[1:])]
+    # the median: an all-reduce result may be freed one block late, moving bytes between
+    # neighbouring layers (the sum over layers is exact)
+    mid = len(per_layer) // 2
+    out["layer_activation"] = (per_layer[mid] if len(per_layer) % 2
+                               else (per_layer[mid - 1] + per_layer[mid]) / 2)
+    out["peak_bytes"] = mt.peak_bytes
+    out["by_category"] = mt.peak_by_category()
+    return out
+
+
 def tp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256,
               batch: int = 8, attention: str = "sdpa", check: bool = True) -> dict:
     """One TP rank: loss and gradients against the single-process model, then a tracked
@@ -218,41 +257,45 @@ def tp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256
     opt.zero_grad(set_to_none=True)
     del ref
 
-    # 2. parameter bytes on this rank
-    blocks = {n for n, _ in tp.blocks.named_parameters(prefix="blocks")}
-    params = dict(tp.named_parameters())
-    out["param_bytes"] = sum(_local_bytes(p) for p in params.values())
-    out["block_param_bytes"] = sum(_local_bytes(params[n]) for n in blocks)
-    out["sharded_param_bytes"] = sum(_local_bytes(p) for p in params.values() if _is_sharded(p))
-    out["full_block_param_bytes"] = sum(p.numel() * p.element_size()
-                                        for n, p in params.items() if n in blocks)
-    out["full_param_bytes"] = sum(p.numel() * p.element_size() for p in params.values())
-
-    # 3. a tracked steady-state step; live bytes after each block give its activations
-    marks: list[int] = []
-    with MemoryTracker() as mt:
-        hooks = [tp.blocks[0].register_forward_pre_hook(lambda m, a: marks.append(mt.live_bytes))]
-        hooks += [b.register_forward_hook(lambda m, a, o: marks.append(mt.live_bytes))
-                  for b in tp.blocks]
-        mt.track_model(tp)
-        mt.track_optimizer(opt)
-        mt.track_tensors((idx, tgt), "other")
-        mt.reset_peak()
-        loss = tp(idx, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        for hk in hooks:
-            hk.remove()
-    per_layer = [b - a for a, b in zip(marks, marks[1:])]
-    out["layer_activation_bytes"] = per_layer
-    # the median: an all-reduce result may be freed one block late, moving bytes between
-    # neighbouring layers (the sum over layers is exact)
-    out["layer_activation"] = sorted(per_layer)[len(per_layer) // 2] if len(per_layer) % 2 else \
-        sum(sorted(per_layer)[len(per_layer) // 2 - 1:len(per_layer) // 2 + 1]) / 2
-    out["peak_bytes"] = mt.peak_bytes
-    out["by_category"] = mt.peak_by_category()
+    out.update(_tp_tracked_step(tp, opt, idx, tgt))
     out["formula"] = tp_activation_bytes(cfg, seq, batch, world_size)
+    return out
+
+
+def simulate_tensor_parallel(step: StepConfig | None = None, tp: int = 2) -> dict:
+    """Rank 0 of a ``tp``-way tensor-parallel step, in this process, without the memory:
+    a fake process group (collectives return at once) and fake tensors, tracked exactly.
+
+    Every rank holds the same shapes, so rank 0 stands for all; the numbers equal a real
+    run's (lesson 08 checks it on the tiny model), for models no laptop could hold.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    step = step or StepConfig()
+    cfg = step.model_config
+    if not isinstance(cfg, GPTConfig):
+        raise ValueError("tensor parallelism needs a GPT model")
+    qkv_head_permutation(cfg, tp)  # validates tp against the heads and the MLP width
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists in this process; the simulation "
+                           "needs its own fake one (run it outside a distributed job)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        mesh = init_device_mesh("cpu", (tp,))  # outside fake mode: it reads the ranks
+        with FakeTensorMode(), torch.device("cpu"):
+            model = apply_tensor_parallel(GPT(cfg), mesh)
+            idx = torch.randint(0, cfg.vocab_size, (step.batch, step.seq))
+            tgt = torch.randint(0, cfg.vocab_size, (step.batch, step.seq))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+            model(idx, tgt).backward()  # warm-up: the optimizer state exists from here on
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out = _tp_tracked_step(model, opt, idx, tgt)
+    finally:
+        dist.destroy_process_group()
+    out.update(rank=0, world_size=tp, config=cfg.name,
+               formula=tp_activation_bytes(cfg, step.seq, step.batch, tp))
     return out
 
 

@@ -7,7 +7,7 @@ import torch
 import memlab as ml
 from memlab.parallel import (_tp_attention_forward, bubble_fraction, in_flight,
                              measure_pipeline, measure_tensor_parallel, qkv_head_permutation,
-                             stage_bounds, tp_activation_bytes)
+                             simulate_tensor_parallel, stage_bounds, tp_activation_bytes)
 from memlab.tracking import MemoryTracker
 
 
@@ -86,6 +86,9 @@ def test_tensor_parallel_halves_block_params_and_matches_one_process():
         assert r["block_param_bytes"] / r["full_block_param_bytes"] == pytest.approx(0.5, abs=0.01)
         assert r["layer_activation"] == pytest.approx(r["formula"]["total"], rel=0.01)
     assert res.report().per_rank[0].peak_bytes == res.per_rank[0]["peak_bytes"]
+    sim = simulate_tensor_parallel(ml.StepConfig(seq=64, batch=4), tp=2)
+    assert sim["peak_bytes"] == pytest.approx(res.per_rank[0]["peak_bytes"], rel=0.01)
+    assert sim["layer_activation"] == pytest.approx(sim["formula"]["total"], rel=1e-3)
 
 
 @pytest.mark.distributed
