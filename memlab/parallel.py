@@ -25,7 +25,7 @@ import json
 import os
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from .measure import MemoryReport, StepConfig, build_optimizer, make_batch
 from .models import GPT, GPTConfig
-from .tracking import CATEGORIES, MemoryTracker
+from .tracking import MemoryTracker
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -306,7 +306,6 @@ class ParallelResult:
     kind: str
     step: StepConfig
     per_rank: list[dict]
-    extra: dict = field(default_factory=dict)
 
     def report(self, schedule: str | None = None, m: int | None = None) -> MemoryReport:
         """The per-rank peaks as a :class:`MemoryReport` (``per_rank`` filled); for a
