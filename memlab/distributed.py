@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from .estimate import zero_formula  # the paper's per-rank formula, re-exported for lesson 06
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -582,19 +584,6 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, *
     rep.notes.append(f"FSDP2 fully_shard (= ZeRO-3) on a fake {world_size}-rank process group; "
                      f"ranks hold equal padded shards")
     return rep
-
-
-def zero_formula(num_params: int, stage: int, world_size: int, *, param_bytes: int = 2,
-                 grad_bytes: int = 2, k: int = 12) -> dict[str, float]:
-    """Model-state bytes per rank from the ZeRO paper (Rajbhandari et al. 2020, sec. 5.1):
-    (2 + 2 + K) psi for mixed-precision Adam (K = 12: fp32 master, momentum, variance);
-    stage 1 divides K psi by N_d, stage 2 also the gradients, stage 3 also the parameters."""
-    if stage not in (0, 1, 2, 3) or world_size < 1:
-        raise ValueError(f"stage must be 0-3 and world_size >= 1, got {stage}, {world_size}")
-    n = world_size
-    return {"parameters": param_bytes * num_params / (n if stage >= 3 else 1),
-            "gradients": grad_bytes * num_params / (n if stage >= 2 else 1),
-            "optimizer": k * num_params / (n if stage >= 1 else 1)}
 
 
 __all__ = ["RankError", "allreduce_worker", "deepspeed_config",

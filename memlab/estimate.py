@@ -97,6 +97,19 @@ def model_state_bytes(num_params: int, *, precision: str = "fp32", optimizer: st
     return {"parameters": params, "gradients": grads, "optimizer": opt, "host": host}
 
 
+def zero_formula(num_params: int, stage: int, world_size: int, *, param_bytes: int = 2,
+                 grad_bytes: int = 2, k: int = 12) -> dict[str, float]:
+    """Model-state bytes per rank from the ZeRO paper (Rajbhandari et al. 2020, sec. 5.1):
+    (2 + 2 + K) psi for mixed-precision Adam (K = 12: fp32 master, momentum, variance);
+    stage 1 divides K psi by N_d, stage 2 also the gradients, stage 3 also the parameters."""
+    if stage not in (0, 1, 2, 3) or world_size < 1:
+        raise ValueError(f"stage must be 0-3 and world_size >= 1, got {stage}, {world_size}")
+    n = world_size
+    return {"parameters": param_bytes * num_params / (n if stage >= 3 else 1),
+            "gradients": grad_bytes * num_params / (n if stage >= 2 else 1),
+            "optimizer": k * num_params / (n if stage >= 1 else 1)}
+
+
 def _linear_weights(cfg: GPTConfig) -> tuple[int, int]:
     """Elements of matmul weights per layer and in the head (autocast copies these)."""
     d, f = cfg.d_model, cfg.hidden
