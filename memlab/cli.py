@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list model and GPU presets")
     p.add_argument("--json", action="store_true")
     _add_advise_args(sub.add_parser("advise", help="the techniques, in order, until the step fits"))
+    p = sub.add_parser("report", help="the seed's comparison table, measured (Markdown + PNG)")
+    p.add_argument("--out", required=True, help="folder for table.md, table.json and table.png")
+    p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--seq", type=_positive_int("seq"), default=256, help="sequence length")
+    p.add_argument("--batch", type=_positive_int("batch"), default=8, help="batch size")
+    p.add_argument("--world-size", type=_positive_int("world size"), default=2,
+                   help="ranks for the ZeRO, offload, TP and PP rows")
+    p.add_argument("--no-distributed", action="store_true", help="single-device rows only (fast)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     return parser
 
 
@@ -151,6 +160,14 @@ def run(args: argparse.Namespace) -> MemoryReport:
     """Compute the report a subcommand asks for."""
     if args.command == "advise":
         return _advise(args)
+    if args.command == "report":
+        from .report import write_report
+        if args.world_size < 2 and not args.no_distributed:
+            raise ValueError(f"world size {args.world_size} for the multi-rank rows; allowed: 2 or "
+                             f"more (or --no-distributed)")
+        table, _ = write_report(args.out, StepConfig(model=args.model, seq=args.seq, batch=args.batch),
+                                world_size=args.world_size, distributed=not args.no_distributed)
+        return table
     step = step_from_args(args)
     budget = _budget(args)
     if args.command == "estimate":

@@ -1,0 +1,90 @@
+"""The measured comparison table: verdicts, GPU references, files written, the CLI."""
+import json
+
+import pytest
+
+from memlab.cli import main
+from memlab.measure import StepConfig
+from memlab.report import (load_references, measure_table, ranks_for, reference_ratios, verdict,
+                           zero_saving)
+
+STEP = StepConfig(seq=128, batch=4)
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    return measure_table(STEP, distributed=False, repeats=1,
+                         reference_dir=tmp_path_factory.mktemp("none"))
+
+
+def test_single_device_rows_are_measured(table):
+    techs = [r.technique for r in table.rows]
+    assert techs == ["gradient checkpointing", "mixed precision", "activation compression",
+                     "recomputation (selective)"]
+    ck = table.row("gradient checkpointing")
+    assert 0.2 < ck.saving < 0.9 and ck.time_ratio > 0
+    assert table.row("activation compression").saving > 0.15
+    for r in table.rows:
+        assert r.verdict == "holds" or r.verdict.startswith(("holds only when", "does not hold"))
+    assert any("no GPU reference" in n for n in table.notes)
+
+
+def test_save_writes_markdown_json_png(table, tmp_path):
+    paths = table.save(tmp_path)
+    md = paths["markdown"].read_text()
+    assert "| gradient checkpointing | ~50-70% |" in md and "single-device rows only" in md
+    assert json.loads(paths["json"].read_text())["rows"][0]["technique"] == "gradient checkpointing"
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_verdicts():
+    assert verdict(0.60, (0.5, 0.7), "x") == "holds"
+    assert verdict(0.46, (0.5, 0.7), "x") == "holds"  # within 5 points
+    assert verdict(0.30, (0.5, 0.7), "long sequences") == "holds only when long sequences"
+    assert verdict(0.30, (0.5, 0.7), "") == "does not hold"
+    assert verdict(0.0, None, "") == "does not hold"
+
+
+def test_zero_formula_thresholds():
+    # Rajbhandari et al. 2020, figure 1: 4x (75%) and 8x (87.5%) as N grows; ZeRO-3 1/N
+    assert zero_saving(0, 64) == 0
+    assert zero_saving(1, 10**6) == pytest.approx(0.75, abs=1e-3)
+    assert zero_saving(2, 10**6) == pytest.approx(0.875, abs=1e-3)
+    assert zero_saving(3, 8) == pytest.approx(7 / 8)
+    assert ranks_for(1, 0.5) == 3 and ranks_for(3, 0.9) == 10
+    assert ranks_for(1, 0.8) is None  # ZeRO-1 never reaches 80%
+
+
+def test_gpu_references_are_used_when_present(tmp_path):
+    assert load_references(tmp_path / "missing") == []
+    rows = [{"model": "gpt2-small", "seq": 512, "batch": 8, "measure_peak_bytes": 1000,
+             "step_seconds": 1.0},
+            {"model": "gpt2-small", "seq": 512, "batch": 8, "checkpointing": "full",
+             "measure_peak_bytes": 400, "step_seconds": 1.3},
+            {"model": "gpt2-small", "seq": 512, "batch": 8, "precision": "bf16",
+             "measure_peak_bytes": 600, "step_seconds": 0.5}]
+    (tmp_path / "NVIDIA-H200.json").write_text(json.dumps({"gpu": "NVIDIA H200", "rows": rows}))
+    (tmp_path / "broken.json").write_text("{not json")
+    refs = load_references(tmp_path)
+    assert len(refs) == 1
+    got = reference_ratios(refs)
+    assert got["gradient checkpointing"] == "NVIDIA H200 gpt2-small s512: 60% saved, 1.30x time"
+    assert got["mixed precision"] == "NVIDIA H200 gpt2-small s512: 40% saved, 0.50x time"
+
+
+def test_cli_report_writes_files(tmp_path, capsys):
+    assert main(["report", "--out", str(tmp_path), "--seq", "64", "--batch", "2",
+                 "--no-distributed", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["rows"]) == 4 and (tmp_path / "table.md").exists() and (tmp_path / "table.png").exists()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["report"], "the following arguments are required: --out"),
+    (["report", "--out", "x", "--model", "gpt9"], "unknown model preset 'gpt9'"),
+    (["report", "--out", "x", "--world-size", "1"], "world size 1 for the multi-rank rows"),
+])
+def test_cli_report_bad_input(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
