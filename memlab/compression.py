@@ -244,40 +244,58 @@ def gradient_error(step: StepConfig, variant: str, *, reference: list[torch.Tens
     return float((num / den).sqrt())
 
 
-def seconds(step: StepConfig, variants: Iterable[str], repeats: int = 3) -> dict[str, float]:
-    """Median untracked step seconds per variant, timed round-robin (one step of each in
-    turn) so that a machine shared with other work slows every variant alike."""
-    runs = {v: _trainer(step, v) for v in variants}
-    for trainer, _, batch in runs.values():
-        trainer.step(batch)  # warm-up: optimizer state
-    times: dict[str, list[float]] = {v: [] for v in runs}
-    for _ in range(repeats):
-        for v, (trainer, _, batch) in runs.items():
-            start = time.perf_counter()
-            trainer.step(batch)
-            times[v].append(time.perf_counter() - start)
-    for _, comp, _ in runs.values():
-        if comp is not None:
-            comp.remove()
-    return {v: sorted(t)[len(t) // 2] for v, t in times.items()}
+def _grads_of(trainer, batch) -> list[torch.Tensor]:
+    """Gradients of one forward/backward (no optimizer step), then cleared."""
+    from .measure import autocast_for
+    with autocast_for(trainer.step_config.precision, trainer.device):
+        loss = trainer.model(*batch)
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in trainer.model.parameters()]
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+def _rel_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    num = sum(((g - r).float() ** 2).sum() for g, r in zip(got, ref))
+    den = sum((r.float() ** 2).sum() for r in ref)
+    return float((num / den).sqrt())
 
 
 def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARIANTS), *,
             repeats: int = 3, **overrides) -> dict[str, dict]:
     """For each variant: peak, most activations alive, gradient error and step time, with
-    memory and time as ratios to ``"none"``."""
+    memory and time as ratios to ``"none"``.
+
+    One trainer per variant serves all three: the gradients of its first forward/backward
+    (same seed, weights and batch as the reference), then a warm-up and a tracked step, then
+    untracked steps timed round-robin with the other variants.
+    """
     from .techniques import category_max
     step = _resolve_step(step, **overrides)
     variants = list(dict.fromkeys(["none", *variants]))
-    ref = gradients(step, "none")
-    secs = seconds(step, variants, repeats) if repeats else {}
-    rows = {}
+    runs, rows, ref = {}, {}, None
     for v in variants:
-        rep = measure_compressed(step, v)
+        trainer, comp, batch = runs[v] = _trainer(step, v)
+        grads = _grads_of(trainer, batch)
+        ref = grads if v == "none" else ref
+        tracker, *_ = run_tracked_step(trainer, batch, None)
+        rep = MemoryReport("measure", trainer.step_config, "cpu", tracker.peak_bytes,
+                           tracker.peak_by_category(), timeline=tracker.timeline)
         rows[v] = {"peak_bytes": rep.peak_bytes,
                    "activation_bytes": category_max(rep, "activations"),
-                   "grad_error": 0.0 if v == "none" else gradient_error(step, v, reference=ref),
-                   "seconds": secs.get(v)}
+                   "grad_error": _rel_error(grads, ref), "seconds": None}
+    if repeats:
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(repeats):
+            for v, (trainer, _, batch) in runs.items():
+                start = time.perf_counter()
+                trainer.step(batch)
+                times[v].append(time.perf_counter() - start)
+        for v, t in times.items():
+            rows[v]["seconds"] = sorted(t)[len(t) // 2]
+    for _, comp, _ in runs.values():
+        if comp is not None:
+            comp.remove()
     base = rows["none"]
     for r in rows.values():
         r["peak_ratio"] = r["peak_bytes"] / base["peak_bytes"]
@@ -286,5 +304,55 @@ def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARI
     return rows
 
 
-__all__ = ["ActivationCompressor", "quantize", "measure_compressed", "gradients",
-           "gradient_error", "seconds", "compare", "MODES", "GRANULARITIES", "VARIANTS"]
+class CompressionPanel:
+    """A variant drop-down and a sequence slider; the Output shows the step's peak by category
+    and the gradient error. ``data`` holds what was drawn last (for asserts under nbval)."""
+
+    def __init__(self, step: StepConfig, seqs=(64, 128, 256), variants=tuple(VARIANTS),
+                 *, draw: bool = True):
+        import ipywidgets as W
+        self.step, self.data, self._rows = step, None, {}
+        self.variant = W.Dropdown(options=list(variants), description="activations")
+        self.seq = W.SelectionSlider(options=list(seqs), value=step.seq if step.seq in seqs else seqs[0],
+                                     description="seq", continuous_update=False)
+        self.output = W.Output()
+        for w in (self.variant, self.seq):
+            w.observe(lambda change: self.refresh(), names="value")
+        self.box = W.VBox([W.HBox([self.variant, self.seq]), self.output])
+        if draw:
+            self.refresh()
+
+    def refresh(self) -> dict:
+        import matplotlib.pyplot as plt
+        from IPython.display import clear_output, display
+        step = replace(self.step, seq=self.seq.value)
+        v = self.variant.value
+        key = (step.seq, v)
+        if key not in self._rows:  # one measurement per (seq, variant): the baseline is shared
+            self._rows.update({(step.seq, k): r for k, r in compare(step, [v], repeats=0).items()})
+        row, base = self._rows[key], self._rows[(step.seq, "none")]
+        self.data = {"variant": v, "seq": step.seq, "peak_bytes": row["peak_bytes"],
+                     "activation_bytes": row["activation_bytes"],
+                     "baseline_activation_bytes": base["activation_bytes"],
+                     "grad_error": row["grad_error"]}
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 2.8))
+        a1.bar(["none", v], [base["activation_bytes"] / 2**20, row["activation_bytes"] / 2**20],
+               color="#c44e52")
+        a1.set_ylabel("activations kept (MiB)")
+        a2.bar(["none", v], [base["peak_bytes"] / 2**20, row["peak_bytes"] / 2**20], color="#4c72b0")
+        a2.set_ylabel("step peak (MiB)")
+        fig.suptitle(f"seq {step.seq}, {v}: gradient error {row['grad_error']:.1e}", fontsize=9)
+        fig.tight_layout()
+        with self.output:
+            clear_output(wait=True)
+            display(fig)
+        plt.close(fig)
+        return self.data
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+        display(self.box)
+
+
+__all__ = ["ActivationCompressor", "CompressionPanel", "quantize", "measure_compressed", "gradients",
+           "gradient_error", "compare", "MODES", "GRANULARITIES", "VARIANTS"]
