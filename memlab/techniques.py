@@ -13,7 +13,9 @@ import torch
 import torch.nn as nn
 
 from .hardware import resolve_budget
+from .estimate import estimate_step
 from .measure import MemoryReport, StepConfig, build_trainer, make_batch, measure_step
+from .simulate import simulate_step
 
 LENSES = ("estimate", "simulate", "measure")
 # The smallest positive fp16 value (a subnormal): anything below rounds to zero.
@@ -25,10 +27,8 @@ def lens_fn(lens: str) -> Callable[..., MemoryReport]:
     if lens == "measure":
         return measure_step
     if lens == "estimate":
-        from .estimate import estimate_step  # lazy: written alongside this module
         return estimate_step
     if lens == "simulate":
-        from .simulate import simulate_step
         return simulate_step
     raise ValueError(f"lens={lens!r}; allowed: {', '.join(LENSES)}")
 
