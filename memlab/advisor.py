@@ -239,6 +239,27 @@ def _ds_config(step: StepConfig, tp: int) -> dict:
     return cfg
 
 
+def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,
+               device: str = "cuda", budget: int | str | None = None) -> dict:
+    """Advise for the card at hand (its total memory, or ``budget``), then run the plan for
+    real on ``device`` with that budget enforced. Returns the plan, both peaks and the verdict
+    (``make gpu-check`` records it under ``data/reference/``). One process runs no ZeRO and no
+    offload: a plan that needs them is measured without them (``measure_fits`` then says
+    what one card alone would do)."""
+    import torch
+    from .measure import measure_step
+    if budget is None:
+        if device != "cuda" or not torch.cuda.is_available():
+            raise ValueError("check_plan without a budget needs a CUDA GPU; give budget=...")
+        budget = torch.cuda.get_device_properties(0).total_memory
+    a = advise(model, budget, 1, seq, batch)
+    real = measure_step(a.step, device=device, budget=a.budget_bytes)
+    return {"model": model, "seq": seq, "batch": batch, "budget_bytes": a.budget_bytes,
+            "plan": a.plan, "advice_fits": a.fits, "estimate_peak_bytes": a.peak_bytes,
+            "measure_peak_bytes": real.peak_bytes, "measure_fits": bool(real.fits),
+            "allocator": dict(real.allocator)}
+
+
 def plot_advice(advice: Advice, ax=None):
     """The flowchart path: one bar per step tried (kept: solid, left out: hatched), with the
     card's memory and the usable part (less headroom) as lines."""
@@ -323,4 +344,4 @@ class AdvisorPanel:
         display(self.box)
 
 
-__all__ = ["Advice", "AdvisorPanel", "advise", "flowchart", "plot_advice", "tensor_parallel_degree"]
+__all__ = ["Advice", "AdvisorPanel", "advise", "check_plan", "flowchart", "plot_advice", "tensor_parallel_degree"]

@@ -50,8 +50,11 @@ def collect(cases=CASES, variants=VARIANTS) -> dict:
                   f"allocator {real.allocator.get('max_memory_allocated', 0) / 2**30:.2f} GiB",
                   flush=True)
     props = torch.cuda.get_device_properties(0)
+    from .advisor import check_plan  # the advisor's plan for this card, run for real
     return {"gpu": torch.cuda.get_device_name(0), "total_memory": props.total_memory,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "rows": rows}
+            "torch": torch.__version__, "cuda": torch.version.cuda, "rows": rows,
+            "plan_check": check_plan("gpt2-medium", 1024, 16,
+                                     budget=min(props.total_memory, 24564 * 2**20))}
 
 
 def main(argv: list[str] | None = None) -> int:

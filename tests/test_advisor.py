@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from memlab.advisor import advise, flowchart, tensor_parallel_degree
+from memlab.advisor import advise, check_plan, flowchart, tensor_parallel_degree
 from memlab.cli import main
 from memlab.estimate import estimate_step
 from memlab.measure import StepConfig
@@ -113,3 +113,21 @@ def test_bad_arguments_in_python():
         advise("tiny", "T4-16GB", headroom=-0.1)
     with pytest.raises(ValueError, match="world size must be a positive integer, got 0"):
         advise("tiny", "T4-16GB", world_size=0)
+
+
+def test_check_plan_measures_the_plan_it_gives():
+    out = check_plan("tiny", 256, 8, device="cpu", budget="150MiB")
+    assert out["advice_fits"] and out["measure_fits"]
+    assert abs(out["measure_peak_bytes"] - out["estimate_peak_bytes"]) < 0.05 * out["estimate_peak_bytes"]
+
+
+@pytest.mark.cuda
+def test_plan_for_the_card_at_hand_fits_when_measured():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_properties(0).total_memory < 24564 * 2**20:
+        pytest.skip("needs a card of 24 GB or more")
+    # an RTX 4090's 24 GB: the plan is bf16 + checkpointing, which one process can run
+    out = check_plan("gpt2-medium", 1024, 16, device="cuda", budget="RTX4090-24GB")
+    assert out["plan"] == ["bf16", "checkpointing"] and out["advice_fits"] and out["measure_fits"]
