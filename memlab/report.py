@@ -106,6 +106,7 @@ class Table:
         pts = {r.technique: (r.memory_ratio, r.time_ratio) for r in self.rows
                if r.memory_ratio is not None and r.time_ratio is not None}
         ax = plot_tradeoff(pts, ax, title="the seed's table, measured: memory vs time")
+        ax.legend(fontsize=7, loc="upper left")  # the upper right holds slow, small savers
         return ax
 
     def save(self, out: str | Path) -> dict[str, Path]:
