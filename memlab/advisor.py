@@ -87,7 +87,7 @@ def tensor_parallel_degree(cfg: GPTConfig, world_size: int, limit: int = TP_MAX)
                if world_size % t == 0 and cfg.n_head % t == 0 and cfg.hidden % t == 0)
 
 
-def flowchart(step: StepConfig, world_size: int) -> list[tuple[str, dict]]:
+def flowchart(world_size: int) -> list[tuple[str, dict]]:
     """The seed's flowchart as ``(technique, StepConfig overrides)``, in order.
 
     ZeRO and tensor parallelism need several ranks; one rank goes straight to offload, with
@@ -189,7 +189,7 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     steps = [record("baseline", step, 1, True)]
     plan: list[str] = []
     current, t_now = step, 1
-    for technique, over in flowchart(step, world_size):
+    for technique, over in flowchart(world_size):
         if _best(steps)["fits"]:
             break
         if "zero" in over and technique.startswith("offload"):
