@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
 from .measure import StepConfig
 from .models import GPTConfig, get_config
+from .widgets import Panel
 
 SIMULATE_MAX_PARAMS = 2_000_000_000  # gpt2-xl (1.6B) simulates in ~4 s on 2 cores
 TP_MAX = 8  # tensor parallelism all-reduces twice per layer each way: keep it inside a node
@@ -290,7 +291,7 @@ def plot_advice(advice: Advice, ax=None):
     return ax
 
 
-class AdvisorPanel:
+class AdvisorPanel(Panel):
     """Model, GPU, world size, sequence and batch controls; the Output draws the flowchart path
     (:func:`plot_advice`). Estimate only, so every change redraws at once; ``data`` holds what
     was drawn last."""
@@ -320,7 +321,6 @@ class AdvisorPanel:
 
     def refresh(self) -> dict:
         import matplotlib.pyplot as plt
-        from IPython.display import clear_output, display
         from .models import get_config
         seq = min(self.seq.value, get_config(self.model.value).block_size)
         a = advise(self.model.value, self.gpu.value, self.world_size.value, seq,
@@ -333,15 +333,8 @@ class AdvisorPanel:
         fig, ax = plt.subplots(figsize=(8, 3.4))
         plot_advice(a, ax)
         fig.tight_layout()
-        with self.output:
-            clear_output(wait=True)
-            display(fig)
-        plt.close(fig)
+        self.show(fig)
         return self.data
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-        display(self.box)
 
 
 __all__ = ["Advice", "AdvisorPanel", "advise", "check_plan", "flowchart", "plot_advice", "tensor_parallel_degree"]

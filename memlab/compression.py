@@ -37,6 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .measure import (MemoryReport, StepConfig, _batch_to, _resolve_step, build_trainer,
                       make_batch, run_tracked_step)
+from .widgets import Panel
 
 MODES = ("bf16", "int8")
 GRANULARITIES = ("row", "tensor")
@@ -304,7 +305,7 @@ def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARI
     return rows
 
 
-class CompressionPanel:
+class CompressionPanel(Panel):
     """A variant drop-down and a sequence slider; the Output shows the step's peak by category
     and the gradient error. ``data`` holds what was drawn last (for asserts under nbval)."""
 
@@ -324,7 +325,6 @@ class CompressionPanel:
 
     def refresh(self) -> dict:
         import matplotlib.pyplot as plt
-        from IPython.display import clear_output, display
         step = replace(self.step, seq=self.seq.value)
         v = self.variant.value
         key = (step.seq, v)
@@ -343,15 +343,8 @@ class CompressionPanel:
         a2.set_ylabel("step peak (MiB)")
         fig.suptitle(f"seq {step.seq}, {v}: gradient error {row['grad_error']:.1e}", fontsize=9)
         fig.tight_layout()
-        with self.output:
-            clear_output(wait=True)
-            display(fig)
-        plt.close(fig)
+        self.show(fig)
         return self.data
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-        display(self.box)
 
 
 __all__ = ["ActivationCompressor", "CompressionPanel", "quantize", "measure_compressed", "gradients",

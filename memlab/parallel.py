@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from .measure import MemoryReport, StepConfig, build_optimizer, make_batch
 from .models import GPT, GPTConfig
 from .tracking import MemoryTracker
+from .widgets import Panel
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -628,7 +629,7 @@ def plot_stage_memory(result: ParallelResult, ax=None, *, rank: int = 0):
     return ax
 
 
-class PipelinePanel:
+class PipelinePanel(Panel):
     """A micro-batch slider and a schedule drop-down over a measured
     :func:`measure_pipeline` result; redraws the step's Gantt chart, the bubble curve and
     the stage's memory. :attr:`data` holds what was drawn last."""
@@ -651,7 +652,6 @@ class PipelinePanel:
 
     def refresh(self) -> None:
         import matplotlib.pyplot as plt
-        from IPython.display import clear_output, display
         sched, m = self.schedule.value, self.m.value
         if pipeline_run(self.result, sched, m) is None:
             sched = "gpipe"  # 1F1B needs m >= p; below that it is GPipe
@@ -659,21 +659,14 @@ class PipelinePanel:
         self.data = {"schedule": sched, "m": m, "bubble": pipeline_bubble(self.result, sched, m),
                      "formula": bubble_fraction(len(self.result.per_rank), m),
                      "in_flight": run["in_flight"], "peak_bytes": run.get("peak_bytes")}
-        with self.output:
-            clear_output(wait=True)
-            fig = plt.figure(figsize=(10, 5))
-            plot_pipeline(self.result, sched, m, fig.add_subplot(2, 1, 1))
-            plot_bubble(self.result, fig.add_subplot(2, 2, 3), highlight=(sched, m))
-            ax = plot_stage_memory(self.result, fig.add_subplot(2, 2, 4))
-            if run.get("peak_bytes"):
-                ax.plot(m, run["peak_bytes"] / 2**20, "r*", ms=14)
-            fig.tight_layout()
-            display(fig)
-            plt.close(fig)
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-        display(self.box)
+        fig = plt.figure(figsize=(10, 5))
+        plot_pipeline(self.result, sched, m, fig.add_subplot(2, 1, 1))
+        plot_bubble(self.result, fig.add_subplot(2, 2, 3), highlight=(sched, m))
+        ax = plot_stage_memory(self.result, fig.add_subplot(2, 2, 4))
+        if run.get("peak_bytes"):
+            ax.plot(m, run["peak_bytes"] / 2**20, "r*", ms=14)
+        fig.tight_layout()
+        self.show(fig)
 
 
 # --------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .measure import MemoryReport, StepConfig
+from .widgets import Panel
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "data" / "reference"
 
@@ -408,7 +409,7 @@ def measure_saving(step: StepConfig, technique: str) -> dict:
     return out
 
 
-class TablePanel:
+class TablePanel(Panel):
     """A technique drop-down and a batch slider: the panel measures the step with and without
     the technique, draws both peaks by category and says whether the seed's claim holds at this
     size. ``data`` holds what was drawn last."""
@@ -430,7 +431,6 @@ class TablePanel:
 
     def refresh(self) -> dict:
         import matplotlib.pyplot as plt
-        from IPython.display import clear_output, display
         from .plots import plot_lenses
         key = (self.technique.value, self.batch.value)
         if key not in self._cache:
@@ -445,15 +445,8 @@ class TablePanel:
         fig, ax = plt.subplots(figsize=(6.5, 3.2))
         plot_lenses(reports, ax, title=f"batch {key[1]}: peak by category")
         fig.tight_layout()
-        with self.output:
-            clear_output(wait=True)
-            display(fig)
-        plt.close(fig)
+        self.show(fig)
         return self.data
-
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-        display(self.box)
 
 
 def write_report(out: str | Path, step: StepConfig | None = None, **kwargs) -> tuple[Table, dict]:

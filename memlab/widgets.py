@@ -23,7 +23,29 @@ from .plots import plot_lenses, plot_timeline
 from .techniques import category_max, lens_fn
 
 
-class StepPanel:
+class Panel:
+    """What every control panel shares: its widgets in :attr:`box`, the figure it draws in
+    :attr:`output`, and the data it drew last in :attr:`data` (for assert cells)."""
+
+    box: W.Box
+    output: W.Output
+    data: dict | None = None
+
+    def show(self, fig) -> None:
+        """Replace the figure in the Output widget; close it so it shows only there."""
+        with self.output:
+            clear_output(wait=True)
+            display(fig)
+        plt.close(fig)
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.box._repr_mimebundle_(**kwargs)
+
+    def _ipython_display_(self) -> None:
+        display(self.box)
+
+
+class StepPanel(Panel):
     """Sliders for sequence length and batch, drop-downs for technique and precision, and an
     Output widget with the step's timeline and its peak by category.
 
@@ -101,17 +123,8 @@ class StepPanel:
         plot_lenses({report.lens: report}, ax2, title="at the peak")
         ax2.get_legend().remove()
         fig.tight_layout()
-        with self.output:
-            clear_output(wait=True)
-            display(fig)
-        plt.close(fig)  # shown once, in the Output widget only
+        self.show(fig)
         self.figure = fig
-
-    def _repr_mimebundle_(self, **kwargs):
-        return self.box._repr_mimebundle_(**kwargs)
-
-    def _ipython_display_(self) -> None:
-        display(self.box)
 
 
 def max_activations(report: MemoryReport) -> int:
@@ -126,4 +139,4 @@ def _pick(options: Sequence, value):
     return value if value in options else options[0]
 
 
-__all__ = ["StepPanel", "max_activations"]
+__all__ = ["Panel", "StepPanel", "max_activations"]
