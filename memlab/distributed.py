@@ -108,6 +108,10 @@ def _entry(rank: int, world_size: int, worker, kwargs: dict, port: int, backend:
            results) -> None:
     """The body of one spawned rank: join the group, run, report, leave the group."""
     _die_with_parent()
+    # Results travel back through the queue; what a rank prints (DeepSpeed's build and
+    # config logs) goes to stderr so that the parent's stdout (``memlab ... --json``) stays clean.
+    sys.stdout.flush()
+    os.dup2(2, 1)
     set_dist_env(rank, world_size, port)
     import torch.distributed as dist
     try:
