@@ -53,3 +53,19 @@ def test_presets_lists_models_and_gpus(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["models"]["gpt2-small"]["params"] == 124_439_808
     assert "A100-40GB" in out["gpus"]
+
+
+@pytest.mark.distributed
+def test_multi_rank_measure_prints_only_json_with_per_rank_halves():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "memlab.cli", "measure", "--seq", "64",
+                          "--batch", "2", "--zero", "2", "--world-size", "2", "--json"],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    report = json.loads(out)  # DeepSpeed's logs must not reach stdout
+    ranks = report["per_rank"]
+    assert len(ranks) == 2
+    for r in ranks:  # ZeRO-2 on 2 ranks: gradient and optimizer partitions are halves
+        acc = r["allocator"]
+        assert acc["gradients"] * 2 == pytest.approx(acc["parameters"], rel=0.01)
+        assert acc["optimizer_state"] == pytest.approx(acc["parameters"], rel=0.01)
