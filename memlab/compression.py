@@ -27,7 +27,6 @@ Four things a naive hook gets wrong (all found on CPU, all handled here):
 """
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from typing import Iterable
 
@@ -36,7 +35,7 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .measure import (MemoryReport, StepConfig, _batch_to, _resolve_step, build_trainer,
-                      make_batch, run_tracked_step)
+                      make_batch, run_tracked_step, time_steps)
 from .widgets import Panel
 
 MODES = ("bf16", "int8")
@@ -286,14 +285,9 @@ def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARI
                    "activation_bytes": category_max(rep, "activations"),
                    "grad_error": _rel_error(grads, ref), "seconds": None}
     if repeats:
-        times: dict[str, list[float]] = {v: [] for v in variants}
-        for _ in range(repeats):
-            for v, (trainer, _, batch) in runs.items():
-                start = time.perf_counter()
-                trainer.step(batch)
-                times[v].append(time.perf_counter() - start)
-        for v, t in times.items():
-            rows[v]["seconds"] = sorted(t)[len(t) // 2]
+        timed = time_steps({v: (trainer, batch) for v, (trainer, _, batch) in runs.items()}, repeats)
+        for v, seconds in timed.items():
+            rows[v]["seconds"] = seconds
     for _, comp, _ in runs.values():
         if comp is not None:
             comp.remove()

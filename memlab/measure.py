@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .hardware import GPU_PRESETS, fmt_bytes, pick_device, resolve_budget
+from .hardware import fmt_bytes, pick_device, resolve_budget
 from .models import GPTConfig, UNetConfig, build_model, get_config
 from .tracking import CATEGORIES, Event, MemoryTracker, OOMInfo
 
@@ -399,16 +399,23 @@ def time_step(step: StepConfig | None = None, *, device: str | None = "cpu", rep
     trainer = build_trainer(step, pick_device(device))
     batch = _batch_to(make_batch(step, trainer.device), step)
     trainer.step(batch)
-    times = []
+    return time_steps({"step": (trainer, batch)}, repeats)["step"]
+
+
+def time_steps(runs: dict[str, tuple[Trainer, tuple]], repeats: int = 3) -> dict[str, float]:
+    """Median seconds of untracked steps per named (trainer, batch), one step of each in
+    turn, so that whatever else loads the machine falls on all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        start = time.perf_counter()
-        trainer.step(batch)
-        if trainer.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        for name, (trainer, batch) in runs.items():
+            start = time.perf_counter()
+            trainer.step(batch)
+            if trainer.device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 __all__ = ["StepConfig", "MemoryReport", "Trainer", "build_trainer", "make_batch",
-           "measure_step", "time_step", "run_tracked_step", "autocast_for", "build_optimizer",
-           "PRECISIONS", "OPTIMIZERS", "OFFLOADS", "GPU_PRESETS"]
+           "measure_step", "time_step", "time_steps", "run_tracked_step", "autocast_for",
+           "build_optimizer", "PRECISIONS", "OPTIMIZERS", "OFFLOADS"]

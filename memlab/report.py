@@ -165,24 +165,11 @@ def ranks_for(stage: int, target: float, limit: int = 4096) -> int | None:
 # --------------------------------------------------------------------------------------
 # Measuring
 # --------------------------------------------------------------------------------------
-def _round_robin(trainers: dict, repeats: int, warm: bool = True) -> dict[str, float]:
-    """Median step seconds per variant, one step of each in turn."""
-    for trainer, _, batch in trainers.values() if warm else ():
-        trainer.step(batch)
-    times: dict[str, list[float]] = {k: [] for k in trainers}
-    for _ in range(repeats):
-        for k, (trainer, _, batch) in trainers.items():
-            start = time.perf_counter()
-            trainer.step(batch)
-            times[k].append(time.perf_counter() - start)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-
-
 def single_device(step: StepConfig, repeats: int = 2) -> dict[str, dict]:
     """Peak (one tracked step) and median untracked step time of the baseline and of each
     single-device technique; one trainer per variant serves both."""
     from .compression import _trainer
-    from .measure import run_tracked_step
+    from .measure import run_tracked_step, time_steps
     from .techniques import category_max
     variants = {"baseline": (step, "none"),
                 "checkpointing": (replace(step, checkpointing="full"), "none"),
@@ -198,7 +185,8 @@ def single_device(step: StepConfig, repeats: int = 2) -> dict[str, dict]:
         out[name] = {"peak_bytes": rep.peak_bytes,
                      "activation_bytes": category_max(rep, "activations")}
     if repeats:
-        for name, secs in _round_robin(trainers, repeats, warm=False).items():
+        runs = {name: (trainer, batch) for name, (trainer, _, batch) in trainers.items()}
+        for name, secs in time_steps(runs, repeats).items():
             out[name]["seconds"] = secs
     for _, comp, _ in trainers.values():
         if comp is not None:
@@ -389,7 +377,7 @@ SINGLE = {"gradient checkpointing": ({"checkpointing": "full"}, "none"),
 def measure_saving(step: StepConfig, technique: str) -> dict:
     """Peak and activations of ``step`` without and with one single-device technique."""
     from .compression import _trainer
-    from .measure import run_tracked_step
+    from .measure import run_tracked_step, time_steps
     from .techniques import category_max
     if technique not in SINGLE:
         raise ValueError(f"technique={technique!r}; allowed: {', '.join(SINGLE)}")

@@ -152,7 +152,7 @@ class MemoryTracker(TorchDispatchMode):
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 for st in _storages(t):
-                    self._record(st, category, op_index=None)
+                    self._record(st, category)
 
     def track_model(self, model: torch.nn.Module) -> None:
         """Register a model's parameters, buffers and existing gradients."""
@@ -188,7 +188,7 @@ class MemoryTracker(TorchDispatchMode):
                 self._scan_optimizer(o)
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def _record(self, storage: torch.UntypedStorage, hint: str | None, op_index: int | None) -> int:
+    def _record(self, storage: torch.UntypedStorage, hint: str | None) -> int:
         key = storage._cdata
         sid = self._by_storage.get(key)
         if sid is not None:
@@ -257,7 +257,7 @@ class MemoryTracker(TorchDispatchMode):
         new = 0
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                new += sum(self._record(st, None, len(self._ops)) for st in _storages(t))
+                new += sum(self._record(st, None) for st in _storages(t))
         op = func.__name__
         module = self._current_module()
         self._ops.append((op, module, phase))
