@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .measure import (MemoryReport, StepConfig, _batch_to, _resolve_step, build_trainer,
-                      make_batch, run_tracked_step, time_steps)
+                      make_batch, measure_trainer, time_steps)
 from .widgets import Panel
 
 MODES = ("bf16", "int8")
@@ -205,14 +205,9 @@ def measure_compressed(step: StepConfig | None = None, variant: str = "int8 per-
                        budget: int | str | None = None, **overrides) -> MemoryReport:
     """One tracked steady-state step with ``variant``: packed copies made in forward are
     counted as activations, the originals they replace are freed."""
-    from .hardware import resolve_budget
     step = _resolve_step(step, **overrides)
     trainer, comp, batch = _trainer(step, variant)
-    budget_bytes = resolve_budget(budget)
-    tracker, seconds, before, after = run_tracked_step(trainer, batch, budget_bytes)
-    report = MemoryReport("measure", trainer.step_config, "cpu", tracker.peak_bytes,
-                          tracker.peak_by_category(), budget_bytes, seconds, tracker.oom,
-                          tracker.timeline, {}, before, after)
+    report = measure_trainer(trainer, batch, budget=budget)
     report.notes.append(f"activations: {variant}")
     if comp is not None:
         report.notes.append(f"packed {comp.n_packed} storages ({comp.n_views} more views of "
@@ -278,9 +273,7 @@ def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARI
         trainer, comp, batch = runs[v] = _trainer(step, v)
         grads = _grads_of(trainer, batch)
         ref = grads if v == "none" else ref
-        tracker, *_ = run_tracked_step(trainer, batch, None)
-        rep = MemoryReport("measure", trainer.step_config, "cpu", tracker.peak_bytes,
-                           tracker.peak_by_category(), timeline=tracker.timeline)
+        rep = measure_trainer(trainer, batch)
         rows[v] = {"peak_bytes": rep.peak_bytes,
                    "activation_bytes": category_max(rep, "activations"),
                    "grad_error": _rel_error(grads, ref), "seconds": None}

@@ -380,16 +380,24 @@ def measure_step(step: StepConfig | None = None, *, device: str | None = "cpu",
     """
     step = _resolve_step(step, **overrides)
     dev = pick_device(device)
-    budget_bytes = resolve_budget(budget)
     trainer = build_trainer(step, dev)
     batch = _batch_to(make_batch(step, dev), step)
+    return measure_trainer(trainer, batch, budget=budget, cuda_history=cuda_history,
+                           snapshot_path=snapshot_path)
+
+
+def measure_trainer(trainer: Trainer, batch: tuple, *, budget: int | str | None = None,
+                    cuda_history: bool = False, snapshot_path: str | None = None) -> MemoryReport:
+    """:func:`measure_step` for a trainer you built (with hooks or tweaks of your own):
+    a warm-up step, then one tracked step, reported."""
+    budget_bytes = resolve_budget(budget)
     tracker, seconds, before, after = run_tracked_step(trainer, batch, budget_bytes,
                                                        cuda_history=cuda_history or bool(snapshot_path))
     if snapshot_path and tracker.snapshot is not None:
         tracker.dump_snapshot(snapshot_path)
-    return MemoryReport("measure", step, dev.type, tracker.peak_bytes, tracker.peak_by_category(),
-                        budget_bytes, seconds, tracker.oom, tracker.timeline, tracker.cuda_stats,
-                        before, after)
+    return MemoryReport("measure", trainer.step_config, trainer.device.type, tracker.peak_bytes,
+                        tracker.peak_by_category(), budget_bytes, seconds, tracker.oom,
+                        tracker.timeline, tracker.cuda_stats, before, after)
 
 
 def time_step(step: StepConfig | None = None, *, device: str | None = "cpu", repeats: int = 3,
@@ -417,5 +425,5 @@ def time_steps(runs: dict[str, tuple[Trainer, tuple]], repeats: int = 3) -> dict
 
 
 __all__ = ["StepConfig", "MemoryReport", "Trainer", "build_trainer", "make_batch",
-           "measure_step", "time_step", "time_steps", "run_tracked_step", "autocast_for",
+           "measure_step", "measure_trainer", "time_step", "time_steps", "run_tracked_step", "autocast_for",
            "build_optimizer", "PRECISIONS", "OPTIMIZERS", "OFFLOADS"]

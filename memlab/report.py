@@ -169,7 +169,7 @@ def single_device(step: StepConfig, repeats: int = 2) -> dict[str, dict]:
     """Peak (one tracked step) and median untracked step time of the baseline and of each
     single-device technique; one trainer per variant serves both."""
     from .compression import _trainer
-    from .measure import run_tracked_step, time_steps
+    from .measure import measure_trainer, time_steps
     from .techniques import category_max
     variants = {"baseline": (step, "none"),
                 "checkpointing": (replace(step, checkpointing="full"), "none"),
@@ -179,9 +179,7 @@ def single_device(step: StepConfig, repeats: int = 2) -> dict[str, dict]:
     trainers = {name: _trainer(s, v) for name, (s, v) in variants.items()}
     out = {}
     for name, (trainer, _, batch) in trainers.items():
-        tracker, *_ = run_tracked_step(trainer, batch, None)  # warm-up step, then tracked
-        rep = MemoryReport("measure", trainer.step_config, "cpu", tracker.peak_bytes,
-                           tracker.peak_by_category(), timeline=tracker.timeline)
+        rep = measure_trainer(trainer, batch)
         out[name] = {"peak_bytes": rep.peak_bytes,
                      "activation_bytes": category_max(rep, "activations")}
     if repeats:
@@ -377,7 +375,7 @@ SINGLE = {"gradient checkpointing": ({"checkpointing": "full"}, "none"),
 def measure_saving(step: StepConfig, technique: str) -> dict:
     """Peak and activations of ``step`` without and with one single-device technique."""
     from .compression import _trainer
-    from .measure import run_tracked_step, time_steps
+    from .measure import measure_trainer
     from .techniques import category_max
     if technique not in SINGLE:
         raise ValueError(f"technique={technique!r}; allowed: {', '.join(SINGLE)}")
@@ -385,9 +383,7 @@ def measure_saving(step: StepConfig, technique: str) -> dict:
     out = {}
     for name, (s, v) in {"baseline": (step, "none"), technique: (replace(step, **over), variant)}.items():
         trainer, comp, batch = _trainer(s, v)
-        tracker, *_ = run_tracked_step(trainer, batch, None)
-        rep = MemoryReport("measure", s, "cpu", tracker.peak_bytes, tracker.peak_by_category(),
-                           timeline=tracker.timeline)
+        rep = measure_trainer(trainer, batch)
         out[name] = {"peak_bytes": rep.peak_bytes, "by_category": rep.by_category,
                      "activation_bytes": category_max(rep, "activations")}
         if comp is not None:
