@@ -13,6 +13,7 @@ import gc
 import json
 import time
 import traceback
+from importlib import resources
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from pathlib import Path
 
@@ -26,7 +27,6 @@ from .tracking import CATEGORIES, Event, MemoryTracker, OOMInfo
 PRECISIONS = ("fp32", "bf16", "fp16", "pure-bf16")
 OPTIMIZERS = ("adamw", "sgd")
 OFFLOADS = ("none", "optimizer", "all")
-CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
 
 
 @dataclass(frozen=True)
@@ -188,11 +188,13 @@ def _json_default(o):
 # Building and running a step
 # --------------------------------------------------------------------------------------
 def _corpus_tokens() -> torch.Tensor:
-    return torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
+    # package data, so that a wheel install outside the repository finds it too
+    data = resources.files("memlab").joinpath("data", "corpus.txt").read_bytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
 def make_batch(step: StepConfig, device: torch.device | str = "cpu", seed: int = 0) -> tuple:
-    """Inputs for one step: token windows from ``data/corpus.txt`` for the GPT, noisy images
+    """Inputs for one step: token windows from the package's ``data/corpus.txt`` for the GPT, noisy images
     and timesteps for the UNet. Contents do not change memory; shapes do."""
     cfg = step.model_config
     g = torch.Generator().manual_seed(seed)

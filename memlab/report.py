@@ -15,6 +15,7 @@ round-robin so that background load slows all of them alike.
 from __future__ import annotations
 
 import json
+from importlib import resources
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 from .measure import MemoryReport, StepConfig
 from .widgets import Panel
 
-REFERENCE_DIR = Path(__file__).resolve().parent.parent / "data" / "reference"
+REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
 
 # technique -> (seed's memory claim, seed's compute claim, claimed saving range or None)
 SEED = {
