@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
-from .measure import StepConfig
+from .step import StepConfig
 from .models import GPTConfig, get_config
 from .widgets import Panel
 

@@ -34,8 +34,8 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .measure import (MemoryReport, StepConfig, _batch_to, _resolve_step, build_trainer,
-                      make_batch, measure_trainer, time_steps)
+from .measure import measure_trainer, time_steps
+from .step import MemoryReport, StepConfig, batch_to, build_trainer, make_batch, resolve_step
 from .widgets import Panel
 
 MODES = ("bf16", "int8")
@@ -189,8 +189,9 @@ class ActivationCompressor:
         self.remove()
 
 
-def _trainer(step: StepConfig, variant: str, seed: int = 0):
-    """A trainer for ``step`` with ``variant`` (a key of :data:`VARIANTS`) applied."""
+def compressed_trainer(step: StepConfig, variant: str, seed: int = 0) -> tuple:
+    """A trainer for ``step`` with ``variant`` (a key of :data:`VARIANTS`) applied: returns
+    the trainer, its :class:`ActivationCompressor` (or ``None``) and the batch."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}; allowed: {', '.join(VARIANTS)}")
     how = VARIANTS[variant]
@@ -198,15 +199,15 @@ def _trainer(step: StepConfig, variant: str, seed: int = 0):
         step = replace(step, **how)
     trainer = build_trainer(step, "cpu", seed=seed)
     comp = ActivationCompressor(trainer.model, how[0], granularity=how[1]) if isinstance(how, tuple) else None
-    return trainer, comp, _batch_to(make_batch(step, "cpu"), step)
+    return trainer, comp, batch_to(make_batch(step, "cpu"), step)
 
 
 def measure_compressed(step: StepConfig | None = None, variant: str = "int8 per-row", *,
                        budget: int | str | None = None, **overrides) -> MemoryReport:
     """One tracked steady-state step with ``variant``: packed copies made in forward are
     counted as activations, the originals they replace are freed."""
-    step = _resolve_step(step, **overrides)
-    trainer, comp, batch = _trainer(step, variant)
+    step = resolve_step(step, **overrides)
+    trainer, comp, batch = compressed_trainer(step, variant)
     report = measure_trainer(trainer, batch, budget=budget)
     report.notes.append(f"activations: {variant}")
     if comp is not None:
@@ -219,7 +220,7 @@ def measure_compressed(step: StepConfig | None = None, variant: str = "int8 per-
 
 def gradients(step: StepConfig, variant: str = "none", seed: int = 0) -> list[torch.Tensor]:
     """The gradients of one forward/backward with ``variant`` (same weights and batch)."""
-    trainer, comp, batch = _trainer(step, variant, seed)
+    trainer, comp, batch = compressed_trainer(step, variant, seed)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step.precision == "bf16"):
         loss = trainer.model(*batch)
     loss.backward()
@@ -241,7 +242,7 @@ def gradient_error(step: StepConfig, variant: str, *, reference: list[torch.Tens
 
 def _grads_of(trainer, batch) -> list[torch.Tensor]:
     """Gradients of one forward/backward (no optimizer step), then cleared."""
-    from .measure import autocast_for
+    from .step import autocast_for
     with autocast_for(trainer.step_config.precision, trainer.device):
         loss = trainer.model(*batch)
     loss.backward()
@@ -266,11 +267,11 @@ def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARI
     untracked steps timed round-robin with the other variants.
     """
     from .techniques import category_max
-    step = _resolve_step(step, **overrides)
+    step = resolve_step(step, **overrides)
     variants = list(dict.fromkeys(["none", *variants]))
     runs, rows, ref = {}, {}, None
     for v in variants:
-        trainer, comp, batch = runs[v] = _trainer(step, v)
+        trainer, comp, batch = runs[v] = compressed_trainer(step, v)
         grads = _grads_of(trainer, batch)
         ref = grads if v == "none" else ref
         rep = measure_trainer(trainer, batch)
@@ -334,5 +335,5 @@ class CompressionPanel(Panel):
         return self.data
 
 
-__all__ = ["ActivationCompressor", "CompressionPanel", "quantize", "measure_compressed", "gradients",
+__all__ = ["ActivationCompressor", "CompressionPanel", "compressed_trainer", "quantize", "measure_compressed", "gradients",
            "gradient_error", "compare", "MODES", "GRANULARITIES", "VARIANTS"]

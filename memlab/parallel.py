@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .measure import MemoryReport, StepConfig, build_optimizer, make_batch
+from .step import MemoryReport, StepConfig, build_optimizer, make_batch
 from .models import GPT, GPTConfig
 from .tracking import MemoryTracker
 from .widgets import Panel

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-from .measure import MemoryReport
+from .step import MemoryReport
 from .tracking import CATEGORIES
 
 MiB = 2**20

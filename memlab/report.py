@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .measure import MemoryReport, StepConfig
+from .step import MemoryReport, StepConfig
 from .widgets import Panel
 
 REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
@@ -169,7 +169,7 @@ def ranks_for(stage: int, target: float, limit: int = 4096) -> int | None:
 def single_device(step: StepConfig, repeats: int = 2) -> dict[str, dict]:
     """Peak (one tracked step) and median untracked step time of the baseline and of each
     single-device technique; one trainer per variant serves both."""
-    from .compression import _trainer
+    from .compression import compressed_trainer
     from .measure import measure_trainer, time_steps
     from .techniques import category_max
     variants = {"baseline": (step, "none"),
@@ -177,7 +177,7 @@ def single_device(step: StepConfig, repeats: int = 2) -> dict[str, dict]:
                 "bf16": (replace(step, precision="bf16"), "none"),
                 "selective": (replace(step, checkpointing="selective"), "none"),
                 "int8": (step, "int8 per-row")}
-    trainers = {name: _trainer(s, v) for name, (s, v) in variants.items()}
+    trainers = {name: compressed_trainer(s, v) for name, (s, v) in variants.items()}
     out = {}
     for name, (trainer, _, batch) in trainers.items():
         rep = measure_trainer(trainer, batch)
@@ -375,7 +375,7 @@ SINGLE = {"gradient checkpointing": ({"checkpointing": "full"}, "none"),
 
 def measure_saving(step: StepConfig, technique: str) -> dict:
     """Peak and activations of ``step`` without and with one single-device technique."""
-    from .compression import _trainer
+    from .compression import compressed_trainer
     from .measure import measure_trainer
     from .techniques import category_max
     if technique not in SINGLE:
@@ -383,7 +383,7 @@ def measure_saving(step: StepConfig, technique: str) -> dict:
     over, variant = SINGLE[technique]
     out = {}
     for name, (s, v) in {"baseline": (step, "none"), technique: (replace(step, **over), variant)}.items():
-        trainer, comp, batch = _trainer(s, v)
+        trainer, comp, batch = compressed_trainer(s, v)
         rep = measure_trainer(trainer, batch)
         out[name] = {"peak_bytes": rep.peak_bytes, "by_category": rep.by_category,
                      "activation_bytes": category_max(rep, "activations")}

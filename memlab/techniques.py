@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from .hardware import resolve_budget
 from .estimate import estimate_step
-from .measure import MemoryReport, StepConfig, build_trainer, make_batch, measure_step
+from .measure import measure_step
+from .step import MemoryReport, StepConfig, batch_to, build_trainer, make_batch
 from .simulate import simulate_step
 
 LENSES = ("estimate", "simulate", "measure")
@@ -71,9 +72,7 @@ def step_flops(step: StepConfig, *, device: str = "cpu") -> int:
     cost that, unlike wall-clock time, does not depend on what else the machine is doing."""
     from torch.utils.flop_counter import FlopCounterMode
     trainer = build_trainer(step, device)
-    batch = make_batch(step, device)
-    if step.precision == "pure-bf16":
-        batch = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in batch)
+    batch = batch_to(make_batch(step, device), step)
     trainer.step(batch)
     with FlopCounterMode(display=False) as counter:
         trainer.step(batch)

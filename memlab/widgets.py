@@ -18,7 +18,7 @@ import ipywidgets as W
 import matplotlib.pyplot as plt
 from IPython.display import clear_output, display
 
-from .measure import MemoryReport, StepConfig
+from .step import MemoryReport, StepConfig
 from .plots import plot_lenses, plot_timeline
 from .techniques import category_max, lens_fn
 
