@@ -36,7 +36,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .measure import measure_trainer, time_steps
 from .step import MemoryReport, StepConfig, batch_to, build_trainer, make_batch, resolve_step
-from .widgets import Panel
 
 MODES = ("bf16", "int8")
 GRANULARITIES = ("row", "tensor")
@@ -293,47 +292,5 @@ def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARI
     return rows
 
 
-class CompressionPanel(Panel):
-    """A variant drop-down and a sequence slider; the Output shows the step's peak by category
-    and the gradient error. ``data`` holds what was drawn last (for asserts under nbval)."""
-
-    def __init__(self, step: StepConfig, seqs=(64, 128, 256), variants=tuple(VARIANTS),
-                 *, draw: bool = True):
-        import ipywidgets as W
-        self.step, self.data, self._rows = step, None, {}
-        self.variant = W.Dropdown(options=list(variants), description="activations")
-        self.seq = W.SelectionSlider(options=list(seqs), value=step.seq if step.seq in seqs else seqs[0],
-                                     description="seq", continuous_update=False)
-        self.output = W.Output()
-        for w in (self.variant, self.seq):
-            w.observe(lambda change: self.refresh(), names="value")
-        self.box = W.VBox([W.HBox([self.variant, self.seq]), self.output])
-        if draw:
-            self.refresh()
-
-    def refresh(self) -> dict:
-        import matplotlib.pyplot as plt
-        step = replace(self.step, seq=self.seq.value)
-        v = self.variant.value
-        key = (step.seq, v)
-        if key not in self._rows:  # one measurement per (seq, variant): the baseline is shared
-            self._rows.update({(step.seq, k): r for k, r in compare(step, [v], repeats=0).items()})
-        row, base = self._rows[key], self._rows[(step.seq, "none")]
-        self.data = {"variant": v, "seq": step.seq, "peak_bytes": row["peak_bytes"],
-                     "activation_bytes": row["activation_bytes"],
-                     "baseline_activation_bytes": base["activation_bytes"],
-                     "grad_error": row["grad_error"]}
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 2.8))
-        a1.bar(["none", v], [base["activation_bytes"] / 2**20, row["activation_bytes"] / 2**20],
-               color="#c44e52")
-        a1.set_ylabel("activations kept (MiB)")
-        a2.bar(["none", v], [base["peak_bytes"] / 2**20, row["peak_bytes"] / 2**20], color="#4c72b0")
-        a2.set_ylabel("step peak (MiB)")
-        fig.suptitle(f"seq {step.seq}, {v}: gradient error {row['grad_error']:.1e}", fontsize=9)
-        fig.tight_layout()
-        self.show(fig)
-        return self.data
-
-
-__all__ = ["ActivationCompressor", "CompressionPanel", "compressed_trainer", "quantize", "measure_compressed", "gradients",
+__all__ = ["ActivationCompressor", "compressed_trainer", "quantize", "measure_compressed", "gradients",
            "gradient_error", "compare", "MODES", "GRANULARITIES", "VARIANTS"]

@@ -20,8 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .step import MemoryReport, StepConfig
-from .widgets import Panel
+from .step import StepConfig
 
 REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
 
@@ -394,52 +393,12 @@ def measure_saving(step: StepConfig, technique: str) -> dict:
     return out
 
 
-class TablePanel(Panel):
-    """A technique drop-down and a batch slider: the panel measures the step with and without
-    the technique, draws both peaks by category and says whether the seed's claim holds at this
-    size. ``data`` holds what was drawn last."""
-
-    def __init__(self, step: StepConfig, batches=(1, 2, 4, 8), *, draw: bool = True):
-        import ipywidgets as W
-        self.step, self.data, self._cache = step, None, {}
-        self.technique = W.Dropdown(options=list(SINGLE), description="technique")
-        self.batch = W.SelectionSlider(options=list(batches),
-                                       value=step.batch if step.batch in batches else batches[0],
-                                       description="batch", continuous_update=False)
-        self.status = W.HTML()
-        self.output = W.Output()
-        for w in (self.technique, self.batch):
-            w.observe(lambda change: self.refresh(), names="value")
-        self.box = W.VBox([W.HBox([self.technique, self.batch, self.status]), self.output])
-        if draw:
-            self.refresh()
-
-    def refresh(self) -> dict:
-        import matplotlib.pyplot as plt
-        from .plots import plot_lenses
-        key = (self.technique.value, self.batch.value)
-        if key not in self._cache:
-            self._cache[key] = measure_saving(replace(self.step, batch=self.batch.value), key[0])
-        res = self._cache[key]
-        self.data = {"technique": key[0], "batch": key[1], "saving": res["saving"],
-                     "verdict": res["verdict"]}
-        self.status.value = (f"saved {res['saving']:.0%} (seed: {SEED[key[0]][0]}): "
-                             f"{res['verdict']}")
-        reports = {name: MemoryReport("measure", self.step, "cpu", r["peak_bytes"], r["by_category"])
-                   for name, r in res.items() if isinstance(r, dict)}
-        fig, ax = plt.subplots(figsize=(6.5, 3.2))
-        plot_lenses(reports, ax, title=f"batch {key[1]}: peak by category")
-        fig.tight_layout()
-        self.show(fig)
-        return self.data
-
-
 def write_report(out: str | Path, step: StepConfig | None = None, **kwargs) -> tuple[Table, dict]:
     """Measure the table and write it to ``out`` as Markdown, JSON and PNG."""
     table = measure_table(step, **kwargs)
     return table, table.save(out)
 
 
-__all__ = ["Row", "Table", "SEED", "SINGLE", "TablePanel", "measure_saving", "measure_table", "write_report", "load_references",
+__all__ = ["Row", "Table", "SEED", "SINGLE", "measure_saving", "measure_table", "write_report", "load_references",
            "reference_ratios", "verdict", "zero_saving", "ranks_for", "single_device",
            "multi_rank"]
