@@ -17,7 +17,7 @@ import sys
 from dataclasses import replace
 
 from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
-from .measure import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
+from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
 from .models import CHECKPOINTINGS, ATTENTIONS, PRESETS, UNET_PRESETS, GPTConfig, get_config
 
 

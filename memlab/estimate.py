@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .hardware import resolve_budget
-from .measure import MemoryReport, StepConfig, _resolve_step, autocast_for
+from .step import MemoryReport, StepConfig, autocast_for, resolve_step
 from .models import GPTConfig, UNet, UNetConfig
 from .tracking import CATEGORIES
 
@@ -247,7 +247,7 @@ def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float]) -> t
             mt.track_model(model)
             with autocast_for(step.precision, torch.device("cpu")):
                 loss = model(x, torch.randint(0, 1000, (b,)), torch.randn_like(x))
-            mt._set_phase("backward")
+            mt.mark_phase("backward")
             acts = mt.by_category()["activations"]
         del loss, model
     out = dict.fromkeys(CATEGORIES, 0.0)
@@ -265,7 +265,7 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     ``batch`` is per rank; ``zero``, ``world_size`` and ``offload`` shard and move the model
     states as :func:`model_state_bytes` describes.
     """
-    step = _resolve_step(step, **overrides)
+    step = resolve_step(step, **overrides)
     cfg = step.model_config
     states = model_state_bytes(cfg.num_params(), precision=step.precision,
                                optimizer=step.optimizer, zero=step.zero,

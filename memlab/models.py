@@ -365,10 +365,12 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
+        self.apply(self.init_weights)
 
     @staticmethod
-    def _init_weights(m: nn.Module) -> None:
+    def init_weights(m: nn.Module) -> None:
+        """GPT-2 initialisation: N(0, 0.02) weights, zero biases (also for a stage rebuilt
+        from meta tensors)."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:

@@ -19,7 +19,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .hardware import resolve_budget
-from .measure import MemoryReport, StepConfig, _batch_to, _resolve_step, build_trainer, run_tracked_step
+from .measure import run_tracked_step
+from .step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
 from .models import UNetConfig
 
 
@@ -39,13 +40,13 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     ``budget`` is bytes, a size string, or a GPU preset (``"A100-40GB"``): the report says
     whether the step fits and, if not, where it ran out (``report.oom``).
     """
-    step = _resolve_step(step, **overrides)
+    step = resolve_step(step, **overrides)
     budget_bytes = resolve_budget(budget)
     start = time.perf_counter()
     # One mode for building and running: mixing fake modes is not supported.
     with FakeTensorMode(allow_non_fake_inputs=False):
         trainer = build_trainer(step, "cpu", fake=True)
-        batch = _batch_to(_fake_batch(step), step)
+        batch = batch_to(_fake_batch(step), step)
         tracker, _, before, after = run_tracked_step(trainer, batch, budget_bytes, warmup="optimizer")
         report = MemoryReport("simulate", step, "cpu (fake)", tracker.peak_bytes,
                               tracker.peak_by_category(), budget_bytes, None, tracker.oom,
