@@ -8,9 +8,10 @@ import torch.nn.functional as F
 
 from memlab.chunked_loss import (check_linear_cross_entropy, linear_cross_entropy,
                                  loss_spike_bytes, plain_linear_cross_entropy)
-from memlab.measure import StepConfig, measure_step
+from memlab.measure import measure_step
 from memlab.models import GPT, GPTConfig, get_config
 from memlab.simulate import simulate_step
+from memlab.step import StepConfig
 
 
 # -- against the plain loss --------------------------------------------------------------
