@@ -67,6 +67,12 @@ class GPTConfig:
         and saves no copies on CPU and with CUDA flash attention (fp16/bf16); on CUDA in
         fp32 torch's memory-efficient kernel rejects unequal head counts and SDPA falls back
         to the math kernel, which materialises the ``s x s`` scores. Needs ``attention="sdpa"``.
+        Views share a storage: v is a view of the fused qkv output, so when SDPA saves the
+        unrepeated v it keeps the whole ``(n_head + 2 n_kv_head) * head_dim``-wide output
+        alive. With learned positions (q, k, v all views) "native" saves exactly the two
+        repeated copies less, ``2 * tokens * d_model`` elements per layer; with rope (q and k
+        rotated into new tensors) it can keep *more* bytes than "repeat" when ``n_kv_head`` is
+        close to ``n_head`` (tests/test_models.py measures the first).
     ``qkv_bias``
         Bias on the q, k, v projections; ``None`` follows ``bias``. Qwen2/2.5 have biases
         there and nowhere else (``bias=False, qkv_bias=True``).
