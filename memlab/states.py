@@ -93,10 +93,13 @@ def param_numels(cfg) -> list[int]:
         with torch.device("meta"):
             return [p.numel() for p in build_model(cfg).parameters()]
     d, f, v, L = cfg.d_model, cfg.hidden, cfg.vocab_size, cfg.n_layer
+    kv = getattr(cfg, "kv_heads", cfg.n_head) * cfg.head_dim  # width of k and of v (GQA)
     b = cfg.bias
-    norm = [d, d] if cfg.norm == "layernorm" else [d]
-    layer = 2 * norm + [3 * d * d, d * d, d * f, f * d]
-    layer += ([3 * d, d, f, d] if b else [])
+    norm = ([d, d] if b else [d]) if cfg.norm == "layernorm" else [d]
+    layer = 2 * norm + [(d + 2 * kv) * d, d * d, d * f, f * d]  # fused qkv, proj, MLP
+    if getattr(cfg, "has_qkv_bias", b):
+        layer.append(d + 2 * kv)
+    layer += ([d, f, d] if b else [])
     if cfg.mlp == "swiglu":
         layer += [d * f] + ([f] if b else [])
     out = [v * d] + ([cfg.block_size * d] if cfg.position == "learned" else []) + L * layer + norm
