@@ -93,11 +93,11 @@ def param_numels(cfg) -> list[int]:
         with torch.device("meta"):
             return [p.numel() for p in build_model(cfg).parameters()]
     d, f, v, L = cfg.d_model, cfg.hidden, cfg.vocab_size, cfg.n_layer
-    kv = getattr(cfg, "kv_heads", cfg.n_head) * cfg.head_dim  # width of k and of v (GQA)
+    kv = cfg.kv_heads * cfg.head_dim  # width of k and of v (grouped-query attention)
     b = cfg.bias
     norm = ([d, d] if b else [d]) if cfg.norm == "layernorm" else [d]
     layer = 2 * norm + [(d + 2 * kv) * d, d * d, d * f, f * d]  # fused qkv, proj, MLP
-    if getattr(cfg, "has_qkv_bias", b):
+    if cfg.has_qkv_bias:
         layer.append(d + 2 * kv)
     layer += ([d, f, d] if b else [])
     if cfg.mlp == "swiglu":
