@@ -34,6 +34,7 @@ from .hardware import fmt_bytes, resolve_budget
 from .measure import measure_step
 from .models import GPT, get_config
 from .step import StepConfig, make_batch
+from .techniques import relative_error
 from .tracking import CATEGORIES, MemoryTracker
 
 MiB = 2**20
@@ -205,7 +206,7 @@ def check_amp_step(amp_step: Callable, *, device: str = "cpu") -> CheckResult:
         upd = [a - b for a, b in zip(got[k], got[k - 1])]
         ref_upd = [a - b for a, b in zip(ref[k], ref[k - 1])]
         ratio = _norm(upd) / _norm(ref_upd)
-        diff = _norm([a - b for a, b in zip(upd, ref_upd)]) / _norm(ref_upd)
+        diff = relative_error(upd, ref_upd)
         diffs.append(diff)
         if diff <= AMP_TOLERANCE:
             continue
@@ -733,7 +734,7 @@ def check_pack_hooks(make_hooks: Callable, *, seq: int = 64, batch: int = 2) -> 
     got, want = [p.grad for p in model.parameters()], [p.grad for p in ref.parameters()]
     if any(g is None for g in got):
         _fail(name, "some weights got no gradient with your hooks")
-    err = _norm([a - b for a, b in zip(got, want)]) / _norm(want)
+    err = relative_error(got, want)
     blocks = cfg.n_layer * layer_activation_bytes(cfg, seq, batch, "fp32")
     saved = ref_kept - kept
     if saved < 0.4 * blocks:

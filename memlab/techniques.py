@@ -79,6 +79,13 @@ def step_flops(step: StepConfig, *, device: str = "cpu") -> int:
     return int(counter.get_total_flops())
 
 
+def relative_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """``||got - ref|| / ||ref||`` over all tensors together (the norm of the flattened lists)."""
+    num = sum(((g - r).float() ** 2).sum() for g, r in zip(got, ref))
+    den = sum((r.float() ** 2).sum() for r in ref)
+    return float((num / den).sqrt())
+
+
 # --------------------------------------------------------------------------------------
 # fp16 gradient underflow and loss scaling (Micikevicius et al. 2018, sec. 3.2)
 # --------------------------------------------------------------------------------------
@@ -135,7 +142,7 @@ def fp16_underflow(loss_scale: float | None = None, *, loss_weight: float = 1e-4
     ref = grads(False, None)
     got = grads(True, loss_scale)
     zero = ((got == 0) & (ref != 0)).float().mean().item()
-    err = ((got - ref).norm() / ref.norm()).item()
+    err = relative_error([got], [ref])
     return UnderflowResult(loss_scale, zero, err, ref, got)
 
 
@@ -334,7 +341,7 @@ def predict_max_batch(step: StepConfig, budget: int | str, *, calibrate: tuple[i
                            [(b1, r1.peak_bytes), (b2, r2.peak_bytes)], lines)
 
 
-__all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "category_max", "step_flops", "UnderflowResult", "fp16_underflow",
+__all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "category_max", "step_flops", "relative_error", "UnderflowResult", "fp16_underflow",
            "master_weight_states",
            "AccumulationCheck", "accumulation_check", "BatchSearch", "find_max_batch_search",
            "BatchPrediction", "phase_peaks", "predict_max_batch"]
