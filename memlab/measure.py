@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from .hardware import fmt_bytes, pick_device, resolve_budget
 from .models import GPTConfig, UNetConfig, build_model, get_config
-from .tracking import CATEGORIES, Event, MemoryTracker, OOMInfo
+from .tracking import CATEGORIES, DeviceAccounting, Event, MemoryTracker, OOMInfo
 
 PRECISIONS = ("fp32", "bf16", "fp16", "pure-bf16")
 OPTIMIZERS = ("adamw", "sgd")
@@ -303,11 +303,13 @@ def _batch_to(batch: tuple, step: StepConfig) -> tuple:
 
 
 def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *,
-                     cuda_history: bool = False, warmup: bool | str = True) -> tuple[MemoryTracker, float, int, int]:
+                     cuda_history: bool = False, warmup: bool | str = True,
+                     accounting: DeviceAccounting | None = None) -> tuple[MemoryTracker, float, int, int]:
     """Warm up, then one tracked step; an OOM is caught, memory released, and recorded.
 
     ``warmup``: ``True`` runs a whole untracked step first, ``"optimizer"`` only creates the
     optimizer state (same steady state, half the work: used by the simulation).
+    ``accounting``: count bytes as a target device would (the simulation's ``target``).
 
     Returns the tracker, the tracked step's seconds, and live bytes before and after it.
     """
@@ -316,7 +318,8 @@ def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *
     elif warmup:
         trainer.step(batch)
     on_cuda = trainer.device.type == "cuda"
-    tracker = MemoryTracker(None if on_cuda else budget_bytes, cuda=on_cuda, cuda_history=cuda_history)
+    tracker = MemoryTracker(None if on_cuda else budget_bytes, cuda=on_cuda, cuda_history=cuda_history,
+                            accounting=accounting)
     with _cuda_budget(budget_bytes if on_cuda else None), tracker:
         tracker.track_model(trainer.model)
         tracker.track_optimizer(trainer.optimizer)

@@ -18,7 +18,8 @@ from .tracking import CATEGORIES
 
 MiB = 2**20
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868",
-          "activations": "#c44e52", "temporaries": "#8172b3", "other": "#937860"}
+          "activations": "#c44e52", "temporaries": "#8172b3", "other": "#937860",
+          "workspace": "#8c8c8c"}
 PHASE_SHADE = {"forward": "#f2f2f2", "backward": "#e6eef7", "optimizer": "#eef7e6"}
 
 

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .hardware import resolve_budget
 from .measure import MemoryReport, StepConfig, _batch_to, _resolve_step, build_trainer, run_tracked_step
 from .models import UNetConfig
+from .policy import emulate, get_target
 
 
 def _fake_batch(step: StepConfig) -> tuple:
@@ -33,21 +34,26 @@ def _fake_batch(step: StepConfig) -> tuple:
 
 
 def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
-                  **overrides) -> MemoryReport:
+                  target: str = "cpu", **overrides) -> MemoryReport:
     """Run one steady-state step on fake tensors and report its peak by category.
 
     ``budget`` is bytes, a size string, or a GPU preset (``"A100-40GB"``): the report says
-    whether the step fits and, if not, where it ran out (``report.oom``).
+    whether the step fits and, if not, where it ran out (``report.oom``). ``target`` is the
+    device the bytes are counted for: ``"cpu"`` (exactly what :func:`measure_step` sees on
+    this CPU) or ``"cuda"`` (CUDA's autocast policy, kernels, workspaces and 512-byte
+    blocks, see :mod:`memlab.policy`; a GPU preset budget picks the card's cuBLAS workspace).
     """
+    tgt = get_target(target, budget)
     step = _resolve_step(step, **overrides)
     budget_bytes = resolve_budget(budget)
     start = time.perf_counter()
     # One mode for building and running: mixing fake modes is not supported.
-    with FakeTensorMode(allow_non_fake_inputs=False):
+    with FakeTensorMode(allow_non_fake_inputs=False), emulate(tgt):
         trainer = build_trainer(step, "cpu", fake=True)
         batch = _batch_to(_fake_batch(step), step)
-        tracker, _, before, after = run_tracked_step(trainer, batch, budget_bytes, warmup="optimizer")
-        report = MemoryReport("simulate", step, "cpu (fake)", tracker.peak_bytes,
+        tracker, _, before, after = run_tracked_step(trainer, batch, budget_bytes, warmup="optimizer",
+                                                     accounting=tgt.accounting())
+        report = MemoryReport("simulate", step, f"{tgt.name} (fake)", tracker.peak_bytes,
                               tracker.peak_by_category(), budget_bytes, None, tracker.oom,
                               tracker.timeline, {}, before, after)
         del trainer, batch, tracker

@@ -13,6 +13,8 @@ memory exists at all. Each storage gets one category:
 ``temporaries`` everything else the step allocates: forward scratch, backward buffers,
                 recomputation under checkpointing, optimizer scratch
 ``other``       buffers, inputs, anything registered as such
+``workspace``   device memory no op returns: library workspaces (cuBLAS, cuDNN, attention
+                kernels), counted only when a :class:`DeviceAccounting` models them
 
 Categories are settled at phase changes (forward, backward, optimizer), then the whole
 timeline is replayed with them, so a stacked plot shows activations as activations from the
@@ -36,8 +38,33 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from .hardware import fmt_bytes, resolve_budget
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other")
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other",
+              "workspace")
 _IDX = {c: i for i, c in enumerate(CATEGORIES)}
+
+
+class DeviceAccounting:
+    """How a device turns the step's tensors into bytes. This default is the exact tracker:
+    a storage costs its ``nbytes`` and there is no workspace. A target device (see
+    :class:`memlab.policy.TargetAccounting`) overrides the hooks to count as its allocator
+    and kernels would while the step itself runs elsewhere (on fake CPU tensors)."""
+
+    def block_bytes(self, nbytes: int) -> int:
+        """Bytes the allocator takes for a storage of ``nbytes``."""
+        return nbytes
+
+    def output_bytes(self, func, outputs: list, index: int, nbytes: int) -> int:
+        """Bytes of output ``index`` of ``func`` when the device's kernel allocates a
+        different size than this one did."""
+        return nbytes
+
+    def op_workspace(self, func, args: tuple, kwargs: dict, out) -> int:
+        """Bytes the device's kernel for ``func`` holds while it runs and frees afterwards."""
+        return 0
+
+    def resident_workspace(self) -> int:
+        """Bytes held through the whole step that no op returns (library workspaces)."""
+        return 0
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -111,11 +138,14 @@ class MemoryTracker(TorchDispatchMode):
 
     ``budget`` is bytes, a size string or a GPU preset name; ``cuda_history=True`` records a
     CUDA allocator history (switched off again on exit, also after an exception).
+    ``accounting`` counts bytes as another device would (default: exact bytes).
     """
 
     def __init__(self, budget: int | str | None = None, *, cuda: bool | None = None,
-                 cuda_history: bool = False, max_history_entries: int = 100_000):
+                 cuda_history: bool = False, max_history_entries: int = 100_000,
+                 accounting: DeviceAccounting | None = None):
         super().__init__()
+        self.accounting = accounting or DeviceAccounting()
         # cuda: read the CUDA allocator too; None = whenever CUDA is available
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self.budget_bytes = resolve_budget(budget)
@@ -143,6 +173,7 @@ class MemoryTracker(TorchDispatchMode):
         self._module_stack: list[str] = []
         self._hooks: list = []
         self._replayed: list[Event] | None = None
+        self._resident: int | None = None
 
     # -- registration --------------------------------------------------------------------
     def track_tensors(self, tensors, category: str = "other") -> None:
@@ -188,7 +219,8 @@ class MemoryTracker(TorchDispatchMode):
                 self._scan_optimizer(o)
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def _record(self, storage: torch.UntypedStorage, hint: str | None) -> int:
+    def _record(self, storage: torch.UntypedStorage, hint: str | None,
+                nbytes: int | None = None) -> int:
         key = storage._cdata
         sid = self._by_storage.get(key)
         if sid is not None:
@@ -198,7 +230,7 @@ class MemoryTracker(TorchDispatchMode):
             elif hint is not None and rec.hint is None:
                 rec.hint = hint
             return 0
-        nbytes = storage.nbytes()
+        nbytes = self.accounting.block_bytes(storage.nbytes() if nbytes is None else nbytes)
         sid = len(self._records)
         self._records.append(_Storage(nbytes, self._phase, hint))
         self._by_storage[key] = sid
@@ -207,6 +239,23 @@ class MemoryTracker(TorchDispatchMode):
         self.live_bytes += nbytes
         self._replayed = None
         return nbytes
+
+    def _hold(self, nbytes: int, category: str) -> int:
+        """Count bytes that belong to no storage (a workspace); returns its record id."""
+        sid = len(self._records)
+        self._records.append(_Storage(nbytes, self._phase, category))
+        self._log.append((sid, +1))
+        self.live_bytes += nbytes
+        self._replayed = None
+        return sid
+
+    def _release(self, sid: int) -> None:
+        rec = self._records[sid]
+        if rec.alive:
+            rec.alive = False
+            self.live_bytes -= rec.nbytes
+            self._log.append((sid, -1))
+            self._replayed = None
 
     def _free(self, sid: int, key: int) -> None:
         if self._by_storage.get(key) == sid:
@@ -255,9 +304,14 @@ class MemoryTracker(TorchDispatchMode):
             phase = "forward"
         self._set_phase(phase)
         new = 0
-        for t in tree_flatten(out)[0]:
+        acc = self.accounting
+        outputs = tree_flatten(out)[0]
+        for i, t in enumerate(outputs):
             if isinstance(t, torch.Tensor):
-                new += sum(self._record(st, None) for st in _storages(t))
+                for st in _storages(t):
+                    new += self._record(st, None, acc.output_bytes(func, outputs, i, st.nbytes()))
+        workspace = acc.op_workspace(func, args, kwargs or {}, out)
+        held = self._hold(acc.block_bytes(workspace), "workspace") if workspace else None
         op = func.__name__
         module = self._current_module()
         self._ops.append((op, module, phase))
@@ -265,6 +319,8 @@ class MemoryTracker(TorchDispatchMode):
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self._peak_op = len(self._ops) - 1
+        if held is not None:
+            self._release(held)
         # like a real allocator, only an op that asks for memory can run out of it
         if new and self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
             self._raise_oom(op, module, phase, new)
@@ -304,6 +360,9 @@ class MemoryTracker(TorchDispatchMode):
                        register_module_forward_pre_hook(self._push_module),
                        register_module_forward_hook(self._pop_module)]
         self._cuda_start()
+        resident = self.accounting.resident_workspace()
+        if resident:
+            self._resident = self._hold(resident, "workspace")
         return super().__enter__()
 
     def __exit__(self, exc_type, exc, tb):
@@ -316,6 +375,9 @@ class MemoryTracker(TorchDispatchMode):
             self._hooks = []
             self._in_optimizer = False
             self._cuda_stop()
+            if self._resident is not None:
+                self._release(self._resident)
+                self._resident = None
             self._active = False
 
     def _cuda_start(self) -> None:

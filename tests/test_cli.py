@@ -16,7 +16,7 @@ def test_json_keys(lens, capsys):
     assert KEYS <= out.keys()
     assert out["lens"] == lens
     assert set(out["by_category"]) == {"parameters", "gradients", "optimizer", "activations",
-                                       "temporaries", "other"}
+                                       "temporaries", "other", "workspace"}
 
 
 def test_not_fitting_is_a_result(capsys):
