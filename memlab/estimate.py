@@ -14,9 +14,13 @@ Two parts, as in the literature:
   structure (a term linear in ``sbh``, an ``as^2 b`` term for materialised attention scores,
   and a ``4 s b V`` term for the fp32 log-softmax) is the paper's.
 
-The peak is the largest of a few moments of the step (the start of backward, the language
-model head's backward, the backward of one recomputed block, the end of backward, the
-optimizer step); :func:`estimate_step` returns the categories at that moment.
+The peak is the largest of a few moments of the step (the loss's forward and each op of its
+backward, the language model head's backward, the backward of one recomputed block, the end
+of backward, the optimizer step); :func:`estimate_step` returns the categories at that moment.
+
+Element sizes depend on the device (``target``): which ops autocast runs in fp32, what
+kernels save, the workspaces no op returns. Each such rule lives in :mod:`memlab.policy`,
+which the simulation applies to its fake step, so both lenses follow the same source.
 """
 from __future__ import annotations
 
@@ -25,8 +29,8 @@ from dataclasses import dataclass, replace
 from .hardware import resolve_budget
 from .measure import MemoryReport, StepConfig, _resolve_step, autocast_for
 from .models import GPTConfig, UNet, UNetConfig
-from .policy import (Target, activation_copies, attention_probs_bytes, cross_entropy_moments, emulate, get_target,
-                     layer_norm_stat_bytes, norm_saves, precision_bytes, sdpa_backend,
+from .policy import (Target, activation_copies, attention_probs_bytes, cross_entropy_moments,
+                     emulate, get_target, norm_saves, precision_bytes, sdpa_backend,
                      sdpa_lse_bytes)
 from .tracking import CATEGORIES
 
@@ -40,13 +44,12 @@ class Dtypes:
     grad: int       # .grad
     compute: int    # matmul outputs and their saved inputs
     residual: int   # the residual stream (adds, norm inputs)
-    norm_stats: int # LayerNorm mean / rstd
     softmax: int    # the loss's saved log-probabilities (and their cast copy), per logit
     weight_copy: int  # autocast's low-precision copies of matmul weights (0: none)
-    probs: int = 4  # naive attention's saved probabilities (and their cast copy), per score
+    probs: int      # naive attention's saved probabilities (and their cast copy), per score
     # (moment, saved, scratch) bytes per logit through the loss (policy.cross_entropy_moments)
-    loss_moments: tuple[tuple[str, int, int], ...] = ()
-    target: str = "cpu"
+    loss_moments: tuple[tuple[str, int, int], ...]
+    target: str     # the device the sizes are for
 
 
 def dtypes(precision: str, target: str = "cpu") -> Dtypes:
@@ -60,9 +63,9 @@ def dtypes(precision: str, target: str = "cpu") -> Dtypes:
     residual = param  # the embedding output and the residual adds stay in the weights' dtype
     moments = tuple(cross_entropy_moments(target, precision))
     return Dtypes(param=param, grad=param, compute=compute, residual=residual,
-                  norm_stats=layer_norm_stat_bytes(target, residual), softmax=moments[0][1],
-                  weight_copy=lower or 0, probs=attention_probs_bytes(target, precision),
-                  loss_moments=moments, target=target)
+                  softmax=moments[0][1], weight_copy=lower or 0,
+                  probs=attention_probs_bytes(target, precision), loss_moments=moments,
+                  target=target)
 
 
 def optimizer_bytes_per_param(optimizer: str, precision: str) -> int:

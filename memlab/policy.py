@@ -60,7 +60,7 @@ import re
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -69,7 +69,6 @@ from torch.utils._pytree import tree_map_only
 from .tracking import DeviceAccounting
 
 TARGETS = ("cuda", "cpu")
-MiB = 2**20
 
 
 # --------------------------------------------------------------------------------------
@@ -89,7 +88,7 @@ class AutocastPolicy:
     lower_precision_fp: frozenset[str]
     fp32: frozenset[str]
     fp32_set_opt_dtype: frozenset[str] = frozenset()
-    fp32_append_dtype: dict[str, str] = field(default_factory=dict)
+    fp32_append_dtype: tuple[tuple[str, str], ...] = ()
     promote: frozenset[str] = frozenset()
     banned: frozenset[str] = frozenset()
 
@@ -98,12 +97,12 @@ class AutocastPolicy:
         for name in ("lower_precision_fp", "fp32", "fp32_set_opt_dtype", "promote", "banned"):
             if op in getattr(self, name):
                 return name
-        return "fp32_append_dtype" if op in self.fp32_append_dtype else None
+        return "fp32_append_dtype" if op in dict(self.fp32_append_dtype) else None
 
     @property
     def ops(self) -> frozenset[str]:
         return (self.lower_precision_fp | self.fp32 | self.fp32_set_opt_dtype | self.promote
-                | self.banned | frozenset(self.fp32_append_dtype))
+                | self.banned | frozenset(dict(self.fp32_append_dtype)))
 
     def run_dtype(self, op: str, input_bytes: int, lower_bytes: int,
                   explicit_dtype_bytes: int | None = None) -> int:
@@ -152,8 +151,8 @@ CUDA_AUTOCAST = AutocastPolicy(
         prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm
         linalg_matrix_norm linalg_matrix_norm.str_ord sum sum.dim_IntList"""),
     # AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE
-    fp32_append_dtype={"norm.Scalar": "norm.ScalarOpt_dtype",
-                       "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"},
+    fp32_append_dtype=(("norm.Scalar", "norm.ScalarOpt_dtype"),
+                       ("norm.ScalarOpt_dim", "norm.ScalarOpt_dim_dtype")),
     # AT_FORALL_PROMOTE
     promote=_ops("addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put "
                  "tensordot scatter_add"),
@@ -238,7 +237,9 @@ def conv_workspace(in_channels: int, kernel: tuple[int, ...], out_spatial: tuple
                    stride: tuple[int, ...], elem_bytes: int) -> int:
     """Modelled cuDNN workspace of one convolution call: the im2col matrix of one image
     (``C_in * prod(kernel)`` x ``prod(out_spatial)`` elements); a 1x1 stride-1 convolution
-    is a plain GEMM and needs none. See the module docstring for why this is a model."""
+    is a plain GEMM and needs none. A transposed convolution lowers the other side: pass its
+    output channels and its input's spatial size (the col2im matrix has the same shape).
+    See the module docstring for why this is a model."""
     n_kernel, n_out = 1, 1
     for k in kernel:
         n_kernel *= k
@@ -449,18 +450,17 @@ class TargetAccounting(DeviceAccounting):
 
     def op_workspace(self, func, args, kwargs, out) -> int:
         if func is _aten.convolution.default:
-            x, w = args[0], args[1]
-            stride, transposed = args[3], args[6]
-            if transposed:
-                return 0
-            return conv_workspace(x.shape[1], tuple(w.shape[2:]), tuple(out.shape[2:]),
-                                  tuple(stride), x.element_size())
-        if func is _aten.convolution_backward.default:
-            grad_out, x, w = args[0], args[1], args[2]
-            stride, transposed = args[4], args[7]
-            if transposed:
-                return 0
-            return conv_workspace(x.shape[1], tuple(w.shape[2:]), tuple(grad_out.shape[2:]),
+            x, w, y = args[0], args[1], out
+        elif func is _aten.convolution_backward.default:
+            x, w, y = args[1], args[2], args[0]  # input, weight, gradient of the output
+        else:
+            x = None
+        if x is not None:
+            stride, transposed = (args[3], args[6]) if func is _aten.convolution.default else (args[4], args[7])
+            # a transposed convolution's lowering is its forward twin's: channels of its
+            # output, positions of its input
+            lowered, positions = (y, x) if transposed else (x, y)
+            return conv_workspace(lowered.shape[1], tuple(w.shape[2:]), tuple(positions.shape[2:]),
                                   tuple(stride), x.element_size())
         if func is _aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
             q = args[1]
@@ -666,7 +666,7 @@ def _install(target: Target) -> torch.library.Library:
         for name in sorted(policy.ops):
             rule = policy.rule(name)
             if rule == "fp32_append_dtype":
-                kernel = _append_dtype_kernel(policy.fp32_append_dtype[name])
+                kernel = _append_dtype_kernel(dict(policy.fp32_append_dtype)[name])
             elif rule == "banned":
                 kernel = _banned_kernel
             else:
