@@ -6,7 +6,8 @@ Three lenses on one training step: :func:`estimate_step` (closed-form formulas),
 """
 from .estimate import estimate_step
 from .hardware import GPU_PRESETS, fmt_bytes, parse_size, pick_device, resolve_budget
-from .measure import MemoryReport, StepConfig, build_trainer, make_batch, measure_step, time_step
+from .measure import measure_step, time_step
+from .step import MemoryReport, StepConfig, build_trainer, make_batch
 from .simulate import simulate_step
 from .models import GPT, PRESETS, UNET_PRESETS, GPTConfig, UNet, UNetConfig, build_model, get_config
 from .tracking import CATEGORIES, MemoryTracker

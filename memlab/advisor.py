@@ -24,9 +24,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
-from .measure import StepConfig
+from .step import StepConfig
 from .models import GPTConfig, get_config
-from .widgets import Panel
 
 SIMULATE_MAX_PARAMS = 2_000_000_000  # gpt2-xl (1.6B) simulates in ~4 s on 2 cores
 TP_MAX = 8  # tensor parallelism all-reduces twice per layer each way: keep it inside a node
@@ -261,80 +260,4 @@ def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,
             "allocator": dict(real.allocator)}
 
 
-def plot_advice(advice: Advice, ax=None):
-    """The flowchart path: one bar per step tried (kept: solid, left out: hatched), with the
-    card's memory and the usable part (less headroom) as lines."""
-    import matplotlib.pyplot as plt
-    ax = ax or plt.subplots(figsize=(8, 3.4))[1]
-    GiB = 2**30
-    names = [s["technique"] for s in advice.steps]
-    peaks = [s["peak_bytes"] / GiB for s in advice.steps]
-    colors = ["#55a868" if s["fits"] else ("#c44e52" if s["kept"] else "#dddddd") for s in advice.steps]
-    bars = ax.bar(range(len(names)), peaks, color=colors, edgecolor="k", lw=0.5)
-    for b, s in zip(bars, advice.steps):
-        if not s["kept"]:
-            b.set_hatch("//")
-        if s["simulated_bytes"] is not None:
-            ax.plot(b.get_x() + b.get_width() / 2, s["simulated_bytes"] / GiB, "kD", ms=4)
-    ax.axhline(advice.budget_bytes / GiB, color="k", lw=1, label="card memory")
-    ax.axhline(advice.usable_bytes / GiB, color="k", ls="--", lw=1,
-               label=f"usable ({advice.headroom:.0%} headroom)")
-    ax.set_xticks(range(len(names)), [f"+ {n}" if i else n for i, n in enumerate(names)],
-                  rotation=30, ha="right", fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("peak per rank (GiB, log)")
-    cfg = advice.step.model_config
-    ax.set_title(f"{cfg.name}, seq {advice.step.seq}, batch {advice.step.batch}, "
-                 f"{advice.step.world_size} rank(s): {'fits' if advice.fits else 'does NOT fit'}",
-                 fontsize=9)
-    ax.legend(fontsize=7, loc="upper right")
-    return ax
-
-
-class AdvisorPanel(Panel):
-    """Model, GPU, world size, sequence and batch controls; the Output draws the flowchart path
-    (:func:`plot_advice`). Estimate only, so every change redraws at once; ``data`` holds what
-    was drawn last."""
-
-    def __init__(self, model: str = "gpt2-xl", gpu: str = "A100-40GB", world_size: int = 1,
-                 seq: int = 1024, batch: int = 8, *, draw: bool = True):
-        import ipywidgets as W
-        from .models import PRESETS
-        self.model = W.Dropdown(options=[m for m in PRESETS if m != "tiny"], value=model,
-                                description="model")
-        self.gpu = W.Dropdown(options=list(GPU_PRESETS), value=gpu, description="GPU")
-        self.world_size = W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64], value=world_size,
-                                            description="ranks", continuous_update=False)
-        self.seq = W.SelectionSlider(options=[256, 512, 1024, 2048, 4096], value=seq,
-                                     description="seq", continuous_update=False)
-        self.batch = W.SelectionSlider(options=[1, 2, 4, 8, 16, 32], value=batch,
-                                       description="batch", continuous_update=False)
-        self.status = W.HTML()
-        self.output = W.Output()
-        self.data: dict | None = None
-        controls = [self.model, self.gpu, self.world_size, self.seq, self.batch]
-        for w in controls:
-            w.observe(lambda change: self.refresh(), names="value")
-        self.box = W.VBox([W.HBox(controls[:2]), W.HBox(controls[2:]), self.status, self.output])
-        if draw:
-            self.refresh()
-
-    def refresh(self) -> dict:
-        import matplotlib.pyplot as plt
-        from .models import get_config
-        seq = min(self.seq.value, get_config(self.model.value).block_size)
-        a = advise(self.model.value, self.gpu.value, self.world_size.value, seq,
-                   self.batch.value, simulate=False)
-        self.data = {"model": self.model.value, "gpu": self.gpu.value, "seq": seq,
-                     "world_size": self.world_size.value, "batch": self.batch.value,
-                     "plan": list(a.plan), "fits": a.fits, "peak_bytes": a.peak_bytes,
-                     "advice": a}
-        self.status.value = a.message
-        fig, ax = plt.subplots(figsize=(8, 3.4))
-        plot_advice(a, ax)
-        fig.tight_layout()
-        self.show(fig)
-        return self.data
-
-
-__all__ = ["Advice", "AdvisorPanel", "advise", "check_plan", "flowchart", "plot_advice", "tensor_parallel_degree"]
+__all__ = ["Advice", "advise", "check_plan", "flowchart", "tensor_parallel_degree"]

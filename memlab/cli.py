@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 
 from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
-from .measure import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
+from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
 from .models import CHECKPOINTINGS, ATTENTIONS, PRESETS, UNET_PRESETS, GPTConfig, get_config
 
 
@@ -225,7 +225,8 @@ def _simulate_sharded(step: StepConfig, budget: int | str | None, target: str) -
 
 def _presets(as_json: bool) -> str:
     models = {name: {"params": cfg.num_params(), "d_model": cfg.d_model, "layers": cfg.n_layer,
-                     "heads": cfg.n_head, "vocab": cfg.vocab_size} for name, cfg in PRESETS.items()}
+                     "heads": cfg.n_head, "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size}
+              for name, cfg in PRESETS.items()}
     models.update({name: {"params": cfg.num_params()} for name, cfg in UNET_PRESETS.items()})
     if as_json:
         return json.dumps({"models": models, "gpus": GPU_PRESETS}, indent=2)

@@ -34,9 +34,10 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .measure import (MemoryReport, StepConfig, _batch_to, _resolve_step, build_trainer,
-                      make_batch, measure_trainer, time_steps)
-from .widgets import Panel
+from .measure import measure_trainer, time_steps
+from .techniques import category_max, relative_error
+from .step import (MemoryReport, StepConfig, autocast_for, batch_to, build_trainer, make_batch,
+                   resolve_step)
 
 MODES = ("bf16", "int8")
 GRANULARITIES = ("row", "tensor")
@@ -189,8 +190,9 @@ class ActivationCompressor:
         self.remove()
 
 
-def _trainer(step: StepConfig, variant: str, seed: int = 0):
-    """A trainer for ``step`` with ``variant`` (a key of :data:`VARIANTS`) applied."""
+def compressed_trainer(step: StepConfig, variant: str, seed: int = 0) -> tuple:
+    """A trainer for ``step`` with ``variant`` (a key of :data:`VARIANTS`) applied: returns
+    the trainer, its :class:`ActivationCompressor` (or ``None``) and the batch."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}; allowed: {', '.join(VARIANTS)}")
     how = VARIANTS[variant]
@@ -198,15 +200,15 @@ def _trainer(step: StepConfig, variant: str, seed: int = 0):
         step = replace(step, **how)
     trainer = build_trainer(step, "cpu", seed=seed)
     comp = ActivationCompressor(trainer.model, how[0], granularity=how[1]) if isinstance(how, tuple) else None
-    return trainer, comp, _batch_to(make_batch(step, "cpu"), step)
+    return trainer, comp, batch_to(make_batch(step, "cpu"), step)
 
 
 def measure_compressed(step: StepConfig | None = None, variant: str = "int8 per-row", *,
                        budget: int | str | None = None, **overrides) -> MemoryReport:
     """One tracked steady-state step with ``variant``: packed copies made in forward are
     counted as activations, the originals they replace are freed."""
-    step = _resolve_step(step, **overrides)
-    trainer, comp, batch = _trainer(step, variant)
+    step = resolve_step(step, **overrides)
+    trainer, comp, batch = compressed_trainer(step, variant)
     report = measure_trainer(trainer, batch, budget=budget)
     report.notes.append(f"activations: {variant}")
     if comp is not None:
@@ -219,13 +221,11 @@ def measure_compressed(step: StepConfig | None = None, variant: str = "int8 per-
 
 def gradients(step: StepConfig, variant: str = "none", seed: int = 0) -> list[torch.Tensor]:
     """The gradients of one forward/backward with ``variant`` (same weights and batch)."""
-    trainer, comp, batch = _trainer(step, variant, seed)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step.precision == "bf16"):
-        loss = trainer.model(*batch)
-    loss.backward()
+    trainer, comp, batch = compressed_trainer(step, variant, seed)
+    grads = _grads_of(trainer, batch)
     if comp is not None:
         comp.remove()
-    return [p.grad.detach().clone() for p in trainer.model.parameters()]
+    return grads
 
 
 def gradient_error(step: StepConfig, variant: str, *, reference: list[torch.Tensor] | None = None,
@@ -233,27 +233,17 @@ def gradient_error(step: StepConfig, variant: str, *, reference: list[torch.Tens
     """Relative error ``||g - g_ref|| / ||g_ref||`` of all gradients against the step without
     compression (``reference``: those gradients, if already computed)."""
     ref = reference if reference is not None else gradients(step, "none", seed)
-    got = gradients(step, variant, seed)
-    num = sum(((g - r).float() ** 2).sum() for g, r in zip(got, ref))
-    den = sum((r.float() ** 2).sum() for r in ref)
-    return float((num / den).sqrt())
+    return relative_error(gradients(step, variant, seed), ref)
 
 
 def _grads_of(trainer, batch) -> list[torch.Tensor]:
     """Gradients of one forward/backward (no optimizer step), then cleared."""
-    from .measure import autocast_for
     with autocast_for(trainer.step_config.precision, trainer.device):
         loss = trainer.model(*batch)
     loss.backward()
     grads = [p.grad.detach().clone() for p in trainer.model.parameters()]
     trainer.optimizer.zero_grad(set_to_none=True)
     return grads
-
-
-def _rel_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    num = sum(((g - r).float() ** 2).sum() for g, r in zip(got, ref))
-    den = sum((r.float() ** 2).sum() for r in ref)
-    return float((num / den).sqrt())
 
 
 def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARIANTS), *,
@@ -265,18 +255,17 @@ def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARI
     (same seed, weights and batch as the reference), then a warm-up and a tracked step, then
     untracked steps timed round-robin with the other variants.
     """
-    from .techniques import category_max
-    step = _resolve_step(step, **overrides)
+    step = resolve_step(step, **overrides)
     variants = list(dict.fromkeys(["none", *variants]))
     runs, rows, ref = {}, {}, None
     for v in variants:
-        trainer, comp, batch = runs[v] = _trainer(step, v)
+        trainer, comp, batch = runs[v] = compressed_trainer(step, v)
         grads = _grads_of(trainer, batch)
         ref = grads if v == "none" else ref
         rep = measure_trainer(trainer, batch)
         rows[v] = {"peak_bytes": rep.peak_bytes,
                    "activation_bytes": category_max(rep, "activations"),
-                   "grad_error": _rel_error(grads, ref), "seconds": None}
+                   "grad_error": relative_error(grads, ref), "seconds": None}
     if repeats:
         timed = time_steps({v: (trainer, batch) for v, (trainer, _, batch) in runs.items()}, repeats)
         for v, seconds in timed.items():
@@ -292,47 +281,5 @@ def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARI
     return rows
 
 
-class CompressionPanel(Panel):
-    """A variant drop-down and a sequence slider; the Output shows the step's peak by category
-    and the gradient error. ``data`` holds what was drawn last (for asserts under nbval)."""
-
-    def __init__(self, step: StepConfig, seqs=(64, 128, 256), variants=tuple(VARIANTS),
-                 *, draw: bool = True):
-        import ipywidgets as W
-        self.step, self.data, self._rows = step, None, {}
-        self.variant = W.Dropdown(options=list(variants), description="activations")
-        self.seq = W.SelectionSlider(options=list(seqs), value=step.seq if step.seq in seqs else seqs[0],
-                                     description="seq", continuous_update=False)
-        self.output = W.Output()
-        for w in (self.variant, self.seq):
-            w.observe(lambda change: self.refresh(), names="value")
-        self.box = W.VBox([W.HBox([self.variant, self.seq]), self.output])
-        if draw:
-            self.refresh()
-
-    def refresh(self) -> dict:
-        import matplotlib.pyplot as plt
-        step = replace(self.step, seq=self.seq.value)
-        v = self.variant.value
-        key = (step.seq, v)
-        if key not in self._rows:  # one measurement per (seq, variant): the baseline is shared
-            self._rows.update({(step.seq, k): r for k, r in compare(step, [v], repeats=0).items()})
-        row, base = self._rows[key], self._rows[(step.seq, "none")]
-        self.data = {"variant": v, "seq": step.seq, "peak_bytes": row["peak_bytes"],
-                     "activation_bytes": row["activation_bytes"],
-                     "baseline_activation_bytes": base["activation_bytes"],
-                     "grad_error": row["grad_error"]}
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 2.8))
-        a1.bar(["none", v], [base["activation_bytes"] / 2**20, row["activation_bytes"] / 2**20],
-               color="#c44e52")
-        a1.set_ylabel("activations kept (MiB)")
-        a2.bar(["none", v], [base["peak_bytes"] / 2**20, row["peak_bytes"] / 2**20], color="#4c72b0")
-        a2.set_ylabel("step peak (MiB)")
-        fig.suptitle(f"seq {step.seq}, {v}: gradient error {row['grad_error']:.1e}", fontsize=9)
-        fig.tight_layout()
-        self.show(fig)
-        return self.data
-
-
-__all__ = ["ActivationCompressor", "CompressionPanel", "quantize", "measure_compressed", "gradients",
+__all__ = ["ActivationCompressor", "compressed_trainer", "quantize", "measure_compressed", "gradients",
            "gradient_error", "compare", "MODES", "GRANULARITIES", "VARIANTS"]

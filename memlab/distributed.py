@@ -222,7 +222,7 @@ ACCOUNTS = ("parameters", "gradients", "fp32_master", "optimizer_state", "comm_b
 
 def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
                      persistence_threshold: int = PERSISTENCE_THRESHOLD) -> dict:
-    """The DeepSpeed config for ``step`` (a :class:`~memlab.measure.StepConfig`).
+    """The DeepSpeed config for ``step`` (a :class:`~memlab.step.StepConfig`).
 
     Modelled on the seed's config (train_batch_size, gradient_accumulation_steps, fp16/bf16,
     zero_optimization with offload, activation_checkpointing). ``step.batch`` is the batch of
@@ -333,11 +333,11 @@ def _host_accounts(offload: str) -> tuple[str, ...]:
     return ()
 
 
-def _zero_one(rank: int, world_size: int, step, steps: int = 2) -> dict:
+def zero_rank_step(rank: int, world_size: int, step, steps: int = 2) -> dict:
     """Build a DeepSpeed engine for ``step``, warm up, account, and track one step."""
     import gc
     import deepspeed
-    from .measure import build_trainer, make_batch
+    from .step import build_trainer, make_batch
     from .tracking import MemoryTracker
 
     trainer = build_trainer(step, "cpu" if not torch.cuda.is_available() else "cuda")
@@ -395,11 +395,11 @@ def zero_worker(rank: int, world_size: int, steps: list) -> list[dict]:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     import deepspeed
     deepspeed.init_distributed(dist_backend=default_backend())
-    return [_zero_one(rank, world_size, s) for s in steps]
+    return [zero_rank_step(rank, world_size, s) for s in steps]
 
 
 def _rank_report(step, res: dict, device: str):
-    from .measure import MemoryReport
+    from .step import MemoryReport
     rep = MemoryReport("measure", step, device, res["peak_bytes"], dict(res["by_category"]),
                        step_seconds=res["step_seconds"])
     acc = dict(res["accounting"])
@@ -424,7 +424,7 @@ def measure_zero(steps: list, *, device: str = "cpu", timeout: float = 600.0) ->
     All ``steps`` must share ``world_size``. Returns one :class:`MemoryReport` per step
     (lens "measure", the peak of rank 0, ``per_rank`` one report per rank).
     """
-    from .measure import MemoryReport
+    from .step import MemoryReport
     steps = list(steps)
     if not steps:
         raise ValueError("steps is empty; give at least one StepConfig")
@@ -455,7 +455,7 @@ def measure_zero(steps: list, *, device: str = "cpu", timeout: float = 600.0) ->
 def measure_distributed(step=None, *, device: str = "cpu", timeout: float = 600.0, **overrides):
     """One ZeRO step on ``step.world_size`` ranks with DeepSpeed: a :class:`MemoryReport`
     whose ``per_rank`` holds one report per rank (``to_dict()["per_rank"]``)."""
-    from .measure import StepConfig
+    from .step import StepConfig
     from dataclasses import replace
     step = step or StepConfig()
     step = replace(step, **overrides) if overrides else step
@@ -470,7 +470,7 @@ def _fsdp_tracked_step(step, mesh, mode=None) -> "MemoryTracker":
     gradients and optimizer state sharded), warm up, then track one step."""
     import contextlib
     from torch.distributed.fsdp import fully_shard
-    from .measure import make_batch
+    from .step import make_batch
     from .models import build_model
 
     real_batch = make_batch(step, "cpu")
@@ -562,7 +562,7 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, *
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from .hardware import resolve_budget
-    from .measure import MemoryReport, StepConfig
+    from .step import MemoryReport, StepConfig
 
     step = step or StepConfig()
     world_size = world_size or step.world_size

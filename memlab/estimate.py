@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .hardware import resolve_budget
-from .measure import MemoryReport, StepConfig, _resolve_step, autocast_for
+from .step import MemoryReport, StepConfig, autocast_for, resolve_step
 from .models import GPTConfig, UNet, UNetConfig
 from .policy import (Target, activation_copies, attention_probs_bytes, cross_entropy_moments,
                      emulate, get_target, norm_saves, precision_bytes, sdpa_backend,
@@ -274,7 +274,7 @@ def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float],
             mt.track_model(model)
             with autocast_for(step.precision, torch.device("cpu")):
                 loss = model(x, torch.randint(0, 1000, (b,)), torch.randn_like(x))
-            mt._set_phase("backward")
+            mt.mark_phase("backward")
             acts = mt.by_category()["activations"]
             # the largest per-call workspace of the forward's kernels; backward's calls on
             # the same shapes need as much (policy.conv_workspace)
@@ -300,7 +300,7 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     :mod:`memlab.policy`); a GPU preset budget picks the card's cuBLAS workspace.
     """
     tgt = get_target(target, budget)
-    step = _resolve_step(step, **overrides)
+    step = resolve_step(step, **overrides)
     cfg = step.model_config
     states = model_state_bytes(cfg.num_params(), precision=step.precision,
                                optimizer=step.optimizer, zero=step.zero,

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from .estimate import estimate_step
-from .measure import StepConfig, measure_step, time_step
+from .measure import measure_step, time_step
+from .step import StepConfig
 from .simulate import simulate_step
 
 CASES = [("gpt2-small", 512, 8), ("gpt2-small", 1024, 8), ("gpt2-medium", 512, 4),

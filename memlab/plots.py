@@ -8,13 +8,18 @@
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-from .measure import MemoryReport
+from .parallel import bubble_fraction, pipeline_bubble, pipeline_run
+from .step import MemoryReport
 from .tracking import CATEGORIES
+
+if TYPE_CHECKING:
+    from .advisor import Advice
+    from .parallel import ParallelResult
 
 MiB = 2**20
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868",
@@ -162,3 +167,88 @@ def plot_grad_histogram(grads: Mapping[str, np.ndarray], ax=None, *, tiny: float
 
 __all__ = ["COLORS", "timeline_array", "plot_timeline", "plot_lenses", "plot_curve",
            "plot_tradeoff", "plot_grad_histogram"]
+
+
+def plot_advice(advice: Advice, ax=None):
+    """The flowchart path: one bar per step tried (kept: solid, left out: hatched), with the
+    card's memory and the usable part (less headroom) as lines."""
+    ax = ax or plt.subplots(figsize=(8, 3.4))[1]
+    GiB = 2**30
+    names = [s["technique"] for s in advice.steps]
+    peaks = [s["peak_bytes"] / GiB for s in advice.steps]
+    colors = ["#55a868" if s["fits"] else ("#c44e52" if s["kept"] else "#dddddd") for s in advice.steps]
+    bars = ax.bar(range(len(names)), peaks, color=colors, edgecolor="k", lw=0.5)
+    for b, s in zip(bars, advice.steps):
+        if not s["kept"]:
+            b.set_hatch("//")
+        if s["simulated_bytes"] is not None:
+            ax.plot(b.get_x() + b.get_width() / 2, s["simulated_bytes"] / GiB, "kD", ms=4)
+    ax.axhline(advice.budget_bytes / GiB, color="k", lw=1, label="card memory")
+    ax.axhline(advice.usable_bytes / GiB, color="k", ls="--", lw=1,
+               label=f"usable ({advice.headroom:.0%} headroom)")
+    ax.set_xticks(range(len(names)), [f"+ {n}" if i else n for i, n in enumerate(names)],
+                  rotation=30, ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("peak per rank (GiB, log)")
+    cfg = advice.step.model_config
+    ax.set_title(f"{cfg.name}, seq {advice.step.seq}, batch {advice.step.batch}, "
+                 f"{advice.step.world_size} rank(s): {'fits' if advice.fits else 'does NOT fit'}",
+                 fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    return ax
+
+
+def plot_pipeline(result: ParallelResult, schedule: str, m: int, ax=None):
+    """Gantt chart of one step: forward (light) and backward (dark) of each micro-batch."""
+    ax = ax or plt.subplots(figsize=(8, 2))[1]
+    p = len(result.per_rank)
+    for rank in range(p):
+        run = pipeline_run(result, schedule, m, rank)
+        for kind, mb, s, e in run["events"]:
+            color = "tab:blue" if kind == "F" else "tab:orange"
+            ax.barh(rank, e - s, left=s, color=color, alpha=0.5 if kind == "F" else 0.9,
+                    edgecolor="k", linewidth=0.3)
+            ax.text((s + e) / 2, rank, str(mb), ha="center", va="center", fontsize=7)
+    wall = pipeline_run(result, schedule, m)["wall"]
+    ax.axvline(wall, color="k", ls=":", lw=1)
+    ax.set_yticks(range(p), [f"stage {r}" for r in range(p)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (blue: forward, orange: backward; number: micro-batch)")
+    ax.set_title(f"{schedule}, m={m}: bubble measured {pipeline_bubble(result, schedule, m):.2f}, "
+                 f"formula {bubble_fraction(p, m):.2f}")
+    return ax
+
+
+def plot_bubble(result: ParallelResult, ax=None, *, highlight: tuple[str, int] | None = None):
+    """Measured bubble (mean of the stages) against (p - 1)/(m + p - 1), over m."""
+    ax = ax or plt.subplots(figsize=(4, 3))[1]
+    p = len(result.per_rank)
+    ms = sorted({r["m"] for r in result.per_rank[0]["runs"]})
+    grid = range(1, max(ms) + 1)
+    ax.plot(list(grid), [bubble_fraction(p, m) for m in grid], "k-", label="(p-1)/(m+p-1)")
+    for sched, mark in (("gpipe", "o"), ("1f1b", "s")):
+        pts = [(m, pipeline_bubble(result, sched, m)) for m in ms if pipeline_run(result, sched, m)]
+        if pts:
+            ax.plot(*zip(*pts), mark, label=f"{sched} measured")
+    if highlight and pipeline_run(result, *highlight):
+        ax.plot(highlight[1], pipeline_bubble(result, *highlight), "r*", ms=14)
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble (idle share)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_stage_memory(result: ParallelResult, ax=None, *, rank: int = 0):
+    """Peak bytes of one stage against m, GPipe vs 1F1B (the batch is fixed)."""
+    ax = ax or plt.subplots(figsize=(4, 3))[1]
+    for sched, mark in (("gpipe", "o-"), ("1f1b", "s-")):
+        pts = [(r["m"], r["peak_bytes"] / 2**20) for r in result.per_rank[rank]["runs"]
+               if r["schedule"] == sched and "peak_bytes" in r]
+        if pts:
+            ax.plot(*zip(*pts), mark, label=sched)
+    ax.set_xlabel("micro-batches m (same batch)")
+    ax.set_ylabel(f"stage {rank} peak (MiB)")
+    ax.set_ylim(0, None)
+    ax.legend(fontsize=8)
+    return ax

@@ -32,7 +32,8 @@ dispatcher overrides and tracker accounting) and by :mod:`memlab.estimate` (as e
    state on the device without dropout or graph capture (``flash_attn/flash_api.cpp``,
    ``mha_fwd``: ``seed_t = at::empty({}, at::dtype(at::kLong))``, a host tensor). The flash
    backward allocates ``dq_accum`` ``(b, round(s, 128), h, round(d, 32))`` and ``softmax_d``
-   ``(b, h, round(s, 128))`` in fp32 inside the kernel (``mha_bwd``).
+   ``(b, h, round(s, 128))`` in fp32 inside the kernel, and with grouped-query attention
+   ``dk``/``dv`` expanded to every query head (``mha_bwd``).
 3. **Memory the dispatcher never sees** (category ``workspace``). Each thread that runs a
    matmul gets a cuBLAS workspace from the caching allocator: ``CUBLAS_WORKSPACE_CONFIG``,
    else 4096 KiB x 8 = 32 MiB on sm90 (Hopper) and 4096 KiB x 2 + 16 KiB x 8 elsewhere,
@@ -224,13 +225,19 @@ def sdpa_lse_bytes(backend: str, batch: int, heads: int, seq: int) -> int:
     return 4 * batch * heads * rows
 
 
-def sdpa_backward_workspace(backend: str, batch: int, heads: int, seq: int, head_dim: int) -> int:
-    """Bytes FlashAttention-2's backward allocates inside the kernel: ``dq_accum`` and
-    ``softmax_d`` in fp32, sequence rounded to 128 and head dim to 32 (``mha_bwd``)."""
+def sdpa_backward_workspace(backend: str, batch: int, heads: int, seq: int, head_dim: int,
+                            kv_heads: int | None = None, elem_bytes: int = 2) -> int:
+    """Bytes FlashAttention-2's backward allocates inside the kernel (``mha_bwd``):
+    ``dq_accum`` and ``softmax_d`` in fp32, sequence rounded to 128 and head dim to 32, and
+    for grouped-query attention (``kv_heads < heads``) ``dk`` and ``dv`` expanded to all
+    query heads before they are summed per group."""
     if backend != "flash":
         return 0
     s128, d32 = -(-seq // 128) * 128, -(-head_dim // 32) * 32
-    return 4 * (batch * s128 * heads * d32 + batch * heads * s128)
+    total = 4 * (batch * s128 * heads * d32 + batch * heads * s128)
+    if kv_heads is not None and kv_heads != heads:
+        total += 2 * batch * seq * heads * head_dim * elem_bytes
+    return total
 
 
 def conv_workspace(in_channels: int, kernel: tuple[int, ...], out_spatial: tuple[int, ...],
@@ -463,10 +470,10 @@ class TargetAccounting(DeviceAccounting):
             return conv_workspace(lowered.shape[1], tuple(w.shape[2:]), tuple(positions.shape[2:]),
                                   tuple(stride), x.element_size())
         if func is _aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
-            q = args[1]
+            q, k = args[1], args[2]
             b, h, s, d = q.shape
             backend = sdpa_backend("cuda", q.element_size(), d)
-            return sdpa_backward_workspace(backend, b, h, s, d)
+            return sdpa_backward_workspace(backend, b, h, s, d, k.shape[1], q.element_size())
         return 0
 
 

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, fields
 from importlib import resources
 
-from .measure import StepConfig
+from .step import StepConfig
 from .models import GPTConfig, UNetConfig, get_config
 
 REFERENCE_FILES = ("devset.json", "gpu_check.json")

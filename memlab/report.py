@@ -20,8 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .measure import MemoryReport, StepConfig
-from .widgets import Panel
+from .parallel.formulas import bubble_fraction
+from .step import StepConfig
 
 REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
 
@@ -169,7 +169,7 @@ def ranks_for(stage: int, target: float, limit: int = 4096) -> int | None:
 def single_device(step: StepConfig, repeats: int = 2) -> dict[str, dict]:
     """Peak (one tracked step) and median untracked step time of the baseline and of each
     single-device technique; one trainer per variant serves both."""
-    from .compression import _trainer
+    from .compression import compressed_trainer
     from .measure import measure_trainer, time_steps
     from .techniques import category_max
     variants = {"baseline": (step, "none"),
@@ -177,7 +177,7 @@ def single_device(step: StepConfig, repeats: int = 2) -> dict[str, dict]:
                 "bf16": (replace(step, precision="bf16"), "none"),
                 "selective": (replace(step, checkpointing="selective"), "none"),
                 "int8": (step, "int8 per-row")}
-    trainers = {name: _trainer(s, v) for name, (s, v) in variants.items()}
+    trainers = {name: compressed_trainer(s, v) for name, (s, v) in variants.items()}
     out = {}
     for name, (trainer, _, batch) in trainers.items():
         rep = measure_trainer(trainer, batch)
@@ -346,7 +346,7 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
                         1 / (1 - pp["bubble"]), "holds" if m < 1 else "does not hold",
                         f"1F1B, 4 micro-batches, {world_size} stages: stage peak "
                         f"{pp['peak_bytes'] / 2**20:.1f} MiB, bubble {pp['bubble']:.0%} "
-                        f"(formula {(world_size - 1) / (4 + world_size - 1):.0%})"))
+                        f"(formula {bubble_fraction(world_size, 4):.0%})"))
         off, z2 = multi["offload"], multi["zero2"]
         dev = off["allocator"]["device_peak_bytes"]
         m = dev / z2["peak_bytes"]
@@ -375,7 +375,7 @@ SINGLE = {"gradient checkpointing": ({"checkpointing": "full"}, "none"),
 
 def measure_saving(step: StepConfig, technique: str) -> dict:
     """Peak and activations of ``step`` without and with one single-device technique."""
-    from .compression import _trainer
+    from .compression import compressed_trainer
     from .measure import measure_trainer
     from .techniques import category_max
     if technique not in SINGLE:
@@ -383,7 +383,7 @@ def measure_saving(step: StepConfig, technique: str) -> dict:
     over, variant = SINGLE[technique]
     out = {}
     for name, (s, v) in {"baseline": (step, "none"), technique: (replace(step, **over), variant)}.items():
-        trainer, comp, batch = _trainer(s, v)
+        trainer, comp, batch = compressed_trainer(s, v)
         rep = measure_trainer(trainer, batch)
         out[name] = {"peak_bytes": rep.peak_bytes, "by_category": rep.by_category,
                      "activation_bytes": category_max(rep, "activations")}
@@ -394,52 +394,12 @@ def measure_saving(step: StepConfig, technique: str) -> dict:
     return out
 
 
-class TablePanel(Panel):
-    """A technique drop-down and a batch slider: the panel measures the step with and without
-    the technique, draws both peaks by category and says whether the seed's claim holds at this
-    size. ``data`` holds what was drawn last."""
-
-    def __init__(self, step: StepConfig, batches=(1, 2, 4, 8), *, draw: bool = True):
-        import ipywidgets as W
-        self.step, self.data, self._cache = step, None, {}
-        self.technique = W.Dropdown(options=list(SINGLE), description="technique")
-        self.batch = W.SelectionSlider(options=list(batches),
-                                       value=step.batch if step.batch in batches else batches[0],
-                                       description="batch", continuous_update=False)
-        self.status = W.HTML()
-        self.output = W.Output()
-        for w in (self.technique, self.batch):
-            w.observe(lambda change: self.refresh(), names="value")
-        self.box = W.VBox([W.HBox([self.technique, self.batch, self.status]), self.output])
-        if draw:
-            self.refresh()
-
-    def refresh(self) -> dict:
-        import matplotlib.pyplot as plt
-        from .plots import plot_lenses
-        key = (self.technique.value, self.batch.value)
-        if key not in self._cache:
-            self._cache[key] = measure_saving(replace(self.step, batch=self.batch.value), key[0])
-        res = self._cache[key]
-        self.data = {"technique": key[0], "batch": key[1], "saving": res["saving"],
-                     "verdict": res["verdict"]}
-        self.status.value = (f"saved {res['saving']:.0%} (seed: {SEED[key[0]][0]}): "
-                             f"{res['verdict']}")
-        reports = {name: MemoryReport("measure", self.step, "cpu", r["peak_bytes"], r["by_category"])
-                   for name, r in res.items() if isinstance(r, dict)}
-        fig, ax = plt.subplots(figsize=(6.5, 3.2))
-        plot_lenses(reports, ax, title=f"batch {key[1]}: peak by category")
-        fig.tight_layout()
-        self.show(fig)
-        return self.data
-
-
 def write_report(out: str | Path, step: StepConfig | None = None, **kwargs) -> tuple[Table, dict]:
     """Measure the table and write it to ``out`` as Markdown, JSON and PNG."""
     table = measure_table(step, **kwargs)
     return table, table.save(out)
 
 
-__all__ = ["Row", "Table", "SEED", "SINGLE", "TablePanel", "measure_saving", "measure_table", "write_report", "load_references",
+__all__ = ["Row", "Table", "SEED", "SINGLE", "measure_saving", "measure_table", "write_report", "load_references",
            "reference_ratios", "verdict", "zero_saving", "ranks_for", "single_device",
            "multi_rank"]

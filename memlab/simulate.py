@@ -31,7 +31,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .hardware import resolve_budget
-from .measure import MemoryReport, StepConfig, _batch_to, _resolve_step, build_trainer, run_tracked_step
+from .measure import run_tracked_step
+from .step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
 from .models import UNetConfig
 from .policy import emulate, get_target
 
@@ -56,13 +57,13 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     blocks, see :mod:`memlab.policy`; a GPU preset budget picks the card's cuBLAS workspace).
     """
     tgt = get_target(target, budget)
-    step = _resolve_step(step, **overrides)
+    step = resolve_step(step, **overrides)
     budget_bytes = resolve_budget(budget)
     start = time.perf_counter()
     # One mode for building and running: mixing fake modes is not supported.
     with FakeTensorMode(allow_non_fake_inputs=False), emulate(tgt):
         trainer = build_trainer(step, "cpu", fake=True)
-        batch = _batch_to(_fake_batch(step), step)
+        batch = batch_to(_fake_batch(step), step)
         tracker, _, before, after = run_tracked_step(trainer, batch, budget_bytes, warmup="optimizer",
                                                      accounting=tgt.accounting())
         report = MemoryReport("simulate", step, f"{tgt.name} (fake)", tracker.peak_bytes,

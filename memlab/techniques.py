@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from .hardware import resolve_budget
 from .estimate import estimate_step
-from .measure import MemoryReport, StepConfig, build_trainer, make_batch, measure_step
+from .measure import measure_step
+from .step import MemoryReport, StepConfig, batch_to, build_trainer, make_batch
 from .simulate import simulate_step
 
 LENSES = ("estimate", "simulate", "measure")
@@ -71,13 +72,18 @@ def step_flops(step: StepConfig, *, device: str = "cpu") -> int:
     cost that, unlike wall-clock time, does not depend on what else the machine is doing."""
     from torch.utils.flop_counter import FlopCounterMode
     trainer = build_trainer(step, device)
-    batch = make_batch(step, device)
-    if step.precision == "pure-bf16":
-        batch = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in batch)
+    batch = batch_to(make_batch(step, device), step)
     trainer.step(batch)
     with FlopCounterMode(display=False) as counter:
         trainer.step(batch)
     return int(counter.get_total_flops())
+
+
+def relative_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """``||got - ref|| / ||ref||`` over all tensors together (the norm of the flattened lists)."""
+    num = sum(((g - r).float() ** 2).sum() for g, r in zip(got, ref))
+    den = sum((r.float() ** 2).sum() for r in ref)
+    return float((num / den).sqrt())
 
 
 # --------------------------------------------------------------------------------------
@@ -136,7 +142,7 @@ def fp16_underflow(loss_scale: float | None = None, *, loss_weight: float = 1e-4
     ref = grads(False, None)
     got = grads(True, loss_scale)
     zero = ((got == 0) & (ref != 0)).float().mean().item()
-    err = ((got - ref).norm() / ref.norm()).item()
+    err = relative_error([got], [ref])
     return UnderflowResult(loss_scale, zero, err, ref, got)
 
 
@@ -300,6 +306,6 @@ def predict_max_batch(step: StepConfig, budget: int | str, *, calibrate: tuple[i
                            [(b1, r1.peak_bytes), (b2, r2.peak_bytes)], lines)
 
 
-__all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "category_max", "step_flops", "UnderflowResult", "fp16_underflow",
+__all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "category_max", "step_flops", "relative_error", "UnderflowResult", "fp16_underflow",
            "AccumulationCheck", "accumulation_check", "BatchSearch", "find_max_batch_search",
            "BatchPrediction", "phase_peaks", "predict_max_batch"]

@@ -267,6 +267,15 @@ class MemoryTracker(TorchDispatchMode):
             self._log.append((sid, -1))
             self._replayed = None
 
+    def mark_phase(self, phase: str) -> None:
+        """Say that the step has entered ``phase`` (``"backward"``, ``"optimizer"``, ...).
+
+        The tracker finds phases by itself from the dispatcher; a caller that stops a step
+        early (a forward with no backward, say) calls this to settle what forward kept:
+        storages made in forward and alive now become ``activations``.
+        """
+        self._set_phase(phase)
+
     def _set_phase(self, phase: str) -> None:
         if phase == self._phase:
             return

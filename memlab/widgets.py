@@ -18,9 +18,15 @@ import ipywidgets as W
 import matplotlib.pyplot as plt
 from IPython.display import clear_output, display
 
-from .measure import MemoryReport, StepConfig
-from .plots import plot_lenses, plot_timeline
+from .advisor import advise
+from .compression import VARIANTS, compare
+from .hardware import GPU_PRESETS
+from .models import PRESETS, get_config
+from .parallel import ParallelResult, bubble_fraction, pipeline_bubble, pipeline_run
+from .report import SEED, SINGLE, measure_saving
+from .step import MemoryReport, StepConfig
 from .techniques import category_max, lens_fn
+from .plots import plot_advice, plot_bubble, plot_lenses, plot_pipeline, plot_stage_memory, plot_timeline
 
 
 class Panel:
@@ -127,6 +133,163 @@ class StepPanel(Panel):
         self.figure = fig
 
 
+class AdvisorPanel(Panel):
+    """Model, GPU, world size, sequence and batch controls; the Output draws the flowchart path
+    (:func:`plot_advice`). Estimate only, so every change redraws at once; ``data`` holds what
+    was drawn last."""
+
+    def __init__(self, model: str = "gpt2-xl", gpu: str = "A100-40GB", world_size: int = 1,
+                 seq: int = 1024, batch: int = 8, *, draw: bool = True):
+        self.model = W.Dropdown(options=[m for m in PRESETS if m != "tiny"], value=model,
+                                description="model")
+        self.gpu = W.Dropdown(options=list(GPU_PRESETS), value=gpu, description="GPU")
+        self.world_size = W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64], value=world_size,
+                                            description="ranks", continuous_update=False)
+        self.seq = W.SelectionSlider(options=[256, 512, 1024, 2048, 4096], value=seq,
+                                     description="seq", continuous_update=False)
+        self.batch = W.SelectionSlider(options=[1, 2, 4, 8, 16, 32], value=batch,
+                                       description="batch", continuous_update=False)
+        self.status = W.HTML()
+        self.output = W.Output()
+        self.data: dict | None = None
+        controls = [self.model, self.gpu, self.world_size, self.seq, self.batch]
+        for w in controls:
+            w.observe(lambda change: self.refresh(), names="value")
+        self.box = W.VBox([W.HBox(controls[:2]), W.HBox(controls[2:]), self.status, self.output])
+        if draw:
+            self.refresh()
+
+    def refresh(self) -> dict:
+        seq = min(self.seq.value, get_config(self.model.value).block_size)
+        a = advise(self.model.value, self.gpu.value, self.world_size.value, seq,
+                   self.batch.value, simulate=False)
+        self.data = {"model": self.model.value, "gpu": self.gpu.value, "seq": seq,
+                     "world_size": self.world_size.value, "batch": self.batch.value,
+                     "plan": list(a.plan), "fits": a.fits, "peak_bytes": a.peak_bytes,
+                     "advice": a}
+        self.status.value = a.message
+        fig, ax = plt.subplots(figsize=(8, 3.4))
+        plot_advice(a, ax)
+        fig.tight_layout()
+        self.show(fig)
+        return self.data
+
+
+class CompressionPanel(Panel):
+    """A variant drop-down and a sequence slider; the Output shows the step's peak by category
+    and the gradient error. ``data`` holds what was drawn last (for asserts under nbval)."""
+
+    def __init__(self, step: StepConfig, seqs=(64, 128, 256), variants=tuple(VARIANTS),
+                 *, draw: bool = True):
+        self.step, self.data, self._rows = step, None, {}
+        self.variant = W.Dropdown(options=list(variants), description="activations")
+        self.seq = W.SelectionSlider(options=list(seqs), value=step.seq if step.seq in seqs else seqs[0],
+                                     description="seq", continuous_update=False)
+        self.output = W.Output()
+        for w in (self.variant, self.seq):
+            w.observe(lambda change: self.refresh(), names="value")
+        self.box = W.VBox([W.HBox([self.variant, self.seq]), self.output])
+        if draw:
+            self.refresh()
+
+    def refresh(self) -> dict:
+        step = replace(self.step, seq=self.seq.value)
+        v = self.variant.value
+        key = (step.seq, v)
+        if key not in self._rows:  # one measurement per (seq, variant): the baseline is shared
+            self._rows.update({(step.seq, k): r for k, r in compare(step, [v], repeats=0).items()})
+        row, base = self._rows[key], self._rows[(step.seq, "none")]
+        self.data = {"variant": v, "seq": step.seq, "peak_bytes": row["peak_bytes"],
+                     "activation_bytes": row["activation_bytes"],
+                     "baseline_activation_bytes": base["activation_bytes"],
+                     "grad_error": row["grad_error"]}
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 2.8))
+        a1.bar(["none", v], [base["activation_bytes"] / 2**20, row["activation_bytes"] / 2**20],
+               color="#c44e52")
+        a1.set_ylabel("activations kept (MiB)")
+        a2.bar(["none", v], [base["peak_bytes"] / 2**20, row["peak_bytes"] / 2**20], color="#4c72b0")
+        a2.set_ylabel("step peak (MiB)")
+        fig.suptitle(f"seq {step.seq}, {v}: gradient error {row['grad_error']:.1e}", fontsize=9)
+        fig.tight_layout()
+        self.show(fig)
+        return self.data
+
+
+class TablePanel(Panel):
+    """A technique drop-down and a batch slider: the panel measures the step with and without
+    the technique, draws both peaks by category and says whether the seed's claim holds at this
+    size. ``data`` holds what was drawn last."""
+
+    def __init__(self, step: StepConfig, batches=(1, 2, 4, 8), *, draw: bool = True):
+        self.step, self.data, self._cache = step, None, {}
+        self.technique = W.Dropdown(options=list(SINGLE), description="technique")
+        self.batch = W.SelectionSlider(options=list(batches),
+                                       value=step.batch if step.batch in batches else batches[0],
+                                       description="batch", continuous_update=False)
+        self.status = W.HTML()
+        self.output = W.Output()
+        for w in (self.technique, self.batch):
+            w.observe(lambda change: self.refresh(), names="value")
+        self.box = W.VBox([W.HBox([self.technique, self.batch, self.status]), self.output])
+        if draw:
+            self.refresh()
+
+    def refresh(self) -> dict:
+        key = (self.technique.value, self.batch.value)
+        if key not in self._cache:
+            self._cache[key] = measure_saving(replace(self.step, batch=self.batch.value), key[0])
+        res = self._cache[key]
+        self.data = {"technique": key[0], "batch": key[1], "saving": res["saving"],
+                     "verdict": res["verdict"]}
+        self.status.value = (f"saved {res['saving']:.0%} (seed: {SEED[key[0]][0]}): "
+                             f"{res['verdict']}")
+        reports = {name: MemoryReport("measure", self.step, "cpu", r["peak_bytes"], r["by_category"])
+                   for name, r in res.items() if isinstance(r, dict)}
+        fig, ax = plt.subplots(figsize=(6.5, 3.2))
+        plot_lenses(reports, ax, title=f"batch {key[1]}: peak by category")
+        fig.tight_layout()
+        self.show(fig)
+        return self.data
+
+
+class PipelinePanel(Panel):
+    """A micro-batch slider and a schedule drop-down over a measured
+    :func:`measure_pipeline` result; redraws the step's Gantt chart, the bubble curve and
+    the stage's memory. :attr:`data` holds what was drawn last."""
+
+    def __init__(self, result: ParallelResult, *, draw: bool = True):
+        self.result = result
+        ms = sorted({r["m"] for r in result.per_rank[0]["runs"]})
+        self.m = W.SelectionSlider(options=ms, value=ms[len(ms) // 2], description="m",
+                                   continuous_update=False)
+        scheds = sorted({r["schedule"] for r in result.per_rank[0]["runs"]})
+        self.schedule = W.Dropdown(options=scheds, value=scheds[-1], description="schedule")
+        self.output = W.Output()
+        self.data: dict | None = None
+        for w in (self.m, self.schedule):
+            w.observe(lambda change: self.refresh(), names="value")
+        self.box = W.VBox([W.HBox([self.m, self.schedule]), self.output])
+        if draw:
+            self.refresh()
+
+    def refresh(self) -> None:
+        sched, m = self.schedule.value, self.m.value
+        if pipeline_run(self.result, sched, m) is None:
+            sched = "gpipe"  # 1F1B needs m >= p; below that it is GPipe
+        run = pipeline_run(self.result, sched, m)
+        self.data = {"schedule": sched, "m": m, "bubble": pipeline_bubble(self.result, sched, m),
+                     "formula": bubble_fraction(len(self.result.per_rank), m),
+                     "in_flight": run["in_flight"], "peak_bytes": run.get("peak_bytes")}
+        fig = plt.figure(figsize=(10, 5))
+        plot_pipeline(self.result, sched, m, fig.add_subplot(2, 1, 1))
+        plot_bubble(self.result, fig.add_subplot(2, 2, 3), highlight=(sched, m))
+        ax = plot_stage_memory(self.result, fig.add_subplot(2, 2, 4))
+        if run.get("peak_bytes"):
+            ax.plot(m, run["peak_bytes"] / 2**20, "r*", ms=14)
+        fig.tight_layout()
+        self.show(fig)
+
+
 def max_activations(report: MemoryReport) -> int:
     """Most activation bytes alive at any point of the step (end of forward, usually): the
     peak by category can sit in the optimizer step, where activations are already gone."""
@@ -139,4 +302,5 @@ def _pick(options: Sequence, value):
     return value if value in options else options[0]
 
 
-__all__ = ["Panel", "StepPanel", "max_activations"]
+__all__ = ["Panel", "StepPanel", "AdvisorPanel", "CompressionPanel", "PipelinePanel", "TablePanel",
+           "max_activations"]

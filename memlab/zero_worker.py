@@ -13,8 +13,8 @@ import argparse
 import json
 import os
 
-from .distributed import _zero_one, default_backend, set_cache_env
-from .measure import StepConfig
+from .distributed import zero_rank_step, default_backend, set_cache_env
+from .step import StepConfig
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     step = StepConfig(model=args.model, seq=args.seq, batch=args.batch, precision=args.precision,
                       zero=args.zero, world_size=world, offload=args.offload)
-    out = _zero_one(rank, world, step)
+    out = zero_rank_step(rank, world, step)
     out["host_accounts"] = list(out["host_accounts"])
     print(json.dumps({"world_size": world, **out}), flush=True)
 

@@ -8,7 +8,7 @@ import pytest
 from memlab.advisor import advise, check_plan, flowchart, tensor_parallel_degree
 from memlab.cli import main
 from memlab.estimate import estimate_step
-from memlab.measure import StepConfig
+from memlab.step import StepConfig
 from memlab.models import get_config
 from memlab.simulate import simulate_step
 

@@ -5,7 +5,7 @@ import torch.nn as nn
 
 from memlab.compression import (ActivationCompressor, gradient_error, gradients,
                                 measure_compressed, quantize)
-from memlab.measure import StepConfig, build_trainer, make_batch
+from memlab.step import StepConfig, build_trainer, make_batch
 from memlab.techniques import category_max
 
 STEP = StepConfig(seq=128, batch=4)

@@ -80,7 +80,7 @@ def test_unimportable_worker_is_refused():
 
 # --- ZeRO with DeepSpeed: one 2-rank launch serves all the assertions below -------------
 from memlab.distributed import deepspeed_config, fsdp_worker, measure_zero, simulate_sharded  # noqa: E402
-from memlab.measure import StepConfig  # noqa: E402
+from memlab.step import StepConfig  # noqa: E402
 
 SMALL = dict(seq=128, batch=4, world_size=2)
 

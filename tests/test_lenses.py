@@ -5,7 +5,8 @@ import time
 import pytest
 
 from memlab.estimate import estimate_step, model_state_bytes
-from memlab.measure import StepConfig, measure_step
+from memlab.measure import measure_step
+from memlab.step import StepConfig
 from memlab.models import get_config
 from memlab.simulate import simulate_step
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import memlab as ml
-from memlab.parallel import (_tp_attention_forward, bubble_fraction, in_flight,
+from memlab.parallel import (tp_attention_forward, bubble_fraction, in_flight,
                              measure_pipeline, measure_tensor_parallel, qkv_head_permutation,
                              simulate_tensor_parallel, stage_bounds, tp_activation_bytes)
 from memlab.tracking import MemoryTracker
@@ -53,7 +53,7 @@ def test_head_permutation_lets_each_rank_compute_its_heads_alone():
         with torch.no_grad():
             part.qkv.weight.copy_(w[rows]), part.qkv.bias.copy_(b[rows])
             part.proj.weight.copy_(attn.proj.weight[:, cols])
-        total = total + _tp_attention_forward(part, x)
+        total = total + tp_attention_forward(part, x)
     assert torch.allclose(total + attn.proj.bias, full, atol=1e-6)
     with pytest.raises(ValueError, match="must divide n_head"):
         qkv_head_permutation(cfg, 3)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from memlab.cli import main
-from memlab.measure import StepConfig
+from memlab.step import StepConfig
 from memlab.report import (load_references, measure_table, ranks_for, reference_ratios, verdict,
                            zero_saving)
 

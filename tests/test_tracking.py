@@ -4,7 +4,8 @@ import gc
 import pytest
 import torch
 
-from memlab.measure import StepConfig, build_trainer, make_batch, measure_step
+from memlab.measure import measure_step
+from memlab.step import StepConfig, build_trainer, make_batch
 from memlab.tracking import CATEGORIES, MemoryTracker
 
 

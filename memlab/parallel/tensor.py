@@ -1,0 +1,219 @@
+"""Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM", section 3), measured per rank.
+
+Every weight matrix of a transformer block is split across ``t`` ranks: the first Linear of
+attention (``qkv``) and of the MLP (``fc``) column-wise, the second (``proj``, ``out``)
+row-wise, so each pair needs one all-reduce in forward and one in backward.
+"""
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+import torch.distributed as dist
+
+from ..models import GPT, GPTConfig
+from ..step import StepConfig, make_batch
+from ..tracking import MemoryTracker
+from .common import (ParallelResult, default_backend, is_sharded, local_bytes, rank_device,
+                     set_rank_threads, worker_step)
+from .formulas import tp_activation_bytes
+
+
+def qkv_head_permutation(cfg: GPTConfig, t: int) -> torch.Tensor:
+    """Row order of the fused ``qkv`` weight that gives each rank whole heads.
+
+    ``qkv`` rows are ``[q (all heads) | k | v]``; a column-wise split in ``t`` contiguous
+    chunks would hand rank 0 all of q and part of k. Reordered to
+    ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (``q_r``: the rows of rank ``r``'s heads), chunk
+    ``r`` holds q, k and v of the same ``n_head / t`` heads, and attention needs no
+    communication.
+    """
+    if cfg.n_head % t or cfg.hidden % t:
+        raise ValueError(f"tensor-parallel degree t={t} must divide n_head={cfg.n_head} and "
+                         f"the MLP width {cfg.hidden}")
+    d, hd, per = cfg.d_model, cfg.head_dim, cfg.n_head // t
+    rows = torch.arange(3 * d).view(3, cfg.n_head, hd)  # (q/k/v, head, row in head)
+    return torch.cat([rows[:, r * per:(r + 1) * per].reshape(-1) for r in range(t)])
+
+
+def tp_attention_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """The attention forward on one TP rank: ``qkv`` yields this rank's heads only."""
+    b, s, _ = x.shape
+    hd = self.cfg.head_dim
+    q, k, v = self.qkv(x).chunk(3, dim=-1)  # [q_r | k_r | v_r], see qkv_head_permutation
+    h = q.shape[-1] // hd
+    q, k, v = (z.view(b, s, h, hd).transpose(1, 2) for z in (q, k, v))
+    if self.cfg.position == "rope":
+        cos, sin = self.cos[:s].to(q.dtype), self.sin[:s].to(q.dtype)
+        q = q * cos + torch.cat((-q[..., hd // 2:], q[..., :hd // 2]), -1) * sin
+        k = k * cos + torch.cat((-k[..., hd // 2:], k[..., :hd // 2]), -1) * sin
+    y = self.core(q, k, v)
+    return self.proj(y.transpose(1, 2).reshape(b, s, h * hd))  # row-wise: all-reduce inside
+
+
+def apply_tensor_parallel(model: GPT, mesh) -> GPT:
+    """Shard every block of ``model`` in place over the 1-D ``mesh`` (Megatron layout)."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    cfg, t = model.cfg, mesh.size()
+    if cfg.mlp != "gelu":
+        raise ValueError("tensor parallelism here covers the gelu MLP (fc, out); got swiglu")
+    perm = qkv_head_permutation(cfg, t)
+    for block in model.blocks:
+        with torch.no_grad():
+            qkv = block.attn.qkv
+            qkv.weight.copy_(qkv.weight[perm])
+            if qkv.bias is not None:
+                qkv.bias.copy_(qkv.bias[perm])
+        block.attn.forward = types.MethodType(tp_attention_forward, block.attn)
+        parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(),
+                                         "attn.proj": RowwiseParallel(),
+                                         "mlp.fc": ColwiseParallel(),
+                                         "mlp.out": RowwiseParallel()})
+    return model
+
+
+def _full_grad(name: str, p: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """A TP parameter's gradient gathered and put back in the single-process row order."""
+    g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+    if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+        out = torch.empty_like(g)
+        out[perm] = g
+        return out
+    return g
+
+
+def tp_tracked_step(tp: GPT, opt: torch.optim.Optimizer, idx: torch.Tensor,
+                     tgt: torch.Tensor) -> dict:
+    """Parameter bytes on this rank, then one tracked step; the live bytes before and after
+    each block's forward give the activations that block keeps."""
+    blocks = {n for n, _ in tp.blocks.named_parameters(prefix="blocks")}
+    params = dict(tp.named_parameters())
+    out = {"param_bytes": sum(local_bytes(p) for p in params.values()),
+           "block_param_bytes": sum(local_bytes(params[n]) for n in blocks),
+           "sharded_param_bytes": sum(local_bytes(p) for p in params.values() if is_sharded(p)),
+           "full_block_param_bytes": sum(p.numel() * p.element_size()
+                                         for n, p in params.items() if n in blocks),
+           "full_param_bytes": sum(p.numel() * p.element_size() for p in params.values())}
+    marks: list[int] = []
+    with MemoryTracker() as mt:
+        hooks = [tp.blocks[0].register_forward_pre_hook(lambda m, a: marks.append(mt.live_bytes))]
+        hooks += [b.register_forward_hook(lambda m, a, o: marks.append(mt.live_bytes))
+                  for b in tp.blocks]
+        mt.track_model(tp)
+        mt.track_optimizer(opt)
+        mt.track_tensors((idx, tgt), "other")
+        mt.reset_peak()
+        loss = tp(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for hk in hooks:
+            hk.remove()
+    per_layer = sorted(b - a for a, b in zip(marks, marks[1:]))
+    out["layer_activation_bytes"] = [b - a for a, b in zip(marks, marks[1:])]
+    # the median: an all-reduce result may be freed one block late, moving bytes between
+    # neighbouring layers (the sum over layers is exact)
+    mid = len(per_layer) // 2
+    out["layer_activation"] = (per_layer[mid] if len(per_layer) % 2
+                               else (per_layer[mid - 1] + per_layer[mid]) / 2)
+    out["peak_bytes"] = mt.peak_bytes
+    out["by_category"] = mt.peak_by_category()
+    return out
+
+
+def tp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256,
+              batch: int = 8, attention: str = "sdpa", check: bool = True) -> dict:
+    """One TP rank: loss and gradients against the single-process model, then a tracked
+    AdamW step with the activations each block keeps. Returns plain numbers."""
+    from torch.distributed.device_mesh import init_device_mesh
+    set_rank_threads(world_size)
+    dev = rank_device()
+    step = worker_step(model, seq, batch, attention)
+    cfg = step.model_config
+    torch.manual_seed(0)
+    with torch.device(dev):
+        ref = GPT(cfg)
+    tp = apply_tensor_parallel(copy.deepcopy(ref) if check else ref,
+                               init_device_mesh(dev.type, (world_size,)))
+    idx, tgt = make_batch(step, dev)
+    # fused kernels refuse a mix of DTensor (sharded) and plain (replicated) parameters;
+    # the per-tensor loop makes no full-size temporaries either
+    opt = torch.optim.AdamW(tp.parameters(), lr=1e-4, foreach=False)
+    out: dict = {"rank": rank, "world_size": world_size, "config": cfg.name}
+
+    # 1. equal loss and gradients (this is also the warm-up step that creates AdamW state)
+    loss = tp(idx, tgt)
+    loss.backward()
+    out["loss"] = loss.item()
+    if check:  # the single-process model on the same batch
+        ref_loss = ref(idx, tgt)
+        ref_loss.backward()
+        perm = qkv_head_permutation(cfg, world_size)
+        ref_grads = dict(ref.named_parameters())
+        out["ref_loss"] = ref_loss.item()
+        out["max_grad_diff"] = max(
+            (_full_grad(n, p, perm) - ref_grads[n].grad).abs().max().item()
+            for n, p in tp.named_parameters())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    del ref
+
+    out.update(tp_tracked_step(tp, opt, idx, tgt))
+    out["formula"] = tp_activation_bytes(cfg, seq, batch, world_size)
+    return out
+
+
+def simulate_tensor_parallel(step: StepConfig | None = None, tp: int = 2) -> dict:
+    """Rank 0 of a ``tp``-way tensor-parallel step, in this process, without the memory:
+    a fake process group (collectives return at once) and fake tensors, tracked exactly.
+
+    Every rank holds the same shapes, so rank 0 stands for all; the numbers equal a real
+    run's (lesson 08 checks it on the tiny model), for models no laptop could hold.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    step = step or StepConfig()
+    cfg = step.model_config
+    if not isinstance(cfg, GPTConfig):
+        raise ValueError("tensor parallelism needs a GPT model")
+    qkv_head_permutation(cfg, tp)  # validates tp against the heads and the MLP width
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists in this process; the simulation "
+                           "needs its own fake one (run it outside a distributed job)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        mesh = init_device_mesh("cpu", (tp,))  # outside fake mode: it reads the ranks
+        with FakeTensorMode(), torch.device("cpu"):
+            model = apply_tensor_parallel(GPT(cfg), mesh)
+            idx = torch.randint(0, cfg.vocab_size, (step.batch, step.seq))
+            tgt = torch.randint(0, cfg.vocab_size, (step.batch, step.seq))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+            model(idx, tgt).backward()  # warm-up: the optimizer state exists from here on
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out = tp_tracked_step(model, opt, idx, tgt)
+    finally:
+        dist.destroy_process_group()
+    out.update(rank=0, world_size=tp, config=cfg.name,
+               formula=tp_activation_bytes(cfg, step.seq, step.batch, tp))
+    return out
+
+
+def measure_tensor_parallel(step: StepConfig | None = None, tp: int = 2, *, check: bool = True,
+                            timeout: float = 300.0, backend: str | None = None) -> ParallelResult:
+    """Run one TP step of ``step``'s GPT on ``tp`` spawned ranks: loss and gradients against
+    one process (``check``), parameter bytes, activations per layer and the tracked peak.
+    ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank); default NCCL with CUDA."""
+    from ..distributed import run_ranks
+    step = step or StepConfig()
+    cfg = step.model_config
+    if not isinstance(cfg, GPTConfig) or not isinstance(step.model, str):
+        raise ValueError("tensor parallelism needs a GPT preset name as the model")
+    attention = cfg.attention
+    res = run_ranks(tp_worker, tp, timeout=timeout, backend=backend or default_backend(tp),
+                    kwargs=dict(model=step.model, seq=step.seq, batch=step.batch,
+                                attention=attention, check=check))
+    return ParallelResult("tensor parallel", step, res)
