@@ -20,13 +20,17 @@ dispatcher overrides and tracker accounting) and by :mod:`memlab.estimate` (as e
    autograd and autograd saves the cast tensors as it would on the GPU, the weight-cast
    cache included (``cached_cast`` in ``autocast_mode.cpp``).
 2. **Kernels that save or allocate differently.** LayerNorm's saved mean and rstd are fp32
-   for 16-bit inputs on CUDA, in the input dtype on CPU (``layer_norm_kernel.cu``). ``rms_norm`` calls ``_fused_rms_norm``,
-   which has a CUDA kernel saving only input and ``rstd`` (on CPU it is the composite that
-   also saves ``x * rstd``; ``aten/src/ATen/native/layer_norm.cpp``, ``derivatives.yaml``).
+   for 16-bit inputs on CUDA, in the input dtype on CPU (``layer_norm_cuda`` in
+   ``aten/src/ATen/native/cuda/layer_norm_kernel.cu``). ``rms_norm`` calls
+   ``_fused_rms_norm``, which has a CUDA kernel saving only input and ``rstd`` (on CPU it is
+   the composite that also saves ``x * rstd``; ``rms_norm_symint`` in
+   ``aten/src/ATen/native/layer_norm.cpp``).
    ``softmax``/``log_softmax`` of a half input asked for float output run as one
    ``half_to_float`` kernel on CUDA (``aten/src/ATen/native/SoftMax.cpp``). Scaled dot-product
    attention picks FlashAttention-2 for 16-bit inputs and the memory-efficient kernel for fp32
-   (``aten/src/ATen/native/transformers/sdp_utils_cpp.h``, priority order): flash saves an
+   (``priority_order`` in ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: flash,
+   efficient, math; recent builds put cuDNN attention first on sm90 with a new cuDNN, which
+   saves the same ``(b, h, s)`` statistics): flash saves an
    fp32 log-sum-exp of ``(b, h, s)``, the efficient kernel pads its last dim to a multiple of
    32 (``kAlignLSE`` in ``transformers/cuda/attention.cu``); neither keeps a philox RNG
    state on the device without dropout or graph capture (``flash_attn/flash_api.cpp``,
@@ -204,8 +208,8 @@ def sdpa_backend(target: str, elem_bytes: int, head_dim: int, last_dim_contiguou
     All fused kernels need the last dim of q, k, v contiguous (else ``math``, the composite
     with a materialised score matrix, on both devices). CUDA tries FlashAttention-2 first
     (16-bit inputs, head dim a multiple of 8 up to 256), then the memory-efficient kernel
-    (``sdp_utils.cpp``, ``check_last_dim_stride_equals_1``, ``check_head_dim_size_flash``);
-    CPU runs its own flash kernel for any float dtype.
+    (``sdp_utils.cpp``: ``priority_order``, ``check_last_dim_stride_equals_1_dense``,
+    ``check_head_dim_size_flash``); CPU runs its own flash kernel for any float dtype.
     """
     if not last_dim_contiguous:
         return "math"
@@ -463,7 +467,8 @@ class TargetAccounting(DeviceAccounting):
         else:
             x = None
         if x is not None:
-            stride, transposed = (args[3], args[6]) if func is _aten.convolution.default else (args[4], args[7])
+            forward = func is _aten.convolution.default
+            stride, transposed = (args[3], args[6]) if forward else (args[4], args[7])
             # a transposed convolution's lowering is its forward twin's: channels of its
             # output, positions of its input
             lowered, positions = (y, x) if transposed else (x, y)
@@ -676,11 +681,12 @@ def _install(target: Target) -> torch.library.Library:
                 kernel = _append_dtype_kernel(dict(policy.fp32_append_dtype)[name])
             elif rule == "banned":
                 kernel = _banned_kernel
+            elif rule == "fp32_set_opt_dtype":
+                kernel = _set_opt_dtype_kernel(_op(name), name)
             else:
-                op = _op(name)
-                kernel = {"lower_precision_fp": _lower_kernel, "fp32": _fp32_kernel,
-                          "promote": _promote_kernel}[rule](op) if rule != "fp32_set_opt_dtype" \
-                    else _set_opt_dtype_kernel(op, name)
+                make = {"lower_precision_fp": _lower_kernel, "fp32": _fp32_kernel,
+                        "promote": _promote_kernel}[rule]
+                kernel = make(_op(name))
             lib.impl(name, kernel, "AutocastCPU")
         # ops CPU autocast casts and the target does not: no cast at all
         for name in sorted(_registered("AutocastCPU") - policy.ops):
