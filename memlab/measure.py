@@ -19,15 +19,17 @@ import torch
 
 from .hardware import pick_device, resolve_budget
 from .step import MemoryReport, StepConfig, Trainer, batch_to, build_trainer, make_batch, resolve_step
-from .tracking import CATEGORIES, MemoryTracker, OOMInfo, requested_bytes
+from .tracking import CATEGORIES, DeviceAccounting, MemoryTracker, OOMInfo, requested_bytes
 
 
 def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *,
-                     cuda_history: bool = False, warmup: bool | str = True) -> tuple[MemoryTracker, float, int, int]:
+                     cuda_history: bool = False, warmup: bool | str = True,
+                     accounting: DeviceAccounting | None = None) -> tuple[MemoryTracker, float, int, int]:
     """Warm up, then one tracked step; an OOM is caught, memory released, and recorded.
 
     ``warmup``: ``True`` runs a whole untracked step first, ``"optimizer"`` only creates the
     optimizer state (same steady state, half the work: used by the simulation).
+    ``accounting``: count bytes as a target device would (the simulation's ``target``).
 
     Returns the tracker, the tracked step's seconds, and live bytes before and after it.
     """
@@ -37,7 +39,7 @@ def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *
         trainer.step(batch)
     on_cuda = trainer.device.type == "cuda"
     tracker = MemoryTracker(None if on_cuda else budget_bytes, cuda=on_cuda, cuda_history=cuda_history,
-                            device=trainer.device)
+                            device=trainer.device, accounting=accounting)
     with _cuda_budget(budget_bytes if on_cuda else None), tracker:
         tracker.track_model(trainer.model)
         tracker.track_optimizer(trainer.optimizer)
