@@ -72,10 +72,41 @@ def dtypes(precision: str, target: str = "cpu") -> Dtypes:
 
 
 def _linear_weights(cfg: GPTConfig) -> tuple[int, int]:
-    """Elements of matmul weights per layer and in the head (autocast copies these)."""
+    """Elements of matmul weights per layer and in the head (autocast copies these): the
+    fused ``qkv`` has ``(n_head + 2 n_kv_head) * head_dim`` rows, so grouped-query attention
+    copies less."""
     d, f = cfg.d_model, cfg.hidden
-    per_layer = 4 * d * d + (3 if cfg.mlp == "swiglu" else 2) * d * f
+    qkv = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim * d
+    per_layer = qkv + d * d + (3 if cfg.mlp == "swiglu" else 2) * d * f
     return per_layer, cfg.vocab_size * d
+
+
+def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int) -> int:
+    """Elements of q, k, v that one block keeps for backward, and the attention output
+    ``proj`` reads, for multi-head and grouped-query attention.
+
+    With ``Q = s b n_head d_head`` and ``K = s b n_kv_head d_head``: q, k and v are views of
+    the fused ``qkv`` output (``Q + 2K``), and whatever saves a view keeps all of it alive.
+    Rotary positions make new q (``Q``) and k (``K``); ``gqa="repeat"`` makes new k and v of
+    ``Q`` each, which attention saves instead of the views; naive attention's matmuls fold
+    batch and heads into one dimension and save contiguous copies unless the batch or the
+    heads are one (a view cannot be folded otherwise); a selectively checkpointed core keeps
+    its inputs as they were passed (before any repeat). The same count, per tensor-parallel
+    rank, is :func:`memlab.parallel.tp_activation_bytes` (which the tests check against the
+    tracker for every combination).
+    """
+    t, hd = seq * batch, cfg.head_dim
+    q, kv = t * cfg.n_head * hd, t * cfg.kv_heads * hd
+    rope = cfg.position == "rope"
+    if cfg.checkpointing == "selective":
+        return (q + kv if rope else 0) + q + 2 * kv + q
+    repeat = cfg.kv_heads < cfg.n_head and cfg.gqa == "repeat"
+    in_place = cfg.attention == "sdpa" or batch == 1 or cfg.n_head == 1
+    new = ((q if rope or not in_place else 0)
+           + (q if repeat else kv if rope or not in_place else 0)
+           + (q if repeat else 0 if in_place else kv))
+    views = in_place and (not rope or not repeat)
+    return new + (q + 2 * kv if views else 0) + q
 
 
 def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
@@ -85,15 +116,17 @@ def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
     With ``t = s*b`` tokens, ``h = d_model``, ``f`` the MLP width and ``a`` heads, in element
     sizes of :func:`dtypes` (R residual, C compute): two residual adds ``2thR`` (when the
     norms keep their input); per norm its output ``thC`` plus what :func:`memlab.policy.norm_saves`
-    says it keeps; q, k, v ``3thC``; the attention output ``thC``; with naive attention the
-    probabilities ``a s^2 b P`` (P: :func:`memlab.policy.attention_probs_bytes`) and the
-    causal mask ``s^2`` bytes, with SDPA the kernel's log-sum-exp; the MLP ``2tfC`` (SwiGLU
-    ``4tfC``); rotary q, k ``2thC``.
+    says it keeps; q, k, v and the attention output (:func:`attention_saved_elements`: ``4thC``
+    for multi-head attention with learned positions, ``6thC`` with rotary ones); with naive
+    attention the probabilities ``a s^2 b P`` (P: :func:`memlab.policy.attention_probs_bytes`)
+    and the causal mask ``s^2`` bytes, with SDPA the kernel's log-sum-exp; the MLP ``2tfC``
+    (SwiGLU ``4tfC``).
     """
     d = dtypes(precision, target)
     t, h, f, a, s = seq * batch, cfg.d_model, cfg.hidden, cfg.n_head, seq
     C = d.compute
-    total = 2 * t * h * _residual_saved(cfg, d) + 2 * _norm_bytes(cfg, d, t) + 4 * t * h * C
+    total = (2 * t * h * _residual_saved(cfg, d) + 2 * _norm_bytes(cfg, d, t)
+             + attention_saved_elements(cfg, seq, batch) * C)
     if cfg.mlp == "swiglu":  # the second norm's output feeds two matmuls (gate, up)
         total += (activation_copies(precision, 2) - 1) * t * h * C
     if cfg.checkpointing != "selective":
@@ -102,11 +135,8 @@ def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
         else:
             total += sdpa_lse_bytes(sdpa_backend(target, C, cfg.head_dim), batch, a, s)
     total += (4 if cfg.mlp == "swiglu" else 2) * t * f * C
-    if cfg.position == "rope":
-        if cfg.attention == "sdpa" or cfg.checkpointing == "selective":
-            total += 2 * t * h * C  # rotated q and k (naive attention saves copies instead)
-        if C != 4:
-            total += 2 * s * cfg.head_dim * C  # cos and sin cast to the compute dtype
+    if cfg.position == "rope" and C != 4:
+        total += 2 * s * cfg.head_dim * C  # cos and sin cast to the compute dtype
     return total
 
 
@@ -132,14 +162,50 @@ def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
     layer_w, head_w = _linear_weights(cfg)
     final_norm = _norm_bytes(cfg, d, t)
     embed = t * h * _residual_saved(cfg, d) + (8 * seq if cfg.position == "learned" else 0)
+    # the chunked loss casts the head weight itself, uncached, and keeps no logits: only a
+    # log-sum-exp per token (memlab.chunked_loss)
+    chunked = cfg.loss == "chunked"
+    head_copy = 0 if chunked else head_w
     if cfg.checkpointing == "full":
         layers = cfg.n_layer * t * h * d.residual  # each block keeps its input only
-        copies = d.weight_copy * head_w
+        copies = d.weight_copy * head_copy
     else:
         layers = cfg.n_layer * layer_activation_bytes(cfg, seq, batch, precision, target)
-        copies = d.weight_copy * (cfg.n_layer * layer_w + head_w)
+        copies = d.weight_copy * (cfg.n_layer * layer_w + head_copy)
     return {"embedding": embed, "layers": layers, "final_norm": final_norm,
-            "weight_copies": copies, "log_softmax": t * v * d.softmax}
+            "weight_copies": copies, "log_softmax": 4 * t if chunked else t * v * d.softmax}
+
+
+def chunked_loss_moments(cfg: GPTConfig, tokens: int, precision: str,
+                         target: str = "cpu") -> dict[str, dict[str, float]]:
+    """Bytes :func:`memlab.chunked_loss.linear_cross_entropy` holds beyond the activations
+    at its two largest moments, by category, read off its code: with ``c`` the head matmul's
+    element size (the autocast dtype, else the hidden states'), ``H`` the hidden states',
+    ``W`` the weight's and ``n = min(loss_chunk, tokens)`` rows per chunk:
+
+    * forward, at a chunk's upcast: the hidden states passed in (``tH``, when ``h`` is a cast
+      copy of them), the cast head weight (``VdC`` unless ``W = c``), one chunk of logits and
+      its fp32 copy (``nV(c + 4)``, or ``4nV`` in fp32) and a float per token;
+    * backward: the weight's gradient (``VdW``, category gradients), the hidden states'
+      gradient (``tdH``), the cast weight, and a chunk's logits being turned into their
+      gradient (``nV(c + 4)`` at the casts, or a chunk and the ``V x d`` product of its
+      gradient with the hidden states, whichever is larger), plus 12 bytes per token.
+
+    The plain loss's ``t x V`` tensors (:func:`memlab.policy.cross_entropy_moments`) never
+    exist: the saving is the loss spike, at the price of the head matmul run twice.
+    """
+    d = dtypes(precision, target)
+    v, dm = cfg.vocab_size, cfg.d_model
+    c, hid, w = d.compute, d.residual, d.param
+    n = min(cfg.loss_chunk, tokens)
+    hidden = tokens * dm * hid if hid != c else 0
+    weight = v * dm * c if w != c else 0
+    logits = n * v * (c + 4) if c != 4 else 4 * n * v
+    back = max(logits, n * v * c + v * dm * c) if c != 4 else 4 * n * v + 4 * v * dm
+    return {"chunked loss forward": dict(temporaries=hidden + weight + logits + 4 * tokens),
+            "chunked loss backward": dict(gradients=v * dm * w,
+                                          temporaries=weight + tokens * dm * hid + back
+                                          + 12 * tokens)}
 
 
 def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
@@ -166,14 +232,21 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     # does not keep them, so at the loss they are scratch (policy._CastCache).
     cached = d.weight_copy * L * _linear_weights(cfg)[0] if cfg.checkpointing == "full" else 0
     m = {}
-    # the loss's forward and backward, one moment per tensor it makes, all activations alive
-    for moment, saved, scratch_per_logit in d.loss_moments:
-        cast_cache = cached if moment == "loss forward" else 0
-        m[moment] = dict(activations=A - lse + t * v * saved, gradients=G_prev + held,
-                         temporaries=t * v * scratch_per_logit + cast_cache + gathered)
-    # the head's backward: logits gradient, gradient of the final norm's output, head grad
-    m["head backward"] = dict(activations=A - lse, gradients=max(G_prev, head_grad) + held,
-                              temporaries=t * v * d.compute + t * h * d.compute + gathered)
+    if cfg.loss == "chunked":
+        for moment, cats in chunked_loss_moments(cfg, t, step.precision, target.name).items():
+            forward = moment.endswith("forward")
+            m[moment] = dict(activations=A, gradients=G_prev + held + cats.get("gradients", 0),
+                             temporaries=cats["temporaries"] + gathered
+                             + (cached if forward else 0))
+    else:
+        # the loss's forward and backward, one moment per tensor it makes, all activations alive
+        for moment, saved, scratch_per_logit in d.loss_moments:
+            cast_cache = cached if moment == "loss forward" else 0
+            m[moment] = dict(activations=A - lse + t * v * saved, gradients=G_prev + held,
+                             temporaries=t * v * scratch_per_logit + cast_cache + gathered)
+        # the head's backward: logits gradient, gradient of the final norm's output, head grad
+        m["head backward"] = dict(activations=A - lse, gradients=max(G_prev, head_grad) + held,
+                                  temporaries=t * v * d.compute + t * h * d.compute + gathered)
     layer = (layer_activation_bytes(cfg, seq, batch, step.precision, target.name)
              + d.weight_copy * _linear_weights(cfg)[0])
     # one block's backward: the MLP's two hidden-size gradients and the residual gradient
