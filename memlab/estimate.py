@@ -81,7 +81,7 @@ def _linear_weights(cfg: GPTConfig) -> tuple[int, int]:
     return per_layer, cfg.vocab_size * d
 
 
-def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int) -> int:
+def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int, tp: int = 1) -> int:
     """Elements of q, k, v that one block keeps for backward, and the attention output
     ``proj`` reads, for multi-head and grouped-query attention.
 
@@ -91,26 +91,33 @@ def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int) -> int:
     ``Q`` each, which attention saves instead of the views; naive attention's matmuls fold
     batch and heads into one dimension and save contiguous copies unless the batch or the
     heads are one (a view cannot be folded otherwise); a selectively checkpointed core keeps
-    its inputs as they were passed (before any repeat). The same count, per tensor-parallel
-    rank, is :func:`memlab.parallel.tp_activation_bytes` (which the tests check against the
-    tracker for every combination).
+    its inputs as they were passed (before any repeat).
+
+    Per rank of ``tp``-way tensor parallelism (:mod:`memlab.parallel.tensor`) a rank has
+    ``n_head / tp`` query heads and ``n_kv_head / tp`` key/value heads, or, when ``tp``
+    exceeds ``n_kv_head``, one replicated key/value head read from the all-gathered ``qkv``
+    output (which the views then keep whole). :func:`memlab.parallel.tp_activation_bytes`
+    uses this count, and the tests check it against the tracker for every combination.
     """
     t, hd = seq * batch, cfg.head_dim
-    q, kv = t * cfg.n_head * hd, t * cfg.kv_heads * hd
+    split = cfg.kv_heads % tp == 0
+    heads, kv_heads = cfg.n_head // tp, (cfg.kv_heads // tp if split else 1)
+    fused = t * (cfg.n_head + 2 * cfg.kv_heads) * hd // (tp if split else 1)
+    q, kv = t * heads * hd, t * kv_heads * hd
     rope = cfg.position == "rope"
     if cfg.checkpointing == "selective":
-        return (q + kv if rope else 0) + q + 2 * kv + q
-    repeat = cfg.kv_heads < cfg.n_head and cfg.gqa == "repeat"
-    in_place = cfg.attention == "sdpa" or batch == 1 or cfg.n_head == 1
+        return (q + kv if rope else 0) + fused + q
+    repeat = kv_heads < heads and cfg.gqa == "repeat"
+    in_place = cfg.attention == "sdpa" or batch == 1 or heads == 1
     new = ((q if rope or not in_place else 0)
            + (q if repeat else kv if rope or not in_place else 0)
            + (q if repeat else 0 if in_place else kv))
     views = in_place and (not rope or not repeat)
-    return new + (q + 2 * kv if views else 0) + q
+    return new + (fused if views else 0) + q
 
 
 def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
-                           target: str = "cpu") -> float:
+                           target: str = "cpu", tp: int = 1) -> float:
     """Bytes one transformer block saves for backward (no checkpointing).
 
     With ``t = s*b`` tokens, ``h = d_model``, ``f`` the MLP width and ``a`` heads, in element
@@ -121,12 +128,17 @@ def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
     attention the probabilities ``a s^2 b P`` (P: :func:`memlab.policy.attention_probs_bytes`)
     and the causal mask ``s^2`` bytes, with SDPA the kernel's log-sum-exp; the MLP ``2tfC``
     (SwiGLU ``4tfC``).
+
+    On each of ``tp`` tensor-parallel ranks (Megatron's layout, Korthikanti et al. 2022 sec.
+    4.2.1, without sequence parallelism) the heads, the MLP width and what they save are
+    divided by ``tp``; the residual stream, the norms and the inputs of the first matmuls
+    are not.
     """
     d = dtypes(precision, target)
-    t, h, f, a, s = seq * batch, cfg.d_model, cfg.hidden, cfg.n_head, seq
+    t, h, f, a, s = seq * batch, cfg.d_model, cfg.hidden, cfg.n_head // tp, seq
     C = d.compute
     total = (2 * t * h * _residual_saved(cfg, d) + 2 * _norm_bytes(cfg, d, t)
-             + attention_saved_elements(cfg, seq, batch) * C)
+             + attention_saved_elements(cfg, seq, batch, tp) * C)
     if cfg.mlp == "swiglu":  # the second norm's output feeds two matmuls (gate, up)
         total += (activation_copies(precision, 2) - 1) * t * h * C
     if cfg.checkpointing != "selective":
@@ -134,7 +146,7 @@ def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
             total += a * s * s * batch * d.probs + s * s
         else:
             total += sdpa_lse_bytes(sdpa_backend(target, C, cfg.head_dim), batch, a, s)
-    total += (4 if cfg.mlp == "swiglu" else 2) * t * f * C
+    total += (4 if cfg.mlp == "swiglu" else 2) * t * f * C / tp
     if cfg.position == "rope" and C != 4:
         total += 2 * s * cfg.head_dim * C  # cos and sin cast to the compute dtype
     return total
@@ -155,8 +167,11 @@ def _norm_bytes(cfg: GPTConfig, d: Dtypes, t: int) -> int:
 
 
 def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
-                     target: str = "cpu") -> dict[str, float]:
-    """Saved-for-backward bytes of the whole forward, split into its parts."""
+                     target: str = "cpu", tp: int = 1) -> dict[str, float]:
+    """Saved-for-backward bytes of the whole forward, split into its parts; per rank of
+    ``tp``-way tensor parallelism (the embedding output, the final norm and, under full
+    checkpointing, every block's input stay whole on each rank: that is what sequence
+    parallelism would divide; the loss is vocabulary-parallel, as in Megatron-LM)."""
     d = dtypes(precision, target)
     t, h, v = seq * batch, cfg.d_model, cfg.vocab_size
     layer_w, head_w = _linear_weights(cfg)
@@ -168,12 +183,13 @@ def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
     head_copy = 0 if chunked else head_w
     if cfg.checkpointing == "full":
         layers = cfg.n_layer * t * h * d.residual  # each block keeps its input only
-        copies = d.weight_copy * head_copy
+        copies = d.weight_copy * head_copy / tp
     else:
-        layers = cfg.n_layer * layer_activation_bytes(cfg, seq, batch, precision, target)
-        copies = d.weight_copy * (cfg.n_layer * layer_w + head_copy)
+        layers = cfg.n_layer * layer_activation_bytes(cfg, seq, batch, precision, target, tp)
+        copies = d.weight_copy * (cfg.n_layer * layer_w + head_copy) / tp
     return {"embedding": embed, "layers": layers, "final_norm": final_norm,
-            "weight_copies": copies, "log_softmax": 4 * t if chunked else t * v * d.softmax}
+            "weight_copies": copies,
+            "log_softmax": 4 * t if chunked else t * v * d.softmax / tp}
 
 
 def chunked_loss_moments(cfg: GPTConfig, tokens: int, precision: str,
@@ -209,8 +225,9 @@ def chunked_loss_moments(cfg: GPTConfig, tokens: int, precision: str,
 
 
 def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
-              target: Target) -> tuple[dict, str]:
-    """Categories at the step's peak moment, and which moment that is."""
+              target: Target, tp: int = 1) -> tuple[dict, str]:
+    """Categories at the step's peak moment, and which moment that is, on one rank of
+    ``tp``-way tensor parallelism."""
     d = dtypes(step.precision, target.name)
     k = step.micro_batches
     seq, batch = step.seq, step.batch // k
@@ -221,19 +238,21 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     # (ZeRO-2), the optimizer step's scratch, ZeRO-3's gathered parameters
     held, late = states.get("held", 0.0), states.get("late", 0.0)
     scratch, gathered = states.get("step", 0.0), states.get("gathered", 0.0)
-    acts = activation_bytes(cfg, seq, batch, step.precision, target.name)
+    acts = activation_bytes(cfg, seq, batch, step.precision, target.name, tp)
     A = sum(acts.values())
-    head_grad = v * h * d.grad / (step.world_size if step.zero >= 2 else 1)
-    layer_grad = G * (1 - v * h / cfg.num_params()) / L if L else 0
+    v = -(-v // tp)  # from here on: this rank's share of the vocabulary
+    head_grad = v * h * d.grad / (step.world_size // tp if step.zero >= 2 else 1)
+    layer_grad = G * (1 - cfg.vocab_size * h / cfg.num_params()) / L if L else 0
     # With accumulation, gradients of earlier micro-batches are already there.
     G_prev = G if k > 1 else 0.0
     lse = acts["log_softmax"]
     # Autocast's weight casts live until the forward ends; under full checkpointing autograd
     # does not keep them, so at the loss they are scratch (policy._CastCache).
-    cached = d.weight_copy * L * _linear_weights(cfg)[0] if cfg.checkpointing == "full" else 0
+    cached = d.weight_copy * L * _linear_weights(cfg)[0] / tp if cfg.checkpointing == "full" else 0
     m = {}
     if cfg.loss == "chunked":
-        for moment, cats in chunked_loss_moments(cfg, t, step.precision, target.name).items():
+        for moment, cats in chunked_loss_moments(replace(cfg, vocab_size=v), t, step.precision,
+                                                 target.name).items():
             forward = moment.endswith("forward")
             m[moment] = dict(activations=A, gradients=G_prev + held + cats.get("gradients", 0),
                              temporaries=cats["temporaries"] + gathered
@@ -247,9 +266,10 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
         # the head's backward: logits gradient, gradient of the final norm's output, head grad
         m["head backward"] = dict(activations=A - lse, gradients=max(G_prev, head_grad) + held,
                                   temporaries=t * v * d.compute + t * h * d.compute + gathered)
-    layer = (layer_activation_bytes(cfg, seq, batch, step.precision, target.name)
-             + d.weight_copy * _linear_weights(cfg)[0])
+    layer = (layer_activation_bytes(cfg, seq, batch, step.precision, target.name, tp)
+             + d.weight_copy * _linear_weights(cfg)[0] / tp)
     # one block's backward: the MLP's two hidden-size gradients and the residual gradient
+    f = f / tp
     transient = t * f * d.compute + t * h * d.residual
     if cfg.checkpointing == "full":
         # the block recomputed last (block 0) holds its activations again, with nearly all grads
@@ -319,7 +339,7 @@ def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float],
 
 
 def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
-                  target: str = "cpu", **overrides) -> MemoryReport:
+                  target: str = "cpu", tensor_parallel: int = 1, **overrides) -> MemoryReport:
     """Closed-form peak bytes of one steady-state training step, by category, per rank.
 
     ``batch`` is per rank; ``zero``, ``world_size`` and ``offload`` shard and move the model
@@ -328,26 +348,47 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     model states kept in host memory. ``target`` is the device whose autocast policy,
     kernels and workspaces the formulas follow (``"cpu"`` or ``"cuda"``,
     :mod:`memlab.policy`); a GPU preset budget picks the card's cuBLAS workspace.
+
+    ``tensor_parallel`` (t, dividing ``world_size``): Megatron-style tensor parallelism
+    inside groups of t ranks, data parallelism (and ZeRO) across the ``world_size / t``
+    groups. A rank holds ``1/t`` of the ZeRO-sharded model states (norm weights, replicated,
+    are counted as sharded: a fraction of a percent), its heads' and MLP columns' share of
+    each block's activations, and a vocabulary-parallel loss; without sequence parallelism the
+    residual stream, the norms and the checkpointed block inputs stay whole on every rank
+    (:func:`activation_bytes`).
     """
     tgt = get_target(target, budget)
     step = resolve_step(step, **overrides)
     cfg = step.model_config
+    tp = tensor_parallel
+    if tp != 1:
+        from .parallel.formulas import check_tensor_parallel
+        if not isinstance(cfg, GPTConfig):
+            raise ValueError(f"tensor_parallel={tp!r} needs a GPT model, got {cfg.name!r}")
+        check_tensor_parallel(cfg, tp)
+        if step.world_size % tp:
+            raise ValueError(f"tensor_parallel={tp} must divide world_size={step.world_size}; "
+                             f"allowed: {', '.join(str(k) for k in range(1, step.world_size + 1) if step.world_size % k == 0)}")
     ms = model_states(cfg, precision=step.precision, optimizer=step.optimizer, zero=step.zero,
-                      world_size=step.world_size, offload=step.offload)
-    states = ms.peak_inputs()
+                      world_size=step.world_size // tp, offload=step.offload)
+    states = {k: x / tp for k, x in ms.peak_inputs().items()}
     # the forward runs in the precision the model is cast to (DeepSpeed: 16 bits, no autocast)
     run = replace(step, precision=ms.compute_precision) if ms.deepspeed else step
     if isinstance(cfg, UNetConfig):
         cats, moment = _unet_peak(run, cfg, states, tgt)
     else:
-        cats, moment = _gpt_peak(run, cfg, states, tgt)
+        cats, moment = _gpt_peak(run, cfg, states, tgt, tp)
     cats = {c: int(round(v)) for c, v in cats.items()}
-    host = {c: int(round(ms.host.get(c, 0.0))) for c in CATEGORIES}
+    host = {c: int(round(ms.host.get(c, 0.0) / tp)) for c in CATEGORIES}
     report = MemoryReport("estimate", step, f"formula ({tgt.name})", sum(cats.values()), cats,
                           resolve_budget(budget), None, host_bytes=sum(host.values()),
                           host_by_category=host)
     report.notes.append(f"peak moment: {moment}")
     report.notes.extend(ms.notes)
+    if tp > 1:
+        report.notes.append(f"tensor parallel t={tp} (Megatron layout, no sequence parallelism: "
+                            f"block inputs and norms whole on every rank) x data parallel "
+                            f"{step.world_size // tp}")
     if report.host_bytes:
         report.notes.append("host_bytes: the model states in host memory (pinned buffers at the "
                             "CUDA host allocator's power-of-two sizes); the CPU optimizer's "

@@ -53,8 +53,9 @@ def tp_activation_bytes(cfg: GPTConfig, seq: int, batch: int, t: int = 1) -> dic
       output (``2 x 4 sbf / t``), SwiGLU the gate, SiLU, up and product (``4 x 4 sbf / t``).
       For the GPT-2 block (``f = 4h``, MHA, no rotary) that is ``48 sbh / t``, the paper's
       ``24``, doubled.
-    - q, k, v under SDPA: with learned positions q, k and v are views of the ``qkv``
-      output, so the whole output stays alive (``4 s b (a_r + 2 g_r) d_head`` for ``a_r``
+    - q, k, v (counted by :func:`memlab.estimate.attention_saved_elements`) under SDPA:
+      with learned positions q, k and v are views of the ``qkv`` output, so the whole
+      output stays alive (``4 s b (a_r + 2 g_r) d_head`` for ``a_r``
       query and ``g_r`` key/value heads per rank). Rotary positions make new q and k;
       grouped heads with ``gqa="repeat"`` make new k and v of ``a_r`` heads each (then
       nothing keeps the ``qkv`` output). With replicated key/value heads
@@ -67,29 +68,16 @@ def tp_activation_bytes(cfg: GPTConfig, seq: int, batch: int, t: int = 1) -> dic
       (no dropout: the paper's ``5`` becomes ``4``) and the boolean causal mask, ``s^2``
       bytes on every rank; with fused SDPA only its log-sum-exp, ``4 a_r s b``.
     """
-    layout = check_tensor_parallel(cfg, t)
-    s, b, h, f, hd = seq, batch, cfg.d_model, cfg.hidden, cfg.head_dim
+    from ..estimate import attention_saved_elements  # one count of q, k, v for both
+    check_tensor_parallel(cfg, t)
+    s, b, h, f = seq, batch, cfg.d_model, cfg.hidden
     tokens = s * b
     norm = 8 * tokens * h + (8 * tokens if cfg.norm == "layernorm" else 4 * tokens * h + 4 * tokens)
     mask = s * s if cfg.attention == "naive" else 0
     replicated = 2 * norm + mask
     heads = cfg.n_head // t
-    if layout == "split":
-        kv_heads, qkv_out = cfg.kv_heads // t, tokens * (cfg.n_head + 2 * cfg.kv_heads) * hd / t
-    else:
-        kv_heads, qkv_out = 1, tokens * (cfg.n_head + 2 * cfg.kv_heads) * hd
-    q, kv = tokens * heads * hd, tokens * kv_heads * hd
-    rope, repeat = cfg.position == "rope", heads > kv_heads and cfg.gqa == "repeat"
-    # naive attention's matmuls fold (batch, heads) into one dimension, which a view of the
-    # qkv output allows only when one of the two is 1; otherwise they save copies
-    in_place = cfg.attention == "sdpa" or batch == 1 or heads == 1
-    new = ((q if rope or not in_place else 0)
-           + (q if repeat else kv if rope or not in_place else 0)
-           + (q if repeat else 0 if in_place else kv))
-    views = in_place and (not rope or not repeat)  # some of q, k, v is a view of the output
-    qkv = 4 * (new + (qkv_out if views else 0))
     mlp = (4 if cfg.mlp == "swiglu" else 2) * 4 * tokens * f / t
-    sharded = qkv + 4 * q + mlp
+    sharded = 4 * attention_saved_elements(cfg, seq, batch, t) + mlp  # with proj's input
     core = 4 * heads * s * s * b if cfg.attention == "naive" else 4 * heads * tokens
     return {"replicated": replicated, "sharded": sharded, "attention_core": core,
             "total": replicated + sharded + core}
