@@ -234,6 +234,13 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
                           f"usable ({fmt_bytes(budget)} less {headroom:.0%} headroom): short by "
                           f"{fmt_bytes(advice.short_bytes)}; use more ranks, a shorter sequence "
                           f"or a smaller batch (with gradient accumulation)")
+        from .estimate import estimate_step
+        cats = estimate_step(current, tensor_parallel=t_now).by_category
+        if max(cats, key=cats.get) == "activations":
+            advice.message += (
+                "; the activations are the largest part: sequence parallelism (Korthikanti et "
+                "al. 2022, sec. 4.2.2) would split the block inputs tensor parallelism keeps "
+                "whole, context parallelism the sequence itself (neither is planned here)")
     advice.message += "; " + _runs_as(current, t_now, advice.host_bytes)
     return advice
 
