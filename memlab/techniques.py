@@ -16,6 +16,7 @@ from .hardware import resolve_budget
 from .estimate import estimate_step
 from .measure import measure_step
 from .step import MemoryReport, StepConfig, batch_to, build_trainer, make_batch
+from .tracking import Event
 from .simulate import simulate_step
 
 LENSES = ("estimate", "simulate", "measure")
@@ -64,6 +65,41 @@ def category_max(report: MemoryReport, category: str) -> int:
         return int(report.by_category.get(category, 0))
     i = CATEGORIES.index(category)
     return max(e.by_category[i] for e in report.timeline)
+
+
+def activations_by_module(report: MemoryReport,
+                          key: Callable[[Event], str] | None = None) -> dict[str, int]:
+    """Bytes each module keeps for backward: every rise of the ``activations`` category in
+    forward goes to the module whose op made it (a tensor is an activation when it was made
+    in forward and is still alive when forward ends, so with one forward the parts sum to
+    the category's largest value; with ``k`` micro-batches, to ``k`` forwards' worth).
+    Labels come from ``key(event)``, called with every forward op's timeline event in order
+    (its ``module``, ``op``); by default the model's direct child of ``event.module``
+    (``down.0`` of ``UNet.down.0.conv1``, ``UNet`` for its own ops, ``Global`` outside the
+    model). Labels appear in the order they first kept bytes."""
+    from .tracking import CATEGORIES
+    if not report.timeline:
+        raise ValueError(f"the {report.lens!r} lens keeps no timeline; use measure or simulate")
+    key = key or _direct_child
+    i = CATEGORIES.index("activations")
+    out: dict[str, int] = {}
+    before = 0
+    for e in report.timeline:
+        now = e.by_category[i]
+        if e.phase == "forward":
+            label = key(e)  # on every op: a key may follow the order modules ran in
+            if now > before:  # forward only adds activations (a drop is the step's end)
+                out[label] = out.get(label, 0) + now - before
+        before = now
+    return out
+
+
+def _direct_child(event: Event) -> str:
+    parts = event.module.split(".")
+    if len(parts) == 1:
+        return parts[0]
+    # a ModuleList index belongs to its list: "down.0", not "down"
+    return ".".join(parts[1:3]) if len(parts) > 2 and parts[2].isdigit() else parts[1]
 
 
 def step_flops(step: StepConfig, *, device: str = "cpu") -> int:
@@ -299,6 +335,6 @@ def predict_max_batch(step: StepConfig, budget: int | str, *, calibrate: tuple[i
                            [(b1, r1.peak_bytes), (b2, r2.peak_bytes)], lines)
 
 
-__all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "category_max", "step_flops", "UnderflowResult", "fp16_underflow",
+__all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "category_max", "activations_by_module", "step_flops", "UnderflowResult", "fp16_underflow",
            "AccumulationCheck", "accumulation_check", "BatchSearch", "find_max_batch_search",
            "BatchPrediction", "phase_peaks", "predict_max_batch"]

@@ -20,13 +20,15 @@ from IPython.display import clear_output, display
 
 from .advisor import advise
 from .compression import VARIANTS, compare
+from .diffusion import unet_module_key
 from .hardware import GPU_PRESETS
-from .models import PRESETS, get_config
+from .models import PRESETS, UNetConfig, get_config
 from .parallel import ParallelResult, bubble_fraction, pipeline_bubble, pipeline_run
 from .report import SEED, SINGLE, measure_saving
 from .step import MemoryReport, StepConfig
-from .techniques import category_max, lens_fn
-from .plots import plot_advice, plot_bubble, plot_lenses, plot_pipeline, plot_stage_memory, plot_timeline
+from .techniques import activations_by_module, category_max, lens_fn
+from .plots import (plot_advice, plot_bubble, plot_lenses, plot_module_bytes, plot_pipeline,
+                    plot_stage_memory, plot_timeline)
 
 
 class Panel:
@@ -126,6 +128,42 @@ class StepPanel(Panel):
     def draw(self, report: MemoryReport) -> None:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4), width_ratios=(3, 1))
         plot_timeline(report, ax1)
+        plot_lenses({report.lens: report}, ax2, title="at the peak")
+        ax2.get_legend().remove()
+        fig.tight_layout()
+        self.show(fig)
+        self.figure = fig
+
+
+class UNetPanel(StepPanel):
+    """A diffusion UNet's step: sliders for the image side and the batch, drop-downs for
+    precision and checkpointing; the Output shows what each part of the UNet keeps for
+    backward, by resolution (:func:`memlab.techniques.activations_by_module`), and the
+    step's peak by category. ``data["by_module"]`` holds the bars drawn last."""
+
+    def __init__(self, step: StepConfig, *, images: Sequence[int] = (16, 32, 48),
+                 batches: Sequence[int] = (1, 2, 4, 8),
+                 precisions: Sequence[str] = ("fp32", "bf16"),
+                 checkpointing: Sequence[str] = ("none", "full"),
+                 budget: int | str | None = None, device: str | None = "cpu", draw: bool = True):
+        if not isinstance(step.model_config, UNetConfig):
+            raise ValueError(f"UNetPanel needs a UNet step, got model {step.model_config.name!r}; "
+                             f"use StepPanel for a GPT")
+        super().__init__(step, seqs=images, batches=batches, precisions=precisions,
+                         techniques={c: {"checkpointing": c} for c in checkpointing},
+                         budget=budget, device=device, draw=False)
+        self.seq.description = "image"
+        self.technique.description = "checkpoint"
+        if draw:
+            self.refresh()
+
+    def draw(self, report: MemoryReport) -> None:
+        step = report.step
+        by = activations_by_module(report, unet_module_key(step.model_config, step.seq))
+        self.data["by_module"] = by
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8), width_ratios=(2, 1))
+        plot_module_bytes(by, ax1, title=f"image {step.seq}px, batch {step.batch}, "
+                          f"{step.precision}, checkpointing {step.model_config.checkpointing}")
         plot_lenses({report.lens: report}, ax2, title="at the peak")
         ax2.get_legend().remove()
         fig.tight_layout()
@@ -302,5 +340,5 @@ def _pick(options: Sequence, value):
     return value if value in options else options[0]
 
 
-__all__ = ["Panel", "StepPanel", "AdvisorPanel", "CompressionPanel", "PipelinePanel", "TablePanel",
+__all__ = ["Panel", "StepPanel", "UNetPanel", "AdvisorPanel", "CompressionPanel", "PipelinePanel", "TablePanel",
            "max_activations"]

@@ -19,7 +19,7 @@ the same worker under ``torchrun`` (:mod:`memlab.parallel.__main__`). Figures an
 lesson's panel live in :mod:`memlab.ui`.
 """
 from .common import ParallelResult, default_backend, rank_device, worker_step
-from .formulas import SCHEDULES, bubble_fraction, tp_activation_bytes
+from .formulas import SCHEDULES, bubble_fraction, pipeline_schedule, tp_activation_bytes
 from .pipeline import (PipelineStageModule, in_flight, measure_pipeline, pipeline_bubble,
                        pipeline_run, pp_worker, stage_bounds)
 from .tensor import (apply_tensor_parallel, measure_tensor_parallel, qkv_head_permutation,
@@ -27,6 +27,7 @@ from .tensor import (apply_tensor_parallel, measure_tensor_parallel, qkv_head_pe
 
 __all__ = ["ParallelResult", "SCHEDULES", "PipelineStageModule", "apply_tensor_parallel",
            "bubble_fraction", "default_backend", "in_flight", "measure_pipeline",
-           "measure_tensor_parallel", "pipeline_bubble", "pipeline_run", "pp_worker",
+           "measure_tensor_parallel", "pipeline_bubble", "pipeline_run", "pipeline_schedule",
+           "pp_worker",
            "qkv_head_permutation", "rank_device", "simulate_tensor_parallel", "stage_bounds",
            "tp_activation_bytes", "tp_attention_forward", "tp_worker", "worker_step"]
