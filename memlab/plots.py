@@ -394,11 +394,16 @@ def plot_activation_life(report: MemoryReport | Mapping[str, MemoryReport], ax=N
         forward = np.array([e.phase == "forward" for e in r.timeline])
         color = COLORS["activations"] if len(reports) == 1 else f"C{n}"
         ax.plot(x, y, color=color, lw=1.2, label=f"{name}: {y.max():.1f} MiB at the end of forward")
-        ax.fill_between(x, 0, y, where=forward, color=color, alpha=0.35, lw=0)
-        ax.fill_between(x, 0, y, where=~forward, color=color, alpha=0.12, lw=0)
+        if len(reports) == 1:  # one step: shade forward (saving) and backward (freeing)
+            ax.fill_between(x, 0, y, where=forward, color=color, alpha=0.35, lw=0)
+            ax.fill_between(x, 0, y, where=~forward, color=color, alpha=0.12, lw=0)
+        else:  # several: mark where each forward ends
+            top = int(y.argmax())
+            ax.plot([top], [y[top]], "o", color=color, ms=4)
     ax.set_xlim(0, None)
     ax.set_ylim(0, None)
-    ax.set_xlabel("op of the step (dark: forward, saving; light: backward, freeing)")
+    ax.set_xlabel("op of the step (forward: saving, then backward: freeing)" if len(reports) > 1
+                  else "op of the step (dark: forward, saving; light: backward, freeing)")
     ax.set_ylabel("activations alive (MiB)")
     ax.set_title(title or "the life of activations through one step", fontsize=9)
     ax.legend(fontsize=7, loc="upper right")
