@@ -33,7 +33,7 @@ def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *
         trainer.step(batch)
     on_cuda = trainer.device.type == "cuda"
     tracker = MemoryTracker(None if on_cuda else budget_bytes, cuda=on_cuda, cuda_history=cuda_history)
-    with _cuda_budget(budget_bytes if on_cuda else None), tracker:
+    with cuda_budget(budget_bytes if on_cuda else None), tracker:
         tracker.track_model(trainer.model)
         tracker.track_optimizer(trainer.optimizer)
         tracker.track_tensors(batch, "other")
@@ -68,17 +68,25 @@ def _release(error: BaseException, trainer: Trainer) -> None:
 
 
 @contextlib.contextmanager
-def _cuda_budget(budget_bytes: int | None):
-    """Emulate a smaller card: cap this process's share of the real GPU, restore after."""
+def cuda_budget(budget_bytes: int | None):
+    """Emulate a smaller card: cap this process's share of the real GPU, restore it after.
+
+    A cap already in place (an instructor splitting one GPU between students with
+    ``torch.cuda.set_per_process_memory_fraction``) stays the ceiling and comes back after
+    the step, so a budgeted measurement never lifts it.
+    """
     if budget_bytes is None:
         yield
         return
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
+    # the getter is recent (pytorch/pytorch#140620); without it the cap cannot be read
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    previous = getter(0) if getter is not None else 1.0
+    torch.cuda.set_per_process_memory_fraction(min(previous, budget_bytes / total), 0)
     try:
         yield
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.set_per_process_memory_fraction(previous, 0)
         torch.cuda.empty_cache()
 
 
@@ -137,4 +145,4 @@ def time_steps(runs: dict[str, tuple[Trainer, tuple]], repeats: int = 3) -> dict
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
-__all__ = ["measure_step", "measure_trainer", "time_step", "time_steps", "run_tracked_step"]
+__all__ = ["measure_step", "measure_trainer", "time_step", "time_steps", "run_tracked_step", "cuda_budget"]
