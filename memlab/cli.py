@@ -2,6 +2,7 @@
 
     memlab estimate --model gpt2-xl --seq 1024 --batch 4 --gpu A100-40GB
     memlab simulate --model gpt2-medium --seq 2048 --batch 8 --precision bf16 --json
+    memlab simulate --model tiny --target cpu      # bytes as this CPU holds them
     memlab measure  --model tiny --budget 120MiB
     memlab measure  --model tiny --zero 2 --world-size 2 --json
     memlab presets
@@ -52,7 +53,7 @@ def _zero_stage(text: str) -> int:
     return value
 
 
-def _add_step_args(p: argparse.ArgumentParser, *, device: bool) -> None:
+def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = False) -> None:
     models = ", ".join([*PRESETS, *UNET_PRESETS])
     p.add_argument("--model", default="tiny", help=f"preset: {models}")
     p.add_argument("--d-model", type=_positive_int("d-model"), help="custom GPT width")
@@ -72,6 +73,10 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool) -> None:
     p.add_argument("--offload", choices=OFFLOADS, default="none")
     p.add_argument("--gpu", default=None, help=f"budget from a card: {', '.join(GPU_PRESETS)}")
     p.add_argument("--budget", default=None, help="budget as a size: 512MiB, 40GB, 1073741824")
+    if target:
+        p.add_argument("--target", default="cuda",
+                       help="device whose autocast policy, kernels and workspaces are counted: "
+                            "cuda (default) or cpu")
     if device:
         p.add_argument("--device", default="cpu", help="cpu or cuda")
         p.add_argument("--snapshot", default=None,
@@ -82,8 +87,8 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="memlab", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _add_step_args(sub.add_parser("estimate", help="closed-form formulas"), device=False)
-    _add_step_args(sub.add_parser("simulate", help="the step on fake tensors"), device=False)
+    _add_step_args(sub.add_parser("estimate", help="closed-form formulas"), device=False, target=True)
+    _add_step_args(sub.add_parser("simulate", help="the step on fake tensors"), device=False, target=True)
     _add_step_args(sub.add_parser("measure", help="a real step, tracked"), device=True)
     p = sub.add_parser("presets", help="list model and GPU presets")
     p.add_argument("--json", action="store_true")
@@ -170,18 +175,22 @@ def run(args: argparse.Namespace) -> MemoryReport:
         return table
     step = step_from_args(args)
     budget = _budget(args)
+    if args.command in ("estimate", "simulate"):
+        from .policy import get_target
+        get_target(args.target)  # a bad --target is a usage error before any work
+        # a card's name also tells the target its architecture (cuBLAS workspace size)
+        budget = args.gpu if args.gpu is not None else budget
     if args.command == "estimate":
         from .estimate import estimate_step
-        return estimate_step(step, budget=budget)
+        return estimate_step(step, budget=budget, target=args.target)
     if args.command == "simulate":
         if step.world_size > 1:
             if step.zero != 3:
                 raise ValueError(f"simulate shards with FSDP2 (ZeRO-3) only; got --zero {step.zero} "
                                  f"with --world-size {step.world_size}: use --zero 3, or estimate/measure")
-            from .distributed import simulate_sharded
-            return simulate_sharded(step, step.world_size, budget=budget)
+            return _simulate_sharded(step, budget, args.target)
         from .simulate import simulate_step
-        return simulate_step(step, budget=budget)
+        return simulate_step(step, budget=budget, target=args.target)
     if args.device not in ("cpu", "cuda"):
         raise ValueError(f"unknown device {args.device!r}; allowed: cpu, cuda")
     if step.world_size > 1 or step.zero > 0 or step.offload != "none":
@@ -193,9 +202,31 @@ def run(args: argparse.Namespace) -> MemoryReport:
     return measure_step(step, device=args.device, budget=budget, snapshot_path=args.snapshot)
 
 
+def _simulate_sharded(step: StepConfig, budget: int | str | None, target: str) -> MemoryReport:
+    """The FSDP2 simulation under a target's kernels; for CUDA each rank also holds the
+    cuBLAS workspaces (its own process). Block rounding and per-call workspaces are not
+    applied by the sharded tracker."""
+    from .distributed import simulate_sharded
+    from .policy import emulate, get_target
+    tgt = get_target(target, budget)
+    with emulate(tgt):
+        report = simulate_sharded(step, step.world_size, budget=budget)
+    workspace = tgt.resident_workspace()
+    for rep in {id(r): r for r in [report, *(report.per_rank or [])]}.values():
+        rep.device = f"{tgt.name} (fake)"
+        if workspace:
+            rep.by_category["workspace"] = rep.by_category.get("workspace", 0) + workspace
+            rep.peak_bytes += workspace
+    if workspace:
+        report.notes.append(f"{tgt.name}: autocast policy and kernels emulated, cuBLAS workspace "
+                            f"added per rank; no 512-byte block rounding in the sharded tracker")
+    return report
+
+
 def _presets(as_json: bool) -> str:
     models = {name: {"params": cfg.num_params(), "d_model": cfg.d_model, "layers": cfg.n_layer,
-                     "heads": cfg.n_head, "vocab": cfg.vocab_size} for name, cfg in PRESETS.items()}
+                     "heads": cfg.n_head, "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size}
+              for name, cfg in PRESETS.items()}
     models.update({name: {"params": cfg.num_params()} for name, cfg in UNET_PRESETS.items()})
     if as_json:
         return json.dumps({"models": models, "gpus": GPU_PRESETS}, indent=2)

@@ -22,7 +22,9 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-from .estimate import zero_formula  # the paper's per-rank formula, re-exported for lesson 06
+# the paper's per-rank formula (re-exported for lesson 06) and memlab's DeepSpeed buckets: one
+# source in memlab.states, which the estimate and the advisor read too
+from .states import BUCKET_ELEMENTS, PERSISTENCE_THRESHOLD, zero_formula
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -215,8 +217,6 @@ def allreduce_worker(rank: int, world_size: int, value: float = 1.0) -> dict:
 # --------------------------------------------------------------------------------------
 # ZeRO with real DeepSpeed
 # --------------------------------------------------------------------------------------
-BUCKET_ELEMENTS = 2**20  # explicit buckets: DeepSpeed's ZeRO-3 defaults allocate ~1.9 GiB/rank
-PERSISTENCE_THRESHOLD = 10_000  # ZeRO-3 keeps parameters smaller than this whole on every rank
 ACCOUNTS = ("parameters", "gradients", "fp32_master", "optimizer_state", "comm_buffers")
 
 
@@ -363,7 +363,8 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2) -> dict:
         one_step()  # warm-up: Adam's state exists afterwards
     opt = engine.optimizer
     inner = getattr(opt, "optimizer", None)
-    tracker = MemoryTracker()
+    # host memory is whatever is not on the engine's device (offloaded master, moments, grads)
+    tracker = MemoryTracker(device=engine.device)
     start = time.perf_counter()
     with tracker:
         tracker.track_model(engine.module)
@@ -377,9 +378,12 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2) -> dict:
         tracker.reset_peak()
         acc = one_step(account=True)
     seconds = time.perf_counter() - start
-    out = {"rank": rank, "peak_bytes": tracker.peak_bytes,
-           "by_category": tracker.peak_by_category(), "accounting": acc,
-           "step_seconds": seconds, "host_accounts": _host_accounts(step.offload)}
+    out = {"rank": rank, "device": torch.device(engine.device).type,
+           "peak_bytes": tracker.peak_bytes, "by_category": tracker.peak_by_category(),
+           "host_bytes": tracker.host_peak_bytes,
+           "host_by_category": tracker.host_peak_by_category(), "accounting": acc,
+           "cuda_stats": dict(tracker.cuda_stats), "step_seconds": seconds,
+           "host_accounts": _host_accounts(step.offload)}
     del engine, opt, inner, model
     gc.collect()
     return out
@@ -399,22 +403,34 @@ def zero_worker(rank: int, world_size: int, steps: list) -> list[dict]:
 
 
 def _rank_report(step, res: dict, device: str):
+    """One rank's report: the tracker's device peak and host peak (on a GPU, offloaded state
+    is host memory), DeepSpeed's exact accounting and, on CUDA, the allocator's figures."""
+    from .measure import add_workspace
     from .step import MemoryReport
     rep = MemoryReport("measure", step, device, res["peak_bytes"], dict(res["by_category"]),
-                       step_seconds=res["step_seconds"])
+                       step_seconds=res["step_seconds"], host_bytes=res.get("host_bytes", 0),
+                       host_by_category=dict(res.get("host_by_category", {})))
     acc = dict(res["accounting"])
     host = sum(acc[k] for k in res["host_accounts"])
     acc["host_bytes"] = host
     acc["device_bytes"] = sum(acc[k] for k in ACCOUNTS) - host
-    acc["device_peak_bytes"] = res["peak_bytes"] - (
-        sum(acc[k] for k in res["host_accounts"] if k != "parameters"))
+    if res.get("device", device) == "cpu":
+        # host and device are one memory: what a GPU would hold is the peak less the
+        # offloaded accounts (parameters are gathered back for compute, so they stay)
+        acc["device_peak_bytes"] = res["peak_bytes"] - (
+            sum(acc[k] for k in res["host_accounts"] if k != "parameters"))
+    else:
+        acc["device_peak_bytes"] = res["peak_bytes"]  # the tracker counted the device alone
+    acc.update(res.get("cuda_stats", {}))
     rep.allocator = acc
+    add_workspace(rep)
     rep.notes.append(f"rank {res['rank']} of {step.world_size}; 'allocator' holds DeepSpeed's "
                      f"exact per-rank accounting (bytes): " + ", ".join(ACCOUNTS))
     if res["host_accounts"]:
-        rep.notes.append("offload: host_bytes are what ZeRO-Offload keeps in CPU memory; on a "
-                         "CPU-only machine host and device are one memory, so the saving is "
-                         "shown by accounting, not by a second memory")
+        rep.notes.append("offload: allocator['host_bytes'] are what ZeRO-Offload keeps in CPU "
+                         "memory by DeepSpeed's accounting; on a CPU-only machine host and "
+                         "device are one memory (the report's host_bytes are 0), so the saving "
+                         "is shown by accounting, not by a second memory")
     return rep
 
 
@@ -445,7 +461,9 @@ def measure_zero(steps: list, *, device: str = "cpu", timeout: float = 600.0) ->
         top = max(per, key=lambda r: r.peak_bytes)
         rep = MemoryReport("measure", s, device, top.peak_bytes, dict(top.by_category),
                            step_seconds=max(r.step_seconds for r in per), per_rank=per,
-                           allocator=dict(top.allocator))
+                           allocator=dict(top.allocator), host_bytes=top.host_bytes,
+                           host_by_category=dict(top.host_by_category),
+                           tracked_peak_bytes=top.tracked_peak_bytes)
         rep.notes.append(f"DeepSpeed ZeRO-{s.zero}, {world} ranks ({backend}); peak and "
                          f"categories are the largest rank's")
         reports.append(rep)
