@@ -303,6 +303,11 @@ class PackedGPT(nn.Module):
         cfg: GPTConfig = gpt.cfg
         if cfg.position != "learned":
             raise ValueError(f"packing here needs learned positions, got position={cfg.position!r}")
+        if cfg.kv_heads != cfg.n_head:
+            raise ValueError(f"packing here needs one key/value head per query head, got "
+                             f"n_head={cfg.n_head}, {cfg.kv_heads} key/value heads")
+        if cfg.loss != "plain":
+            raise ValueError(f"packing here computes the plain loss, got loss={cfg.loss!r}")
         self.gpt = gpt
 
     def _block(self, block: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

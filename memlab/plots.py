@@ -269,10 +269,10 @@ ZERO_STAGE_NAMES = ("ZeRO-0: data parallel, all replicated", "ZeRO-1: optimizer 
 
 def plot_zero_partition(num_params: int, world_size: int = 4, ax=None, **formula):
     """What each rank holds under ZeRO stages 0-3: one bar per rank, its length the bytes of
-    parameters, gradients and optimizer states on that rank (:func:`memlab.estimate.zero_formula`,
+    parameters, gradients and optimizer states on that rank (:func:`memlab.states.zero_formula`,
     ``formula`` its keyword arguments). A sharded part is drawn solid and labelled with the
     rank's shard; a replicated one light. Linear axis from 0."""
-    from .estimate import zero_formula
+    from .states import zero_formula
     per = [zero_formula(num_params, s, world_size, **formula) for s in range(4)]
     scale, unit = _unit(sum(per[0].values()))
     rows = 4 * (world_size + 1)
