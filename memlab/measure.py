@@ -43,10 +43,12 @@ def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *
         try:
             trainer.step(batch)
         except torch.OutOfMemoryError as e:
-            if tracker.oom is None:  # a real allocator OOM on CUDA
+            if tracker.oom is None:  # raised outside any op the tracker saw
                 tracker.oom = OOMInfo("unknown", "unknown", "unknown", 0, tracker.live_bytes,
                                       budget_bytes or 0, str(e).split("\n")[0],
                                       tracker.by_category())
+            elif not tracker.oom.budget_bytes and budget_bytes:
+                tracker.oom.budget_bytes = budget_bytes  # a real CUDA OOM under our cap
             _release(e, trainer)
         seconds = time.perf_counter() - start
         if on_cuda:
@@ -73,6 +75,9 @@ def _cuda_budget(budget_bytes: int | None):
     if budget_bytes is None:
         yield
         return
+    # The cap applies when the allocator asks the driver for a new segment: blocks it cached
+    # in an earlier step (the warm-up) would be reused under any cap. Return them first.
+    torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
     try:

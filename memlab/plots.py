@@ -5,6 +5,7 @@
 - :func:`plot_curve`: a measured quantity against sequence length or batch, formula overlaid.
 - :func:`plot_tradeoff`: memory against time, both as ratios to a baseline.
 - :func:`plot_grad_histogram`: gradient magnitudes against the smallest fp16 number.
+- :func:`plot_snapshot`: a CUDA allocator snapshot's live and reserved bytes over time.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .tracking import CATEGORIES
 if TYPE_CHECKING:
     from .advisor import Advice
     from .parallel import ParallelResult
+    from .snapshot import SnapshotTimeline
 
 MiB = 2**20
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868",
@@ -69,6 +71,36 @@ def plot_timeline(report: MemoryReport, ax=None, *, title: str | None = None):
     ax.set_ylabel("live MiB")
     ax.set_title(title or _title(report), fontsize=9, pad=12)
     ax.legend(fontsize=7, loc="upper left", ncol=2)
+    return ax
+
+
+def plot_snapshot(timeline: "SnapshotTimeline", ax=None, *, title: str | None = None):
+    """Live bytes (filled) and reserved bytes (line) after each allocator action of a CUDA
+    snapshot (:func:`memlab.snapshot.live_timeline`), peak and any OOM marked: the offline
+    version of pytorch.org/memory_viz's active-memory timeline."""
+    ax = _ax(ax)
+    if not timeline.actions:
+        ax.text(0.5, 0.5, "empty trace", ha="center", transform=ax.transAxes)
+        return ax
+    t = np.array(timeline.time_ms)
+    live = np.array(timeline.live_bytes, dtype=float) / MiB
+    ax.fill_between(t, live, step="post", color=COLORS["activations"], alpha=0.6,
+                    label="allocated (live tensors)")
+    ax.step(t, np.array(timeline.reserved_bytes, dtype=float) / MiB, where="post", color="k",
+            lw=1, label="reserved (segments held)")
+    ax.axhline(timeline.start_bytes / MiB, color=COLORS["parameters"], ls=":", lw=1,
+               label="live before recording")
+    if timeline.peak_index >= 0:
+        i = timeline.peak_index
+        ax.plot([t[i]], [live[i]], "v", color="k", label=f"peak {live[i]:.0f} MiB")
+    for i in timeline.ooms:
+        ax.plot([t[i]], [live[i]], "kx", ms=10, mew=2, label="OOM")
+    ax.set_xlabel("ms since recording began")
+    ax.set_ylabel("MiB")
+    ax.set_ylim(0, None)
+    ax.set_title(title or f"CUDA allocator, device {timeline.device}: peak "
+                 f"{timeline.peak_bytes / MiB:.0f} MiB", fontsize=9)
+    ax.legend(fontsize=7, loc="center right")
     return ax
 
 
@@ -165,7 +197,7 @@ def plot_grad_histogram(grads: Mapping[str, np.ndarray], ax=None, *, tiny: float
 
 
 __all__ = ["COLORS", "timeline_array", "plot_timeline", "plot_lenses", "plot_curve",
-           "plot_tradeoff", "plot_grad_histogram"]
+           "plot_tradeoff", "plot_grad_histogram", "plot_snapshot"]
 
 
 def plot_advice(advice: Advice, ax=None):

@@ -254,14 +254,19 @@ class MemoryTracker(TorchDispatchMode):
             self._module_stack.pop()
 
     # -- the dispatch mode ---------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def _phase_now(self) -> str:
         if self._in_optimizer:
-            phase = "optimizer"
-        elif torch._C._current_graph_task_id() != -1:
-            phase = "backward"
-        else:
-            phase = "forward"
+            return "optimizer"
+        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            out = func(*args, **(kwargs or {}))
+        except torch.OutOfMemoryError as e:
+            if self.oom is None:  # the real allocator ran out (CUDA), not our budget
+                self._note_real_oom(func.__name__, str(e))
+            raise
+        phase = self._phase_now()
         self._set_phase(phase)
         new = 0
         for t in tree_flatten(out)[0]:
@@ -278,6 +283,19 @@ class MemoryTracker(TorchDispatchMode):
         if new and self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
             self._raise_oom(op, module, phase, new)
         return out
+
+    def _note_real_oom(self, op: str, message: str) -> None:
+        """Record a real allocator OOM as the simulated one is recorded: the op that asked,
+        its module and phase, and what was live by category."""
+        from .allocator import read_oom
+        phase, module = self._phase_now(), self._current_module()
+        self._set_phase("oom")  # settles which forward tensors were activations
+        try:
+            requested = read_oom(message)["requested"]
+        except ValueError:
+            requested = 0
+        self.oom = OOMInfo(op, module, phase, requested, self.live_bytes,
+                           self.budget_bytes or 0, message.split("\n")[0], self.by_category())
 
     def _raise_oom(self, op: str, module: str, phase: str, requested: int) -> None:
         self._set_phase("oom")  # settles which forward tensors were activations
@@ -345,6 +363,7 @@ class MemoryTracker(TorchDispatchMode):
                 "max_memory_allocated": torch.cuda.max_memory_allocated(),
                 "max_memory_reserved": torch.cuda.max_memory_reserved(),
                 "memory_allocated_at_start": self._cuda_base,
+                "memory_allocated_at_end": torch.cuda.memory_allocated(),
             }
             if self.cuda_history:
                 self.snapshot = torch.cuda.memory._snapshot()

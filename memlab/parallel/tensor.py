@@ -15,8 +15,9 @@ import torch.distributed as dist
 from ..models import GPT, GPTConfig
 from ..step import StepConfig, make_batch
 from ..tracking import MemoryTracker
-from .common import (ParallelResult, default_backend, is_sharded, local_bytes, rank_device,
-                     set_rank_threads, worker_step)
+from ..hardware import Placement
+from .common import (ParallelResult, is_sharded, local_bytes, rank_device, set_rank_threads,
+                     worker_step)
 from .formulas import tp_activation_bytes
 
 
@@ -203,17 +204,20 @@ def simulate_tensor_parallel(step: StepConfig | None = None, tp: int = 2) -> dic
 
 
 def measure_tensor_parallel(step: StepConfig | None = None, tp: int = 2, *, check: bool = True,
-                            timeout: float = 300.0, backend: str | None = None) -> ParallelResult:
+                            timeout: float = 300.0, backend: str | None = None,
+                            placement: Placement | None = None) -> ParallelResult:
     """Run one TP step of ``step``'s GPT on ``tp`` spawned ranks: loss and gradients against
     one process (``check``), parameter bytes, activations per layer and the tracked peak.
-    ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank); default NCCL with CUDA."""
-    from ..distributed import run_ranks
+    The ranks run where ``placement`` says (default :func:`~memlab.hardware.place_ranks`:
+    NCCL with one GPU per rank, else gloo on the CPU); ``backend="gloo"`` asks for the CPU."""
+    from ..distributed import resolve_placement, run_ranks
     step = step or StepConfig()
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig) or not isinstance(step.model, str):
         raise ValueError("tensor parallelism needs a GPT preset name as the model")
     attention = cfg.attention
-    res = run_ranks(tp_worker, tp, timeout=timeout, backend=backend or default_backend(tp),
+    placement = resolve_placement(tp, backend=backend, placement=placement)
+    res = run_ranks(tp_worker, tp, timeout=timeout, placement=placement,
                     kwargs=dict(model=step.model, seq=step.seq, batch=step.batch,
                                 attention=attention, check=check))
-    return ParallelResult("tensor parallel", step, res)
+    return ParallelResult("tensor parallel", step, res, placement.device_type)
