@@ -3,9 +3,9 @@
 :func:`run_ranks` starts ``world_size`` processes (``spawn``), joins them into one
 ``torch.distributed`` process group and calls an importable worker
 ``fn(rank, world_size, **kwargs)`` in each. Where the ranks run (NCCL with one GPU per rank,
-or gloo on the CPU) is decided once, by :func:`memlab.hardware.place_ranks`. A rank that raises, dies or hangs makes
-:func:`run_ranks` raise :class:`RankError` naming the rank; every rank is then killed, so a
-notebook cell fails cleanly and leaves no processes behind.
+or gloo on the CPU) is decided once, by :func:`memlab.hardware.place_ranks`. A rank that
+raises, dies or hangs makes :func:`run_ranks` raise :class:`RankError` naming the rank; every
+rank is then killed, so a notebook cell fails cleanly and leaves no processes behind.
 """
 from __future__ import annotations
 
@@ -578,9 +578,9 @@ def measure_offload(step, *, cases=OFFLOAD_CASES, placement: Placement | None = 
     the base the model states DeepSpeed keeps on the device (``source`` says which). Both
     give ``host_bytes`` (DeepSpeed's accounting of the offloaded fp32 master, Adam's state
     and, at stage 3, the parameters), how much the process's resident memory grew while the
-    engine was built and run (``rss_growth_bytes``, psutil) and the step time. ``cpu_adam`` runs the
-    offloaded optimizer as DeepSpeed's compiled ``DeepSpeedCPUAdam`` instead of torch's
-    AdamW (offload cases only). Rows are rank 0's.
+    engine was built and run (``rss_growth_bytes``, psutil) and the step time. ``cpu_adam``
+    runs the offloaded optimizer as DeepSpeed's compiled ``DeepSpeedCPUAdam`` instead of
+    torch's AdamW (offload cases only). Rows are rank 0's.
     """
     from dataclasses import replace
     placement = placement or place_ranks(step.world_size)
