@@ -40,9 +40,11 @@ def default_backend(ranks: int) -> str:
 
 
 def set_rank_threads(world_size: int) -> None:
-    """Ranks on one CPU share its cores: one rank per core keeps the timing honest."""
+    """Ranks on one CPU share its cores: their share each, never more threads than this
+    process was given (``OMP_NUM_THREADS``), keeps the timing honest."""
     if rank_device().type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        share = max(1, (os.cpu_count() or 1) // world_size)
+        torch.set_num_threads(min(share, torch.get_num_threads()))
 
 
 @dataclass
