@@ -15,7 +15,7 @@ NBVAL_CELL_TIMEOUT ?= 300
 # jupyter refuses to start as root unless told
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help venv lab test test-fast test-notebooks bench gpu-check strip clean
+.PHONY: help venv lab test test-fast test-notebooks bench gpu-check strip student clean
 
 help:
 	@echo "make lab         open the workbook in JupyterLab (installs on first run)"
@@ -25,6 +25,7 @@ help:
 	@echo "make bench       run benchmarks/*.py"
 	@echo "make gpu-check   CUDA tests, reference numbers and every notebook on one GPU (PY=python3: no venv)"
 	@echo "make strip       remove outputs from notebooks/*.ipynb"
+	@echo "make student     the workbook without solutions, in build/student/"
 	@echo "make venv|clean"
 
 venv: $(STAMP)
@@ -99,6 +100,10 @@ gpu-check: $(if $(filter command line,$(origin PY)),,venv)
 
 strip:
 	$(PYTHON) tools/nbstrip.py
+
+# every code cell tagged "solution" becomes an empty "# your code here" cell
+student:
+	$(PYTHON) tools/make_student.py --out build/student
 
 clean:
 	rm -rf .cache .pytest_cache build dist *.egg-info

@@ -23,8 +23,10 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-from .estimate import zero_formula  # the paper's per-rank formula, re-exported for lesson 06
 from .hardware import Placement, place_ranks, rank_device, visible_gpus
+# the paper's per-rank formula (re-exported for lesson 06) and memlab's DeepSpeed buckets: one
+# source in memlab.states, which the estimate and the advisor read too
+from .states import BUCKET_ELEMENTS, PERSISTENCE_THRESHOLD, zero_formula
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -242,8 +244,6 @@ def allreduce_worker(rank: int, world_size: int, value: float = 1.0) -> dict:
 # --------------------------------------------------------------------------------------
 # ZeRO with real DeepSpeed
 # --------------------------------------------------------------------------------------
-BUCKET_ELEMENTS = 2**20  # explicit buckets: DeepSpeed's ZeRO-3 defaults allocate ~1.9 GiB/rank
-PERSISTENCE_THRESHOLD = 10_000  # ZeRO-3 keeps parameters smaller than this whole on every rank
 ACCOUNTS = ("parameters", "gradients", "fp32_master", "optimizer_state", "comm_buffers")
 
 
@@ -434,9 +434,11 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2, *, torch_ad
     out["rss_bytes"], out["rss_start_bytes"] = _rss_bytes(), rss_start
     opt = engine.optimizer
     inner = getattr(opt, "optimizer", None)
-    out["peak_bytes"], out["by_category"] = None, None
+    out.update(peak_bytes=None, by_category=None, host_bytes=0, host_by_category={},
+               cuda_stats={})
     if track:
-        tracker = MemoryTracker(cuda=on_cuda)
+        # host memory is whatever is not on the engine's device (offloaded master, moments, grads)
+        tracker = MemoryTracker(device=engine.device, cuda=on_cuda)
         with tracker:
             tracker.track_model(engine.module)
             if step.zero == 3:
@@ -449,7 +451,10 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2, *, torch_ad
             tracker.track_tensors(batch, "other")
             tracker.reset_peak()
             one_step()
-        out["peak_bytes"], out["by_category"] = tracker.peak_bytes, tracker.peak_by_category()
+        out.update(peak_bytes=tracker.peak_bytes, by_category=tracker.peak_by_category(),
+                   host_bytes=tracker.host_peak_bytes,
+                   host_by_category=tracker.host_peak_by_category(),
+                   cuda_stats=dict(tracker.cuda_stats))
     del engine, opt, inner, model, batch, micro
     gc.collect()
     if on_cuda:
@@ -477,26 +482,34 @@ def zero_worker(rank: int, world_size: int, steps: list, *, torch_adam: bool = T
 
 
 def _rank_report(step, res: dict, device: str):
+    """One rank's report: the tracker's device peak and host peak (on a GPU, offloaded state
+    is host memory), DeepSpeed's exact accounting and, on CUDA, the allocator's figures."""
+    from .measure import add_workspace
     from .step import MemoryReport
     rep = MemoryReport("measure", step, device, res["peak_bytes"], dict(res["by_category"]),
-                       step_seconds=res["step_seconds"])
+                       step_seconds=res["step_seconds"], host_bytes=res.get("host_bytes", 0),
+                       host_by_category=dict(res.get("host_by_category", {})))
     acc = dict(res["accounting"])
     host = sum(acc[k] for k in res["host_accounts"])
     acc["host_bytes"] = host
     acc["device_bytes"] = sum(acc[k] for k in ACCOUNTS) - host
-    acc["device_peak_bytes"] = res["peak_bytes"] - (
-        sum(acc[k] for k in res["host_accounts"] if k != "parameters"))
-    if res.get("device_peak_bytes") is not None:  # a CUDA rank: the allocator's own figures
-        acc.update(max_memory_allocated=res["device_peak_bytes"],
-                   max_memory_reserved=res["device_reserved_bytes"],
-                   memory_allocated_at_start=res["device_base_bytes"])
+    if res.get("device", device) == "cpu":
+        # host and device are one memory: what a GPU would hold is the peak less the
+        # offloaded accounts (parameters are gathered back for compute, so they stay)
+        acc["device_peak_bytes"] = res["peak_bytes"] - (
+            sum(acc[k] for k in res["host_accounts"] if k != "parameters"))
+    else:
+        acc["device_peak_bytes"] = res["peak_bytes"]  # the tracker counted the device alone
+    acc.update(res.get("cuda_stats", {}))
     rep.allocator = acc
+    add_workspace(rep)
     rep.notes.append(f"rank {res['rank']} of {step.world_size}; 'allocator' holds DeepSpeed's "
                      f"exact per-rank accounting (bytes): " + ", ".join(ACCOUNTS))
     if res["host_accounts"]:
-        rep.notes.append("offload: host_bytes are what ZeRO-Offload keeps in CPU memory; on a "
-                         "CPU-only machine host and device are one memory, so the saving is "
-                         "shown by accounting, not by a second memory")
+        rep.notes.append("offload: allocator['host_bytes'] are what ZeRO-Offload keeps in CPU "
+                         "memory by DeepSpeed's accounting; on a CPU-only machine host and "
+                         "device are one memory (the report's host_bytes are 0), so the saving "
+                         "is shown by accounting, not by a second memory")
     return rep
 
 
@@ -529,7 +542,9 @@ def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placemen
         top = max(per, key=lambda r: r.peak_bytes)
         rep = MemoryReport("measure", s, device, top.peak_bytes, dict(top.by_category),
                            step_seconds=max(r.step_seconds for r in per), per_rank=per,
-                           allocator=dict(top.allocator))
+                           allocator=dict(top.allocator), host_bytes=top.host_bytes,
+                           host_by_category=dict(top.host_by_category),
+                           tracked_peak_bytes=top.tracked_peak_bytes)
         rep.notes.append(f"DeepSpeed ZeRO-{s.zero}, {world} ranks ({backend}); peak and "
                          f"categories are the largest rank's; placement: {placement.reason}")
         reports.append(rep)

@@ -3,7 +3,10 @@
 :func:`measure_step` builds the model (:func:`~memlab.step.build_trainer`), runs one
 untracked warm-up step so the optimizer state exists, then tracks the next step with
 :class:`~memlab.tracking.MemoryTracker`. On CUDA the report also carries the caching
-allocator's own figures.
+allocator's own figures: its ``max_memory_allocated`` less the tracked tensors becomes the
+``workspace`` category (cuBLAS/cuDNN workspaces, block rounding), so that the categories add
+up to what the allocator says. Tensors on another device than the step's (offloaded state,
+``save_on_cpu`` activations) are reported as host memory (``host_bytes``).
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import torch
 
 from .hardware import pick_device, resolve_budget
 from .step import MemoryReport, StepConfig, Trainer, batch_to, build_trainer, make_batch, resolve_step
-from .tracking import MemoryTracker, OOMInfo
+from .tracking import CATEGORIES, MemoryTracker, OOMInfo, requested_bytes
+
 
 def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *,
                      cuda_history: bool = False, warmup: bool | str = True) -> tuple[MemoryTracker, float, int, int]:
@@ -32,7 +36,8 @@ def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *
     elif warmup:
         trainer.step(batch)
     on_cuda = trainer.device.type == "cuda"
-    tracker = MemoryTracker(None if on_cuda else budget_bytes, cuda=on_cuda, cuda_history=cuda_history)
+    tracker = MemoryTracker(None if on_cuda else budget_bytes, cuda=on_cuda, cuda_history=cuda_history,
+                            device=trainer.device)
     with _cuda_budget(budget_bytes if on_cuda else None), tracker:
         tracker.track_model(trainer.model)
         tracker.track_optimizer(trainer.optimizer)
@@ -43,12 +48,15 @@ def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *
         try:
             trainer.step(batch)
         except torch.OutOfMemoryError as e:
-            if tracker.oom is None:  # raised outside any op the tracker saw
-                tracker.oom = OOMInfo("unknown", "unknown", "unknown", 0, tracker.live_bytes,
-                                      budget_bytes or 0, str(e).split("\n")[0],
+            # A real allocator OOM inside an op was recorded by the tracker (op, module,
+            # phase, categories, the allocator's figures); one outside any op was not.
+            if tracker.oom is None:
+                message = str(e).split("\n")[0]
+                tracker.oom = OOMInfo("unknown", "unknown", "unknown", requested_bytes(message),
+                                      tracker.live_bytes, budget_bytes or 0, message,
                                       tracker.by_category())
-            elif not tracker.oom.budget_bytes and budget_bytes:
-                tracker.oom.budget_bytes = budget_bytes  # a real CUDA OOM under our cap
+            elif not tracker.oom.budget_bytes:
+                tracker.oom.budget_bytes = budget_bytes or 0
             _release(e, trainer)
         seconds = time.perf_counter() - start
         if on_cuda:
@@ -113,9 +121,29 @@ def measure_trainer(trainer: Trainer, batch: tuple, *, budget: int | str | None 
                                                        cuda_history=cuda_history or bool(snapshot_path))
     if snapshot_path and tracker.snapshot is not None:
         tracker.dump_snapshot(snapshot_path)
-    return MemoryReport("measure", trainer.step_config, trainer.device.type, tracker.peak_bytes,
-                        tracker.peak_by_category(), budget_bytes, seconds, tracker.oom,
-                        tracker.timeline, tracker.cuda_stats, before, after)
+    report = MemoryReport("measure", trainer.step_config, trainer.device.type, tracker.peak_bytes,
+                          tracker.peak_by_category(), budget_bytes, seconds, tracker.oom,
+                          tracker.timeline, tracker.cuda_stats, before, after,
+                          host_bytes=tracker.host_peak_bytes,
+                          host_by_category=tracker.host_peak_by_category())
+    return add_workspace(report)
+
+
+def add_workspace(report: MemoryReport) -> MemoryReport:
+    """Make a CUDA report add up to the allocator: its ``max_memory_allocated`` less the
+    tracked peak becomes the ``workspace`` category (bytes no tensor accounts for: cuBLAS
+    and cuDNN workspaces, 512-byte block rounding), ``peak_bytes`` becomes the allocator's
+    peak, and ``tracked_peak_bytes`` keeps the tracker's. Reports without allocator figures
+    (CPU, fake tensors) are returned unchanged."""
+    allocated = report.allocator.get("max_memory_allocated")
+    if allocated is None or report.tracked_peak_bytes is not None:
+        return report
+    report.tracked_peak_bytes = report.peak_bytes
+    workspace = max(0, allocated - report.peak_bytes)
+    report.by_category = {c: int(report.by_category.get(c, 0)) for c in CATEGORIES}
+    report.by_category["workspace"] += workspace
+    report.peak_bytes += workspace
+    return report
 
 
 def time_step(step: StepConfig | None = None, *, device: str | None = "cpu", repeats: int = 3,
@@ -142,4 +170,5 @@ def time_steps(runs: dict[str, tuple[Trainer, tuple]], repeats: int = 3) -> dict
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
-__all__ = ["measure_step", "measure_trainer", "time_step", "time_steps", "run_tracked_step"]
+__all__ = ["measure_step", "measure_trainer", "time_step", "time_steps", "run_tracked_step",
+           "add_workspace"]
