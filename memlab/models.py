@@ -22,6 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .errors import InputError
+
 Attention = Literal["naive", "sdpa"]
 Checkpointing = Literal["none", "full", "selective"]
 ATTENTIONS = ("naive", "sdpa")
@@ -56,14 +58,14 @@ class GPTConfig:
                              ("d_model", self.d_model), ("vocab_size", self.vocab_size),
                              ("block_size", self.block_size)):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+                raise InputError(f"{field} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; "
+            raise InputError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; "
                              f"choose d_model as a multiple of the number of heads")
         if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention={self.attention!r}; allowed: {', '.join(ATTENTIONS)}")
+            raise InputError(f"attention={self.attention!r}; allowed: {', '.join(ATTENTIONS)}")
         if self.checkpointing not in CHECKPOINTINGS:
-            raise ValueError(f"checkpointing={self.checkpointing!r}; "
+            raise InputError(f"checkpointing={self.checkpointing!r}; "
                              f"allowed: {', '.join(CHECKPOINTINGS)}")
 
     @property
@@ -113,7 +115,7 @@ def get_config(preset: str, **overrides) -> "GPTConfig | UNetConfig":
     """Look up a preset by name (``tiny``, ``gpt2-xl``, ``unet-small``, ...) with overrides."""
     table = {**PRESETS, **UNET_PRESETS}
     if preset not in table:
-        raise ValueError(f"unknown model preset {preset!r}; allowed: {', '.join(table)}")
+        raise InputError(f"unknown model preset {preset!r}; allowed: {', '.join(table)}")
     return replace(table[preset], **overrides) if overrides else table[preset]
 
 
@@ -243,7 +245,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         b, s = idx.shape
         if s > self.cfg.block_size:
-            raise ValueError(f"sequence length {s} exceeds block_size {self.cfg.block_size}")
+            raise InputError(f"sequence length {s} exceeds block_size {self.cfg.block_size}")
         x = self.wte(idx)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(s, device=idx.device))
@@ -273,9 +275,9 @@ class UNetConfig:
 
     def __post_init__(self) -> None:
         if self.base % self.groups:
-            raise ValueError(f"base={self.base} must be divisible by groups={self.groups}")
+            raise InputError(f"base={self.base} must be divisible by groups={self.groups}")
         if self.checkpointing not in CHECKPOINTINGS:
-            raise ValueError(f"checkpointing={self.checkpointing!r}; "
+            raise InputError(f"checkpointing={self.checkpointing!r}; "
                              f"allowed: {', '.join(CHECKPOINTINGS)}")
 
     def num_params(self) -> int:
