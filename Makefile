@@ -16,7 +16,7 @@ NBVAL_CELL_TIMEOUT ?= 300
 # jupyter refuses to start as root unless told
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help venv kernel lab test test-fast test-notebooks bench gpu-check strip clean
+.PHONY: help venv kernel lab test test-fast test-notebooks bench gpu-check strip student clean
 
 help:
 	@echo "make lab         open the workbook in JupyterLab (installs on first run)"
@@ -26,6 +26,7 @@ help:
 	@echo "make bench       run benchmarks/*.py"
 	@echo "make gpu-check   CUDA tests + reference numbers into data/reference (needs a GPU)"
 	@echo "make strip       remove outputs from notebooks/*.ipynb"
+	@echo "make student     the workbook without solutions, in build/student/"
 	@echo "make venv|kernel|clean"
 
 venv: $(STAMP)
@@ -92,6 +93,10 @@ gpu-check: venv
 
 strip:
 	$(PYTHON) tools/nbstrip.py
+
+# every code cell tagged "solution" becomes an empty "# your code here" cell
+student:
+	$(PYTHON) tools/make_student.py --out build/student
 
 clean:
 	rm -rf .cache .pytest_cache build dist *.egg-info

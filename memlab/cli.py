@@ -261,7 +261,8 @@ def way_out(argv: list[str], step: StepConfig | None) -> str:
 
 def _presets(as_json: bool) -> str:
     models = {name: {"params": cfg.num_params(), "d_model": cfg.d_model, "layers": cfg.n_layer,
-                     "heads": cfg.n_head, "vocab": cfg.vocab_size} for name, cfg in PRESETS.items()}
+                     "heads": cfg.n_head, "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size}
+              for name, cfg in PRESETS.items()}
     models.update({name: {"params": cfg.num_params()} for name, cfg in UNET_PRESETS.items()})
     if as_json:
         return json.dumps({"models": models, "gpus": GPU_PRESETS}, indent=2)

@@ -37,7 +37,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .errors import InputError
 from .guard import check_host
 from .measure import measure_trainer, time_steps
-from .step import MemoryReport, StepConfig, batch_to, build_trainer, make_batch, resolve_step
+from .techniques import category_max, relative_error
+from .step import (MemoryReport, StepConfig, autocast_for, batch_to, build_trainer, make_batch,
+                   resolve_step)
 
 MODES = ("bf16", "int8")
 GRANULARITIES = ("row", "tensor")
@@ -224,12 +226,10 @@ def measure_compressed(step: StepConfig | None = None, variant: str = "int8 per-
 def gradients(step: StepConfig, variant: str = "none", seed: int = 0) -> list[torch.Tensor]:
     """The gradients of one forward/backward with ``variant`` (same weights and batch)."""
     trainer, comp, batch = compressed_trainer(step, variant, seed)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step.precision == "bf16"):
-        loss = trainer.model(*batch)
-    loss.backward()
+    grads = _grads_of(trainer, batch)
     if comp is not None:
         comp.remove()
-    return [p.grad.detach().clone() for p in trainer.model.parameters()]
+    return grads
 
 
 def gradient_error(step: StepConfig, variant: str, *, reference: list[torch.Tensor] | None = None,
@@ -237,27 +237,17 @@ def gradient_error(step: StepConfig, variant: str, *, reference: list[torch.Tens
     """Relative error ``||g - g_ref|| / ||g_ref||`` of all gradients against the step without
     compression (``reference``: those gradients, if already computed)."""
     ref = reference if reference is not None else gradients(step, "none", seed)
-    got = gradients(step, variant, seed)
-    num = sum(((g - r).float() ** 2).sum() for g, r in zip(got, ref))
-    den = sum((r.float() ** 2).sum() for r in ref)
-    return float((num / den).sqrt())
+    return relative_error(gradients(step, variant, seed), ref)
 
 
 def _grads_of(trainer, batch) -> list[torch.Tensor]:
     """Gradients of one forward/backward (no optimizer step), then cleared."""
-    from .step import autocast_for
     with autocast_for(trainer.step_config.precision, trainer.device):
         loss = trainer.model(*batch)
     loss.backward()
     grads = [p.grad.detach().clone() for p in trainer.model.parameters()]
     trainer.optimizer.zero_grad(set_to_none=True)
     return grads
-
-
-def _rel_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    num = sum(((g - r).float() ** 2).sum() for g, r in zip(got, ref))
-    den = sum((r.float() ** 2).sum() for r in ref)
-    return float((num / den).sqrt())
 
 
 def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARIANTS), *,
@@ -269,7 +259,6 @@ def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARI
     (same seed, weights and batch as the reference), then a warm-up and a tracked step, then
     untracked steps timed round-robin with the other variants.
     """
-    from .techniques import category_max
     step = resolve_step(step, **overrides)
     variants = list(dict.fromkeys(["none", *variants]))
     runs, rows, ref = {}, {}, None
@@ -280,7 +269,7 @@ def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARI
         rep = measure_trainer(trainer, batch)
         rows[v] = {"peak_bytes": rep.peak_bytes,
                    "activation_bytes": category_max(rep, "activations"),
-                   "grad_error": _rel_error(grads, ref), "seconds": None}
+                   "grad_error": relative_error(grads, ref), "seconds": None}
     if repeats:
         timed = time_steps({v: (trainer, batch) for v, (trainer, _, batch) in runs.items()}, repeats)
         for v, seconds in timed.items():

@@ -9,7 +9,14 @@ Models", section 5).
 
 The GPT follows nanoGPT's layout (one config dataclass, small modules). Presets are
 shape-alike copies of well-known models: the same widths and depths, so estimates and
-simulations of them are meaningful, without pretending to load their weights.
+simulations of them are meaningful, without pretending to load their weights. The
+``llama-3-*``, ``mistral-7b`` and ``qwen2.5-7b`` presets take every shape field from the
+model's published ``config.json`` on the Hugging Face hub (see :data:`PRESETS`), including
+grouped-query attention (``n_kv_head``; Ainslie et al. 2023, "GQA: Training Generalized
+Multi-Query Transformer Models from Multi-Head Checkpoints", arXiv:2305.13245).
+
+The loss can be computed in chunks of tokens (``loss="chunked"``) so that the full
+``tokens x vocab`` logits never exist: see :mod:`memlab.chunked_loss`.
 """
 from __future__ import annotations
 
@@ -22,12 +29,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .chunked_loss import linear_cross_entropy
 from .errors import InputError
 
 Attention = Literal["naive", "sdpa"]
 Checkpointing = Literal["none", "full", "selective"]
+GQAKernel = Literal["repeat", "native"]
+Loss = Literal["plain", "chunked"]
 ATTENTIONS = ("naive", "sdpa")
 CHECKPOINTINGS = ("none", "full", "selective")
+GQA_KERNELS = ("repeat", "native")
+LOSSES = ("plain", "chunked")
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,42 @@ class GPTConfig:
 
     ``mlp="gelu"`` with LayerNorm and learned positions is GPT-2's block; ``mlp="swiglu"``
     with RMSNorm and rotary positions is LLaMA's.
+
+    Fields added for today's open models (all default to the old behaviour, so every config
+    written before them builds the same model, byte for byte):
+
+    ``n_kv_head``
+        Key/value heads. ``None`` means ``n_head`` (multi-head attention); a divisor of
+        ``n_head`` gives grouped-query attention, ``1`` multi-query attention. The fused
+        ``qkv`` projection then has ``(n_head + 2 * n_kv_head) * head_dim`` outputs, laid out
+        ``[q (n_head heads) | k (n_kv_head) | v (n_kv_head)]``; query head ``j`` reads
+        key/value head ``j // (n_head // n_kv_head)`` (``repeat_interleave`` order, as
+        ``torch``'s SDPA ``enable_gqa`` and Hugging Face's ``repeat_kv``).
+    ``gqa``
+        How grouped k/v reach the attention kernel when ``n_kv_head < n_head``.
+        ``"repeat"`` (default): k and v are repeated to ``n_head`` heads first, as
+        Hugging Face's ``repeat_kv`` does; any kernel on any device takes that, and the
+        repeated copies are what attention saves for backward (the same bytes as MHA).
+        ``"native"``: SDPA gets the grouped heads with ``enable_gqa=True`` (torch >= 2.5)
+        and saves no copies on CPU and with CUDA flash attention (fp16/bf16); on CUDA in
+        fp32 torch's memory-efficient kernel rejects unequal head counts and SDPA falls back
+        to the math kernel, which materialises the ``s x s`` scores. Needs ``attention="sdpa"``.
+        Views share a storage: v is a view of the fused qkv output, so when SDPA saves the
+        unrepeated v it keeps the whole ``(n_head + 2 n_kv_head) * head_dim``-wide output
+        alive. With learned positions (q, k, v all views) "native" saves exactly the two
+        repeated copies less, ``2 * tokens * d_model`` elements per layer; with rope (q and k
+        rotated into new tensors) it can keep *more* bytes than "repeat" when ``n_kv_head`` is
+        close to ``n_head`` (tests/test_models.py measures the first).
+    ``qkv_bias``
+        Bias on the q, k, v projections; ``None`` follows ``bias``. Qwen2/2.5 have biases
+        there and nowhere else (``bias=False, qkv_bias=True``).
+    ``rope_theta``
+        Base of the rotary frequencies (10000 in LLaMA/Mistral, 500000 in Llama 3, 1e6 in
+        Qwen2.5). It changes values, not memory.
+    ``loss``, ``loss_chunk``
+        ``"plain"``: ``F.cross_entropy`` on the full ``[tokens, vocab]`` logits.
+        ``"chunked"``: :func:`memlab.chunked_loss.linear_cross_entropy` over ``loss_chunk``
+        tokens at a time; the same loss and gradients, without the logits.
     """
 
     n_layer: int = 4
@@ -52,47 +100,91 @@ class GPTConfig:
     attention: Attention = "sdpa"
     checkpointing: Checkpointing = "none"
     name: str = "custom"
+    n_kv_head: int | None = None
+    gqa: GQAKernel = "repeat"
+    qkv_bias: bool | None = None
+    rope_theta: float = 10000.0
+    loss: Loss = "plain"
+    loss_chunk: int = 1024
 
     def __post_init__(self) -> None:
         for field, value in (("n_layer", self.n_layer), ("n_head", self.n_head),
                              ("d_model", self.d_model), ("vocab_size", self.vocab_size),
-                             ("block_size", self.block_size)):
-            if not isinstance(value, int) or value < 1:
+                             ("block_size", self.block_size), ("loss_chunk", self.loss_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{field} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
             raise InputError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; "
                              f"choose d_model as a multiple of the number of heads")
+        if self.n_kv_head is not None:
+            divisors = [k for k in range(1, self.n_head + 1) if self.n_head % k == 0]
+            if (isinstance(self.n_kv_head, bool) or not isinstance(self.n_kv_head, int)
+                    or self.n_kv_head not in divisors):
+                raise InputError(f"n_kv_head={self.n_kv_head!r} must divide n_head={self.n_head}; "
+                                 f"allowed: None (= n_head), {', '.join(map(str, divisors))}")
         if self.attention not in ATTENTIONS:
             raise InputError(f"attention={self.attention!r}; allowed: {', '.join(ATTENTIONS)}")
         if self.checkpointing not in CHECKPOINTINGS:
             raise InputError(f"checkpointing={self.checkpointing!r}; "
                              f"allowed: {', '.join(CHECKPOINTINGS)}")
+        if self.gqa not in GQA_KERNELS:
+            raise InputError(f"gqa={self.gqa!r}; allowed: {', '.join(GQA_KERNELS)}")
+        if self.gqa == "native" and self.attention != "sdpa":
+            raise InputError(f"gqa='native' needs attention='sdpa' (got attention={self.attention!r}); "
+                             f"allowed with naive attention: gqa='repeat'")
+        if self.loss not in LOSSES:
+            raise InputError(f"loss={self.loss!r}; allowed: {', '.join(LOSSES)}")
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
+                or not self.rope_theta > 0:
+            raise InputError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise InputError(f"rotary positions need an even head_dim, got "
+                             f"d_model/n_head = {self.head_dim}; choose an even head size")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads actually used (``n_kv_head``, or ``n_head`` when it is None)."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
     def hidden(self) -> int:
         return self.mlp_hidden or 4 * self.d_model
 
     def num_params(self) -> int:
-        """Parameter count, closed form (tied embeddings counted once)."""
+        """Parameter count, closed form (tied embeddings counted once); equals
+        ``sum(p.numel() for p in GPT(cfg).parameters())`` for every config."""
         d, h, v, L = self.d_model, self.hidden, self.vocab_size, self.n_layer
+        kv = self.kv_heads * self.head_dim  # width of the k and of the v projection
         b = 1 if self.bias else 0
-        norm = 2 * d if self.norm == "layernorm" else d
-        attn = 4 * d * d + b * 4 * d
-        mlp = (3 * d * h) if self.mlp == "swiglu" else (2 * d * h + b * (h + d))
+        norm = (2 if self.bias else 1) * d if self.norm == "layernorm" else d
+        attn = d * d + 2 * d * kv + d * d  # q, k and v, output projection
+        attn += (d + 2 * kv if self.has_qkv_bias else 0) + b * d
+        if self.mlp == "swiglu":
+            mlp = 3 * d * h + b * (2 * h + d)
+        else:
+            mlp = 2 * d * h + b * (h + d)
         per_layer = attn + mlp + 2 * norm
         emb = v * d + (self.block_size * d if self.position == "learned" else 0)
         head = 0 if self.tie_embeddings else v * d
         return L * per_layer + emb + norm + head
 
 
-def _llama(name: str, d: int, layers: int, heads: int, hidden: int) -> GPTConfig:
-    return GPTConfig(n_layer=layers, n_head=heads, d_model=d, vocab_size=32000, block_size=4096,
+def _llama(name: str, d: int, layers: int, heads: int, hidden: int, *, kv_heads: int | None = None,
+           vocab: int = 32000, context: int = 4096, theta: float = 10000.0,
+           qkv_bias: bool | None = None) -> GPTConfig:
+    """A LLaMA-style block: SwiGLU, RMSNorm, rotary positions, no biases, untied head."""
+    return GPTConfig(n_layer=layers, n_head=heads, d_model=d, vocab_size=vocab, block_size=context,
                      mlp="swiglu", mlp_hidden=hidden, norm="rmsnorm", position="rope",
-                     bias=False, tie_embeddings=False, name=name)
+                     bias=False, tie_embeddings=False, name=name, n_kv_head=kv_heads,
+                     qkv_bias=qkv_bias, rope_theta=theta)
 
 
 def _gpt2(name: str, d: int, layers: int, heads: int) -> GPTConfig:
@@ -100,6 +192,31 @@ def _gpt2(name: str, d: int, layers: int, heads: int) -> GPTConfig:
                      block_size=1024, name=name)
 
 
+#: Model presets. The last four copy the published ``config.json`` of each model on the
+#: Hugging Face hub (``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+#: ``num_attention_heads``, ``num_key_value_heads``, ``vocab_size``,
+#: ``tie_word_embeddings=false``, ``max_position_embeddings`` as ``block_size``,
+#: ``rope_theta``); the totals in brackets are the hub's "Model size" figures for the
+#: safetensors checkpoints, which ``num_params()`` reproduces (tests/test_models.py):
+#:
+#: * ``llama-3-8b``: huggingface.co/meta-llama/Meta-Llama-3-8B, config.json: 4096, 14336,
+#:   32 layers, 32 heads, 8 kv heads, vocab 128256, context 8192, theta 500000 [8.03 B].
+#: * ``llama-3-70b``: huggingface.co/meta-llama/Meta-Llama-3-70B: 8192, 28672, 80 layers,
+#:   64 heads, 8 kv heads, vocab 128256, context 8192, theta 500000 [70.6 B].
+#: * ``mistral-7b``: huggingface.co/mistralai/Mistral-7B-v0.1: 4096, 14336, 32 layers,
+#:   32 heads, 8 kv heads, vocab 32000, context 32768, theta 10000 [7.24 B]. Its
+#:   ``sliding_window=4096`` is not modelled (attention here is full causal; with SDPA the
+#:   saved bytes do not depend on the window).
+#: * ``qwen2.5-7b``: huggingface.co/Qwen/Qwen2.5-7B: 3584, 18944, 28 layers, 28 heads,
+#:   4 kv heads, vocab 152064, context 131072, theta 1e6, bias on q/k/v only (the Qwen2
+#:   architecture, whose ``q_proj``/``k_proj``/``v_proj`` have ``bias=True`` and ``o_proj``
+#:   and the MLP none; the Qwen2.5 technical report, arXiv:2412.15115, lists "QKV bias"
+#:   among the dense architecture's components) [7.62 B].
+#:
+#: Rotary tables are per layer, ``2 * block_size * head_dim`` fp32 each (what the estimate
+#: counts): 256 MiB in all for llama-3-8b, 1 GiB for mistral-7b, 3.5 GiB for qwen2.5-7b,
+#: where Hugging Face computes cos/sin per forward instead. Build the large presets only
+#: under ``FakeTensorMode`` (``simulate_step``) on a laptop.
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(name="tiny"),
     "gpt2-small": _gpt2("gpt2-small", 768, 12, 12),
@@ -108,6 +225,14 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt2-xl": _gpt2("gpt2-xl", 1600, 48, 25),
     "llama-7b": _llama("llama-7b", 4096, 32, 32, 11008),
     "llama-13b": _llama("llama-13b", 5120, 40, 40, 13824),
+    "llama-3-8b": _llama("llama-3-8b", 4096, 32, 32, 14336, kv_heads=8, vocab=128256,
+                         context=8192, theta=500000.0),
+    "llama-3-70b": _llama("llama-3-70b", 8192, 80, 64, 28672, kv_heads=8, vocab=128256,
+                          context=8192, theta=500000.0),
+    "mistral-7b": _llama("mistral-7b", 4096, 32, 32, 14336, kv_heads=8, vocab=32000,
+                         context=32768, theta=10000.0),
+    "qwen2.5-7b": _llama("qwen2.5-7b", 3584, 28, 28, 18944, kv_heads=4, vocab=152064,
+                         context=131072, theta=1000000.0, qkv_bias=True),
 }
 
 
@@ -142,20 +267,33 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal self-attention with ``n_head`` query and ``n_kv_head`` key/value heads."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        hd, kv = cfg.head_dim, cfg.kv_heads
+        # one fused projection, [q | k | v]: with MHA its output is one storage that q, k and
+        # v are views of, as before GQA existed
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * kv) * hd, bias=cfg.has_qkv_bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         if cfg.position == "rope":
-            inv = 1.0 / (10000 ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
             freqs = torch.outer(torch.arange(cfg.block_size).float(), inv)
             emb = torch.cat((freqs, freqs), dim=-1)
             self.register_buffer("cos", emb.cos(), persistent=False)
             self.register_buffer("sin", emb.sin(), persistent=False)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v with a causal mask; (b, h, s, hd) in and out."""
+        """softmax(q k^T / sqrt(d)) v with a causal mask; q is (b, n_head, s, hd), k and v
+        (b, n_kv_head, s, hd); the output is (b, n_head, s, hd)."""
+        groups = q.shape[1] // k.shape[1]
+        if self.cfg.attention == "sdpa" and groups > 1 and self.cfg.gqa == "native":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if groups > 1:
+            # query head j reads kv head j // groups (the order of SDPA's enable_gqa)
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
         if self.cfg.attention == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         s = q.shape[-2]
@@ -167,9 +305,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        h = self.cfg.n_head
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (t.view(b, s, h, d // h).transpose(1, 2) for t in (q, k, v))
+        h, kv, hd = self.cfg.n_head, self.cfg.kv_heads, self.cfg.head_dim
+        q, k, v = self.qkv(x).split([h * hd, kv * hd, kv * hd], dim=2)
+        q = q.view(b, s, h, hd).transpose(1, 2)
+        k, v = (t.view(b, s, kv, hd).transpose(1, 2) for t in (k, v))
         if self.cfg.position == "rope":
             cos, sin = self.cos[:s].to(q.dtype), self.sin[:s].to(q.dtype)
             q = q * cos + _rotate_half(q) * sin
@@ -218,7 +357,9 @@ class GPT(nn.Module):
     """Decoder-only transformer. ``forward(idx, targets)`` returns the mean token loss.
 
     The logits are not returned with the loss: keeping them would hold ``b*s*vocab`` more
-    values alive until the end of the step, which a training loop never needs.
+    values alive until the end of the step, which a training loop never needs. With
+    ``cfg.loss == "chunked"`` they are never made whole at all
+    (:func:`memlab.chunked_loss.linear_cross_entropy`).
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -251,6 +392,10 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(s, device=idx.device))
         for block in self.blocks:
             x = block(x)
+        if targets is not None and self.cfg.loss == "chunked":
+            return linear_cross_entropy(self.ln_f(x).flatten(0, 1), self.lm_head.weight,
+                                        targets.flatten(), chunk_size=self.cfg.loss_chunk)
+        # one expression, so no local keeps the final norm's output alive through the loss
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .errors import InputError
+from .parallel.formulas import bubble_fraction
 from .step import StepConfig
 
 REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
@@ -346,7 +347,7 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
                         1 / (1 - pp["bubble"]), "holds" if m < 1 else "does not hold",
                         f"1F1B, 4 micro-batches, {world_size} stages: stage peak "
                         f"{pp['peak_bytes'] / 2**20:.1f} MiB, bubble {pp['bubble']:.0%} "
-                        f"(formula {(world_size - 1) / (4 + world_size - 1):.0%})"))
+                        f"(formula {bubble_fraction(world_size, 4):.0%})"))
         off, z2 = multi["offload"], multi["zero2"]
         dev = off["allocator"]["device_peak_bytes"]
         m = dev / z2["peak_bytes"]

@@ -82,6 +82,13 @@ def step_flops(step: StepConfig, *, device: str = "cpu") -> int:
     return int(counter.get_total_flops())
 
 
+def relative_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """``||got - ref|| / ||ref||`` over all tensors together (the norm of the flattened lists)."""
+    num = sum(((g - r).float() ** 2).sum() for g, r in zip(got, ref))
+    den = sum((r.float() ** 2).sum() for r in ref)
+    return float((num / den).sqrt())
+
+
 # --------------------------------------------------------------------------------------
 # fp16 gradient underflow and loss scaling (Micikevicius et al. 2018, sec. 3.2)
 # --------------------------------------------------------------------------------------
@@ -138,8 +145,43 @@ def fp16_underflow(loss_scale: float | None = None, *, loss_weight: float = 1e-4
     ref = grads(False, None)
     got = grads(True, loss_scale)
     zero = ((got == 0) & (ref != 0)).float().mean().item()
-    err = ((got - ref).norm() / ref.norm()).item()
+    err = relative_error([got], [ref])
     return UnderflowResult(loss_scale, zero, err, ref, got)
+
+
+# --------------------------------------------------------------------------------------
+# Where mixed precision keeps its 16 bytes per parameter
+# --------------------------------------------------------------------------------------
+def master_weight_states(step: StepConfig | None = None, *, device: str = "cpu") -> dict[str, float]:
+    """Bytes per parameter of each model state when the model itself is bf16 and AdamW
+    updates an fp32 master copy: the mixed-precision Adam of ZeRO (Rajbhandari et al. 2020,
+    sec. 3.1: 2 + 2 + 12) and of Micikevicius et al. 2018 (sec. 3.1), built in plain torch.
+
+    One real step: bf16 forward and backward; then, one parameter at a time, its bf16 gradient
+    becomes an fp32 master gradient, the master takes an AdamW step (fp32 moments) and the
+    bf16 weight is overwritten from it, so only one fp32 gradient exists at a time (DeepSpeed
+    works partition by partition). The bytes are read from the tensors themselves: the bf16
+    weights, their gradients right after backward, the masters and AdamW's state.
+    """
+    step = replace(step or StepConfig(), precision="pure-bf16", micro_batches=1)
+    model = build_trainer(step, device).model
+    params = list(model.parameters())
+    master = [p.detach().float() for p in params]
+    opts = [torch.optim.AdamW([m], lr=1e-4) for m in master]
+    model(*batch_to(make_batch(step, device), step)).backward()
+    grads = sum(p.grad.nbytes for p in params)
+    with torch.no_grad():
+        for p, m, opt in zip(params, master, opts):
+            m.grad = p.grad.float()
+            p.grad = None
+            opt.step()
+            m.grad = None
+            p.copy_(m)
+    n = sum(p.numel() for p in params)
+    moments = sum(t.nbytes for opt in opts for st in opt.state.values() for t in st.values()
+                  if t.dim() > 0)  # exp_avg and exp_avg_sq; the scalar step counters aside
+    return {"bf16 parameters": sum(p.nbytes for p in params) / n, "bf16 gradients": grads / n,
+            "fp32 master": sum(m.nbytes for m in master) / n, "Adam moments": moments / n}
 
 
 # --------------------------------------------------------------------------------------
@@ -302,6 +344,7 @@ def predict_max_batch(step: StepConfig, budget: int | str, *, calibrate: tuple[i
                            [(b1, r1.peak_bytes), (b2, r2.peak_bytes)], lines)
 
 
-__all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "category_max", "step_flops", "UnderflowResult", "fp16_underflow",
+__all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "category_max", "step_flops", "relative_error", "UnderflowResult", "fp16_underflow",
+           "master_weight_states",
            "AccumulationCheck", "accumulation_check", "BatchSearch", "find_max_batch_search",
            "BatchPrediction", "phase_peaks", "predict_max_batch"]
