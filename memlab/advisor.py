@@ -9,6 +9,16 @@ fragmentation, the CUDA context and NCCL buffers are not in the formulas: 10% by
 Where a simulation is cheap (one rank, under ~2B parameters) each step is also run on fake
 tensors (:func:`memlab.simulate.simulate_step`) and the larger of the two peaks decides.
 
+The plan is estimated in the accounting of the software that runs it, the config the
+advisor emits: without ZeRO or offload a plain PyTorch step (autocast, ``torch.utils.checkpoint``,
+DDP across ranks; no DeepSpeed config), with them DeepSpeed's layout
+(:func:`memlab.states.model_states`: 16-bit weights and gradients plus an fp32 master and
+moments, sharded by stage, offloaded ones in host memory) and the config of
+:func:`memlab.distributed.deepspeed_config`. On one rank offload needs a ZeRO stage all the
+same (DeepSpeed offloads from its ZeRO optimizer, and parameters only at stage 3: ZeRO-Offload
+on ZeRO-2, Ren et al. 2021 sec. 4; ZeRO-Infinity on ZeRO-3, Rajbhandari et al. 2021 sec. 5):
+the message says so, and how much host memory the offloaded states take.
+
 A technique that raises the peak (bf16 autocast on a model whose activations are
 small keeps fp32 weights *and* adds bf16 copies) is tried, reported, and left out of the plan; one that leaves it equal (ZeRO-2 when the peak
 sits where gradients do not exist yet) is kept, as later stages build on it.
@@ -47,6 +57,7 @@ class Advice:
     tensor_parallel: int = 1
     deepspeed_config: dict = field(default_factory=dict)
     message: str = ""
+    host_bytes: int = 0  # host memory the plan's offloaded model states take, per rank
 
     @property
     def short_bytes(self) -> int:
@@ -60,6 +71,7 @@ class Advice:
                 "usable_bytes": self.usable_bytes, "headroom": self.headroom,
                 "fits": self.fits, "short_bytes": self.short_bytes,
                 "tensor_parallel": self.tensor_parallel, "message": self.message,
+                "host_bytes": self.host_bytes,
                 "config": self.step.describe(), "deepspeed_config": self.deepspeed_config}
 
     def to_json(self) -> str:
@@ -91,9 +103,10 @@ def tensor_parallel_degree(cfg: GPTConfig, world_size: int, limit: int = TP_MAX)
 def flowchart(world_size: int) -> list[tuple[str, dict]]:
     """The seed's flowchart as ``(technique, StepConfig overrides)``, in order.
 
-    ZeRO and tensor parallelism need several ranks; one rank goes straight to offload, with
-    ZeRO-Offload's own stage (2 for the optimizer, 3 to move the parameters too: Ren et al.
-    2021, section 4).
+    ZeRO sharding and tensor parallelism need several ranks. Offload runs under DeepSpeed's
+    ZeRO optimizer on any number of ranks: stage 2 for the optimizer state (ZeRO-Offload, Ren
+    et al. 2021, sec. 4), stage 3 to move the parameters too (ZeRO-Infinity, Rajbhandari et
+    al. 2021, sec. 5); on one rank those stages shard nothing.
     """
     chain = [("bf16", {"precision": "bf16"}), ("checkpointing", {"checkpointing": "full"})]
     if world_size > 1:
@@ -123,21 +136,10 @@ def _tp_estimate(step: StepConfig, t: int) -> int:
 
 
 def _simulate(step: StepConfig) -> int:
-    """Simulated peak of ``step`` run unsharded, with its model states put right by formula.
-
-    The simulation runs one rank without ZeRO or offload; the parameters and optimizer state
-    that those move away (persistent all step) are replaced by :func:`model_state_bytes`.
-    """
-    from .estimate import model_state_bytes
+    """Simulated peak of ``step``: a DeepSpeed step runs in its own dtype on fake tensors with
+    its model states in DeepSpeed's layout (:func:`memlab.simulate.simulate_step`)."""
     from .simulate import simulate_step
-    plain = replace(step, zero=0, offload="none", world_size=1)
-    peak = simulate_step(plain).peak_bytes
-    n = step.model_config.num_params()
-    kw = dict(precision=step.precision, optimizer=step.optimizer)
-    full = model_state_bytes(n, **kw)
-    ours = model_state_bytes(n, zero=step.zero, world_size=step.world_size,
-                             offload=step.offload, **kw)
-    return int(peak - full["parameters"] - full["optimizer"] + ours["parameters"] + ours["optimizer"])
+    return simulate_step(step).peak_bytes
 
 
 def _model(model: str | GPTConfig) -> GPTConfig:
@@ -212,6 +214,7 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     advice = Advice(steps, plan, current, best["peak_bytes"], budget, usable, headroom,
                     best["peak_bytes"] <= usable, t_now)
     advice.deepspeed_config = _ds_config(current, t_now)
+    advice.host_bytes = estimate_host_bytes(current)
     if advice.fits:
         advice.message = (f"fits: {fmt_bytes(advice.peak_bytes)} of {fmt_bytes(usable)} usable "
                           f"({fmt_bytes(usable - advice.peak_bytes)} to spare)")
@@ -221,7 +224,32 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
                           f"usable ({fmt_bytes(budget)} less {headroom:.0%} headroom): short by "
                           f"{fmt_bytes(advice.short_bytes)}; use more ranks, a shorter sequence "
                           f"or a smaller batch (with gradient accumulation)")
+    advice.message += "; " + _runs_as(current, t_now, advice.host_bytes)
     return advice
+
+
+def estimate_host_bytes(step: StepConfig) -> int:
+    """Host bytes per rank of the model states ``step`` offloads (0 without offload)."""
+    from .estimate import estimate_step
+    return estimate_step(step).host_bytes
+
+
+def _runs_as(step: StepConfig, tp: int, host_bytes: int) -> str:
+    """How the plan runs: plain PyTorch, or DeepSpeed with which stage, and why."""
+    from .states import under_deepspeed
+    if not under_deepspeed(step.zero, step.offload):
+        ranks = " with DDP" if step.world_size > 1 else ""
+        return f"runs as plain PyTorch{ranks} (autocast, checkpointing): no DeepSpeed config needed"
+    text = f"runs under DeepSpeed ZeRO-{step.zero} (bf16 mode: 16-bit weights and gradients, fp32 master and moments)"
+    if step.offload != "none":
+        what = "optimizer state and parameters" if step.offload == "all" else "optimizer state"
+        text += (f"; offloads the {what} to {fmt_bytes(host_bytes)} of host memory per rank")
+        if step.world_size == 1:
+            text += (f" (one rank: ZeRO-{step.zero} shards nothing, but DeepSpeed offloads only "
+                     f"from its ZeRO optimizer, and parameters only at stage 3)")
+    if tp > 1:
+        text += f"; tensor parallel t={tp}"
+    return text
 
 
 def _best(steps: list[dict]) -> dict:
@@ -230,8 +258,12 @@ def _best(steps: list[dict]) -> dict:
 
 
 def _ds_config(step: StepConfig, tp: int) -> dict:
-    """DeepSpeed's config for the plan, from :func:`memlab.distributed.deepspeed_config`."""
+    """DeepSpeed's config for the plan, from :func:`memlab.distributed.deepspeed_config`;
+    empty for a plan that runs as plain PyTorch (its peak is estimated as such)."""
     from .distributed import deepspeed_config
+    from .states import under_deepspeed
+    if not under_deepspeed(step.zero, step.offload):
+        return {}
     cfg = deepspeed_config(step)
     if tp > 1:
         # AutoTP (DeepSpeed >= 0.16.4) splits the Linear layers; the data-parallel degree is N/t
@@ -244,21 +276,29 @@ def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,
                device: str = "cuda", budget: int | str | None = None) -> dict:
     """Advise for the card at hand (its total memory, or ``budget``), then run the plan for
     real on ``device`` with that budget enforced. Returns the plan, both peaks and the verdict
-    (``make gpu-check`` records it under ``data/reference/``). One process runs no ZeRO and no
-    offload: a plan that needs them is measured without them (``measure_fits`` then says
-    what one card alone would do)."""
+    (``make gpu-check`` records it under ``data/reference/``). A plan under DeepSpeed (ZeRO,
+    offload) runs on one DeepSpeed rank (:func:`memlab.distributed.measure_distributed`);
+    its budget is then compared, not enforced."""
     import torch
     from .measure import measure_step
+    from .states import under_deepspeed
     if budget is None:
         if device != "cuda" or not torch.cuda.is_available():
             raise InputError("check_plan without a budget needs a CUDA GPU; give budget=...")
         budget = torch.cuda.get_device_properties(0).total_memory
     a = advise(model, budget, 1, seq, batch)
-    real = measure_step(a.step, device=device, budget=a.budget_bytes)
+    if under_deepspeed(a.step.zero, a.step.offload):
+        from .distributed import measure_distributed
+        real = measure_distributed(a.step, device=device)
+        real.budget_bytes = a.budget_bytes
+    else:
+        real = measure_step(a.step, device=device, budget=a.budget_bytes)
     return {"model": model, "seq": seq, "batch": batch, "budget_bytes": a.budget_bytes,
             "plan": a.plan, "advice_fits": a.fits, "estimate_peak_bytes": a.peak_bytes,
             "measure_peak_bytes": real.peak_bytes, "measure_fits": bool(real.fits),
+            "host_bytes": real.host_bytes, "advice_host_bytes": a.host_bytes,
             "allocator": dict(real.allocator)}
 
 
-__all__ = ["Advice", "advise", "check_plan", "flowchart", "tensor_parallel_degree"]
+__all__ = ["Advice", "advise", "check_plan", "flowchart", "tensor_parallel_degree",
+           "estimate_host_bytes"]

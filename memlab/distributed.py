@@ -23,7 +23,9 @@ import torch
 import torch.multiprocessing as mp
 
 from .errors import InputError
-from .estimate import zero_formula  # the paper's per-rank formula, re-exported for lesson 06
+# the paper's per-rank formula (re-exported for lesson 06) and memlab's DeepSpeed buckets: one
+# source in memlab.states, which the estimate and the advisor read too
+from .states import BUCKET_ELEMENTS, PERSISTENCE_THRESHOLD, zero_formula
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -218,8 +220,6 @@ def allreduce_worker(rank: int, world_size: int, value: float = 1.0) -> dict:
 # --------------------------------------------------------------------------------------
 # ZeRO with real DeepSpeed
 # --------------------------------------------------------------------------------------
-BUCKET_ELEMENTS = 2**20  # explicit buckets: DeepSpeed's ZeRO-3 defaults allocate ~1.9 GiB/rank
-PERSISTENCE_THRESHOLD = 10_000  # ZeRO-3 keeps parameters smaller than this whole on every rank
 ACCOUNTS = ("parameters", "gradients", "fp32_master", "optimizer_state", "comm_buffers")
 
 
@@ -396,21 +396,24 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2,
             traceback.clear_frames(e.__traceback__)
         return acc
 
-    warm = MemoryTracker(budget_bytes)
+    # host memory is whatever is not on the engine's device (offloaded master, moments, grads)
+    warm = MemoryTracker(budget_bytes, device=engine.device)
     if budget_bytes is None:
         for _ in range(steps - 1):
             one_step()  # warm-up: Adam's state exists afterwards
     else:
         run(warm, steps - 1, False)  # the budget covers the warm-up too
-    tracker = MemoryTracker(budget_bytes)
+    tracker = MemoryTracker(budget_bytes, device=engine.device)
     start = time.perf_counter()
     acc = run(tracker, 1, True) if warm.oom is None else None
     seconds = time.perf_counter() - start
     used = tracker if warm.oom is None else warm
-    out = {"rank": rank, "peak_bytes": used.peak_bytes,
-           "by_category": used.peak_by_category(), "accounting": acc,
-           "step_seconds": seconds, "host_accounts": _host_accounts(step.offload),
-           "oom": used.oom}
+    out = {"rank": rank, "device": torch.device(engine.device).type,
+           "peak_bytes": used.peak_bytes, "by_category": used.peak_by_category(),
+           "host_bytes": used.host_peak_bytes,
+           "host_by_category": used.host_peak_by_category(), "accounting": acc,
+           "cuda_stats": dict(used.cuda_stats), "step_seconds": seconds,
+           "host_accounts": _host_accounts(step.offload), "oom": used.oom}
     del engine, model, warm, tracker, used
     gc.collect()
     return out
@@ -431,9 +434,14 @@ def zero_worker(rank: int, world_size: int, steps: list, budget: int | None = No
 
 
 def _rank_report(step, res: dict, device: str, budget_bytes: int | None = None):
+    """One rank's report: the tracker's device peak and host peak (on a GPU, offloaded state
+    is host memory), DeepSpeed's exact accounting and, on CUDA, the allocator's figures."""
+    from .measure import add_workspace
     from .step import MemoryReport
     rep = MemoryReport("measure", step, device, res["peak_bytes"], dict(res["by_category"]),
-                       budget_bytes, step_seconds=res["step_seconds"], oom=res.get("oom"))
+                       budget_bytes, step_seconds=res["step_seconds"], oom=res.get("oom"),
+                       host_bytes=res.get("host_bytes", 0),
+                       host_by_category=dict(res.get("host_by_category", {})))
     if res.get("accounting") is None:  # the step ran out of its budget before accounting
         rep.notes.append(f"rank {res['rank']} of {step.world_size}: out of its budget")
         return rep
@@ -441,15 +449,23 @@ def _rank_report(step, res: dict, device: str, budget_bytes: int | None = None):
     host = sum(acc[k] for k in res["host_accounts"])
     acc["host_bytes"] = host
     acc["device_bytes"] = sum(acc[k] for k in ACCOUNTS) - host
-    acc["device_peak_bytes"] = res["peak_bytes"] - (
-        sum(acc[k] for k in res["host_accounts"] if k != "parameters"))
+    if res.get("device", device) == "cpu":
+        # host and device are one memory: what a GPU would hold is the peak less the
+        # offloaded accounts (parameters are gathered back for compute, so they stay)
+        acc["device_peak_bytes"] = res["peak_bytes"] - (
+            sum(acc[k] for k in res["host_accounts"] if k != "parameters"))
+    else:
+        acc["device_peak_bytes"] = res["peak_bytes"]  # the tracker counted the device alone
+    acc.update(res.get("cuda_stats", {}))
     rep.allocator = acc
+    add_workspace(rep)
     rep.notes.append(f"rank {res['rank']} of {step.world_size}; 'allocator' holds DeepSpeed's "
                      f"exact per-rank accounting (bytes): " + ", ".join(ACCOUNTS))
     if res["host_accounts"]:
-        rep.notes.append("offload: host_bytes are what ZeRO-Offload keeps in CPU memory; on a "
-                         "CPU-only machine host and device are one memory, so the saving is "
-                         "shown by accounting, not by a second memory")
+        rep.notes.append("offload: allocator['host_bytes'] are what ZeRO-Offload keeps in CPU "
+                         "memory by DeepSpeed's accounting; on a CPU-only machine host and "
+                         "device are one memory (the report's host_bytes are 0), so the saving "
+                         "is shown by accounting, not by a second memory")
     return rep
 
 
@@ -519,7 +535,9 @@ def measure_zero(steps: list, *, device: str = "cpu", timeout: float = 600.0,
         oom = next((r.oom for r in per if r.oom is not None), None)
         rep = MemoryReport("measure", s, device, top.peak_bytes, dict(top.by_category),
                            budget_bytes, step_seconds=max(r.step_seconds for r in per), oom=oom,
-                           per_rank=per, allocator=dict(top.allocator))
+                           per_rank=per, allocator=dict(top.allocator), host_bytes=top.host_bytes,
+                           host_by_category=dict(top.host_by_category),
+                           tracked_peak_bytes=top.tracked_peak_bytes)
         rep.notes.append(f"DeepSpeed ZeRO-{s.zero}, {world} ranks ({backend}); peak and "
                          f"categories are the largest rank's")
         reports.append(rep)

@@ -2,11 +2,13 @@
 
 Two parts, as in the literature:
 
-* **Model states** (Rajbhandari et al. 2020, "ZeRO", section 3.1): with mixed-precision Adam
-  every parameter costs 2 + 2 + K bytes (fp16 weights and gradients, K = 12 for the fp32
-  master copy, momentum and variance); in fp32 it costs 4 + 4 + 8. ZeRO stage 1 divides the
-  optimizer states by the data-parallel degree N, stage 2 also the gradients, stage 3 also the
-  parameters (section 5, figure 1).
+* **Model states** (:mod:`memlab.states`, the one source): plain PyTorch keeps 4 + 4 + 8
+  bytes per parameter with AdamW in fp32 and under autocast; under DeepSpeed (ZeRO or
+  offload) mixed precision is 2 + 2 + K with K = 12 (Rajbhandari et al. 2020, "ZeRO",
+  sections 3.1 and 5.1), stage 1 dividing the K bytes by the data-parallel degree N, stage 2
+  also the gradients, stage 3 also the parameters, offload moving them to host memory.
+  DeepSpeed's 16-bit mode runs the model in 16 bits without autocast, so its activations are
+  those of a ``pure-bf16`` step.
 * **Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
   Transformer Models", section 4): per layer ``sbh(34 + 5as/h)`` bytes for fp16 with dropout.
   memlab's blocks have no dropout and keep the residual stream in fp32 under autocast, so
@@ -25,6 +27,7 @@ from dataclasses import dataclass, replace
 from .hardware import resolve_budget
 from .step import MemoryReport, StepConfig, autocast_for, resolve_step
 from .models import GPTConfig, UNet, UNetConfig
+from .states import model_state_bytes, model_states, zero_formula  # noqa: F401 (re-exported)
 from .tracking import CATEGORIES
 
 
@@ -52,62 +55,6 @@ def dtypes(precision: str) -> Dtypes:
     if precision == "pure-bf16":
         return Dtypes(2, 2, 2, 2, 2, 2, 0)
     raise ValueError(f"precision={precision!r}; allowed: fp32, bf16, fp16, pure-bf16")
-
-
-def optimizer_bytes_per_param(optimizer: str, precision: str) -> int:
-    """AdamW keeps two moments per parameter, SGD with momentum one, in the parameter dtype."""
-    per = {"adamw": 2, "sgd": 1}
-    if optimizer not in per:
-        raise ValueError(f"optimizer={optimizer!r}; allowed: adamw, sgd")
-    return per[optimizer] * dtypes(precision).param
-
-
-def model_state_bytes(num_params: int, *, precision: str = "fp32", optimizer: str = "adamw",
-                      zero: int = 0, world_size: int = 1, offload: str = "none") -> dict[str, float]:
-    """Parameters, gradients and optimizer state per rank, with ZeRO and offload.
-
-    Stage 0 replicates everything; stages 1-3 shard optimizer state (with DeepSpeed's fp32
-    master partition, counted as optimizer state as in the paper's K), then gradients, then
-    parameters over ``world_size`` ranks. ``offload="optimizer"`` moves optimizer state and
-    master weights to host memory (ZeRO-Offload, Ren et al. 2021); ``"all"`` also the
-    parameters (ZeRO-3 offload): those bytes leave the device and are reported as host bytes.
-    """
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage {zero!r} is outside 0-3")
-    if world_size < 1:
-        raise ValueError(f"world size {world_size!r} must be >= 1")
-    d = dtypes(precision)
-    n = world_size
-    params = d.param * num_params
-    grads = d.grad * num_params
-    opt = optimizer_bytes_per_param(optimizer, precision) * num_params
-    if zero >= 1:
-        opt = (opt + 4 * num_params) / n  # the fp32 master partition DeepSpeed keeps
-    if zero >= 2:
-        grads /= n
-    if zero >= 3:
-        params /= n
-    host = 0.0
-    if offload in ("optimizer", "all"):
-        host += opt
-        opt = 0.0
-    if offload == "all":
-        host += params
-        params = 0.0
-    return {"parameters": params, "gradients": grads, "optimizer": opt, "host": host}
-
-
-def zero_formula(num_params: int, stage: int, world_size: int, *, param_bytes: int = 2,
-                 grad_bytes: int = 2, k: int = 12) -> dict[str, float]:
-    """Model-state bytes per rank from the ZeRO paper (Rajbhandari et al. 2020, sec. 5.1):
-    (2 + 2 + K) psi for mixed-precision Adam (K = 12: fp32 master, momentum, variance);
-    stage 1 divides K psi by N_d, stage 2 also the gradients, stage 3 also the parameters."""
-    if stage not in (0, 1, 2, 3) or world_size < 1:
-        raise ValueError(f"stage must be 0-3 and world_size >= 1, got {stage}, {world_size}")
-    n = world_size
-    return {"parameters": param_bytes * num_params / (n if stage >= 3 else 1),
-            "gradients": grad_bytes * num_params / (n if stage >= 2 else 1),
-            "optimizer": k * num_params / (n if stage >= 1 else 1)}
 
 
 def _linear_weights(cfg: GPTConfig) -> tuple[int, int]:
@@ -186,6 +133,11 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float]) -> tup
     seq, batch = step.seq, step.batch // k
     t, h, f, v, L = seq * batch, cfg.d_model, cfg.hidden, cfg.vocab_size, cfg.n_layer
     P, G, O = states["parameters"], states["gradients"], states["optimizer"]
+    # DeepSpeed's own buffers (memlab.states.ModelStates.peak_inputs; zero for plain PyTorch):
+    # gradient bytes held all step, a gradient partition allocated at the first reduce bucket
+    # (ZeRO-2), the optimizer step's scratch, ZeRO-3's gathered parameters
+    held, late = states.get("held", 0.0), states.get("late", 0.0)
+    scratch, gathered = states.get("step", 0.0), states.get("gathered", 0.0)
     acts = activation_bytes(cfg, seq, batch, step.precision)
     A = sum(acts.values())
     head_grad = v * h * d.grad / (step.world_size if step.zero >= 2 else 1)
@@ -195,29 +147,31 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float]) -> tup
     lse = t * v * d.softmax
     m = {}
     # start of backward: the loss gradient and the log-softmax gradient, all activations alive
-    m["loss backward"] = dict(activations=A, temporaries=2 * lse, gradients=G_prev)
+    m["loss backward"] = dict(activations=A, temporaries=2 * lse + gathered,
+                              gradients=G_prev + held)
     # the head's backward: logits gradient, gradient of the final norm's output, head grad
-    m["head backward"] = dict(activations=A - lse, gradients=max(G_prev, head_grad),
-                              temporaries=lse + t * h * d.compute)
+    m["head backward"] = dict(activations=A - lse, gradients=max(G_prev, head_grad) + held,
+                              temporaries=lse + t * h * d.compute + gathered)
     layer = layer_activation_bytes(cfg, seq, batch, step.precision) + d.weight_copy * _linear_weights(cfg)[0]
     # one block's backward: the MLP's two hidden-size gradients and the residual gradient
     transient = t * f * d.compute + t * h * d.residual
     if cfg.checkpointing == "full":
         # the block recomputed last (block 0) holds its activations again, with nearly all grads
         m["recomputed block"] = dict(activations=acts["embedding"],
-                                     gradients=max(G_prev, G - layer_grad),
-                                     temporaries=layer + transient)
+                                     gradients=max(G_prev, G - layer_grad, late) + held,
+                                     temporaries=layer + transient + gathered)
         m["first recomputed block"] = dict(
-            activations=A - lse - acts["final_norm"], gradients=max(G_prev, head_grad),
-            temporaries=layer + transient)
+            activations=A - lse - acts["final_norm"],
+            gradients=max(G_prev, head_grad + late) + held,
+            temporaries=layer + transient + gathered)
     else:
         m["first block backward"] = dict(activations=A - lse - acts["final_norm"],
-                                         gradients=max(G_prev, head_grad),
-                                         temporaries=transient + t * f * d.compute)
+                                         gradients=max(G_prev, head_grad + late) + held,
+                                         temporaries=transient + t * f * d.compute + gathered)
     # end of backward: all gradients; a tied embedding adds its dense gradient, then the sum
     tied = 2 * head_grad if cfg.tie_embeddings else 0.0
-    m["end of backward"] = dict(gradients=G, temporaries=tied + t * h * d.residual)
-    m["optimizer step"] = dict(gradients=G)
+    m["end of backward"] = dict(gradients=G + held, temporaries=tied + t * h * d.residual)
+    m["optimizer step"] = dict(gradients=G + held, temporaries=scratch)
     name, best = max(m.items(), key=lambda kv: sum(kv[1].values()))
     out = dict.fromkeys(CATEGORIES, 0.0)
     out.update(parameters=P, optimizer=O, other=_gpt_other(cfg, step), **best)
@@ -253,8 +207,10 @@ def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float]) -> t
     out = dict.fromkeys(CATEGORIES, 0.0)
     # images, timesteps and noise of the whole batch
     other = 4 * step.batch * (2 * cfg.channels * step.seq ** 2) + 8 * step.batch
+    grads = states["gradients"] if step.micro_batches > 1 else 0
     out.update(parameters=states["parameters"], optimizer=states["optimizer"], other=other,
-               activations=acts, gradients=states["gradients"] if step.micro_batches > 1 else 0)
+               activations=acts, gradients=grads + states.get("held", 0.0),
+               temporaries=states.get("gathered", 0.0))
     return out, "start of backward"
 
 
@@ -263,23 +219,32 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     """Closed-form peak bytes of one steady-state training step, by category, per rank.
 
     ``batch`` is per rank; ``zero``, ``world_size`` and ``offload`` shard and move the model
-    states as :func:`model_state_bytes` describes.
+    states as :func:`memlab.states.model_states` describes (DeepSpeed's layout, and its
+    16-bit forward without autocast, when ZeRO or offload is on). ``host_bytes`` are the
+    model states kept in host memory.
     """
     step = resolve_step(step, **overrides)
     cfg = step.model_config
-    states = model_state_bytes(cfg.num_params(), precision=step.precision,
-                               optimizer=step.optimizer, zero=step.zero,
-                               world_size=step.world_size, offload=step.offload)
+    ms = model_states(cfg, precision=step.precision, optimizer=step.optimizer, zero=step.zero,
+                      world_size=step.world_size, offload=step.offload)
+    states = ms.peak_inputs()
+    # the forward runs in the precision the model is cast to (DeepSpeed: 16 bits, no autocast)
+    run = replace(step, precision=ms.compute_precision) if ms.deepspeed else step
     if isinstance(cfg, UNetConfig):
-        cats, moment = _unet_peak(step, cfg, states)
+        cats, moment = _unet_peak(run, cfg, states)
     else:
-        cats, moment = _gpt_peak(step, cfg, states)
+        cats, moment = _gpt_peak(run, cfg, states)
     cats = {c: int(round(v)) for c, v in cats.items()}
+    host = {c: int(round(ms.host.get(c, 0.0))) for c in CATEGORIES}
     report = MemoryReport("estimate", step, "formula", sum(cats.values()), cats,
-                          resolve_budget(budget), None)
+                          resolve_budget(budget), None, host_bytes=sum(host.values()),
+                          host_by_category=host)
     report.notes.append(f"peak moment: {moment}")
-    if states["host"]:
-        report.notes.append(f"host memory (offloaded): {int(states['host'])} bytes")
+    report.notes.extend(ms.notes)
+    if report.host_bytes:
+        report.notes.append("host_bytes: the model states in host memory (pinned buffers at the "
+                            "CUDA host allocator's power-of-two sizes); the CPU optimizer's "
+                            "scratch during its step is not counted")
     if step.world_size > 1:
         report.per_rank = [replace(report, per_rank=None, notes=list(report.notes))
                            for _ in range(step.world_size)]

@@ -37,8 +37,9 @@ Where the numbers come from:
   workspaces add up to about 190 MiB the estimate does not see (UNet rows), under 256 MiB.
 * DeepSpeed ranks on CPU: each rank builds the whole model before DeepSpeed copies it into
   its flat buffers, and glibc keeps what is freed; measured RSS per rank 3.13 GiB for
-  gpt2-small ZeRO-3 on 2 ranks (estimate 1.30 GiB per rank) and 0.55 GiB for tiny ZeRO-2:
-  about 500 MiB for the rank's interpreter, torch and DeepSpeed plus 1.97 x the estimate.
+  gpt2-small ZeRO-3 on 2 ranks (estimate 1.48 GiB per rank) and 0.55 GiB for tiny ZeRO-2
+  (estimate 56 MiB): about 500 MiB for the rank's interpreter, torch and DeepSpeed plus
+  1.74 x the estimate.
 """
 from __future__ import annotations
 

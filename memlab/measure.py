@@ -1,17 +1,20 @@
 """Measure: one real steady-state training step, tracked.
 
-:func:`measure_step` first checks that the step fits this machine
-(:func:`memlab.guard.preflight`: refused with :class:`HostMemoryError` before anything is
-allocated, or a ``fits: false`` report at phase ``build`` under a budget), then builds the
-model (:func:`~memlab.step.build_trainer`), runs one untracked warm-up step so the optimizer
-state exists, and tracks the next step with :class:`~memlab.tracking.MemoryTracker`. On CUDA
-the report also carries the caching allocator's own figures.
+Before anything is allocated, :func:`measure_step` checks that the step fits this machine
+(:func:`memlab.guard.preflight`: refused with :class:`HostMemoryError`, or a ``fits: false``
+report at phase ``build`` under a budget). It then builds the model
+(:func:`~memlab.step.build_trainer`), runs one untracked warm-up step so the optimizer state
+exists, and tracks the next step with :class:`~memlab.tracking.MemoryTracker`. On CUDA the
+report also carries the caching allocator's own figures: its ``max_memory_allocated`` less
+the tracked tensors becomes the ``workspace`` category (cuBLAS/cuDNN workspaces, block
+rounding), so that the categories add up to what the allocator says. Tensors on another
+device than the step's (offloaded state, ``save_on_cpu`` activations) are reported as host
+memory (``host_bytes``).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-import re
 import time
 import traceback
 
@@ -21,18 +24,7 @@ from .errors import HostMemoryError, InputError
 from .guard import preflight
 from .hardware import fmt_bytes, pick_device, resolve_budget
 from .step import MemoryReport, StepConfig, Trainer, batch_to, build_trainer, make_batch, resolve_step
-from .tracking import MemoryTracker, OOMInfo
-
-# What torch's CPU allocator says when malloc fails (Linux/macOS: "can't allocate memory",
-# Windows: "not enough memory"); both name DefaultCPUAllocator.
-_HOST_OOM = re.compile(r"DefaultCPUAllocator|can't allocate memory|not enough memory")
-
-
-def is_host_oom(error: BaseException) -> bool:
-    """Whether ``error`` is the host allocator failing (``RuntimeError ... DefaultCPUAllocator:
-    can't allocate memory``) rather than a bug."""
-    return (isinstance(error, RuntimeError) and not isinstance(error, torch.OutOfMemoryError)
-            and bool(_HOST_OOM.search(str(error))))
+from .tracking import CATEGORIES, MemoryTracker, OOMInfo, is_host_oom, requested_bytes
 
 
 def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *,
@@ -47,7 +39,8 @@ def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *
     Returns the tracker, the tracked step's seconds, and live bytes before and after it.
     """
     on_cuda = trainer.device.type == "cuda"
-    tracker = MemoryTracker(None if on_cuda else budget_bytes, cuda=on_cuda, cuda_history=cuda_history)
+    tracker = MemoryTracker(None if on_cuda else budget_bytes, cuda=on_cuda, cuda_history=cuda_history,
+                            device=trainer.device)
     try:
         if warmup == "optimizer":
             trainer.warm_up_optimizer()
@@ -71,9 +64,17 @@ def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not (isinstance(e, torch.OutOfMemoryError) or is_host_oom(e)):
                 raise
-            if tracker.oom is None:  # not the budget's: the CUDA or the host allocator's
+            # A real allocator OOM inside an op (CUDA's, or the host's malloc failing) was
+            # recorded by the tracker (op, module, phase, categories, the allocator's
+            # figures); one outside any op was not.
+            if tracker.oom is None:
                 phase = tracker.timeline[-1].phase if tracker.timeline else "unknown"
                 tracker.oom = _explain(e, tracker, budget_bytes, phase)
+            else:
+                if not tracker.oom.budget_bytes:
+                    tracker.oom.budget_bytes = budget_bytes or 0
+                if is_host_oom(e):
+                    tracker.oom.message = _host_message(tracker.oom)
             _release(e, trainer)
         seconds = time.perf_counter() - start
         if on_cuda:
@@ -85,16 +86,22 @@ def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *
 
 def _explain(error: BaseException, tracker: MemoryTracker, budget_bytes: int | None,
              phase: str) -> OOMInfo:
-    """An :class:`OOMInfo` for an allocator that refused (the budget's OOMs explain themselves)."""
-    first = str(error).strip().split("\n")[0]
-    asked = re.search(r"allocate (\d+) bytes", first)
-    requested = int(asked.group(1)) if asked else 0
+    """An :class:`OOMInfo` for an allocator that refused outside any tracked op (the warm-up,
+    or between ops); the budget's OOMs and those inside an op explain themselves."""
+    message = str(error).strip().split("\n")[0]
+    oom = OOMInfo("unknown", "unknown", phase, requested_bytes(message), tracker.live_bytes,
+                  budget_bytes or 0, message, tracker.by_category())
     if is_host_oom(error):
-        first = (f"Host out of memory: the CPU allocator could not allocate "
-                 f"{fmt_bytes(requested)} in the {phase} ({fmt_bytes(tracker.live_bytes)} of "
-                 f"tensors live); the step's memory was released. Allocator: {first}")
-    return OOMInfo("unknown", "unknown", phase, requested, tracker.live_bytes, budget_bytes or 0,
-                   first, tracker.by_category())
+        oom.message = _host_message(oom)
+    return oom
+
+
+def _host_message(oom: OOMInfo) -> str:
+    """The host allocator's refusal, said as an OOM: where, how much, what was live."""
+    where = oom.phase if oom.op == "unknown" else f"{oom.op} ({oom.module}, {oom.phase})"
+    return (f"Host out of memory: the CPU allocator could not allocate "
+            f"{fmt_bytes(oom.requested_bytes)} in {where}, with {fmt_bytes(oom.live_bytes)} of "
+            f"tensors live; the step's memory was released. Allocator: {oom.message}")
 
 
 def _release(error: BaseException, trainer: Trainer) -> None:
@@ -157,9 +164,29 @@ def measure_trainer(trainer: Trainer, batch: tuple, *, budget: int | str | None 
         warmup=True if budget_bytes is None else "optimizer")
     if snapshot_path and tracker.snapshot is not None:
         tracker.dump_snapshot(snapshot_path)
-    return MemoryReport("measure", trainer.step_config, trainer.device.type, tracker.peak_bytes,
-                        tracker.peak_by_category(), budget_bytes, seconds, tracker.oom,
-                        tracker.timeline, tracker.cuda_stats, before, after)
+    report = MemoryReport("measure", trainer.step_config, trainer.device.type, tracker.peak_bytes,
+                          tracker.peak_by_category(), budget_bytes, seconds, tracker.oom,
+                          tracker.timeline, tracker.cuda_stats, before, after,
+                          host_bytes=tracker.host_peak_bytes,
+                          host_by_category=tracker.host_peak_by_category())
+    return add_workspace(report)
+
+
+def add_workspace(report: MemoryReport) -> MemoryReport:
+    """Make a CUDA report add up to the allocator: its ``max_memory_allocated`` less the
+    tracked peak becomes the ``workspace`` category (bytes no tensor accounts for: cuBLAS
+    and cuDNN workspaces, 512-byte block rounding), ``peak_bytes`` becomes the allocator's
+    peak, and ``tracked_peak_bytes`` keeps the tracker's. Reports without allocator figures
+    (CPU, fake tensors) are returned unchanged."""
+    allocated = report.allocator.get("max_memory_allocated")
+    if allocated is None or report.tracked_peak_bytes is not None:
+        return report
+    report.tracked_peak_bytes = report.peak_bytes
+    workspace = max(0, allocated - report.peak_bytes)
+    report.by_category = {c: int(report.by_category.get(c, 0)) for c in CATEGORIES}
+    report.by_category["workspace"] += workspace
+    report.peak_bytes += workspace
+    return report
 
 
 def time_step(step: StepConfig | None = None, *, device: str | None = "cpu", repeats: int = 3,
@@ -189,4 +216,4 @@ def time_steps(runs: dict[str, tuple[Trainer, tuple]], repeats: int = 3) -> dict
 
 
 __all__ = ["measure_step", "measure_trainer", "time_step", "time_steps", "run_tracked_step",
-           "is_host_oom", "HostMemoryError", "InputError"]
+           "add_workspace", "is_host_oom", "HostMemoryError", "InputError"]

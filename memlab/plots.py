@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 MiB = 2**20
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868",
-          "activations": "#c44e52", "temporaries": "#8172b3", "other": "#937860"}
+          "activations": "#c44e52", "temporaries": "#8172b3", "other": "#937860",
+          "workspace": "#8c8c8c"}
 PHASE_SHADE = {"forward": "#f2f2f2", "backward": "#e6eef7", "optimizer": "#eef7e6"}
 
 
@@ -170,7 +171,9 @@ __all__ = ["COLORS", "timeline_array", "plot_timeline", "plot_lenses", "plot_cur
 
 def plot_advice(advice: Advice, ax=None):
     """The flowchart path: one bar per step tried (kept: solid, left out: hatched), with the
-    card's memory and the usable part (less headroom) as lines."""
+    card's memory and the usable part (less headroom) as lines. The axis is linear from 0 so
+    that a bar's height reads as bytes (a log axis made a 52 GiB bar look empty beside
+    100 GiB ones)."""
     ax = ax or plt.subplots(figsize=(8, 3.4))[1]
     GiB = 2**30
     names = [s["technique"] for s in advice.steps]
@@ -187,8 +190,8 @@ def plot_advice(advice: Advice, ax=None):
                label=f"usable ({advice.headroom:.0%} headroom)")
     ax.set_xticks(range(len(names)), [f"+ {n}" if i else n for i, n in enumerate(names)],
                   rotation=30, ha="right", fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("peak per rank (GiB, log)")
+    ax.set_ylim(0, 1.08 * max(peaks + [advice.budget_bytes / GiB]))
+    ax.set_ylabel("peak per rank (GiB)")
     cfg = advice.step.model_config
     ax.set_title(f"{cfg.name}, seq {advice.step.seq}, batch {advice.step.batch}, "
                  f"{advice.step.world_size} rank(s): {'fits' if advice.fits else 'does NOT fit'}",

@@ -5,7 +5,8 @@ The seed (curriculum section 4) gives folklore figures: checkpointing saves 50-7
 30-60%, and so on. :func:`measure_table` measures each row on this machine for one training
 step of the tiny GPT, as ratios to a baseline (fp32, no technique), and marks each claim
 *holds*, *holds only when (condition)* or *does not hold*, with the number. GPU figures
-recorded by ``make gpu-check`` (``data/reference/*.json``) are added where they exist.
+recorded by ``make gpu-check`` (``data/reference/<gpu>/``: the shipped ``NVIDIA-H200`` folder
+and any other) are added where they exist.
 
 Single-device rows compare against the one-process step; the multi-rank rows (ZeRO, offload,
 tensor and pipeline parallelism) run 2 ranks on gloo and compare against stage 0 on the same
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from .errors import InputError
 from .parallel.formulas import bubble_fraction
+from .states import zero_saving  # one source for the ZeRO formula (re-exported)
 from .step import StepConfig
 
 REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
@@ -152,13 +154,6 @@ def _selective_estimate(step: StepConfig) -> float:
                 / estimate_step(naive).peak_bytes)
 
 
-def zero_saving(stage: int, n: int, k: int = 12) -> float:
-    """Model-state saving of ZeRO stage ``stage`` on ``n`` ranks with mixed-precision Adam
-    (Rajbhandari et al. 2020, section 5.1: (2 + 2 + K) bytes per parameter)."""
-    per = {0: 4 + k, 1: 4 + k / n, 2: 2 + (2 + k) / n, 3: (4 + k) / n}[stage]
-    return 1 - per / (4 + k)
-
-
 def ranks_for(stage: int, target: float, limit: int = 4096) -> int | None:
     """Fewest ranks at which the formula's model-state saving reaches ``target``."""
     return next((n for n in range(1, limit + 1) if zero_saving(stage, n) >= target), None)
@@ -225,18 +220,46 @@ def _model_states(acc: dict) -> int:
 
 
 def load_references(directory: str | Path = REFERENCE_DIR) -> list[dict]:
-    """GPU reference files (``make gpu-check``), or ``[]`` when none were recorded."""
+    """GPU reference figures (``make gpu-check``), one dict per GPU, or ``[]`` when none were
+    recorded.
+
+    A GPU's folder (``data/reference/NVIDIA-H200/``) gives its ``gpu_check.json`` (``gpu``,
+    ``rows``, ``plan_check``) with ``devset`` (the rows of ``devset.json``) and ``zero_offload``
+    (``zero_offload_one_gpu.json``) added when present, and ``folder``, its name. A flat
+    ``<gpu>.json`` with ``rows`` (older recordings) is read as it is.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    refs = []
-    for path in sorted(directory.glob("*.json")):
+
+    def read(path: Path):
         try:
-            data = json.loads(path.read_text())
+            return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(data, dict) and isinstance(data.get("rows"), list):
+            return None
+
+    refs = []
+    for path in sorted(directory.iterdir()):
+        if path.is_dir():
+            check, dev, zero = (read(path / n) for n in
+                                ("gpu_check.json", "devset.json", "zero_offload_one_gpu.json"))
+            data = dict(check) if isinstance(check, dict) else {}
+            data.setdefault("rows", [])
+            if isinstance(dev, dict) and isinstance(dev.get("rows"), list):
+                data["devset"] = dev["rows"]
+                data.setdefault("gpu", dev.get("gpu"))
+            if isinstance(zero, list):
+                data["zero_offload"] = zero
+            if not isinstance(data["rows"], list) or not (
+                    data["rows"] or data.get("devset") or data.get("zero_offload")):
+                continue
+            data["folder"] = path.name
+            data["gpu"] = data.get("gpu") or path.name
             refs.append(data)
+        elif path.suffix == ".json":
+            data = read(path)
+            if isinstance(data, dict) and isinstance(data.get("rows"), list):
+                refs.append(data)
     return refs
 
 
@@ -262,7 +285,34 @@ def reference_ratios(refs: list[dict]) -> dict[str, str]:
             mem = 1 - r["measure_peak_bytes"] / b["measure_peak_bytes"]
             tr = r["step_seconds"] / b["step_seconds"]
             out.setdefault(tech, []).append(f"{gpu} {key[0]} s{key[1]}: {mem:.0%} saved, {tr:.2f}x time")
+        for tech, text in _deepspeed_ratios(gpu, ref.get("zero_offload") or []).items():
+            out.setdefault(tech, []).append(text)
     return {k: "; ".join(v) for k, v in out.items()}
+
+
+def _deepspeed_ratios(gpu: str, rows: list[dict]) -> dict[str, str]:
+    """ZeRO and offload on one GPU (``zero_offload_one_gpu.json``): the allocator's device
+    peak and the step time of each stage against stage 0, offload against ZeRO-2."""
+    GiB = 2**30
+    by = {(r.get("zero"), r.get("offload")): r for r in rows
+          if r.get("device_peak") and r.get("step_seconds")}
+    base, z2 = by.get((0, "none")), by.get((2, "none"))
+    out = {}
+    for z in (1, 2, 3):
+        r = by.get((z, "none"))
+        if base and r:
+            out[f"ZeRO-{z}"] = (f"{gpu} {r['model']}, 1 GPU: device peak "
+                                f"{base['device_peak'] / GiB:.2f} -> {r['device_peak'] / GiB:.2f} GiB, "
+                                f"{r['step_seconds'] / base['step_seconds']:.2f}x time "
+                                f"(one rank shards nothing)")
+    off = by.get((2, "optimizer"))
+    if z2 and off:
+        host = off["rss_before"] - z2["rss_before"]
+        out["offloading"] = (f"{gpu} {off['model']}, ZeRO-2 + optimizer offload: device peak "
+                             f"{z2['device_peak'] / GiB:.2f} -> {off['device_peak'] / GiB:.2f} GiB "
+                             f"({1 - off['device_peak'] / z2['device_peak']:.0%} saved), host RSS "
+                             f"+{host / GiB:.2f} GiB, {off['step_seconds'] / z2['step_seconds']:.2f}x time")
+    return out
 
 
 def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distributed: bool = True,
@@ -362,7 +412,7 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
     for r in rows:
         r.reference = refs.get(r.technique, "")
     if not refs:
-        notes.append("no GPU reference figures in data/reference/ yet (make gpu-check)")
+        notes.append("no GPU reference figures in data/reference/<gpu>/ yet (make gpu-check)")
     order = list(SEED)
     rows.sort(key=lambda r: order.index(r.technique))
     return Table(rows, step, world_size if distributed else 1, time.perf_counter() - start, notes)

@@ -10,6 +10,11 @@ torch build, fake CUDA tensors cannot be initialised, and the first autograd op 
 aborts the process. Kernels that differ between CPU and CUDA (SDPA's flash path keeps a
 few extra statistics per row) make small differences from a real GPU; ``data/reference/``
 holds measured GPU figures to compare against.
+
+A step under DeepSpeed (ZeRO or offload) is simulated as DeepSpeed runs it as far as one
+process can: the model cast to its 16-bit (or fp32) dtype, no autocast; the model states of
+every moment are then put in DeepSpeed's layout (:func:`memlab.states.model_states`: sharded
+per rank, offloaded ones in ``host_bytes``).
 """
 from __future__ import annotations
 
@@ -18,10 +23,14 @@ import time
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from dataclasses import replace
+
 from .hardware import resolve_budget
 from .measure import run_tracked_step
 from .step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
 from .models import UNetConfig
+from .states import ModelStates, model_states
+from .tracking import CATEGORIES, Event
 
 
 def _fake_batch(step: StepConfig) -> tuple:
@@ -43,15 +52,64 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     step = resolve_step(step, **overrides)
     budget_bytes = resolve_budget(budget)
     start = time.perf_counter()
+    ms = model_states(step.model_config, precision=step.precision, optimizer=step.optimizer,
+                      zero=step.zero, world_size=step.world_size, offload=step.offload)
+    # DeepSpeed runs the model cast to one dtype, unsharded here; its states are put right below
+    run = replace(step, precision=ms.compute_precision, zero=0, offload="none",
+                  world_size=1) if ms.deepspeed else step
     # One mode for building and running: mixing fake modes is not supported.
     with FakeTensorMode(allow_non_fake_inputs=False):
-        trainer = build_trainer(step, "cpu", fake=True)
-        batch = batch_to(_fake_batch(step), step)
-        tracker, _, before, after = run_tracked_step(trainer, batch, budget_bytes, warmup="optimizer")
+        trainer = build_trainer(run, "cpu", fake=True)
+        batch = batch_to(_fake_batch(run), run)
+        tracker, _, before, after = run_tracked_step(
+            trainer, batch, None if ms.deepspeed else budget_bytes, warmup="optimizer")
         report = MemoryReport("simulate", step, "cpu (fake)", tracker.peak_bytes,
                               tracker.peak_by_category(), budget_bytes, None, tracker.oom,
-                              tracker.timeline, {}, before, after)
+                              tracker.timeline, {}, before, after,
+                              host_bytes=tracker.host_peak_bytes,
+                              host_by_category=tracker.host_peak_by_category())
         del trainer, batch, tracker
+    if ms.deepspeed:
+        _deepspeed_layout(report, ms, model_states(run.model_config, precision=run.precision,
+                                                   optimizer=run.optimizer).gradients)
     report.step_seconds = time.perf_counter() - start
     report.notes.append("step_seconds is the wall time of the whole simulation")
     return report
+
+
+def _deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float) -> None:
+    """Put the simulated unsharded step's model states in DeepSpeed's layout, op by op.
+
+    Parameters and optimizer state are held all step; gradients grow through backward as
+    simulated (scaled to the rank's share), or are held from the first reduce bucket (ZeRO-2)
+    or all step (ZeRO-3); DeepSpeed's buffers are added everywhere, ZeRO-3's gathered
+    parameters in forward and backward, the fp32 gradient copy in the optimizer step.
+    """
+    i = {c: k for k, c in enumerate(CATEGORIES)}
+    events = []
+    for ev in report.timeline:
+        cats = list(ev.by_category)
+        grown = cats[i["gradients"]] / full_grads if full_grads else 0.0
+        if ms.gradients_from == "always" or (ms.gradients_from == "first bucket" and grown > 0):
+            grads = ms.gradients
+        else:
+            grads = grown * ms.gradients
+        cats[i["parameters"]] = ms.parameters
+        cats[i["optimizer"]] = ms.optimizer
+        cats[i["gradients"]] = grads + ms.buffers
+        if ev.phase in ("forward", "backward"):
+            cats[i["temporaries"]] += ms.gathered
+        elif ev.phase == "optimizer":
+            cats[i["temporaries"]] += ms.step_scratch
+        events.append(Event(ev.index, ev.op, ev.module, ev.phase,
+                            tuple(int(round(c)) for c in cats), ev.host_by_category))
+    if events:
+        top = max(events, key=lambda e: e.total)
+        report.timeline = events
+        report.peak_bytes = top.total
+        report.by_category = dict(zip(CATEGORIES, top.by_category))
+    host = {c: int(round(ms.host.get(c, 0.0))) for c in CATEGORIES}
+    report.host_bytes, report.host_by_category = sum(host.values()), host
+    report.notes.append(f"DeepSpeed step: simulated in {ms.compute_precision} without autocast, "
+                        f"model states in DeepSpeed's layout (memlab.states)")
+    report.notes.extend(ms.notes)

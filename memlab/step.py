@@ -93,7 +93,16 @@ class StepConfig:
 
 @dataclass
 class MemoryReport:
-    """Bytes of one step by category at its peak, from one lens."""
+    """Bytes of one step by category at its peak, from one lens.
+
+    ``peak_bytes`` and ``by_category`` are the *device's* (the accelerator's; on a CPU-only
+    run the CPU is the device). ``host_bytes`` is the peak of what the step keeps in host
+    memory on an accelerator run (ZeRO-Offload's optimizer state and parameters,
+    ``save_on_cpu`` activations), split in ``host_by_category``. On CUDA the measure lens
+    adds the allocator's bytes that no tensor accounts for as ``workspace``, so that
+    ``peak_bytes`` is the allocator's ``max_memory_allocated``; ``tracked_peak_bytes`` keeps
+    the tracker's exact tensor bytes.
+    """
 
     lens: str
     step: StepConfig
@@ -109,6 +118,9 @@ class MemoryReport:
     live_after: int | None = None
     per_rank: list["MemoryReport"] | None = None
     notes: list[str] = field(default_factory=list)
+    host_bytes: int = 0
+    host_by_category: dict[str, int] = field(default_factory=dict)
+    tracked_peak_bytes: int | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -135,10 +147,18 @@ class MemoryReport:
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
             "step_seconds": self.step_seconds,
+            "host_bytes": int(self.host_bytes),
+            "host_by_category": {c: int(self.host_by_category.get(c, 0)) for c in CATEGORIES},
         }
+        if self.tracked_peak_bytes is not None:
+            d["tracked_peak_bytes"] = self.tracked_peak_bytes
         if self.oom is not None:
             d["oom"] = {"op": self.oom.op, "module": self.oom.module, "phase": self.oom.phase,
-                        "requested_bytes": self.oom.requested_bytes, "message": self.oom.message}
+                        "requested_bytes": self.oom.requested_bytes, "message": self.oom.message,
+                        "culprit": self.oom.culprit,
+                        "by_category": {c: int(self.oom.by_category.get(c, 0)) for c in CATEGORIES}}
+            if self.oom.allocator:
+                d["oom"]["allocator"] = dict(self.oom.allocator)
         if self.allocator:
             d["allocator"] = dict(self.allocator)
         if self.per_rank is not None:
@@ -158,6 +178,11 @@ class MemoryReport:
         for c in CATEGORIES:
             lines.append(f"  {c:<12} {fmt_bytes(self.by_category.get(c, 0)):>12}")
         lines.append(f"  {'peak':<12} {fmt_bytes(self.peak_bytes):>12}")
+        if self.tracked_peak_bytes is not None:
+            lines.append(f"  {'tracked':<12} {fmt_bytes(self.tracked_peak_bytes):>12}  (tensors only)")
+        if self.host_bytes:
+            host = ", ".join(f"{c} {fmt_bytes(v)}" for c, v in self.host_by_category.items() if v)
+            lines.append(f"  {'host':<12} {fmt_bytes(self.host_bytes):>12}  ({host})")
         if self.budget_bytes is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"  {'budget':<12} {fmt_bytes(self.budget_bytes):>12}  -> {verdict}")

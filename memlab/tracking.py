@@ -13,6 +13,15 @@ memory exists at all. Each storage gets one category:
 ``temporaries`` everything else the step allocates: forward scratch, backward buffers,
                 recomputation under checkpointing, optimizer scratch
 ``other``       buffers, inputs, anything registered as such
+``workspace``   bytes the CUDA allocator holds that no tensor accounts for (cuBLAS and
+                cuDNN workspaces, block rounding): filled in by the measure lens from the
+                allocator's own peak, never by the tracker
+
+Every storage is also attributed to the device it lives on. The tracker has one *device*
+(the step's: the accelerator, or the CPU on a CPU-only run); a storage elsewhere (optimizer
+state or parameters offloaded to host memory, ``save_on_cpu`` activations) is *host*
+memory and is counted apart: ``peak_bytes`` and the budget are the device's, ``host_peak_bytes``
+and :meth:`host_peak_by_category` the host's.
 
 Categories are settled at phase changes (forward, backward, optimizer), then the whole
 timeline is replayed with them, so a stacked plot shows activations as activations from the
@@ -25,6 +34,7 @@ the caching allocator's own figures and, if asked, a ``_record_memory_history`` 
 from __future__ import annotations
 
 import pickle
+import re
 import weakref
 from dataclasses import dataclass, field
 
@@ -36,18 +46,44 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from .hardware import fmt_bytes, resolve_budget
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other")
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other",
+              "workspace")
 _IDX = {c: i for i, c in enumerate(CATEGORIES)}
 
 
-def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The storages holding a tensor's bytes. A wrapper subclass (a DTensor shard, an async
-    collective's result) reports its global size; its bytes live in its inner tensors."""
+def _storages(t: torch.Tensor) -> list[tuple[torch.UntypedStorage, torch.device]]:
+    """The storages holding a tensor's bytes, with the device each lives on. A wrapper
+    subclass (a DTensor shard, an async collective's result) reports its global size; its
+    bytes live in its inner tensors. The device is the tensor's: a fake tensor's storage is
+    ``meta`` while the tensor is (fake) ``cpu`` or ``cuda``."""
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         inner = (getattr(t, a) for a in attrs)
         return [s for i in inner if isinstance(i, torch.Tensor) for s in _storages(i)]
-    return [t.untyped_storage()]
+    return [(t.untyped_storage(), t.device)]
+
+
+# CUDA's and the tracker's "Tried to allocate 2.50 GiB", the CPU allocator's "you tried to
+# allocate 1125899906842624 bytes"
+_SIZE = re.compile(r"[Tt]ried to allocate ([0-9.]+) ?(bytes|B|KiB|MiB|GiB|TiB)")
+# What torch's CPU allocator says when malloc fails (Linux/macOS: "can't allocate memory",
+# Windows: "not enough memory"); both name DefaultCPUAllocator.
+_HOST_OOM = re.compile(r"DefaultCPUAllocator|can't allocate memory|not enough memory")
+_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def is_host_oom(error: BaseException) -> bool:
+    """Whether ``error`` is the host allocator failing (``RuntimeError ... DefaultCPUAllocator:
+    can't allocate memory``) rather than a bug."""
+    return (isinstance(error, RuntimeError) and not isinstance(error, torch.OutOfMemoryError)
+            and bool(_HOST_OOM.search(str(error))))
+
+
+def requested_bytes(message: str) -> int:
+    """The bytes an allocator's OOM message says it tried to allocate (``"Tried to allocate
+    2.50 GiB"``, CUDA's and the tracker's own wording), or 0 when the message has none."""
+    m = _SIZE.search(message)
+    return int(round(float(m.group(1)) * _UNITS[m.group(2)])) if m else 0
 
 
 @dataclass
@@ -55,6 +91,7 @@ class _Storage:
     nbytes: int
     phase: str
     hint: str | None = None
+    host: bool = False
     survived_forward: bool = False
     alive: bool = True
 
@@ -69,22 +106,33 @@ class _Storage:
 
 @dataclass(frozen=True)
 class Event:
-    """Live bytes after one op: ``by_category`` follows :data:`CATEGORIES`."""
+    """Live bytes after one op: ``by_category`` (the device's) and ``host_by_category``
+    (host memory on an accelerator run) follow :data:`CATEGORIES`."""
 
     index: int
     op: str
     module: str
     phase: str
     by_category: tuple[int, ...]
+    host_by_category: tuple[int, ...] = ()
 
     @property
     def total(self) -> int:
+        """Device bytes live after the op."""
         return sum(self.by_category)
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host_by_category)
 
 
 @dataclass
 class OOMInfo:
-    """What broke the budget: the op, how much it asked for, and what was live."""
+    """What broke the budget: the op, how much it asked for, and what was live.
+
+    ``by_category`` is the device's live bytes when it broke; ``allocator`` holds the CUDA
+    allocator's own figures for a real OOM (``allocated_bytes``, ``reserved_bytes``,
+    ``free_bytes``, ``total_bytes``), empty for the tracker's simulated budget."""
 
     op: str
     module: str
@@ -94,6 +142,7 @@ class OOMInfo:
     budget_bytes: int
     message: str
     by_category: dict[str, int] = field(default_factory=dict)
+    allocator: dict[str, int] = field(default_factory=dict)
 
     @property
     def culprit(self) -> str:
@@ -111,11 +160,16 @@ class MemoryTracker(TorchDispatchMode):
 
     ``budget`` is bytes, a size string or a GPU preset name; ``cuda_history=True`` records a
     CUDA allocator history (switched off again on exit, also after an exception).
+    ``device`` is the step's device (``"cuda"``, ``"cpu"``, ...): storages on another device
+    type are host memory. ``None`` takes the device of the first model tracked (or of the
+    first tensor seen).
     """
 
     def __init__(self, budget: int | str | None = None, *, cuda: bool | None = None,
-                 cuda_history: bool = False, max_history_entries: int = 100_000):
+                 cuda_history: bool = False, max_history_entries: int = 100_000,
+                 device: str | torch.device | None = None):
         super().__init__()
+        self.device: torch.device | None = None if device is None else torch.device(device)
         # cuda: read the CUDA allocator too; None = whenever CUDA is available
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self.budget_bytes = resolve_budget(budget)
@@ -129,8 +183,11 @@ class MemoryTracker(TorchDispatchMode):
         self._ops: list[tuple[str, str, str]] = []
         self._modules: list[weakref.ref] = []
         self._optimizers: list[weakref.ref] = []
-        self.live_bytes = 0
+        self.live_bytes = 0  # on the device
         self.peak_bytes = 0
+        self.host_live_bytes = 0
+        self.host_peak_bytes = 0
+        self._host_peak_op = -1
         self._peak_op = -1
         self._peak_live: tuple[int, ...] | None = None
         self._phase = "idle"
@@ -151,12 +208,16 @@ class MemoryTracker(TorchDispatchMode):
             raise ValueError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                for st in _storages(t):
-                    self._record(st, category)
+                for st, dev in _storages(t):
+                    self._record(st, category, dev)
 
     def track_model(self, model: torch.nn.Module) -> None:
         """Register a model's parameters, buffers and existing gradients."""
         self._modules.append(weakref.ref(model))
+        if self.device is None:
+            first = next(model.parameters(), None)
+            if first is not None:
+                self.device = first.device
         for name, sub in model.named_modules(prefix=type(model).__name__):
             self._module_names.setdefault(sub, name)
         self._scan_module(model)
@@ -188,7 +249,9 @@ class MemoryTracker(TorchDispatchMode):
                 self._scan_optimizer(o)
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def _record(self, storage: torch.UntypedStorage, hint: str | None) -> int:
+    def _record(self, storage: torch.UntypedStorage, hint: str | None,
+                device: torch.device) -> int:
+        """Register a storage; returns the *device* bytes it adds (0 if known or on host)."""
         key = storage._cdata
         sid = self._by_storage.get(key)
         if sid is not None:
@@ -199,13 +262,19 @@ class MemoryTracker(TorchDispatchMode):
                 rec.hint = hint
             return 0
         nbytes = storage.nbytes()
+        if self.device is None:
+            self.device = device
+        host = device.type != self.device.type
         sid = len(self._records)
-        self._records.append(_Storage(nbytes, self._phase, hint))
+        self._records.append(_Storage(nbytes, self._phase, hint, host))
         self._by_storage[key] = sid
         weakref.finalize(storage, self._free, sid, key)
         self._log.append((sid, +1))
-        self.live_bytes += nbytes
         self._replayed = None
+        if host:
+            self.host_live_bytes += nbytes
+            return 0
+        self.live_bytes += nbytes
         return nbytes
 
     def _free(self, sid: int, key: int) -> None:
@@ -214,7 +283,10 @@ class MemoryTracker(TorchDispatchMode):
         rec = self._records[sid]
         if rec.alive:
             rec.alive = False
-            self.live_bytes -= rec.nbytes
+            if rec.host:
+                self.host_live_bytes -= rec.nbytes
+            else:
+                self.live_bytes -= rec.nbytes
             self._log.append((sid, -1))
             self._replayed = None
 
@@ -255,7 +327,6 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- the dispatch mode ---------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
         if self._in_optimizer:
             phase = "optimizer"
         elif torch._C._current_graph_task_id() != -1:
@@ -263,28 +334,52 @@ class MemoryTracker(TorchDispatchMode):
         else:
             phase = "forward"
         self._set_phase(phase)
+        op = func.__name__
+        module = self._current_module()
+        try:
+            out = func(*args, **(kwargs or {}))
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            # the allocator itself ran out (a real CUDA OOM, or the host's malloc failing):
+            # we know the op it was running
+            if self.oom is None and (isinstance(e, torch.OutOfMemoryError) or is_host_oom(e)):
+                self._record_real_oom(op, module, phase, e)
+            raise
         new = 0
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                new += sum(self._record(st, None) for st in _storages(t))
-        op = func.__name__
-        module = self._current_module()
+                new += sum(self._record(st, None, dev) for st, dev in _storages(t))
         self._ops.append((op, module, phase))
         self._log.append((len(self._ops) - 1, 0))
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self._peak_op = len(self._ops) - 1
+        if self.host_live_bytes > self.host_peak_bytes:
+            self.host_peak_bytes = self.host_live_bytes
+            self._host_peak_op = len(self._ops) - 1
         # like a real allocator, only an op that asks for memory can run out of it
         if new and self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
             self._raise_oom(op, module, phase, new)
         return out
 
+    def _settled_by_category(self) -> dict[str, int]:
+        """Device bytes live now by category, with what forward kept settled as activations."""
+        self._set_phase("oom")
+        return self.by_category()
+
+    def _record_real_oom(self, op: str, module: str, phase: str, error: BaseException) -> None:
+        message = str(error).split("\n")[0]
+        allocator = {}
+        if self.device is not None and self.device.type == "cuda" and torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info(self.device)
+            allocator = {"allocated_bytes": torch.cuda.memory_allocated(self.device),
+                         "reserved_bytes": torch.cuda.memory_reserved(self.device),
+                         "free_bytes": free, "total_bytes": total}
+        self.oom = OOMInfo(op, module, phase, requested_bytes(message), self.live_bytes,
+                           self.budget_bytes or 0, message, self._settled_by_category(),
+                           allocator)
+
     def _raise_oom(self, op: str, module: str, phase: str, requested: int) -> None:
-        self._set_phase("oom")  # settles which forward tensors were activations
-        by_cat = dict.fromkeys(CATEGORIES, 0)
-        for rec in self._records:
-            if rec.alive:
-                by_cat[rec.category] += rec.nbytes
+        by_cat = self._settled_by_category()
         in_use = self.live_bytes - requested
         msg = (f"Simulated device out of memory. Tried to allocate {fmt_bytes(requested)} in "
                f"{op} ({module}, {phase}). {fmt_bytes(in_use)} already in use; "
@@ -371,31 +466,47 @@ class MemoryTracker(TorchDispatchMode):
 
     def _replay(self) -> list[Event]:
         live = [0] * len(CATEGORIES)
+        host = [0] * len(CATEGORIES)
         cats = [_IDX[r.category] for r in self._records]
         events = []
         for key, kind in self._log:
             if kind == 0:
                 op, module, phase = self._ops[key]
-                events.append(Event(key, op, module, phase, tuple(live)))
+                events.append(Event(key, op, module, phase, tuple(live), tuple(host)))
             else:
-                live[cats[key]] += kind * self._records[key].nbytes
+                (host if self._records[key].host else live)[cats[key]] += \
+                    kind * self._records[key].nbytes
         return events
 
-    def by_category(self) -> dict[str, int]:
-        """Live bytes now, by category."""
+    def _live(self, host: bool) -> dict[str, int]:
         out = dict.fromkeys(CATEGORIES, 0)
         for rec in self._records:
-            if rec.alive:
+            if rec.alive and rec.host == host:
                 out[rec.category] += rec.nbytes
         return out
 
+    def by_category(self) -> dict[str, int]:
+        """Live device bytes now, by category."""
+        return self._live(False)
+
+    def host_by_category(self) -> dict[str, int]:
+        """Live host bytes now, by category (zero when the device is the CPU)."""
+        return self._live(True)
+
     def peak_by_category(self) -> dict[str, int]:
-        """Live bytes by category at the op where the total peaked (sums to ``peak_bytes``
-        unless the peak was set by registration before the first op)."""
+        """Device bytes by category at the op where the device total peaked (sums to
+        ``peak_bytes`` unless the peak was set by registration before the first op)."""
         if self._peak_op < 0:
             return self.by_category()
         ev = self.timeline[self._peak_op]
         return dict(zip(CATEGORIES, ev.by_category))
+
+    def host_peak_by_category(self) -> dict[str, int]:
+        """Host bytes by category at the op where the host total peaked."""
+        if self._host_peak_op < 0:
+            return self.host_by_category()
+        ev = self.timeline[self._host_peak_op]
+        return dict(zip(CATEGORIES, ev.host_by_category))
 
     @property
     def peak_event(self) -> Event | None:
@@ -405,3 +516,5 @@ class MemoryTracker(TorchDispatchMode):
         """Start a new peak from the bytes live now (e.g. after a warm-up step)."""
         self.peak_bytes = self.live_bytes
         self._peak_op = len(self._ops) - 1 if self._ops else -1
+        self.host_peak_bytes = self.host_live_bytes
+        self._host_peak_op = self._peak_op

@@ -42,7 +42,8 @@ def test_tiny_plan_fits_by_estimate_and_simulation():
 def test_a_plan_that_fits_already_is_empty():
     a = advise("tiny", "1GiB", seq=64, batch=2, simulate=False)
     assert a.fits and a.plan == [] and len(a.steps) == 1
-    assert a.deepspeed_config["zero_optimization"]["stage"] == 0
+    # no ZeRO, no offload: a plain PyTorch step, estimated as one; no DeepSpeed config claimed
+    assert a.deepspeed_config == {} and "plain PyTorch" in a.message and a.host_bytes == 0
 
 
 def test_done_when_llama_7b_on_8_a100_40gb(capsys):
@@ -59,12 +60,33 @@ def test_done_when_llama_7b_on_8_a100_40gb(capsys):
     assert all(s["simulated_bytes"] is None for s in out["steps"])  # 7B on 8 ranks: estimate only
 
 
-def test_nothing_fits_says_by_how_much():
+def test_13b_on_one_t4_fits_with_parameter_offload():
+    """ZeRO-Infinity style: with the parameters, fp32 master, moments and fp32 gradients in
+    host memory, one T4 holds LLaMA-13B's step at 4096 tokens (ZeRO-3 on one rank)."""
     a = advise("llama-13b", "T4-16GB", seq=4096, batch=1)
+    assert a.fits and a.plan[-1] == "offload-all"
+    assert a.step.zero == 3 and a.step.offload == "all"
+    zo = a.deepspeed_config["zero_optimization"]
+    assert zo["stage"] == 3 and zo["offload_param"] == {"device": "cpu"}
+    assert "ZeRO-3" in a.message and "one rank" in a.message and "host memory" in a.message
+    # the plan's peak is the estimate of the config it emits (one rank of 13B: not simulated)
+    assert a.peak_bytes == estimate_step(a.step).peak_bytes
+    # host: at least the 2 + 4 + 4 + 8 bytes per parameter ZeRO-Offload moves there
+    psi = get_config("llama-13b").num_params()
+    assert a.host_bytes >= 18 * psi and a.to_dict()["host_bytes"] == a.host_bytes
+
+
+def test_nothing_fits_says_by_how_much():
+    # batch 8 of 4096 tokens: even checkpointed, the activations nearly fill a T4 by themselves
+    a = advise("llama-13b", "T4-16GB", seq=4096, batch=8)
     assert not a.fits and a.short_bytes > 0
     assert a.plan[-1] == "offload-all"
     assert "short by" in a.message and "GiB" in a.message
     assert a.to_dict()["fits"] is False
+    est = estimate_step(a.step)
+    ckpt_inputs = 40 * 8 * 4096 * 5120 * 2  # one bf16 block input per layer (Chen et al. 2016)
+    assert est.by_category["activations"] >= ckpt_inputs > 0.9 * a.usable_bytes
+    assert a.peak_bytes == est.peak_bytes > a.usable_bytes
 
 
 def test_tensor_parallel_when_zero_3_is_not_enough():
@@ -142,3 +164,15 @@ def test_plan_for_the_card_at_hand_fits_when_measured():
     # an RTX 4090's 24 GB: the plan is bf16 + checkpointing, which one process can run
     out = check_plan("gpt2-medium", 1024, 16, device="cuda", budget="RTX4090-24GB")
     assert out["plan"] == ["bf16", "checkpointing"] and out["advice_fits"] and out["measure_fits"]
+
+
+def test_plot_advice_reads_bytes_on_a_linear_axis_from_zero():
+    import matplotlib
+    matplotlib.use("Agg")
+    from memlab.plots import plot_advice
+    a = advise("llama-13b", "T4-16GB", seq=4096, batch=1)
+    ax = plot_advice(a)
+    assert ax.get_yscale() == "linear" and ax.get_ylim()[0] == 0
+    heights = [b.get_height() for b in ax.patches]
+    assert heights == pytest.approx([s["peak_bytes"] / 2**30 for s in a.steps])
+    assert ax.get_ylim()[1] >= max(heights)

@@ -17,7 +17,8 @@ def test_json_keys(lens, capsys):
     assert KEYS <= out.keys()
     assert out["lens"] == lens
     assert set(out["by_category"]) == {"parameters", "gradients", "optimizer", "activations",
-                                       "temporaries", "other"}
+                                       "temporaries", "other", "workspace"}
+    assert out["host_bytes"] == 0 and set(out["host_by_category"]) == set(out["by_category"])
 
 
 def test_not_fitting_is_a_result(capsys):

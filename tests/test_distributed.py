@@ -119,6 +119,12 @@ def test_offload_moves_model_states_to_host(zero_reports):
     assert host == _acc(off, "fp32_master") + _acc(off, "optimizer_state") + _acc(off, "parameters")
     assert _acc(off, "device_bytes") < _acc(z3, "device_bytes") - host * 0.9
     assert z3.per_rank[0].allocator["host_bytes"] == 0
+    # on CPU the host is the device: the report's host memory is 0, and DeepSpeed's accounting
+    # says what a GPU would keep (the peak less the offloaded master and moments)
+    rank = off.per_rank[0]
+    assert rank.host_bytes == 0 and rank.to_dict()["host_bytes"] == 0
+    assert rank.allocator["device_peak_bytes"] == rank.peak_bytes - _acc(off, "fp32_master") \
+        - _acc(off, "optimizer_state")
 
 
 def test_to_dict_has_per_rank(zero_reports):

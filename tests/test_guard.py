@@ -177,6 +177,8 @@ def test_host_allocator_failure_is_explained_and_released(fail_at, phase):
     rep = measure_trainer(trainer, batch)
     assert rep.fits is False and rep.oom.phase == phase
     assert rep.oom.requested_bytes == 2**50
+    if phase == "forward":  # inside the tracked step the tracker names the op and module
+        assert rep.oom.op.startswith("empty") and rep.oom.module == "_Greedy"
     assert rep.oom.message.startswith("Host out of memory") and "DefaultCPUAllocator" in rep.oom.message
     assert rep.live_after == rep.live_before
     assert not torch.utils._python_dispatch._get_current_dispatch_mode()  # tracker exited

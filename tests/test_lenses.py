@@ -78,9 +78,13 @@ def test_zero_stages_divide_model_states():
     s1 = model_state_bytes(psi, precision="bf16", zero=1, world_size=8)
     s2 = model_state_bytes(psi, precision="bf16", zero=2, world_size=8)
     s3 = model_state_bytes(psi, precision="bf16", zero=3, world_size=8)
+    # stage 0: plain PyTorch autocast (fp32 weights and gradients, two fp32 moments)
+    assert s0["parameters"] == 4 * psi and s0["gradients"] == 4 * psi
+    # ZeRO under DeepSpeed's bf16 mode: 2 + 2 + 12 bytes (ZeRO paper, sec. 5.1) partitioned
     assert s0["optimizer"] == 8 * psi and s1["optimizer"] == (8 + 4) * psi / 8
-    assert s2["gradients"] == s0["gradients"] / 8
-    assert s3["parameters"] == s0["parameters"] / 8
+    assert s1["parameters"] == 2 * psi and s1["gradients"] == 2 * psi
+    assert s2["gradients"] == 2 * psi / 8
+    assert s3["parameters"] == 2 * psi / 8
     off = model_state_bytes(psi, precision="bf16", zero=3, world_size=8, offload="all")
     assert off["optimizer"] == 0 and off["parameters"] == 0 and off["host"] > 0
 

@@ -72,6 +72,21 @@ def test_gpu_references_are_used_when_present(tmp_path):
     assert got["mixed precision"] == "NVIDIA H200 gpt2-small s512: 40% saved, 0.50x time"
 
 
+def test_load_references_reads_the_shipped_h200_folder():
+    """data/reference/NVIDIA-H200/: gpu_check.json (16 rows: 2 models x 2 lengths x 4
+    variants), devset.json (19 rows) and the single-GPU DeepSpeed rows (ZeRO 0-3, offload)."""
+    refs = load_references()
+    h200 = next(r for r in refs if r.get("folder") == "NVIDIA-H200")
+    assert h200["gpu"] == "NVIDIA H200" and len(h200["rows"]) == 16
+    assert len(h200["devset"]) == 19 and len(h200["zero_offload"]) == 5
+    got = reference_ratios([h200])
+    # the README's figures: ZeRO-2 17.49 GiB -> 8.43 GiB with the optimizer offloaded
+    assert "17.49 -> 8.43 GiB" in got["offloading"] and "NVIDIA H200" in got["offloading"]
+    assert {"ZeRO-1", "ZeRO-2", "ZeRO-3", "mixed precision", "gradient checkpointing"} <= got.keys()
+    # gpu_check, gpt2-small s512 b8: fp32 6407843608 bytes, bf16 5179946272 tracked
+    assert "gpt2-small s512: 19% saved" in got["mixed precision"]
+
+
 def test_cli_report_writes_files(tmp_path, capsys):
     assert main(["report", "--out", str(tmp_path), "--seq", "64", "--batch", "2",
                  "--no-distributed", "--json"]) == 0

@@ -77,7 +77,7 @@ def test_bad_category_is_rejected():
 
 def test_categories_constant():
     assert CATEGORIES == ("parameters", "gradients", "optimizer", "activations",
-                          "temporaries", "other")
+                          "temporaries", "other", "workspace")
 
 
 @pytest.mark.cuda

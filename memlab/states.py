@@ -1,0 +1,282 @@
+"""Model states: the bytes of parameters, gradients and optimizer state per rank, and where
+they live. The one source for the estimate, the simulation's correction, the advisor, the
+report's ZeRO savings and lesson 06.
+
+Two layouts, decided by :func:`under_deepspeed`:
+
+**Plain PyTorch** (no ZeRO, no offload): the optimizer updates the model's own weights.
+fp32 and autocast (``bf16``/``fp16``: the weights stay fp32) keep 4 + 4 + 8 bytes per
+parameter with AdamW (weights, gradients, two fp32 moments); ``pure-bf16`` keeps 2 + 2 + 4;
+SGD with momentum has one moment instead of two.
+
+**DeepSpeed** (ZeRO stage 1-3 or offload): in ``bf16``/``fp16`` mode DeepSpeed casts the model
+to 16 bits (no autocast: activations are those of a pure 16-bit step) and its optimizer
+holds an fp32 master copy and fp32 moments: 2 + 2 + K bytes per parameter with K = 12 for
+Adam (Rajbhandari et al. 2020, "ZeRO", sec. 3.1 and 5.1). Stage 1 divides the K bytes by the
+N data-parallel ranks, stage 2 also the gradients, stage 3 also the parameters. In fp32 mode
+the weights and gradients take 4 + 4 and DeepSpeed's ZeRO optimizer still keeps a separate
+fp32 master partition (``single_partition_of_fp32_groups``, ``fp32_partitioned_groups_flat``,
+read by :func:`memlab.distributed.zero_accounting`): K = 4 + 8; at stage 0 the fp32 model
+is the master and K = 8. What DeepSpeed 0.19 (``runtime/zero/stage_1_and_2.py``,
+``stage3.py``) holds besides, per rank:
+
+* stage 1: full 16-bit gradients through backward; at ``step()`` a flat copy of the rank's
+  gradient partition and its fp32 conversion (``single_grad_partition``);
+* stage 2: a contiguous 16-bit gradient partition (``grads_in_partition``), allocated when
+  the first reduce bucket is flushed early in backward, and the fp32 conversion at ``step()``;
+* stage 3: a persistent 16-bit gradient partition (``grad_partitions_flat_buffer``),
+  parameters below ``stage3_param_persistence_threshold`` elements kept whole on every rank,
+  and during forward/backward the gathered parameters of the running module;
+* stages 1-3: the gradient reduce bucket (``reduce_bucket_size`` elements).
+
+**Offload** (ZeRO-Offload, Ren et al. 2021, sec. 4.1): optimizer offload moves the fp32
+master, the moments *and the fp32 gradients* to host memory; the device keeps the 16-bit
+parameters and the 16-bit gradients in flight (the reduce bucket, and at stages 1-2 a
+staging buffer the size of the largest parameter). Parameter offload (stage 3 only;
+ZeRO-Infinity, Rajbhandari et al. 2021, sec. 5) also moves the 16-bit parameter partition to
+the host: the device keeps the small persistent parameters and the parameters gathered for
+the module that runs. DeepSpeed pins its host buffers (``pin_memory`` defaults to true), and
+the CUDA host allocator rounds each pinned block up to a power of two
+(``ATen/core/CachingHostAllocator.h``): host bytes count each pinned buffer at that size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BUCKET_ELEMENTS = 2**20  # memlab's DeepSpeed buckets (ZeRO-3's defaults allocate ~1.9 GiB/rank)
+PERSISTENCE_THRESHOLD = 10_000  # ZeRO-3 keeps parameters smaller than this whole on every rank
+SUB_GROUP_SIZE = 10**9  # DeepSpeed's default zero_optimization.sub_group_size (stage 3)
+PLAIN = {"fp32": (4, 4), "bf16": (4, 4), "fp16": (4, 4), "pure-bf16": (2, 2)}  # weights, grads
+MOMENTS = {"adamw": 2, "sgd": 1}
+OFFLOADS = ("none", "optimizer", "all")
+
+
+def under_deepspeed(zero: int, offload: str = "none") -> bool:
+    """Whether a step with this ZeRO stage and offload runs under DeepSpeed (else plain
+    PyTorch: autocast, ``torch.optim``)."""
+    return zero > 0 or offload != "none"
+
+
+def zero_formula(num_params: int, stage: int, world_size: int, *, param_bytes: int = 2,
+                 grad_bytes: int = 2, k: int = 12) -> dict[str, float]:
+    """Model-state bytes per rank from the ZeRO paper (Rajbhandari et al. 2020, sec. 5.1):
+    (2 + 2 + K) psi for mixed-precision Adam (K = 12: fp32 master, momentum, variance);
+    stage 1 divides K psi by N_d, stage 2 also the gradients, stage 3 also the parameters."""
+    if stage not in (0, 1, 2, 3) or world_size < 1:
+        raise ValueError(f"stage must be 0-3 and world_size >= 1, got {stage}, {world_size}")
+    n = world_size
+    return {"parameters": param_bytes * num_params / (n if stage >= 3 else 1),
+            "gradients": grad_bytes * num_params / (n if stage >= 2 else 1),
+            "optimizer": k * num_params / (n if stage >= 1 else 1)}
+
+
+def zero_saving(stage: int, n: int, k: int = 12) -> float:
+    """Model-state saving of ZeRO stage ``stage`` on ``n`` ranks against stage 0, with
+    mixed-precision Adam: ``1 - zero_formula(stage, n) / zero_formula(0, 1)``."""
+    base = sum(zero_formula(1, 0, 1, k=k).values())
+    return 1 - sum(zero_formula(1, stage, n, k=k).values()) / base
+
+
+def pinned_bytes(nbytes: float) -> int:
+    """Host bytes of a pinned buffer: the CUDA host allocator rounds it to a power of two."""
+    n = int(nbytes)
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def param_numels(cfg) -> list[int]:
+    """Elements of every parameter of a model config (GPT: closed form; UNet: built on the
+    ``meta`` device, which allocates nothing)."""
+    from .models import GPTConfig
+    if not isinstance(cfg, GPTConfig):
+        import torch
+        from .models import build_model
+        with torch.device("meta"):
+            return [p.numel() for p in build_model(cfg).parameters()]
+    d, f, v, L = cfg.d_model, cfg.hidden, cfg.vocab_size, cfg.n_layer
+    kv = cfg.kv_heads * cfg.head_dim  # width of k and of v (grouped-query attention)
+    b = cfg.bias
+    norm = ([d, d] if b else [d]) if cfg.norm == "layernorm" else [d]
+    layer = 2 * norm + [(d + 2 * kv) * d, d * d, d * f, f * d]  # fused qkv, proj, MLP
+    if cfg.has_qkv_bias:
+        layer.append(d + 2 * kv)
+    layer += ([d, f, d] if b else [])
+    if cfg.mlp == "swiglu":
+        layer += [d * f] + ([f] if b else [])
+    out = [v * d] + ([cfg.block_size * d] if cfg.position == "learned" else []) + L * layer + norm
+    if not cfg.tie_embeddings:
+        out.append(v * d)
+    return out
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Per-rank model-state bytes of one step, where they live and when.
+
+    Device bytes: ``parameters`` and ``optimizer`` (master copy and moments) are held all
+    step; ``gradients`` are what the step holds at the end of backward, and ``gradients_from``
+    says since when: ``"backward"`` (grown parameter by parameter), ``"first bucket"``
+    (allocated whole when the first reduce bucket is flushed: ZeRO-2) or ``"always"`` (a
+    persistent buffer: ZeRO-3). ``buffers``: DeepSpeed's gradient buffers held all step (the
+    reduce bucket, the offload staging buffer). ``gathered``: ZeRO-3's parameters gathered
+    for the running module (forward and backward). ``step_scratch``: what ``optimizer.step()``
+    adds (the gradient partition flattened and converted to fp32). ``host``: bytes in host
+    memory by category. ``compute_precision``: the precision the forward runs in
+    (``"pure-bf16"`` under DeepSpeed's 16-bit mode: no autocast, 16-bit weights).
+    """
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    deepspeed: bool
+    compute_precision: str
+    gradients_from: str = "backward"
+    buffers: float = 0.0
+    gathered: float = 0.0
+    step_scratch: float = 0.0
+    host: dict[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def host_bytes(self) -> float:
+        return float(sum(self.host.values()))
+
+    @property
+    def device_bytes(self) -> float:
+        """Device bytes at the end of backward (parameters, gradients, optimizer, buffers)."""
+        return self.parameters + self.gradients + self.optimizer + self.buffers
+
+    def as_dict(self) -> dict[str, float]:
+        """``parameters``, ``gradients``, ``optimizer`` (device) and ``host`` (all host
+        bytes): the shape :func:`model_state_bytes` returns."""
+        return {"parameters": self.parameters, "gradients": self.gradients,
+                "optimizer": self.optimizer, "host": self.host_bytes}
+
+    def peak_inputs(self) -> dict[str, float]:
+        """The quantities the estimate's peak moments use: ``parameters``, ``optimizer``,
+        ``gradients`` (grown through backward), ``held`` (gradient bytes held all step),
+        ``late`` (held from the first reduce bucket on), ``step`` (optimizer-step scratch),
+        ``gathered`` (ZeRO-3's gathered parameters in forward and backward)."""
+        always = self.gradients if self.gradients_from == "always" else 0.0
+        return {"parameters": self.parameters, "optimizer": self.optimizer,
+                "gradients": self.gradients - always, "held": self.buffers + always,
+                "late": self.gradients if self.gradients_from == "first bucket" else 0.0,
+                "step": self.step_scratch, "gathered": self.gathered}
+
+
+def _count(model) -> tuple[int, int, int]:
+    """(parameters, largest parameter, elements in ZeRO-3's persistent small parameters)."""
+    if isinstance(model, bool) or not isinstance(model, int):
+        sizes = param_numels(model)
+        return sum(sizes), max(sizes), sum(s for s in sizes if s < PERSISTENCE_THRESHOLD)
+    if model < 0:
+        raise ValueError(f"num_params must be >= 0, got {model}")
+    return model, 0, 0
+
+
+def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", zero: int = 0,
+                 world_size: int = 1, offload: str = "none", deepspeed: bool | None = None,
+                 pinned: bool = True, bucket_elements: int = BUCKET_ELEMENTS) -> ModelStates:
+    """Per-rank model states of a step (see the module docstring for the layouts).
+
+    ``model`` is a model config (exact largest and small parameters for DeepSpeed's buffers)
+    or a parameter count (buffers then left out). ``deepspeed=None`` decides by
+    :func:`under_deepspeed`; ``True`` gives DeepSpeed's layout at stage 0 too (what a
+    DeepSpeed config with stage 0 runs). ``pinned=False`` counts host buffers at their own
+    size (DeepSpeed's CPU accelerator does not pin).
+    """
+    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+        raise ValueError(f"ZeRO stage {zero!r} is outside 0-3")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size {world_size!r} must be a positive integer")
+    if precision not in PLAIN:
+        raise ValueError(f"precision={precision!r}; allowed: {', '.join(PLAIN)}")
+    if optimizer not in MOMENTS:
+        raise ValueError(f"optimizer={optimizer!r}; allowed: {', '.join(MOMENTS)}")
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload={offload!r}; allowed: {', '.join(OFFLOADS)}")
+    if offload == "all" and zero != 3:
+        raise ValueError(f"offload='all' (parameters too) needs ZeRO stage 3, got stage {zero}")
+    if offload == "optimizer" and zero == 0:
+        raise ValueError("offload='optimizer' needs ZeRO stage 1-3 (DeepSpeed's ZeRO optimizer), "
+                         "got stage 0")
+    psi, largest, small = _count(model)
+    moments = MOMENTS[optimizer]
+    ds = under_deepspeed(zero, offload) if deepspeed is None else deepspeed
+    if not ds:
+        if zero or offload != "none":
+            raise ValueError("ZeRO and offload run under DeepSpeed: deepspeed=False needs zero=0 "
+                             "and offload='none'")
+        w, g = PLAIN[precision]
+        return ModelStates(w * psi, g * psi, moments * w * psi, False, precision)
+    e = 4 if precision == "fp32" else 2  # DeepSpeed's bf16/fp16 mode casts the model to 16 bits
+    compute = "fp32" if e == 4 else "pure-bf16"
+    master = 0 if (e == 4 and zero == 0) else 4  # fp32 stage 0: the model is the master
+    n = world_size
+    shard = n if zero >= 1 else 1
+    notes = [f"DeepSpeed layout: {e} + {e} + {master + 4 * moments} bytes per parameter "
+             f"(weights, gradients, fp32 master and moments), ZeRO-{zero} over {n} rank(s)"]
+    params = e * psi / (n if zero >= 3 else 1) + (e * small if zero >= 3 else 0)
+    grads = e * psi / (n if zero >= 2 else 1)
+    opt = (master + 4 * moments) * psi / shard
+    grads_from = {0: "backward", 1: "backward", 2: "first bucket", 3: "always"}[zero]
+    bucket = e * bucket_elements if zero >= 1 else 0
+    buffers = bucket
+    gathered = e * (largest + bucket_elements) if zero >= 3 else 0.0
+    # step(): stage 1 (and stage 0's 16-bit optimizer) flattens the gradient partition, the
+    # 16-bit modes convert it to fp32; fp32 stage 0 is torch's own optimizer, no copy
+    flat = zero == 1 or (zero == 0 and e != 4)
+    scratch = (e * psi / shard if flat else 0.0) + (4 * psi / shard if e != 4 else 0.0)
+    host: dict[str, float] = {}
+    pin = pinned_bytes if pinned else (lambda b: int(b))
+
+    def add(category: str, nbytes: float) -> None:
+        host[category] = host.get(category, 0.0) + nbytes
+
+    if offload in ("optimizer", "all"):
+        part = psi / shard  # elements of this rank's partition
+        add("optimizer", 4 * moments * part)  # torch.optim's moments: ordinary host memory
+        opt, scratch = 0.0, 0.0
+        if zero <= 2:
+            add("optimizer", pin(4 * part))            # fp32 master partition (pinned)
+            add("gradients", pin(4 * part))            # fp32 gradient partition (pinned)
+            add("gradients", pin(4 * largest))         # host staging of one parameter's gradient
+            add("parameters", pin(e * part))           # 16-bit copy of the updated partition
+            buffers = bucket + e * largest             # device staging of one parameter's gradient
+            grads, grads_from = 0.0, "backward"
+        else:
+            add("optimizer", 4 * part)                 # fp32 master (unpinned clone)
+            chunks = [SUB_GROUP_SIZE] * int(part // SUB_GROUP_SIZE) + [part % SUB_GROUP_SIZE]
+            add("gradients", sum(pin(4 * c) for c in chunks))  # fp32 gradients per sub-group
+            add("gradients", pin(e * part))            # the 16-bit gradient partition
+            grads = 0.0
+        notes.append("offload: fp32 master, moments and fp32 gradients in host memory")
+    if offload == "all":
+        add("parameters", pin(e * psi / n))            # the 16-bit parameter partition
+        params = e * small
+        notes.append("parameter offload: the device keeps the small persistent parameters and "
+                     "those gathered for the running module")
+    return ModelStates(params, grads, opt, True, compute, grads_from, buffers, gathered, scratch,
+                       host, tuple(notes))
+
+
+def model_state_bytes(num_params: int, *, precision: str = "fp32", optimizer: str = "adamw",
+                      zero: int = 0, world_size: int = 1, offload: str = "none") -> dict[str, float]:
+    """Parameters, gradients and optimizer state per rank on the device, and the bytes in
+    host memory (``"host"``), for a model of ``num_params`` parameters: plain PyTorch without
+    ZeRO or offload, DeepSpeed's layout with them (:func:`model_states`)."""
+    return model_states(num_params, precision=precision, optimizer=optimizer, zero=zero,
+                        world_size=world_size, offload=offload).as_dict()
+
+
+def bytes_per_param(precision: str, stage: int, world_size: int, *, optimizer: str = "adamw",
+                    deepspeed: bool = True) -> dict[str, float]:
+    """Bytes per parameter on one rank: ``parameters``, ``gradients`` and ``optimizer`` (fp32
+    master and moments) as :func:`model_states` counts them (DeepSpeed's layout by default)."""
+    s = model_states(1, precision=precision, optimizer=optimizer, zero=stage,
+                     world_size=world_size, deepspeed=deepspeed)
+    return {"parameters": s.parameters, "gradients": s.gradients, "optimizer": s.optimizer}
+
+
+__all__ = ["ModelStates", "model_states", "model_state_bytes", "zero_formula", "zero_saving",
+           "under_deepspeed", "bytes_per_param", "param_numels", "pinned_bytes",
+           "BUCKET_ELEMENTS", "PERSISTENCE_THRESHOLD", "SUB_GROUP_SIZE"]

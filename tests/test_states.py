@@ -1,0 +1,92 @@
+"""memlab.states: one model-state formula for every lens, in plain PyTorch's and DeepSpeed's
+layouts."""
+import pytest
+
+from memlab.estimate import model_state_bytes as estimate_msb, zero_formula as estimate_zf
+from memlab.distributed import zero_formula as distributed_zf
+from memlab.models import PRESETS, UNET_PRESETS, build_model, get_config
+from memlab.report import zero_saving as report_zs
+from memlab.states import (bytes_per_param, model_state_bytes, model_states, param_numels,
+                           pinned_bytes, under_deepspeed, zero_formula, zero_saving)
+
+PSI = 10**9
+
+
+def test_one_source():
+    assert estimate_msb is model_state_bytes and estimate_zf is zero_formula is distributed_zf
+    assert report_zs is zero_saving
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_param_numels_add_up_to_the_closed_form(name):
+    cfg = get_config(name)
+    assert sum(param_numels(cfg)) == cfg.num_params()
+
+
+def test_param_numels_of_the_unet_are_its_parameters():
+    cfg = get_config(next(iter(UNET_PRESETS)))
+    assert sorted(param_numels(cfg)) == sorted(p.numel() for p in build_model(cfg).parameters())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_deepspeed_bf16_is_the_papers_2_2_12(stage, n):
+    """Rajbhandari et al. 2020, sec. 5.1: (2 + 2 + 12) psi, partitioned by stage."""
+    ours = bytes_per_param("bf16", stage, n)
+    paper = zero_formula(1, stage, n)
+    assert ours == pytest.approx(paper)
+
+
+def test_deepspeed_fp32_keeps_a_master_copy_from_stage_1():
+    """The CPU measurement of DeepSpeed fp32 on 2 ranks (tiny: 14.26 MiB of fp32 weights):
+    stage 0 optimizer 28.51 MiB (two moments, no master); stage 1 master 7.13 + moments
+    14.26 MiB per rank."""
+    assert bytes_per_param("fp32", 0, 2) == {"parameters": 4, "gradients": 4, "optimizer": 8}
+    mib_per_byte = 14.26 / 4  # MiB of the tiny model per byte per parameter
+    assert bytes_per_param("fp32", 1, 2)["optimizer"] * mib_per_byte == pytest.approx(7.13 + 14.26, rel=1e-3)
+    assert bytes_per_param("fp32", 3, 2) == {"parameters": 2, "gradients": 2, "optimizer": 6}
+
+
+def test_plain_pytorch_autocast_keeps_fp32_weights():
+    s = model_state_bytes(PSI, precision="bf16")
+    assert (s["parameters"], s["gradients"], s["optimizer"], s["host"]) == (4 * PSI, 4 * PSI, 8 * PSI, 0)
+    pure = model_state_bytes(PSI, precision="pure-bf16", optimizer="sgd")
+    assert (pure["parameters"], pure["optimizer"]) == (2 * PSI, 2 * PSI)
+    assert not under_deepspeed(0, "none") and under_deepspeed(1) and under_deepspeed(2, "optimizer")
+
+
+def test_offload_moves_master_moments_and_gradients_to_the_host():
+    """ZeRO-Offload (Ren et al. 2021, sec. 4.1): fp32 master, moments and gradients on the
+    host; the device keeps the 16-bit parameters (and, stage 3 + parameter offload, only the
+    small persistent ones)."""
+    cfg = get_config("gpt2-large")
+    psi = cfg.num_params()
+    off = model_states(cfg, precision="bf16", zero=2, offload="optimizer", pinned=False)
+    assert off.optimizer == 0 and off.gradients == 0 and off.parameters == 2 * psi
+    assert off.host["optimizer"] == 12 * psi and off.host["parameters"] == 2 * psi
+    largest = get_config("gpt2-large").vocab_size * cfg.d_model  # the tied embedding
+    assert off.host["gradients"] == 4 * psi + 4 * largest
+    inf = model_states(cfg, precision="bf16", zero=3, offload="all", pinned=False)
+    small = sum(p for p in param_numels(cfg) if p < 10_000)  # biases and norms
+    assert inf.parameters == 2 * small and inf.host["parameters"] == 2 * psi
+    assert inf.gathered == 2 * (largest + 2**20)
+    pinned = model_states(cfg, precision="bf16", zero=2, offload="optimizer")
+    assert pinned.host["gradients"] == pinned_bytes(4 * psi) + pinned_bytes(4 * largest)
+
+
+def test_pinned_host_blocks_are_powers_of_two():
+    assert [pinned_bytes(b) for b in (0, 1, 3, 4096, 4097, 3 * 2**30)] == \
+        [0, 1, 4, 4096, 8192, 4 * 2**30]
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(zero=0, offload="optimizer"), "offload='optimizer' needs ZeRO stage 1-3"),
+    (dict(zero=2, offload="all"), "offload='all' (parameters too) needs ZeRO stage 3"),
+    (dict(zero=4), "ZeRO stage 4 is outside 0-3"),
+    (dict(precision="fp8"), "precision='fp8'; allowed"),
+    (dict(optimizer="lion"), "optimizer='lion'; allowed"),
+    (dict(world_size=0), "world size 0 must be a positive integer"),
+])
+def test_bad_input_names_the_value(kw, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        model_states(PSI, **kw)
