@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from .errors import InputError
 # the paper's per-rank formula (re-exported for lesson 06) and memlab's DeepSpeed buckets: one
 # source in memlab.states, which the estimate and the advisor read too
 from .states import BUCKET_ELEMENTS, PERSISTENCE_THRESHOLD, zero_formula
@@ -30,11 +31,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class RankError(RuntimeError):
-    """A rank raised, died or timed out. ``rank`` is its number, ``detail`` its message."""
+    """A rank raised, died or timed out. ``rank`` is its number, ``detail`` its message,
+    ``partial`` the results other ranks had returned by then (rank -> result)."""
 
-    def __init__(self, rank: int | None, detail: str):
+    def __init__(self, rank: int | None, detail: str, partial: dict | None = None):
         self.rank = rank
         self.detail = detail
+        self.partial = dict(partial or {})
         where = f"rank {rank}" if rank is not None else "ranks"
         super().__init__(f"{where} failed: {detail}")
 
@@ -75,7 +78,7 @@ def _resolve(worker: str | Callable) -> Callable:
         return worker
     module, _, name = worker.partition(":")
     if not module or not name:
-        raise ValueError(f"worker {worker!r} must be 'module:function'")
+        raise InputError(f"worker {worker!r} must be 'module:function'")
     fn = importlib.import_module(module)
     for part in name.split("."):
         fn = getattr(fn, part)
@@ -90,10 +93,10 @@ def _check_importable(worker: str | Callable) -> None:
     qual = getattr(worker, "__qualname__", "")
     mod = getattr(worker, "__module__", None)
     if "<lambda>" in qual or "<locals>" in qual or mod is None:
-        raise ValueError(f"worker {qual or worker!r} must be a top-level function of an "
+        raise InputError(f"worker {qual or worker!r} must be a top-level function of an "
                          f"importable module (spawned ranks import it)")
     if mod == "__main__" and not getattr(sys.modules["__main__"], "__file__", None):
-        raise ValueError(f"worker {qual!r} is defined in a notebook or REPL; spawned ranks "
+        raise InputError(f"worker {qual!r} is defined in a notebook or REPL; spawned ranks "
                          f"cannot import it: put it in a module (e.g. memlab/...) and pass it")
 
 
@@ -152,14 +155,14 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
     seconds; all ranks are killed before it is raised.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        raise InputError(f"world_size must be a positive integer, got {world_size!r}")
     if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        raise InputError(f"timeout must be positive seconds, got {timeout!r}")
     backend = backend or default_backend()
     if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r}; allowed: gloo, nccl")
+        raise InputError(f"backend={backend!r}; allowed: gloo, nccl")
     if backend == "nccl" and torch.cuda.device_count() < 1:
-        raise ValueError("backend='nccl' needs a CUDA GPU; use 'gloo' on CPU")
+        raise InputError("backend='nccl' needs a CUDA GPU; use 'gloo' on CPU")
     _check_importable(worker)
     set_cache_env()  # spawned children inherit it
     ctx = mp.get_context("spawn")
@@ -186,15 +189,15 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
                         r = dead[0]
                         raise RankError(r, f"exited with code {procs[r].exitcode} without a "
                                            f"result (killed, crashed, os._exit, or failed to "
-                                           f"start: see its stderr)") from None
+                                           f"start: see its stderr)", out) from None
                 elif time.monotonic() > deadline:
                     pending = [r for r in range(world_size) if r not in out]
                     raise RankError(pending[0], f"timed out after {timeout:g} s "
-                                                f"(ranks {pending} still running)") from None
+                                                f"(ranks {pending} still running)", out) from None
                 else:
                     continue
             if not ok:
-                raise RankError(rank, value)
+                raise RankError(rank, value, out)
             out[rank] = value
         for p in procs:
             p.join(timeout=30)
@@ -230,16 +233,16 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
     (``torch_adam``): no op is compiled, and the state lives where ZeRO puts it.
     """
     if step.precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision={step.precision!r} for DeepSpeed here; allowed: fp32, bf16 "
+        raise InputError(f"precision={step.precision!r} for DeepSpeed here; allowed: fp32, bf16 "
                          f"(fp16 loss scaling is not supported by DeepSpeed's CPU accelerator)")
     if step.optimizer != "adamw":
-        raise ValueError(f"optimizer={step.optimizer!r} for DeepSpeed here; allowed: adamw")
+        raise InputError(f"optimizer={step.optimizer!r} for DeepSpeed here; allowed: adamw")
     if step.offload == "all" and step.zero != 3:
-        raise ValueError(f"offload='all' (parameters too) needs ZeRO stage 3, got stage {step.zero}")
+        raise InputError(f"offload='all' (parameters too) needs ZeRO stage 3, got stage {step.zero}")
     if step.offload == "optimizer" and step.zero == 0:
-        raise ValueError("offload='optimizer' needs ZeRO stage 1-3, got stage 0")
+        raise InputError("offload='optimizer' needs ZeRO stage 1-3, got stage 0")
     if bucket_elements < 1:
-        raise ValueError(f"bucket_elements must be positive, got {bucket_elements}")
+        raise InputError(f"bucket_elements must be positive, got {bucket_elements}")
     zero: dict[str, Any] = {"stage": step.zero, "reduce_bucket_size": bucket_elements,
                             "allgather_bucket_size": bucket_elements,
                             "contiguous_gradients": True, "overlap_comm": False}
@@ -333,10 +336,16 @@ def _host_accounts(offload: str) -> tuple[str, ...]:
     return ()
 
 
-def zero_rank_step(rank: int, world_size: int, step, steps: int = 2) -> dict:
-    """Build a DeepSpeed engine for ``step``, warm up, account, and track one step."""
+def zero_rank_step(rank: int, world_size: int, step, steps: int = 2,
+                   budget: int | str | None = None) -> dict:
+    """Build a DeepSpeed engine for ``step``, warm up, account, and track one step.
+
+    ``budget`` (bytes, a size or a GPU preset) is this rank's: the warm-up and the tracked
+    step run under a budgeted tracker, and an OOM comes back as the result's ``oom`` (an
+    :class:`~memlab.tracking.OOMInfo`) with the step abandoned."""
     import gc
     import deepspeed
+    from .hardware import resolve_budget
     from .step import build_trainer, make_batch
     from .tracking import MemoryTracker
 
@@ -359,14 +368,11 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2) -> dict:
             del loss
         return acc
 
-    for _ in range(steps - 1):
-        one_step()  # warm-up: Adam's state exists afterwards
-    opt = engine.optimizer
-    inner = getattr(opt, "optimizer", None)
-    # host memory is whatever is not on the engine's device (offloaded master, moments, grads)
-    tracker = MemoryTracker(device=engine.device)
-    start = time.perf_counter()
-    with tracker:
+    budget_bytes = resolve_budget(budget)
+
+    def register(tracker: MemoryTracker) -> None:
+        opt = engine.optimizer
+        inner = getattr(opt, "optimizer", None)
         tracker.track_model(engine.module)
         if step.zero == 3:
             tracker.track_tensors((p.ds_tensor for p in engine.module.parameters()), "parameters")
@@ -376,22 +382,47 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2) -> dict:
             tracker.track_optimizer(inner)
         tracker.track_tensors(batch, "other")
         tracker.reset_peak()
-        acc = one_step(account=True)
+
+    def run(tracker: MemoryTracker, n: int, account: bool) -> dict | None:
+        """``n`` steps under ``tracker``; an OOM is recorded in ``tracker.oom``. Every rank
+        holds the same shapes, so under one budget the ranks run out at the same op."""
+        acc = None
+        try:
+            with tracker:
+                register(tracker)
+                for _ in range(n):
+                    acc = one_step(account=account)
+        except torch.OutOfMemoryError as e:
+            traceback.clear_frames(e.__traceback__)
+        return acc
+
+    # host memory is whatever is not on the engine's device (offloaded master, moments, grads)
+    warm = MemoryTracker(budget_bytes, device=engine.device)
+    if budget_bytes is None:
+        for _ in range(steps - 1):
+            one_step()  # warm-up: Adam's state exists afterwards
+    else:
+        run(warm, steps - 1, False)  # the budget covers the warm-up too
+    tracker = MemoryTracker(budget_bytes, device=engine.device)
+    start = time.perf_counter()
+    acc = run(tracker, 1, True) if warm.oom is None else None
     seconds = time.perf_counter() - start
+    used = tracker if warm.oom is None else warm
     out = {"rank": rank, "device": torch.device(engine.device).type,
-           "peak_bytes": tracker.peak_bytes, "by_category": tracker.peak_by_category(),
-           "host_bytes": tracker.host_peak_bytes,
-           "host_by_category": tracker.host_peak_by_category(), "accounting": acc,
-           "cuda_stats": dict(tracker.cuda_stats), "step_seconds": seconds,
-           "host_accounts": _host_accounts(step.offload)}
-    del engine, opt, inner, model
+           "peak_bytes": used.peak_bytes, "by_category": used.peak_by_category(),
+           "host_bytes": used.host_peak_bytes,
+           "host_by_category": used.host_peak_by_category(), "accounting": acc,
+           "cuda_stats": dict(used.cuda_stats), "step_seconds": seconds,
+           "host_accounts": _host_accounts(step.offload), "oom": used.oom}
+    del engine, model, warm, tracker, used
     gc.collect()
     return out
 
 
-def zero_worker(rank: int, world_size: int, steps: list) -> list[dict]:
+def zero_worker(rank: int, world_size: int, steps: list, budget: int | None = None) -> list[dict]:
     """Run each :class:`StepConfig` in ``steps`` with DeepSpeed on this rank, one after
-    another in one process group (one launch for several stages saves start-up time)."""
+    another in one process group (one launch for several stages saves start-up time);
+    ``budget`` is each rank's (see :func:`zero_rank_step`)."""
     import logging
     import warnings
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -399,17 +430,21 @@ def zero_worker(rank: int, world_size: int, steps: list) -> list[dict]:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     import deepspeed
     deepspeed.init_distributed(dist_backend=default_backend())
-    return [zero_rank_step(rank, world_size, s) for s in steps]
+    return [zero_rank_step(rank, world_size, s, budget=budget) for s in steps]
 
 
-def _rank_report(step, res: dict, device: str):
+def _rank_report(step, res: dict, device: str, budget_bytes: int | None = None):
     """One rank's report: the tracker's device peak and host peak (on a GPU, offloaded state
     is host memory), DeepSpeed's exact accounting and, on CUDA, the allocator's figures."""
     from .measure import add_workspace
     from .step import MemoryReport
     rep = MemoryReport("measure", step, device, res["peak_bytes"], dict(res["by_category"]),
-                       step_seconds=res["step_seconds"], host_bytes=res.get("host_bytes", 0),
+                       budget_bytes, step_seconds=res["step_seconds"], oom=res.get("oom"),
+                       host_bytes=res.get("host_bytes", 0),
                        host_by_category=dict(res.get("host_by_category", {})))
+    if res.get("accounting") is None:  # the step ran out of its budget before accounting
+        rep.notes.append(f"rank {res['rank']} of {step.world_size}: out of its budget")
+        return rep
     acc = dict(res["accounting"])
     host = sum(acc[k] for k in res["host_accounts"])
     acc["host_bytes"] = host
@@ -434,34 +469,73 @@ def _rank_report(step, res: dict, device: str):
     return rep
 
 
-def measure_zero(steps: list, *, device: str = "cpu", timeout: float = 600.0) -> list:
+def _oom_after_failure(error: RankError, step, device: str, budget_bytes: int | None):
+    """The report of a one-step launch in which a rank ran out of its budget and returned,
+    and a peer, still inside a collective, lost its connection and failed: the OOM is the
+    finding, not the peer's broken pipe. Re-raises ``error`` when no rank reported an OOM."""
+    from .step import MemoryReport
+    ooms = sorted(r for r, res in error.partial.items() if res[0].get("oom") is not None)
+    if not ooms:
+        raise error
+    per = [_rank_report(step, error.partial[r][0], device, budget_bytes) for r in ooms]
+    rep = MemoryReport("measure", step, device, per[0].peak_bytes, dict(per[0].by_category),
+                       budget_bytes, oom=per[0].oom, per_rank=per)
+    rep.notes.append(f"rank {ooms[0]} ran out of its budget; rank {error.rank} then failed: "
+                     f"{error.detail.splitlines()[0]}")
+    return rep
+
+
+def measure_zero(steps: list, *, device: str = "cpu", timeout: float = 600.0,
+                 budget: int | str | None = None) -> list:
     """Measure several ZeRO configurations in one multi-rank launch.
 
     All ``steps`` must share ``world_size``. Returns one :class:`MemoryReport` per step
-    (lens "measure", the peak of rank 0, ``per_rank`` one report per rank).
+    (lens "measure", the peak of rank 0, ``per_rank`` one report per rank). ``budget`` is
+    each rank's, enforced in the ranks. Before anything is spawned, every step is checked
+    against this host (:func:`memlab.guard.preflight`, all ranks together): one it cannot hold
+    raises :class:`~memlab.errors.HostMemoryError`; one whose model states exceed the budget
+    comes back ``fits: false`` at phase ``build`` without being run.
     """
+    from .guard import preflight
+    from .hardware import resolve_budget
     from .step import MemoryReport
     steps = list(steps)
     if not steps:
-        raise ValueError("steps is empty; give at least one StepConfig")
+        raise InputError("steps is empty; give at least one StepConfig")
     sizes = {s.world_size for s in steps}
     if len(sizes) != 1:
-        raise ValueError(f"all steps must share one world_size, got {sorted(sizes)}")
+        raise InputError(f"all steps must share one world_size, got {sorted(sizes)}")
     for s in steps:
         deepspeed_config(s)  # validate before spawning anything
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}; allowed: cpu, cuda")
+        raise InputError(f"device={device!r}; allowed: cpu, cuda")
+    budget_bytes = resolve_budget(budget)
+    refused = {i: preflight(s, device, budget_bytes, spawned=True) for i, s in enumerate(steps)}
+    todo = [s for i, s in enumerate(steps) if refused[i] is None]
     backend = "nccl" if device == "cuda" else "gloo"
     world = sizes.pop()
-    ranks = run_ranks(zero_worker, world, kwargs={"steps": steps}, timeout=timeout,
-                      backend=backend)
-    reports = []
+    ranks = []
+    if todo:
+        try:
+            ranks = run_ranks(zero_worker, world, kwargs={"steps": todo, "budget": budget_bytes},
+                              timeout=timeout, backend=backend)
+        except RankError as e:
+            if len(todo) > 1:
+                raise
+            rep = _oom_after_failure(e, todo[0], device, budget_bytes)
+            return [refused[i] or rep for i in range(len(steps))]
+    reports, j = [], 0
     for i, s in enumerate(steps):
-        per = [_rank_report(s, ranks[r][i], device) for r in range(world)]
+        if refused[i] is not None:
+            reports.append(refused[i])
+            continue
+        per = [_rank_report(s, ranks[r][j], device, budget_bytes) for r in range(world)]
+        j += 1
         top = max(per, key=lambda r: r.peak_bytes)
+        oom = next((r.oom for r in per if r.oom is not None), None)
         rep = MemoryReport("measure", s, device, top.peak_bytes, dict(top.by_category),
-                           step_seconds=max(r.step_seconds for r in per), per_rank=per,
-                           allocator=dict(top.allocator), host_bytes=top.host_bytes,
+                           budget_bytes, step_seconds=max(r.step_seconds for r in per), oom=oom,
+                           per_rank=per, allocator=dict(top.allocator), host_bytes=top.host_bytes,
                            host_by_category=dict(top.host_by_category),
                            tracked_peak_bytes=top.tracked_peak_bytes)
         rep.notes.append(f"DeepSpeed ZeRO-{s.zero}, {world} ranks ({backend}); peak and "
@@ -470,14 +544,16 @@ def measure_zero(steps: list, *, device: str = "cpu", timeout: float = 600.0) ->
     return reports
 
 
-def measure_distributed(step=None, *, device: str = "cpu", timeout: float = 600.0, **overrides):
+def measure_distributed(step=None, *, device: str = "cpu", timeout: float = 600.0,
+                        budget: int | str | None = None, **overrides):
     """One ZeRO step on ``step.world_size`` ranks with DeepSpeed: a :class:`MemoryReport`
-    whose ``per_rank`` holds one report per rank (``to_dict()["per_rank"]``)."""
+    whose ``per_rank`` holds one report per rank (``to_dict()["per_rank"]``). ``budget`` is
+    each rank's, enforced in the ranks (see :func:`measure_zero`)."""
     from .step import StepConfig
     from dataclasses import replace
     step = step or StepConfig()
     step = replace(step, **overrides) if overrides else step
-    return measure_zero([step], device=device, timeout=timeout)[0]
+    return measure_zero([step], device=device, timeout=timeout, budget=budget)[0]
 
 
 # --------------------------------------------------------------------------------------
@@ -586,7 +662,7 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, *
     world_size = world_size or step.world_size
     step = replace(step, world_size=world_size, zero=3, **overrides)
     if step.precision != "fp32":
-        raise ValueError(f"precision={step.precision!r} for simulate_sharded; allowed: fp32")
+        raise InputError(f"precision={step.precision!r} for simulate_sharded; allowed: fp32")
     if dist.is_initialized():
         raise RuntimeError("a process group already exists in this process; simulate_sharded "
                            "needs its own fake one (run it outside a distributed job)")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from ..errors import InputError
 from ..step import MemoryReport, StepConfig
 
 
@@ -69,7 +70,7 @@ class ParallelResult:
                 runs = [x for x in r["runs"] if (schedule is None or x["schedule"] == schedule)
                         and (m is None or x["m"] == m) and "peak_bytes" in x]
                 if not runs:
-                    raise ValueError(f"no tracked run with schedule={schedule!r}, m={m!r}")
+                    raise InputError(f"no tracked run with schedule={schedule!r}, m={m!r}")
                 src = runs[-1]
             ranks.append(MemoryReport("measure", self.step, "cpu", src["peak_bytes"],
                                       src["by_category"], notes=[f"rank {r['rank']}"]))
