@@ -1,6 +1,5 @@
 """The three lenses agree: estimate within 5% of measure, simulate equal to measure."""
 import itertools
-import time
 
 import pytest
 
@@ -59,10 +58,9 @@ def test_measure_matches_estimate_on_the_default_step():
     assert abs(estimate_step(step).peak_bytes - real.peak_bytes) / real.peak_bytes < 0.05
 
 
-def test_gpt2_xl_simulates_quickly_and_fits_an_a100_40gb():
-    start = time.perf_counter()
+def test_gpt2_xl_simulates_and_fits_an_a100_40gb():
+    # its speed is a benchmark's claim (benchmarks/), not a timed test's
     rep = simulate_step(StepConfig(model="gpt2-xl", seq=1024, batch=1), budget="A100-40GB")
-    assert time.perf_counter() - start < 30  # < 10 s on an idle 2-core machine
     assert rep.fits
     assert rep.by_category["parameters"] == 4 * get_config("gpt2-xl").num_params()
 
