@@ -31,10 +31,12 @@ Where the numbers come from:
   shapes), and process RSS grew 4.3% + about 115 MiB above the tracked bytes (gpt2-small
   seq 128 batch 2: 2194 MiB estimated, 2404 MiB RSS growth; tiny: +115 to +130 MiB), so
   ``1.05 x 1.05 ~ 1.10``, rounded up to 1.15, and 256 MiB over the 210 MiB seen.
-* CUDA (``data/reference/NVIDIA-H200``): the allocator's peak is up to 1.147 x the estimate
-  on GPT steps (CUDA autocast keeps fp32 softmax), and a fresh process reserves up to 1.10 x
-  what it allocates, so ``1.147 x 1.10 = 1.26``, rounded up to 1.3; cuDNN and cuBLAS
-  workspaces add up to about 190 MiB the estimate does not see (UNet rows), under 256 MiB.
+* CUDA (``data/reference/NVIDIA-H200``): the allocator's peak was up to 1.147 x the CPU-policy
+  estimate on GPT steps (CUDA autocast keeps fp32 softmax), and a fresh process reserves up
+  to 1.10 x what it allocates, so ``1.147 x 1.10 = 1.26``, rounded up to 1.3; cuDNN and
+  cuBLAS workspaces add up to about 190 MiB the CPU-policy estimate does not see (UNet rows),
+  under 256 MiB. On CUDA the guard reads the CUDA target's estimate (:mod:`memlab.policy`),
+  which follows those kernels, so the margin is on the safe side there.
 * DeepSpeed ranks on CPU: each rank builds the whole model before DeepSpeed copies it into
   its flat buffers, and glibc keeps what is freed; measured RSS per rank 3.13 GiB for
   gpt2-small ZeRO-3 on 2 ranks (estimate 1.48 GiB per rank) and 0.55 GiB for tiny ZeRO-2
@@ -153,10 +155,11 @@ class StepEstimate:
     by_category: dict = field(default_factory=dict)
 
 
-def estimate_for(step: StepConfig) -> StepEstimate:
-    """The figures :func:`preflight` works from, per rank, from the closed-form estimate."""
+def estimate_for(step: StepConfig, target: str = "cpu") -> StepEstimate:
+    """The figures :func:`preflight` works from, per rank, from the closed-form estimate for
+    the device the step will run on (``target``: ``"cpu"`` or ``"cuda"``)."""
     from .estimate import estimate_step, model_state_bytes
-    est = estimate_step(step)
+    est = estimate_step(step, target=target)
     states = model_state_bytes(step.model_config.num_params(), precision=step.precision,
                                optimizer=step.optimizer, zero=step.zero,
                                world_size=step.world_size, offload=step.offload)
@@ -210,7 +213,7 @@ def memory_needs(step: StepConfig, device: torch.device | str = "cpu",
     host), host RAM for all of them, the address space of each under ``ulimit -v``, and on
     CUDA the free memory of the GPUs they share."""
     device = torch.device(device)
-    est = est or estimate_for(step)
+    est = est or estimate_for(step, device.type)
     kind = device.type
     headroom = process_headroom_bytes()
     if not spawned:
@@ -253,7 +256,7 @@ def build_oom_report(step: StepConfig, device: str, budget_bytes: int,
                      est: StepEstimate | None = None) -> MemoryReport | None:
     """A ``fits: false`` report with an OOM at phase ``build`` when the parameters and the
     optimizer state of one rank alone exceed ``budget_bytes``; ``None`` when they fit."""
-    est = est or estimate_for(step)
+    est = est or estimate_for(step, device)
     built = est.parameters + est.optimizer
     if built <= budget_bytes:
         return None
@@ -283,7 +286,7 @@ def preflight(step: StepConfig, device: torch.device | str = "cpu",
     its model states, :class:`HostMemoryError` when this machine cannot hold the step, else
     ``None`` (go ahead)."""
     device = torch.device(device)
-    est = estimate_for(step)
+    est = estimate_for(step, device.type)
     if budget_bytes is not None:
         refused = build_oom_report(step, device.type, budget_bytes, est)
         if refused is not None:

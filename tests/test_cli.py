@@ -54,8 +54,9 @@ def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
     (["measure", "--zero", "2", "--world-size", "2", "--snapshot", "s.pickle"],
      "--snapshot records one process's CUDA allocator; it is not available for multi-rank runs"),
     (["measure", "--snapshot", "s.pickle"], "with --device cpu there is none"),
-    (["simulate", "--offload", "optimizer", "--zero", "2"], "--offload optimizer: simulate keeps"),
-    (["simulate", "--zero", "2"], "--zero 2 on one rank: simulate runs ZeRO only as FSDP2"),
+    (["simulate", "--offload", "optimizer", "--zero", "3", "--world-size", "2"],
+     "the sharded simulation keeps every tensor on the device"),
+    (["simulate", "--zero", "2", "--world-size", "2"], "simulate shards with FSDP2 (ZeRO-3) only"),
     (["simulate", "--zero", "3", "--world-size", "2", "--optimizer", "sgd"],
      "the sharded simulation runs AdamW only"),
     (["measure", "--zero", "2", "--world-size", "2", "--precision", "fp16"],
@@ -65,6 +66,15 @@ def test_flags_a_command_cannot_honour_exit_2(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_one_rank_simulation_honours_zero_and_offload(capsys):
+    """On one rank the simulation puts the model states in DeepSpeed's layout: optimizer
+    offload moves the fp32 master and moments (and fp32 gradients) to the host."""
+    assert main(["simulate", "--zero", "2", "--offload", "optimizer", "--seq", "64",
+                 "--batch", "2", "--target", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["offload"] == "optimizer" and out["host_bytes"] > 0
 
 
 def test_internal_error_shows_its_traceback_and_exits_1(monkeypatch, capsys):
