@@ -4,6 +4,7 @@ Three lenses on one training step: :func:`estimate_step` (closed-form formulas),
 :func:`simulate_step` (fake tensors, for GPUs you do not have) and :func:`measure_step`
 (a real step, tracked exactly on CPU, with allocator statistics on CUDA).
 """
+from .errors import HostMemoryError, InputError
 from .estimate import estimate_step
 from .hardware import (GPU_PRESETS, Placement, fmt_bytes, parse_size, pick_device, place_ranks,
                        resolve_budget)

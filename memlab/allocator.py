@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 
+from .errors import InputError
 from .hardware import MiB, parse_size
 
 # "2.00 GiB", "20.00 MiB", "512 bytes": c10's format_size; "0 B": memlab's fmt_bytes
@@ -53,18 +54,18 @@ def read_oom(message: str) -> dict[str, int]:
     card, as the driver sees it), ``process`` (this process, PyTorch or not), ``allowed``
     (the cap of ``set_per_process_memory_fraction``), ``allocated`` (live tensors) and
     ``reserved_unallocated`` (cached by the allocator, not handed out). From memlab's
-    simulated device: ``requested``, ``in_use``, ``budget`` and ``short``. Raises ValueError
+    simulated device: ``requested``, ``in_use``, ``budget`` and ``short``. Raises InputError
     when the message is neither.
     """
     if not isinstance(message, str):
-        raise ValueError(f"message must be a string, got {type(message).__name__}")
+        raise InputError(f"message must be a string, got {type(message).__name__}")
     out = {}
     for key, pattern in _FIELDS.items():
         m = re.search(pattern, message)
         if m:
             out[key] = _bytes(m.group(1))
     if "requested" not in out:
-        raise ValueError(f"not an out-of-memory message (no 'Tried to allocate'): {message[:120]!r}")
+        raise InputError(f"not an out-of-memory message (no 'Tried to allocate'): {message[:120]!r}")
     return out
 
 
@@ -85,7 +86,7 @@ def fragment_once(big_mib: int = 1024, piece_mib: int = 60, request_mib: int = 2
     """
     import torch
     if not torch.cuda.is_available():
-        raise ValueError("fragmentation needs a CUDA GPU: the caching allocator is CUDA's")
+        raise InputError("fragmentation needs a CUDA GPU: the caching allocator is CUDA's")
     dev = torch.device("cuda", 0)
     total = torch.cuda.get_device_properties(dev).total_memory
     torch.cuda.set_per_process_memory_fraction(cap_mib * MiB / total, dev)

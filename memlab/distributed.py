@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from .errors import InputError
 from .hardware import Placement, place_ranks, rank_device, visible_gpus
 # the paper's per-rank formula (re-exported for lesson 06) and memlab's DeepSpeed buckets: one
 # source in memlab.states, which the estimate and the advisor read too
@@ -32,11 +33,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class RankError(RuntimeError):
-    """A rank raised, died or timed out. ``rank`` is its number, ``detail`` its message."""
+    """A rank raised, died or timed out. ``rank`` is its number, ``detail`` its message,
+    ``partial`` the results other ranks had returned by then (rank -> result)."""
 
-    def __init__(self, rank: int | None, detail: str):
+    def __init__(self, rank: int | None, detail: str, partial: dict | None = None):
         self.rank = rank
         self.detail = detail
+        self.partial = dict(partial or {})
         where = f"rank {rank}" if rank is not None else "ranks"
         super().__init__(f"{where} failed: {detail}")
 
@@ -77,7 +80,7 @@ def _resolve(worker: str | Callable) -> Callable:
         return worker
     module, _, name = worker.partition(":")
     if not module or not name:
-        raise ValueError(f"worker {worker!r} must be 'module:function'")
+        raise InputError(f"worker {worker!r} must be 'module:function'")
     fn = importlib.import_module(module)
     for part in name.split("."):
         fn = getattr(fn, part)
@@ -92,10 +95,10 @@ def _check_importable(worker: str | Callable) -> None:
     qual = getattr(worker, "__qualname__", "")
     mod = getattr(worker, "__module__", None)
     if "<lambda>" in qual or "<locals>" in qual or mod is None:
-        raise ValueError(f"worker {qual or worker!r} must be a top-level function of an "
+        raise InputError(f"worker {qual or worker!r} must be a top-level function of an "
                          f"importable module (spawned ranks import it)")
     if mod == "__main__" and not getattr(sys.modules["__main__"], "__file__", None):
-        raise ValueError(f"worker {qual!r} is defined in a notebook or REPL; spawned ranks "
+        raise InputError(f"worker {qual!r} is defined in a notebook or REPL; spawned ranks "
                          f"cannot import it: put it in a module (e.g. memlab/...) and pass it")
 
 
@@ -151,20 +154,20 @@ def resolve_placement(world_size: int, *, backend: str | None = None, device: st
     :func:`~memlab.hardware.place_ranks` that honours ``backend`` (``"gloo"``/``"nccl"``) or
     ``device`` (``"cpu"``/``"cuda"``; ``None``: whatever the machine has)."""
     if backend is not None and backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r}; allowed: gloo, nccl")
+        raise InputError(f"backend={backend!r}; allowed: gloo, nccl")
     if device is not None and device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}; allowed: cpu, cuda")
+        raise InputError(f"device={device!r}; allowed: cpu, cuda")
     if placement is None:
         cpu = backend == "gloo" or device == "cpu"
         placement = place_ranks(world_size, gpus=0 if cpu else None)
         if (backend == "nccl" or device == "cuda") and placement.backend != "nccl":
-            raise ValueError(f"{world_size} NCCL rank(s) need one CUDA GPU each; torch sees "
+            raise InputError(f"{world_size} NCCL rank(s) need one CUDA GPU each; torch sees "
                              f"{visible_gpus()}: use CPU ranks (device 'cpu', backend 'gloo') "
                              f"or fewer ranks")
     if placement.world_size != world_size:
-        raise ValueError(f"the placement is for {placement.world_size} rank(s), not {world_size}")
+        raise InputError(f"the placement is for {placement.world_size} rank(s), not {world_size}")
     if backend is not None and backend != placement.backend:
-        raise ValueError(f"backend={backend!r} but the placement says {placement.backend!r}")
+        raise InputError(f"backend={backend!r} but the placement says {placement.backend!r}")
     return placement
 
 
@@ -182,9 +185,9 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
     before it is raised.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        raise InputError(f"world_size must be a positive integer, got {world_size!r}")
     if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        raise InputError(f"timeout must be positive seconds, got {timeout!r}")
     placement = resolve_placement(world_size, backend=backend, placement=placement)
     _check_importable(worker)
     set_cache_env()  # spawned children inherit it
@@ -213,15 +216,15 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
                         r = dead[0]
                         raise RankError(r, f"exited with code {procs[r].exitcode} without a "
                                            f"result (killed, crashed, os._exit, or failed to "
-                                           f"start: see its stderr)") from None
+                                           f"start: see its stderr)", out) from None
                 elif time.monotonic() > deadline:
                     pending = [r for r in range(world_size) if r not in out]
                     raise RankError(pending[0], f"timed out after {timeout:g} s "
-                                                f"(ranks {pending} still running)") from None
+                                                f"(ranks {pending} still running)", out) from None
                 else:
                     continue
             if not ok:
-                raise RankError(rank, value)
+                raise RankError(rank, value, out)
             out[rank] = value
         for p in procs:
             p.join(timeout=30)
@@ -259,18 +262,18 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
     ``torch_adam=False`` (offload only) lets DeepSpeed run its compiled ``DeepSpeedCPUAdam``.
     """
     if step.precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision={step.precision!r} for DeepSpeed here; allowed: fp32, bf16 "
+        raise InputError(f"precision={step.precision!r} for DeepSpeed here; allowed: fp32, bf16 "
                          f"(fp16 loss scaling is not supported by DeepSpeed's CPU accelerator)")
     if step.optimizer != "adamw":
-        raise ValueError(f"optimizer={step.optimizer!r} for DeepSpeed here; allowed: adamw")
+        raise InputError(f"optimizer={step.optimizer!r} for DeepSpeed here; allowed: adamw")
     if step.offload == "all" and step.zero != 3:
-        raise ValueError(f"offload='all' (parameters too) needs ZeRO stage 3, got stage {step.zero}")
+        raise InputError(f"offload='all' (parameters too) needs ZeRO stage 3, got stage {step.zero}")
     if step.offload == "optimizer" and step.zero == 0:
-        raise ValueError("offload='optimizer' needs ZeRO stage 1-3, got stage 0")
+        raise InputError("offload='optimizer' needs ZeRO stage 1-3, got stage 0")
     if bucket_elements < 1:
-        raise ValueError(f"bucket_elements must be positive, got {bucket_elements}")
+        raise InputError(f"bucket_elements must be positive, got {bucket_elements}")
     if not torch_adam and step.offload == "none":
-        raise ValueError("torch_adam=False selects DeepSpeedCPUAdam, which runs on the host: "
+        raise InputError("torch_adam=False selects DeepSpeedCPUAdam, which runs on the host: "
                          "it needs offload='optimizer' or 'all'")
     zero: dict[str, Any] = {"stage": step.zero, "reduce_bucket_size": bucket_elements,
                             "allgather_bucket_size": bucket_elements,
@@ -374,17 +377,24 @@ def _rss_bytes() -> int | None:
     return psutil.Process().memory_info().rss
 
 
-def zero_rank_step(rank: int, world_size: int, step, steps: int = 2, *, torch_adam: bool = True,
+def zero_rank_step(rank: int, world_size: int, step, steps: int = 2,
+                   budget: int | str | None = None, *, torch_adam: bool = True,
                    track: bool = True) -> dict:
     """Build a DeepSpeed engine for ``step`` on this rank's device, warm up, then one timed
-    step (DeepSpeed's accounting; on CUDA the allocator's figures) and, with ``track``, one
-    tracked step (peak by category).
+    step and, with ``track``, one tracked step (peak by category, device and host).
 
     The device follows the process group (:func:`~memlab.hardware.rank_device`), never
-    ``torch.cuda.is_available()``: CPU ranks on a GPU machine build on the CPU.
-    """
+    ``torch.cuda.is_available()``: CPU ranks on a GPU machine build on the CPU. The timed step
+    runs without a tracker (a dispatch mode slows it down): its seconds, DeepSpeed's
+    accounting, on CUDA the allocator's base and peak, and the process's RSS.
+
+    ``budget`` (bytes, a size or a GPU preset) is this rank's: the warm-up and the tracked
+    step then run under a budgeted tracker (which also gives the time and the accounting),
+    and an OOM comes back as the result's ``oom`` (an :class:`~memlab.tracking.OOMInfo`)
+    with the step abandoned."""
     import gc
     import deepspeed
+    from .hardware import resolve_budget
     from .step import build_trainer, make_batch
     from .tracking import MemoryTracker
 
@@ -413,60 +423,89 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2, *, torch_ad
             del loss
         return acc
 
-    for _ in range(steps - 1):
-        one_step()  # warm-up: Adam's state exists afterwards
+    budget_bytes = resolve_budget(budget)
+
+    def register(tracker: MemoryTracker) -> None:
+        opt = engine.optimizer
+        inner = getattr(opt, "optimizer", None)
+        tracker.track_model(engine.module)
+        if step.zero == 3:
+            tracker.track_tensors((p.ds_tensor for p in engine.module.parameters()), "parameters")
+        tracker.track_tensors(_ds_tensors(opt, "single_partition_of_fp32_groups")
+                              + _ds_tensors(opt, "fp32_partitioned_groups_flat"), "optimizer")
+        if isinstance(inner, torch.optim.Optimizer):
+            tracker.track_optimizer(inner)
+        tracker.track_tensors(batch, "other")
+        tracker.reset_peak()
+
+    def run(tracker: MemoryTracker, n: int, account: bool) -> dict | None:
+        """``n`` steps under ``tracker``; an OOM is recorded in ``tracker.oom``. Every rank
+        holds the same shapes, so under one budget the ranks run out at the same op."""
+        acc = None
+        try:
+            with tracker:
+                register(tracker)
+                for _ in range(n):
+                    acc = one_step(account=account)
+        except torch.OutOfMemoryError as e:
+            traceback.clear_frames(e.__traceback__)
+        return acc
+
+    # host memory is whatever is not on the engine's device (offloaded master, moments, grads)
+    warm = MemoryTracker(budget_bytes, device=engine.device, cuda=on_cuda)
+    if budget_bytes is None:
+        for _ in range(steps - 1):
+            one_step()  # warm-up: Adam's state exists afterwards
+    else:
+        run(warm, steps - 1, False)  # the budget covers the warm-up too
     out: dict[str, Any] = {"rank": rank, "device": device.type,
                            "host_accounts": _host_accounts(step.offload),
                            "optimizer": type(getattr(engine.optimizer, "optimizer",
-                                                     engine.optimizer)).__name__}
-    # the timed step runs untracked: a dispatch mode would slow it down
-    if on_cuda:
-        torch.cuda.synchronize(device)
-        out["device_base_bytes"] = torch.cuda.memory_allocated(device) - held_before
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    out["accounting"] = one_step(account=True)
-    if on_cuda:
-        torch.cuda.synchronize(device)
-        out["device_peak_bytes"] = torch.cuda.max_memory_allocated(device) - held_before
-        out["device_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-    out["step_seconds"] = time.perf_counter() - start
-    out["rss_bytes"], out["rss_start_bytes"] = _rss_bytes(), rss_start
-    opt = engine.optimizer
-    inner = getattr(opt, "optimizer", None)
-    out.update(peak_bytes=None, by_category=None, host_bytes=0, host_by_category={},
-               cuda_stats={})
-    if track:
-        # host memory is whatever is not on the engine's device (offloaded master, moments, grads)
-        tracker = MemoryTracker(device=engine.device, cuda=on_cuda)
-        with tracker:
-            tracker.track_model(engine.module)
-            if step.zero == 3:
-                tracker.track_tensors((p.ds_tensor for p in engine.module.parameters()),
-                                      "parameters")
-            tracker.track_tensors(_ds_tensors(opt, "single_partition_of_fp32_groups")
-                                  + _ds_tensors(opt, "fp32_partitioned_groups_flat"), "optimizer")
-            if isinstance(inner, torch.optim.Optimizer):
-                tracker.track_optimizer(inner)
-            tracker.track_tensors(batch, "other")
-            tracker.reset_peak()
-            one_step()
-        out.update(peak_bytes=tracker.peak_bytes, by_category=tracker.peak_by_category(),
-                   host_bytes=tracker.host_peak_bytes,
-                   host_by_category=tracker.host_peak_by_category(),
-                   cuda_stats=dict(tracker.cuda_stats))
-    del engine, opt, inner, model, batch, micro
+                                                     engine.optimizer)).__name__,
+                           "accounting": None, "step_seconds": 0.0,
+                           "rss_start_bytes": rss_start, "rss_bytes": None}
+    if budget_bytes is None:
+        if on_cuda:
+            torch.cuda.synchronize(device)
+            out["device_base_bytes"] = torch.cuda.memory_allocated(device) - held_before
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        out["accounting"] = one_step(account=True)
+        if on_cuda:
+            torch.cuda.synchronize(device)
+            out["device_peak_bytes"] = torch.cuda.max_memory_allocated(device) - held_before
+            out["device_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        out["step_seconds"] = time.perf_counter() - start
+        out["rss_bytes"] = _rss_bytes()
+    tracker = MemoryTracker(budget_bytes, device=engine.device, cuda=on_cuda)
+    ran = warm.oom is None and (track or budget_bytes is not None)
+    if ran:
+        start = time.perf_counter()
+        acc = run(tracker, 1, budget_bytes is not None)
+        if budget_bytes is not None:
+            out["accounting"], out["step_seconds"] = acc, time.perf_counter() - start
+    used = tracker if ran else warm
+    if ran or warm.oom is not None:
+        out.update(peak_bytes=used.peak_bytes, by_category=used.peak_by_category(),
+                   host_bytes=used.host_peak_bytes, host_by_category=used.host_peak_by_category(),
+                   cuda_stats=dict(used.cuda_stats), oom=used.oom)
+    else:
+        out.update(peak_bytes=None, by_category=None, host_bytes=0, host_by_category={},
+                   cuda_stats={}, oom=None)
+    del engine, model, warm, tracker, used, batch, micro
     gc.collect()
     if on_cuda:
         torch.cuda.empty_cache()  # the next engine in this launch starts from a clean device
     return out
 
 
-def zero_worker(rank: int, world_size: int, steps: list, *, torch_adam: bool = True,
-                track: bool = True, threads: int | None = None) -> list[dict]:
+def zero_worker(rank: int, world_size: int, steps: list, budget: int | None = None, *,
+                torch_adam: bool = True, track: bool = True,
+                threads: int | None = None) -> list[dict]:
     """Run each :class:`StepConfig` in ``steps`` with DeepSpeed on this rank, one after
-    another in one process group (one launch for several stages saves start-up time).
-    ``threads``: torch's CPU threads in this rank (the host optimizer of offload uses them)."""
+    another in one process group (one launch for several stages saves start-up time);
+    ``budget`` is each rank's (see :func:`zero_rank_step`). ``threads``: torch's CPU threads
+    in this rank (the host optimizer of offload uses them)."""
     import logging
     import warnings
     import torch.distributed as dist
@@ -478,17 +517,22 @@ def zero_worker(rank: int, world_size: int, steps: list, *, torch_adam: bool = T
     import deepspeed
     deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized()
                                else default_backend(world_size))
-    return [zero_rank_step(rank, world_size, s, torch_adam=torch_adam, track=track) for s in steps]
+    return [zero_rank_step(rank, world_size, s, budget=budget, torch_adam=torch_adam, track=track)
+            for s in steps]
 
 
-def _rank_report(step, res: dict, device: str):
+def _rank_report(step, res: dict, device: str, budget_bytes: int | None = None):
     """One rank's report: the tracker's device peak and host peak (on a GPU, offloaded state
     is host memory), DeepSpeed's exact accounting and, on CUDA, the allocator's figures."""
     from .measure import add_workspace
     from .step import MemoryReport
     rep = MemoryReport("measure", step, device, res["peak_bytes"], dict(res["by_category"]),
-                       step_seconds=res["step_seconds"], host_bytes=res.get("host_bytes", 0),
+                       budget_bytes, step_seconds=res["step_seconds"], oom=res.get("oom"),
+                       host_bytes=res.get("host_bytes", 0),
                        host_by_category=dict(res.get("host_by_category", {})))
+    if res.get("accounting") is None:  # the step ran out of its budget before accounting
+        rep.notes.append(f"rank {res['rank']} of {step.world_size}: out of its budget")
+        return rep
     acc = dict(res["accounting"])
     host = sum(acc[k] for k in res["host_accounts"])
     acc["host_bytes"] = host
@@ -513,36 +557,74 @@ def _rank_report(step, res: dict, device: str):
     return rep
 
 
+def _oom_after_failure(error: RankError, step, device: str, budget_bytes: int | None):
+    """The report of a one-step launch in which a rank ran out of its budget and returned,
+    and a peer, still inside a collective, lost its connection and failed: the OOM is the
+    finding, not the peer's broken pipe. Re-raises ``error`` when no rank reported an OOM."""
+    from .step import MemoryReport
+    ooms = sorted(r for r, res in error.partial.items() if res[0].get("oom") is not None)
+    if not ooms:
+        raise error
+    per = [_rank_report(step, error.partial[r][0], device, budget_bytes) for r in ooms]
+    rep = MemoryReport("measure", step, device, per[0].peak_bytes, dict(per[0].by_category),
+                       budget_bytes, oom=per[0].oom, per_rank=per)
+    rep.notes.append(f"rank {ooms[0]} ran out of its budget; rank {error.rank} then failed: "
+                     f"{error.detail.splitlines()[0]}")
+    return rep
+
+
 def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placement | None = None,
-                 timeout: float = 600.0) -> list:
+                 timeout: float = 600.0, budget: int | str | None = None) -> list:
     """Measure several ZeRO configurations in one multi-rank launch.
 
     All ``steps`` must share ``world_size``. The ranks run where ``placement`` says, else on
-    ``device`` (``"cpu"``: gloo ranks; ``"cuda"``: one GPU per rank or a ValueError; ``None``:
+    ``device`` (``"cpu"``: gloo ranks; ``"cuda"``: one GPU per rank or an InputError; ``None``:
     :func:`~memlab.hardware.place_ranks` decides). Returns one :class:`MemoryReport` per step
-    (lens "measure", the peak of the largest rank, ``per_rank`` one report per rank).
+    (lens "measure", the peak of rank 0, ``per_rank`` one report per rank). ``budget`` is
+    each rank's, enforced in the ranks. Before anything is spawned, every step is checked
+    against this host (:func:`memlab.guard.preflight`, all ranks together): one it cannot hold
+    raises :class:`~memlab.errors.HostMemoryError`; one whose model states exceed the budget
+    comes back ``fits: false`` at phase ``build`` without being run.
     """
+    from .guard import preflight
+    from .hardware import resolve_budget
     from .step import MemoryReport
     steps = list(steps)
     if not steps:
-        raise ValueError("steps is empty; give at least one StepConfig")
+        raise InputError("steps is empty; give at least one StepConfig")
     sizes = {s.world_size for s in steps}
     if len(sizes) != 1:
-        raise ValueError(f"all steps must share one world_size, got {sorted(sizes)}")
+        raise InputError(f"all steps must share one world_size, got {sorted(sizes)}")
     for s in steps:
         deepspeed_config(s)  # validate before spawning anything
     world = sizes.pop()
     placement = resolve_placement(world, device=device, placement=placement)
     device, backend = placement.device_type, placement.backend
-    ranks = run_ranks(zero_worker, world, kwargs={"steps": steps}, timeout=timeout,
-                      placement=placement)
-    reports = []
+    budget_bytes = resolve_budget(budget)
+    refused = {i: preflight(s, device, budget_bytes, spawned=True) for i, s in enumerate(steps)}
+    todo = [s for i, s in enumerate(steps) if refused[i] is None]
+    ranks = []
+    if todo:
+        try:
+            ranks = run_ranks(zero_worker, world, kwargs={"steps": todo, "budget": budget_bytes},
+                              timeout=timeout, placement=placement)
+        except RankError as e:
+            if len(todo) > 1:
+                raise
+            rep = _oom_after_failure(e, todo[0], device, budget_bytes)
+            return [refused[i] or rep for i in range(len(steps))]
+    reports, j = [], 0
     for i, s in enumerate(steps):
-        per = [_rank_report(s, ranks[r][i], device) for r in range(world)]
+        if refused[i] is not None:
+            reports.append(refused[i])
+            continue
+        per = [_rank_report(s, ranks[r][j], device, budget_bytes) for r in range(world)]
+        j += 1
         top = max(per, key=lambda r: r.peak_bytes)
+        oom = next((r.oom for r in per if r.oom is not None), None)
         rep = MemoryReport("measure", s, device, top.peak_bytes, dict(top.by_category),
-                           step_seconds=max(r.step_seconds for r in per), per_rank=per,
-                           allocator=dict(top.allocator), host_bytes=top.host_bytes,
+                           budget_bytes, step_seconds=max(r.step_seconds for r in per), oom=oom,
+                           per_rank=per, allocator=dict(top.allocator), host_bytes=top.host_bytes,
                            host_by_category=dict(top.host_by_category),
                            tracked_peak_bytes=top.tracked_peak_bytes)
         rep.notes.append(f"DeepSpeed ZeRO-{s.zero}, {world} ranks ({backend}); peak and "
@@ -552,15 +634,16 @@ def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placemen
 
 
 def measure_distributed(step=None, *, device: str | None = "cpu", placement: Placement | None = None,
-                        timeout: float = 600.0, **overrides):
+                        timeout: float = 600.0, budget: int | str | None = None, **overrides):
     """One ZeRO step on ``step.world_size`` ranks with DeepSpeed: a :class:`MemoryReport`
-    whose ``per_rank`` holds one report per rank (``to_dict()["per_rank"]``). Ranks are
-    placed as in :func:`measure_zero`."""
+    whose ``per_rank`` holds one report per rank (``to_dict()["per_rank"]``). ``budget`` is
+    each rank's, enforced in the ranks; ranks are placed as in :func:`measure_zero`."""
     from .step import StepConfig
     from dataclasses import replace
     step = step or StepConfig()
     step = replace(step, **overrides) if overrides else step
-    return measure_zero([step], device=device, placement=placement, timeout=timeout)[0]
+    return measure_zero([step], device=device, placement=placement, timeout=timeout,
+                        budget=budget)[0]
 
 
 # --------------------------------------------------------------------------------------
@@ -736,7 +819,7 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, *
     world_size = world_size or step.world_size
     step = replace(step, world_size=world_size, zero=3, **overrides)
     if step.precision != "fp32":
-        raise ValueError(f"precision={step.precision!r} for simulate_sharded; allowed: fp32")
+        raise InputError(f"precision={step.precision!r} for simulate_sharded; allowed: fp32")
     if dist.is_initialized():
         raise RuntimeError("a process group already exists in this process; simulate_sharded "
                            "needs its own fake one (run it outside a distributed job)")

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InputError
+
 MiB = 2**20
 GiB = 2**30
 
@@ -29,15 +31,15 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
 def parse_size(value: int | float | str) -> int:
     """Bytes from ``1073741824``, ``"512MiB"``, ``"1.5GiB"`` or ``"40GB"`` (GB = 10^9 B)."""
     if isinstance(value, bool):
-        raise ValueError(f"budget {value!r} is not a size")
+        raise InputError(f"budget {value!r} is not a size")
     if isinstance(value, (int, float)):
         if value < 0:
-            raise ValueError(f"budget {value!r} is negative; give a size >= 0 "
+            raise InputError(f"budget {value!r} is negative; give a size >= 0 "
                              f"such as 536870912, '512MiB' or '40GB'")
         return int(value)
     m = _SIZE.match(str(value))
     if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"malformed size {value!r}; expected a number with an optional unit "
+        raise InputError(f"malformed size {value!r}; expected a number with an optional unit "
                          f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '512MiB' or '40GB'")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
@@ -49,7 +51,7 @@ def resolve_budget(budget: int | str | None) -> int | None:
     if isinstance(budget, str) and budget in GPU_PRESETS:
         return GPU_PRESETS[budget]
     if isinstance(budget, str) and "-" in budget and not budget.strip().startswith("-"):
-        raise ValueError(f"unknown GPU preset {budget!r}; allowed: {', '.join(GPU_PRESETS)}")
+        raise InputError(f"unknown GPU preset {budget!r}; allowed: {', '.join(GPU_PRESETS)}")
     return parse_size(budget)
 
 
@@ -58,9 +60,9 @@ def pick_device(device: str | None = None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {device!r}; allowed: cpu, cuda")
+        raise InputError(f"unknown device {device!r}; allowed: cpu, cuda")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
+        raise InputError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
     return torch.device(device)
 
 
@@ -84,7 +86,7 @@ class Placement:
     def device(self, rank: int) -> torch.device:
         """The device of ``rank``."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside 0-{self.world_size - 1}")
+            raise InputError(f"rank {rank} is outside 0-{self.world_size - 1}")
         return torch.device(self.devices[rank])
 
     def rank_env(self) -> dict[str, str]:
@@ -117,11 +119,11 @@ def place_ranks(world_size: int, gpus: int | None = None, *, shrink: bool = Fals
     are GPUs (at least one), for lessons whose point is the GPU itself (offload).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        raise InputError(f"world_size must be a positive integer, got {world_size!r}")
     if gpus is None:
         gpus = visible_gpus()
     elif isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
-        raise ValueError(f"gpus must be an integer >= 0 (0: CPU ranks), got {gpus!r}")
+        raise InputError(f"gpus must be an integer >= 0 (0: CPU ranks), got {gpus!r}")
     if gpus >= world_size:
         return Placement(world_size, "nccl", tuple(f"cuda:{r}" for r in range(world_size)),
                          f"{world_size} rank(s) on {gpus} GPU(s): NCCL, one GPU per rank")

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .errors import InputError
 from .hardware import Placement, place_ranks
 from .parallel.formulas import bubble_fraction
 from .states import zero_saving  # one source for the ZeRO formula (re-exported)
@@ -334,7 +335,7 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
     start = time.perf_counter()
     step = step or StepConfig()
     if step.precision != "fp32" or step.model_config.checkpointing != "none":
-        raise ValueError(f"the baseline must be fp32 without checkpointing, got precision="
+        raise InputError(f"the baseline must be fp32 without checkpointing, got precision="
                          f"{step.precision!r}, checkpointing={step.model_config.checkpointing!r}")
     one = single_device(step, repeats)
     base = one["baseline"]
@@ -441,7 +442,7 @@ def measure_saving(step: StepConfig, technique: str) -> dict:
     from .measure import measure_trainer
     from .techniques import category_max
     if technique not in SINGLE:
-        raise ValueError(f"technique={technique!r}; allowed: {', '.join(SINGLE)}")
+        raise InputError(f"technique={technique!r}; allowed: {', '.join(SINGLE)}")
     over, variant = SINGLE[technique]
     out = {}
     for name, (s, v) in {"baseline": (step, "none"), technique: (replace(step, **over), variant)}.items():

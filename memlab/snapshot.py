@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from .errors import InputError
+
 # one steady-state gpt2-small step (seq 512, batch 4, fp32) on an H200: data/reference/README.md
 REFERENCE_SNAPSHOT = ("data", "reference", "NVIDIA-H200", "gpt2-small-step.pickle.gz")
 
@@ -41,9 +43,9 @@ def load_snapshot(path: str | Path | None = None) -> dict:
     try:
         snap = pickle.loads(data)
     except Exception as e:
-        raise ValueError(f"{where} is not a pickled allocator snapshot: {e}") from None
+        raise InputError(f"{where} is not a pickled allocator snapshot: {e}") from None
     if not isinstance(snap, dict) or not {"segments", "device_traces"} <= snap.keys():
-        raise ValueError(f"{where} is not an allocator snapshot: expected a dict with "
+        raise InputError(f"{where} is not an allocator snapshot: expected a dict with "
                          f"'segments' and 'device_traces' (torch.cuda.memory._snapshot())")
     return snap
 
@@ -81,7 +83,7 @@ def live_timeline(snapshot: dict, device: int = 0) -> SnapshotTimeline:
     """
     traces = snapshot["device_traces"]
     if not 0 <= device < len(traces):
-        raise ValueError(f"device {device} not in the snapshot; it has {len(traces)} device trace(s)")
+        raise InputError(f"device {device} not in the snapshot; it has {len(traces)} device trace(s)")
     segs = [s for s in snapshot["segments"] if s.get("device", 0) == device]
     live = sum(b["requested_size"] for s in segs for b in s["blocks"]
                if b["state"] == "active_allocated")

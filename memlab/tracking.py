@@ -15,7 +15,9 @@ memory exists at all. Each storage gets one category:
 ``other``       buffers, inputs, anything registered as such
 ``workspace``   bytes the CUDA allocator holds that no tensor accounts for (cuBLAS and
                 cuDNN workspaces, block rounding): filled in by the measure lens from the
-                allocator's own peak, never by the tracker
+                allocator's own peak; the tracker counts it only when a
+                :class:`DeviceAccounting` models a device the step does not run on (the
+                simulation's ``target="cuda"``, :mod:`memlab.policy`)
 
 Every storage is also attributed to the device it lives on. The tracker has one *device*
 (the step's: the accelerator, or the CPU on a CPU-only run); a storage elsewhere (optimizer
@@ -51,6 +53,30 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporarie
 _IDX = {c: i for i, c in enumerate(CATEGORIES)}
 
 
+class DeviceAccounting:
+    """How a device turns the step's tensors into bytes. This default is the exact tracker:
+    a storage costs its ``nbytes`` and there is no workspace. A target device (see
+    :class:`memlab.policy.TargetAccounting`) overrides the hooks to count as its allocator
+    and kernels would while the step itself runs elsewhere (on fake CPU tensors)."""
+
+    def block_bytes(self, nbytes: int) -> int:
+        """Bytes the allocator takes for a storage of ``nbytes``."""
+        return nbytes
+
+    def output_bytes(self, func, outputs: list, index: int, nbytes: int) -> int:
+        """Bytes of output ``index`` of ``func`` when the device's kernel allocates a
+        different size than this one did."""
+        return nbytes
+
+    def op_workspace(self, func, args: tuple, kwargs: dict, out) -> int:
+        """Bytes the device's kernel for ``func`` holds while it runs and frees afterwards."""
+        return 0
+
+    def resident_workspace(self) -> int:
+        """Bytes held through the whole step that no op returns (library workspaces)."""
+        return 0
+
+
 def _storages(t: torch.Tensor) -> list[tuple[torch.UntypedStorage, torch.device]]:
     """The storages holding a tensor's bytes, with the device each lives on. A wrapper
     subclass (a DTensor shard, an async collective's result) reports its global size; its
@@ -63,8 +89,20 @@ def _storages(t: torch.Tensor) -> list[tuple[torch.UntypedStorage, torch.device]
     return [(t.untyped_storage(), t.device)]
 
 
-_SIZE = re.compile(r"Tried to allocate ([0-9.]+) ?(B|bytes|KiB|MiB|GiB|TiB)")
+# CUDA's and the tracker's "Tried to allocate 2.50 GiB", the CPU allocator's "you tried to
+# allocate 1125899906842624 bytes"
+_SIZE = re.compile(r"[Tt]ried to allocate ([0-9.]+) ?(bytes|B|KiB|MiB|GiB|TiB)")
+# What torch's CPU allocator says when malloc fails (Linux/macOS: "can't allocate memory",
+# Windows: "not enough memory"); both name DefaultCPUAllocator.
+_HOST_OOM = re.compile(r"DefaultCPUAllocator|can't allocate memory|not enough memory")
 _UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def is_host_oom(error: BaseException) -> bool:
+    """Whether ``error`` is the host allocator failing (``RuntimeError ... DefaultCPUAllocator:
+    can't allocate memory``) rather than a bug."""
+    return (isinstance(error, RuntimeError) and not isinstance(error, torch.OutOfMemoryError)
+            and bool(_HOST_OOM.search(str(error))))
 
 
 def requested_bytes(message: str) -> int:
@@ -150,13 +188,16 @@ class MemoryTracker(TorchDispatchMode):
     CUDA allocator history (switched off again on exit, also after an exception).
     ``device`` is the step's device (``"cuda"``, ``"cpu"``, ...): storages on another device
     type are host memory. ``None`` takes the device of the first model tracked (or of the
-    first tensor seen).
+    first tensor seen). ``accounting`` counts the device's bytes as another device would
+    (default: exact bytes).
     """
 
     def __init__(self, budget: int | str | None = None, *, cuda: bool | None = None,
                  cuda_history: bool = False, max_history_entries: int = 100_000,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None,
+                 accounting: DeviceAccounting | None = None):
         super().__init__()
+        self.accounting = accounting or DeviceAccounting()
         self.device: torch.device | None = None if device is None else torch.device(device)
         # cuda: read the CUDA allocator too; None = whenever CUDA is available
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -188,6 +229,7 @@ class MemoryTracker(TorchDispatchMode):
         self._module_stack: list[str] = []
         self._hooks: list = []
         self._replayed: list[Event] | None = None
+        self._resident: int | None = None
 
     # -- registration --------------------------------------------------------------------
     def track_tensors(self, tensors, category: str = "other") -> None:
@@ -238,8 +280,9 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- bookkeeping ---------------------------------------------------------------------
     def _record(self, storage: torch.UntypedStorage, hint: str | None,
-                device: torch.device) -> int:
-        """Register a storage; returns the *device* bytes it adds (0 if known or on host)."""
+                device: torch.device, nbytes: int | None = None) -> int:
+        """Register a storage (of ``nbytes`` when the accounting says it is not its own
+        size); returns the *device* bytes it adds (0 if known or on host)."""
         key = storage._cdata
         sid = self._by_storage.get(key)
         if sid is not None:
@@ -249,10 +292,12 @@ class MemoryTracker(TorchDispatchMode):
             elif hint is not None and rec.hint is None:
                 rec.hint = hint
             return 0
-        nbytes = storage.nbytes()
         if self.device is None:
             self.device = device
         host = device.type != self.device.type
+        nbytes = storage.nbytes() if nbytes is None else nbytes
+        if not host:
+            nbytes = self.accounting.block_bytes(nbytes)
         sid = len(self._records)
         self._records.append(_Storage(nbytes, self._phase, hint, host))
         self._by_storage[key] = sid
@@ -264,6 +309,23 @@ class MemoryTracker(TorchDispatchMode):
             return 0
         self.live_bytes += nbytes
         return nbytes
+
+    def _hold(self, nbytes: int, category: str) -> int:
+        """Count device bytes that belong to no storage (a workspace); returns its record."""
+        sid = len(self._records)
+        self._records.append(_Storage(nbytes, self._phase, category))
+        self._log.append((sid, +1))
+        self.live_bytes += nbytes
+        self._replayed = None
+        return sid
+
+    def _release(self, sid: int) -> None:
+        rec = self._records[sid]
+        if rec.alive:
+            rec.alive = False
+            self.live_bytes -= rec.nbytes
+            self._log.append((sid, -1))
+            self._replayed = None
 
     def _free(self, sid: int, key: int) -> None:
         if self._by_storage.get(key) == sid:
@@ -326,20 +388,30 @@ class MemoryTracker(TorchDispatchMode):
         module = self._current_module()
         try:
             out = func(*args, **(kwargs or {}))
-        except torch.OutOfMemoryError as e:
-            # the allocator itself ran out (a real CUDA OOM): we know the op it was running
-            if self.oom is None:
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            # the allocator itself ran out (a real CUDA OOM, or the host's malloc failing):
+            # we know the op it was running
+            if self.oom is None and (isinstance(e, torch.OutOfMemoryError) or is_host_oom(e)):
                 self._record_real_oom(op, module, phase, e)
             raise
         new = 0
-        for t in tree_flatten(out)[0]:
+        acc = self.accounting
+        outputs = tree_flatten(out)[0]
+        for i, t in enumerate(outputs):
             if isinstance(t, torch.Tensor):
-                new += sum(self._record(st, None, dev) for st, dev in _storages(t))
+                for st, dev in _storages(t):
+                    size = acc.output_bytes(func, outputs, i, st.nbytes())
+                    new += self._record(st, None, dev, size)
+        # a kernel's own workspace lives for the op only: counted at its event, then freed
+        workspace = acc.op_workspace(func, args, kwargs or {}, out)
+        held = self._hold(acc.block_bytes(workspace), "workspace") if workspace else None
         self._ops.append((op, module, phase))
         self._log.append((len(self._ops) - 1, 0))
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self._peak_op = len(self._ops) - 1
+        if held is not None:
+            self._release(held)
         if self.host_live_bytes > self.host_peak_bytes:
             self.host_peak_bytes = self.host_live_bytes
             self._host_peak_op = len(self._ops) - 1
@@ -395,6 +467,9 @@ class MemoryTracker(TorchDispatchMode):
                        register_module_forward_pre_hook(self._push_module),
                        register_module_forward_hook(self._pop_module)]
         self._cuda_start()
+        resident = self.accounting.resident_workspace()
+        if resident:
+            self._resident = self._hold(resident, "workspace")
         return super().__enter__()
 
     def __exit__(self, exc_type, exc, tb):
@@ -407,6 +482,9 @@ class MemoryTracker(TorchDispatchMode):
             self._hooks = []
             self._in_optimizer = False
             self._cuda_stop()
+            if self._resident is not None:
+                self._release(self._resident)
+                self._resident = None
             self._active = False
 
     def _cuda_start(self) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..errors import InputError
 from ..hardware import place_ranks, rank_device
 from ..step import MemoryReport, StepConfig
 
@@ -66,7 +67,7 @@ class ParallelResult:
                 runs = [x for x in r["runs"] if (schedule is None or x["schedule"] == schedule)
                         and (m is None or x["m"] == m) and "peak_bytes" in x]
                 if not runs:
-                    raise ValueError(f"no tracked run with schedule={schedule!r}, m={m!r}")
+                    raise InputError(f"no tracked run with schedule={schedule!r}, m={m!r}")
                 src = runs[-1]
             ranks.append(MemoryReport("measure", self.step, self.device, src["peak_bytes"],
                                       src["by_category"], notes=[f"rank {r['rank']}"]))

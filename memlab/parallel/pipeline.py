@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import InputError
 from ..models import GPT
 from ..step import StepConfig, build_optimizer, make_batch
 from ..tracking import MemoryTracker
@@ -96,7 +97,7 @@ def _loss_fn(stage: PipelineStageModule):
 def stage_bounds(n_layer: int, stages: int) -> list[tuple[int, int]]:
     """Contiguous, as even as possible slices of ``n_layer`` blocks for ``stages`` ranks."""
     if stages > n_layer:
-        raise ValueError(f"stages={stages} exceeds n_layer={n_layer}: each stage needs a block")
+        raise InputError(f"stages={stages} exceeds n_layer={n_layer}: each stage needs a block")
     cuts = [round(i * n_layer / stages) for i in range(stages + 1)]
     return list(zip(cuts, cuts[1:]))
 
@@ -147,7 +148,7 @@ def pp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256
     for name in schedules:
         for m in micro_batches:
             if batch % m:
-                raise ValueError(f"batch {batch} is not divisible into {m} micro-batches")
+                raise InputError(f"batch {batch} is not divisible into {m} micro-batches")
             if name == "1f1b" and m < world_size:
                 continue  # 1F1B needs a micro-batch per stage in flight; with fewer it is GPipe
             stage = PipelineStage(mod, rank, world_size, dev)
@@ -213,9 +214,9 @@ def measure_pipeline(step: StepConfig | None = None, stages: int = 2, *,
         schedules = (schedules,)
     for s in schedules:
         if s not in SCHEDULES:
-            raise ValueError(f"schedule={s!r}; allowed: {', '.join(SCHEDULES)}")
+            raise InputError(f"schedule={s!r}; allowed: {', '.join(SCHEDULES)}")
     if not isinstance(step.model, str):
-        raise ValueError("pipeline parallelism needs a GPT preset name as the model")
+        raise InputError("pipeline parallelism needs a GPT preset name as the model")
     placement = resolve_placement(stages, backend=backend, placement=placement)
     res = run_ranks(pp_worker, stages, timeout=timeout, placement=placement,
                     kwargs=dict(model=step.model, seq=step.seq, batch=step.batch,

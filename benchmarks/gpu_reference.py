@@ -1,0 +1,61 @@
+"""Each lens against a real GPU, row by row: the H200 reference steps replayed on CPU.
+
+For every row of ``memlab/data/reference/<gpu>/{devset,gpu_check}.json`` prints the error of
+estimate and simulate with ``target="cuda"`` and ``target="cpu"``, and of the measurement as
+recorded on the GPU (the tracker, which misses the allocator's workspaces and rounding), each
+against the allocator's ``max_memory_allocated``; then the worst case per lens. Asserts
+nothing (``tests/test_gpu_reference.py`` holds the tolerances).
+
+    python benchmarks/gpu_reference.py [--gpu NVIDIA-H200] [--only gpt2-small] [--no-simulate]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from memlab.estimate import estimate_step
+from memlab.reference import reference_steps
+from memlab.simulate import simulate_step
+
+LENSES = ("est cuda", "sim cuda", "est cpu", "sim cpu", "measure")
+
+
+def errors(ref, simulate: bool) -> dict[str, float]:
+    """Relative error of each lens against the allocator peak of one reference row."""
+    truth = ref.allocator_peak
+    out = {}
+    for target in ("cuda", "cpu"):
+        out[f"est {target}"] = estimate_step(ref.step, target=target).peak_bytes / truth - 1
+        if simulate:
+            out[f"sim {target}"] = simulate_step(ref.step, target=target).peak_bytes / truth - 1
+    out["measure"] = ref.row["measure_peak_bytes"] / truth - 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gpu", default="NVIDIA-H200", help="folder under memlab/data/reference/")
+    p.add_argument("--only", default="", help="rows whose label contains this text")
+    p.add_argument("--no-simulate", action="store_true", help="estimates only (seconds)")
+    args = p.parse_args(argv)
+    lenses = [l for l in LENSES if not (args.no_simulate and l.startswith("sim"))]
+    rows = [r for r in reference_steps(args.gpu) if args.only in r.label]
+    print(f"{'row':<22} {'step':<48} {'allocator MiB':>13} " + " ".join(f"{l:>9}" for l in lenses))
+    worst: dict[str, tuple[float, str]] = {l: (0.0, "") for l in lenses}
+    start = time.perf_counter()
+    for ref in rows:
+        err = errors(ref, not args.no_simulate)
+        print(f"{ref.source.split('/', 1)[1]:<22} {ref.label:<48} {ref.allocator_peak / 2**20:>13.1f} "
+              + " ".join(f"{err[l]:>+9.1%}" for l in lenses), flush=True)
+        for l in lenses:
+            if abs(err[l]) > abs(worst[l][0]):
+                worst[l] = (err[l], ref.label)
+    print(f"\nworst case per lens over {len(rows)} rows ({time.perf_counter() - start:.0f} s):")
+    for l in lenses:
+        print(f"  {l:<9} {worst[l][0]:+7.1%}  {worst[l][1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
