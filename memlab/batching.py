@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .errors import InputError
 from .hardware import pick_device
 from .measure import measure_trainer
 from .models import GPT, GPTConfig
@@ -65,11 +66,11 @@ def sample_lengths(n: int, *, median: float = 90.0, sigma: float = 0.91, min_len
     ``sigma`` the standard deviation of the log), rounded and clipped to
     ``[min_len, max_len]``. The defaults are the corpus paragraphs' own."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
+        raise InputError(f"n must be a positive integer, got {n!r}")
     if not 1 <= min_len <= max_len:
-        raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+        raise InputError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
     if median <= 0 or sigma < 0:
-        raise ValueError(f"need median > 0 and sigma >= 0, got median={median}, sigma={sigma}")
+        raise InputError(f"need median > 0 and sigma >= 0, got median={median}, sigma={sigma}")
     rng = np.random.default_rng(seed)
     raw = rng.lognormal(math.log(median), sigma, size=n)
     return [int(v) for v in np.clip(np.rint(raw), min_len, max_len)]
@@ -83,7 +84,7 @@ def corpus_samples(lengths: Sequence[int], vocab_size: int, *, seed: int = 0) ->
     out = []
     for n in lengths:
         if n < 2 or n >= len(corpus):
-            raise ValueError(f"sample length {n} is outside 2-{len(corpus) - 1}")
+            raise InputError(f"sample length {n} is outside 2-{len(corpus) - 1}")
         start = int(rng.integers(0, len(corpus) - n))
         out.append(torch.from_numpy(corpus[start:start + n].astype(np.int64) % vocab_size))
     return out
@@ -155,14 +156,14 @@ class BatchPlan:
 def _check(lengths: Sequence[int], token_budget: int, max_len: int) -> tuple[int, ...]:
     lengths = tuple(int(n) for n in lengths)
     if not lengths:
-        raise ValueError("lengths is empty: nothing to batch")
+        raise InputError("lengths is empty: nothing to batch")
     if min(lengths) < 1:
-        raise ValueError(f"a sample has length {min(lengths)}; lengths must be >= 1")
+        raise InputError(f"a sample has length {min(lengths)}; lengths must be >= 1")
     if max(lengths) > max_len:
-        raise ValueError(f"a sample of {max(lengths)} tokens exceeds max_len={max_len}; "
+        raise InputError(f"a sample of {max(lengths)} tokens exceeds max_len={max_len}; "
                          f"truncate the data or raise max_len")
     if token_budget < max_len:
-        raise ValueError(f"token_budget={token_budget} is below max_len={max_len}: the "
+        raise InputError(f"token_budget={token_budget} is below max_len={max_len}: the "
                          f"longest sample would not fit one batch")
     return lengths
 
@@ -183,7 +184,7 @@ def bucketed_batches(lengths: Sequence[int], token_budget: int, max_len: int, *,
     longest sample."""
     lengths = _check(lengths, token_budget, max_len)
     if isinstance(bucket_width, bool) or not isinstance(bucket_width, int) or bucket_width < 1:
-        raise ValueError(f"bucket_width must be a positive integer, got {bucket_width!r}")
+        raise InputError(f"bucket_width must be a positive integer, got {bucket_width!r}")
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     batches: list[Batch] = []
     current: list[int] = []
@@ -225,7 +226,7 @@ def plan_batches(strategy: str, lengths: Sequence[int], token_budget: int, max_l
     """The plan of one strategy by name: ``fixed``, ``bucketed`` or ``packed``."""
     fns = {"fixed": fixed_batches, "bucketed": bucketed_batches, "packed": packed_batches}
     if strategy not in fns:
-        raise ValueError(f"strategy={strategy!r}; allowed: {', '.join(STRATEGIES)}")
+        raise InputError(f"strategy={strategy!r}; allowed: {', '.join(STRATEGIES)}")
     return fns[strategy](lengths, token_budget, max_len, **kwargs)
 
 
@@ -272,7 +273,7 @@ def collate(batch: Batch, samples: Sequence[torch.Tensor]) -> Collated:
             s = samples[i]
             n_tok = len(s)
             if at + n_tok > batch.row_len:
-                raise ValueError(f"row {r} holds {at + n_tok} tokens, more than {batch.row_len}")
+                raise InputError(f"row {r} holds {at + n_tok} tokens, more than {batch.row_len}")
             idx[r, at:at + n_tok] = s
             targets[r, at:at + n_tok - 1] = s[1:]
             positions[r, at:at + n_tok] = torch.arange(n_tok)
@@ -302,12 +303,12 @@ class PackedGPT(nn.Module):
         super().__init__()
         cfg: GPTConfig = gpt.cfg
         if cfg.position != "learned":
-            raise ValueError(f"packing here needs learned positions, got position={cfg.position!r}")
+            raise InputError(f"packing here needs learned positions, got position={cfg.position!r}")
         if cfg.kv_heads != cfg.n_head:
-            raise ValueError(f"packing here needs one key/value head per query head, got "
+            raise InputError(f"packing here needs one key/value head per query head, got "
                              f"n_head={cfg.n_head}, {cfg.kv_heads} key/value heads")
         if cfg.loss != "plain":
-            raise ValueError(f"packing here computes the plain loss, got loss={cfg.loss!r}")
+            raise InputError(f"packing here computes the plain loss, got loss={cfg.loss!r}")
         self.gpt = gpt
 
     def _block(self, block: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -345,7 +346,7 @@ def measure_plan(plan: BatchPlan, samples: Sequence[torch.Tensor], step: StepCon
     step = replace(step, seq=batch.row_len, batch=len(batch.rows), micro_batches=1)
     trainer = build_trainer(step, pick_device(device))
     if not isinstance(trainer.model, GPT):
-        raise ValueError(f"batching measures a GPT; got model {step.model_config.name!r}")
+        raise InputError(f"batching measures a GPT; got model {step.model_config.name!r}")
     packed = plan.strategy == "packed"
     if packed:
         trainer = Trainer(step, trainer.device, PackedGPT(trainer.model), trainer.optimizer,

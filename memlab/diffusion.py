@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Callable
 
+from .errors import InputError
 from .models import UNetConfig
 from .tracking import Event
 
@@ -29,9 +30,9 @@ def unet_levels(cfg: UNetConfig, image: int) -> list[dict]:
     """Per resolution level: its side in pixels, its channels and its token count (what
     self-attention at that level would attend over)."""
     if isinstance(image, bool) or not isinstance(image, int) or image < 1:
-        raise ValueError(f"image must be a positive integer side in pixels, got {image!r}")
+        raise InputError(f"image must be a positive integer side in pixels, got {image!r}")
     if image % 2 ** (len(cfg.mults) - 1):
-        raise ValueError(f"image {image} is not divisible by {2 ** (len(cfg.mults) - 1)}: "
+        raise InputError(f"image {image} is not divisible by {2 ** (len(cfg.mults) - 1)}: "
                          f"the UNet halves it {len(cfg.mults) - 1} times")
     out = []
     for i, m in enumerate(cfg.mults):
@@ -145,7 +146,7 @@ def allocator_gaps(model: str | None = "unet-small") -> list[AllocatorGap]:
     rows = json.loads(path.read_text())["rows"]
     names = {r["config"]["model"] for r in rows}
     if model is not None and model not in names:
-        raise ValueError(f"no reference rows for model {model!r}; allowed: {', '.join(sorted(names))}")
+        raise InputError(f"no reference rows for model {model!r}; allowed: {', '.join(sorted(names))}")
     out = []
     for r in rows:
         c, m, a = r["config"], r["measure_by_category"], r["allocator"]

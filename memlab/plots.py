@@ -5,6 +5,7 @@
 - :func:`plot_curve`: a measured quantity against sequence length or batch, formula overlaid.
 - :func:`plot_tradeoff`: memory against time, both as ratios to a baseline.
 - :func:`plot_grad_histogram`: gradient magnitudes against the smallest fp16 number.
+- :func:`plot_snapshot`: a CUDA allocator snapshot's live and reserved bytes over time.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from .errors import InputError
 from .parallel import bubble_fraction, pipeline_bubble, pipeline_run
 from .step import MemoryReport
 from .tracking import CATEGORIES
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from .advisor import Advice
     from .batching import BatchPlan
     from .parallel import ParallelResult
+    from .snapshot import SnapshotTimeline
 
 MiB = 2**20
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868",
@@ -71,6 +74,36 @@ def plot_timeline(report: MemoryReport, ax=None, *, title: str | None = None):
     ax.set_ylabel("live MiB")
     ax.set_title(title or _title(report), fontsize=9, pad=12)
     ax.legend(fontsize=7, loc="upper left", ncol=2)
+    return ax
+
+
+def plot_snapshot(timeline: "SnapshotTimeline", ax=None, *, title: str | None = None):
+    """Live bytes (filled) and reserved bytes (line) after each allocator action of a CUDA
+    snapshot (:func:`memlab.snapshot.live_timeline`), peak and any OOM marked: the offline
+    version of pytorch.org/memory_viz's active-memory timeline."""
+    ax = _ax(ax)
+    if not timeline.actions:
+        ax.text(0.5, 0.5, "empty trace", ha="center", transform=ax.transAxes)
+        return ax
+    t = np.array(timeline.time_ms)
+    live = np.array(timeline.live_bytes, dtype=float) / MiB
+    ax.fill_between(t, live, step="post", color=COLORS["activations"], alpha=0.6,
+                    label="allocated (live tensors)")
+    ax.step(t, np.array(timeline.reserved_bytes, dtype=float) / MiB, where="post", color="k",
+            lw=1, label="reserved (segments held)")
+    ax.axhline(timeline.start_bytes / MiB, color=COLORS["parameters"], ls=":", lw=1,
+               label="live before recording")
+    if timeline.peak_index >= 0:
+        i = timeline.peak_index
+        ax.plot([t[i]], [live[i]], "v", color="k", label=f"peak {live[i]:.0f} MiB")
+    for i in timeline.ooms:
+        ax.plot([t[i]], [live[i]], "kx", ms=10, mew=2, label="OOM")
+    ax.set_xlabel("ms since recording began")
+    ax.set_ylabel("MiB")
+    ax.set_ylim(0, None)
+    ax.set_title(title or f"CUDA allocator, device {timeline.device}: peak "
+                 f"{timeline.peak_bytes / MiB:.0f} MiB", fontsize=9)
+    ax.legend(fontsize=7, loc="center right")
     return ax
 
 
@@ -167,7 +200,7 @@ def plot_grad_histogram(grads: Mapping[str, np.ndarray], ax=None, *, tiny: float
 
 
 __all__ = ["COLORS", "timeline_array", "plot_timeline", "plot_lenses", "plot_curve",
-           "plot_tradeoff", "plot_grad_histogram"]
+           "plot_tradeoff", "plot_grad_histogram", "plot_snapshot"]
 
 
 def plot_advice(advice: Advice, ax=None):
@@ -315,9 +348,9 @@ def plot_tensor_split(d_model: int, hidden: int, t: int = 2, ax=None, *,
     (``hidden x d_model``) by rows. Rectangles are drawn to scale."""
     for name, v in (("d_model", d_model), ("hidden", hidden), ("t", t)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            raise InputError(f"{name} must be a positive integer, got {v!r}")
     if hidden % t:
-        raise ValueError(f"hidden={hidden} is not divisible by t={t}")
+        raise InputError(f"hidden={hidden} is not divisible by t={t}")
     from matplotlib.patches import Rectangle
     ax = ax or plt.subplots(figsize=(9, 4))[1]
     gap = 0.3 * max(d_model, hidden)
@@ -391,7 +424,7 @@ def plot_activation_life(report: MemoryReport | Mapping[str, MemoryReport], ax=N
     i = CATEGORIES.index("activations")
     for n, (name, r) in enumerate(reports.items()):
         if not r.timeline:
-            raise ValueError(f"the {r.lens!r} report has no timeline; plot a measured one")
+            raise InputError(f"the {r.lens!r} report has no timeline; plot a measured one")
         y = np.array([e.by_category[i] for e in r.timeline], dtype=float) / MiB
         x = np.arange(len(y))
         forward = np.array([e.phase == "forward" for e in r.timeline])

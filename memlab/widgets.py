@@ -8,9 +8,14 @@
 
 Setting a widget's value from code fires the same callback as a click, synchronously, so a
 following cell can assert on :attr:`StepPanel.data` headless (under nbval).
+
+A size this machine cannot hold is refused before anything is built
+(:class:`~memlab.errors.HostMemoryError`): the panel shows the one-line refusal in its
+output, ``data["refused"]`` holds it, and the next size that fits measures as usual.
 """
 from __future__ import annotations
 
+import traceback
 from dataclasses import replace
 from typing import Mapping, Sequence
 
@@ -21,6 +26,7 @@ from IPython.display import clear_output, display
 from .advisor import advise
 from .compression import VARIANTS, compare
 from .diffusion import unet_module_key
+from .errors import HostMemoryError, InputError
 from .hardware import GPU_PRESETS
 from .models import PRESETS, UNetConfig, get_config
 from .parallel import ParallelResult, bubble_fraction, pipeline_bubble, pipeline_run
@@ -45,6 +51,20 @@ class Panel:
             clear_output(wait=True)
             display(fig)
         plt.close(fig)
+
+    def refuse(self, error: HostMemoryError, **data) -> dict:
+        """Show a refusal instead of a figure: one line in the output (and the status, if
+        any); ``data`` becomes ``{**data, "refused": line}``. Nothing was built, and the
+        traceback's frames are cleared so that nothing it saw stays alive."""
+        traceback.clear_frames(error.__traceback__)
+        line = f"refused: {error}"
+        self.output.outputs = ()
+        self.output.append_stdout(line + "\n")
+        status = getattr(self, "status", None)
+        if status is not None:
+            status.value = "<b>refused</b>: does not fit this machine (see below)"
+        self.data = {**data, "refused": line}
+        return self.data
 
     def _repr_mimebundle_(self, **kwargs):
         return self.box._repr_mimebundle_(**kwargs)
@@ -112,12 +132,18 @@ class StepPanel(Panel):
     def refresh(self) -> dict:
         """Re-run the step for the current controls, redraw, and return the new data."""
         step = self.current_step()
-        report = self.run(step)
+        controls = {"seq": step.seq, "batch": step.batch, "precision": step.precision,
+                    "technique": self.technique.value if self.technique is not None else None}
+        try:
+            report = self.run(step)
+        except HostMemoryError as e:
+            self.figure = None
+            self.history.append(self.refuse(e, **controls, fits=None, report=None))
+            return self.data
         self.data = {
-            "seq": step.seq, "batch": step.batch, "precision": step.precision,
-            "technique": self.technique.value if self.technique is not None else None,
-            "peak_bytes": report.peak_bytes, "by_category": dict(report.by_category),
+            **controls, "peak_bytes": report.peak_bytes, "by_category": dict(report.by_category),
             "max_activations": max_activations(report), "fits": report.fits, "report": report,
+            "refused": None,
         }
         self.history.append(self.data)
         verdict = {True: "fits", False: "<b>OOM</b>", None: ""}[report.fits]
@@ -147,7 +173,7 @@ class UNetPanel(StepPanel):
                  checkpointing: Sequence[str] = ("none", "full"),
                  budget: int | str | None = None, device: str | None = "cpu", draw: bool = True):
         if not isinstance(step.model_config, UNetConfig):
-            raise ValueError(f"UNetPanel needs a UNet step, got model {step.model_config.name!r}; "
+            raise InputError(f"UNetPanel needs a UNet step, got model {step.model_config.name!r}; "
                              f"use StepPanel for a GPT")
         super().__init__(step, seqs=images, batches=batches, precisions=precisions,
                          techniques={c: {"checkpointing": c} for c in checkpointing},
@@ -235,12 +261,16 @@ class CompressionPanel(Panel):
         v = self.variant.value
         key = (step.seq, v)
         if key not in self._rows:  # one measurement per (seq, variant): the baseline is shared
-            self._rows.update({(step.seq, k): r for k, r in compare(step, [v], repeats=0).items()})
+            try:
+                rows = compare(step, [v], repeats=0)
+            except HostMemoryError as e:
+                return self.refuse(e, variant=v, seq=step.seq)
+            self._rows.update({(step.seq, k): r for k, r in rows.items()})
         row, base = self._rows[key], self._rows[(step.seq, "none")]
         self.data = {"variant": v, "seq": step.seq, "peak_bytes": row["peak_bytes"],
                      "activation_bytes": row["activation_bytes"],
                      "baseline_activation_bytes": base["activation_bytes"],
-                     "grad_error": row["grad_error"]}
+                     "grad_error": row["grad_error"], "refused": None}
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 2.8))
         a1.bar(["none", v], [base["activation_bytes"] / 2**20, row["activation_bytes"] / 2**20],
                color="#c44e52")
@@ -275,10 +305,13 @@ class TablePanel(Panel):
     def refresh(self) -> dict:
         key = (self.technique.value, self.batch.value)
         if key not in self._cache:
-            self._cache[key] = measure_saving(replace(self.step, batch=self.batch.value), key[0])
+            try:
+                self._cache[key] = measure_saving(replace(self.step, batch=self.batch.value), key[0])
+            except HostMemoryError as e:
+                return self.refuse(e, technique=key[0], batch=key[1])
         res = self._cache[key]
         self.data = {"technique": key[0], "batch": key[1], "saving": res["saving"],
-                     "verdict": res["verdict"]}
+                     "verdict": res["verdict"], "refused": None}
         self.status.value = (f"saved {res['saving']:.0%} (seed: {SEED[key[0]][0]}): "
                              f"{res['verdict']}")
         reports = {name: MemoryReport("measure", self.step, "cpu", r["peak_bytes"], r["by_category"])

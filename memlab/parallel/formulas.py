@@ -2,6 +2,7 @@
 tensor-parallel layer keeps (Korthikanti et al. 2022, section 4.2.1)."""
 from __future__ import annotations
 
+from ..errors import InputError
 from ..models import GPTConfig
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -11,7 +12,7 @@ def bubble_fraction(p: int, m: int) -> float:
     """Idle share of each stage's time in a GPipe/1F1B step: ``(p - 1) / (m + p - 1)``."""
     for name, v in (("p", p), ("m", m)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            raise InputError(f"{name} must be a positive integer, got {v!r}")
     return (p - 1) / (m + p - 1)
 
 
@@ -32,7 +33,7 @@ def tp_activation_bytes(cfg: GPTConfig, seq: int, batch: int, t: int = 1) -> dic
       log-sum-exp, ``4 a s b``.
     """
     if cfg.mlp != "gelu" or cfg.hidden != 4 * cfg.d_model:
-        raise ValueError("the formula covers the GPT-2 block (gelu MLP, hidden 4*d_model); "
+        raise InputError("the formula covers the GPT-2 block (gelu MLP, hidden 4*d_model); "
                          f"got mlp={cfg.mlp!r}, hidden={cfg.hidden}")
     s, b, h, a = seq, batch, cfg.d_model, cfg.n_head
     core = 4 * a * s * s * b if cfg.attention == "naive" else 4 * a * s * b
@@ -60,10 +61,10 @@ def pipeline_schedule(p: int, m: int, schedule: str = "gpipe", *, forward: int =
     """
     bubble_fraction(p, m)  # validates p and m
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}; allowed: {', '.join(SCHEDULES)}")
+        raise InputError(f"schedule={schedule!r}; allowed: {', '.join(SCHEDULES)}")
     for name, v in (("forward", forward), ("backward", backward)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer number of slots, got {v!r}")
+            raise InputError(f"{name} must be a positive integer number of slots, got {v!r}")
     orders = []
     for s in range(p):
         if schedule == "gpipe":

@@ -12,11 +12,13 @@ import types
 import torch
 import torch.distributed as dist
 
+from ..errors import InputError
 from ..models import GPT, GPTConfig
 from ..step import StepConfig, make_batch
 from ..tracking import MemoryTracker
-from .common import (ParallelResult, default_backend, is_sharded, local_bytes, rank_device,
-                     set_rank_threads, worker_step)
+from ..hardware import Placement
+from .common import (ParallelResult, is_sharded, local_bytes, rank_device, set_rank_threads,
+                     worker_step)
 from .formulas import tp_activation_bytes
 
 
@@ -30,7 +32,7 @@ def qkv_head_permutation(cfg: GPTConfig, t: int) -> torch.Tensor:
     communication.
     """
     if cfg.n_head % t or cfg.hidden % t:
-        raise ValueError(f"tensor-parallel degree t={t} must divide n_head={cfg.n_head} and "
+        raise InputError(f"tensor-parallel degree t={t} must divide n_head={cfg.n_head} and "
                          f"the MLP width {cfg.hidden}")
     d, hd, per = cfg.d_model, cfg.head_dim, cfg.n_head // t
     rows = torch.arange(3 * d).view(3, cfg.n_head, hd)  # (q/k/v, head, row in head)
@@ -58,7 +60,7 @@ def apply_tensor_parallel(model: GPT, mesh) -> GPT:
                                                    parallelize_module)
     cfg, t = model.cfg, mesh.size()
     if cfg.mlp != "gelu":
-        raise ValueError("tensor parallelism here covers the gelu MLP (fc, out); got swiglu")
+        raise InputError("tensor parallelism here covers the gelu MLP (fc, out); got swiglu")
     perm = qkv_head_permutation(cfg, t)
     for block in model.blocks:
         with torch.no_grad():
@@ -178,7 +180,7 @@ def simulate_tensor_parallel(step: StepConfig | None = None, tp: int = 2) -> dic
     step = step or StepConfig()
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig):
-        raise ValueError("tensor parallelism needs a GPT model")
+        raise InputError("tensor parallelism needs a GPT model")
     qkv_head_permutation(cfg, tp)  # validates tp against the heads and the MLP width
     if dist.is_initialized():
         raise RuntimeError("a process group already exists in this process; the simulation "
@@ -203,17 +205,20 @@ def simulate_tensor_parallel(step: StepConfig | None = None, tp: int = 2) -> dic
 
 
 def measure_tensor_parallel(step: StepConfig | None = None, tp: int = 2, *, check: bool = True,
-                            timeout: float = 300.0, backend: str | None = None) -> ParallelResult:
+                            timeout: float = 300.0, backend: str | None = None,
+                            placement: Placement | None = None) -> ParallelResult:
     """Run one TP step of ``step``'s GPT on ``tp`` spawned ranks: loss and gradients against
     one process (``check``), parameter bytes, activations per layer and the tracked peak.
-    ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank); default NCCL with CUDA."""
-    from ..distributed import run_ranks
+    The ranks run where ``placement`` says (default :func:`~memlab.hardware.place_ranks`:
+    NCCL with one GPU per rank, else gloo on the CPU); ``backend="gloo"`` asks for the CPU."""
+    from ..distributed import resolve_placement, run_ranks
     step = step or StepConfig()
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig) or not isinstance(step.model, str):
-        raise ValueError("tensor parallelism needs a GPT preset name as the model")
+        raise InputError("tensor parallelism needs a GPT preset name as the model")
     attention = cfg.attention
-    res = run_ranks(tp_worker, tp, timeout=timeout, backend=backend or default_backend(tp),
+    placement = resolve_placement(tp, backend=backend, placement=placement)
+    res = run_ranks(tp_worker, tp, timeout=timeout, placement=placement,
                     kwargs=dict(model=step.model, seq=step.seq, batch=step.batch,
                                 attention=attention, check=check))
-    return ParallelResult("tensor parallel", step, res)
+    return ParallelResult("tensor parallel", step, res, placement.device_type)
