@@ -104,28 +104,12 @@ def test_pipeline_loss_and_1f1b_holds_fewer_micro_batches():
     assert res.report("1f1b", 4).per_rank[0].peak_bytes == runs["1f1b"]["peak_bytes"]
 
 
-def _torchrun(*args: str, timeout: float = 180) -> str:
-    """``torchrun --standalone --nproc-per-node 2 -m ARGS`` (gloo on CPU); its stdout."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "-m", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=repo)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
 @pytest.mark.distributed
-def test_parallel_module_runs_under_torchrun():
+def test_parallel_module_runs_under_torchrun(torchrun):
     """The lesson's worker as a script: torchrun starts the ranks, rank 0 prints them all.
     (tp and pp share this entry point; pp also checks the loss against one process.)"""
     import json
-    pp = json.loads(_torchrun("memlab.parallel", "pp", "--seq", "32", "--batch", "4",
+    pp = json.loads(torchrun("memlab.parallel", "pp", "--seq", "32", "--batch", "4",
                               "--micro-batches", "2", "--schedule", "gpipe"))
     first, last = pp
     n_layer = ml.get_config("tiny").n_layer
