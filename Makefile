@@ -6,7 +6,6 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp
-KERNEL := $(VENV)/share/jupyter/kernels/memlab/kernel.json
 
 # DeepSpeed / torch JIT-compiled ops are cached here (kept out of $HOME, ignored by git).
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
@@ -16,7 +15,7 @@ NBVAL_CELL_TIMEOUT ?= 300
 # jupyter refuses to start as root unless told
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help venv kernel lab test test-fast test-notebooks bench gpu-check strip student clean
+.PHONY: help venv lab test test-fast test-notebooks bench gpu-check strip student clean
 
 help:
 	@echo "make lab         open the workbook in JupyterLab (installs on first run)"
@@ -24,10 +23,10 @@ help:
 	@echo "make test-fast   package tests only"
 	@echo "make test-notebooks  notebooks under nbval only"
 	@echo "make bench       run benchmarks/*.py"
-	@echo "make gpu-check   CUDA tests + reference numbers into data/reference (needs a GPU)"
+	@echo "make gpu-check   CUDA tests, reference numbers and every notebook on one GPU (PY=python3: no venv)"
 	@echo "make strip       remove outputs from notebooks/*.ipynb"
 	@echo "make student     the workbook without solutions, in build/student/"
-	@echo "make venv|kernel|clean"
+	@echo "make venv|clean"
 
 venv: $(STAMP)
 
@@ -37,23 +36,19 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[lab,dist,test]'
 	@touch $@
 
-kernel: $(KERNEL)
-
-# --sys-prefix: the kernelspec lives inside the venv (no $HOME writes; fine as root and in CI)
-$(KERNEL): $(STAMP)
-	$(PY) -m ipykernel install --sys-prefix --name memlab --display-name "Python (memlab)"
-
-lab: venv kernel
+# Every notebook names the kernel "python3", which ipykernel provides in whatever environment
+# runs it: the venv's own Python here (tools/nbstrip.py --check enforces the name).
+lab: venv
 	$(PY) -m jupyter lab $(LAB_ARGS) notebooks/
 
-test: venv kernel
+test: venv
 	$(run-tests)
 	$(run-notebooks)
 
 test-fast: venv
 	$(run-tests)
 
-test-notebooks: venv kernel
+test-notebooks: venv
 	$(run-notebooks)
 
 # pytest exits 5 when it collects nothing: say so instead of failing
@@ -84,12 +79,24 @@ bench: venv
 	if [ $${#files[@]} -eq 0 ]; then echo "benchmarks/: nothing to run"; fi; \
 	for f in "$${files[@]}"; do echo "== $$f"; MPLBACKEND=Agg $(PY) "$$f" || exit $$?; done
 
-gpu-check: venv
-	$(PY) -m pytest -m cuda tests/ || { rc=$$?; [ $$rc -eq 5 ] && echo "no cuda tests collected"; [ $$rc -eq 5 ]; }
+# On a GPU machine with no venv: `make gpu-check PY=python3` uses that interpreter as it is.
+# All notebooks in one nbval run, GPU_XDIST at a time on the one GPU, the slowest first; the
+# log (with each cell's time) goes beside the GPU's reference figures, data/reference/<gpu>/.
+GPU_XDIST ?= -n 4
+SLOW_FIRST := 07 11 08 06 03 10 02 04 01 05 09 00
+GPU_NOTEBOOKS = $(foreach n,$(SLOW_FIRST),$(wildcard notebooks/$(n)_*.ipynb)) \
+  $(filter-out $(foreach n,$(SLOW_FIRST),$(wildcard notebooks/$(n)_*.ipynb)),$(wildcard notebooks/*.ipynb))
+GPU_NAME_PY := import re, torch; print(re.sub(r'[^A-Za-z0-9._-]+', '-', torch.cuda.get_device_name(0)).strip('-'))
+
+gpu-check: $(if $(filter command line,$(origin PY)),,venv)
+	@mkdir -p $(TORCH_EXTENSIONS_DIR)
+	$(PY) -m pytest -m cuda -p no:cacheprovider tests/ || { rc=$$?; [ $$rc -eq 5 ] && echo "no cuda tests collected"; [ $$rc -eq 5 ]; }
 	@mkdir -p data/reference
 	$(PY) -m memlab.gpu_check --out data/reference
-	MPLBACKEND=Agg $(PY) -m pytest --nbval --nbval-current-env -p no:cacheprovider \
-	  --nbval-cell-timeout=$(NBVAL_CELL_TIMEOUT) notebooks/
+	@gpu=$$($(PY) -c "$(GPU_NAME_PY)") || gpu=no-gpu; mkdir -p data/reference/$$gpu; \
+	  echo "notebooks on $$gpu, log: data/reference/$$gpu/nb_gpu.log"; \
+	  set -o pipefail; $(NBVAL) $(GPU_XDIST) --dist loadfile --durations=0 $(GPU_NOTEBOOKS) 2>&1 \
+	  | tee data/reference/$$gpu/nb_gpu.log
 
 strip:
 	$(PYTHON) tools/nbstrip.py

@@ -4,8 +4,10 @@ Three lenses on one training step: :func:`estimate_step` (closed-form formulas),
 :func:`simulate_step` (fake tensors, for GPUs you do not have) and :func:`measure_step`
 (a real step, tracked exactly on CPU, with allocator statistics on CUDA).
 """
+from .errors import HostMemoryError, InputError
 from .estimate import estimate_step
-from .hardware import GPU_PRESETS, fmt_bytes, parse_size, pick_device, resolve_budget
+from .hardware import (GPU_PRESETS, Placement, fmt_bytes, parse_size, pick_device, place_ranks,
+                       resolve_budget)
 from .measure import measure_step, time_step
 from .step import MemoryReport, StepConfig, build_trainer, make_batch
 from .simulate import simulate_step

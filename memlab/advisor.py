@@ -42,6 +42,7 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 
+from .errors import InputError
 from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
 from .step import StepConfig
 from .models import GPTConfig, get_config
@@ -146,7 +147,7 @@ def _simulate(step: StepConfig) -> int:
 def _model(model: str | GPTConfig) -> GPTConfig:
     cfg = get_config(model) if isinstance(model, str) else model
     if not isinstance(cfg, GPTConfig):
-        raise ValueError(f"the advisor plans GPT models; got {getattr(cfg, 'name', cfg)!r}")
+        raise InputError(f"the advisor plans GPT models; got {getattr(cfg, 'name', cfg)!r}")
     return cfg
 
 
@@ -161,12 +162,12 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     parameters) until ``simulate_seconds`` are spent; ``True``/``False`` force it.
     """
     if not 0 <= headroom < 1:
-        raise ValueError(f"headroom {headroom!r} is outside [0, 1): give a fraction such as 0.1")
+        raise InputError(f"headroom {headroom!r} is outside [0, 1): give a fraction such as 0.1")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+        raise InputError(f"world size must be a positive integer, got {world_size!r}")
     budget = resolve_budget(gpu)
     if budget is None:
-        raise ValueError(f"gpu {gpu!r}: give a GPU preset ({', '.join(GPU_PRESETS)}) or a size")
+        raise InputError(f"gpu {gpu!r}: give a GPU preset ({', '.join(GPU_PRESETS)}) or a size")
     cfg = _model(model)
     step = StepConfig(model=cfg, seq=seq, batch=batch, attention=attention, optimizer=optimizer,
                       world_size=world_size)
@@ -301,7 +302,7 @@ def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,
     from .states import under_deepspeed
     if budget is None:
         if device != "cuda" or not torch.cuda.is_available():
-            raise ValueError("check_plan without a budget needs a CUDA GPU; give budget=...")
+            raise InputError("check_plan without a budget needs a CUDA GPU; give budget=...")
         budget = torch.cuda.get_device_properties(0).total_memory
     a = advise(model, budget, 1, seq, batch)
     if under_deepspeed(a.step.zero, a.step.offload):

@@ -7,23 +7,36 @@
     memlab measure  --model tiny --zero 2 --world-size 2 --json
     memlab presets
 
-Bad input exits with status 2 and one line naming the value and what is allowed. A step that
-does not fit its budget is a result, not an error: ``fits: false`` and exit status 0.
+Exit status: 0 for a result (a step that does not fit its budget is a result: ``fits:
+false``); 2 for bad input, a flag the command cannot honour, or a real measurement this
+machine cannot hold (one line naming the value and what is allowed, or the memory needed,
+what is available and what to run instead); 1 for an internal error, with its traceback.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
+import traceback
 from dataclasses import replace
+from typing import TYPE_CHECKING, Union
 
+from .errors import HostMemoryError, InputError
 from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
 from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
 from .models import CHECKPOINTINGS, ATTENTIONS, PRESETS, UNET_PRESETS, GPTConfig, get_config
 
+if TYPE_CHECKING:  # the heavy modules load only for the subcommands that need them
+    from .advisor import Advice
+    from .report import Table
 
-class UsageError(Exception):
-    """Bad input: printed as one line, exit status 2."""
+#: What a subcommand computes: each prints itself with ``table()`` or ``to_json()``.
+Result = Union[MemoryReport, "Advice", "Table"]
+
+
+class UsageError(InputError):
+    """Bad command line (argparse's complaint): printed as one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -128,24 +141,24 @@ def _add_advise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _advise(args: argparse.Namespace):
+def _advise(args: argparse.Namespace) -> Advice:
     from .advisor import advise
     budget = _budget(args)
     if budget is None:
-        raise ValueError(f"give --gpu ({', '.join(GPU_PRESETS)}) or --budget SIZE")
+        raise InputError(f"give --gpu ({', '.join(GPU_PRESETS)}) or --budget SIZE")
     return advise(args.model, budget, args.world_size, args.seq, args.batch,
                   attention=args.attention, headroom=args.headroom,
                   simulate=False if args.no_simulate else None)
 
 
 def step_from_args(args: argparse.Namespace) -> StepConfig:
-    """A validated StepConfig from parsed flags; ValueError names a bad value."""
+    """A validated StepConfig from parsed flags; :class:`InputError` names a bad value."""
     custom = {k: v for k, v in (("d_model", args.d_model), ("n_layer", args.layers),
                                 ("n_head", args.heads), ("vocab_size", args.vocab)) if v is not None}
     model = get_config(args.model)
     if custom:
         if not isinstance(model, GPTConfig):
-            raise ValueError(f"--d-model/--layers/--heads/--vocab apply to GPT models, not {args.model!r}")
+            raise InputError(f"--d-model/--layers/--heads/--vocab apply to GPT models, not {args.model!r}")
         model = replace(model, name="custom", **custom)
     return StepConfig(model=model, seq=args.seq, batch=args.batch, precision=args.precision,
                       checkpointing=args.checkpointing, attention=args.attention,
@@ -155,20 +168,55 @@ def step_from_args(args: argparse.Namespace) -> StepConfig:
 
 def _budget(args: argparse.Namespace) -> int | None:
     if args.gpu is not None and args.gpu not in GPU_PRESETS:
-        raise ValueError(f"unknown GPU preset {args.gpu!r}; allowed: {', '.join(GPU_PRESETS)}")
+        raise InputError(f"unknown GPU preset {args.gpu!r}; allowed: {', '.join(GPU_PRESETS)}")
     if args.gpu is not None and args.budget is not None:
-        raise ValueError("give --gpu or --budget, not both")
+        raise InputError("give --gpu or --budget, not both")
     return resolve_budget(args.gpu if args.gpu is not None else args.budget)
 
 
-def run(args: argparse.Namespace) -> MemoryReport:
-    """Compute the report a subcommand asks for."""
+def _multi_rank(step: StepConfig) -> bool:
+    """Whether ``measure`` runs ``step`` on DeepSpeed ranks rather than in this process."""
+    return step.world_size > 1 or step.zero > 0 or step.offload != "none"
+
+
+def _check_simulate(step: StepConfig) -> None:
+    """Refuse what the simulation cannot honour rather than ignore it."""
+    if step.world_size > 1:
+        if step.offload != "none":
+            raise InputError(f"--offload {step.offload} with --world-size {step.world_size}: the "
+                             f"sharded simulation keeps every tensor on the device; use estimate "
+                             f"or measure")
+        if step.zero != 3:
+            raise InputError(f"simulate shards with FSDP2 (ZeRO-3) only; got --zero {step.zero} "
+                             f"with --world-size {step.world_size}: use --zero 3, or estimate/measure")
+        if step.optimizer != "adamw":
+            raise InputError(f"--optimizer {step.optimizer} with --world-size {step.world_size}: "
+                             f"the sharded simulation runs AdamW only; use estimate or measure")
+
+
+def _check_measure(step: StepConfig, args: argparse.Namespace) -> None:
+    """Refuse the measurement flags that a run cannot honour rather than ignore them."""
+    if args.device not in ("cpu", "cuda"):
+        raise InputError(f"unknown device {args.device!r}; allowed: cpu, cuda")
+    if args.snapshot is not None and _multi_rank(step):
+        raise InputError("--snapshot records one process's CUDA allocator; it is not available "
+                         "for multi-rank runs (--world-size/--zero/--offload): drop it, or "
+                         "measure one rank without ZeRO")
+    if args.snapshot is not None and args.device != "cuda":
+        raise InputError(f"--snapshot records the CUDA allocator's history; with --device "
+                         f"{args.device} there is none: use --device cuda, or drop it")
+
+
+def run(args: argparse.Namespace) -> Result:
+    """Compute what a subcommand asks for: a :class:`MemoryReport` (estimate, simulate,
+    measure), an :class:`~memlab.advisor.Advice` (advise) or a
+    :class:`~memlab.report.Table` (report)."""
     if args.command == "advise":
         return _advise(args)
     if args.command == "report":
         from .report import write_report
         if args.world_size < 2 and not args.no_distributed:
-            raise ValueError(f"world size {args.world_size} for the multi-rank rows; allowed: 2 or "
+            raise InputError(f"world size {args.world_size} for the multi-rank rows; allowed: 2 or "
                              f"more (or --no-distributed)")
         table, _ = write_report(args.out, StepConfig(model=args.model, seq=args.seq, batch=args.batch),
                                 world_size=args.world_size, distributed=not args.no_distributed)
@@ -184,20 +232,15 @@ def run(args: argparse.Namespace) -> MemoryReport:
         from .estimate import estimate_step
         return estimate_step(step, budget=budget, target=args.target)
     if args.command == "simulate":
+        _check_simulate(step)
         if step.world_size > 1:
-            if step.zero != 3:
-                raise ValueError(f"simulate shards with FSDP2 (ZeRO-3) only; got --zero {step.zero} "
-                                 f"with --world-size {step.world_size}: use --zero 3, or estimate/measure")
             return _simulate_sharded(step, budget, args.target)
         from .simulate import simulate_step
         return simulate_step(step, budget=budget, target=args.target)
-    if args.device not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {args.device!r}; allowed: cpu, cuda")
-    if step.world_size > 1 or step.zero > 0 or step.offload != "none":
+    _check_measure(step, args)
+    if _multi_rank(step):
         from .distributed import measure_distributed
-        report = measure_distributed(step, device=args.device)
-        report.budget_bytes = budget
-        return report
+        return measure_distributed(step, device=args.device, budget=budget)
     from .measure import measure_step
     return measure_step(step, device=args.device, budget=budget, snapshot_path=args.snapshot)
 
@@ -223,6 +266,27 @@ def _simulate_sharded(step: StepConfig, budget: int | str | None, target: str) -
     return report
 
 
+def way_out(argv: list[str], step: StepConfig | None) -> str:
+    """What to run instead of a measurement this machine cannot hold: the same flags with
+    ``simulate`` (``estimate`` where the simulation cannot honour them)."""
+    lens = "simulate"
+    if step is not None:
+        try:
+            _check_simulate(step)
+        except InputError:
+            lens = "estimate"
+    rest, skip = [], False
+    for a in argv[argv.index("measure") + 1:] if "measure" in argv else argv:
+        if skip:
+            skip = False
+        elif a in ("--device", "--snapshot"):
+            skip = True  # measurement-only flags, with their value
+        elif not a.startswith(("--device=", "--snapshot=")):
+            rest.append(a)
+    return (f"run `{shlex.join(['memlab', lens, *rest])}` instead, or choose a smaller model, "
+            f"sequence or batch")
+
+
 def _presets(as_json: bool) -> str:
     models = {name: {"params": cfg.num_params(), "d_model": cfg.d_model, "layers": cfg.n_layer,
                      "heads": cfg.n_head, "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size}
@@ -237,18 +301,38 @@ def _presets(as_json: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         if args.command == "presets":
             print(_presets(args.json))
             return 0
-        report = run(args)
-    except (UsageError, ValueError) as e:
-        print(f"memlab: error: {e}", file=sys.stderr)
+        result = run(args)
+    except HostMemoryError as e:
+        step = None
+        try:
+            step = step_from_args(args)
+        except (InputError, AttributeError):
+            pass
+        _one_line(e.with_way_out(way_out(argv, step)))
         return 2
-    print(report.to_json() if args.json else report.table())
+    except InputError as e:
+        _one_line(e)
+        return 2
+    except Exception:  # a bug, not the user's input: show where
+        traceback.print_exc()
+        print("memlab: internal error (the traceback above is a bug in memlab, not in your "
+              "input; please report it)", file=sys.stderr)
+        return 1
+    print(result.to_json() if args.json else result.table())
     return 0
+
+
+def _one_line(error: Exception) -> None:
+    print(f"memlab: error: {' '.join(str(error).split())}", file=sys.stderr)
 
 
 if __name__ == "__main__":

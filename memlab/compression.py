@@ -34,6 +34,8 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .errors import InputError
+from .guard import check_host
 from .measure import measure_trainer, time_steps
 from .techniques import category_max, relative_error
 from .step import (MemoryReport, StepConfig, autocast_for, batch_to, build_trainer, make_batch,
@@ -77,7 +79,7 @@ def quantize(flat: torch.Tensor, mode: str, granularity: str = "row", row: int =
     if mode == "bf16":
         return _Packed(flat.to(torch.bfloat16), None, flat.dtype, 0)
     if mode != "int8":
-        raise ValueError(f"mode={mode!r}; allowed: {', '.join(MODES)}")
+        raise InputError(f"mode={mode!r}; allowed: {', '.join(MODES)}")
     x = flat.float()
     if granularity == "row" and row > 1 and x.numel() % row == 0:
         x = x.view(-1, row)
@@ -104,12 +106,12 @@ class ActivationCompressor:
     def __init__(self, model: nn.Module, mode: str = "int8", *, granularity: str = "row",
                  modules: Iterable[nn.Module] | None = None, min_numel: int = 65536):
         if mode not in MODES:
-            raise ValueError(f"mode={mode!r}; allowed: {', '.join(MODES)}")
+            raise InputError(f"mode={mode!r}; allowed: {', '.join(MODES)}")
         if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity={granularity!r}; allowed: {', '.join(GRANULARITIES)}")
+            raise InputError(f"granularity={granularity!r}; allowed: {', '.join(GRANULARITIES)}")
         cfg = getattr(model, "cfg", None)
         if getattr(cfg, "checkpointing", "none") != "none":
-            raise ValueError(f"checkpointing={cfg.checkpointing!r}: compression works on a model "
+            raise InputError(f"checkpointing={cfg.checkpointing!r}: compression works on a model "
                              f"without activation checkpointing; allowed: 'none'")
         self.mode, self.granularity, self.min_numel = mode, granularity, min_numel
         self.model = model
@@ -192,12 +194,14 @@ class ActivationCompressor:
 
 def compressed_trainer(step: StepConfig, variant: str, seed: int = 0) -> tuple:
     """A trainer for ``step`` with ``variant`` (a key of :data:`VARIANTS`) applied: returns
-    the trainer, its :class:`ActivationCompressor` (or ``None``) and the batch."""
+    the trainer, its :class:`ActivationCompressor` (or ``None``) and the batch. Raises
+    :class:`~memlab.errors.HostMemoryError` before building a step host RAM cannot hold."""
     if variant not in VARIANTS:
-        raise ValueError(f"variant={variant!r}; allowed: {', '.join(VARIANTS)}")
+        raise InputError(f"variant={variant!r}; allowed: {', '.join(VARIANTS)}")
     how = VARIANTS[variant]
     if isinstance(how, dict):
         step = replace(step, **how)
+    check_host(step)  # refuse before building what host RAM cannot hold
     trainer = build_trainer(step, "cpu", seed=seed)
     comp = ActivationCompressor(trainer.model, how[0], granularity=how[1]) if isinstance(how, tuple) else None
     return trainer, comp, batch_to(make_batch(step, "cpu"), step)

@@ -1,10 +1,11 @@
 """Run a function on N ranks, and measure ZeRO's per-rank memory with real DeepSpeed.
 
 :func:`run_ranks` starts ``world_size`` processes (``spawn``), joins them into one
-``torch.distributed`` process group (gloo on CPU, NCCL on CUDA) and calls an importable
-worker ``fn(rank, world_size, **kwargs)`` in each. A rank that raises, dies or hangs makes
-:func:`run_ranks` raise :class:`RankError` naming the rank; every rank is then killed, so a
-notebook cell fails cleanly and leaves no processes behind.
+``torch.distributed`` process group and calls an importable worker
+``fn(rank, world_size, **kwargs)`` in each. Where the ranks run (NCCL with one GPU per rank,
+or gloo on the CPU) is decided once, by :func:`memlab.hardware.place_ranks`. A rank that
+raises, dies or hangs makes :func:`run_ranks` raise :class:`RankError` naming the rank; every
+rank is then killed, so a notebook cell fails cleanly and leaves no processes behind.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from .errors import InputError
+from .hardware import Placement, place_ranks, rank_device, visible_gpus
 # the paper's per-rank formula (re-exported for lesson 06) and memlab's DeepSpeed buckets: one
 # source in memlab.states, which the estimate and the advisor read too
 from .states import BUCKET_ELEMENTS, PERSISTENCE_THRESHOLD, zero_formula
@@ -31,11 +34,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class RankError(RuntimeError):
-    """A rank raised, died or timed out. ``rank`` is its number, ``detail`` its message."""
+    """A rank raised, died or timed out. ``rank`` is its number, ``detail`` its message,
+    ``partial`` the results other ranks had returned by then (rank -> result)."""
 
-    def __init__(self, rank: int | None, detail: str):
+    def __init__(self, rank: int | None, detail: str, partial: dict | None = None):
         self.rank = rank
         self.detail = detail
+        self.partial = dict(partial or {})
         where = f"rank {rank}" if rank is not None else "ranks"
         super().__init__(f"{where} failed: {detail}")
 
@@ -46,9 +51,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_backend() -> str:
-    """NCCL when CUDA is available, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(world_size: int = 1) -> str:
+    """The backend :func:`~memlab.hardware.place_ranks` gives ``world_size`` ranks here."""
+    return place_ranks(world_size).backend
 
 
 def set_dist_env(rank: int, world_size: int, port: int | None = None) -> None:
@@ -76,7 +81,7 @@ def _resolve(worker: str | Callable) -> Callable:
         return worker
     module, _, name = worker.partition(":")
     if not module or not name:
-        raise ValueError(f"worker {worker!r} must be 'module:function'")
+        raise InputError(f"worker {worker!r} must be 'module:function'")
     fn = importlib.import_module(module)
     for part in name.split("."):
         fn = getattr(fn, part)
@@ -91,10 +96,10 @@ def _check_importable(worker: str | Callable) -> None:
     qual = getattr(worker, "__qualname__", "")
     mod = getattr(worker, "__module__", None)
     if "<lambda>" in qual or "<locals>" in qual or mod is None:
-        raise ValueError(f"worker {qual or worker!r} must be a top-level function of an "
+        raise InputError(f"worker {qual or worker!r} must be a top-level function of an "
                          f"importable module (spawned ranks import it)")
     if mod == "__main__" and not getattr(sys.modules["__main__"], "__file__", None):
-        raise ValueError(f"worker {qual!r} is defined in a notebook or REPL; spawned ranks "
+        raise InputError(f"worker {qual!r} is defined in a notebook or REPL; spawned ranks "
                          f"cannot import it: put it in a module (e.g. memlab/...) and pass it")
 
 
@@ -107,10 +112,12 @@ def _die_with_parent() -> None:
         pass
 
 
-def _entry(rank: int, world_size: int, worker, kwargs: dict, port: int, backend: str,
+def _entry(rank: int, world_size: int, worker, kwargs: dict, port: int, placement: Placement,
            results) -> None:
     """The body of one spawned rank: join the group, run, report, leave the group."""
     _die_with_parent()
+    # before anything touches CUDA or imports DeepSpeed: which accelerator this rank has
+    os.environ.update(placement.rank_env())
     # Results travel back through the queue; what a rank prints (DeepSpeed's build and
     # config logs) goes to stderr so that the parent's stdout (``memlab ... --json``) stays clean.
     sys.stdout.flush()
@@ -118,9 +125,9 @@ def _entry(rank: int, world_size: int, worker, kwargs: dict, port: int, backend:
     set_dist_env(rank, world_size, port)
     import torch.distributed as dist
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        if placement.backend == "nccl":
+            torch.cuda.set_device(placement.device(rank))
+        dist.init_process_group(placement.backend, rank=rank, world_size=world_size)
         out = _resolve(worker)(rank, world_size, **kwargs)
         results.put((rank, True, out))
     except BaseException as e:  # report everything, even SystemExit, to the parent
@@ -142,32 +149,55 @@ def _kill(procs) -> None:
         p.join(timeout=5)
 
 
+def resolve_placement(world_size: int, *, backend: str | None = None, device: str | None = None,
+                      placement: Placement | None = None) -> Placement:
+    """The :class:`~memlab.hardware.Placement` for a run: the one given, or one from
+    :func:`~memlab.hardware.place_ranks` that honours ``backend`` (``"gloo"``/``"nccl"``) or
+    ``device`` (``"cpu"``/``"cuda"``; ``None``: whatever the machine has)."""
+    if backend is not None and backend not in ("gloo", "nccl"):
+        raise InputError(f"backend={backend!r}; allowed: gloo, nccl")
+    if device is not None and device not in ("cpu", "cuda"):
+        raise InputError(f"device={device!r}; allowed: cpu, cuda")
+    if placement is None:
+        cpu = backend == "gloo" or device == "cpu"
+        placement = place_ranks(world_size, gpus=0 if cpu else None)
+        if (backend == "nccl" or device == "cuda") and placement.backend != "nccl":
+            raise InputError(f"{world_size} NCCL rank(s) need one CUDA GPU each; torch sees "
+                             f"{visible_gpus()}: use CPU ranks (device 'cpu', backend 'gloo') "
+                             f"or fewer ranks")
+    if placement.world_size != world_size:
+        raise InputError(f"the placement is for {placement.world_size} rank(s), not {world_size}")
+    if backend is not None and backend != placement.backend:
+        raise InputError(f"backend={backend!r} but the placement says {placement.backend!r}")
+    return placement
+
+
 def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | None = None,
-              timeout: float = 300.0, backend: str | None = None) -> list:
+              timeout: float = 300.0, backend: str | None = None,
+              placement: Placement | None = None) -> list:
     """Call ``worker(rank, world_size, **kwargs)`` on ``world_size`` spawned ranks.
 
     ``worker`` is a top-level function of an importable module or a ``"module:function"``
-    string; it runs after ``init_process_group`` and returns something picklable. Returns
-    the results ordered by rank. Raises :class:`RankError` when a rank raises (with its
-    message), exits without a result (killed, ``os._exit``) or the ranks exceed ``timeout``
-    seconds; all ranks are killed before it is raised.
+    string; it runs after ``init_process_group`` and returns something picklable. The ranks
+    go where ``placement`` says (default :func:`~memlab.hardware.place_ranks`; ``backend``
+    ``"gloo"`` asks for CPU ranks). Returns the results ordered by rank. Raises
+    :class:`RankError` when a rank raises (with its message), exits without a result
+    (killed, ``os._exit``) or the ranks exceed ``timeout`` seconds; all ranks are killed
+    before it is raised.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        raise InputError(f"world_size must be a positive integer, got {world_size!r}")
     if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-    backend = backend or default_backend()
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r}; allowed: gloo, nccl")
-    if backend == "nccl" and torch.cuda.device_count() < 1:
-        raise ValueError("backend='nccl' needs a CUDA GPU; use 'gloo' on CPU")
+        raise InputError(f"timeout must be positive seconds, got {timeout!r}")
+    placement = resolve_placement(world_size, backend=backend, placement=placement)
     _check_importable(worker)
     set_cache_env()  # spawned children inherit it
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, daemon=True,
-                         args=(r, world_size, worker, dict(kwargs or {}), port, backend, results))
+                         args=(r, world_size, worker, dict(kwargs or {}), port, placement,
+                               results))
              for r in range(world_size)]
     out: dict[int, Any] = {}
     try:
@@ -187,15 +217,15 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
                         r = dead[0]
                         raise RankError(r, f"exited with code {procs[r].exitcode} without a "
                                            f"result (killed, crashed, os._exit, or failed to "
-                                           f"start: see its stderr)") from None
+                                           f"start: see its stderr)", out) from None
                 elif time.monotonic() > deadline:
                     pending = [r for r in range(world_size) if r not in out]
                     raise RankError(pending[0], f"timed out after {timeout:g} s "
-                                                f"(ranks {pending} still running)") from None
+                                                f"(ranks {pending} still running)", out) from None
                 else:
                     continue
             if not ok:
-                raise RankError(rank, value)
+                raise RankError(rank, value, out)
             out[rank] = value
         for p in procs:
             p.join(timeout=30)
@@ -222,25 +252,30 @@ ACCOUNTS = ("parameters", "gradients", "fp32_master", "optimizer_state", "comm_b
 
 
 def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
-                     persistence_threshold: int = PERSISTENCE_THRESHOLD) -> dict:
+                     persistence_threshold: int = PERSISTENCE_THRESHOLD,
+                     torch_adam: bool = True) -> dict:
     """The DeepSpeed config for ``step`` (a :class:`~memlab.step.StepConfig`).
 
     Modelled on the seed's config (train_batch_size, gradient_accumulation_steps, fp16/bf16,
     zero_optimization with offload, activation_checkpointing). ``step.batch`` is the batch of
     one rank, so train_batch_size = batch x world_size. Adam runs as ``torch.optim.AdamW``
     (``torch_adam``): no op is compiled, and the state lives where ZeRO puts it.
+    ``torch_adam=False`` (offload only) lets DeepSpeed run its compiled ``DeepSpeedCPUAdam``.
     """
     if step.precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision={step.precision!r} for DeepSpeed here; allowed: fp32, bf16 "
+        raise InputError(f"precision={step.precision!r} for DeepSpeed here; allowed: fp32, bf16 "
                          f"(fp16 loss scaling is not supported by DeepSpeed's CPU accelerator)")
     if step.optimizer != "adamw":
-        raise ValueError(f"optimizer={step.optimizer!r} for DeepSpeed here; allowed: adamw")
+        raise InputError(f"optimizer={step.optimizer!r} for DeepSpeed here; allowed: adamw")
     if step.offload == "all" and step.zero != 3:
-        raise ValueError(f"offload='all' (parameters too) needs ZeRO stage 3, got stage {step.zero}")
+        raise InputError(f"offload='all' (parameters too) needs ZeRO stage 3, got stage {step.zero}")
     if step.offload == "optimizer" and step.zero == 0:
-        raise ValueError("offload='optimizer' needs ZeRO stage 1-3, got stage 0")
+        raise InputError("offload='optimizer' needs ZeRO stage 1-3, got stage 0")
     if bucket_elements < 1:
-        raise ValueError(f"bucket_elements must be positive, got {bucket_elements}")
+        raise InputError(f"bucket_elements must be positive, got {bucket_elements}")
+    if not torch_adam and step.offload == "none":
+        raise InputError("torch_adam=False selects DeepSpeedCPUAdam, which runs on the host: "
+                         "it needs offload='optimizer' or 'all'")
     zero: dict[str, Any] = {"stage": step.zero, "reduce_bucket_size": bucket_elements,
                             "allgather_bucket_size": bucket_elements,
                             "contiguous_gradients": True, "overlap_comm": False}
@@ -257,7 +292,7 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
         "train_batch_size": step.batch * step.world_size,
         "train_micro_batch_size_per_gpu": step.batch // step.micro_batches,
         "gradient_accumulation_steps": step.micro_batches,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": torch_adam}},
         "fp16": {"enabled": False},
         "bf16": {"enabled": step.precision == "bf16"},
         "zero_optimization": zero,
@@ -334,18 +369,47 @@ def _host_accounts(offload: str) -> tuple[str, ...]:
     return ()
 
 
-def zero_rank_step(rank: int, world_size: int, step, steps: int = 2) -> dict:
-    """Build a DeepSpeed engine for ``step``, warm up, account, and track one step."""
+def _rss_bytes() -> int | None:
+    """Resident bytes of this process (host memory as the OS sees it), if psutil is there."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil.Process().memory_info().rss
+
+
+def zero_rank_step(rank: int, world_size: int, step, steps: int = 2,
+                   budget: int | str | None = None, *, torch_adam: bool = True,
+                   track: bool = True) -> dict:
+    """Build a DeepSpeed engine for ``step`` on this rank's device, warm up, then one timed
+    step and, with ``track``, one tracked step (peak by category, device and host).
+
+    The device follows the process group (:func:`~memlab.hardware.rank_device`), never
+    ``torch.cuda.is_available()``: CPU ranks on a GPU machine build on the CPU. The timed step
+    runs without a tracker (a dispatch mode slows it down): its seconds, DeepSpeed's
+    accounting, on CUDA the allocator's base and peak, and the process's RSS.
+
+    ``budget`` (bytes, a size or a GPU preset) is this rank's: the warm-up and the tracked
+    step then run under a budgeted tracker (which also gives the time and the accounting),
+    and an OOM comes back as the result's ``oom`` (an :class:`~memlab.tracking.OOMInfo`)
+    with the step abandoned."""
     import gc
     import deepspeed
+    from .hardware import resolve_budget
     from .step import build_trainer, make_batch
     from .tracking import MemoryTracker
 
-    trainer = build_trainer(step, "cpu" if not torch.cuda.is_available() else "cuda")
+    device = rank_device()
+    on_cuda = device.type == "cuda"
+    rss_start = _rss_bytes()
+    if on_cuda:  # what an earlier engine of this launch left behind is not this step's
+        torch.cuda.synchronize(device)
+        held_before = torch.cuda.memory_allocated(device)
+    trainer = build_trainer(step, device)
     model = trainer.model
     del trainer
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=deepspeed_config(step))
+                                      config=deepspeed_config(step, torch_adam=torch_adam))
     batch = make_batch(step, engine.device, seed=rank)
     micro = list(zip(*(t.chunk(step.micro_batches) for t in batch)))
 
@@ -360,14 +424,11 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2) -> dict:
             del loss
         return acc
 
-    for _ in range(steps - 1):
-        one_step()  # warm-up: Adam's state exists afterwards
-    opt = engine.optimizer
-    inner = getattr(opt, "optimizer", None)
-    # host memory is whatever is not on the engine's device (offloaded master, moments, grads)
-    tracker = MemoryTracker(device=engine.device)
-    start = time.perf_counter()
-    with tracker:
+    budget_bytes = resolve_budget(budget)
+
+    def register(tracker: MemoryTracker) -> None:
+        opt = engine.optimizer
+        inner = getattr(opt, "optimizer", None)
         tracker.track_model(engine.module)
         if step.zero == 3:
             tracker.track_tensors((p.ds_tensor for p in engine.module.parameters()), "parameters")
@@ -377,40 +438,102 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2) -> dict:
             tracker.track_optimizer(inner)
         tracker.track_tensors(batch, "other")
         tracker.reset_peak()
-        acc = one_step(account=True)
-    seconds = time.perf_counter() - start
-    out = {"rank": rank, "device": torch.device(engine.device).type,
-           "peak_bytes": tracker.peak_bytes, "by_category": tracker.peak_by_category(),
-           "host_bytes": tracker.host_peak_bytes,
-           "host_by_category": tracker.host_peak_by_category(), "accounting": acc,
-           "cuda_stats": dict(tracker.cuda_stats), "step_seconds": seconds,
-           "host_accounts": _host_accounts(step.offload)}
-    del engine, opt, inner, model
+
+    def run(tracker: MemoryTracker, n: int, account: bool) -> dict | None:
+        """``n`` steps under ``tracker``; an OOM is recorded in ``tracker.oom``. Every rank
+        holds the same shapes, so under one budget the ranks run out at the same op."""
+        acc = None
+        try:
+            with tracker:
+                register(tracker)
+                for _ in range(n):
+                    acc = one_step(account=account)
+        except torch.OutOfMemoryError as e:
+            traceback.clear_frames(e.__traceback__)
+        return acc
+
+    # host memory is whatever is not on the engine's device (offloaded master, moments, grads)
+    warm = MemoryTracker(budget_bytes, device=engine.device, cuda=on_cuda)
+    if budget_bytes is None:
+        for _ in range(steps - 1):
+            one_step()  # warm-up: Adam's state exists afterwards
+    else:
+        run(warm, steps - 1, False)  # the budget covers the warm-up too
+    out: dict[str, Any] = {"rank": rank, "device": device.type,
+                           "host_accounts": _host_accounts(step.offload),
+                           "optimizer": type(getattr(engine.optimizer, "optimizer",
+                                                     engine.optimizer)).__name__,
+                           "accounting": None, "step_seconds": 0.0,
+                           "rss_start_bytes": rss_start, "rss_bytes": None}
+    if budget_bytes is None:
+        if on_cuda:
+            torch.cuda.synchronize(device)
+            out["device_base_bytes"] = torch.cuda.memory_allocated(device) - held_before
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        out["accounting"] = one_step(account=True)
+        if on_cuda:
+            torch.cuda.synchronize(device)
+            out["device_peak_bytes"] = torch.cuda.max_memory_allocated(device) - held_before
+            out["device_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        out["step_seconds"] = time.perf_counter() - start
+        out["rss_bytes"] = _rss_bytes()
+    tracker = MemoryTracker(budget_bytes, device=engine.device, cuda=on_cuda)
+    ran = warm.oom is None and (track or budget_bytes is not None)
+    if ran:
+        start = time.perf_counter()
+        acc = run(tracker, 1, budget_bytes is not None)
+        if budget_bytes is not None:
+            out["accounting"], out["step_seconds"] = acc, time.perf_counter() - start
+    used = tracker if ran else warm
+    if ran or warm.oom is not None:
+        out.update(peak_bytes=used.peak_bytes, by_category=used.peak_by_category(),
+                   host_bytes=used.host_peak_bytes, host_by_category=used.host_peak_by_category(),
+                   cuda_stats=dict(used.cuda_stats), oom=used.oom)
+    else:
+        out.update(peak_bytes=None, by_category=None, host_bytes=0, host_by_category={},
+                   cuda_stats={}, oom=None)
+    del engine, model, warm, tracker, used, batch, micro
     gc.collect()
+    if on_cuda:
+        torch.cuda.empty_cache()  # the next engine in this launch starts from a clean device
     return out
 
 
-def zero_worker(rank: int, world_size: int, steps: list) -> list[dict]:
+def zero_worker(rank: int, world_size: int, steps: list, budget: int | None = None, *,
+                torch_adam: bool = True, track: bool = True,
+                threads: int | None = None) -> list[dict]:
     """Run each :class:`StepConfig` in ``steps`` with DeepSpeed on this rank, one after
-    another in one process group (one launch for several stages saves start-up time)."""
+    another in one process group (one launch for several stages saves start-up time);
+    ``budget`` is each rank's (see :func:`zero_rank_step`). ``threads``: torch's CPU threads
+    in this rank (the host optimizer of offload uses them)."""
     import logging
     import warnings
+    import torch.distributed as dist
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    if threads:
+        torch.set_num_threads(threads)
     import deepspeed
-    deepspeed.init_distributed(dist_backend=default_backend())
-    return [zero_rank_step(rank, world_size, s) for s in steps]
+    deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized()
+                               else default_backend(world_size))
+    return [zero_rank_step(rank, world_size, s, budget=budget, torch_adam=torch_adam, track=track)
+            for s in steps]
 
 
-def _rank_report(step, res: dict, device: str):
+def _rank_report(step, res: dict, device: str, budget_bytes: int | None = None):
     """One rank's report: the tracker's device peak and host peak (on a GPU, offloaded state
     is host memory), DeepSpeed's exact accounting and, on CUDA, the allocator's figures."""
     from .measure import add_workspace
     from .step import MemoryReport
     rep = MemoryReport("measure", step, device, res["peak_bytes"], dict(res["by_category"]),
-                       step_seconds=res["step_seconds"], host_bytes=res.get("host_bytes", 0),
+                       budget_bytes, step_seconds=res["step_seconds"], oom=res.get("oom"),
+                       host_bytes=res.get("host_bytes", 0),
                        host_by_category=dict(res.get("host_by_category", {})))
+    if res.get("accounting") is None:  # the step ran out of its budget before accounting
+        rep.notes.append(f"rank {res['rank']} of {step.world_size}: out of its budget")
+        return rep
     acc = dict(res["accounting"])
     host = sum(acc[k] for k in res["host_accounts"])
     acc["host_bytes"] = host
@@ -435,50 +558,160 @@ def _rank_report(step, res: dict, device: str):
     return rep
 
 
-def measure_zero(steps: list, *, device: str = "cpu", timeout: float = 600.0) -> list:
+def _oom_after_failure(error: RankError, step, device: str, budget_bytes: int | None):
+    """The report of a one-step launch in which a rank ran out of its budget and returned,
+    and a peer, still inside a collective, lost its connection and failed: the OOM is the
+    finding, not the peer's broken pipe. Re-raises ``error`` when no rank reported an OOM."""
+    from .step import MemoryReport
+    ooms = sorted(r for r, res in error.partial.items() if res[0].get("oom") is not None)
+    if not ooms:
+        raise error
+    per = [_rank_report(step, error.partial[r][0], device, budget_bytes) for r in ooms]
+    rep = MemoryReport("measure", step, device, per[0].peak_bytes, dict(per[0].by_category),
+                       budget_bytes, oom=per[0].oom, per_rank=per)
+    rep.notes.append(f"rank {ooms[0]} ran out of its budget; rank {error.rank} then failed: "
+                     f"{error.detail.splitlines()[0]}")
+    return rep
+
+
+def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placement | None = None,
+                 timeout: float = 600.0, budget: int | str | None = None) -> list:
     """Measure several ZeRO configurations in one multi-rank launch.
 
-    All ``steps`` must share ``world_size``. Returns one :class:`MemoryReport` per step
-    (lens "measure", the peak of rank 0, ``per_rank`` one report per rank).
+    All ``steps`` must share ``world_size``. The ranks run where ``placement`` says, else on
+    ``device`` (``"cpu"``: gloo ranks; ``"cuda"``: one GPU per rank or an InputError; ``None``:
+    :func:`~memlab.hardware.place_ranks` decides). Returns one :class:`MemoryReport` per step
+    (lens "measure", the peak of rank 0, ``per_rank`` one report per rank). ``budget`` is
+    each rank's, enforced in the ranks. Before anything is spawned, every step is checked
+    against this host (:func:`memlab.guard.preflight`, all ranks together): one it cannot hold
+    raises :class:`~memlab.errors.HostMemoryError`; one whose model states exceed the budget
+    comes back ``fits: false`` at phase ``build`` without being run.
     """
+    from .guard import preflight
+    from .hardware import resolve_budget
     from .step import MemoryReport
     steps = list(steps)
     if not steps:
-        raise ValueError("steps is empty; give at least one StepConfig")
+        raise InputError("steps is empty; give at least one StepConfig")
     sizes = {s.world_size for s in steps}
     if len(sizes) != 1:
-        raise ValueError(f"all steps must share one world_size, got {sorted(sizes)}")
+        raise InputError(f"all steps must share one world_size, got {sorted(sizes)}")
     for s in steps:
         deepspeed_config(s)  # validate before spawning anything
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}; allowed: cpu, cuda")
-    backend = "nccl" if device == "cuda" else "gloo"
     world = sizes.pop()
-    ranks = run_ranks(zero_worker, world, kwargs={"steps": steps}, timeout=timeout,
-                      backend=backend)
-    reports = []
+    placement = resolve_placement(world, device=device, placement=placement)
+    device, backend = placement.device_type, placement.backend
+    budget_bytes = resolve_budget(budget)
+    refused = {i: preflight(s, device, budget_bytes, spawned=True) for i, s in enumerate(steps)}
+    todo = [s for i, s in enumerate(steps) if refused[i] is None]
+    ranks = []
+    if todo:
+        try:
+            ranks = run_ranks(zero_worker, world, kwargs={"steps": todo, "budget": budget_bytes},
+                              timeout=timeout, placement=placement)
+        except RankError as e:
+            if len(todo) > 1:
+                raise
+            rep = _oom_after_failure(e, todo[0], device, budget_bytes)
+            return [refused[i] or rep for i in range(len(steps))]
+    reports, j = [], 0
     for i, s in enumerate(steps):
-        per = [_rank_report(s, ranks[r][i], device) for r in range(world)]
+        if refused[i] is not None:
+            reports.append(refused[i])
+            continue
+        per = [_rank_report(s, ranks[r][j], device, budget_bytes) for r in range(world)]
+        j += 1
         top = max(per, key=lambda r: r.peak_bytes)
+        oom = next((r.oom for r in per if r.oom is not None), None)
         rep = MemoryReport("measure", s, device, top.peak_bytes, dict(top.by_category),
-                           step_seconds=max(r.step_seconds for r in per), per_rank=per,
-                           allocator=dict(top.allocator), host_bytes=top.host_bytes,
+                           budget_bytes, step_seconds=max(r.step_seconds for r in per), oom=oom,
+                           per_rank=per, allocator=dict(top.allocator), host_bytes=top.host_bytes,
                            host_by_category=dict(top.host_by_category),
                            tracked_peak_bytes=top.tracked_peak_bytes)
         rep.notes.append(f"DeepSpeed ZeRO-{s.zero}, {world} ranks ({backend}); peak and "
-                         f"categories are the largest rank's")
+                         f"categories are the largest rank's; placement: {placement.reason}")
         reports.append(rep)
     return reports
 
 
-def measure_distributed(step=None, *, device: str = "cpu", timeout: float = 600.0, **overrides):
+def measure_distributed(step=None, *, device: str | None = "cpu", placement: Placement | None = None,
+                        timeout: float = 600.0, budget: int | str | None = None, **overrides):
     """One ZeRO step on ``step.world_size`` ranks with DeepSpeed: a :class:`MemoryReport`
-    whose ``per_rank`` holds one report per rank (``to_dict()["per_rank"]``)."""
+    whose ``per_rank`` holds one report per rank (``to_dict()["per_rank"]``). ``budget`` is
+    each rank's, enforced in the ranks; ranks are placed as in :func:`measure_zero`."""
     from .step import StepConfig
     from dataclasses import replace
     step = step or StepConfig()
     step = replace(step, **overrides) if overrides else step
-    return measure_zero([step], device=device, timeout=timeout)[0]
+    return measure_zero([step], device=device, placement=placement, timeout=timeout,
+                        budget=budget)[0]
+
+
+# --------------------------------------------------------------------------------------
+# Offload: what leaves the device, and what it costs
+# --------------------------------------------------------------------------------------
+OFFLOAD_CASES = ((2, "none"), (2, "optimizer"), (3, "all"))
+
+
+def cpu_adam_buildable() -> tuple[bool, str]:
+    """Whether DeepSpeed can JIT-compile its ``DeepSpeedCPUAdam`` op here (a C++ compiler
+    and ninja), and why not."""
+    import shutil
+    from torch.utils.cpp_extension import is_ninja_available
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return False, f"no C++ compiler ({cxx!r} is not on PATH)"
+    if not is_ninja_available():
+        return False, "ninja is not installed"
+    return True, f"{cxx} and ninja found"
+
+
+def measure_offload(step, *, cases=OFFLOAD_CASES, placement: Placement | None = None,
+                    cpu_adam: bool = False, timeout: float = 900.0) -> list[dict]:
+    """ZeRO with and without offload, one row per ``(stage, offload)`` case, in one launch.
+
+    On CUDA ranks the device figures are the caching allocator's: ``device_peak_bytes`` is
+    ``max_memory_allocated`` over the timed step (run without the tracker),
+    ``device_base_bytes`` what the engine held before it. On CPU ranks host and device are
+    one memory: the device peak is the tracked peak less what ZeRO-Offload keeps on the host,
+    the base the model states DeepSpeed keeps on the device (``source`` says which). Both
+    give ``host_bytes`` (DeepSpeed's accounting of the offloaded fp32 master, Adam's state
+    and, at stage 3, the parameters), how much the process's resident memory grew while the
+    engine was built and run (``rss_growth_bytes``, psutil) and the step time. ``cpu_adam``
+    runs the offloaded optimizer as DeepSpeed's compiled ``DeepSpeedCPUAdam`` instead of
+    torch's AdamW (offload cases only). Rows are rank 0's.
+    """
+    from dataclasses import replace
+    placement = placement or place_ranks(step.world_size)
+    steps = []
+    for zero, offload in cases:
+        s = replace(step, zero=zero, offload=offload, world_size=placement.world_size)
+        deepspeed_config(s, torch_adam=not cpu_adam)  # validate before spawning anything
+        steps.append(s)
+    on_cuda = placement.device_type == "cuda"
+    threads = max(1, (os.cpu_count() or 1) // placement.world_size) if on_cuda else None
+    ranks = run_ranks(zero_worker, placement.world_size, placement=placement, timeout=timeout,
+                      kwargs={"steps": steps, "torch_adam": not cpu_adam, "track": not on_cuda,
+                              "threads": threads})
+    rows = []
+    for s, res in zip(steps, ranks[0]):
+        acc = res["accounting"]
+        host = sum(acc[k] for k in res["host_accounts"])
+        if on_cuda:
+            peak, base, source = res["device_peak_bytes"], res["device_base_bytes"], "allocator"
+        else:
+            # parameters offloaded at stage 3 are gathered to the device for each layer: the
+            # tracker saw them there, so only the optimizer side leaves the device's count
+            peak = res["peak_bytes"] - sum(acc[k] for k in res["host_accounts"] if k != "parameters")
+            base = sum(acc[k] for k in ACCOUNTS) - host
+            source = "accounting"
+        rss = (res["rss_bytes"] - res["rss_start_bytes"]) if res["rss_bytes"] is not None else None
+        rows.append({"zero": s.zero, "offload": s.offload, "optimizer": res["optimizer"],
+                     "device": placement.device_type, "source": source,
+                     "device_peak_bytes": peak, "device_base_bytes": base, "host_bytes": host,
+                     "rss_growth_bytes": rss, "step_seconds": res["step_seconds"],
+                     "accounting": dict(acc)})
+    return rows
 
 
 # --------------------------------------------------------------------------------------
@@ -494,7 +727,7 @@ def _fsdp_kwargs(step) -> dict:
     compute and sharded fp32 master of DeepSpeed's bf16 ZeRO-3, with the fp32 weights counted
     as parameters (DeepSpeed keeps bf16 weights and counts its fp32 copy as optimizer state)."""
     if step.precision not in SHARDED_PRECISIONS:
-        raise ValueError(f"precision={step.precision!r} for a sharded simulation; allowed: "
+        raise InputError(f"precision={step.precision!r} for a sharded simulation; allowed: "
                          f"{', '.join(SHARDED_PRECISIONS)}")
     if step.precision == "fp32":
         return {}
@@ -668,5 +901,7 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, *
 
 
 __all__ = ["RankError", "allreduce_worker", "deepspeed_config",
-           "zero_accounting", "zero_worker", "measure_zero", "measure_distributed", "ACCOUNTS", "zero_formula",
-           "simulate_sharded", "fsdp_worker", "run_ranks", "default_backend", "set_dist_env", "set_cache_env"]
+           "zero_accounting", "zero_worker", "zero_rank_step", "measure_zero", "measure_distributed",
+           "ACCOUNTS", "zero_formula", "simulate_sharded", "fsdp_worker", "run_ranks",
+           "resolve_placement", "default_backend", "set_dist_env", "set_cache_env",
+           "OFFLOAD_CASES", "measure_offload", "cpu_adam_buildable"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .errors import InputError
 from .hardware import resolve_budget
 from .step import MemoryReport, StepConfig, autocast_for, resolve_step
 from .models import GPTConfig, UNet, UNetConfig
@@ -364,10 +365,10 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     if tp != 1:
         from .parallel.formulas import check_tensor_parallel
         if not isinstance(cfg, GPTConfig):
-            raise ValueError(f"tensor_parallel={tp!r} needs a GPT model, got {cfg.name!r}")
+            raise InputError(f"tensor_parallel={tp!r} needs a GPT model, got {cfg.name!r}")
         check_tensor_parallel(cfg, tp)
         if step.world_size % tp:
-            raise ValueError(f"tensor_parallel={tp} must divide world_size={step.world_size}; "
+            raise InputError(f"tensor_parallel={tp} must divide world_size={step.world_size}; "
                              f"allowed: {', '.join(str(k) for k in range(1, step.world_size + 1) if step.world_size % k == 0)}")
     ms = model_states(cfg, precision=step.precision, optimizer=step.optimizer, zero=step.zero,
                       world_size=step.world_size // tp, offload=step.offload)

@@ -1,9 +1,13 @@
-"""Sizes and devices: parse ``"512MiB"``/``"40GB"``, GPU presets, pick a device, format bytes."""
+"""Sizes and devices: parse ``"512MiB"``/``"40GB"``, GPU presets, pick a device, place
+ranks on devices, format bytes."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
+
+from .errors import InputError
 
 MiB = 2**20
 GiB = 2**30
@@ -27,15 +31,15 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
 def parse_size(value: int | float | str) -> int:
     """Bytes from ``1073741824``, ``"512MiB"``, ``"1.5GiB"`` or ``"40GB"`` (GB = 10^9 B)."""
     if isinstance(value, bool):
-        raise ValueError(f"budget {value!r} is not a size")
+        raise InputError(f"budget {value!r} is not a size")
     if isinstance(value, (int, float)):
         if value < 0:
-            raise ValueError(f"budget {value!r} is negative; give a size >= 0 "
+            raise InputError(f"budget {value!r} is negative; give a size >= 0 "
                              f"such as 536870912, '512MiB' or '40GB'")
         return int(value)
     m = _SIZE.match(str(value))
     if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"malformed size {value!r}; expected a number with an optional unit "
+        raise InputError(f"malformed size {value!r}; expected a number with an optional unit "
                          f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '512MiB' or '40GB'")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
@@ -47,7 +51,7 @@ def resolve_budget(budget: int | str | None) -> int | None:
     if isinstance(budget, str) and budget in GPU_PRESETS:
         return GPU_PRESETS[budget]
     if isinstance(budget, str) and "-" in budget and not budget.strip().startswith("-"):
-        raise ValueError(f"unknown GPU preset {budget!r}; allowed: {', '.join(GPU_PRESETS)}")
+        raise InputError(f"unknown GPU preset {budget!r}; allowed: {', '.join(GPU_PRESETS)}")
     return parse_size(budget)
 
 
@@ -56,10 +60,95 @@ def pick_device(device: str | None = None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {device!r}; allowed: cpu, cuda")
+        raise InputError(f"unknown device {device!r}; allowed: cpu, cuda")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
+        raise InputError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
     return torch.device(device)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks of a multi-process run go: one backend for all, a device per rank.
+
+    ``reason`` is one line a lesson prints, so a learner sees why the ranks run where they do.
+    """
+
+    world_size: int
+    backend: str                # "nccl" (one GPU per rank) or "gloo" (CPU ranks)
+    devices: tuple[str, ...]    # per rank: "cuda:0", "cuda:1", ... or "cpu"
+    reason: str
+
+    @property
+    def device_type(self) -> str:
+        """``"cuda"`` for NCCL ranks, ``"cpu"`` for gloo ranks."""
+        return "cuda" if self.backend == "nccl" else "cpu"
+
+    def device(self, rank: int) -> torch.device:
+        """The device of ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise InputError(f"rank {rank} is outside 0-{self.world_size - 1}")
+        return torch.device(self.devices[rank])
+
+    def rank_env(self) -> dict[str, str]:
+        """Environment a rank sets before it imports DeepSpeed or touches CUDA.
+
+        CPU ranks run DeepSpeed's CPU accelerator and see no GPU at all: a GPU that is there
+        but not theirs would otherwise draw DeepSpeed (which picks ``cuda:LOCAL_RANK``) or a
+        stray ``.cuda()`` onto a device ordinal that does not exist.
+        """
+        if self.backend == "nccl":
+            return {"DS_ACCELERATOR": "cuda"}
+        return {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def visible_gpus() -> int:
+    """CUDA GPUs torch can use here (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def place_ranks(world_size: int, gpus: int | None = None, *, shrink: bool = False) -> Placement:
+    """Decide where ``world_size`` ranks run: the one place memlab makes that choice.
+
+    ``gpus`` is how many CUDA GPUs the ranks may use (default: all torch sees; ``0`` asks
+    for CPU ranks). With at least one GPU per rank: NCCL, rank ``r`` on ``cuda:r``. With
+    fewer, NCCL cannot run (two ranks cannot share a GPU) and the ranks run on the CPU with
+    gloo and DeepSpeed's CPU accelerator. ``shrink=True`` instead runs as many ranks as there
+    are GPUs (at least one), for lessons whose point is the GPU itself (offload).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InputError(f"world_size must be a positive integer, got {world_size!r}")
+    if gpus is None:
+        gpus = visible_gpus()
+    elif isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        raise InputError(f"gpus must be an integer >= 0 (0: CPU ranks), got {gpus!r}")
+    if gpus >= world_size:
+        return Placement(world_size, "nccl", tuple(f"cuda:{r}" for r in range(world_size)),
+                         f"{world_size} rank(s) on {gpus} GPU(s): NCCL, one GPU per rank")
+    if shrink and gpus >= 1:
+        return Placement(gpus, "nccl", tuple(f"cuda:{r}" for r in range(gpus)),
+                         f"{gpus} GPU(s) for {world_size} ranks: running {gpus} rank(s), one per "
+                         f"GPU (NCCL), so that device and host are two real memories")
+    why = ("no CUDA GPU" if gpus == 0 and visible_gpus() == 0 else
+           "CPU ranks asked for" if gpus == 0 else
+           f"{gpus} GPU(s) for {world_size} ranks and NCCL needs one GPU per rank")
+    return Placement(world_size, "gloo", ("cpu",) * world_size,
+                     f"{why}: the {world_size} ranks run on the CPU (gloo, DeepSpeed's CPU "
+                     f"accelerator, CPU tensors)")
+
+
+def rank_device() -> torch.device:
+    """This rank's device, read from its process group: its GPU under NCCL, else the CPU.
+
+    Workers ask this instead of ``torch.cuda.is_available()``: CPU ranks on a GPU machine
+    must stay on the CPU (see :func:`place_ranks`).
+    """
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def fmt_bytes(n: float) -> str:

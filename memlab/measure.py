@@ -1,12 +1,15 @@
 """Measure: one real steady-state training step, tracked.
 
-:func:`measure_step` builds the model (:func:`~memlab.step.build_trainer`), runs one
-untracked warm-up step so the optimizer state exists, then tracks the next step with
-:class:`~memlab.tracking.MemoryTracker`. On CUDA the report also carries the caching
-allocator's own figures: its ``max_memory_allocated`` less the tracked tensors becomes the
-``workspace`` category (cuBLAS/cuDNN workspaces, block rounding), so that the categories add
-up to what the allocator says. Tensors on another device than the step's (offloaded state,
-``save_on_cpu`` activations) are reported as host memory (``host_bytes``).
+Before anything is allocated, :func:`measure_step` checks that the step fits this machine
+(:func:`memlab.guard.preflight`: refused with :class:`HostMemoryError`, or a ``fits: false``
+report at phase ``build`` under a budget). It then builds the model
+(:func:`~memlab.step.build_trainer`), runs one untracked warm-up step so the optimizer state
+exists, and tracks the next step with :class:`~memlab.tracking.MemoryTracker`. On CUDA the
+report also carries the caching allocator's own figures: its ``max_memory_allocated`` less
+the tracked tensors becomes the ``workspace`` category (cuBLAS/cuDNN workspaces, block
+rounding), so that the categories add up to what the allocator says. Tensors on another
+device than the step's (offloaded state, ``save_on_cpu`` activations) are reported as host
+memory (``host_bytes``).
 """
 from __future__ import annotations
 
@@ -17,30 +20,41 @@ import traceback
 
 import torch
 
-from .hardware import pick_device, resolve_budget
+from .errors import HostMemoryError, InputError
+from .guard import preflight
+from .hardware import fmt_bytes, pick_device, resolve_budget
 from .step import MemoryReport, StepConfig, Trainer, batch_to, build_trainer, make_batch, resolve_step
-from .tracking import CATEGORIES, DeviceAccounting, MemoryTracker, OOMInfo, requested_bytes
+from .tracking import CATEGORIES, DeviceAccounting, MemoryTracker, OOMInfo, is_host_oom, requested_bytes
 
 
 def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *,
                      cuda_history: bool = False, warmup: bool | str = True,
                      accounting: DeviceAccounting | None = None) -> tuple[MemoryTracker, float, int, int]:
-    """Warm up, then one tracked step; an OOM is caught, memory released, and recorded.
+    """Warm up, then one tracked step; an OOM (the budget's, the CUDA allocator's, or the host
+    allocator failing) is caught, explained in ``tracker.oom``, and its memory released.
 
     ``warmup``: ``True`` runs a whole untracked step first, ``"optimizer"`` only creates the
-    optimizer state (same steady state, half the work: used by the simulation).
+    optimizer state (same steady state, half the work: used by the simulation, and under a
+    budget so that the budget covers every real op).
     ``accounting``: count bytes as a target device would (the simulation's ``target``).
 
     Returns the tracker, the tracked step's seconds, and live bytes before and after it.
     """
-    if warmup == "optimizer":
-        trainer.warm_up_optimizer()
-    elif warmup:
-        trainer.step(batch)
     on_cuda = trainer.device.type == "cuda"
     tracker = MemoryTracker(None if on_cuda else budget_bytes, cuda=on_cuda, cuda_history=cuda_history,
                             device=trainer.device, accounting=accounting)
-    with _cuda_budget(budget_bytes if on_cuda else None), tracker:
+    try:
+        if warmup == "optimizer":
+            trainer.warm_up_optimizer()
+        elif warmup:
+            trainer.step(batch)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not (isinstance(e, torch.OutOfMemoryError) or is_host_oom(e)):
+            raise
+        tracker.oom = _explain(e, tracker, budget_bytes, "warm-up")
+        _release(e, trainer)
+        return tracker, 0.0, 0, 0
+    with cuda_budget(budget_bytes if on_cuda else None), tracker:
         tracker.track_model(trainer.model)
         tracker.track_optimizer(trainer.optimizer)
         tracker.track_tensors(batch, "other")
@@ -49,16 +63,20 @@ def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *
         start = time.perf_counter()
         try:
             trainer.step(batch)
-        except torch.OutOfMemoryError as e:
-            # A real allocator OOM inside an op was recorded by the tracker (op, module,
-            # phase, categories, the allocator's figures); one outside any op was not.
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not (isinstance(e, torch.OutOfMemoryError) or is_host_oom(e)):
+                raise
+            # A real allocator OOM inside an op (CUDA's, or the host's malloc failing) was
+            # recorded by the tracker (op, module, phase, categories, the allocator's
+            # figures); one outside any op was not.
             if tracker.oom is None:
-                message = str(e).split("\n")[0]
-                tracker.oom = OOMInfo("unknown", "unknown", "unknown", requested_bytes(message),
-                                      tracker.live_bytes, budget_bytes or 0, message,
-                                      tracker.by_category())
-            elif not tracker.oom.budget_bytes:
-                tracker.oom.budget_bytes = budget_bytes or 0
+                phase = tracker.timeline[-1].phase if tracker.timeline else "unknown"
+                tracker.oom = _explain(e, tracker, budget_bytes, phase)
+            else:
+                if not tracker.oom.budget_bytes:
+                    tracker.oom.budget_bytes = budget_bytes or 0
+                if is_host_oom(e):
+                    tracker.oom.message = _host_message(tracker.oom)
             _release(e, trainer)
         seconds = time.perf_counter() - start
         if on_cuda:
@@ -66,6 +84,26 @@ def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *
         gc.collect()
         after = tracker.live_bytes
     return tracker, seconds, before, after
+
+
+def _explain(error: BaseException, tracker: MemoryTracker, budget_bytes: int | None,
+             phase: str) -> OOMInfo:
+    """An :class:`OOMInfo` for an allocator that refused outside any tracked op (the warm-up,
+    or between ops); the budget's OOMs and those inside an op explain themselves."""
+    message = str(error).strip().split("\n")[0]
+    oom = OOMInfo("unknown", "unknown", phase, requested_bytes(message), tracker.live_bytes,
+                  budget_bytes or 0, message, tracker.by_category())
+    if is_host_oom(error):
+        oom.message = _host_message(oom)
+    return oom
+
+
+def _host_message(oom: OOMInfo) -> str:
+    """The host allocator's refusal, said as an OOM: where, how much, what was live."""
+    where = oom.phase if oom.op == "unknown" else f"{oom.op} ({oom.module}, {oom.phase})"
+    return (f"Host out of memory: the CPU allocator could not allocate "
+            f"{fmt_bytes(oom.requested_bytes)} in {where}, with {fmt_bytes(oom.live_bytes)} of "
+            f"tensors live; the step's memory was released. Allocator: {oom.message}")
 
 
 def _release(error: BaseException, trainer: Trainer) -> None:
@@ -80,17 +118,28 @@ def _release(error: BaseException, trainer: Trainer) -> None:
 
 
 @contextlib.contextmanager
-def _cuda_budget(budget_bytes: int | None):
-    """Emulate a smaller card: cap this process's share of the real GPU, restore after."""
+def cuda_budget(budget_bytes: int | None):
+    """Emulate a smaller card: cap this process's share of the real GPU, restore it after.
+
+    A cap already in place (an instructor splitting one GPU between students with
+    ``torch.cuda.set_per_process_memory_fraction``) stays the ceiling and comes back after
+    the step, so a budgeted measurement never lifts it.
+    """
     if budget_bytes is None:
         yield
         return
+    # The cap applies when the allocator asks the driver for a new segment: blocks it cached
+    # in an earlier step (the warm-up) would be reused under any cap. Return them first.
+    torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total))
+    # the getter is recent (pytorch/pytorch#140620); without it the cap cannot be read
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    previous = getter(0) if getter is not None else 1.0
+    torch.cuda.set_per_process_memory_fraction(min(previous, budget_bytes / total), 0)
     try:
         yield
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.set_per_process_memory_fraction(previous, 0)
         torch.cuda.empty_cache()
 
 
@@ -101,10 +150,16 @@ def measure_step(step: StepConfig | None = None, *, device: str | None = "cpu",
 
     ``budget`` (bytes, ``"512MiB"``, or a GPU preset such as ``"T4-16GB"``) makes the step a
     simulated device on CPU and a real reduced memory fraction on CUDA; a step that does not
-    fit comes back with ``fits == False`` and ``oom`` filled, memory released.
+    fit comes back with ``fits == False`` and ``oom`` filled, memory released; one whose
+    model and optimizer state alone exceed the budget, at phase ``build`` without building.
+    A step this machine cannot hold raises :class:`HostMemoryError` before anything is
+    allocated (:mod:`memlab.guard` states the rule).
     """
     step = resolve_step(step, **overrides)
     dev = pick_device(device)
+    refused = preflight(step, dev, resolve_budget(budget))
+    if refused is not None:
+        return refused
     trainer = build_trainer(step, dev)
     batch = batch_to(make_batch(step, dev), step)
     return measure_trainer(trainer, batch, budget=budget, cuda_history=cuda_history,
@@ -114,10 +169,12 @@ def measure_step(step: StepConfig | None = None, *, device: str | None = "cpu",
 def measure_trainer(trainer: Trainer, batch: tuple, *, budget: int | str | None = None,
                     cuda_history: bool = False, snapshot_path: str | None = None) -> MemoryReport:
     """:func:`measure_step` for a trainer you built (with hooks or tweaks of your own):
-    a warm-up step, then one tracked step, reported."""
+    a warm-up step, then one tracked step, reported. Under a budget the warm-up only creates
+    the optimizer state, so that every op of the step runs under the budget."""
     budget_bytes = resolve_budget(budget)
-    tracker, seconds, before, after = run_tracked_step(trainer, batch, budget_bytes,
-                                                       cuda_history=cuda_history or bool(snapshot_path))
+    tracker, seconds, before, after = run_tracked_step(
+        trainer, batch, budget_bytes, cuda_history=cuda_history or bool(snapshot_path),
+        warmup=True if budget_bytes is None else "optimizer")
     if snapshot_path and tracker.snapshot is not None:
         tracker.dump_snapshot(snapshot_path)
     report = MemoryReport("measure", trainer.step_config, trainer.device.type, tracker.peak_bytes,
@@ -149,7 +206,9 @@ def time_step(step: StepConfig | None = None, *, device: str | None = "cpu", rep
               **overrides) -> float:
     """Median seconds of an untracked steady-state step (for compute-cost ratios)."""
     step = resolve_step(step, **overrides)
-    trainer = build_trainer(step, pick_device(device))
+    dev = pick_device(device)
+    preflight(step, dev)
+    trainer = build_trainer(step, dev)
     batch = batch_to(make_batch(step, trainer.device), step)
     trainer.step(batch)
     return time_steps({"step": (trainer, batch)}, repeats)["step"]
@@ -170,4 +229,4 @@ def time_steps(runs: dict[str, tuple[Trainer, tuple]], repeats: int = 3) -> dict
 
 
 __all__ = ["measure_step", "measure_trainer", "time_step", "time_steps", "run_tracked_step",
-           "add_workspace"]
+           "add_workspace", "cuda_budget", "is_host_oom", "HostMemoryError", "InputError"]

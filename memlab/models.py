@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .chunked_loss import linear_cross_entropy
+from .errors import InputError
 
 Attention = Literal["naive", "sdpa"]
 Checkpointing = Literal["none", "full", "selective"]
@@ -111,33 +112,33 @@ class GPTConfig:
                              ("d_model", self.d_model), ("vocab_size", self.vocab_size),
                              ("block_size", self.block_size), ("loss_chunk", self.loss_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+                raise InputError(f"{field} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; "
+            raise InputError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}; "
                              f"choose d_model as a multiple of the number of heads")
         if self.n_kv_head is not None:
             divisors = [k for k in range(1, self.n_head + 1) if self.n_head % k == 0]
             if (isinstance(self.n_kv_head, bool) or not isinstance(self.n_kv_head, int)
                     or self.n_kv_head not in divisors):
-                raise ValueError(f"n_kv_head={self.n_kv_head!r} must divide n_head={self.n_head}; "
+                raise InputError(f"n_kv_head={self.n_kv_head!r} must divide n_head={self.n_head}; "
                                  f"allowed: None (= n_head), {', '.join(map(str, divisors))}")
         if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention={self.attention!r}; allowed: {', '.join(ATTENTIONS)}")
+            raise InputError(f"attention={self.attention!r}; allowed: {', '.join(ATTENTIONS)}")
         if self.checkpointing not in CHECKPOINTINGS:
-            raise ValueError(f"checkpointing={self.checkpointing!r}; "
+            raise InputError(f"checkpointing={self.checkpointing!r}; "
                              f"allowed: {', '.join(CHECKPOINTINGS)}")
         if self.gqa not in GQA_KERNELS:
-            raise ValueError(f"gqa={self.gqa!r}; allowed: {', '.join(GQA_KERNELS)}")
+            raise InputError(f"gqa={self.gqa!r}; allowed: {', '.join(GQA_KERNELS)}")
         if self.gqa == "native" and self.attention != "sdpa":
-            raise ValueError(f"gqa='native' needs attention='sdpa' (got attention={self.attention!r}); "
+            raise InputError(f"gqa='native' needs attention='sdpa' (got attention={self.attention!r}); "
                              f"allowed with naive attention: gqa='repeat'")
         if self.loss not in LOSSES:
-            raise ValueError(f"loss={self.loss!r}; allowed: {', '.join(LOSSES)}")
+            raise InputError(f"loss={self.loss!r}; allowed: {', '.join(LOSSES)}")
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
                 or not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+            raise InputError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
         if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"rotary positions need an even head_dim, got "
+            raise InputError(f"rotary positions need an even head_dim, got "
                              f"d_model/n_head = {self.head_dim}; choose an even head size")
 
     @property
@@ -239,7 +240,7 @@ def get_config(preset: str, **overrides) -> "GPTConfig | UNetConfig":
     """Look up a preset by name (``tiny``, ``gpt2-xl``, ``unet-small``, ...) with overrides."""
     table = {**PRESETS, **UNET_PRESETS}
     if preset not in table:
-        raise ValueError(f"unknown model preset {preset!r}; allowed: {', '.join(table)}")
+        raise InputError(f"unknown model preset {preset!r}; allowed: {', '.join(table)}")
     return replace(table[preset], **overrides) if overrides else table[preset]
 
 
@@ -385,7 +386,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         b, s = idx.shape
         if s > self.cfg.block_size:
-            raise ValueError(f"sequence length {s} exceeds block_size {self.cfg.block_size}")
+            raise InputError(f"sequence length {s} exceeds block_size {self.cfg.block_size}")
         x = self.wte(idx)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(s, device=idx.device))
@@ -419,9 +420,9 @@ class UNetConfig:
 
     def __post_init__(self) -> None:
         if self.base % self.groups:
-            raise ValueError(f"base={self.base} must be divisible by groups={self.groups}")
+            raise InputError(f"base={self.base} must be divisible by groups={self.groups}")
         if self.checkpointing not in CHECKPOINTINGS:
-            raise ValueError(f"checkpointing={self.checkpointing!r}; "
+            raise InputError(f"checkpointing={self.checkpointing!r}; "
                              f"allowed: {', '.join(CHECKPOINTINGS)}")
 
     def num_params(self) -> int:

@@ -5,6 +5,7 @@
 - :func:`plot_curve`: a measured quantity against sequence length or batch, formula overlaid.
 - :func:`plot_tradeoff`: memory against time, both as ratios to a baseline.
 - :func:`plot_grad_histogram`: gradient magnitudes against the smallest fp16 number.
+- :func:`plot_snapshot`: a CUDA allocator snapshot's live and reserved bytes over time.
 """
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from .errors import InputError
 from .parallel import bubble_fraction, pipeline_bubble, pipeline_run
 from .step import MemoryReport
 from .tracking import CATEGORIES
 
 if TYPE_CHECKING:
     from .advisor import Advice
+    from .batching import BatchPlan
     from .parallel import ParallelResult
+    from .snapshot import SnapshotTimeline
 
 MiB = 2**20
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868",
@@ -70,6 +74,36 @@ def plot_timeline(report: MemoryReport, ax=None, *, title: str | None = None):
     ax.set_ylabel("live MiB")
     ax.set_title(title or _title(report), fontsize=9, pad=12)
     ax.legend(fontsize=7, loc="upper left", ncol=2)
+    return ax
+
+
+def plot_snapshot(timeline: "SnapshotTimeline", ax=None, *, title: str | None = None):
+    """Live bytes (filled) and reserved bytes (line) after each allocator action of a CUDA
+    snapshot (:func:`memlab.snapshot.live_timeline`), peak and any OOM marked: the offline
+    version of pytorch.org/memory_viz's active-memory timeline."""
+    ax = _ax(ax)
+    if not timeline.actions:
+        ax.text(0.5, 0.5, "empty trace", ha="center", transform=ax.transAxes)
+        return ax
+    t = np.array(timeline.time_ms)
+    live = np.array(timeline.live_bytes, dtype=float) / MiB
+    ax.fill_between(t, live, step="post", color=COLORS["activations"], alpha=0.6,
+                    label="allocated (live tensors)")
+    ax.step(t, np.array(timeline.reserved_bytes, dtype=float) / MiB, where="post", color="k",
+            lw=1, label="reserved (segments held)")
+    ax.axhline(timeline.start_bytes / MiB, color=COLORS["parameters"], ls=":", lw=1,
+               label="live before recording")
+    if timeline.peak_index >= 0:
+        i = timeline.peak_index
+        ax.plot([t[i]], [live[i]], "v", color="k", label=f"peak {live[i]:.0f} MiB")
+    for i in timeline.ooms:
+        ax.plot([t[i]], [live[i]], "kx", ms=10, mew=2, label="OOM")
+    ax.set_xlabel("ms since recording began")
+    ax.set_ylabel("MiB")
+    ax.set_ylim(0, None)
+    ax.set_title(title or f"CUDA allocator, device {timeline.device}: peak "
+                 f"{timeline.peak_bytes / MiB:.0f} MiB", fontsize=9)
+    ax.legend(fontsize=7, loc="center right")
     return ax
 
 
@@ -166,7 +200,7 @@ def plot_grad_histogram(grads: Mapping[str, np.ndarray], ax=None, *, tiny: float
 
 
 __all__ = ["COLORS", "timeline_array", "plot_timeline", "plot_lenses", "plot_curve",
-           "plot_tradeoff", "plot_grad_histogram"]
+           "plot_tradeoff", "plot_grad_histogram", "plot_snapshot"]
 
 
 def plot_advice(advice: Advice, ax=None):
@@ -253,4 +287,203 @@ def plot_stage_memory(result: ParallelResult, ax=None, *, rank: int = 0):
     ax.set_ylabel(f"stage {rank} peak (MiB)")
     ax.set_ylim(0, None)
     ax.legend(fontsize=8)
+    return ax
+
+
+# -- diagrams: pictures of what a formula or a measurement says -------------------------
+def _unit(nbytes: float) -> tuple[int, str]:
+    """The binary unit that keeps a figure's numbers readable."""
+    return (2**30, "GiB") if nbytes >= 2**30 else (MiB, "MiB") if nbytes >= MiB else (2**10, "KiB")
+
+
+ZERO_STAGE_NAMES = ("ZeRO-0: data parallel, all replicated", "ZeRO-1: optimizer states sharded",
+                    "ZeRO-2: + gradients sharded", "ZeRO-3: + parameters sharded")
+
+
+def plot_zero_partition(num_params: int, world_size: int = 4, ax=None, **formula):
+    """What each rank holds under ZeRO stages 0-3: one bar per rank, its length the bytes of
+    parameters, gradients and optimizer states on that rank (:func:`memlab.states.zero_formula`,
+    ``formula`` its keyword arguments). A sharded part is drawn solid and labelled with the
+    rank's shard; a replicated one light. Linear axis from 0."""
+    from .states import zero_formula
+    per = [zero_formula(num_params, s, world_size, **formula) for s in range(4)]
+    scale, unit = _unit(sum(per[0].values()))
+    rows = 4 * (world_size + 1)
+    ax = ax or plt.subplots(figsize=(8, 0.28 * rows + 0.8))[1]
+    cats, y = ("parameters", "gradients", "optimizer"), 0
+    ticks, labels = [], []
+    for s, parts in enumerate(per):
+        ax.text(0, y, ZERO_STAGE_NAMES[s], va="center", fontsize=8, weight="bold")
+        y += 1
+        for r in range(world_size):
+            left = 0.0
+            for c in cats:
+                w = parts[c] / scale
+                sharded = parts[c] < per[0][c]  # smaller than the replica: a 1/N shard
+                ax.barh(y, w, left=left, color=COLORS[c], alpha=1.0 if sharded else 0.35,
+                        edgecolor="k", lw=0.3, label=c if s == 0 and r == 0 else None)
+                if sharded and w > 0.06 * sum(per[0].values()) / scale:
+                    ax.text(left + w / 2, y, f"{r + 1}/{world_size}", ha="center",
+                            va="center", fontsize=6)
+                left += w
+            if r == 0:
+                ax.text(left, y, f" {left:.3g} {unit}", va="center", fontsize=7)
+            ticks.append(y)
+            labels.append(f"rank {r}")
+            y += 1
+    ax.set_yticks(ticks, labels, fontsize=7)
+    ax.set_ylim(y - 0.4, -0.6)
+    ax.set_xlim(0, 1.18 * sum(per[0].values()) / scale)
+    ax.set_xlabel(f"bytes per rank ({unit}); solid: this rank's 1/{world_size} shard, "
+                  f"light: a full replica")
+    ax.set_title(f"{num_params / 1e6:.4g}M parameters on {world_size} ranks", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    return ax
+
+
+def plot_tensor_split(d_model: int, hidden: int, t: int = 2, ax=None, *,
+                      names: tuple[str, str] = ("fc", "out")):
+    """The two weight matrices of a Megatron MLP, split across ``t`` ranks (one colour per
+    rank): the first (``d_model x hidden``, inputs x outputs) by columns, the second
+    (``hidden x d_model``) by rows. Rectangles are drawn to scale."""
+    for name, v in (("d_model", d_model), ("hidden", hidden), ("t", t)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"{name} must be a positive integer, got {v!r}")
+    if hidden % t:
+        raise InputError(f"hidden={hidden} is not divisible by t={t}")
+    from matplotlib.patches import Rectangle
+    ax = ax or plt.subplots(figsize=(9, 4))[1]
+    gap = 0.3 * max(d_model, hidden)
+    x0 = hidden + gap  # the second matrix starts here
+    for r in range(t):
+        color = f"C{r}"
+        ax.add_patch(Rectangle((r * hidden / t, 0), hidden / t, d_model, facecolor=color,
+                               edgecolor="k", lw=0.8, alpha=0.75))
+        ax.text((r + 0.5) * hidden / t, d_model / 2, f"rank {r}\n{d_model}x{hidden // t}",
+                ha="center", va="center", fontsize=7)
+        ax.add_patch(Rectangle((x0, r * hidden / t), d_model, hidden / t, facecolor=color,
+                               edgecolor="k", lw=0.8, alpha=0.75))
+        ax.text(x0 + d_model / 2, (r + 0.5) * hidden / t, f"rank {r}\n{hidden // t}x{d_model}",
+                ha="center", va="center", fontsize=7)
+    below = max(d_model, hidden) * 1.04
+    ax.text(hidden / 2, d_model + 0.04 * hidden, f"{names[0]} ({d_model} x {hidden}): "
+            "split by columns;\neach rank makes its own hidden features", ha="center", va="top",
+            fontsize=8)
+    ax.text(x0 + d_model / 2, hidden * 1.04, f"{names[1]} ({hidden} x {d_model}): split by rows;\n"
+            "partial sums, one all-reduce", ha="center", va="top", fontsize=8)
+    ax.set_xlim(-0.02 * hidden, x0 + d_model * 1.6)
+    ax.set_ylim(below + 0.25 * max(d_model, hidden), -0.02 * hidden)  # row 0 at the top
+    ax.set_aspect("equal")
+    ax.axis("off")
+    return ax
+
+
+def plot_pipeline_schedule(p: int, m: int, schedule: str = "1f1b", ax=None, *,
+                           forward: int = 1, backward: int = 2):
+    """The ideal schedule (:func:`memlab.parallel.pipeline_schedule`): which micro-batch each
+    stage runs in each time slot, forward light and backward dark, idle slots (the bubble)
+    hatched. Every op takes its slots exactly; nothing here is timed."""
+    from .parallel import in_flight, pipeline_schedule
+    events = pipeline_schedule(p, m, schedule, forward=forward, backward=backward)
+    wall = max(e[3] for stage in events for e in stage)
+    ax = ax or plt.subplots(figsize=(8, 0.45 * p + 0.9))[1]
+    for s, stage in enumerate(events):
+        t = 0
+        for kind, j, a, b in sorted(stage, key=lambda e: e[2]):
+            if a > t:  # a gap in this stage's work: the bubble
+                ax.barh(s, a - t, left=t, color="white", edgecolor="#888888", hatch="////",
+                        lw=0.4, gid="idle")
+            fwd = kind == "F"
+            ax.barh(s, b - a, left=a, color="#a6cbe3" if fwd else "#f28e2b", edgecolor="k",
+                    lw=0.4, gid=kind)
+            ax.text((a + b) / 2, s, str(j), ha="center", va="center", fontsize=7)
+            t = b
+        if t < wall:
+            ax.barh(s, wall - t, left=t, color="white", edgecolor="#888888", hatch="////",
+                    lw=0.4, gid="idle")
+    busy = sum(e[3] - e[2] for e in events[0])
+    held = max(in_flight(stage) for stage in events)
+    ax.set_yticks(range(p), [f"stage {s}" for s in range(p)], fontsize=8)
+    ax.set_ylim(p - 0.5, -0.5)
+    ax.set_xlim(0, wall)
+    ax.set_xlabel(f"time slot (forward {forward}, backward {backward}; number: micro-batch; "
+                  "hatched: idle)", fontsize=8)
+    ax.set_title(f"{schedule}, p={p}, m={m}: each stage idle {1 - busy / wall:.0%} "
+                 f"= (p-1)/(m+p-1); holds up to {held} micro-batches", fontsize=9)
+    return ax
+
+
+def plot_activation_life(report: MemoryReport | Mapping[str, MemoryReport], ax=None, *,
+                         title: str | None = None):
+    """Bytes of activations alive after every op of a measured step: they rise in forward
+    (each layer saves its tensors) and fall in backward (the last layer's go first).
+    Several reports are drawn as lines over one another."""
+    ax = _ax(ax)
+    reports = {report.step.model_config.checkpointing: report} if isinstance(report, MemoryReport) \
+        else dict(report)
+    i = CATEGORIES.index("activations")
+    for n, (name, r) in enumerate(reports.items()):
+        if not r.timeline:
+            raise InputError(f"the {r.lens!r} report has no timeline; plot a measured one")
+        y = np.array([e.by_category[i] for e in r.timeline], dtype=float) / MiB
+        x = np.arange(len(y))
+        forward = np.array([e.phase == "forward" for e in r.timeline])
+        color = COLORS["activations"] if len(reports) == 1 else f"C{n}"
+        ax.plot(x, y, color=color, lw=1.2, label=f"{name}: {y.max():.1f} MiB at the end of forward")
+        if len(reports) == 1:  # one step: shade forward (saving) and backward (freeing)
+            ax.fill_between(x, 0, y, where=forward, color=color, alpha=0.35, lw=0)
+            ax.fill_between(x, 0, y, where=~forward, color=color, alpha=0.12, lw=0)
+        else:  # several: mark where each forward ends
+            top = int(y.argmax())
+            ax.plot([top], [y[top]], "o", color=color, ms=4)
+    ax.set_xlim(0, None)
+    ax.set_ylim(0, None)
+    ax.set_xlabel("op of the step (forward: saving, then backward: freeing)" if len(reports) > 1
+                  else "op of the step (dark: forward, saving; light: backward, freeing)")
+    ax.set_ylabel("activations alive (MiB)")
+    ax.set_title(title or "the life of activations through one step", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    return ax
+
+
+def plot_module_bytes(by_module: Mapping[str, float], ax=None, *, title: str | None = None,
+                      xlabel: str = "kept for backward (MiB)"):
+    """Horizontal bars of bytes per module (e.g. :func:`memlab.techniques.activations_by_module`),
+    in the order given, in MiB on a linear axis from 0."""
+    ax = ax or plt.subplots(figsize=(6, 0.3 * len(by_module) + 0.8))[1]
+    names = list(by_module)
+    vals = [by_module[k] / MiB for k in names]
+    ax.barh(range(len(names)), vals, color=COLORS["activations"])
+    for k, v in enumerate(vals):
+        ax.text(v, k, f" {v:.2f}", va="center", fontsize=7)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_xlim(0, 1.15 * max(vals) if vals and max(vals) > 0 else 1)
+    ax.set_xlabel(xlabel)
+    if title:
+        ax.set_title(title, fontsize=9)
+    return ax
+
+
+def plot_padding(plans: Mapping[str, BatchPlan] | Sequence[BatchPlan], ax=None):
+    """One bar per batching plan (:mod:`memlab.batching`): its padded token slots, split
+    into real tokens and padding, with the number of batches it takes. Linear axis from 0."""
+    if not isinstance(plans, Mapping):
+        plans = {p.strategy: p for p in plans}
+    ax = ax or plt.subplots(figsize=(7, 0.5 * len(plans) + 1))[1]
+    names = list(plans)
+    real = np.array([plans[k].tokens for k in names], dtype=float)
+    pad = np.array([plans[k].padding_tokens for k in names], dtype=float)
+    scale = 1e3
+    ax.barh(names, real / scale, color="#4c72b0", label="real tokens")
+    ax.barh(names, pad / scale, left=real / scale, color="#dddddd", edgecolor="#999999",
+            hatch="//", label="padding")
+    for k, name in enumerate(names):
+        p = plans[name]
+        ax.text((real[k] + pad[k]) / scale, k, f" {p.padding_fraction:.0%} padding, "
+                f"{len(p.batches)} batches", va="center", fontsize=7)
+    ax.set_xlim(0, 1.45 * (real + pad).max() / scale)
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_xlabel("token slots, thousands (what the activations are sized by)")
+    ax.legend(fontsize=7, loc="lower right")
     return ax

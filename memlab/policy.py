@@ -71,6 +71,7 @@ from typing import Iterator
 import torch
 from torch.utils._pytree import tree_map_only
 
+from .states import PLAIN
 from .tracking import DeviceAccounting
 
 TARGETS = ("cuda", "cpu")
@@ -277,12 +278,14 @@ def rms_norm_fused(target: str) -> bool:
 # The same rules as element sizes, for the estimate
 # --------------------------------------------------------------------------------------
 def precision_bytes(precision: str) -> tuple[int, int, int | None]:
-    """``(parameter, compute, autocast)`` bytes per element of a precision: autocast's dtype
-    is ``None`` when autocast is off (fp32, pure-bf16)."""
-    table = {"fp32": (4, 4, None), "bf16": (4, 2, 2), "fp16": (4, 2, 2), "pure-bf16": (2, 2, None)}
-    if precision not in table:
-        raise ValueError(f"precision={precision!r}; allowed: {', '.join(table)}")
-    return table[precision]
+    """``(parameter, compute, autocast)`` bytes per element of a precision (parameters as
+    :data:`memlab.states.PLAIN` keeps them): autocast's dtype is ``None`` when autocast is
+    off (fp32, pure-bf16), and matmuls compute in it when on."""
+    autocast = {"fp32": None, "bf16": 2, "fp16": 2, "pure-bf16": None}
+    if precision not in autocast:
+        raise ValueError(f"precision={precision!r}; allowed: {', '.join(autocast)}")
+    param = PLAIN[precision][0]
+    return param, autocast[precision] or param, autocast[precision]
 
 
 def op_bytes(target: str, op: str, input_bytes: int, precision: str,

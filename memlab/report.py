@@ -21,6 +21,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .errors import InputError
+from .hardware import Placement, place_ranks
 from .parallel.formulas import bubble_fraction
 from .states import zero_saving  # one source for the ZeRO formula (re-exported)
 from .step import StepConfig
@@ -188,25 +190,35 @@ def single_device(step: StepConfig, repeats: int = 2) -> dict[str, dict]:
     return out
 
 
-def multi_rank(step: StepConfig, world_size: int = 2) -> dict:
+def table_placement(world_size: int) -> Placement:
+    """Where the table's multi-rank rows run: CPU ranks on any machine, so that they are
+    measured like the single-device rows (the exact CPU tracker on the tiny model)."""
+    return place_ranks(world_size, gpus=0)
+
+
+def multi_rank(step: StepConfig, world_size: int = 2, placement: Placement | None = None) -> dict:
     """ZeRO 0-3 and ZeRO-2 + optimizer offload in one DeepSpeed launch; one tensor-parallel
-    and one pipeline (1F1B, 4 micro-batches) run. Each on ``world_size`` ranks."""
+    and one pipeline (1F1B, 4 micro-batches) run. Each on ``world_size`` ranks, placed by
+    ``placement`` (default :func:`table_placement`)."""
     from .distributed import measure_zero
     from .parallel import measure_pipeline, measure_tensor_parallel
+    placement = placement or table_placement(world_size)
     s = replace(step, world_size=world_size, precision="fp32")
     zs = [replace(s, zero=z) for z in (0, 0, 1, 2, 3)] + [replace(s, zero=2, offload="optimizer")]
-    reps = measure_zero(zs)[1:]  # the launch's first engine is slow to start: time the second
+    # the launch's first engine is slow to start: time the second
+    reps = measure_zero(zs, placement=placement)[1:]
     out = {f"zero{z}": {"peak_bytes": r.peak_bytes, "seconds": r.step_seconds,
                         "allocator": dict(r.allocator)} for z, r in zip((0, 1, 2, 3), reps)}
     off = reps[-1]
     out["offload"] = {"peak_bytes": off.peak_bytes, "seconds": off.step_seconds,
                       "allocator": dict(off.allocator)}
-    tp = measure_tensor_parallel(replace(step, world_size=1), world_size, check=False)
+    tp = measure_tensor_parallel(replace(step, world_size=1), world_size, check=False,
+                                 placement=placement)
     out["tp"] = {"peak_bytes": max(r["peak_bytes"] for r in tp.per_rank),
                  "param_bytes": max(r["param_bytes"] for r in tp.per_rank),
                  "full_param_bytes": tp.per_rank[0]["full_param_bytes"]}
     pp = measure_pipeline(replace(step, world_size=1), world_size, micro_batches=(4,),
-                          schedules=("1f1b",), repeats=1)
+                          schedules=("1f1b",), repeats=1, placement=placement)
     runs = [r["runs"][0] for r in pp.per_rank]
     out["pp"] = {"peak_bytes": max(r["peak_bytes"] for r in runs),
                  "bubble": sum(r["bubble"] for r in runs) / len(runs)}
@@ -323,7 +335,7 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
     start = time.perf_counter()
     step = step or StepConfig()
     if step.precision != "fp32" or step.model_config.checkpointing != "none":
-        raise ValueError(f"the baseline must be fp32 without checkpointing, got precision="
+        raise InputError(f"the baseline must be fp32 without checkpointing, got precision="
                          f"{step.precision!r}, checkpointing={step.model_config.checkpointing!r}")
     one = single_device(step, repeats)
     base = one["baseline"]
@@ -365,7 +377,8 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
     notes = [f"baseline peak {base['peak_bytes'] / 2**20:.1f} MiB, activations "
              f"{base['activation_bytes'] / 2**20:.1f} MiB ({act_share:.0%} of the peak)"]
     if distributed:
-        multi = multi_rank(step, world_size)
+        placement = table_placement(world_size)
+        multi = multi_rank(step, world_size, placement)
         z0 = multi["zero0"]
         s0 = _model_states(z0["allocator"])
         for z, tech in ((1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")):
@@ -405,7 +418,7 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
                         "(large models, small activations)",
                         f"ZeRO-2 + optimizer offload: device peak {dev / 2**20:.1f} MiB, host "
                         f"{off['allocator']['host_bytes'] / 2**20:.1f} MiB; memory and time vs ZeRO-2"))
-        notes.append(f"multi-rank rows: {world_size} ranks on gloo; ZeRO rows give the model "
+        notes.append(f"multi-rank rows: {placement.reason}; ZeRO rows give the model "
                      f"states per rank (what ZeRO shards) against stage 0")
     refs = reference_ratios(load_references(reference_dir))
     for r in rows:
@@ -429,7 +442,7 @@ def measure_saving(step: StepConfig, technique: str) -> dict:
     from .measure import measure_trainer
     from .techniques import category_max
     if technique not in SINGLE:
-        raise ValueError(f"technique={technique!r}; allowed: {', '.join(SINGLE)}")
+        raise InputError(f"technique={technique!r}; allowed: {', '.join(SINGLE)}")
     over, variant = SINGLE[technique]
     out = {}
     for name, (s, v) in {"baseline": (step, "none"), technique: (replace(step, **over), variant)}.items():
@@ -452,4 +465,4 @@ def write_report(out: str | Path, step: StepConfig | None = None, **kwargs) -> t
 
 __all__ = ["Row", "Table", "SEED", "SINGLE", "measure_saving", "measure_table", "write_report", "load_references",
            "reference_ratios", "verdict", "zero_saving", "ranks_for", "single_device",
-           "multi_rank"]
+           "multi_rank", "table_placement"]

@@ -16,6 +16,7 @@ from importlib import resources
 import torch
 import torch.nn as nn
 
+from .errors import InputError
 from .hardware import fmt_bytes
 from .models import GPTConfig, UNetConfig, build_model, get_config
 from .tracking import CATEGORIES, Event, OOMInfo
@@ -50,22 +51,22 @@ class StepConfig:
         for name in ("seq", "batch", "micro_batches", "world_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name.replace('_', ' ')} must be a positive integer, got {value!r}")
+                raise InputError(f"{name.replace('_', ' ')} must be a positive integer, got {value!r}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r}; allowed: {', '.join(PRECISIONS)}")
+            raise InputError(f"precision={self.precision!r}; allowed: {', '.join(PRECISIONS)}")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={self.optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
+            raise InputError(f"optimizer={self.optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
         if self.offload not in OFFLOADS:
-            raise ValueError(f"offload={self.offload!r}; allowed: {', '.join(OFFLOADS)}")
+            raise InputError(f"offload={self.offload!r}; allowed: {', '.join(OFFLOADS)}")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"ZeRO stage {self.zero!r} is outside 0-3")
+            raise InputError(f"ZeRO stage {self.zero!r} is outside 0-3")
         if self.batch % self.micro_batches:
-            raise ValueError(f"batch {self.batch} is not divisible into {self.micro_batches} "
+            raise InputError(f"batch {self.batch} is not divisible into {self.micro_batches} "
                              f"micro-batches; choose a divisor of the batch")
         cfg = self.model_config  # validates the preset name and the overrides
         limit = cfg.block_size if isinstance(cfg, GPTConfig) else 4096
         if self.seq > limit:
-            raise ValueError(f"seq {self.seq} exceeds the model's block size; allowed: 1-{limit}")
+            raise InputError(f"seq {self.seq} exceeds the model's block size; allowed: 1-{limit}")
 
     @property
     def model_config(self) -> GPTConfig | UNetConfig:
@@ -241,7 +242,7 @@ def build_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
-    raise ValueError(f"optimizer={name!r}; allowed: {', '.join(OPTIMIZERS)}")
+    raise InputError(f"optimizer={name!r}; allowed: {', '.join(OPTIMIZERS)}")
 
 
 def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:

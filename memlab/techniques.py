@@ -12,10 +12,12 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from .errors import InputError
 from .hardware import resolve_budget
 from .estimate import estimate_step
 from .measure import measure_step
 from .step import MemoryReport, StepConfig, batch_to, build_trainer, make_batch
+from .tracking import Event
 from .simulate import simulate_step
 
 LENSES = ("estimate", "simulate", "measure")
@@ -31,7 +33,7 @@ def lens_fn(lens: str) -> Callable[..., MemoryReport]:
         return estimate_step
     if lens == "simulate":
         return simulate_step
-    raise ValueError(f"lens={lens!r}; allowed: {', '.join(LENSES)}")
+    raise InputError(f"lens={lens!r}; allowed: {', '.join(LENSES)}")
 
 
 def sweep(step: StepConfig, param: str, values: Sequence, lens: str = "measure", *,
@@ -42,7 +44,7 @@ def sweep(step: StepConfig, param: str, values: Sequence, lens: str = "measure",
     progress in notebooks.
     """
     if param not in StepConfig.__dataclass_fields__:
-        raise ValueError(f"param={param!r} is not a StepConfig field; "
+        raise InputError(f"param={param!r} is not a StepConfig field; "
                          f"allowed: {', '.join(StepConfig.__dataclass_fields__)}")
     fn = lens_fn(lens)
     from tqdm.auto import tqdm
@@ -59,11 +61,46 @@ def category_max(report: MemoryReport, category: str) -> int:
     at the end of backward."""
     from .tracking import CATEGORIES
     if category not in CATEGORIES:
-        raise ValueError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
+        raise InputError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
     if not report.timeline:  # estimate lens: no timeline, only the peak's breakdown
         return int(report.by_category.get(category, 0))
     i = CATEGORIES.index(category)
     return max(e.by_category[i] for e in report.timeline)
+
+
+def activations_by_module(report: MemoryReport,
+                          key: Callable[[Event], str] | None = None) -> dict[str, int]:
+    """Bytes each module keeps for backward: every rise of the ``activations`` category in
+    forward goes to the module whose op made it (a tensor is an activation when it was made
+    in forward and is still alive when forward ends, so with one forward the parts sum to
+    the category's largest value; with ``k`` micro-batches, to ``k`` forwards' worth).
+    Labels come from ``key(event)``, called with every forward op's timeline event in order
+    (its ``module``, ``op``); by default the model's direct child of ``event.module``
+    (``down.0`` of ``UNet.down.0.conv1``, ``UNet`` for its own ops, ``Global`` outside the
+    model). Labels appear in the order they first kept bytes."""
+    from .tracking import CATEGORIES
+    if not report.timeline:
+        raise InputError(f"the {report.lens!r} lens keeps no timeline; use measure or simulate")
+    key = key or _direct_child
+    i = CATEGORIES.index("activations")
+    out: dict[str, int] = {}
+    before = 0
+    for e in report.timeline:
+        now = e.by_category[i]
+        if e.phase == "forward":
+            label = key(e)  # on every op: a key may follow the order modules ran in
+            if now > before:  # forward only adds activations (a drop is the step's end)
+                out[label] = out.get(label, 0) + now - before
+        before = now
+    return out
+
+
+def _direct_child(event: Event) -> str:
+    parts = event.module.split(".")
+    if len(parts) == 1:
+        return parts[0]
+    # a ModuleList index belongs to its list: "down.0", not "down"
+    return ".".join(parts[1:3]) if len(parts) > 2 and parts[2].isdigit() else parts[1]
 
 
 def step_flops(step: StepConfig, *, device: str = "cpu") -> int:
@@ -71,6 +108,8 @@ def step_flops(step: StepConfig, *, device: str = "cpu") -> int:
     any recomputation), counted with ``torch.utils.flop_counter.FlopCounterMode``: a compute
     cost that, unlike wall-clock time, does not depend on what else the machine is doing."""
     from torch.utils.flop_counter import FlopCounterMode
+    from .guard import preflight
+    preflight(step, device)
     trainer = build_trainer(step, device)
     batch = batch_to(make_batch(step, device), step)
     trainer.step(batch)
@@ -125,7 +164,7 @@ def fp16_underflow(loss_scale: float | None = None, *, loss_weight: float = 1e-4
     (``torch.amp.GradScaler("cpu", init_scale=loss_scale)``, ``scale`` / ``unscale_``).
     """
     if loss_scale is not None and not loss_scale > 0:
-        raise ValueError(f"loss_scale={loss_scale!r}; give a positive number or None")
+        raise InputError(f"loss_scale={loss_scale!r}; give a positive number or None")
     model, x, y = _underflow_model(seed, width)
 
     def grads(fp16: bool, scale: float | None) -> torch.Tensor:
@@ -206,7 +245,7 @@ def accumulation_check(step: StepConfig, k: int, *, seed: int = 0,
                        rtol: float = 1e-4, atol: float = 1e-6) -> AccumulationCheck:
     """Do ``k`` accumulated micro-batches give the gradients of one big batch? (fp32)"""
     if k < 1 or step.batch % k:
-        raise ValueError(f"k={k} must be a positive divisor of batch {step.batch}")
+        raise InputError(f"k={k} must be a positive divisor of batch {step.batch}")
     one = _grads(replace(step, precision="fp32"), 1, seed)
     acc = _grads(replace(step, precision="fp32"), k, seed)
     diff = max((a - b).abs().max().item() for a, b in zip(one, acc))
@@ -239,9 +278,9 @@ def find_max_batch_search(step: StepConfig, budget: int | str, *, start: int = 1
     """
     budget_bytes = resolve_budget(budget)
     if budget_bytes is None:
-        raise ValueError("find_max_batch_search needs a budget, e.g. '120MiB' or 'T4-16GB'")
+        raise InputError("find_max_batch_search needs a budget, e.g. '120MiB' or 'T4-16GB'")
     if start < 1 or max_batch < start:
-        raise ValueError(f"need 1 <= start <= max_batch, got start={start}, max_batch={max_batch}")
+        raise InputError(f"need 1 <= start <= max_batch, got start={start}, max_batch={max_batch}")
     from tqdm.auto import tqdm
     bar = tqdm(desc="batch search", disable=not progress, leave=False)
     trials: list[tuple[int, bool, int]] = []
@@ -312,10 +351,10 @@ def predict_max_batch(step: StepConfig, budget: int | str, *, calibrate: tuple[i
     """
     budget_bytes = resolve_budget(budget)
     if budget_bytes is None:
-        raise ValueError("predict_max_batch needs a budget, e.g. '120MiB' or 'T4-16GB'")
+        raise InputError("predict_max_batch needs a budget, e.g. '120MiB' or 'T4-16GB'")
     b1, b2 = calibrate
     if not 1 <= b1 < b2:
-        raise ValueError(f"calibrate={calibrate!r}; need two batch sizes 1 <= b1 < b2")
+        raise InputError(f"calibrate={calibrate!r}; need two batch sizes 1 <= b1 < b2")
     r1, r2 = (measure_step(replace(step, batch=b, micro_batches=1), **kwargs) for b in (b1, b2))
     if len(r1.timeline) == len(r2.timeline) and r1.timeline:
         pairs = [(e1.total, e2.total, f"{e1.op} ({e1.phase})")
@@ -336,12 +375,12 @@ def predict_max_batch(step: StepConfig, budget: int | str, *, calibrate: tuple[i
         if best is None or limit < best:
             best, where, bind = limit, name, (static, slope)
     if best is None:
-        raise ValueError("no op grows with the batch; the step's memory does not depend on it")
+        raise InputError("no op grows with the batch; the step's memory does not depend on it")
     return BatchPrediction(max(best, 0), bind[0], bind[1], where,
                            [(b1, r1.peak_bytes), (b2, r2.peak_bytes)], lines)
 
 
-__all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "category_max", "step_flops", "relative_error", "UnderflowResult", "fp16_underflow",
-           "master_weight_states",
+__all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "category_max", "activations_by_module", "step_flops",
+           "relative_error", "UnderflowResult", "fp16_underflow", "master_weight_states",
            "AccumulationCheck", "accumulation_check", "BatchSearch", "find_max_batch_search",
            "BatchPrediction", "phase_peaks", "predict_max_batch"]

@@ -90,8 +90,20 @@ def _storages(t: torch.Tensor) -> list[tuple[torch.UntypedStorage, torch.device]
     return [(t.untyped_storage(), t.device)]
 
 
-_SIZE = re.compile(r"Tried to allocate ([0-9.]+) ?(B|bytes|KiB|MiB|GiB|TiB)")
+# CUDA's and the tracker's "Tried to allocate 2.50 GiB", the CPU allocator's "you tried to
+# allocate 1125899906842624 bytes"
+_SIZE = re.compile(r"[Tt]ried to allocate ([0-9.]+) ?(bytes|B|KiB|MiB|GiB|TiB)")
+# What torch's CPU allocator says when malloc fails (Linux/macOS: "can't allocate memory",
+# Windows: "not enough memory"); both name DefaultCPUAllocator.
+_HOST_OOM = re.compile(r"DefaultCPUAllocator|can't allocate memory|not enough memory")
 _UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def is_host_oom(error: BaseException) -> bool:
+    """Whether ``error`` is the host allocator failing (``RuntimeError ... DefaultCPUAllocator:
+    can't allocate memory``) rather than a bug."""
+    return (isinstance(error, RuntimeError) and not isinstance(error, torch.OutOfMemoryError)
+            and bool(_HOST_OOM.search(str(error))))
 
 
 def requested_bytes(message: str) -> int:
@@ -379,9 +391,10 @@ class MemoryTracker(TorchDispatchMode):
         module = self._current_module()
         try:
             out = func(*args, **(kwargs or {}))
-        except torch.OutOfMemoryError as e:
-            # the allocator itself ran out (a real CUDA OOM): we know the op it was running
-            if self.oom is None:
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            # the allocator itself ran out (a real CUDA OOM, or the host's malloc failing):
+            # we know the op it was running
+            if self.oom is None and (isinstance(e, torch.OutOfMemoryError) or is_host_oom(e)):
                 self._record_real_oom(op, module, phase, e)
             raise
         new = 0
@@ -495,6 +508,7 @@ class MemoryTracker(TorchDispatchMode):
                 "max_memory_allocated": torch.cuda.max_memory_allocated(),
                 "max_memory_reserved": torch.cuda.max_memory_reserved(),
                 "memory_allocated_at_start": self._cuda_base,
+                "memory_allocated_at_end": torch.cuda.memory_allocated(),
             }
             if self.cuda_history:
                 self.snapshot = torch.cuda.memory._snapshot()

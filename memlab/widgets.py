@@ -8,9 +8,14 @@
 
 Setting a widget's value from code fires the same callback as a click, synchronously, so a
 following cell can assert on :attr:`StepPanel.data` headless (under nbval).
+
+A size this machine cannot hold is refused before anything is built
+(:class:`~memlab.errors.HostMemoryError`): the panel shows the one-line refusal in its
+output, ``data["refused"]`` holds it, and the next size that fits measures as usual.
 """
 from __future__ import annotations
 
+import traceback
 from dataclasses import replace
 from typing import Mapping, Sequence
 
@@ -23,13 +28,16 @@ from .chunked_loss import loss_spike_bytes
 from .estimate import estimate_step
 from .states import model_states
 from .compression import VARIANTS, compare
+from .diffusion import unet_module_key
+from .errors import HostMemoryError, InputError
 from .hardware import GPU_PRESETS
-from .models import PRESETS, get_config
+from .models import PRESETS, UNetConfig, get_config
 from .parallel import ParallelResult, bubble_fraction, pipeline_bubble, pipeline_run
 from .report import SEED, SINGLE, measure_saving
 from .step import MemoryReport, StepConfig
-from .techniques import category_max, lens_fn
-from .plots import plot_advice, plot_bubble, plot_lenses, plot_pipeline, plot_stage_memory, plot_timeline
+from .techniques import activations_by_module, category_max, lens_fn
+from .plots import (plot_advice, plot_bubble, plot_lenses, plot_module_bytes, plot_pipeline,
+                    plot_stage_memory, plot_timeline)
 
 
 class Panel:
@@ -46,6 +54,20 @@ class Panel:
             clear_output(wait=True)
             display(fig)
         plt.close(fig)
+
+    def refuse(self, error: HostMemoryError, **data) -> dict:
+        """Show a refusal instead of a figure: one line in the output (and the status, if
+        any); ``data`` becomes ``{**data, "refused": line}``. Nothing was built, and the
+        traceback's frames are cleared so that nothing it saw stays alive."""
+        traceback.clear_frames(error.__traceback__)
+        line = f"refused: {error}"
+        self.output.outputs = ()
+        self.output.append_stdout(line + "\n")
+        status = getattr(self, "status", None)
+        if status is not None:
+            status.value = "<b>refused</b>: does not fit this machine (see below)"
+        self.data = {**data, "refused": line}
+        return self.data
 
     def _repr_mimebundle_(self, **kwargs):
         return self.box._repr_mimebundle_(**kwargs)
@@ -113,12 +135,18 @@ class StepPanel(Panel):
     def refresh(self) -> dict:
         """Re-run the step for the current controls, redraw, and return the new data."""
         step = self.current_step()
-        report = self.run(step)
+        controls = {"seq": step.seq, "batch": step.batch, "precision": step.precision,
+                    "technique": self.technique.value if self.technique is not None else None}
+        try:
+            report = self.run(step)
+        except HostMemoryError as e:
+            self.figure = None
+            self.history.append(self.refuse(e, **controls, fits=None, report=None))
+            return self.data
         self.data = {
-            "seq": step.seq, "batch": step.batch, "precision": step.precision,
-            "technique": self.technique.value if self.technique is not None else None,
-            "peak_bytes": report.peak_bytes, "by_category": dict(report.by_category),
+            **controls, "peak_bytes": report.peak_bytes, "by_category": dict(report.by_category),
             "max_activations": max_activations(report), "fits": report.fits, "report": report,
+            "refused": None,
         }
         self.history.append(self.data)
         verdict = {True: "fits", False: "<b>OOM</b>", None: ""}[report.fits]
@@ -129,6 +157,42 @@ class StepPanel(Panel):
     def draw(self, report: MemoryReport) -> None:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4), width_ratios=(3, 1))
         plot_timeline(report, ax1)
+        plot_lenses({report.lens: report}, ax2, title="at the peak")
+        ax2.get_legend().remove()
+        fig.tight_layout()
+        self.show(fig)
+        self.figure = fig
+
+
+class UNetPanel(StepPanel):
+    """A diffusion UNet's step: sliders for the image side and the batch, drop-downs for
+    precision and checkpointing; the Output shows what each part of the UNet keeps for
+    backward, by resolution (:func:`memlab.techniques.activations_by_module`), and the
+    step's peak by category. ``data["by_module"]`` holds the bars drawn last."""
+
+    def __init__(self, step: StepConfig, *, images: Sequence[int] = (16, 32, 48),
+                 batches: Sequence[int] = (1, 2, 4, 8),
+                 precisions: Sequence[str] = ("fp32", "bf16"),
+                 checkpointing: Sequence[str] = ("none", "full"),
+                 budget: int | str | None = None, device: str | None = "cpu", draw: bool = True):
+        if not isinstance(step.model_config, UNetConfig):
+            raise InputError(f"UNetPanel needs a UNet step, got model {step.model_config.name!r}; "
+                             f"use StepPanel for a GPT")
+        super().__init__(step, seqs=images, batches=batches, precisions=precisions,
+                         techniques={c: {"checkpointing": c} for c in checkpointing},
+                         budget=budget, device=device, draw=False)
+        self.seq.description = "image"
+        self.technique.description = "checkpoint"
+        if draw:
+            self.refresh()
+
+    def draw(self, report: MemoryReport) -> None:
+        step = report.step
+        by = activations_by_module(report, unet_module_key(step.model_config, step.seq))
+        self.data["by_module"] = by
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8), width_ratios=(2, 1))
+        plot_module_bytes(by, ax1, title=f"image {step.seq}px, batch {step.batch}, "
+                          f"{step.precision}, checkpointing {step.model_config.checkpointing}")
         plot_lenses({report.lens: report}, ax2, title="at the peak")
         ax2.get_legend().remove()
         fig.tight_layout()
@@ -255,12 +319,16 @@ class CompressionPanel(Panel):
         v = self.variant.value
         key = (step.seq, v)
         if key not in self._rows:  # one measurement per (seq, variant): the baseline is shared
-            self._rows.update({(step.seq, k): r for k, r in compare(step, [v], repeats=0).items()})
+            try:
+                rows = compare(step, [v], repeats=0)
+            except HostMemoryError as e:
+                return self.refuse(e, variant=v, seq=step.seq)
+            self._rows.update({(step.seq, k): r for k, r in rows.items()})
         row, base = self._rows[key], self._rows[(step.seq, "none")]
         self.data = {"variant": v, "seq": step.seq, "peak_bytes": row["peak_bytes"],
                      "activation_bytes": row["activation_bytes"],
                      "baseline_activation_bytes": base["activation_bytes"],
-                     "grad_error": row["grad_error"]}
+                     "grad_error": row["grad_error"], "refused": None}
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 2.8))
         a1.bar(["none", v], [base["activation_bytes"] / 2**20, row["activation_bytes"] / 2**20],
                color="#c44e52")
@@ -295,10 +363,13 @@ class TablePanel(Panel):
     def refresh(self) -> dict:
         key = (self.technique.value, self.batch.value)
         if key not in self._cache:
-            self._cache[key] = measure_saving(replace(self.step, batch=self.batch.value), key[0])
+            try:
+                self._cache[key] = measure_saving(replace(self.step, batch=self.batch.value), key[0])
+            except HostMemoryError as e:
+                return self.refuse(e, technique=key[0], batch=key[1])
         res = self._cache[key]
         self.data = {"technique": key[0], "batch": key[1], "saving": res["saving"],
-                     "verdict": res["verdict"]}
+                     "verdict": res["verdict"], "refused": None}
         self.status.value = (f"saved {res['saving']:.0%} (seed: {SEED[key[0]][0]}): "
                              f"{res['verdict']}")
         reports = {name: MemoryReport("measure", self.step, "cpu", r["peak_bytes"], r["by_category"])
@@ -360,5 +431,5 @@ def _pick(options: Sequence, value):
     return value if value in options else options[0]
 
 
-__all__ = ["Panel", "StepPanel", "AdvisorPanel", "CompressionPanel", "PipelinePanel", "TablePanel",
+__all__ = ["Panel", "StepPanel", "UNetPanel", "AdvisorPanel", "CompressionPanel", "PipelinePanel", "TablePanel",
            "max_activations"]

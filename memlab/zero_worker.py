@@ -13,7 +13,8 @@ import argparse
 import json
 import os
 
-from .distributed import zero_rank_step, default_backend, set_cache_env
+from .distributed import zero_rank_step, set_cache_env
+from .hardware import place_ranks
 from .step import StepConfig
 
 
@@ -27,10 +28,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--offload", default="none", choices=("none", "optimizer", "all"))
     ap.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     args = ap.parse_args(argv)
-    set_cache_env()
-    import deepspeed
-    deepspeed.init_distributed(dist_backend=default_backend())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # the launcher started LOCAL_WORLD_SIZE ranks on this machine: they share its GPUs
+    placement = place_ranks(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    os.environ.update(placement.rank_env())
+    set_cache_env()
+    import torch
+    if placement.backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    import deepspeed
+    deepspeed.init_distributed(dist_backend=placement.backend)
     step = StepConfig(model=args.model, seq=args.seq, batch=args.batch, precision=args.precision,
                       zero=args.zero, world_size=world, offload=args.offload)
     out = zero_rank_step(rank, world, step)

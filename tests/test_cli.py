@@ -1,4 +1,5 @@
-"""The CLI contract: JSON keys, exit codes, one-line errors."""
+"""The CLI contract: JSON keys, exit codes (0 result, 2 user error, 1 internal error),
+one-line errors, and no flag silently ignored."""
 import json
 
 import pytest
@@ -47,6 +48,58 @@ def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
     err = capsys.readouterr().err
     assert needle in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["measure", "--zero", "2", "--world-size", "2", "--snapshot", "s.pickle"],
+     "--snapshot records one process's CUDA allocator; it is not available for multi-rank runs"),
+    (["measure", "--snapshot", "s.pickle"], "with --device cpu there is none"),
+    (["simulate", "--offload", "optimizer", "--zero", "3", "--world-size", "2"],
+     "the sharded simulation keeps every tensor on the device"),
+    (["simulate", "--zero", "2", "--world-size", "2"], "simulate shards with FSDP2 (ZeRO-3) only"),
+    (["simulate", "--zero", "3", "--world-size", "2", "--optimizer", "sgd"],
+     "the sharded simulation runs AdamW only"),
+    (["measure", "--zero", "2", "--world-size", "2", "--precision", "fp16"],
+     "precision='fp16' for DeepSpeed here; allowed: fp32, bf16"),
+])
+def test_flags_a_command_cannot_honour_exit_2(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_one_rank_simulation_honours_zero_and_offload(capsys):
+    """On one rank the simulation puts the model states in DeepSpeed's layout: optimizer
+    offload moves the fp32 master and moments (and fp32 gradients) to the host."""
+    assert main(["simulate", "--zero", "2", "--offload", "optimizer", "--seq", "64",
+                 "--batch", "2", "--target", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["offload"] == "optimizer" and out["host_bytes"] > 0
+
+
+def test_internal_error_shows_its_traceback_and_exits_1(monkeypatch, capsys):
+    """Only user errors exit 2: a ValueError from inside memlab is a bug, not bad input."""
+    import memlab.estimate
+
+    def broken(*args, **kwargs):
+        raise ValueError("an internal inconsistency")
+
+    monkeypatch.setattr(memlab.estimate, "estimate_step", broken)
+    assert main(["estimate", "--seq", "64"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ValueError: an internal inconsistency" in err
+    assert "internal error" in err
+
+
+def test_a_step_the_host_cannot_hold_exits_2_naming_the_way_out(monkeypatch, capsys):
+    import memlab.guard
+    monkeypatch.setattr(memlab.guard, "host_available_bytes", lambda: 2**20)
+    assert main(["measure", "--seq", "64", "--batch", "2", "--device", "cpu", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "measuring this step needs about" in err and "but only 1.00 MiB is available" in err
+    # the same flags with simulate, less the measurement-only --device
+    assert "`memlab simulate --seq 64 --batch 2 --json`" in err
 
 
 def test_presets_lists_models_and_gpus(capsys):

@@ -79,7 +79,8 @@ def test_unimportable_worker_is_refused():
 
 
 # --- ZeRO with DeepSpeed: one 2-rank launch serves all the assertions below -------------
-from memlab.distributed import deepspeed_config, fsdp_worker, measure_zero, simulate_sharded  # noqa: E402
+from memlab.distributed import (deepspeed_config, fsdp_worker, measure_offload, measure_zero,  # noqa: E402
+                                simulate_sharded)
 from memlab.step import StepConfig  # noqa: E402
 
 SMALL = dict(seq=128, batch=4, world_size=2)
@@ -153,3 +154,26 @@ def test_deepspeed_config_is_validated():
         deepspeed_config(StepConfig(zero=2, offload="all", **SMALL))
     with pytest.raises(ValueError, match="fp16"):
         deepspeed_config(StepConfig(zero=1, precision="fp16", **SMALL))
+    # DeepSpeed's compiled CPU Adam runs on the host: only where the optimizer is offloaded
+    assert deepspeed_config(StepConfig(zero=2, offload="optimizer", **SMALL),
+                            torch_adam=False)["optimizer"]["params"]["torch_adam"] is False
+    with pytest.raises(ValueError, match="DeepSpeedCPUAdam"):
+        deepspeed_config(StepConfig(zero=2, **SMALL), torch_adam=False)
+    with pytest.raises(ValueError, match="DeepSpeedCPUAdam"):  # refused before any rank starts
+        measure_offload(StepConfig(**SMALL), cases=[(2, "none")], cpu_adam=True)
+
+
+def test_zero_worker_runs_as_a_script_under_torchrun(torchrun):
+    import json
+    from memlab.models import get_config
+    out = torchrun("memlab.zero_worker", "--zero", "2", "--seq", "32", "--batch", "2")
+    ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")),
+                   key=lambda r: r["rank"])
+    assert [r["rank"] for r in ranks] == [0, 1] and {r["world_size"] for r in ranks} == {2}
+    n = get_config("tiny").num_params()
+    for r in ranks:  # ZeRO-2, 2 ranks, fp32: whole parameters, half the gradients and Adam state
+        acc = r["accounting"]
+        assert acc["parameters"] == 4 * n
+        assert acc["gradients"] == pytest.approx(4 * n / 2, rel=0.01)
+        assert acc["optimizer_state"] == pytest.approx(8 * n / 2, rel=0.01)
+        assert r["peak_bytes"] > acc["parameters"]

@@ -1,10 +1,9 @@
 """The three lenses agree: estimate within 5% of measure, simulate equal to measure."""
 import itertools
-import time
 
 import pytest
 
-from memlab.estimate import estimate_step, model_state_bytes
+from memlab.estimate import estimate_step, model_state_bytes, zero_formula
 from memlab.measure import measure_step
 from memlab.step import StepConfig
 from memlab.models import get_config
@@ -59,10 +58,9 @@ def test_measure_matches_estimate_on_the_default_step():
     assert abs(estimate_step(step).peak_bytes - real.peak_bytes) / real.peak_bytes < 0.05
 
 
-def test_gpt2_xl_simulates_quickly_and_fits_an_a100_40gb():
-    start = time.perf_counter()
+def test_gpt2_xl_simulates_and_fits_an_a100_40gb():
+    # its speed is a benchmark's claim (benchmarks/), not a timed test's
     rep = simulate_step(StepConfig(model="gpt2-xl", seq=1024, batch=1), budget="A100-40GB")
-    assert time.perf_counter() - start < 30  # < 10 s on an idle 2-core machine
     assert rep.fits
     assert rep.by_category["parameters"] == 4 * get_config("gpt2-xl").num_params()
 
@@ -95,3 +93,18 @@ def test_adding_checkpointing_or_precision_never_raises_the_estimate():
     assert estimate_step(base, precision="bf16").peak_bytes < e0
     assert estimate_step(base, checkpointing="full").peak_bytes < e0
     assert estimate_step(base, zero=2, world_size=4).peak_bytes < e0
+
+
+def test_zero_formula_reproduces_the_papers_figure_1():
+    """Rajbhandari et al. 2020 ("ZeRO"), figure 1: a 7.5B-parameter model with mixed-precision
+    Adam (K = 12) on N_d = 64 GPUs holds 120 GB of model states per GPU without ZeRO, 31.4 GB
+    with P_os, 16.6 GB with P_os+g and 1.9 GB with P_os+g+p."""
+    psi, n = 7.5e9, 64
+    totals = [sum(zero_formula(psi, stage, n).values()) / 1e9 for stage in range(4)]
+    assert totals == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.05)
+    s1 = zero_formula(psi, 1, n)
+    assert s1["parameters"] == 2 * psi and s1["gradients"] == 2 * psi and s1["optimizer"] == 12 * psi / n
+    with pytest.raises(ValueError, match="stage must be 0-3"):
+        zero_formula(psi, 4, n)
+    with pytest.raises(ValueError, match="world_size >= 1"):
+        zero_formula(psi, 1, 0)

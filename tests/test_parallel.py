@@ -104,6 +104,20 @@ def test_pipeline_loss_and_1f1b_holds_fewer_micro_batches():
     assert res.report("1f1b", 4).per_rank[0].peak_bytes == runs["1f1b"]["peak_bytes"]
 
 
+@pytest.mark.distributed
+def test_parallel_module_runs_under_torchrun(torchrun):
+    """The lesson's worker as a script: torchrun starts the ranks, rank 0 prints them all.
+    (tp and pp share this entry point; pp also checks the loss against one process.)"""
+    import json
+    pp = json.loads(torchrun("memlab.parallel", "pp", "--seq", "32", "--batch", "4",
+                              "--micro-batches", "2", "--schedule", "gpipe"))
+    first, last = pp
+    n_layer = ml.get_config("tiny").n_layer
+    assert [first["blocks"], last["blocks"]] == [[0, n_layer // 2], [n_layer // 2, n_layer]]
+    assert last["loss"] == pytest.approx(last["ref_loss"], abs=1e-5)
+    assert [(r["schedule"], r["m"]) for r in first["runs"]] == [("gpipe", 2)]
+
+
 # --------------------------------------------------------------------------------------
 # Grouped-query attention and SwiGLU under tensor parallelism
 # --------------------------------------------------------------------------------------

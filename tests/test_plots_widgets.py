@@ -88,6 +88,72 @@ def test_panel_without_optional_controls():
     assert "fits" in panel.status.value
 
 
+def test_advisor_panel_replans_when_controls_change():
+    from memlab.widgets import AdvisorPanel
+    panel = AdvisorPanel("gpt2-xl", "T4-16GB", 1, 1024, 8)
+    small = panel.data
+    assert small["gpu"] == "T4-16GB" and small["plan"]  # 1.5B parameters need techniques on 16 GB
+    panel.gpu.value = "H200-141GB"
+    big = panel.data
+    assert big["gpu"] == "H200-141GB" and big["advice"].budget_bytes == 143771 * MiB
+    # the flowchart is walked in one order: a larger card stops earlier on the same path
+    assert big["plan"] == small["plan"][:len(big["plan"])] and len(big["plan"]) < len(small["plan"])
+    panel.model.value = "gpt2-small"
+    assert panel.data["model"] == "gpt2-small" and panel.data["plan"] == []  # fits as it is
+    panel.seq.value = 4096
+    assert panel.data["seq"] == 1024  # clipped to GPT-2's block size
+    assert panel.status.value == panel.data["advice"].message
+    plt.close("all")
+
+
+def test_compression_panel_remeasures_when_controls_change():
+    from memlab.widgets import CompressionPanel
+    panel = CompressionPanel(StepConfig(seq=32, batch=2), seqs=(32, 64))
+    assert panel.data["variant"] == "none" and panel.data["grad_error"] == 0
+    panel.variant.value = "bf16"
+    at32 = panel.data
+    assert at32["variant"] == "bf16" and at32["seq"] == 32
+    assert at32["activation_bytes"] < at32["baseline_activation_bytes"] and at32["grad_error"] > 0
+    panel.seq.value = 64
+    assert panel.data["seq"] == 64
+    # twice the tokens: more activations kept, with and without compression
+    assert panel.data["baseline_activation_bytes"] > at32["baseline_activation_bytes"]
+    assert panel.data["activation_bytes"] > at32["activation_bytes"]
+    plt.close("all")
+
+
+def test_table_panel_remeasures_when_controls_change():
+    from memlab.widgets import TablePanel
+    step = StepConfig(seq=32, batch=1)
+    panel = TablePanel(step, batches=(1, 2))
+    assert panel.data["technique"] == "gradient checkpointing" and panel.data["batch"] == 1
+    panel.technique.value = "mixed precision"
+    base, bf16 = measure_step(step).peak_bytes, measure_step(step, precision="bf16").peak_bytes
+    assert panel.data["technique"] == "mixed precision"
+    assert panel.data["saving"] == pytest.approx(1 - bf16 / base, rel=1e-12)
+    panel.batch.value = 2
+    assert panel.data["batch"] == 2 and "saved" in panel.status.value
+    plt.close("all")
+
+
+@pytest.mark.distributed
+def test_pipeline_panel_redraws_when_controls_change():
+    from memlab.parallel import measure_pipeline
+    from memlab.widgets import PipelinePanel
+    result = measure_pipeline(StepConfig(seq=32, batch=4), 2, micro_batches=(1, 2, 4), repeats=1)
+    panel = PipelinePanel(result)
+    assert panel.data["m"] == 2 and panel.data["schedule"] == "gpipe"
+    panel.schedule.value = "1f1b"
+    # GPipe's bubble (p - 1) / (m + p - 1) with p = 2 stages; 1F1B holds at most p micro-batches
+    assert panel.data["schedule"] == "1f1b" and panel.data["formula"] == pytest.approx(1 / 3)
+    assert panel.data["in_flight"] <= 2
+    panel.m.value = 4
+    assert panel.data["m"] == 4 and panel.data["formula"] == pytest.approx(1 / 5)
+    panel.m.value = 1
+    assert panel.data["schedule"] == "gpipe"  # 1F1B needs m >= p: below that it is GPipe
+    assert 0 <= panel.data["bubble"] < 1
+
+
 def test_loss_spike_panel_follows_vocabulary_and_sequence():
     """Plain minus chunked loss, estimated: zero while a block's recomputation is the peak,
     then at least the logits and log-softmax the plain loss holds (t x V x 4 bytes in the

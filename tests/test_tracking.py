@@ -1,10 +1,11 @@
 """The tracker: exact bytes, categories, budgets, clean-up after errors."""
 import gc
+import time
 
 import pytest
 import torch
 
-from memlab.measure import measure_step
+from memlab.measure import measure_step, time_steps
 from memlab.step import StepConfig, build_trainer, make_batch
 from memlab.tracking import CATEGORIES, MemoryTracker
 
@@ -86,10 +87,19 @@ def test_cuda_allocator_stats_and_history_switched_off(tmp_path):
                        snapshot_path=str(tmp_path / "snap.pickle"))
     assert rep.allocator["max_memory_allocated"] >= rep.peak_bytes * 0.9
     assert (tmp_path / "snap.pickle").stat().st_size > 0
+
+    def traces() -> int:
+        return sum(len(t) for t in torch.cuda.memory._snapshot()["device_traces"])
+
     with pytest.raises(RuntimeError):
         with MemoryTracker(cuda_history=True):
+            torch.empty(2**20, device="cuda")
+            assert traces() > 0  # recording while the tracker is active
             raise RuntimeError("x")
-    assert torch.cuda.memory._snapshot()["device_traces"] in ([], [[]]) or True
+    before = traces()
+    x = torch.empty(2**20, device="cuda")
+    del x
+    assert traces() == before  # switched off on exit, also after an exception
 
 
 @pytest.mark.cuda
@@ -99,3 +109,27 @@ def test_cuda_real_oom_under_a_reduced_fraction():
                        budget="2GiB")
     assert rep.fits is False
     assert torch.cuda.memory_allocated() < 2**30
+
+
+class _Sleeper:
+    """A stand-in trainer: each step sleeps the next of ``seconds`` and logs its name."""
+
+    def __init__(self, name: str, seconds: list[float], log: list[str]):
+        self.name, self.seconds, self.log = name, list(seconds), log
+        self.device = torch.device("cpu")
+
+    def step(self, batch) -> None:
+        self.log.append(self.name)
+        time.sleep(self.seconds.pop(0))
+
+
+def test_time_steps_takes_the_median_round_robin():
+    log: list[str] = []
+    runs = {"slow": (_Sleeper("slow", [0.20, 0.06, 0.12], log), ()),
+            "fast": (_Sleeper("fast", [0.01, 0.03, 0.02], log), ())}
+    times = time_steps(runs, repeats=3)
+    assert log == ["slow", "fast"] * 3  # one step of each in turn
+    # the median of three sleeps: sleep() never returns early and rarely overshoots by
+    # as much as the gap to the next-larger sleep
+    assert 0.12 <= times["slow"] < 0.20
+    assert 0.02 <= times["fast"] < 0.03 + 0.02

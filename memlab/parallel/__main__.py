@@ -9,6 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..hardware import place_ranks
 from .formulas import SCHEDULES
 from .pipeline import pp_worker
 from .tensor import tp_worker
@@ -30,9 +31,12 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
                     help="skip the single-process reference (needed when the whole model "
                          "does not fit one rank)")
     args = ap.parse_args(argv)
-    if torch.cuda.is_available():
+    # torchrun started LOCAL_WORLD_SIZE ranks on this machine: they share its GPUs
+    placement = place_ranks(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    os.environ.update(placement.rank_env())
+    if placement.backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(placement.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         common = dict(model=args.model, seq=args.seq, batch=args.batch, attention=args.attention,

@@ -6,8 +6,9 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
+from ..errors import InputError
+from ..hardware import place_ranks, rank_device
 from ..models import GPTConfig
 from ..step import MemoryReport, StepConfig
 
@@ -23,13 +24,6 @@ def local_bytes(p: torch.Tensor) -> int:
     return q.numel() * q.element_size()
 
 
-def rank_device() -> torch.device:
-    """This rank's device: its GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def worker_step(model: str | GPTConfig, seq: int, batch: int, attention: str,
                 tie: bool | None = None, micro_batches: int = 1) -> StepConfig:
     """The step a worker builds from its plain keyword arguments (``model``: a preset name
@@ -42,14 +36,17 @@ def worker_step(model: str | GPTConfig, seq: int, batch: int, attention: str,
 
 
 def default_backend(ranks: int) -> str:
-    """NCCL when every rank can have its own GPU, gloo (CPU) otherwise."""
-    return "nccl" if torch.cuda.device_count() >= ranks else "gloo"
+    """The backend :func:`~memlab.hardware.place_ranks` gives ``ranks`` ranks here: NCCL when
+    every rank can have its own GPU, gloo (CPU) otherwise."""
+    return place_ranks(ranks).backend
 
 
 def set_rank_threads(world_size: int) -> None:
-    """Ranks on one CPU share its cores: one rank per core keeps the timing honest."""
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    """Ranks on one CPU share its cores: their share each, never more threads than this
+    process was given (``OMP_NUM_THREADS``), keeps the timing honest."""
+    if rank_device().type == "cpu":
+        share = max(1, (os.cpu_count() or 1) // world_size)
+        torch.set_num_threads(min(share, torch.get_num_threads()))
 
 
 @dataclass
@@ -59,6 +56,7 @@ class ParallelResult:
     kind: str
     step: StepConfig
     per_rank: list[dict]
+    device: str = "cpu"
 
     def report(self, schedule: str | None = None, m: int | None = None) -> MemoryReport:
         """The per-rank peaks as a :class:`MemoryReport` (``per_rank`` filled); for a
@@ -70,9 +68,9 @@ class ParallelResult:
                 runs = [x for x in r["runs"] if (schedule is None or x["schedule"] == schedule)
                         and (m is None or x["m"] == m) and "peak_bytes" in x]
                 if not runs:
-                    raise ValueError(f"no tracked run with schedule={schedule!r}, m={m!r}")
+                    raise InputError(f"no tracked run with schedule={schedule!r}, m={m!r}")
                 src = runs[-1]
-            ranks.append(MemoryReport("measure", self.step, "cpu", src["peak_bytes"],
+            ranks.append(MemoryReport("measure", self.step, self.device, src["peak_bytes"],
                                       src["by_category"], notes=[f"rank {r['rank']}"]))
         top = max(ranks, key=lambda r: r.peak_bytes)
         return MemoryReport("measure", self.step, top.device, top.peak_bytes,

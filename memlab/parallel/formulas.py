@@ -3,6 +3,7 @@ degrees a model allows, and the activations a tensor-parallel layer keeps (Korth
 al. 2022, section 4.2.1)."""
 from __future__ import annotations
 
+from ..errors import InputError
 from ..models import GPTConfig
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -12,12 +13,12 @@ def bubble_fraction(p: int, m: int) -> float:
     """Idle share of each stage's time in a GPipe/1F1B step: ``(p - 1) / (m + p - 1)``."""
     for name, v in (("p", p), ("m", m)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            raise InputError(f"{name} must be a positive integer, got {v!r}")
     return (p - 1) / (m + p - 1)
 
 
 def check_tensor_parallel(cfg: GPTConfig, t: int) -> str:
-    """How ``t`` tensor-parallel ranks split ``cfg``'s attention, or a ValueError.
+    """How ``t`` tensor-parallel ranks split ``cfg``'s attention, or an InputError.
 
     ``t`` must divide the query heads and the MLP width. Key/value heads are ``"split"``
     when ``t`` divides ``n_kv_head`` (each rank its own), ``"replicated"`` when
@@ -25,12 +26,12 @@ def check_tensor_parallel(cfg: GPTConfig, t: int) -> str:
     ``num_query_groups < world_size`` case), and anything else is refused.
     """
     if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise ValueError(f"tensor-parallel degree must be a positive integer, got {t!r}")
+        raise InputError(f"tensor-parallel degree must be a positive integer, got {t!r}")
     h, kv = cfg.n_head, cfg.kv_heads
     allowed = [d for d in range(1, h + 1) if h % d == 0 and cfg.hidden % d == 0
                and (kv % d == 0 or (d % kv == 0 and ((h // kv + 2) * cfg.head_dim) % (d // kv) == 0))]
     if t not in allowed:
-        raise ValueError(f"tensor-parallel degree t={t} must divide n_head={h} and the MLP width "
+        raise InputError(f"tensor-parallel degree t={t} must divide n_head={h} and the MLP width "
                          f"{cfg.hidden}, and divide or be a multiple of n_kv_head={kv}; "
                          f"allowed: {', '.join(map(str, allowed))}")
     return "split" if kv % t == 0 else "replicated"
@@ -81,3 +82,59 @@ def tp_activation_bytes(cfg: GPTConfig, seq: int, batch: int, t: int = 1) -> dic
     core = 4 * heads * s * s * b if cfg.attention == "naive" else 4 * heads * tokens
     return {"replicated": replicated, "sharded": sharded, "attention_core": core,
             "total": replicated + sharded + core}
+
+
+def pipeline_schedule(p: int, m: int, schedule: str = "gpipe", *, forward: int = 1,
+                      backward: int = 1) -> list[list[tuple[str, int, int, int]]]:
+    """The ideal schedule of one pipeline step: per stage, its ``(kind, micro-batch, start,
+    end)`` events in time slots, where a forward takes ``forward`` slots and a backward
+    ``backward`` on every stage (no communication time).
+
+    GPipe (Huang et al. 2019, section 2.2) runs every stage's ``m`` forwards, then its ``m``
+    backwards. 1F1B (PipeDream-Flush, Narayanan et al. 2021, section 2.2) lets stage ``s``
+    run ``p - s - 1`` warm-up forwards and then alternate one forward and one backward, so
+    it holds at most ``p - s`` micro-batches. Each op starts when its stage is free and its
+    input is there: a forward needs the previous stage's forward of the same micro-batch, a
+    backward the next stage's backward (the last stage: its own forward). Both schedules
+    end after ``(m + p - 1)(forward + backward)`` slots, an idle share of
+    :func:`bubble_fraction` on every stage.
+    """
+    bubble_fraction(p, m)  # validates p and m
+    if schedule not in SCHEDULES:
+        raise InputError(f"schedule={schedule!r}; allowed: {', '.join(SCHEDULES)}")
+    for name, v in (("forward", forward), ("backward", backward)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"{name} must be a positive integer number of slots, got {v!r}")
+    orders = []
+    for s in range(p):
+        if schedule == "gpipe":
+            order = [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
+        else:
+            warm = min(p - s - 1, m)
+            order = [("F", j) for j in range(warm)]
+            for k in range(m - warm):
+                order += [("F", warm + k), ("B", k)]
+            order += [("B", j) for j in range(m - warm, m)]
+        orders.append(order)
+    end: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> end slot
+    free, nxt = [0] * p, [0] * p
+    events: list[list[tuple[str, int, int, int]]] = [[] for _ in range(p)]
+    while any(nxt[s] < len(orders[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            if nxt[s] == len(orders[s]):
+                continue
+            kind, j = orders[s][nxt[s]]
+            dep = (("F", s - 1, j) if s > 0 else None) if kind == "F" else \
+                  (("B", s + 1, j) if s < p - 1 else ("F", s, j))
+            if dep is not None and dep not in end:
+                continue  # its input is not computed yet: another stage goes first
+            start = max(free[s], end.get(dep, 0))
+            stop = start + (forward if kind == "F" else backward)
+            end[(kind, s, j)] = free[s] = stop
+            events[s].append((kind, j, start, stop))
+            nxt[s] += 1
+            progressed = True
+        if not progressed:  # cannot happen for the two orders above; guards a future edit
+            raise RuntimeError(f"{schedule} schedule deadlocked at p={p}, m={m}")
+    return events

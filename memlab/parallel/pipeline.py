@@ -9,10 +9,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import InputError
 from ..models import GPT
 from ..step import StepConfig, build_optimizer, make_batch
 from ..tracking import MemoryTracker
-from .common import ParallelResult, default_backend, rank_device, set_rank_threads, worker_step
+from ..hardware import Placement
+from .common import ParallelResult, rank_device, set_rank_threads, worker_step
 from .formulas import SCHEDULES, bubble_fraction
 
 
@@ -95,7 +97,7 @@ def _loss_fn(stage: PipelineStageModule):
 def stage_bounds(n_layer: int, stages: int) -> list[tuple[int, int]]:
     """Contiguous, as even as possible slices of ``n_layer`` blocks for ``stages`` ranks."""
     if stages > n_layer:
-        raise ValueError(f"stages={stages} exceeds n_layer={n_layer}: each stage needs a block")
+        raise InputError(f"stages={stages} exceeds n_layer={n_layer}: each stage needs a block")
     cuts = [round(i * n_layer / stages) for i in range(stages + 1)]
     return list(zip(cuts, cuts[1:]))
 
@@ -146,7 +148,7 @@ def pp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256
     for name in schedules:
         for m in micro_batches:
             if batch % m:
-                raise ValueError(f"batch {batch} is not divisible into {m} micro-batches")
+                raise InputError(f"batch {batch} is not divisible into {m} micro-batches")
             if name == "1f1b" and m < world_size:
                 continue  # 1F1B needs a micro-batch per stage in flight; with fewer it is GPipe
             stage = PipelineStage(mod, rank, world_size, dev)
@@ -199,10 +201,12 @@ def pp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256
 def measure_pipeline(step: StepConfig | None = None, stages: int = 2, *,
                      micro_batches=(1, 2, 4, 8), schedules=SCHEDULES, repeats: int = 2,
                      track: bool = True, timeout: float = 300.0,
-                     backend: str | None = None) -> ParallelResult:
+                     backend: str | None = None,
+                     placement: Placement | None = None) -> ParallelResult:
     """Run ``step``'s GPT as a ``stages``-rank pipeline for each schedule and micro-batch
-    count; per stage: wall and busy time, bubble, micro-batches in flight, peak bytes."""
-    from ..distributed import run_ranks
+    count; per stage: wall and busy time, bubble, micro-batches in flight, peak bytes.
+    Ranks are placed as in :func:`~memlab.parallel.measure_tensor_parallel`."""
+    from ..distributed import resolve_placement, run_ranks
     step = step or StepConfig()
     if isinstance(micro_batches, int):
         micro_batches = (micro_batches,)
@@ -210,16 +214,16 @@ def measure_pipeline(step: StepConfig | None = None, stages: int = 2, *,
         schedules = (schedules,)
     for s in schedules:
         if s not in SCHEDULES:
-            raise ValueError(f"schedule={s!r}; allowed: {', '.join(SCHEDULES)}")
+            raise InputError(f"schedule={s!r}; allowed: {', '.join(SCHEDULES)}")
     if not isinstance(step.model, str):
-        raise ValueError("pipeline parallelism needs a GPT preset name as the model")
-    res = run_ranks(pp_worker, stages, timeout=timeout,
-                    backend=backend or default_backend(stages),
+        raise InputError("pipeline parallelism needs a GPT preset name as the model")
+    placement = resolve_placement(stages, backend=backend, placement=placement)
+    res = run_ranks(pp_worker, stages, timeout=timeout, placement=placement,
                     kwargs=dict(model=step.model, seq=step.seq, batch=step.batch,
                                 attention=step.model_config.attention,
                                 micro_batches=tuple(micro_batches), schedules=tuple(schedules),
                                 repeats=repeats, track=track))
-    return ParallelResult("pipeline parallel", step, res)
+    return ParallelResult("pipeline parallel", step, res, placement.device_type)
 
 
 def pipeline_run(result: ParallelResult, schedule: str, m: int, rank: int = 0) -> dict | None:

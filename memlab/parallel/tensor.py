@@ -26,11 +26,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import InputError
 from ..models import GPT, GPTConfig
 from ..step import StepConfig, make_batch
 from ..tracking import MemoryTracker
-from .common import (ParallelResult, default_backend, is_sharded, local_bytes, rank_device,
-                     set_rank_threads, worker_step)
+from ..hardware import Placement
+from .common import (ParallelResult, is_sharded, local_bytes, rank_device, set_rank_threads,
+                     worker_step)
 from .formulas import check_tensor_parallel, tp_activation_bytes
 
 
@@ -237,7 +239,7 @@ def simulate_tensor_parallel(step: StepConfig | None = None, tp: int = 2) -> dic
     step = step or StepConfig()
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig):
-        raise ValueError("tensor parallelism needs a GPT model")
+        raise InputError("tensor parallelism needs a GPT model")
     check_tensor_parallel(cfg, tp)
     if dist.is_initialized():
         raise RuntimeError("a process group already exists in this process; the simulation "
@@ -262,17 +264,20 @@ def simulate_tensor_parallel(step: StepConfig | None = None, tp: int = 2) -> dic
 
 
 def measure_tensor_parallel(step: StepConfig | None = None, tp: int = 2, *, check: bool = True,
-                            timeout: float = 300.0, backend: str | None = None) -> ParallelResult:
+                            timeout: float = 300.0, backend: str | None = None,
+                            placement: Placement | None = None) -> ParallelResult:
     """Run one TP step of ``step``'s GPT on ``tp`` spawned ranks: loss and gradients against
     one process (``check``), parameter bytes, activations per layer and the tracked peak.
-    ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank); default NCCL with CUDA."""
-    from ..distributed import run_ranks
+    The ranks run where ``placement`` says (default :func:`~memlab.hardware.place_ranks`:
+    NCCL with one GPU per rank, else gloo on the CPU); ``backend="gloo"`` asks for the CPU."""
+    from ..distributed import resolve_placement, run_ranks
     step = step or StepConfig()
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig):
-        raise ValueError(f"tensor parallelism needs a GPT model, got {getattr(cfg, 'name', cfg)!r}")
+        raise InputError(f"tensor parallelism needs a GPT model, got {getattr(cfg, 'name', cfg)!r}")
     check_tensor_parallel(cfg, tp)  # before any rank starts
-    res = run_ranks(tp_worker, tp, timeout=timeout, backend=backend or default_backend(tp),
+    placement = resolve_placement(tp, backend=backend, placement=placement)
+    res = run_ranks(tp_worker, tp, timeout=timeout, placement=placement,
                     kwargs=dict(model=step.model, seq=step.seq, batch=step.batch,
                                 attention=cfg.attention, check=check))
-    return ParallelResult("tensor parallel", step, res)
+    return ParallelResult("tensor parallel", step, res, placement.device_type)

@@ -1,0 +1,312 @@
+"""Will a real step fit this machine? Checked before anything is built.
+
+A measurement builds the model, its optimizer state and one step for real, so a step too
+large for the machine does not fail politely: the host swaps or the allocator raises
+``DefaultCPUAllocator: can't allocate memory`` half-way through building. :func:`preflight`
+estimates the step first (:func:`memlab.estimate.estimate_step`, per rank) and
+
+* under a simulated budget, returns a ``fits: false`` report with an OOM at phase ``build``
+  when the parameters and optimizer state alone exceed the budget (the budget covers the
+  whole step, building included);
+* raises :class:`~memlab.errors.HostMemoryError` when the memory the step needs is more
+  than the machine has available: host RAM on CPU, free device memory on CUDA.
+
+The rule, ``need = margin x held + overhead``:
+
+``held``      the estimate's peak per rank (plus what offload keeps in host memory). Under a
+              budget the step is stopped at the budget, so
+              ``held = min(peak, budget + the largest single tensor)`` on CPU (the op that
+              crosses the budget has allocated its output) and ``min(peak, budget)`` on CUDA
+              (the allocator refuses at the cap); never less than the model states.
+``margin``    :data:`MARGIN`: 1.15 on CPU, 1.3 on CUDA, from the estimate's known errors (below).
+``overhead``  :data:`PROCESS_BYTES` (256 MiB) for the process.
+
+Multi-rank runs spawn one process per rank, all on this host: each needs
+``DEEPSPEED_HOST_FACTOR x margin x held + RANK_PROCESS_BYTES`` of host RAM on CPU, and the
+ranks sharing a GPU share its free memory.
+
+Where the numbers come from:
+
+* CPU: the estimate is within 5% of the tracked bytes (``tests/test_lenses.py``, held-out
+  shapes), and process RSS grew 4.3% + about 115 MiB above the tracked bytes (gpt2-small
+  seq 128 batch 2: 2194 MiB estimated, 2404 MiB RSS growth; tiny: +115 to +130 MiB), so
+  ``1.05 x 1.05 ~ 1.10``, rounded up to 1.15, and 256 MiB over the 210 MiB seen.
+* CUDA (``data/reference/NVIDIA-H200``): the allocator's peak was up to 1.147 x the CPU-policy
+  estimate on GPT steps (CUDA autocast keeps fp32 softmax), and a fresh process reserves up
+  to 1.10 x what it allocates, so ``1.147 x 1.10 = 1.26``, rounded up to 1.3; cuDNN and
+  cuBLAS workspaces add up to about 190 MiB the CPU-policy estimate does not see (UNet rows),
+  under 256 MiB. On CUDA the guard reads the CUDA target's estimate (:mod:`memlab.policy`),
+  which follows those kernels, so the margin is on the safe side there.
+* DeepSpeed ranks on CPU: each rank builds the whole model before DeepSpeed copies it into
+  its flat buffers, and glibc keeps what is freed; measured RSS per rank 3.13 GiB for
+  gpt2-small ZeRO-3 on 2 ranks (estimate 1.48 GiB per rank) and 0.55 GiB for tiny ZeRO-2
+  (estimate 56 MiB): about 500 MiB for the rank's interpreter, torch and DeepSpeed plus
+  1.74 x the estimate.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import HostMemoryError
+from .hardware import MiB, fmt_bytes
+from .models import GPTConfig
+from .step import MemoryReport, StepConfig
+from .tracking import CATEGORIES, OOMInfo
+
+MARGIN = {"cpu": 1.15, "cuda": 1.3}
+PROCESS_BYTES = 256 * MiB
+RANK_PROCESS_BYTES = 512 * MiB
+DEEPSPEED_HOST_FACTOR = 2.0
+
+
+# --------------------------------------------------------------------------------------
+# What is available
+# --------------------------------------------------------------------------------------
+def host_available_bytes() -> int:
+    """Host RAM a new allocation can get now without swapping: ``psutil``'s available memory,
+    lowered to the container's limit (cgroup v2 or v1) when there is one."""
+    import psutil
+    avail = psutil.virtual_memory().available
+    headroom = _cgroup_headroom()
+    return int(avail if headroom is None else min(avail, headroom))
+
+
+def process_headroom_bytes() -> int | None:
+    """Address space this process may still map under ``RLIMIT_AS`` (``ulimit -v``), or
+    ``None`` when unlimited (or not on a Unix)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    import psutil
+    return max(0, soft - psutil.Process().memory_info().vms)
+
+
+def device_available_bytes(device: torch.device | str) -> int:
+    """Free memory of a CUDA device now (``torch.cuda.mem_get_info``); on CPU, the host's
+    (:func:`host_available_bytes`)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return host_available_bytes()
+
+
+def _cgroup_headroom() -> int | None:
+    """``limit - usage`` of this process's memory cgroup, page cache that can be reclaimed
+    counted as free; ``None`` without a limit."""
+    for limit_f, usage_f, stat_f, key in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+             "total_inactive_file")):
+        try:
+            with open(os.path.join("/sys/fs/cgroup", limit_f)) as f:
+                text = f.read().strip()
+            if text == "max" or int(text) >= 2**60:  # v1 says "no limit" with a huge number
+                return None
+            with open(os.path.join("/sys/fs/cgroup", usage_f)) as f:
+                usage = int(f.read())
+            inactive = 0
+            with open(os.path.join("/sys/fs/cgroup", stat_f)) as f:
+                for line in f:
+                    name, _, value = line.partition(" ")
+                    if name == key:
+                        inactive = int(value)
+            return max(0, int(text) - usage + inactive)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# What the step needs
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryNeed:
+    """One comparison of the rule: ``need_bytes`` of ``resource`` against what is available."""
+
+    resource: str
+    need_bytes: int
+    available_bytes: int
+    rule: str
+
+    @property
+    def fits(self) -> bool:
+        return self.need_bytes <= self.available_bytes
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Per rank: the estimated peak, model states (parameters, gradients, optimizer state on
+    the device), what offload keeps in host memory, and the largest single tensor."""
+
+    peak_bytes: int
+    parameters: int
+    optimizer: int
+    model_states: int
+    host_bytes: int
+    largest_tensor_bytes: int | None
+    by_category: dict = field(default_factory=dict)
+
+
+def estimate_for(step: StepConfig, target: str = "cpu") -> StepEstimate:
+    """The figures :func:`preflight` works from, per rank, from the closed-form estimate for
+    the device the step will run on (``target``: ``"cpu"`` or ``"cuda"``)."""
+    from .estimate import estimate_step, model_state_bytes
+    est = estimate_step(step, target=target)
+    states = model_state_bytes(step.model_config.num_params(), precision=step.precision,
+                               optimizer=step.optimizer, zero=step.zero,
+                               world_size=step.world_size, offload=step.offload)
+    model_states = int(states["parameters"] + states["gradients"] + states["optimizer"])
+    return StepEstimate(est.peak_bytes, int(est.by_category["parameters"]),
+                        int(est.by_category["optimizer"]), model_states, int(states["host"]),
+                        largest_tensor_bytes(step), dict(est.by_category))
+
+
+def largest_tensor_bytes(step: StepConfig) -> int | None:
+    """An upper bound on the largest single tensor of a GPT step (``None`` for other models):
+    the fp32 logits or their log-softmax (``t V``), the embedding or its gradient (``V h``),
+    the MLP's hidden activation (``t f``), naive attention's scores (``b a s^2``), 4 bytes
+    each, with ``t`` the tokens of one micro-batch."""
+    cfg = step.model_config
+    if not isinstance(cfg, GPTConfig):
+        return None
+    b = step.batch // step.micro_batches
+    t = step.seq * b
+    sizes = [t * cfg.vocab_size, cfg.vocab_size * cfg.d_model, t * cfg.hidden]
+    if cfg.attention == "naive" and cfg.checkpointing != "selective":
+        sizes.append(b * cfg.n_head * step.seq ** 2)
+    return 4 * max(sizes)
+
+
+def _held(est: StepEstimate, device_type: str, budget_bytes: int | None,
+          with_host: bool) -> tuple[int, str]:
+    """Bytes one process holds at its peak, and how that was found (for the message)."""
+    peak = est.peak_bytes + (est.host_bytes if with_host else 0)
+    what = f"estimate {fmt_bytes(peak)}"
+    if budget_bytes is None:
+        return peak, what
+    if device_type == "cuda":
+        over = 0  # the capped allocator refuses the op that would cross the budget
+    elif est.largest_tensor_bytes is None:
+        return peak, what  # no bound on one op's overshoot: count the whole step
+    else:
+        over = est.largest_tensor_bytes
+    capped = max(min(peak, budget_bytes + over), est.model_states)
+    if capped >= peak:
+        return peak, what
+    how = f"budget {fmt_bytes(budget_bytes)}" + (f" + largest tensor {fmt_bytes(over)}" if over else "")
+    return capped, f"the step stopped at the {how}"
+
+
+def memory_needs(step: StepConfig, device: torch.device | str = "cpu",
+                 budget_bytes: int | None = None, *, spawned: bool = False,
+                 est: StepEstimate | None = None) -> list[MemoryNeed]:
+    """Each comparison :func:`preflight` makes for ``step`` on ``device``: one for a step in
+    this process; for ``spawned`` ranks (``step.world_size`` DeepSpeed processes on this
+    host), host RAM for all of them, the address space of each under ``ulimit -v``, and on
+    CUDA the free memory of the GPUs they share."""
+    device = torch.device(device)
+    est = est or estimate_for(step, device.type)
+    kind = device.type
+    headroom = process_headroom_bytes()
+    if not spawned:
+        held, what = _held(est, kind, budget_bytes, with_host=False)
+        need = math.ceil(MARGIN[kind] * held) + PROCESS_BYTES
+        rule = f"{what} x {MARGIN[kind]} + {fmt_bytes(PROCESS_BYTES)} for the process"
+        if kind == "cuda":
+            return [MemoryNeed(f"free memory on {device}", need, device_available_bytes(device), rule)]
+        host = host_available_bytes()
+        if headroom is not None and headroom < host:
+            return [MemoryNeed("address space left under ulimit -v", need, headroom, rule)]
+        return [MemoryNeed("host RAM", need, host, rule)]
+    world = step.world_size
+    needs = []
+    if kind == "cpu":
+        held, what = _held(est, kind, budget_bytes, with_host=True)
+        per_rank = math.ceil(DEEPSPEED_HOST_FACTOR * MARGIN["cpu"] * held) + RANK_PROCESS_BYTES
+        rank_rule = (f"{DEEPSPEED_HOST_FACTOR:g} x {MARGIN['cpu']} x {what} per rank + "
+                     f"{fmt_bytes(RANK_PROCESS_BYTES)} for its process")
+    else:
+        held, what = _held(est, kind, budget_bytes, with_host=False)
+        gpus = max(1, torch.cuda.device_count())
+        sharing = math.ceil(world / gpus)  # ranks go round-robin over the GPUs
+        on_gpu = sharing * (math.ceil(MARGIN["cuda"] * held) + PROCESS_BYTES)
+        free = min(torch.cuda.mem_get_info(i)[0] for i in range(min(gpus, world)))
+        needs.append(MemoryNeed("free GPU memory", on_gpu, free,
+                                f"{sharing} rank(s) per GPU x ({what} x {MARGIN['cuda']} + "
+                                f"{fmt_bytes(PROCESS_BYTES)} per process)"))
+        per_rank = math.ceil(MARGIN["cpu"] * est.host_bytes) + RANK_PROCESS_BYTES
+        rank_rule = (f"{fmt_bytes(est.host_bytes)} offloaded x {MARGIN['cpu']} + "
+                     f"{fmt_bytes(RANK_PROCESS_BYTES)} for its process")
+    if headroom is not None:  # ulimit -v applies to each rank process on its own
+        needs.append(MemoryNeed("address space per rank under ulimit -v", per_rank, headroom, rank_rule))
+    needs.append(MemoryNeed("host RAM", world * per_rank, host_available_bytes(),
+                            f"{world} ranks x ({rank_rule})"))
+    return needs
+
+
+def build_oom_report(step: StepConfig, device: str, budget_bytes: int,
+                     est: StepEstimate | None = None) -> MemoryReport | None:
+    """A ``fits: false`` report with an OOM at phase ``build`` when the parameters and the
+    optimizer state of one rank alone exceed ``budget_bytes``; ``None`` when they fit."""
+    est = est or estimate_for(step, device)
+    built = est.parameters + est.optimizer
+    if built <= budget_bytes:
+        return None
+    cats = dict.fromkeys(CATEGORIES, 0)
+    cats.update(parameters=est.parameters, optimizer=est.optimizer)
+    culprit = max(cats, key=cats.get)
+    msg = (f"Simulated device out of memory while building the model. Tried to allocate "
+           f"{fmt_bytes(built)} for the parameters ({fmt_bytes(est.parameters)}) and the "
+           f"optimizer state ({fmt_bytes(est.optimizer)}) (build_trainer, build); budget "
+           f"{fmt_bytes(budget_bytes)}, so {fmt_bytes(built - budget_bytes)} short. Largest "
+           f"category: {culprit} ({fmt_bytes(cats[culprit])}). Found by the estimate before "
+           f"building: nothing was allocated.")
+    oom = OOMInfo("build_trainer", step.model_config.name, "build", built, built, budget_bytes,
+                  msg, cats)
+    report = MemoryReport("measure", step, device, built, cats, budget_bytes, None, oom)
+    report.notes.append("refused at build: peak_bytes and by_category are the estimate's "
+                        "model states, not a measurement")
+    if step.world_size > 1:
+        report.per_rank = [MemoryReport("measure", step, device, built, dict(cats), budget_bytes,
+                                        None, oom) for _ in range(step.world_size)]
+    return report
+
+
+def preflight(step: StepConfig, device: torch.device | str = "cpu",
+              budget_bytes: int | None = None, *, spawned: bool = False) -> MemoryReport | None:
+    """Check ``step`` before building it: a build-phase OOM report when a budget cannot hold
+    its model states, :class:`HostMemoryError` when this machine cannot hold the step, else
+    ``None`` (go ahead)."""
+    device = torch.device(device)
+    est = estimate_for(step, device.type)
+    if budget_bytes is not None:
+        refused = build_oom_report(step, device.type, budget_bytes, est)
+        if refused is not None:
+            return refused
+    for need in memory_needs(step, device, budget_bytes, spawned=spawned, est=est):
+        if not need.fits:
+            raise HostMemoryError(need.need_bytes, need.available_bytes, need.resource, need.rule)
+    return None
+
+
+def check_host(step: StepConfig) -> None:
+    """Refuse (:class:`HostMemoryError`) to build a CPU trainer of ``step`` that host RAM
+    cannot hold now; for helpers that build trainers themselves (compression, the table).
+    Each call reads what is available anew, so trainers built earlier are accounted for."""
+    for need in memory_needs(step, "cpu"):
+        if not need.fits:
+            raise HostMemoryError(need.need_bytes, need.available_bytes, need.resource, need.rule)
+
+
+__all__ = ["MARGIN", "PROCESS_BYTES", "RANK_PROCESS_BYTES", "DEEPSPEED_HOST_FACTOR",
+           "MemoryNeed", "StepEstimate", "HostMemoryError", "host_available_bytes",
+           "process_headroom_bytes", "device_available_bytes", "estimate_for",
+           "largest_tensor_bytes", "memory_needs", "build_oom_report", "preflight", "check_host"]

@@ -1,0 +1,83 @@
+"""The offline reader of CUDA allocator snapshots, on the H200 snapshot memlab ships."""
+import gzip
+import json
+import pickle
+from importlib import resources
+
+import pytest
+
+from memlab.snapshot import REFERENCE_SNAPSHOT, live_timeline, load_snapshot
+
+MiB = 2**20
+
+
+def _peak_by_addresses(snap: dict, device: int = 0) -> int:
+    """Max live bytes by another route: the set of live blocks, by address, walked back from
+    the end (each traced alloc must be live at that point, each free must not)."""
+    live = {b["address"]: b["requested_size"] for s in snap["segments"] if s["device"] == device
+            for b in s["blocks"] if b["state"] == "active_allocated"}
+    best = total = sum(live.values())
+    for e in reversed(snap["device_traces"][device]):
+        if e["action"] == "alloc":
+            assert live.pop(e["addr"]) == e["size"]
+        elif e["action"] == "free_completed":
+            assert e["addr"] not in live
+            live[e["addr"]] = e["size"]
+        else:
+            continue
+        total = sum(live.values())
+        best = max(best, total)
+    return best
+
+
+def test_reference_snapshot_peak_equals_its_own_live_maximum():
+    snap = load_snapshot()
+    t = live_timeline(snap)
+    assert len(t.actions) == len(snap["device_traces"][0]) > 100
+    assert t.peak_bytes == _peak_by_addresses(snap)
+    assert t.live_bytes[t.peak_index] == t.peak_bytes
+    # what the allocator still held at the end: its segments (cached, far above live)
+    assert t.end_reserved_bytes == sum(s["total_size"] for s in snap["segments"])
+    assert t.end_reserved_bytes > 2 * t.live_bytes[-1]
+    # a steady-state step ends where it began: the same tensors live
+    assert t.live_bytes[-1] == t.start_bytes
+
+
+def test_reference_snapshot_peak_is_the_measured_step():
+    """The snapshot is gpt2-small, seq 512, batch 4, fp32; gpu_check.json measured batch 8.
+    What a step adds over its start (activations, gradients) is linear in the batch
+    (lesson 01), so batch 4 should reach start + (peak - start) / 2 of the batch-8 row."""
+    ref = json.loads(resources.files("memlab").joinpath(
+        "data", "reference", "NVIDIA-H200", "gpu_check.json").read_text())
+    row = next(r for r in ref["rows"] if (r["model"], r["seq"], r["batch"]) == ("gpt2-small", 512, 8)
+               and not r.get("precision") and not r.get("checkpointing"))
+    a = row["allocator"]
+    expected = a["memory_allocated_at_start"] + (a["max_memory_allocated"] - a["memory_allocated_at_start"]) / 2
+    peak = live_timeline(load_snapshot()).peak_bytes
+    assert abs(peak / expected - 1) < 0.02, (peak / MiB, expected / MiB)
+
+
+def test_plain_and_gzipped_pickles_read_the_same(tmp_path):
+    snap = load_snapshot()
+    plain, packed = tmp_path / "step.pickle", tmp_path / "step.pickle.gz"
+    plain.write_bytes(pickle.dumps(snap))
+    packed.write_bytes(gzip.compress(pickle.dumps(snap)))
+    peaks = {live_timeline(load_snapshot(p)).peak_bytes for p in (plain, packed)}
+    assert peaks == {live_timeline(snap).peak_bytes}
+
+
+def test_what_is_not_a_snapshot_is_refused(tmp_path):
+    junk = tmp_path / "junk.pickle"
+    junk.write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match="not a pickled allocator snapshot"):
+        load_snapshot(junk)
+    other = tmp_path / "other.pickle"
+    other.write_bytes(pickle.dumps({"segments": []}))
+    with pytest.raises(ValueError, match="device_traces"):
+        load_snapshot(other)
+    with pytest.raises(ValueError, match="device 3"):
+        live_timeline(load_snapshot(), device=3)
+
+
+def test_the_reference_is_package_data():
+    assert resources.files("memlab").joinpath(*REFERENCE_SNAPSHOT).is_file()
