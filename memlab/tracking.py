@@ -52,6 +52,7 @@ from .errors import InputError
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other",
               "workspace")
 _IDX = {c: i for i, c in enumerate(CATEGORIES)}
+_DEVICE_QUERY = torch.ops.prim.device.default
 
 
 class DeviceAccounting:
@@ -378,6 +379,8 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- the dispatch mode ---------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_QUERY:  # allocates nothing; under fake tensors 2/3 of all calls
+            return func(*args, **(kwargs or {}))
         if self._in_optimizer:
             phase = "optimizer"
         elif torch._C._current_graph_task_id() != -1:
