@@ -19,9 +19,18 @@ same (DeepSpeed offloads from its ZeRO optimizer, and parameters only at stage 3
 on ZeRO-2, Ren et al. 2021 sec. 4; ZeRO-Infinity on ZeRO-3, Rajbhandari et al. 2021 sec. 5):
 the message says so, and how much host memory the offloaded states take.
 
+Tensor parallelism (``t`` ranks of a node per group, ZeRO across the ``N/t`` groups) is
+estimated by ``estimate_step(step, tensor_parallel=t)``: Megatron's layout without sequence
+parallelism, so the checkpointed block inputs stay whole on every rank; at long context they
+are what sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2) would divide by ``t``.
+Pipeline parallelism adds nothing here: with 1F1B the first of ``p`` stages keeps ``p``
+micro-batches of ``L/p`` layers, the activations of one rank without it (sec. 4.2.3), and
+ZeRO-3 already divided the model states.
+
 A technique that raises the peak (bf16 autocast on a model whose activations are
 small keeps fp32 weights *and* adds bf16 copies) is tried, reported, and left out of the plan; one that leaves it equal (ZeRO-2 when the peak
-sits where gradients do not exist yet) is kept, as later stages build on it.
+sits where gradients do not exist yet) is kept, as later stages build on it; tensor parallelism
+is kept only when it lowers the peak by at least 1% (``TP_MIN_SAVING``).
 
 >>> a = advise("llama-7b", "A100-40GB", world_size=8, seq=4096, batch=1)
 >>> a.plan, a.fits
@@ -40,6 +49,7 @@ from .models import GPTConfig, get_config
 
 SIMULATE_MAX_PARAMS = 2_000_000_000  # gpt2-xl (1.6B) simulates in ~4 s on 2 cores
 TP_MAX = 8  # tensor parallelism all-reduces twice per layer each way: keep it inside a node
+TP_MIN_SAVING = 0.01  # ... and is worth that only if it lowers the peak by 1% or more
 
 
 @dataclass
@@ -95,9 +105,19 @@ class Advice:
 
 
 def tensor_parallel_degree(cfg: GPTConfig, world_size: int, limit: int = TP_MAX) -> int:
-    """Largest ``t <= limit`` dividing the world size, the heads and the MLP width."""
-    return max(t for t in range(1, min(limit, world_size) + 1)
-               if world_size % t == 0 and cfg.n_head % t == 0 and cfg.hidden % t == 0)
+    """Largest ``t <= limit`` dividing the world size that the model allows
+    (:func:`memlab.parallel.check_tensor_parallel`: the heads and the MLP width, and the
+    key/value heads split or replicated)."""
+    from .parallel.formulas import check_tensor_parallel
+
+    def allowed(t: int) -> bool:
+        try:
+            check_tensor_parallel(cfg, t)
+        except ValueError:
+            return False
+        return world_size % t == 0
+
+    return max(t for t in range(1, min(limit, world_size) + 1) if allowed(t))
 
 
 def flowchart(world_size: int) -> list[tuple[str, dict]]:
@@ -115,24 +135,6 @@ def flowchart(world_size: int) -> list[tuple[str, dict]]:
     chain += [("offload-optimizer", {"offload": "optimizer", "zero": 2}),
               ("offload-all", {"offload": "all", "zero": 3})]
     return chain
-
-
-def _tp_estimate(step: StepConfig, t: int) -> int:
-    """Peak per rank with tensor parallelism of degree ``t`` on top of ``step``.
-
-    With ZeRO-3 over the ``N/t`` data-parallel ranks of each TP group, a rank holds ``1/N`` of
-    the model states as before; what TP adds is a split of the activations: with sequence
-    parallelism (Korthikanti et al. 2022, section 4.2.2) every activation and transient of a
-    layer is divided by ``t`` (the vocabulary-parallel loss divides the logits too).
-    Pipeline parallelism adds nothing here: with 1F1B the first of ``p`` stages keeps ``p``
-    micro-batches of ``L/p`` layers, the activations of one rank without it (section 4.2.3),
-    and ZeRO-3 already divided the model states.
-    """
-    from .estimate import estimate_step
-    cats = dict(estimate_step(step).by_category)
-    for c in ("activations", "temporaries"):
-        cats[c] = cats[c] / t
-    return int(sum(cats.values()))
 
 
 def _simulate(step: StepConfig) -> int:
@@ -177,7 +179,7 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
 
     def peak_of(s: StepConfig, t: int) -> tuple[int, int | None]:
         from .estimate import estimate_step
-        est = _tp_estimate(s, t) if t > 1 else estimate_step(s).peak_bytes
+        est = estimate_step(s, tensor_parallel=t).peak_bytes
         sim = None
         if simulate and t == 1 and time.perf_counter() - started < simulate_seconds:
             sim = _simulate(s)
@@ -204,7 +206,16 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
             t_cand = tp
         row = record(technique + (f" (t={tp})" if technique == "tensor-parallel" else ""),
                      cand, t_cand, True)
-        if row["peak_bytes"] <= _best(steps)["peak_bytes"]:
+        before = _best(steps)["peak_bytes"]
+        # an equal peak keeps a ZeRO stage (the next builds on it); tensor parallelism costs
+        # two all-reduces per layer each way, so it must save at least TP_MIN_SAVING (it saves
+        # nothing when the peak is the optimizer step: ZeRO-3 already divides those states
+        # by every rank)
+        if t_cand != t_now:
+            keep = row["peak_bytes"] <= before * (1 - TP_MIN_SAVING)
+        else:
+            keep = row["peak_bytes"] <= before
+        if keep:
             plan.append(technique)
             current, t_now = cand, t_cand
         else:
@@ -224,6 +235,13 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
                           f"usable ({fmt_bytes(budget)} less {headroom:.0%} headroom): short by "
                           f"{fmt_bytes(advice.short_bytes)}; use more ranks, a shorter sequence "
                           f"or a smaller batch (with gradient accumulation)")
+        from .estimate import estimate_step
+        cats = estimate_step(current, tensor_parallel=t_now).by_category
+        if max(cats, key=cats.get) == "activations":
+            advice.message += (
+                "; the activations are the largest part: sequence parallelism (Korthikanti et "
+                "al. 2022, sec. 4.2.2) would split the block inputs tensor parallelism keeps "
+                "whole, context parallelism the sequence itself (neither is planned here)")
     advice.message += "; " + _runs_as(current, t_now, advice.host_bytes)
     return advice
 

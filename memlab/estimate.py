@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .errors import InputError
 from .hardware import resolve_budget
 from .step import MemoryReport, StepConfig, autocast_for, resolve_step
 from .models import GPTConfig, UNet, UNetConfig
@@ -72,28 +73,73 @@ def dtypes(precision: str, target: str = "cpu") -> Dtypes:
 
 
 def _linear_weights(cfg: GPTConfig) -> tuple[int, int]:
-    """Elements of matmul weights per layer and in the head (autocast copies these)."""
+    """Elements of matmul weights per layer and in the head (autocast copies these): the
+    fused ``qkv`` has ``(n_head + 2 n_kv_head) * head_dim`` rows, so grouped-query attention
+    copies less."""
     d, f = cfg.d_model, cfg.hidden
-    per_layer = 4 * d * d + (3 if cfg.mlp == "swiglu" else 2) * d * f
+    qkv = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim * d
+    per_layer = qkv + d * d + (3 if cfg.mlp == "swiglu" else 2) * d * f
     return per_layer, cfg.vocab_size * d
 
 
+def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int, tp: int = 1) -> int:
+    """Elements of q, k, v that one block keeps for backward, and the attention output
+    ``proj`` reads, for multi-head and grouped-query attention.
+
+    With ``Q = s b n_head d_head`` and ``K = s b n_kv_head d_head``: q, k and v are views of
+    the fused ``qkv`` output (``Q + 2K``), and whatever saves a view keeps all of it alive.
+    Rotary positions make new q (``Q``) and k (``K``); ``gqa="repeat"`` makes new k and v of
+    ``Q`` each, which attention saves instead of the views; naive attention's matmuls fold
+    batch and heads into one dimension and save contiguous copies unless the batch or the
+    heads are one (a view cannot be folded otherwise); a selectively checkpointed core keeps
+    its inputs as they were passed (before any repeat).
+
+    Per rank of ``tp``-way tensor parallelism (:mod:`memlab.parallel.tensor`) a rank has
+    ``n_head / tp`` query heads and ``n_kv_head / tp`` key/value heads, or, when ``tp``
+    exceeds ``n_kv_head``, one replicated key/value head read from the all-gathered ``qkv``
+    output (which the views then keep whole). :func:`memlab.parallel.tp_activation_bytes`
+    uses this count, and the tests check it against the tracker for every combination.
+    """
+    t, hd = seq * batch, cfg.head_dim
+    split = cfg.kv_heads % tp == 0
+    heads, kv_heads = cfg.n_head // tp, (cfg.kv_heads // tp if split else 1)
+    fused = t * (cfg.n_head + 2 * cfg.kv_heads) * hd // (tp if split else 1)
+    q, kv = t * heads * hd, t * kv_heads * hd
+    rope = cfg.position == "rope"
+    if cfg.checkpointing == "selective":
+        return (q + kv if rope else 0) + fused + q
+    repeat = kv_heads < heads and cfg.gqa == "repeat"
+    in_place = cfg.attention == "sdpa" or batch == 1 or heads == 1
+    new = ((q if rope or not in_place else 0)
+           + (q if repeat else kv if rope or not in_place else 0)
+           + (q if repeat else 0 if in_place else kv))
+    views = in_place and (not rope or not repeat)
+    return new + (fused if views else 0) + q
+
+
 def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
-                           target: str = "cpu") -> float:
+                           target: str = "cpu", tp: int = 1) -> float:
     """Bytes one transformer block saves for backward (no checkpointing).
 
     With ``t = s*b`` tokens, ``h = d_model``, ``f`` the MLP width and ``a`` heads, in element
     sizes of :func:`dtypes` (R residual, C compute): two residual adds ``2thR`` (when the
     norms keep their input); per norm its output ``thC`` plus what :func:`memlab.policy.norm_saves`
-    says it keeps; q, k, v ``3thC``; the attention output ``thC``; with naive attention the
-    probabilities ``a s^2 b P`` (P: :func:`memlab.policy.attention_probs_bytes`) and the
-    causal mask ``s^2`` bytes, with SDPA the kernel's log-sum-exp; the MLP ``2tfC`` (SwiGLU
-    ``4tfC``); rotary q, k ``2thC``.
+    says it keeps; q, k, v and the attention output (:func:`attention_saved_elements`: ``4thC``
+    for multi-head attention with learned positions, ``6thC`` with rotary ones); with naive
+    attention the probabilities ``a s^2 b P`` (P: :func:`memlab.policy.attention_probs_bytes`)
+    and the causal mask ``s^2`` bytes, with SDPA the kernel's log-sum-exp; the MLP ``2tfC``
+    (SwiGLU ``4tfC``).
+
+    On each of ``tp`` tensor-parallel ranks (Megatron's layout, Korthikanti et al. 2022 sec.
+    4.2.1, without sequence parallelism) the heads, the MLP width and what they save are
+    divided by ``tp``; the residual stream, the norms and the inputs of the first matmuls
+    are not.
     """
     d = dtypes(precision, target)
-    t, h, f, a, s = seq * batch, cfg.d_model, cfg.hidden, cfg.n_head, seq
+    t, h, f, a, s = seq * batch, cfg.d_model, cfg.hidden, cfg.n_head // tp, seq
     C = d.compute
-    total = 2 * t * h * _residual_saved(cfg, d) + 2 * _norm_bytes(cfg, d, t) + 4 * t * h * C
+    total = (2 * t * h * _residual_saved(cfg, d) + 2 * _norm_bytes(cfg, d, t)
+             + attention_saved_elements(cfg, seq, batch, tp) * C)
     if cfg.mlp == "swiglu":  # the second norm's output feeds two matmuls (gate, up)
         total += (activation_copies(precision, 2) - 1) * t * h * C
     if cfg.checkpointing != "selective":
@@ -101,12 +147,9 @@ def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
             total += a * s * s * batch * d.probs + s * s
         else:
             total += sdpa_lse_bytes(sdpa_backend(target, C, cfg.head_dim), batch, a, s)
-    total += (4 if cfg.mlp == "swiglu" else 2) * t * f * C
-    if cfg.position == "rope":
-        if cfg.attention == "sdpa" or cfg.checkpointing == "selective":
-            total += 2 * t * h * C  # rotated q and k (naive attention saves copies instead)
-        if C != 4:
-            total += 2 * s * cfg.head_dim * C  # cos and sin cast to the compute dtype
+    total += (4 if cfg.mlp == "swiglu" else 2) * t * f * C / tp
+    if cfg.position == "rope" and C != 4:
+        total += 2 * s * cfg.head_dim * C  # cos and sin cast to the compute dtype
     return total
 
 
@@ -125,26 +168,67 @@ def _norm_bytes(cfg: GPTConfig, d: Dtypes, t: int) -> int:
 
 
 def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
-                     target: str = "cpu") -> dict[str, float]:
-    """Saved-for-backward bytes of the whole forward, split into its parts."""
+                     target: str = "cpu", tp: int = 1) -> dict[str, float]:
+    """Saved-for-backward bytes of the whole forward, split into its parts; per rank of
+    ``tp``-way tensor parallelism (the embedding output, the final norm and, under full
+    checkpointing, every block's input stay whole on each rank: that is what sequence
+    parallelism would divide; the loss is vocabulary-parallel, as in Megatron-LM)."""
     d = dtypes(precision, target)
     t, h, v = seq * batch, cfg.d_model, cfg.vocab_size
     layer_w, head_w = _linear_weights(cfg)
     final_norm = _norm_bytes(cfg, d, t)
     embed = t * h * _residual_saved(cfg, d) + (8 * seq if cfg.position == "learned" else 0)
+    # the chunked loss casts the head weight itself, uncached, and keeps no logits: only a
+    # log-sum-exp per token (memlab.chunked_loss)
+    chunked = cfg.loss == "chunked"
+    head_copy = 0 if chunked else head_w
     if cfg.checkpointing == "full":
         layers = cfg.n_layer * t * h * d.residual  # each block keeps its input only
-        copies = d.weight_copy * head_w
+        copies = d.weight_copy * head_copy / tp
     else:
-        layers = cfg.n_layer * layer_activation_bytes(cfg, seq, batch, precision, target)
-        copies = d.weight_copy * (cfg.n_layer * layer_w + head_w)
+        layers = cfg.n_layer * layer_activation_bytes(cfg, seq, batch, precision, target, tp)
+        copies = d.weight_copy * (cfg.n_layer * layer_w + head_copy) / tp
     return {"embedding": embed, "layers": layers, "final_norm": final_norm,
-            "weight_copies": copies, "log_softmax": t * v * d.softmax}
+            "weight_copies": copies,
+            "log_softmax": 4 * t if chunked else t * v * d.softmax / tp}
+
+
+def chunked_loss_moments(cfg: GPTConfig, tokens: int, precision: str,
+                         target: str = "cpu") -> dict[str, dict[str, float]]:
+    """Bytes :func:`memlab.chunked_loss.linear_cross_entropy` holds beyond the activations
+    at its two largest moments, by category, read off its code: with ``c`` the head matmul's
+    element size (the autocast dtype, else the hidden states'), ``H`` the hidden states',
+    ``W`` the weight's and ``n = min(loss_chunk, tokens)`` rows per chunk:
+
+    * forward, at a chunk's upcast: the hidden states passed in (``tH``, when ``h`` is a cast
+      copy of them), the cast head weight (``VdC`` unless ``W = c``), one chunk of logits and
+      its fp32 copy (``nV(c + 4)``, or ``4nV`` in fp32) and a float per token;
+    * backward: the weight's gradient (``VdW``, category gradients), the hidden states'
+      gradient (``tdH``), the cast weight, and a chunk's logits being turned into their
+      gradient (``nV(c + 4)`` at the casts, or a chunk and the ``V x d`` product of its
+      gradient with the hidden states, whichever is larger), plus 12 bytes per token.
+
+    The plain loss's ``t x V`` tensors (:func:`memlab.policy.cross_entropy_moments`) never
+    exist: the saving is the loss spike, at the price of the head matmul run twice.
+    """
+    d = dtypes(precision, target)
+    v, dm = cfg.vocab_size, cfg.d_model
+    c, hid, w = d.compute, d.residual, d.param
+    n = min(cfg.loss_chunk, tokens)
+    hidden = tokens * dm * hid if hid != c else 0
+    weight = v * dm * c if w != c else 0
+    logits = n * v * (c + 4) if c != 4 else 4 * n * v
+    back = max(logits, n * v * c + v * dm * c) if c != 4 else 4 * n * v + 4 * v * dm
+    return {"chunked loss forward": dict(temporaries=hidden + weight + logits + 4 * tokens),
+            "chunked loss backward": dict(gradients=v * dm * w,
+                                          temporaries=weight + tokens * dm * hid + back
+                                          + 12 * tokens)}
 
 
 def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
-              target: Target) -> tuple[dict, str]:
-    """Categories at the step's peak moment, and which moment that is."""
+              target: Target, tp: int = 1) -> tuple[dict, str]:
+    """Categories at the step's peak moment, and which moment that is, on one rank of
+    ``tp``-way tensor parallelism."""
     d = dtypes(step.precision, target.name)
     k = step.micro_batches
     seq, batch = step.seq, step.batch // k
@@ -155,28 +239,38 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     # (ZeRO-2), the optimizer step's scratch, ZeRO-3's gathered parameters
     held, late = states.get("held", 0.0), states.get("late", 0.0)
     scratch, gathered = states.get("step", 0.0), states.get("gathered", 0.0)
-    acts = activation_bytes(cfg, seq, batch, step.precision, target.name)
+    acts = activation_bytes(cfg, seq, batch, step.precision, target.name, tp)
     A = sum(acts.values())
-    head_grad = v * h * d.grad / (step.world_size if step.zero >= 2 else 1)
-    layer_grad = G * (1 - v * h / cfg.num_params()) / L if L else 0
+    v = -(-v // tp)  # from here on: this rank's share of the vocabulary
+    head_grad = v * h * d.grad / (step.world_size // tp if step.zero >= 2 else 1)
+    layer_grad = G * (1 - cfg.vocab_size * h / cfg.num_params()) / L if L else 0
     # With accumulation, gradients of earlier micro-batches are already there.
     G_prev = G if k > 1 else 0.0
     lse = acts["log_softmax"]
     # Autocast's weight casts live until the forward ends; under full checkpointing autograd
     # does not keep them, so at the loss they are scratch (policy._CastCache).
-    cached = d.weight_copy * L * _linear_weights(cfg)[0] if cfg.checkpointing == "full" else 0
+    cached = d.weight_copy * L * _linear_weights(cfg)[0] / tp if cfg.checkpointing == "full" else 0
     m = {}
-    # the loss's forward and backward, one moment per tensor it makes, all activations alive
-    for moment, saved, scratch_per_logit in d.loss_moments:
-        cast_cache = cached if moment == "loss forward" else 0
-        m[moment] = dict(activations=A - lse + t * v * saved, gradients=G_prev + held,
-                         temporaries=t * v * scratch_per_logit + cast_cache + gathered)
-    # the head's backward: logits gradient, gradient of the final norm's output, head grad
-    m["head backward"] = dict(activations=A - lse, gradients=max(G_prev, head_grad) + held,
-                              temporaries=t * v * d.compute + t * h * d.compute + gathered)
-    layer = (layer_activation_bytes(cfg, seq, batch, step.precision, target.name)
-             + d.weight_copy * _linear_weights(cfg)[0])
+    if cfg.loss == "chunked":
+        for moment, cats in chunked_loss_moments(replace(cfg, vocab_size=v), t, step.precision,
+                                                 target.name).items():
+            forward = moment.endswith("forward")
+            m[moment] = dict(activations=A, gradients=G_prev + held + cats.get("gradients", 0),
+                             temporaries=cats["temporaries"] + gathered
+                             + (cached if forward else 0))
+    else:
+        # the loss's forward and backward, one moment per tensor it makes, all activations alive
+        for moment, saved, scratch_per_logit in d.loss_moments:
+            cast_cache = cached if moment == "loss forward" else 0
+            m[moment] = dict(activations=A - lse + t * v * saved, gradients=G_prev + held,
+                             temporaries=t * v * scratch_per_logit + cast_cache + gathered)
+        # the head's backward: logits gradient, gradient of the final norm's output, head grad
+        m["head backward"] = dict(activations=A - lse, gradients=max(G_prev, head_grad) + held,
+                                  temporaries=t * v * d.compute + t * h * d.compute + gathered)
+    layer = (layer_activation_bytes(cfg, seq, batch, step.precision, target.name, tp)
+             + d.weight_copy * _linear_weights(cfg)[0] / tp)
     # one block's backward: the MLP's two hidden-size gradients and the residual gradient
+    f = f / tp
     transient = t * f * d.compute + t * h * d.residual
     if cfg.checkpointing == "full":
         # the block recomputed last (block 0) holds its activations again, with nearly all grads
@@ -246,7 +340,7 @@ def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float],
 
 
 def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
-                  target: str = "cpu", **overrides) -> MemoryReport:
+                  target: str = "cpu", tensor_parallel: int = 1, **overrides) -> MemoryReport:
     """Closed-form peak bytes of one steady-state training step, by category, per rank.
 
     ``batch`` is per rank; ``zero``, ``world_size`` and ``offload`` shard and move the model
@@ -255,26 +349,47 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     model states kept in host memory. ``target`` is the device whose autocast policy,
     kernels and workspaces the formulas follow (``"cpu"`` or ``"cuda"``,
     :mod:`memlab.policy`); a GPU preset budget picks the card's cuBLAS workspace.
+
+    ``tensor_parallel`` (t, dividing ``world_size``): Megatron-style tensor parallelism
+    inside groups of t ranks, data parallelism (and ZeRO) across the ``world_size / t``
+    groups. A rank holds ``1/t`` of the ZeRO-sharded model states (norm weights, replicated,
+    are counted as sharded: a fraction of a percent), its heads' and MLP columns' share of
+    each block's activations, and a vocabulary-parallel loss; without sequence parallelism the
+    residual stream, the norms and the checkpointed block inputs stay whole on every rank
+    (:func:`activation_bytes`).
     """
     tgt = get_target(target, budget)
     step = resolve_step(step, **overrides)
     cfg = step.model_config
+    tp = tensor_parallel
+    if tp != 1:
+        from .parallel.formulas import check_tensor_parallel
+        if not isinstance(cfg, GPTConfig):
+            raise InputError(f"tensor_parallel={tp!r} needs a GPT model, got {cfg.name!r}")
+        check_tensor_parallel(cfg, tp)
+        if step.world_size % tp:
+            raise InputError(f"tensor_parallel={tp} must divide world_size={step.world_size}; "
+                             f"allowed: {', '.join(str(k) for k in range(1, step.world_size + 1) if step.world_size % k == 0)}")
     ms = model_states(cfg, precision=step.precision, optimizer=step.optimizer, zero=step.zero,
-                      world_size=step.world_size, offload=step.offload)
-    states = ms.peak_inputs()
+                      world_size=step.world_size // tp, offload=step.offload)
+    states = {k: x / tp for k, x in ms.peak_inputs().items()}
     # the forward runs in the precision the model is cast to (DeepSpeed: 16 bits, no autocast)
     run = replace(step, precision=ms.compute_precision) if ms.deepspeed else step
     if isinstance(cfg, UNetConfig):
         cats, moment = _unet_peak(run, cfg, states, tgt)
     else:
-        cats, moment = _gpt_peak(run, cfg, states, tgt)
+        cats, moment = _gpt_peak(run, cfg, states, tgt, tp)
     cats = {c: int(round(v)) for c, v in cats.items()}
-    host = {c: int(round(ms.host.get(c, 0.0))) for c in CATEGORIES}
+    host = {c: int(round(ms.host.get(c, 0.0) / tp)) for c in CATEGORIES}
     report = MemoryReport("estimate", step, f"formula ({tgt.name})", sum(cats.values()), cats,
                           resolve_budget(budget), None, host_bytes=sum(host.values()),
                           host_by_category=host)
     report.notes.append(f"peak moment: {moment}")
     report.notes.extend(ms.notes)
+    if tp > 1:
+        report.notes.append(f"tensor parallel t={tp} (Megatron layout, no sequence parallelism: "
+                            f"block inputs and norms whole on every rank) x data parallel "
+                            f"{step.world_size // tp}")
     if report.host_bytes:
         report.notes.append("host_bytes: the model states in host memory (pinned buffers at the "
                             "CUDA host allocator's power-of-two sizes); the CPU optimizer's "

@@ -24,6 +24,9 @@ import matplotlib.pyplot as plt
 from IPython.display import clear_output, display
 
 from .advisor import advise
+from .chunked_loss import loss_spike_bytes
+from .estimate import estimate_step
+from .states import model_states
 from .compression import VARIANTS, compare
 from .diffusion import unet_module_key
 from .errors import HostMemoryError, InputError
@@ -209,7 +212,7 @@ class AdvisorPanel(Panel):
         self.gpu = W.Dropdown(options=list(GPU_PRESETS), value=gpu, description="GPU")
         self.world_size = W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64], value=world_size,
                                             description="ranks", continuous_update=False)
-        self.seq = W.SelectionSlider(options=[256, 512, 1024, 2048, 4096], value=seq,
+        self.seq = W.SelectionSlider(options=[256, 512, 1024, 2048, 4096, 8192], value=seq,
                                      description="seq", continuous_update=False)
         self.batch = W.SelectionSlider(options=[1, 2, 4, 8, 16, 32], value=batch,
                                        description="batch", continuous_update=False)
@@ -234,6 +237,61 @@ class AdvisorPanel(Panel):
         self.status.value = a.message
         fig, ax = plt.subplots(figsize=(8, 3.4))
         plot_advice(a, ax)
+        fig.tight_layout()
+        self.show(fig)
+        return self.data
+
+
+class LossSpikePanel(Panel):
+    """Vocabulary and sequence sliders and a target drop-down over a GPT step: the panel
+    estimates the step with the plain loss and with the chunked one
+    (:func:`memlab.estimate.estimate_step`, instant at any size) and draws both peaks by
+    category. ``data`` holds the two peaks, their peak moments, the saving and the logits
+    spike the plain loss holds (:func:`memlab.chunked_loss.loss_spike_bytes`)."""
+
+    def __init__(self, step: StepConfig,
+                 vocabs: Sequence[int] = (32000, 64000, 128256, 152064, 256000),
+                 seqs: Sequence[int] = (1024, 2048, 4096, 8192, 16384, 32768),
+                 *, target: str = "cpu", draw: bool = True):
+        self.step, self.data = step, None
+        cfg = step.model_config
+        self.vocab = W.SelectionSlider(options=list(vocabs), value=_pick(vocabs, cfg.vocab_size),
+                                       description="vocab", continuous_update=False)
+        self.seq = W.SelectionSlider(options=list(seqs), value=_pick(seqs, step.seq),
+                                     description="seq", continuous_update=False)
+        self.target = W.Dropdown(options=["cpu", "cuda"], value=target, description="target")
+        self.status = W.HTML()
+        self.output = W.Output()
+        for w in (self.vocab, self.seq, self.target):
+            w.observe(lambda change: self.refresh(), names="value")
+        self.box = W.VBox([W.HBox([self.vocab, self.seq, self.target]), self.status, self.output])
+        if draw:
+            self.refresh()
+
+    def refresh(self) -> dict:
+        vocab, seq, target = self.vocab.value, self.seq.value, self.target.value
+        cfg = self.step.model_config
+        reports = {}
+        for loss in ("plain", "chunked"):
+            model = replace(cfg, vocab_size=vocab, block_size=max(cfg.block_size, seq), loss=loss)
+            reports[loss] = estimate_step(replace(self.step, model=model, seq=seq), target=target)
+        plain, chunked = reports["plain"], reports["chunked"]
+        s = self.step  # the loss runs in the forward's precision (16 bits under DeepSpeed)
+        run = model_states(cfg, precision=s.precision, optimizer=s.optimizer, zero=s.zero,
+                           world_size=s.world_size, offload=s.offload).compute_precision
+        spike = loss_spike_bytes(seq * s.batch, vocab, run)
+        self.data = {"vocab": vocab, "seq": seq, "target": target,
+                     "plain_peak": plain.peak_bytes, "chunked_peak": chunked.peak_bytes,
+                     "saving": plain.peak_bytes - chunked.peak_bytes, "spike_bytes": spike,
+                     "plain_moment": plain.notes[0].removeprefix("peak moment: "),
+                     "chunked_moment": chunked.notes[0].removeprefix("peak moment: ")}
+        self.status.value = (f"plain {plain.peak_bytes / 2**30:.2f} GiB at {self.data['plain_moment']}; "
+                             f"chunked {chunked.peak_bytes / 2**30:.2f} GiB at "
+                             f"{self.data['chunked_moment']}; logits + log-softmax "
+                             f"{spike / 2**30:.2f} GiB")
+        fig, ax = plt.subplots(figsize=(6.5, 3.2))
+        plot_lenses(reports, ax, title=f"{cfg.name}: vocab {vocab}, {seq} tokens x {self.step.batch} "
+                                       f"({target})")
         fig.tight_layout()
         self.show(fig)
         return self.data

@@ -163,25 +163,10 @@ def test_deepspeed_config_is_validated():
         measure_offload(StepConfig(**SMALL), cases=[(2, "none")], cpu_adam=True)
 
 
-def _torchrun(*args: str, timeout: float = 180) -> str:
-    """``torchrun --standalone --nproc-per-node 2 -m ARGS`` (gloo on CPU); its stdout."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "-m", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=repo)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
-def test_zero_worker_runs_as_a_script_under_torchrun():
+def test_zero_worker_runs_as_a_script_under_torchrun(torchrun):
     import json
     from memlab.models import get_config
-    out = _torchrun("memlab.zero_worker", "--zero", "2", "--seq", "32", "--batch", "2")
+    out = torchrun("memlab.zero_worker", "--zero", "2", "--seq", "32", "--batch", "2")
     ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")),
                    key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1] and {r["world_size"] for r in ranks} == {2}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import memlab as ml
-from memlab.parallel import (tp_attention_forward, bubble_fraction, in_flight,
+from memlab.parallel import (tp_attention_forward, bubble_fraction, check_tensor_parallel, in_flight,
                              measure_pipeline, measure_tensor_parallel, qkv_head_permutation,
                              simulate_tensor_parallel, stage_bounds, tp_activation_bytes)
 from memlab.tracking import MemoryTracker
@@ -104,31 +104,108 @@ def test_pipeline_loss_and_1f1b_holds_fewer_micro_batches():
     assert res.report("1f1b", 4).per_rank[0].peak_bytes == runs["1f1b"]["peak_bytes"]
 
 
-def _torchrun(*args: str, timeout: float = 180) -> str:
-    """``torchrun --standalone --nproc-per-node 2 -m ARGS`` (gloo on CPU); its stdout."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "-m", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=repo)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
 @pytest.mark.distributed
-def test_parallel_module_runs_under_torchrun():
+def test_parallel_module_runs_under_torchrun(torchrun):
     """The lesson's worker as a script: torchrun starts the ranks, rank 0 prints them all.
     (tp and pp share this entry point; pp also checks the loss against one process.)"""
     import json
-    pp = json.loads(_torchrun("memlab.parallel", "pp", "--seq", "32", "--batch", "4",
+    pp = json.loads(torchrun("memlab.parallel", "pp", "--seq", "32", "--batch", "4",
                               "--micro-batches", "2", "--schedule", "gpipe"))
     first, last = pp
     n_layer = ml.get_config("tiny").n_layer
     assert [first["blocks"], last["blocks"]] == [[0, n_layer // 2], [n_layer // 2, n_layer]]
     assert last["loss"] == pytest.approx(last["ref_loss"], abs=1e-5)
     assert [(r["schedule"], r["m"]) for r in first["runs"]] == [("gpipe", 2)]
+
+
+# --------------------------------------------------------------------------------------
+# Grouped-query attention and SwiGLU under tensor parallelism
+# --------------------------------------------------------------------------------------
+def _llama_like(kv: int | None, **over) -> ml.GPTConfig:
+    """A tiny LLaMA-style block (SwiGLU, RMSNorm, rotary, no biases, untied head)."""
+    shape = dict(n_layer=2, d_model=64, n_head=4, n_kv_head=kv, vocab_size=300, block_size=64,
+                 mlp="swiglu", mlp_hidden=96, norm="rmsnorm", position="rope", bias=False,
+                 tie_embeddings=False, name=f"tiny-gqa{kv}")
+    return ml.GPTConfig(**{**shape, **over})
+
+
+def test_kv_heads_split_or_replicated_as_megatron_core():
+    assert check_tensor_parallel(_llama_like(2), 2) == "split"        # 2 kv heads, 1 per rank
+    assert check_tensor_parallel(_llama_like(2), 4) == "replicated"   # 2 ranks share each
+    assert check_tensor_parallel(_llama_like(1), 4) == "replicated"   # MQA
+    assert check_tensor_parallel(_llama_like(None), 4) == "split"     # MHA, as before
+    cfg = _llama_like(None, n_head=6, n_kv_head=3, d_model=96)
+    with pytest.raises(ValueError, match="allowed: 1, 3"):  # 2 divides neither 3 nor n_head/3
+        check_tensor_parallel(cfg, 2)
+    with pytest.raises(ValueError, match="must divide n_head=4"):
+        qkv_head_permutation(_llama_like(2), 8)
+
+
+@pytest.mark.parametrize("kv, t", [(2, 2), (2, 4), (1, 4)])
+def test_gqa_permutation_gives_each_rank_whole_groups(kv, t):
+    """Rows of chunk r after the permutation: split -> rank r's query heads and the kv heads
+    they read; replicated -> a slice of one group block [q heads of g | k_g | v_g]."""
+    cfg = _llama_like(kv)
+    h, hd = cfg.n_head, cfg.head_dim
+    perm = qkv_head_permutation(cfg, t)
+    assert sorted(perm.tolist()) == list(range((h + 2 * kv) * hd))
+    head = lambda row: ("q", row // hd) if row < h * hd else \
+        ("k", (row - h * hd) // hd) if row < (h + kv) * hd else ("v", (row - (h + kv) * hd) // hd)
+    chunks = perm.view(t, -1)
+    if kv % t == 0:
+        for r, rows in enumerate(chunks):
+            qs = {head(x)[1] for x in rows.tolist() if head(x)[0] == "q"}
+            ks = {head(x)[1] for x in rows.tolist() if head(x)[0] == "k"}
+            assert qs == set(range(r * h // t, (r + 1) * h // t))
+            assert ks == {q // (h // kv) for q in qs}  # exactly the kv heads those q read
+    else:
+        groups = perm.view(kv, -1)
+        for g, rows in enumerate(groups):
+            kinds = [head(x) for x in rows.tolist()]
+            assert {i for k, i in kinds if k == "q"} == set(range(g * h // kv, (g + 1) * h // kv))
+            assert {i for k, i in kinds if k in "kv"} == {g}
+
+
+@pytest.mark.parametrize("over", [dict(), dict(position="learned"), dict(attention="naive"),
+                                  dict(gqa="native"), dict(mlp="gelu", mlp_hidden=None,
+                                                          norm="layernorm")])
+@pytest.mark.parametrize("kv", [None, 2, 1])
+def test_activation_formula_at_t1_matches_one_process_gqa(kv, over):
+    if over.get("gqa") == "native" and kv is None:
+        pytest.skip("native GQA needs fewer kv heads than query heads")
+    cfg = _llama_like(kv, **over)
+    torch.manual_seed(0)
+    model = ml.GPT(cfg)
+    x = torch.randn(2, 32, cfg.d_model, requires_grad=True)
+    with MemoryTracker() as mt:
+        mt.track_model(model)
+        before = mt.live_bytes
+        for block in model.blocks:
+            x = block(x)
+        per_layer = (mt.live_bytes - before) / cfg.n_layer
+    assert per_layer == tp_activation_bytes(cfg, 32, 2, 1)["total"]
+
+
+@pytest.mark.parametrize("kv, t, attention", [(2, 2, "sdpa"), (2, 4, "sdpa"), (1, 4, "naive"),
+                                              (1, 2, "sdpa")])
+def test_gqa_tensor_parallel_simulated_per_rank(kv, t, attention):
+    """Fake process group: every weight of a block is split (none held twice, also with
+    replicated kv heads), and each layer keeps what the formula counts."""
+    cfg = _llama_like(kv, n_head=8, attention=attention)
+    sim = simulate_tensor_parallel(ml.StepConfig(model=cfg, seq=32, batch=2), tp=t)
+    d, f, hd, L = cfg.d_model, cfg.hidden, cfg.head_dim, cfg.n_layer
+    weights = (cfg.n_head + 2 * kv) * hd * d + d * d + 3 * d * f  # qkv, proj, fc, gate, out
+    assert sim["block_param_bytes"] == 4 * L * (weights / t + 2 * d)  # + the two RMSNorms
+    assert sim["layer_activation"] == tp_activation_bytes(cfg, 32, 2, t)["total"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kv", [2, 1])
+def test_gqa_swiglu_tensor_parallel_matches_one_process(kv):
+    """Two gloo ranks: kv heads split (kv=2) or replicated through the all-gather (MQA)."""
+    res = measure_tensor_parallel(ml.StepConfig(model=_llama_like(kv), seq=32, batch=2), tp=2,
+                                  timeout=300)
+    for r in res.per_rank:
+        assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
+        assert r["max_grad_diff"] < 1e-5
+        assert r["layer_activation"] == r["formula"]["total"]

@@ -152,4 +152,21 @@ def test_pipeline_panel_redraws_when_controls_change():
     panel.m.value = 1
     assert panel.data["schedule"] == "gpipe"  # 1F1B needs m >= p: below that it is GPipe
     assert 0 <= panel.data["bubble"] < 1
+
+
+def test_loss_spike_panel_follows_vocabulary_and_sequence():
+    """Plain minus chunked loss, estimated: zero while a block's recomputation is the peak,
+    then at least the logits and log-softmax the plain loss holds (t x V x 4 bytes in the
+    16-bit forward of a DeepSpeed step), growing with the vocabulary."""
+    from memlab.widgets import LossSpikePanel
+    step = StepConfig(model="llama-3-8b", seq=8192, batch=1, precision="bf16",
+                      checkpointing="full", zero=2, offload="optimizer")
+    panel = LossSpikePanel(step)
+    big = panel.data
+    assert big["vocab"] == 128256 and big["spike_bytes"] == 8192 * 128256 * 4
+    assert big["plain_moment"] == "log-softmax backward" and big["saving"] > 0
+    panel.vocab.value = 256000
+    assert panel.data["saving"] >= panel.data["spike_bytes"] * 0.9 > big["saving"]
+    panel.vocab.value = 32000
+    assert panel.data["saving"] == 0 and panel.data["plain_moment"] == panel.data["chunked_moment"]
     plt.close("all")

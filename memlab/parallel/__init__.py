@@ -5,7 +5,9 @@ matrix of a transformer block across ``t`` ranks: the first Linear of attention 
 of the MLP (``fc``) column-wise, the second (``proj``, ``out``) row-wise, so each pair needs
 one all-reduce in forward and one in backward. Each rank keeps ``1/t`` of the block weights
 and of the activations inside attention and the MLP; LayerNorms, embeddings and the inputs
-of the two sublayers stay replicated (Korthikanti et al. 2022, section 4.2.1).
+of the two sublayers stay replicated (Korthikanti et al. 2022, section 4.2.1). Grouped-query
+models split their key/value heads across ranks, or replicate them when there are fewer
+key/value heads than ranks (:mod:`memlab.parallel.tensor`).
 
 Pipeline parallelism (PP, Huang et al. 2019 "GPipe"; Narayanan et al. 2021 section 2.2)
 gives each of ``p`` ranks a contiguous slice of the blocks and streams ``m`` micro-batches
@@ -19,15 +21,16 @@ the same worker under ``torchrun`` (:mod:`memlab.parallel.__main__`). Figures an
 lesson's panel live in :mod:`memlab.ui`.
 """
 from .common import ParallelResult, default_backend, rank_device, worker_step
-from .formulas import SCHEDULES, bubble_fraction, pipeline_schedule, tp_activation_bytes
+from .formulas import (SCHEDULES, bubble_fraction, check_tensor_parallel, pipeline_schedule,
+                       tp_activation_bytes)
 from .pipeline import (PipelineStageModule, in_flight, measure_pipeline, pipeline_bubble,
                        pipeline_run, pp_worker, stage_bounds)
 from .tensor import (apply_tensor_parallel, measure_tensor_parallel, qkv_head_permutation,
                      simulate_tensor_parallel, tp_attention_forward, tp_worker)
 
 __all__ = ["ParallelResult", "SCHEDULES", "PipelineStageModule", "apply_tensor_parallel",
-           "bubble_fraction", "default_backend", "in_flight", "measure_pipeline",
-           "measure_tensor_parallel", "pipeline_bubble", "pipeline_run", "pipeline_schedule",
-           "pp_worker",
+           "bubble_fraction", "check_tensor_parallel", "default_backend", "in_flight",
+           "measure_pipeline", "measure_tensor_parallel", "pipeline_bubble", "pipeline_run",
+           "pipeline_schedule", "pp_worker",
            "qkv_head_permutation", "rank_device", "simulate_tensor_parallel", "stage_bounds",
            "tp_activation_bytes", "tp_attention_forward", "tp_worker", "worker_step"]

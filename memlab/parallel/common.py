@@ -9,6 +9,7 @@ import torch
 
 from ..errors import InputError
 from ..hardware import place_ranks, rank_device
+from ..models import GPTConfig
 from ..step import MemoryReport, StepConfig
 
 
@@ -23,10 +24,10 @@ def local_bytes(p: torch.Tensor) -> int:
     return q.numel() * q.element_size()
 
 
-def worker_step(model: str, seq: int, batch: int, attention: str, tie: bool | None = None,
-                 micro_batches: int = 1) -> StepConfig:
-    """The step a worker builds from its plain keyword arguments (``tie`` overrides the
-    model's weight tying)."""
+def worker_step(model: str | GPTConfig, seq: int, batch: int, attention: str,
+                tie: bool | None = None, micro_batches: int = 1) -> StepConfig:
+    """The step a worker builds from its plain keyword arguments (``model``: a preset name
+    or a config; ``tie`` overrides the model's weight tying)."""
     step = StepConfig(model=model, seq=seq, batch=batch, attention=attention,
                       micro_batches=micro_batches)
     if tie is not None and step.model_config.tie_embeddings != tie:

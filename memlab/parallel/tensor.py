@@ -1,8 +1,21 @@
 """Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM", section 3), measured per rank.
 
 Every weight matrix of a transformer block is split across ``t`` ranks: the first Linear of
-attention (``qkv``) and of the MLP (``fc``) column-wise, the second (``proj``, ``out``)
-row-wise, so each pair needs one all-reduce in forward and one in backward.
+attention (``qkv``) and of the MLP (``fc``, and SwiGLU's ``gate``) column-wise, the second
+(``proj``, ``out``) row-wise, so each pair needs one all-reduce in forward and one in backward.
+
+Grouped-query attention (``n_kv_head < n_head``) is split by key/value groups, as
+Megatron-Core does (``megatron/core/transformer/attention.py``, ``SelfAttention``):
+
+* ``n_kv_head`` a multiple of ``t``: each rank holds ``n_head / t`` query heads and the
+  ``n_kv_head / t`` key/value heads they read; attention needs no communication.
+* ``t`` a multiple of ``n_kv_head`` (``t > n_kv_head``, MQA included): the ``qkv`` weight is
+  still split evenly (no rank holds a weight twice), the projection's output is all-gathered,
+  and each rank takes its group's key/value head - *replicated* on the ``t / n_kv_head`` ranks
+  that share it - and its ``n_head / t`` query heads. The all-gather's backward is a
+  reduce-scatter, which sums the key/value gradients of the ranks sharing a head.
+
+Any other ``t`` is refused (:func:`check_tensor_parallel`), as Megatron-Core's ``divide`` does.
 """
 from __future__ import annotations
 
@@ -11,6 +24,7 @@ import types
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import InputError
 from ..models import GPT, GPTConfig
@@ -19,60 +33,104 @@ from ..tracking import MemoryTracker
 from ..hardware import Placement
 from .common import (ParallelResult, is_sharded, local_bytes, rank_device, set_rank_threads,
                      worker_step)
-from .formulas import tp_activation_bytes
+from .formulas import check_tensor_parallel, tp_activation_bytes
 
 
 def qkv_head_permutation(cfg: GPTConfig, t: int) -> torch.Tensor:
-    """Row order of the fused ``qkv`` weight that gives each rank whole heads.
+    """Row order of the fused ``qkv`` weight that a column-wise split in ``t`` equal chunks
+    turns into whole attention heads (:func:`check_tensor_parallel` says which layout).
 
-    ``qkv`` rows are ``[q (all heads) | k | v]``; a column-wise split in ``t`` contiguous
-    chunks would hand rank 0 all of q and part of k. Reordered to
-    ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (``q_r``: the rows of rank ``r``'s heads), chunk
-    ``r`` holds q, k and v of the same ``n_head / t`` heads, and attention needs no
-    communication.
+    ``qkv`` rows are ``[q (n_head heads) | k (n_kv_head) | v (n_kv_head)]``, ``head_dim``
+    rows per head; a split of that order would hand rank 0 all of q and none of k.
+
+    * ``"split"``: ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``, where ``q_r`` are rank ``r``'s
+      ``n_head / t`` query heads and ``k_r``, ``v_r`` the ``n_kv_head / t`` key/value heads
+      they read: chunk ``r`` is everything rank ``r`` needs.
+    * ``"replicated"``: one block per key/value group, ``[q heads of group g | k_g | v_g]``
+      (Megatron-Core's interleaved layout); a chunk is part of a group, so ranks all-gather
+      the projection's output and pick their group from it (:func:`tp_attention_forward`).
     """
-    if cfg.n_head % t or cfg.hidden % t:
-        raise InputError(f"tensor-parallel degree t={t} must divide n_head={cfg.n_head} and "
-                         f"the MLP width {cfg.hidden}")
-    d, hd, per = cfg.d_model, cfg.head_dim, cfg.n_head // t
-    rows = torch.arange(3 * d).view(3, cfg.n_head, hd)  # (q/k/v, head, row in head)
-    return torch.cat([rows[:, r * per:(r + 1) * per].reshape(-1) for r in range(t)])
+    layout = check_tensor_parallel(cfg, t)
+    h, kv, hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
+    q = torch.arange(h * hd).view(h, hd)
+    k = h * hd + torch.arange(kv * hd).view(kv, hd)
+    v = (h + kv) * hd + torch.arange(kv * hd).view(kv, hd)
+    if layout == "split":
+        qs, ks = h // t, kv // t
+        blocks = [(q[r * qs:(r + 1) * qs], k[r * ks:(r + 1) * ks], v[r * ks:(r + 1) * ks])
+                  for r in range(t)]
+    else:
+        g = h // kv
+        blocks = [(q[j * g:(j + 1) * g], k[j:j + 1], v[j:j + 1]) for j in range(kv)]
+    return torch.cat([torch.cat([b.reshape(-1) for b in blk]) for blk in blocks])
+
+
+def _gather_last_dim(local: torch.Tensor, mesh) -> torch.Tensor:
+    """All-gather ``local`` along its last dimension over ``mesh``; backward reduce-scatters
+    (every rank used a different slice of the result, so its gradient is a partial sum)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    dim = local.dim() - 1
+    whole = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
+    return whole.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
 
 
 def tp_attention_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """The attention forward on one TP rank: ``qkv`` yields this rank's heads only."""
+    """The attention forward on one TP rank: its query heads and the key/value heads they
+    read (see :func:`qkv_head_permutation`), then its slice of ``proj`` (row-wise: the
+    all-reduce happens inside). ``self.tp_mesh`` is set by :func:`apply_tensor_parallel`;
+    without it the layer holds the ``"split"`` layout's rows of one rank."""
     b, s, _ = x.shape
-    hd = self.cfg.head_dim
-    q, k, v = self.qkv(x).chunk(3, dim=-1)  # [q_r | k_r | v_r], see qkv_head_permutation
-    h = q.shape[-1] // hd
-    q, k, v = (z.view(b, s, h, hd).transpose(1, 2) for z in (q, k, v))
-    if self.cfg.position == "rope":
+    cfg = self.cfg
+    hd, groups = cfg.head_dim, cfg.n_head // cfg.kv_heads
+    mesh = getattr(self, "tp_mesh", None)
+    qkv = self.qkv(x)
+    if mesh is not None and check_tensor_parallel(cfg, mesh.size()) == "replicated":
+        t, rank = mesh.size(), mesh.get_local_rank()
+        ranks_per_group = t // cfg.kv_heads
+        width = (groups + 2) * hd
+        group = _gather_last_dim(qkv, mesh)[..., (rank // ranks_per_group) * width:
+                                            (rank // ranks_per_group + 1) * width]
+        q, k, v = group.split([groups * hd, hd, hd], dim=-1)
+        heads = cfg.n_head // t
+        q = q[..., (rank % ranks_per_group) * heads * hd:(rank % ranks_per_group + 1) * heads * hd]
+        kv_heads = 1
+    else:
+        kv_heads = qkv.shape[-1] // ((groups + 2) * hd)
+        heads = groups * kv_heads
+        q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    q = q.reshape(b, s, heads, hd).transpose(1, 2)
+    k, v = (z.reshape(b, s, kv_heads, hd).transpose(1, 2) for z in (k, v))
+    if cfg.position == "rope":
         cos, sin = self.cos[:s].to(q.dtype), self.sin[:s].to(q.dtype)
         q = q * cos + torch.cat((-q[..., hd // 2:], q[..., :hd // 2]), -1) * sin
         k = k * cos + torch.cat((-k[..., hd // 2:], k[..., :hd // 2]), -1) * sin
-    y = self.core(q, k, v)
-    return self.proj(y.transpose(1, 2).reshape(b, s, h * hd))  # row-wise: all-reduce inside
+    if cfg.checkpointing == "selective":
+        y = checkpoint(self.core, q, k, v, use_reentrant=False)
+    else:
+        y = self.core(q, k, v)
+    return self.proj(y.transpose(1, 2).reshape(b, s, heads * hd))
 
 
 def apply_tensor_parallel(model: GPT, mesh) -> GPT:
-    """Shard every block of ``model`` in place over the 1-D ``mesh`` (Megatron layout)."""
+    """Shard every block of ``model`` in place over the 1-D ``mesh`` (Megatron layout):
+    ``qkv``, ``fc`` and SwiGLU's ``gate`` column-wise, ``proj`` and ``out`` row-wise."""
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
     cfg, t = model.cfg, mesh.size()
-    if cfg.mlp != "gelu":
-        raise InputError("tensor parallelism here covers the gelu MLP (fc, out); got swiglu")
     perm = qkv_head_permutation(cfg, t)
+    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+            "mlp.fc": ColwiseParallel(), "mlp.out": RowwiseParallel()}
+    if cfg.mlp == "swiglu":
+        plan["mlp.gate"] = ColwiseParallel()
     for block in model.blocks:
         with torch.no_grad():
             qkv = block.attn.qkv
             qkv.weight.copy_(qkv.weight[perm])
             if qkv.bias is not None:
                 qkv.bias.copy_(qkv.bias[perm])
+        block.attn.tp_mesh = mesh
         block.attn.forward = types.MethodType(tp_attention_forward, block.attn)
-        parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(),
-                                         "attn.proj": RowwiseParallel(),
-                                         "mlp.fc": ColwiseParallel(),
-                                         "mlp.out": RowwiseParallel()})
+        parallelize_module(block, mesh, plan)
     return model
 
 
@@ -125,10 +183,11 @@ def tp_tracked_step(tp: GPT, opt: torch.optim.Optimizer, idx: torch.Tensor,
     return out
 
 
-def tp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256,
+def tp_worker(rank: int, world_size: int, *, model: str | GPTConfig = "tiny", seq: int = 256,
               batch: int = 8, attention: str = "sdpa", check: bool = True) -> dict:
     """One TP rank: loss and gradients against the single-process model, then a tracked
-    AdamW step with the activations each block keeps. Returns plain numbers."""
+    AdamW step with the activations each block keeps. ``model``: a preset name or a
+    :class:`~memlab.models.GPTConfig`. Returns plain numbers."""
     from torch.distributed.device_mesh import init_device_mesh
     set_rank_threads(world_size)
     dev = rank_device()
@@ -181,7 +240,7 @@ def simulate_tensor_parallel(step: StepConfig | None = None, tp: int = 2) -> dic
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig):
         raise InputError("tensor parallelism needs a GPT model")
-    qkv_head_permutation(cfg, tp)  # validates tp against the heads and the MLP width
+    check_tensor_parallel(cfg, tp)
     if dist.is_initialized():
         raise RuntimeError("a process group already exists in this process; the simulation "
                            "needs its own fake one (run it outside a distributed job)")
@@ -214,11 +273,11 @@ def measure_tensor_parallel(step: StepConfig | None = None, tp: int = 2, *, chec
     from ..distributed import resolve_placement, run_ranks
     step = step or StepConfig()
     cfg = step.model_config
-    if not isinstance(cfg, GPTConfig) or not isinstance(step.model, str):
-        raise InputError("tensor parallelism needs a GPT preset name as the model")
-    attention = cfg.attention
+    if not isinstance(cfg, GPTConfig):
+        raise InputError(f"tensor parallelism needs a GPT model, got {getattr(cfg, 'name', cfg)!r}")
+    check_tensor_parallel(cfg, tp)  # before any rank starts
     placement = resolve_placement(tp, backend=backend, placement=placement)
     res = run_ranks(tp_worker, tp, timeout=timeout, placement=placement,
                     kwargs=dict(model=step.model, seq=step.seq, batch=step.batch,
-                                attention=attention, check=check))
+                                attention=cfg.attention, check=check))
     return ParallelResult("tensor parallel", step, res, placement.device_type)
