@@ -49,6 +49,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .errors import InputError
+
 __all__ = ["linear_cross_entropy", "plain_linear_cross_entropy", "loss_spike_bytes",
            "GradientCheck", "check_linear_cross_entropy"]
 
@@ -139,12 +141,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     as in ``F.cross_entropy``.
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        raise InputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be "
+        raise InputError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be "
                          f"(tokens, d) and (vocab, d) with the same d")
     if target.shape != hidden.shape[:1] or target.is_floating_point():
-        raise ValueError(f"target {tuple(target.shape)} ({target.dtype}) must hold one class "
+        raise InputError(f"target {tuple(target.shape)} ({target.dtype}) must hold one class "
                          f"index per token: shape ({hidden.shape[0]},), an integer dtype")
     return _LinearCrossEntropy.apply(hidden, weight, target, chunk_size, ignore_index,
                                      _compute_dtype(hidden))
@@ -164,7 +166,7 @@ def loss_spike_bytes(tokens: int, vocab: int, precision: str = "fp32") -> int:
     A lower bound of what chunking saves at a peak inside the loss."""
     sizes = {"fp32": (4, 4), "bf16": (2, 4), "fp16": (2, 4), "pure-bf16": (2, 2)}
     if precision not in sizes:
-        raise ValueError(f"precision={precision!r}; allowed: {', '.join(sizes)}")
+        raise InputError(f"precision={precision!r}; allowed: {', '.join(sizes)}")
     logits, log_softmax = sizes[precision]
     return tokens * vocab * (logits + log_softmax)
 
@@ -210,7 +212,7 @@ def check_linear_cross_entropy(fn: Callable[[torch.Tensor, torch.Tensor, torch.T
     a few of those).
     """
     if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision={precision!r}; allowed: fp32, bf16")
+        raise InputError(f"precision={precision!r}; allowed: fp32, bf16")
     tol = tolerance if tolerance is not None else (1e-5 if precision == "fp32" else 2e-2)
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(tokens, d_model, generator=g)

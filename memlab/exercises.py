@@ -36,6 +36,7 @@ from .models import GPT, get_config
 from .step import StepConfig, make_batch
 from .techniques import relative_error
 from .tracking import CATEGORIES, MemoryTracker
+from .errors import InputError
 
 MiB = 2**20
 BUCKET_LIMIT = 2**24  # elements; DeepSpeed's defaults (5e8) make GiB-sized buckets
@@ -104,7 +105,7 @@ def check_oom_fix(fixed: StepConfig, original: StepConfig, budget: int | str, *,
     same sequence length and now fits ``budget``, measured."""
     name = "fix the OOM"
     if resolve_budget(budget) is None:
-        raise ValueError("check_oom_fix needs the lesson's budget, e.g. '120MiB' or 'T4-16GB'")
+        raise InputError("check_oom_fix needs the lesson's budget, e.g. '120MiB' or 'T4-16GB'")
     if not isinstance(fixed, StepConfig):
         _fail(name, f"expected a StepConfig such as replace(STEP, checkpointing='full'), got "
                     f"{type(fixed).__name__}")
@@ -354,7 +355,7 @@ def check_accumulation(accumulate: Callable, *, k: int = 4, seq: int = 32,
     """
     name = "gradient accumulation"
     if batch % k:
-        raise ValueError(f"batch {batch} is not divisible by k={k}; choose a divisor")
+        raise InputError(f"batch {batch} is not divisible by k={k}; choose a divisor")
     step = StepConfig(model="tiny", seq=seq, batch=batch)
     data = [make_batch(step, seed=s) for s in (0, 1)]
     ref_model = _tiny()
@@ -417,7 +418,7 @@ def fake_ranks(world_size: int = 2):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        raise InputError(f"world_size must be a positive integer, got {world_size!r}")
     if dist.is_initialized():
         raise RuntimeError("a process group already exists in this process; fake_ranks needs its own")
     set_cache_env()  # DS_ACCELERATOR=cpu without a GPU (read when deepspeed is imported)
@@ -556,10 +557,10 @@ def _check_deepspeed(name: str, config: dict, make_engine: Callable, *, stage: i
                      micro_batch: int, accumulation: int, offload: bool) -> CheckResult:
     from deepspeed.runtime.config import DeepSpeedConfig
     if stage not in (1, 2, 3):
-        raise ValueError(f"stage={stage!r}; allowed: 1, 2, 3 (the ZeRO stages that shard)")
+        raise InputError(f"stage={stage!r}; allowed: 1, 2, 3 (the ZeRO stages that shard)")
     for arg, value in (("ranks", ranks), ("micro_batch", micro_batch), ("accumulation", accumulation)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{arg} must be a positive integer, got {value!r}")
+            raise InputError(f"{arg} must be a positive integer, got {value!r}")
     if not isinstance(config, dict):
         _fail(name, f"the config is a dict (DeepSpeed also reads a JSON file), got {type(config).__name__}")
     problem = _config_errors(config, stage=stage, ranks=ranks, micro_batch=micro_batch,
@@ -639,7 +640,7 @@ def check_tensor_parallel(make_shards: Callable, tp_forward: Callable, *, t: int
     name = "tensor-parallel MLP"
     cfg = get_config("tiny")
     if cfg.hidden % t:
-        raise ValueError(f"t={t} must divide the MLP width {cfg.hidden}")
+        raise InputError(f"t={t} must divide the MLP width {cfg.hidden}")
     mlp = _tiny().blocks[0].mlp
     fc, out = mlp.fc, mlp.out
     g = torch.Generator().manual_seed(0)

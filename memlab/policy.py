@@ -73,6 +73,7 @@ from torch.utils._pytree import tree_map_only
 
 from .states import PLAIN
 from .tracking import DeviceAccounting
+from .errors import InputError
 
 TARGETS = ("cuda", "cpu")
 
@@ -283,7 +284,7 @@ def precision_bytes(precision: str) -> tuple[int, int, int | None]:
     off (fp32, pure-bf16), and matmuls compute in it when on."""
     autocast = {"fp32": None, "bf16": 2, "fp16": 2, "pure-bf16": None}
     if precision not in autocast:
-        raise ValueError(f"precision={precision!r}; allowed: {', '.join(autocast)}")
+        raise InputError(f"precision={precision!r}; allowed: {', '.join(autocast)}")
     param = PLAIN[precision][0]
     return param, autocast[precision] or param, autocast[precision]
 
@@ -425,7 +426,7 @@ def get_target(name: str = "cuda", budget: int | str | None = None) -> Target:
     (``"T4-16GB"``) sets the compute capability that sizes the cuBLAS workspace; otherwise
     the reference H200's (sm90)."""
     if name not in TARGETS:
-        raise ValueError(f"target={name!r}; allowed: {', '.join(TARGETS)}")
+        raise InputError(f"target={name!r}; allowed: {', '.join(TARGETS)}")
     if name == "cpu":
         return Target("cpu", CPU_AUTOCAST)
     cap = PRESET_CAPABILITY.get(budget, DEFAULT_CAPABILITY) if isinstance(budget, str) else DEFAULT_CAPABILITY

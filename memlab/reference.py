@@ -14,6 +14,7 @@ from importlib import resources
 
 from .step import StepConfig
 from .models import GPTConfig, UNetConfig, get_config
+from .errors import InputError
 
 REFERENCE_FILES = ("devset.json", "gpu_check.json")
 
@@ -56,7 +57,7 @@ def _model_from(d: dict) -> GPTConfig | UNetConfig:
     allowed = {f.name for f in fields(cls)}
     unknown = set(mc) - allowed
     if unknown:
-        raise ValueError(f"model_config has unknown field(s) {sorted(unknown)}; "
+        raise InputError(f"model_config has unknown field(s) {sorted(unknown)}; "
                          f"allowed for {cls.__name__}: {sorted(allowed)}")
     kw = dict(mc)
     if "mults" in kw:
@@ -73,7 +74,7 @@ def step_from_description(d: dict) -> StepConfig:
     equals ``s`` up to the preset name being replaced by its config.
     """
     if "model" not in d or "seq" not in d or "batch" not in d:
-        raise ValueError(f"a step description needs 'model', 'seq' and 'batch'; got keys {sorted(d)}")
+        raise InputError(f"a step description needs 'model', 'seq' and 'batch'; got keys {sorted(d)}")
     model = _model_from(d)
     kw = {k: d[k] for k in ("precision", "optimizer", "micro_batches", "zero", "world_size",
                             "offload") if d.get(k) is not None}
@@ -81,7 +82,7 @@ def step_from_description(d: dict) -> StepConfig:
                       checkpointing=d.get("checkpointing"),
                       attention=d.get("attention") if isinstance(model, GPTConfig) else None, **kw)
     if "num_params" in d and step.model_config.num_params() != d["num_params"]:
-        raise ValueError(f"rebuilt {step.model_config.name} has {step.model_config.num_params()} "
+        raise InputError(f"rebuilt {step.model_config.name} has {step.model_config.num_params()} "
                          f"parameters, the description says {d['num_params']}")
     return step
 
@@ -89,10 +90,10 @@ def step_from_description(d: dict) -> StepConfig:
 def load_reference(gpu: str = "NVIDIA-H200", name: str = "devset.json") -> dict:
     """One reference file of the package data, parsed."""
     if name not in REFERENCE_FILES:
-        raise ValueError(f"reference file {name!r}; allowed: {', '.join(REFERENCE_FILES)}")
+        raise InputError(f"reference file {name!r}; allowed: {', '.join(REFERENCE_FILES)}")
     folder = resources.files("memlab").joinpath("data", "reference", gpu)
     if not folder.is_dir():
-        raise ValueError(f"no reference measurements for GPU {gpu!r} in memlab/data/reference/")
+        raise InputError(f"no reference measurements for GPU {gpu!r} in memlab/data/reference/")
     return json.loads(folder.joinpath(name).read_text())
 
 

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .errors import InputError
+
 BUCKET_ELEMENTS = 2**20  # memlab's DeepSpeed buckets (ZeRO-3's defaults allocate ~1.9 GiB/rank)
 PERSISTENCE_THRESHOLD = 10_000  # ZeRO-3 keeps parameters smaller than this whole on every rank
 SUB_GROUP_SIZE = 10**9  # DeepSpeed's default zero_optimization.sub_group_size (stage 3)
@@ -63,7 +65,7 @@ def zero_formula(num_params: int, stage: int, world_size: int, *, param_bytes: i
     (2 + 2 + K) psi for mixed-precision Adam (K = 12: fp32 master, momentum, variance);
     stage 1 divides K psi by N_d, stage 2 also the gradients, stage 3 also the parameters."""
     if stage not in (0, 1, 2, 3) or world_size < 1:
-        raise ValueError(f"stage must be 0-3 and world_size >= 1, got {stage}, {world_size}")
+        raise InputError(f"stage must be 0-3 and world_size >= 1, got {stage}, {world_size}")
     n = world_size
     return {"parameters": param_bytes * num_params / (n if stage >= 3 else 1),
             "gradients": grad_bytes * num_params / (n if stage >= 2 else 1),
@@ -169,7 +171,7 @@ def _count(model) -> tuple[int, int, int]:
         sizes = param_numels(model)
         return sum(sizes), max(sizes), sum(s for s in sizes if s < PERSISTENCE_THRESHOLD)
     if model < 0:
-        raise ValueError(f"num_params must be >= 0, got {model}")
+        raise InputError(f"num_params must be >= 0, got {model}")
     return model, 0, 0
 
 
@@ -185,26 +187,26 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     size (DeepSpeed's CPU accelerator does not pin).
     """
     if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
-        raise ValueError(f"ZeRO stage {zero!r} is outside 0-3")
+        raise InputError(f"ZeRO stage {zero!r} is outside 0-3")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world size {world_size!r} must be a positive integer")
+        raise InputError(f"world size {world_size!r} must be a positive integer")
     if precision not in PLAIN:
-        raise ValueError(f"precision={precision!r}; allowed: {', '.join(PLAIN)}")
+        raise InputError(f"precision={precision!r}; allowed: {', '.join(PLAIN)}")
     if optimizer not in MOMENTS:
-        raise ValueError(f"optimizer={optimizer!r}; allowed: {', '.join(MOMENTS)}")
+        raise InputError(f"optimizer={optimizer!r}; allowed: {', '.join(MOMENTS)}")
     if offload not in OFFLOADS:
-        raise ValueError(f"offload={offload!r}; allowed: {', '.join(OFFLOADS)}")
+        raise InputError(f"offload={offload!r}; allowed: {', '.join(OFFLOADS)}")
     if offload == "all" and zero != 3:
-        raise ValueError(f"offload='all' (parameters too) needs ZeRO stage 3, got stage {zero}")
+        raise InputError(f"offload='all' (parameters too) needs ZeRO stage 3, got stage {zero}")
     if offload == "optimizer" and zero == 0:
-        raise ValueError("offload='optimizer' needs ZeRO stage 1-3 (DeepSpeed's ZeRO optimizer), "
+        raise InputError("offload='optimizer' needs ZeRO stage 1-3 (DeepSpeed's ZeRO optimizer), "
                          "got stage 0")
     psi, largest, small = _count(model)
     moments = MOMENTS[optimizer]
     ds = under_deepspeed(zero, offload) if deepspeed is None else deepspeed
     if not ds:
         if zero or offload != "none":
-            raise ValueError("ZeRO and offload run under DeepSpeed: deepspeed=False needs zero=0 "
+            raise InputError("ZeRO and offload run under DeepSpeed: deepspeed=False needs zero=0 "
                              "and offload='none'")
         w, g = PLAIN[precision]
         return ModelStates(w * psi, g * psi, moments * w * psi, False, precision)

@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from .hardware import fmt_bytes, resolve_budget
+from .errors import InputError
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other",
               "workspace")
@@ -236,7 +237,7 @@ class MemoryTracker(TorchDispatchMode):
     def track_tensors(self, tensors, category: str = "other") -> None:
         """Register tensors that existed before tracking started."""
         if category not in _IDX:
-            raise ValueError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
+            raise InputError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 for st, dev in _storages(t):
