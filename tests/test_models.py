@@ -37,37 +37,36 @@ def test_num_params_equals_the_parameters_the_model_builds(kw):
 # num_params: per layer q (d x n_head*hd), k and v (d x n_kv*hd each), o (n_head*hd x d),
 # SwiGLU gate/up/down (3 x d x ff), two RMSNorm weights (2d); then the input embedding and
 # the untied LM head (V x d each) and the final norm (d).
+def _llama_like(d: int, ff: int, layers: int, heads: int, kv: int, hd: int, vocab: int,
+                qkv_bias: bool = False) -> int:
+    """The count above for one shape; ``qkv_bias`` adds q, k and v biases per layer."""
+    bias = heads * hd + 2 * kv * hd if qkv_bias else 0
+    per_layer = d * heads * hd + 2 * d * kv * hd + heads * hd * d + bias + 3 * d * ff + 2 * d
+    return layers * per_layer + 2 * vocab * d + d
+
+
 def llama_3_8b() -> int:
     # meta-llama/Meta-Llama-3-8B: hidden_size 4096, intermediate_size 14336, 32 layers,
     # 32 attention heads, 8 key/value heads (head_dim 4096/32 = 128), vocab 128256, untied
-    d, ff, layers, heads, kv, hd, vocab = 4096, 14336, 32, 32, 8, 128, 128256
-    per_layer = d * heads * hd + 2 * d * kv * hd + heads * hd * d + 3 * d * ff + 2 * d
-    return layers * per_layer + 2 * vocab * d + d
+    return _llama_like(4096, 14336, 32, 32, 8, 128, 128256)
 
 
 def llama_3_70b() -> int:
     # meta-llama/Meta-Llama-3-70B: 8192, 28672, 80 layers, 64 heads, 8 kv heads (hd 128),
     # vocab 128256, untied
-    d, ff, layers, heads, kv, hd, vocab = 8192, 28672, 80, 64, 8, 128, 128256
-    per_layer = d * heads * hd + 2 * d * kv * hd + heads * hd * d + 3 * d * ff + 2 * d
-    return layers * per_layer + 2 * vocab * d + d
+    return _llama_like(8192, 28672, 80, 64, 8, 128, 128256)
 
 
 def mistral_7b() -> int:
     # mistralai/Mistral-7B-v0.1: 4096, 14336, 32 layers, 32 heads, 8 kv heads (hd 128),
     # vocab 32000, untied
-    d, ff, layers, heads, kv, hd, vocab = 4096, 14336, 32, 32, 8, 128, 32000
-    per_layer = d * heads * hd + 2 * d * kv * hd + heads * hd * d + 3 * d * ff + 2 * d
-    return layers * per_layer + 2 * vocab * d + d
+    return _llama_like(4096, 14336, 32, 32, 8, 128, 32000)
 
 
 def qwen2_5_7b() -> int:
     # Qwen/Qwen2.5-7B: 3584, 18944, 28 layers, 28 heads, 4 kv heads (hd 3584/28 = 128),
     # vocab 152064, untied; biases on q, k and v (3584 + 512 + 512 per layer), none elsewhere
-    d, ff, layers, heads, kv, hd, vocab = 3584, 18944, 28, 28, 4, 128, 152064
-    qkv_bias = heads * hd + 2 * kv * hd
-    per_layer = d * heads * hd + 2 * d * kv * hd + heads * hd * d + qkv_bias + 3 * d * ff + 2 * d
-    return layers * per_layer + 2 * vocab * d + d
+    return _llama_like(3584, 18944, 28, 28, 4, 128, 152064, qkv_bias=True)
 
 
 # (preset, written-out count, published total: the hub's safetensors "Model size")
