@@ -57,7 +57,7 @@ test-notebooks: venv
 export OMP_NUM_THREADS ?= 1
 XDIST ?= -n 2
 # Notebooks that start ranks and time them (bubbles, step ratios) run one at a time.
-RANK_NOTEBOOKS := $(wildcard notebooks/06_*.ipynb notebooks/07_*.ipynb notebooks/08_*.ipynb notebooks/11_*.ipynb)
+RANK_NOTEBOOKS := $(wildcard notebooks/09_*.ipynb notebooks/10_*.ipynb notebooks/11_*.ipynb notebooks/12_*.ipynb notebooks/13_*.ipynb notebooks/15_*.ipynb)
 ONE_NOTEBOOKS := $(filter-out $(RANK_NOTEBOOKS),$(wildcard notebooks/*.ipynb))
 NBVAL := MPLBACKEND=Agg $(PY) -m pytest --nbval --nbval-current-env -p no:cacheprovider \
   --nbval-cell-timeout=$(NBVAL_CELL_TIMEOUT)
@@ -83,7 +83,7 @@ bench: venv
 # All notebooks in one nbval run, GPU_XDIST at a time on the one GPU, the slowest first; the
 # log (with each cell's time) goes beside the GPU's reference figures, data/reference/<gpu>/.
 GPU_XDIST ?= -n 4
-SLOW_FIRST := 07 11 08 06 03 10 02 04 01 05 09 00
+SLOW_FIRST := 11 15 12 13 10 09 04 14 02 05 01 06 07 08 03 00
 GPU_NOTEBOOKS = $(foreach n,$(SLOW_FIRST),$(wildcard notebooks/$(n)_*.ipynb)) \
   $(filter-out $(foreach n,$(SLOW_FIRST),$(wildcard notebooks/$(n)_*.ipynb)),$(wildcard notebooks/*.ipynb))
 GPU_NAME_PY := import re, torch; print(re.sub(r'[^A-Za-z0-9._-]+', '-', torch.cuda.get_device_name(0)).strip('-'))
