@@ -19,7 +19,9 @@ from memlab.models import Block
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-LESSONS = [p for p in NOTEBOOKS if 2 <= int(p.name[:2]) <= 9]
+# The lessons with a checked "Your turn" exercise (lesson numbers; the arc adds more).
+EXERCISED = {"02", "04", "05", "06", "08", "10", "11", "12"}
+LESSONS = [p for p in NOTEBOOKS if p.name[:2] in EXERCISED]
 
 
 def _cells(path):
@@ -38,7 +40,7 @@ def _src(cell):
 # The notebooks and the student edition
 # --------------------------------------------------------------------------------------
 def test_every_technique_lesson_has_a_checked_exercise():
-    assert [p.name[:2] for p in LESSONS] == [f"{i:02d}" for i in range(2, 10)]
+    assert sorted(p.name[:2] for p in LESSONS) == sorted(EXERCISED)
     for path in LESSONS:
         cells = _cells(path)
         sols = [i for i, c in enumerate(cells) if _is_solution(c)]

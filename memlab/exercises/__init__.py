@@ -1,0 +1,36 @@
+"""Checkers for the learners' own code: one ``check_<name>`` per "Your turn" exercise.
+
+Each checker runs the learner's code on the tiny model, next to a reference, and says what is
+right or wrong in measured terms: gradients against the reference within a stated tolerance,
+bytes saved against a formula, a DeepSpeed config against DeepSpeed itself. A correct answer
+returns a :class:`CheckResult` (printed in the notebook); a wrong one raises
+``AssertionError`` with a specific message, so a notebook whose solution has rotted fails
+under nbval.
+
+>>> result = check_accumulation(accumulate)      # accumulate(model, optimizer, batch, k)
+>>> result.measured["max_grad_diff"]
+
+The DeepSpeed checkers run ``deepspeed.initialize`` in this process as rank 0 of N, on a fake
+process group (:func:`fake_ranks`): DeepSpeed builds exactly the partitions that rank holds,
+while collectives exchange nothing. Bytes and configs are real; losses are not.
+"""
+
+from ..deepspeed_tools import (  # the notebooks' tools, kept reachable
+           deepspeed_batch_sizes,
+           fake_ranks,
+           run_deepspeed,
+)
+from .accumulation import ACC_TOLERANCE, RecordingOptimizer, check_accumulation
+from .amp import AMP_TOLERANCE, check_amp_step, reference_amp_step
+from .checkpoint import CKPT_TOLERANCE, check_checkpointed_block
+from .common import CheckFailed, CheckResult
+from .compression import PACK_TOLERANCE, check_pack_hooks
+from .oom import check_oom_fix
+from .tensor_parallel import TP_TOLERANCE, check_tensor_parallel
+from .zero import check_offload_config, check_zero_config
+
+__all__ = ["CheckResult", "CheckFailed", "check_oom_fix", "check_amp_step", "reference_amp_step",
+           "check_checkpointed_block", "check_accumulation", "RecordingOptimizer",
+           "fake_ranks", "deepspeed_batch_sizes", "run_deepspeed", "check_zero_config",
+           "check_offload_config", "check_tensor_parallel", "check_pack_hooks",
+           "AMP_TOLERANCE", "CKPT_TOLERANCE", "ACC_TOLERANCE", "TP_TOLERANCE", "PACK_TOLERANCE"]

@@ -1,0 +1,75 @@
+"""What every checker shares: the result and failure types, and small measuring helpers."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..models import GPT, get_config
+from ..tracking import CATEGORIES, MemoryTracker
+
+
+@dataclass
+class CheckResult:
+    """A passed check: what was measured, and what it means."""
+
+    exercise: str
+    measured: dict[str, float]
+    lines: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return "\n".join([f"PASSED {self.exercise}"] + [f"  {line}" for line in self.lines])
+
+    __repr__ = __str__
+
+
+class CheckFailed(AssertionError):
+    """The learner's code is wrong; the message says how. (An ``AssertionError``, so nbval and
+    pytest report it as a failed check.)"""
+
+
+def fail(exercise: str, message: str) -> None:
+    raise CheckFailed(f"{exercise}: {message}")
+
+
+def rel_diff(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
+    """Largest absolute difference over all tensors, relative to the reference's largest value."""
+    diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, ref))
+    return diff / max(r.abs().max().item() for r in ref)
+
+
+def grad_norm(ts: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(sum(t.float().pow(2).sum().item() for t in ts))
+
+
+def tiny_model(seed: int = 0, device: str | torch.device = "cpu", **overrides) -> GPT:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return GPT(get_config("tiny", **overrides))
+
+
+def max_activations(tracker: MemoryTracker) -> int:
+    i = CATEGORIES.index("activations")
+    return max((e.by_category[i] for e in tracker.timeline), default=0)
+
+
+def call_learner(exercise: str, what: str, fn: Callable, *args):
+    """Run the learner's function; an exception becomes a message naming it."""
+    try:
+        return fn(*args)
+    except CheckFailed:
+        raise
+    except Exception as e:  # the learner's code: report, do not crash the checker
+        fail(exercise, f"{what} raised {type(e).__name__}: {e}")
+
+def forward_kept(model: GPT, batch: tuple) -> tuple[torch.Tensor, int]:
+    """Run forward under the tracker; return the loss and the activations it kept."""
+    tracker = MemoryTracker()
+    with tracker:
+        tracker.track_model(model)
+        loss = model(*batch)
+        tracker.mark_phase("backward")  # settles what forward kept for backward
+        kept = tracker.by_category()["activations"]
+    return loss, kept
