@@ -6,7 +6,7 @@ Three lenses on one training step: :func:`estimate_step` (closed-form formulas),
 """
 from .errors import HostMemoryError, InputError
 from .estimate import estimate_step
-from .hardware import (GPU_PRESETS, Placement, fmt_bytes, parse_size, pick_device, place_ranks,
+from .hardware import (GPU_PRESETS, GiB, MiB, Placement, fmt_bytes, parse_size, pick_device, place_ranks,
                        resolve_budget)
 from .measure import measure_step, time_step
 from .step import MemoryReport, StepConfig, build_trainer, make_batch
