@@ -2,6 +2,7 @@
 
 - :func:`plot_timeline`: live bytes by category, stacked, op by op through one step.
 - :func:`plot_lenses`: estimate / simulate / measure side by side as stacked bars.
+- :func:`plot_calculator`: a step's peak by category against a card's memory.
 - :func:`plot_curve`: a measured quantity against sequence length or batch, formula overlaid.
 - :func:`plot_tradeoff`: memory against time, both as ratios to a baseline.
 - :func:`plot_grad_histogram`: gradient magnitudes against the smallest fp16 number.
@@ -133,6 +134,25 @@ def plot_lenses(reports: Mapping[str, MemoryReport] | Sequence[MemoryReport], ax
         ax.axhline(budgets.pop() / MiB, color="k", ls="--", lw=1, label="budget")
     ax.set_ylabel("MiB at the peak")
     ax.set_title(title or "peak by category", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return ax
+
+
+def plot_calculator(by_category: Mapping[str, float], card_bytes: int, ax=None, *,
+                    title: str | None = None):
+    """One horizontal bar of a step's peak by category (GiB), against the card's memory
+    (the black line): what :class:`memlab.widgets.CalculatorPanel` draws."""
+    ax = _ax(ax)
+    left = 0.0
+    for c in CATEGORIES:
+        v = by_category.get(c, 0) / 2**30
+        ax.barh([0], [v], left=left, color=COLORS[c], label=c)
+        left += v
+    ax.axvline(card_bytes / 2**30, color="k", lw=2, label="card")
+    ax.set_xlim(0, 1.15 * max(left, card_bytes / 2**30))
+    ax.set_yticks([])
+    ax.set_xlabel("GiB per rank at the peak")
+    ax.set_title(title or f"peak {left:.1f} GiB of {card_bytes / 2**30:.0f} GiB", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return ax
 

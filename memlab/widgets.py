@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt
 from IPython.display import clear_output, display
 
 from .advisor import advise
+from .calculator import CHECKPOINTING, MODELS, calculator
 from .chunked_loss import loss_spike_bytes
 from .estimate import estimate_step
 from .states import model_states
@@ -34,9 +35,9 @@ from .hardware import GPU_PRESETS
 from .models import PRESETS, UNetConfig, get_config
 from .parallel import ParallelResult, bubble_fraction, pipeline_bubble, pipeline_run
 from .report import SEED, SINGLE, measure_saving
-from .step import MemoryReport, StepConfig
+from .step import PRECISIONS, MemoryReport, StepConfig
 from .techniques import activations_by_module, category_max, lens_fn
-from .plots import (plot_advice, plot_bubble, plot_lenses, plot_module_bytes, plot_pipeline,
+from .plots import (plot_advice, plot_bubble, plot_calculator, plot_lenses, plot_module_bytes, plot_pipeline,
                     plot_stage_memory, plot_timeline)
 
 
@@ -242,6 +243,82 @@ class AdvisorPanel(Panel):
         return self.data
 
 
+class CalculatorPanel(Panel):
+    """The real-scale calculator (:func:`memlab.calculator.calculator`, the estimate lens):
+    model, sequence, batch, precision, checkpointing, ZeRO stage and ranks, tensor and
+    pipeline degrees, and the card. Every change redraws the peak by category against the
+    card's memory; ``data`` holds what was drawn last (its ``calculation`` is the result).
+    A setting the formulas refuse (a degree that does not divide the heads, ...) shows its
+    message instead of a figure."""
+
+    def __init__(self, model: str = "gpt2-xl", *, seq: int = 1024, batch: int = 1,
+                 precision: str = "bf16", checkpointing: str = "none", zero: int = 0,
+                 ranks: int = 1, tensor_parallel: int = 1, pipeline: int = 1,
+                 gpu: str = "A100-80GB", draw: bool = True):
+        slider = lambda options, value, name: W.SelectionSlider(  # noqa: E731
+            options=list(options), value=_pick(options, value), description=name,
+            continuous_update=False)
+        self.model = W.Dropdown(options=list(MODELS), value=model, description="model")
+        self.seq = slider((128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072), seq, "seq")
+        self.batch = slider((1, 2, 4, 8, 16, 32, 64), batch, "batch")
+        self.precision = W.Dropdown(options=list(PRECISIONS), value=precision, description="precision")
+        self.checkpointing = W.Dropdown(options=list(CHECKPOINTING), value=checkpointing,
+                                        description="checkpoint")
+        self.zero = W.Dropdown(options=[0, 1, 2, 3], value=zero, description="ZeRO")
+        self.ranks = slider((1, 2, 4, 8, 16, 32, 64, 128, 256), ranks, "ranks")
+        self.tensor_parallel = slider((1, 2, 4, 8), tensor_parallel, "tensor")
+        self.pipeline = slider((1, 2, 4, 8), pipeline, "pipeline")
+        self.gpu = W.Dropdown(options=list(GPU_PRESETS), value=gpu, description="GPU")
+        self.status = W.HTML()
+        self.output = W.Output()
+        self.data: dict | None = None
+        for w in self.controls:
+            w.observe(lambda change: self.refresh(), names="value")
+        c = self.controls
+        self.box = W.VBox([W.HBox(c[:4]), W.HBox(c[4:7]), W.HBox(c[7:]), self.status, self.output])
+        if draw:
+            self.refresh()
+
+    @property
+    def controls(self) -> list[W.Widget]:
+        return [self.model, self.gpu, self.seq, self.batch, self.precision, self.checkpointing,
+                self.zero, self.ranks, self.tensor_parallel, self.pipeline]
+
+    def settings(self) -> dict:
+        """The keyword arguments of :func:`memlab.calculator.calculator` the controls describe."""
+        return {"model": self.model.value, "seq": self.seq.value, "batch": self.batch.value,
+                "precision": self.precision.value, "checkpointing": self.checkpointing.value,
+                "zero": self.zero.value, "ranks": self.ranks.value,
+                "tensor_parallel": self.tensor_parallel.value, "pipeline": self.pipeline.value,
+                "gpu": self.gpu.value}
+
+    def refresh(self) -> dict:
+        kw = self.settings()
+        try:
+            c = calculator(**kw)
+        except InputError as e:
+            self.output.outputs = ()
+            self.output.append_stdout(f"not a valid setting: {e}\n")
+            self.status.value = "<b>not a valid setting</b> (see below)"
+            self.data = {**kw, "error": str(e), "calculation": None}
+            return self.data
+        self.data = {**kw, "error": None, "calculation": c, "peak_bytes": c.peak_bytes,
+                     "by_category": c.by_category, "fits": c.fits, "moment": c.moment}
+        verdict = "fits" if c.fits else "<b>does not fit</b>"
+        host = f"; host {c.host_bytes / 2**30:.1f} GiB" if c.host_bytes else ""
+        self.status.value = (f"peak {c.peak_bytes / 2**30:.2f} GiB per rank at {c.moment}: "
+                             f"{verdict} a {kw['gpu']}{host}")
+        fig, ax = plt.subplots(figsize=(8, 1.9))
+        plot_calculator(c.by_category, c.card_bytes, ax,
+                        title=f"{kw['model']}, seq {kw['seq']}, batch {kw['batch']}, "
+                              f"{kw['precision']}: {c.peak_bytes / 2**30:.1f} GiB of "
+                              f"{c.card_bytes / 2**30:.0f} GiB")
+        fig.tight_layout()
+        self.show(fig)
+        self.figure = fig
+        return self.data
+
+
 class LossSpikePanel(Panel):
     """Vocabulary and sequence sliders and a target drop-down over a GPT step: the panel
     estimates the step with the plain loss and with the chunked one
@@ -431,5 +508,5 @@ def _pick(options: Sequence, value):
     return value if value in options else options[0]
 
 
-__all__ = ["Panel", "StepPanel", "UNetPanel", "AdvisorPanel", "CompressionPanel", "PipelinePanel", "TablePanel",
+__all__ = ["Panel", "StepPanel", "CalculatorPanel", "UNetPanel", "AdvisorPanel", "CompressionPanel", "PipelinePanel", "TablePanel",
            "max_activations"]
