@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+from student_stub import student_source  # tools/ is on the path when run as a script
+
 PLACEHOLDER = "# your code here"
 SOLUTION_TAG = "solution"
 
@@ -27,7 +29,7 @@ def studentize(nb: dict) -> tuple[dict, int]:
         if is_solution(cell):
             removed += 1
             empty = {"cell_type": "code", "execution_count": None, "metadata": {"tags": ["exercise"]},
-                     "outputs": [], "source": [PLACEHOLDER]}
+                     "outputs": [], "source": student_source(cell["source"])}
             if "id" in cell:  # nbformat 4.5 cell ids: the emptied cell keeps the solution's
                 empty["id"] = cell["id"]
             cell = empty

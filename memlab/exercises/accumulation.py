@@ -16,6 +16,7 @@ from .common import (
     fail,
     max_activations,
     rel_diff,
+    require,
     tiny_model,
 )
 
@@ -56,6 +57,7 @@ def check_accumulation(accumulate: Callable, *, k: int = 4, seq: int = 32,
     the activations alive at once are at most 1.5/k of the big batch's.
     """
     name = "gradient accumulation"
+    require(name, "accumulate", accumulate, "def accumulate(model, optimizer, batch, k): one optimizer step over k micro-batches")
     if batch % k:
         raise InputError(f"batch {batch} is not divisible by k={k}; choose a divisor")
     step = StepConfig(model="tiny", seq=seq, batch=batch)

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..step import StepConfig, make_batch
 from ..techniques import relative_error
-from .common import CheckResult, call_learner, fail, grad_norm, tiny_model
+from .common import CheckResult, call_learner, fail, grad_norm, require, tiny_model
 
 AMP_TOLERANCE = 1e-3  # relative difference of a weight update against the reference step
 
@@ -55,6 +55,7 @@ def check_amp_step(amp_step: Callable, *, device: str = "cpu") -> CheckResult:
     halved (what ``scaler.step`` and ``scaler.update`` do).
     """
     name = "autocast + GradScaler"
+    require(name, "amp_step", amp_step, "def amp_step(model, optimizer, scaler, batch): one fp16 autocast step with loss scaling")
     dev = torch.device(device)
     step = StepConfig(model="tiny", seq=16, batch=2)
     batches = [make_batch(step, dev, seed=s) for s in (0, 1)]

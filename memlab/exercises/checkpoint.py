@@ -7,7 +7,7 @@ from ..estimate import layer_activation_bytes
 from ..hardware import fmt_bytes
 from ..models import get_config
 from ..step import StepConfig, make_batch
-from .common import CheckResult, call_learner, fail, forward_kept, rel_diff, tiny_model
+from .common import CheckResult, call_learner, fail, forward_kept, rel_diff, require, tiny_model
 
 CKPT_TOLERANCE = 1e-6  # recomputation repeats the same operations: gradients match to rounding
 
@@ -22,6 +22,7 @@ def check_checkpointed_block(block_cls: type, *, seq: int = 64, batch: int = 2) 
     minus their inputs (``n_layer * (layer_activation_bytes - 4 b s d)``); non-reentrant.
     """
     name = "checkpointed block"
+    require(name, "CheckpointedBlock", block_cls, "class CheckpointedBlock(ml.models.Block) whose forward runs under checkpoint(..., use_reentrant=False)")
     cfg = get_config("tiny", attention="naive")
     data = make_batch(StepConfig(model=cfg, seq=seq, batch=batch))
     ref = tiny_model(attention="naive")

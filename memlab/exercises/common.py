@@ -34,6 +34,15 @@ def fail(exercise: str, message: str) -> None:
     raise CheckFailed(f"{exercise}: {message}")
 
 
+def require(exercise: str, name: str, value, what: str, *, call: bool = True) -> None:
+    """Fail with "write `name` in the cell above: what" when the learner's answer is missing:
+    ``None`` (the student copy's stub, ``name = None  # your code here``) or, where a function
+    or class is asked for (``call``), anything not callable."""
+    if value is None or (call and not callable(value)):
+        got = "" if value is None else f" (got {type(value).__name__}, not a function or class)"
+        fail(exercise, f"write `{name}` in the cell above{got}: {what}")
+
+
 def rel_diff(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
     """Largest absolute difference over all tensors, relative to the reference's largest value."""
     diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, ref))

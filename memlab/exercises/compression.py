@@ -10,7 +10,7 @@ from ..hardware import fmt_bytes
 from ..models import GPT, get_config
 from ..step import StepConfig, make_batch
 from ..techniques import relative_error
-from .common import CheckResult, call_learner, fail, forward_kept, tiny_model
+from .common import CheckResult, call_learner, fail, forward_kept, require, tiny_model
 
 PACK_TOLERANCE = 1e-2  # relative gradient error allowed for 16-bit saved activations
 
@@ -40,6 +40,7 @@ def check_pack_hooks(make_hooks: Callable, *, seq: int = 64, batch: int = 2) -> 
     the unhooked model is at most :data:`PACK_TOLERANCE`.
     """
     name = "pack/unpack hooks"
+    require(name, "make_hooks", make_hooks, "def make_hooks(model) returning (pack, unpack) that keep activations in bf16")
     cfg = get_config("tiny")
     data = make_batch(StepConfig(model=cfg, seq=seq, batch=batch))
     ref, model = tiny_model(), tiny_model()

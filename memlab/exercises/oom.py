@@ -5,7 +5,7 @@ from ..errors import InputError
 from ..hardware import fmt_bytes, resolve_budget
 from ..measure import measure_step
 from ..step import StepConfig
-from .common import CheckResult, fail
+from .common import CheckResult, fail, require
 
 
 def check_oom_fix(fixed: StepConfig, original: StepConfig, budget: int | str, *,
@@ -13,6 +13,7 @@ def check_oom_fix(fixed: StepConfig, original: StepConfig, budget: int | str, *,
     """The learner's ``fixed`` step (``replace(original, ...)``) trains the same model on the
     same sequence length and now fits ``budget``, measured."""
     name = "fix the OOM"
+    require(name, "fixed", fixed, "replace(STEP, ...) changed so that the step fits the budget", call=False)
     if resolve_budget(budget) is None:
         raise InputError("check_oom_fix needs the lesson's budget, e.g. '120MiB' or 'T4-16GB'")
     if not isinstance(fixed, StepConfig):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from ..errors import InputError
 from ..hardware import fmt_bytes
 from ..models import get_config
-from .common import CheckResult, call_learner, fail, tiny_model
+from .common import CheckResult, call_learner, fail, require, tiny_model
 
 TP_TOLERANCE = 1e-5  # the partial sums add in another order
 
@@ -21,6 +21,8 @@ def check_tensor_parallel(make_shards: Callable, tp_forward: Callable, *, t: int
     :data:`TP_TOLERANCE`; each rank's weights own exactly 1/t of the bytes (not a view of the
     whole matrix)."""
     name = "tensor-parallel MLP"
+    require(name, "make_shards", make_shards, "def make_shards(fc, out, t): one (column, row) pair of Linears per rank")
+    require(name, "tp_forward", tp_forward, "def tp_forward(shards, x): the MLP from the shards, partial outputs added")
     cfg = get_config("tiny")
     if cfg.hidden % t:
         raise InputError(f"t={t} must divide the MLP width {cfg.hidden}")

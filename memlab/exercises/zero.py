@@ -9,7 +9,7 @@ from ..errors import InputError
 from ..estimate import zero_formula
 from ..hardware import fmt_bytes
 from ..models import get_config
-from .common import CheckResult, call_learner, fail
+from .common import CheckResult, call_learner, fail, require
 
 BUCKET_LIMIT = 2**24  # elements; DeepSpeed's defaults (5e8) make GiB-sized buckets
 
@@ -51,6 +51,8 @@ def _config_errors(config: dict, *, stage: int, ranks: int, micro_batch: int,
 def _check_deepspeed(name: str, config: dict, make_engine: Callable, *, stage: int, ranks: int,
                      micro_batch: int, accumulation: int, offload: bool) -> CheckResult:
     from deepspeed.runtime.config import DeepSpeedConfig
+    require(name, "config", config, "the DeepSpeed config dict (batch keys, zero_optimization)", call=False)
+    require(name, "make_engine", make_engine, "def make_engine(model): deepspeed.initialize(...)")
     if stage not in (1, 2, 3):
         raise InputError(f"stage={stage!r}; allowed: 1, 2, 3 (the ZeRO stages that shard)")
     for arg, value in (("ranks", ranks), ("micro_batch", micro_batch), ("accumulation", accumulation)):
