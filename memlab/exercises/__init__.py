@@ -25,11 +25,14 @@ from .amp import AMP_TOLERANCE, check_amp_step, reference_amp_step
 from .checkpoint import CKPT_TOLERANCE, check_checkpointed_block
 from .common import CheckFailed, CheckResult
 from .compression import PACK_TOLERANCE, check_pack_hooks
+from .logits import ESTIMATOR_TOLERANCE, check_estimator
 from .oom import check_oom_fix
+from .start import check_first_step, check_state_bytes
 from .tensor_parallel import TP_TOLERANCE, check_tensor_parallel
 from .zero import check_offload_config, check_zero_config
 
-__all__ = ["CheckResult", "CheckFailed", "check_oom_fix", "check_amp_step", "reference_amp_step",
+__all__ = ["CheckResult", "CheckFailed", "check_first_step", "check_state_bytes", "check_estimator",
+           "ESTIMATOR_TOLERANCE", "check_oom_fix", "check_amp_step", "reference_amp_step",
            "check_checkpointed_block", "check_accumulation", "RecordingOptimizer",
            "fake_ranks", "deepspeed_batch_sizes", "run_deepspeed", "check_zero_config",
            "check_offload_config", "check_tensor_parallel", "check_pack_hooks",
