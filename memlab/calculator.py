@@ -14,7 +14,9 @@ sec. 4.2.3; Narayanan et al. 2021, sec. 2.2), the loss counted as on one stage.
 ...                zero=3, ranks=8, gpu="H100-80GB")
 >>> c.fits, round(c.peak_bytes / 2**30, 1)   # doctest: +SKIP
 
-Models come from :data:`MODELS` (memlab's presets); :func:`register_model` adds one (for
+A rotary-position model may be planned past its trained context (its ``block_size`` is
+raised to ``seq``); a model with learned positions may not. Models come from
+:data:`MODELS` (memlab's presets); :func:`register_model` adds one (for
 instance a config read from a Hugging Face ``config.json``) and every panel offers it.
 """
 from __future__ import annotations
@@ -91,6 +93,10 @@ def calculator(model: str | GPTConfig = "gpt2-xl", *, seq: int = 1024, batch: in
                          f"{tensor_parallel * pipeline}")
     if cfg.n_layer % pipeline:
         raise InputError(f"pipeline={pipeline} must divide the {cfg.n_layer} layers of {cfg.name}")
+    if cfg.position == "rope" and isinstance(seq, int) and seq > cfg.block_size:
+        # rotary positions have no table to outgrow: plan past the trained context, as
+        # long-context fine-tuning does (learned positions stop at theirs: StepConfig refuses)
+        cfg = replace(cfg, block_size=seq)
     step = StepConfig(model=cfg, seq=seq, batch=batch, precision=precision,
                       checkpointing=checkpointing, zero=zero, world_size=ranks // pipeline)
     report = estimate_step(step, budget=gpu, target=target, tensor_parallel=tensor_parallel)

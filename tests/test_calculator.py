@@ -92,3 +92,11 @@ def test_calculator_panel_redraws_when_a_control_changes():
     panel.zero.value = 3                     # ZeRO-3 over 8 ranks shards the model states
     assert panel.data["error"] is None and panel.data["peak_bytes"] < e.peak_bytes / 2
     plt.close("all")
+
+
+def test_rotary_models_plan_past_their_context_learned_positions_do_not():
+    long = calculator("llama-7b", seq=8192, batch=1, precision="fp32")   # trained at 4096
+    short = calculator("llama-7b", seq=4096, batch=1, precision="fp32")
+    assert long.by_category["activations"] == pytest.approx(2 * short.by_category["activations"], rel=0.01)
+    with pytest.raises(InputError, match="exceeds the model's block size"):
+        calculator("gpt2-xl", seq=2048)
