@@ -12,6 +12,10 @@ following cell can assert on :attr:`StepPanel.data` headless (under nbval).
 A size this machine cannot hold is refused before anything is built
 (:class:`~memlab.errors.HostMemoryError`): the panel shows the one-line refusal in its
 output, ``data["refused"]`` holds it, and the next size that fits measures as usual.
+
+Past 500 lines on purpose: this is the one module allowed to import ipywidgets
+(tests/test_architecture.py), so every panel lives here; each is a thin shell over a lens or
+a domain function, with its figure in :mod:`memlab.plots`.
 """
 from __future__ import annotations
 
@@ -37,8 +41,8 @@ from .parallel import ParallelResult, bubble_fraction, pipeline_bubble, pipeline
 from .report import SEED, SINGLE, measure_saving
 from .step import PRECISIONS, MemoryReport, StepConfig
 from .techniques import activations_by_module, category_max, lens_fn
-from .plots import (plot_advice, plot_bubble, plot_calculator, plot_lenses, plot_module_bytes, plot_pipeline,
-                    plot_stage_memory, plot_timeline)
+from .plots import (plot_advice, plot_bubble, plot_calculator, plot_lenses, plot_module_bytes,
+                    plot_pipeline, plot_stage_memory, plot_timeline)
 
 
 class Panel:
@@ -508,5 +512,5 @@ def _pick(options: Sequence, value):
     return value if value in options else options[0]
 
 
-__all__ = ["Panel", "StepPanel", "CalculatorPanel", "UNetPanel", "AdvisorPanel", "CompressionPanel", "PipelinePanel", "TablePanel",
-           "max_activations"]
+__all__ = ["Panel", "StepPanel", "CalculatorPanel", "UNetPanel", "AdvisorPanel", "CompressionPanel",
+           "PipelinePanel", "TablePanel", "max_activations"]
