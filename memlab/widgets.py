@@ -342,40 +342,43 @@ class CompressionPanel(Panel):
 
 
 class TablePanel(Panel):
-    """A technique drop-down and a batch slider: the panel measures the step with and without
-    the technique, draws both peaks by category and says whether the seed's claim holds at this
-    size. ``data`` holds what was drawn last."""
+    """A technique drop-down, a batch slider and a sequence slider: the panel measures the step
+    with and without the technique, draws both peaks by category and says whether the
+    curriculum's claim holds at this size. ``data`` holds what was drawn last."""
 
-    def __init__(self, step: StepConfig, batches=(1, 2, 4, 8), *, draw: bool = True):
+    def __init__(self, step: StepConfig, batches=(1, 2, 4, 8), *, seqs: Sequence[int] | None = None,
+                 draw: bool = True):
         self.step, self.data, self._cache = step, None, {}
+        seqs = list(seqs) if seqs else [step.seq]
         self.technique = W.Dropdown(options=list(SINGLE), description="technique")
-        self.batch = W.SelectionSlider(options=list(batches),
-                                       value=step.batch if step.batch in batches else batches[0],
+        self.batch = W.SelectionSlider(options=list(batches), value=_pick(batches, step.batch),
                                        description="batch", continuous_update=False)
+        self.seq = W.SelectionSlider(options=seqs, value=_pick(seqs, step.seq),
+                                     description="seq", continuous_update=False)
         self.status = W.HTML()
         self.output = W.Output()
-        for w in (self.technique, self.batch):
+        for w in (self.technique, self.batch, self.seq):
             w.observe(lambda change: self.refresh(), names="value")
-        self.box = W.VBox([W.HBox([self.technique, self.batch, self.status]), self.output])
+        self.box = W.VBox([W.HBox([self.technique, self.batch, self.seq]), self.status, self.output])
         if draw:
             self.refresh()
 
     def refresh(self) -> dict:
-        key = (self.technique.value, self.batch.value)
+        key = (self.technique.value, self.batch.value, self.seq.value)
         if key not in self._cache:
             try:
-                self._cache[key] = measure_saving(replace(self.step, batch=self.batch.value), key[0])
+                self._cache[key] = measure_saving(replace(self.step, batch=key[1], seq=key[2]), key[0])
             except HostMemoryError as e:
-                return self.refuse(e, technique=key[0], batch=key[1])
+                return self.refuse(e, technique=key[0], batch=key[1], seq=key[2])
         res = self._cache[key]
-        self.data = {"technique": key[0], "batch": key[1], "saving": res["saving"],
+        self.data = {"technique": key[0], "batch": key[1], "seq": key[2], "saving": res["saving"],
                      "verdict": res["verdict"], "refused": None}
-        self.status.value = (f"saved {res['saving']:.0%} (seed: {SEED[key[0]][0]}): "
+        self.status.value = (f"saved {res['saving']:.0%} (curriculum: {SEED[key[0]][0]}): "
                              f"{res['verdict']}")
         reports = {name: MemoryReport("measure", self.step, "cpu", r["peak_bytes"], r["by_category"])
                    for name, r in res.items() if isinstance(r, dict)}
         fig, ax = plt.subplots(figsize=(6.5, 3.2))
-        plot_lenses(reports, ax, title=f"batch {key[1]}: peak by category")
+        plot_lenses(reports, ax, title=f"batch {key[1]}, seq {key[2]}: peak by category")
         fig.tight_layout()
         self.show(fig)
         return self.data

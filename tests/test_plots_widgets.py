@@ -136,6 +136,19 @@ def test_table_panel_remeasures_when_controls_change():
     plt.close("all")
 
 
+def test_table_panel_sequence_slider_remeasures():
+    from memlab.widgets import TablePanel
+    step = StepConfig(seq=32, batch=1)
+    panel = TablePanel(step, batches=(1,), seqs=(32, 64))
+    panel.technique.value = "mixed precision"
+    assert panel.data["seq"] == 32
+    panel.seq.value = 64
+    base = measure_step(StepConfig(seq=64, batch=1)).peak_bytes
+    bf16 = measure_step(StepConfig(seq=64, batch=1), precision="bf16").peak_bytes
+    assert panel.data["seq"] == 64 and panel.data["saving"] == pytest.approx(1 - bf16 / base, rel=1e-12)
+    plt.close("all")
+
+
 @pytest.mark.distributed
 def test_pipeline_panel_redraws_when_controls_change():
     from memlab.parallel import measure_pipeline
