@@ -25,6 +25,7 @@ from .amp import AMP_TOLERANCE, check_amp_step, reference_amp_step
 from .checkpoint import CKPT_TOLERANCE, check_checkpointed_block
 from .common import CheckFailed, CheckResult
 from .compression import PACK_TOLERANCE, check_pack_hooks
+from .data_parallel import DP_TOLERANCE, check_gradient_average
 from .oom import check_oom_fix
 from .tensor_parallel import TP_TOLERANCE, check_tensor_parallel
 from .zero import check_offload_config, check_zero_config
@@ -33,4 +34,5 @@ __all__ = ["CheckResult", "CheckFailed", "check_oom_fix", "check_amp_step", "ref
            "check_checkpointed_block", "check_accumulation", "RecordingOptimizer",
            "fake_ranks", "deepspeed_batch_sizes", "run_deepspeed", "check_zero_config",
            "check_offload_config", "check_tensor_parallel", "check_pack_hooks",
+           "check_gradient_average", "DP_TOLERANCE",
            "AMP_TOLERANCE", "CKPT_TOLERANCE", "ACC_TOLERANCE", "TP_TOLERANCE", "PACK_TOLERANCE"]
