@@ -133,3 +133,26 @@ def test_in_flight_agrees_with_a_measured_pipeline():
     pp = measure_pipeline(StepConfig(seq=32, batch=4), 2, micro_batches=(2, 4), repeats=1)
     r = ex.check_in_flight(in_flight, measured=pp)
     assert r.measured["measured_runs"] >= 4
+
+
+# --------------------------------------------------------------------------------------
+# 15: a row of the table, the saving on the peak
+# --------------------------------------------------------------------------------------
+def peak_saving(step, **technique):
+    from memlab import measure_step
+    return 1 - measure_step(step, **technique).peak_bytes / measure_step(step).peak_bytes
+
+
+def test_peak_saving_passes_the_reference():
+    r = ex.check_peak_saving(peak_saving)
+    assert all(-0.5 < v < 1 for v in r.measured.values())
+
+
+def test_peak_saving_names_the_activation_saving():
+    def on_activations(step, **technique):
+        from memlab import measure_step
+        from memlab.techniques import category_max
+        a = [category_max(measure_step(step, **kw), "activations") for kw in (technique, {})]
+        return 1 - a[0] / a[1]
+    with pytest.raises(ex.CheckFailed, match="saving on the activations"):
+        ex.check_peak_saving(on_activations)

@@ -30,6 +30,7 @@ from .diffusion import check_skip_bytes
 from .gqa import check_kv_cache
 from .pipeline import check_in_flight
 from .planning import check_min_ranks, reference_min_ranks
+from .table import SAVING_TOLERANCE, check_peak_saving
 from .oom import check_oom_fix
 from .tensor_parallel import TP_TOLERANCE, check_tensor_parallel
 from .zero import check_offload_config, check_zero_config
@@ -39,5 +40,6 @@ __all__ = ["CheckResult", "CheckFailed", "check_oom_fix", "check_amp_step", "ref
            "fake_ranks", "deepspeed_batch_sizes", "run_deepspeed", "check_zero_config",
            "check_offload_config", "check_tensor_parallel", "check_pack_hooks",
            "check_gradient_average", "DP_TOLERANCE", "check_min_ranks", "reference_min_ranks",
-           "check_kv_cache", "check_skip_bytes", "check_in_flight",
+           "check_kv_cache", "check_skip_bytes", "check_in_flight", "check_peak_saving",
+           "SAVING_TOLERANCE",
            "AMP_TOLERANCE", "CKPT_TOLERANCE", "ACC_TOLERANCE", "TP_TOLERANCE", "PACK_TOLERANCE"]
