@@ -84,7 +84,8 @@ def ddp_worker(rank: int, world_size: int, step: StepConfig) -> dict:
               "gradients": sum(p.grad.nbytes for p in params),
               "optimizer": sum(t.nbytes for s in opt.state.values() for t in s.values()
                                if torch.is_tensor(t) and t.dim() > 0)}
-    return {"rank": rank, "rows": [mine.start, mine.stop], "num_params": sum(p.numel() for p in params),
+    return {"rank": rank, "rows": [mine.start, mine.stop],
+            "num_params": sum(p.numel() for p in params),
             "max_grad_diff": diff / scale, "bytes": nbytes}
 
 

@@ -366,7 +366,8 @@ def host_gradient_bytes(engine) -> int:
     ``.grad`` of the optimizer's fp32 partitions, read after the last backward of a step.
     Without offload DeepSpeed sets those only inside ``step()``, so this is 0 there."""
     opt = engine.optimizer
-    fp32 = _ds_tensors(opt, "single_partition_of_fp32_groups") + _ds_tensors(opt, "fp32_partitioned_groups_flat")
+    fp32 = (_ds_tensors(opt, "single_partition_of_fp32_groups")          # stages 1 and 2
+            + _ds_tensors(opt, "fp32_partitioned_groups_flat"))         # stage 3
     return _nbytes(g.grad for g in fp32 if g.grad is not None)
 
 
@@ -689,8 +690,8 @@ def measure_offload(step, *, cases=OFFLOAD_CASES, placement: Placement | None = 
     one memory: the device peak is the tracked peak less what ZeRO-Offload keeps on the host,
     the base the model states DeepSpeed keeps on the device (``source`` says which). Both
     give ``host_bytes`` (DeepSpeed's accounting of the offloaded fp32 master, Adam's state,
-    the fp32 gradient partition and, with ``"all"``, the parameters), how much the process's resident memory grew while the
-    engine was built and run (``rss_growth_bytes``, psutil) and the step time. ``cpu_adam``
+    the fp32 gradient partition and, with ``"all"``, the parameters), how much the process's
+    resident memory grew while the engine was built and run (``rss_growth_bytes``, psutil) and the step time. ``cpu_adam``
     runs the offloaded optimizer as DeepSpeed's compiled ``DeepSpeedCPUAdam`` instead of
     torch's AdamW (offload cases only). Rows are rank 0's.
     """
