@@ -55,6 +55,13 @@ def max_activations(tracker: MemoryTracker) -> int:
     return max((e.by_category[i] for e in tracker.timeline), default=0)
 
 
+def require_function(exercise: str, fn, signature: str, returns: str) -> None:
+    """An empty or missing answer (``None``, a number) fails with what to write and where."""
+    if not callable(fn):
+        fail(exercise, f"{signature.split('(')[0]} is {fn!r}: define {signature} in the cell "
+                       f"above, {returns}")
+
+
 def call_learner(exercise: str, what: str, fn: Callable, *args):
     """Run the learner's function; an exception becomes a message naming it."""
     try:

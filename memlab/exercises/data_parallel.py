@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 from ..models import get_config
-from .common import CheckResult, fail, rel_diff, tiny_model
+from .common import CheckResult, fail, rel_diff, require_function, tiny_model
 
 DP_TOLERANCE = 1e-5  # the two halves' gradients add in another order than one batch's
 
@@ -43,10 +43,8 @@ def check_gradient_average(average_gradients: Callable, *, world_size: int = 2) 
     Checked on the tiny GPT, ``world_size`` replicas as threads: each rank's gradients against
     the one-process gradients within :data:`DP_TOLERANCE`."""
     name = "data-parallel gradient average"
-    if not callable(average_gradients):
-        fail(name, f"average_gradients is {average_gradients!r}: define "
-                   f"average_gradients(model, all_reduce, world_size) in the cell above, calling "
-                   f"all_reduce(p.grad) for each parameter and dividing by world_size")
+    require_function(name, average_gradients, "average_gradients(model, all_reduce, world_size)",
+                     "calling all_reduce(p.grad) for each parameter and dividing by world_size")
     cfg = get_config("tiny")
     g = torch.Generator().manual_seed(0)
     batch = 2 * world_size

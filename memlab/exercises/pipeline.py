@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..parallel import ParallelResult
-from .common import CheckResult, call_learner, fail
+from .common import CheckResult, call_learner, fail, require_function
 
 
 def schedule_order(stage: int, p: int, m: int, schedule: str) -> list[str]:
@@ -35,9 +35,7 @@ def check_in_flight(in_flight: Callable, *, measured: ParallelResult | None = No
     backwards for p up to 8 and m up to 16 and, given ``measured`` (a
     :func:`~memlab.parallel.measure_pipeline` result), against what each measured stage held."""
     name = "micro-batches in flight"
-    if not callable(in_flight):
-        fail(name, f"in_flight is {in_flight!r}: define in_flight(stage, p, m, schedule) in the "
-                   f"cell above, returning an int")
+    require_function(name, in_flight, "in_flight(stage, p, m, schedule)", "returning an int")
     cases = 0
     for schedule in ("gpipe", "1f1b"):
         for p in range(2, 9):
