@@ -36,7 +36,7 @@ def test_gradient_average_names_a_missing_all_reduce():
 
 
 def test_gradient_average_names_an_empty_answer():
-    with pytest.raises(ex.CheckFailed, match="define average_gradients"):
+    with pytest.raises(ex.CheckFailed, match="write `average_gradients` in the cell above"):
         ex.check_gradient_average(None)
 
 

@@ -34,6 +34,15 @@ def fail(exercise: str, message: str) -> None:
     raise CheckFailed(f"{exercise}: {message}")
 
 
+def require(exercise: str, name: str, value, what: str, *, call: bool = True) -> None:
+    """Fail with "write `name` in the cell above: what" when the learner's answer is missing:
+    ``None`` (the student copy's stub, ``name = None  # your code here``) or, where a function
+    or class is asked for (``call``), anything not callable."""
+    if value is None or (call and not callable(value)):
+        got = "" if value is None else f" (got {type(value).__name__}, not a function or class)"
+        fail(exercise, f"write `{name}` in the cell above{got}: {what}")
+
+
 def rel_diff(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
     """Largest absolute difference over all tensors, relative to the reference's largest value."""
     diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, ref))
@@ -53,13 +62,6 @@ def tiny_model(seed: int = 0, device: str | torch.device = "cpu", **overrides) -
 def max_activations(tracker: MemoryTracker) -> int:
     i = CATEGORIES.index("activations")
     return max((e.by_category[i] for e in tracker.timeline), default=0)
-
-
-def require_function(exercise: str, fn, signature: str, returns: str) -> None:
-    """An empty or missing answer (``None``, a number) fails with what to write and where."""
-    if not callable(fn):
-        fail(exercise, f"{signature.split('(')[0]} is {fn!r}: define {signature} in the cell "
-                       f"above, {returns}")
 
 
 def call_learner(exercise: str, what: str, fn: Callable, *args):

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 from ..models import get_config
-from .common import CheckResult, fail, rel_diff, require_function, tiny_model
+from .common import CheckResult, fail, rel_diff, require, tiny_model
 
 DP_TOLERANCE = 1e-5  # the two halves' gradients add in another order than one batch's
 
@@ -43,8 +43,9 @@ def check_gradient_average(average_gradients: Callable, *, world_size: int = 2) 
     Checked on the tiny GPT, ``world_size`` replicas as threads: each rank's gradients against
     the one-process gradients within :data:`DP_TOLERANCE`."""
     name = "data-parallel gradient average"
-    require_function(name, average_gradients, "average_gradients(model, all_reduce, world_size)",
-                     "calling all_reduce(p.grad) for each parameter and dividing by world_size")
+    require(name, "average_gradients", average_gradients,
+            "a function (model, all_reduce, world_size) that calls all_reduce(p.grad) for each "
+            "parameter and divides by world_size")
     cfg = get_config("tiny")
     g = torch.Generator().manual_seed(0)
     batch = 2 * world_size

@@ -8,7 +8,7 @@ from ..hardware import fmt_bytes
 from ..measure import measure_step
 from ..step import StepConfig
 from ..techniques import activations_by_module
-from .common import CheckResult, call_learner, fail, require_function
+from .common import CheckResult, call_learner, fail, require
 
 
 def check_skip_bytes(skip_bytes: Callable, *, image: int = 32, batch: int = 2) -> CheckResult:
@@ -17,7 +17,7 @@ def check_skip_bytes(skip_bytes: Callable, *, image: int = 32, batch: int = 2) -
     :func:`memlab.diffusion.unet_levels` returns. Checked against a measurement: with every
     ResBlock checkpointed, what the encoder keeps for backward is exactly its outputs."""
     name = "UNet skip tensors"
-    require_function(name, skip_bytes, "skip_bytes(levels, batch)", "returning bytes")
+    require(name, "skip_bytes", skip_bytes, "a function (levels, batch) returning bytes")
     step = StepConfig(model="unet-small", seq=image, batch=batch)
     levels = unet_levels(step.model_config, image)
     report = measure_step(step, checkpointing="full")

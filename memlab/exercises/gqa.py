@@ -5,7 +5,7 @@ from typing import Callable
 
 from ..hardware import fmt_bytes
 from ..models import get_config
-from .common import CheckResult, call_learner, fail, require_function
+from .common import CheckResult, call_learner, fail, require
 
 MODELS = ("llama-3-8b", "llama-3-70b", "mistral-7b", "qwen2.5-7b", "gpt2-medium")
 
@@ -16,7 +16,7 @@ def check_kv_cache(kv_cache_bytes: Callable, *, tokens: int = 8192) -> CheckResu
     values each, 2 bytes a value. Checked on Llama 3 8B and 70B, Mistral 7B, Qwen2.5 7B and
     (multi-head) GPT-2 medium, against ``2 x n_layer x n_kv_head x head_dim x 2`` per token."""
     name = "KV cache of grouped-query attention"
-    require_function(name, kv_cache_bytes, "kv_cache_bytes(cfg, tokens)", "returning bytes")
+    require(name, "kv_cache_bytes", kv_cache_bytes, "a function (cfg, tokens) returning bytes")
     measured = {}
     for model in MODELS:
         cfg = get_config(model)

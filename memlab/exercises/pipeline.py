@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..parallel import ParallelResult
-from .common import CheckResult, call_learner, fail, require_function
+from .common import CheckResult, call_learner, fail, require
 
 
 def schedule_order(stage: int, p: int, m: int, schedule: str) -> list[str]:
@@ -35,7 +35,7 @@ def check_in_flight(in_flight: Callable, *, measured: ParallelResult | None = No
     backwards for p up to 8 and m up to 16 and, given ``measured`` (a
     :func:`~memlab.parallel.measure_pipeline` result), against what each measured stage held."""
     name = "micro-batches in flight"
-    require_function(name, in_flight, "in_flight(stage, p, m, schedule)", "returning an int")
+    require(name, "in_flight", in_flight, "a function (stage, p, m, schedule) returning an int")
     cases = 0
     for schedule in ("gpipe", "1f1b"):
         for p in range(2, 9):

@@ -5,7 +5,7 @@ from typing import Callable
 
 from ..hardware import GPU_PRESETS, fmt_bytes
 from ..states import bytes_per_param
-from .common import CheckResult, call_learner, fail, require_function
+from .common import CheckResult, call_learner, fail, require
 
 HEADROOM = 0.10  # the advisor's default: CUDA context, NCCL buffers, fragmentation
 MAX_RANKS = 1024
@@ -30,8 +30,8 @@ def check_min_ranks(min_ranks: Callable, *, headroom: float = HEADROOM) -> Check
     ``stage`` as in lesson 10) fit the card less 10% headroom, or None when no number of ranks
     up to 1024 does. Checked on LLaMA-7B, -13B and -70B shapes at stages 1-3."""
     name = "ranks for a ZeRO stage"
-    require_function(name, min_ranks, "min_ranks(num_params, stage, card_bytes)",
-                     "returning an int (or None)")
+    require(name, "min_ranks", min_ranks,
+            "a function (num_params, stage, card_bytes) returning an int (or None)")
     got = {}
     for psi, stage, gpu in CASES:
         card = GPU_PRESETS[gpu]

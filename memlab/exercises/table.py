@@ -5,7 +5,7 @@ from typing import Callable
 
 from ..report import SINGLE, measure_saving
 from ..step import StepConfig
-from .common import CheckResult, call_learner, fail, require_function
+from .common import CheckResult, call_learner, fail, require
 
 SAVING_TOLERANCE = 0.01  # two measurements of the same step by the same tracker
 STEPS = (StepConfig(seq=64, batch=1), StepConfig(seq=128, batch=4))
@@ -19,8 +19,8 @@ def check_peak_saving(peak_saving: Callable) -> CheckResult:
     tiny GPT at two sizes against the table's own measurement (``memlab.report``) within
     :data:`SAVING_TOLERANCE`."""
     name = "a row of the table"
-    require_function(name, peak_saving, "peak_saving(step, **technique)",
-                     "returning 1 - peak with / peak without")
+    require(name, "peak_saving", peak_saving,
+            "a function (step, **technique) returning 1 - peak with / peak without")
     got = {}
     for step in STEPS:
         for key, row in TECHNIQUES.items():
