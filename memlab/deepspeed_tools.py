@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from .distributed import set_cache_env, zero_accounting
+from .distributed import host_gradient_bytes, set_cache_env, zero_accounting
 from .errors import InputError
 from .models import GPT, get_config
 from .step import StepConfig, make_batch
@@ -93,9 +93,7 @@ def engine_step(engine, seq: int = 32) -> dict:
             engine.backward(engine(*batch))
             if i == k - 1:
                 acc = zero_accounting(engine, stage)
-                fp32 = getattr(engine.optimizer, "single_partition_of_fp32_groups", None) or []
-                acc["host_gradients"] = sum(g.grad.numel() * g.grad.element_size()
-                                            for g in fp32 if g.grad is not None)
+                acc["host_gradients"] = host_gradient_bytes(engine)
             engine.step()
     return acc
 

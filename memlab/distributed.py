@@ -360,13 +360,26 @@ def zero_accounting(engine, stage: int) -> dict[str, int]:
             "optimizer_state": _nbytes(state), "comm_buffers": comm}
 
 
-def _host_accounts(offload: str) -> tuple[str, ...]:
-    """Which accounts ZeRO-Offload keeps in host memory."""
-    if offload == "optimizer":
-        return ("fp32_master", "optimizer_state")
-    if offload == "all":
-        return ("fp32_master", "optimizer_state", "parameters")
-    return ()
+def host_gradient_bytes(engine) -> int:
+    """Bytes of the fp32 gradient partition ZeRO-Offload keeps in host memory beside the fp32
+    master, where the CPU's Adam reads it (Ren et al. 2021, "ZeRO-Offload", sec. 3.5): the
+    ``.grad`` of the optimizer's fp32 partitions, read after the last backward of a step.
+    Without offload DeepSpeed sets those only inside ``step()``, so this is 0 there."""
+    opt = engine.optimizer
+    fp32 = (_ds_tensors(opt, "single_partition_of_fp32_groups")          # stages 1 and 2
+            + _ds_tensors(opt, "fp32_partitioned_groups_flat"))         # stage 3
+    return _nbytes(g.grad for g in fp32 if g.grad is not None)
+
+
+def _host_accounts(offload: str, zero: int) -> tuple[str, ...]:
+    """Which accounts ZeRO-Offload keeps in host memory: with the optimizer, the fp32 master,
+    Adam's moments and the fp32 gradient partition (16 bytes per parameter / N), and at
+    stage 3 the 16-bit gradient partition too (DeepSpeed allocates it on the offload device)."""
+    if offload == "none":
+        return ()
+    accounts = ("fp32_master", "optimizer_state", "host_gradients")
+    accounts += ("gradients",) if zero == 3 else ()
+    return accounts + (("parameters",) if offload == "all" else ())
 
 
 def _rss_bytes() -> int | None:
@@ -420,6 +433,7 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2,
             engine.backward(loss)
             if account and i == len(micro) - 1:
                 acc = zero_accounting(engine, step.zero)  # gradients are held right here
+                acc["host_gradients"] = host_gradient_bytes(engine)
             engine.step()
             del loss
         return acc
@@ -460,7 +474,7 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2,
     else:
         run(warm, steps - 1, False)  # the budget covers the warm-up too
     out: dict[str, Any] = {"rank": rank, "device": device.type,
-                           "host_accounts": _host_accounts(step.offload),
+                           "host_accounts": _host_accounts(step.offload, step.zero),
                            "optimizer": type(getattr(engine.optimizer, "optimizer",
                                                      engine.optimizer)).__name__,
                            "accounting": None, "step_seconds": 0.0,
@@ -537,7 +551,7 @@ def _rank_report(step, res: dict, device: str, budget_bytes: int | None = None):
     acc = dict(res["accounting"])
     host = sum(acc[k] for k in res["host_accounts"])
     acc["host_bytes"] = host
-    acc["device_bytes"] = sum(acc[k] for k in ACCOUNTS) - host
+    acc["device_bytes"] = sum(acc[k] for k in ACCOUNTS if k not in res["host_accounts"])
     if res.get("device", device) == "cpu":
         # host and device are one memory: what a GPU would hold is the peak less the
         # offloaded accounts (parameters are gathered back for compute, so they stay)
@@ -675,9 +689,9 @@ def measure_offload(step, *, cases=OFFLOAD_CASES, placement: Placement | None = 
     ``device_base_bytes`` what the engine held before it. On CPU ranks host and device are
     one memory: the device peak is the tracked peak less what ZeRO-Offload keeps on the host,
     the base the model states DeepSpeed keeps on the device (``source`` says which). Both
-    give ``host_bytes`` (DeepSpeed's accounting of the offloaded fp32 master, Adam's state
-    and, at stage 3, the parameters), how much the process's resident memory grew while the
-    engine was built and run (``rss_growth_bytes``, psutil) and the step time. ``cpu_adam``
+    give ``host_bytes`` (DeepSpeed's accounting of the offloaded fp32 master, Adam's state,
+    the fp32 gradient partition and, with ``"all"``, the parameters), how much the process's
+    resident memory grew while the engine was built and run (``rss_growth_bytes``, psutil) and the step time. ``cpu_adam``
     runs the offloaded optimizer as DeepSpeed's compiled ``DeepSpeedCPUAdam`` instead of
     torch's AdamW (offload cases only). Rows are rank 0's.
     """
@@ -703,7 +717,7 @@ def measure_offload(step, *, cases=OFFLOAD_CASES, placement: Placement | None = 
             # parameters offloaded at stage 3 are gathered to the device for each layer: the
             # tracker saw them there, so only the optimizer side leaves the device's count
             peak = res["peak_bytes"] - sum(acc[k] for k in res["host_accounts"] if k != "parameters")
-            base = sum(acc[k] for k in ACCOUNTS) - host
+            base = sum(acc[k] for k in ACCOUNTS if k not in res["host_accounts"])
             source = "accounting"
         rss = (res["rss_bytes"] - res["rss_start_bytes"]) if res["rss_bytes"] is not None else None
         rows.append({"zero": s.zero, "offload": s.offload, "optimizer": res["optimizer"],

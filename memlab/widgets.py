@@ -37,7 +37,7 @@ from .diffusion import unet_module_key
 from .errors import HostMemoryError, InputError
 from .hardware import GPU_PRESETS
 from .models import PRESETS, UNetConfig, get_config
-from .parallel import ParallelResult, bubble_fraction, pipeline_bubble, pipeline_run
+from .parallel import ParallelResult, bubble_fraction, pipeline_bubble, pipeline_run, tp_activation_bytes
 from .report import SEED, SINGLE, measure_saving
 from .step import PRECISIONS, MemoryReport, StepConfig
 from .techniques import activations_by_module, category_max, lens_fn
@@ -423,40 +423,43 @@ class CompressionPanel(Panel):
 
 
 class TablePanel(Panel):
-    """A technique drop-down and a batch slider: the panel measures the step with and without
-    the technique, draws both peaks by category and says whether the seed's claim holds at this
-    size. ``data`` holds what was drawn last."""
+    """A technique drop-down, a batch slider and a sequence slider: the panel measures the step
+    with and without the technique, draws both peaks by category and says whether the
+    curriculum's claim holds at this size. ``data`` holds what was drawn last."""
 
-    def __init__(self, step: StepConfig, batches=(1, 2, 4, 8), *, draw: bool = True):
+    def __init__(self, step: StepConfig, batches=(1, 2, 4, 8), *, seqs: Sequence[int] | None = None,
+                 draw: bool = True):
         self.step, self.data, self._cache = step, None, {}
+        seqs = list(seqs) if seqs else [step.seq]
         self.technique = W.Dropdown(options=list(SINGLE), description="technique")
-        self.batch = W.SelectionSlider(options=list(batches),
-                                       value=step.batch if step.batch in batches else batches[0],
+        self.batch = W.SelectionSlider(options=list(batches), value=_pick(batches, step.batch),
                                        description="batch", continuous_update=False)
+        self.seq = W.SelectionSlider(options=seqs, value=_pick(seqs, step.seq),
+                                     description="seq", continuous_update=False)
         self.status = W.HTML()
         self.output = W.Output()
-        for w in (self.technique, self.batch):
+        for w in (self.technique, self.batch, self.seq):
             w.observe(lambda change: self.refresh(), names="value")
-        self.box = W.VBox([W.HBox([self.technique, self.batch, self.status]), self.output])
+        self.box = W.VBox([W.HBox([self.technique, self.batch, self.seq]), self.status, self.output])
         if draw:
             self.refresh()
 
     def refresh(self) -> dict:
-        key = (self.technique.value, self.batch.value)
+        key = (self.technique.value, self.batch.value, self.seq.value)
         if key not in self._cache:
             try:
-                self._cache[key] = measure_saving(replace(self.step, batch=self.batch.value), key[0])
+                self._cache[key] = measure_saving(replace(self.step, batch=key[1], seq=key[2]), key[0])
             except HostMemoryError as e:
-                return self.refuse(e, technique=key[0], batch=key[1])
+                return self.refuse(e, technique=key[0], batch=key[1], seq=key[2])
         res = self._cache[key]
-        self.data = {"technique": key[0], "batch": key[1], "saving": res["saving"],
+        self.data = {"technique": key[0], "batch": key[1], "seq": key[2], "saving": res["saving"],
                      "verdict": res["verdict"], "refused": None}
-        self.status.value = (f"saved {res['saving']:.0%} (seed: {SEED[key[0]][0]}): "
+        self.status.value = (f"saved {res['saving']:.0%} (curriculum: {SEED[key[0]][0]}): "
                              f"{res['verdict']}")
         reports = {name: MemoryReport("measure", self.step, "cpu", r["peak_bytes"], r["by_category"])
                    for name, r in res.items() if isinstance(r, dict)}
         fig, ax = plt.subplots(figsize=(6.5, 3.2))
-        plot_lenses(reports, ax, title=f"batch {key[1]}: peak by category")
+        plot_lenses(reports, ax, title=f"batch {key[1]}, seq {key[2]}: peak by category")
         fig.tight_layout()
         self.show(fig)
         return self.data
@@ -500,6 +503,69 @@ class PipelinePanel(Panel):
         self.show(fig)
 
 
+class TensorParallelPanel(Panel):
+    """A model drop-down, a sequence slider and the tensor-parallel degree ``t``: draws one
+    layer's activations per rank from :func:`~memlab.parallel.tp_activation_bytes` (Korthikanti
+    et al. 2022, sec. 4.2.1), what stays whole beside what ``t`` divides, for every degree the
+    model allows. ``data`` holds the drawn degree's numbers (bytes)."""
+
+    def __init__(self, model: str = "gpt2-medium", seq: int = 1024, batch: int = 1, *,
+                 seqs: Sequence[int] = (512, 1024, 2048, 4096), draw: bool = True):
+        self.batch, self.data = batch, None
+        self.model = W.Dropdown(options=list(PRESETS), value=_pick(PRESETS, model), description="model")
+        self.seq = W.SelectionSlider(options=list(seqs), value=_pick(seqs, seq), description="seq",
+                                     continuous_update=False)
+        self.t = W.SelectionSlider(options=self.degrees(), description="t", continuous_update=False)
+        self.output = W.Output()
+        self.model.observe(self._model_changed, names="value")
+        for w in (self.seq, self.t):
+            w.observe(lambda change: self.refresh(), names="value")
+        self.box = W.VBox([W.HBox([self.model, self.seq, self.t]), self.output])
+        if draw:
+            self.refresh()
+
+    def degrees(self) -> list[int]:
+        """The powers of two up to 64 that split the chosen model's heads and MLP."""
+        cfg, ok = get_config(self.model.value), []
+        for t in (1, 2, 4, 8, 16, 32, 64):
+            try:
+                tp_activation_bytes(cfg, 1, 1, t)
+                ok.append(t)
+            except InputError:
+                pass
+        return ok
+
+    def _model_changed(self, change) -> None:
+        t, options = self.t.value, self.degrees()
+        with self.t.hold_trait_notifications():
+            self.t.options = options
+            self.t.value = _pick(options, t)
+        self.refresh()
+
+    def refresh(self) -> dict:
+        cfg, seq, t = get_config(self.model.value), self.seq.value, self.t.value
+        parts = {d: tp_activation_bytes(cfg, seq, self.batch, d) for d in self.t.options}
+        f = parts[t]
+        self.data = {"model": self.model.value, "seq": seq, "batch": self.batch, "t": t,
+                     "replicated": f["replicated"], "sharded": f["total"] - f["replicated"],
+                     "total": f["total"]}
+        labels = [str(d) for d in parts]
+        rep = [parts[d]["replicated"] / 2**20 for d in parts]
+        rest = [(parts[d]["total"] - parts[d]["replicated"]) / 2**20 for d in parts]
+        fig, ax = plt.subplots(figsize=(6.5, 3))
+        ax.bar(labels, rep, color="gray", label="stays whole (norms, block inputs)")
+        bars = ax.bar(labels, rest, bottom=rep, color="tab:blue", label="divided by t")
+        bars[list(parts).index(t)].set_edgecolor("red")
+        bars[list(parts).index(t)].set_linewidth(2)
+        ax.set(xlabel="tensor-parallel degree t", ylabel="MiB per layer per rank",
+               title=f"{cfg.name}, seq {seq}, batch {self.batch}: t={t} keeps "
+                     f"{f['total'] / 2**20:.0f} MiB per layer")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        self.show(fig)
+        return self.data
+
+
 def max_activations(report: MemoryReport) -> int:
     """Most activation bytes alive at any point of the step (end of forward, usually): the
     peak by category can sit in the optimizer step, where activations are already gone."""
@@ -513,4 +579,4 @@ def _pick(options: Sequence, value):
 
 
 __all__ = ["Panel", "StepPanel", "CalculatorPanel", "UNetPanel", "AdvisorPanel", "CompressionPanel",
-           "PipelinePanel", "TablePanel", "max_activations"]
+           "PipelinePanel", "TablePanel", "TensorParallelPanel", "max_activations"]

@@ -117,15 +117,22 @@ def test_zero_stages_shard_as_the_paper_says(zero_reports):
 def test_offload_moves_model_states_to_host(zero_reports):
     z3, off = zero_reports[3], zero_reports[4]
     host = off.per_rank[0].allocator["host_bytes"]
-    assert host == _acc(off, "fp32_master") + _acc(off, "optimizer_state") + _acc(off, "parameters")
-    assert _acc(off, "device_bytes") < _acc(z3, "device_bytes") - host * 0.9
+    assert host == _acc(off, "fp32_master") + _acc(off, "optimizer_state") \
+        + _acc(off, "host_gradients") + _acc(off, "gradients") + _acc(off, "parameters")
+    # the optimizer side on the host: fp32 master + two moments + the fp32 gradient partition,
+    # 16 bytes per parameter / N (Ren et al. 2021, ZeRO-Offload, sec. 3.5), whatever the precision
+    n = StepConfig(**SMALL).model_config.num_params()
+    assert host - _acc(off, "parameters") - _acc(off, "gradients") == pytest.approx(16 * n / 2, rel=0.01)
+    # what left the device; the fp32 gradient partition is offload's own (without offload
+    # DeepSpeed makes it only inside step())
+    assert _acc(off, "device_bytes") < _acc(z3, "device_bytes") - (host - _acc(off, "host_gradients")) * 0.9
     assert z3.per_rank[0].allocator["host_bytes"] == 0
     # on CPU the host is the device: the report's host memory is 0, and DeepSpeed's accounting
-    # says what a GPU would keep (the peak less the offloaded master and moments)
+    # says what a GPU would keep (the peak less the offloaded master, moments and gradients)
     rank = off.per_rank[0]
     assert rank.host_bytes == 0 and rank.to_dict()["host_bytes"] == 0
     assert rank.allocator["device_peak_bytes"] == rank.peak_bytes - _acc(off, "fp32_master") \
-        - _acc(off, "optimizer_state")
+        - _acc(off, "optimizer_state") - _acc(off, "host_gradients") - _acc(off, "gradients")
 
 
 def test_to_dict_has_per_rank(zero_reports):

@@ -136,6 +136,19 @@ def test_table_panel_remeasures_when_controls_change():
     plt.close("all")
 
 
+def test_table_panel_sequence_slider_remeasures():
+    from memlab.widgets import TablePanel
+    step = StepConfig(seq=32, batch=1)
+    panel = TablePanel(step, batches=(1,), seqs=(32, 64))
+    panel.technique.value = "mixed precision"
+    assert panel.data["seq"] == 32
+    panel.seq.value = 64
+    base = measure_step(StepConfig(seq=64, batch=1)).peak_bytes
+    bf16 = measure_step(StepConfig(seq=64, batch=1), precision="bf16").peak_bytes
+    assert panel.data["seq"] == 64 and panel.data["saving"] == pytest.approx(1 - bf16 / base, rel=1e-12)
+    plt.close("all")
+
+
 @pytest.mark.distributed
 def test_pipeline_panel_redraws_when_controls_change():
     from memlab.parallel import measure_pipeline
@@ -169,4 +182,24 @@ def test_loss_spike_panel_follows_vocabulary_and_sequence():
     assert panel.data["saving"] >= panel.data["spike_bytes"] * 0.9 > big["saving"]
     panel.vocab.value = 32000
     assert panel.data["saving"] == 0 and panel.data["plain_moment"] == panel.data["chunked_moment"]
+    plt.close("all")
+
+
+def test_tensor_parallel_panel_redraws_with_the_formula():
+    from memlab.models import get_config
+    from memlab.parallel import tp_activation_bytes
+    from memlab.widgets import TensorParallelPanel
+    panel = TensorParallelPanel("gpt2-medium", seq=1024, batch=1)
+    assert panel.t.options == (1, 2, 4, 8, 16)           # 16 heads, MLP 4096
+    panel.t.value = 4
+    f = tp_activation_bytes(get_config("gpt2-medium"), 1024, 1, 4)
+    assert panel.data["t"] == 4 and panel.data["total"] == f["total"]
+    # Korthikanti et al. 2022 sec. 4.2.1, fp32 without dropout: 16 sbh stay whole on every rank
+    h = get_config("gpt2-medium").d_model
+    assert panel.data["replicated"] >= 16 * 1024 * h
+    panel.model.value = "gpt2-xl"                         # 25 heads: 2 and 4 are not allowed
+    assert panel.t.options == (1,) and panel.data["t"] == 1 and panel.data["model"] == "gpt2-xl"
+    panel.seq.value = 2048
+    assert panel.data["seq"] == 2048 and panel.data["total"] == \
+        tp_activation_bytes(get_config("gpt2-xl"), 2048, 1, 1)["total"]
     plt.close("all")

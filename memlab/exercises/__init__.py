@@ -26,6 +26,12 @@ from .checkpoint import CKPT_TOLERANCE, check_checkpointed_block
 from .common import CheckFailed, CheckResult
 from .compression import PACK_TOLERANCE, check_pack_hooks
 from .logits import ESTIMATOR_TOLERANCE, check_estimator
+from .data_parallel import DP_TOLERANCE, check_gradient_average
+from .diffusion import check_skip_bytes
+from .gqa import check_kv_cache
+from .pipeline import check_in_flight
+from .planning import check_min_ranks, reference_min_ranks
+from .table import SAVING_TOLERANCE, check_peak_saving
 from .oom import check_oom_fix
 from .start import check_first_step, check_state_bytes
 from .tensor_parallel import TP_TOLERANCE, check_tensor_parallel
@@ -36,4 +42,7 @@ __all__ = ["CheckResult", "CheckFailed", "check_first_step", "check_state_bytes"
            "check_checkpointed_block", "check_accumulation", "RecordingOptimizer",
            "fake_ranks", "deepspeed_batch_sizes", "run_deepspeed", "check_zero_config",
            "check_offload_config", "check_tensor_parallel", "check_pack_hooks",
+           "check_gradient_average", "DP_TOLERANCE", "check_min_ranks", "reference_min_ranks",
+           "check_kv_cache", "check_skip_bytes", "check_in_flight", "check_peak_saving",
+           "SAVING_TOLERANCE",
            "AMP_TOLERANCE", "CKPT_TOLERANCE", "ACC_TOLERANCE", "TP_TOLERANCE", "PACK_TOLERANCE"]

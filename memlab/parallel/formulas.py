@@ -10,7 +10,10 @@ SCHEDULES = ("gpipe", "1f1b")
 
 
 def bubble_fraction(p: int, m: int) -> float:
-    """Idle share of each stage's time in a GPipe/1F1B step: ``(p - 1) / (m + p - 1)``."""
+    """The bubble as a share of the step's total time, ``(p - 1) / (m + p - 1)``: each stage
+    idles ``p - 1`` of the ``m + p - 1`` micro-batch slots of a GPipe or 1F1B step (GPipe's
+    form, Huang et al. 2019, sec. 2.3). Narayanan et al. 2021 (sec. 2.2.1) divide the same idle
+    time by the ideal compute time instead, ``(p - 1) / m``; the two agree when ``m >> p``."""
     for name, v in (("p", p), ("m", m)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InputError(f"{name} must be a positive integer, got {v!r}")
