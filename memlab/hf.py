@@ -141,6 +141,37 @@ def enable_hf_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
+def add_lora(model, lora: dict):
+    """``peft.get_peft_model(model, LoraConfig(**lora))``, also on fake tensors: peft moves
+    each new adapter to its base layer's device and dtype with ``Module.to``, which swaps
+    parameters and cannot swap fake ones; there, while the adapters are made, ``Module.to``
+    puts converted copies in place instead (the same tensors, the same bytes)."""
+    from peft import LoraConfig, get_peft_model
+    from torch._subclasses.fake_tensor import FakeTensor
+    if not isinstance(next(model.parameters()), FakeTensor):
+        return get_peft_model(model, LoraConfig(**lora))
+    to = torch.nn.Module.to
+    torch.nn.Module.to = _replacing_to
+    try:
+        return get_peft_model(model, LoraConfig(**lora))
+    finally:
+        torch.nn.Module.to = to
+
+
+def _replacing_to(module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
+    """``Module.to`` that replaces parameters and buffers rather than swapping them."""
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for k, t in table.items():
+                if t is None:
+                    continue
+                new = t.detach().to(device=device or t.device,
+                                    dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+                table[k] = torch.nn.Parameter(new, t.requires_grad) if table is m._parameters else new
+    return module
+
+
 def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
              checkpointing: str | None = None, attention: str | None = None,
              lora: dict | None = None, lr: float = 1e-4) -> Callable:
@@ -161,8 +192,7 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
         if checkpointing == "full":
             enable_hf_checkpointing(model)
         if lora is not None:
-            from peft import LoraConfig, get_peft_model
-            model = get_peft_model(model, LoraConfig(**lora))
+            model = add_lora(model, lora)
         params = [p for p in model.parameters() if p.requires_grad]
         return model, torch.optim.AdamW(params, lr=lr, fused=True)
     return build
@@ -210,4 +240,4 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
 
 
 __all__ = ["SUPPORTED", "SHIPPED", "HF_CHECKPOINTING", "shipped_config", "load_config",
-           "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "build_fn", "causal_lm_step", "simulate_hf"]
+           "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "add_lora", "build_fn", "causal_lm_step", "simulate_hf"]
