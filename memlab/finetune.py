@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Iterable
 
 from .errors import InputError
+from .estimate import dtypes, estimate_step
 from .models import GPTConfig
 from .step import MemoryReport, StepConfig, resolve_step
 
@@ -47,8 +48,9 @@ def _shapes(cfg: GPTConfig) -> dict[str, list[tuple[int, int]]]:
             "gate_proj": [(d, f)], "up_proj": [(d, f)], "down_proj": [(f, d)]}
 
 
-def lora_params(cfg: GPTConfig, rank: int, targets: Iterable[str]) -> int:
-    """Adapter parameters of LoRA of ``rank`` on the named modules of every layer."""
+def lora_shapes(cfg: GPTConfig, rank: int, targets: Iterable[str]) -> list[int]:
+    """Element counts of every adapter tensor (``A`` r x in, ``B`` out x r, per targeted
+    module per layer) of LoRA of ``rank`` on the named modules."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise InputError(f"LoRA rank must be a positive integer, got {rank!r}")
     shapes = _shapes(cfg)
@@ -56,7 +58,12 @@ def lora_params(cfg: GPTConfig, rank: int, targets: Iterable[str]) -> int:
     unknown = [t for t in targets if t not in shapes]
     if unknown or not targets:
         raise InputError(f"LoRA target modules {unknown or targets!r}; allowed: {', '.join(shapes)}")
-    return cfg.n_layer * sum(rank * (i + o) for t in set(targets) for i, o in shapes[t])
+    return cfg.n_layer * [n for t in set(targets) for i, o in shapes[t] for n in (rank * i, rank * o)]
+
+
+def lora_params(cfg: GPTConfig, rank: int, targets: Iterable[str]) -> int:
+    """Adapter parameters of LoRA of ``rank`` on the named modules of every layer."""
+    return sum(lora_shapes(cfg, rank, targets))
 
 
 def frozen_saved_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str, rank: int,
@@ -75,7 +82,6 @@ def frozen_saved_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str, ran
     Under full checkpointing only what is outside the recomputed blocks counts (the head's
     input and the final norm).
     """
-    from .estimate import dtypes
     C = dtypes(precision, target).compute
     t, h, f = seq * batch, cfg.d_model, cfg.hidden
     picked = set(targets)
@@ -97,7 +103,6 @@ def estimate_lora(step: StepConfig | None = None, *, rank: int, targets: Iterabl
     """The estimate of a LoRA step: the frozen model plus adapters held, gradients and AdamW
     state for the adapters only, activations as in the full step less what frozen layers do
     not keep (:func:`frozen_saved_bytes`), no cached autocast weight copies."""
-    from .estimate import estimate_step
     step = resolve_step(step, **overrides)
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig):
@@ -159,7 +164,6 @@ def estimate_8bit(step: StepConfig | None = None, *, budget: int | str | None = 
                   target: str = "cpu", **overrides) -> MemoryReport:
     """The estimate of a step whose AdamW keeps 8-bit moments: the optimizer category
     becomes :func:`optimizer_state_bytes` with ``"adamw-8bit"``, the rest as estimated."""
-    from .estimate import estimate_step
     step = resolve_step(step, **overrides)
     if step.optimizer != "adamw" or step.zero or step.offload != "none":
         raise InputError("an 8-bit optimizer is estimated for plain AdamW on one device; "
@@ -173,6 +177,24 @@ def estimate_8bit(step: StepConfig | None = None, *, budget: int | str | None = 
     return out
 
 
+def estimate_finetune(step: StepConfig, *, lora: tuple[int, Iterable[str]] | None = None,
+                      eight_bit: bool = False, budget: int | str | None = None,
+                      target: str = "cuda") -> MemoryReport:
+    """The estimate of a fine-tuning step with the knobs a fine-tuner turns: ``lora`` as
+    ``(rank, target modules)`` (:func:`estimate_lora`), ``eight_bit`` AdamW moments in
+    bitsandbytes' layout (over the adapters when LoRA is on). The "will it fit?" panel draws it."""
+    if lora is None:
+        return (estimate_8bit if eight_bit else estimate_step)(step, budget=budget, target=target)
+    rank, targets = lora
+    report = estimate_lora(step, rank=rank, targets=targets, budget=budget, target=target)
+    if eight_bit:
+        shapes = lora_shapes(step.model_config, rank, targets)
+        report.by_category["optimizer"] = adam_state_bytes(shapes, "adamw-8bit")
+        report.peak_bytes = sum(report.by_category.values())
+        report.notes.append("AdamW 8-bit on the adapters (bitsandbytes layout)")
+    return report
+
+
 __all__ = ["LLAMA_TARGETS", "GPT2_TARGETS", "BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "OPTIMIZER_STATES",
-           "lora_params", "frozen_saved_bytes", "estimate_lora", "adam_state_bytes", "gpt_param_shapes",
-           "optimizer_state_bytes", "estimate_8bit"]
+           "lora_shapes", "lora_params", "frozen_saved_bytes", "estimate_lora", "adam_state_bytes",
+           "gpt_param_shapes", "optimizer_state_bytes", "estimate_8bit", "estimate_finetune"]
