@@ -109,7 +109,7 @@ def state_bytes_per_param(optimizer) -> int:
 
 
 def _states_refused(model: nn.Module, optimizer, info: ModelStep, device: str,
-                    budget_bytes: int) -> MemoryReport | None:
+                    budget_bytes: int, lens: str = "measure") -> MemoryReport | None:
     """The guard where the size is known: parameters, gradients and optimizer state of the
     model as built. A ``fits: false`` report at phase ``build`` when they exceed the budget."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -128,7 +128,7 @@ def _states_refused(model: nn.Module, optimizer, info: ModelStep, device: str,
            f"budget {fmt_bytes(budget_bytes)}, so {fmt_bytes(need - budget_bytes)} short. "
            f"Not run: no activation could fit.")
     oom = OOMInfo("model states", info.name, "build", need, need, budget_bytes, msg, cats)
-    report = MemoryReport("measure", info, device, need, cats, budget_bytes, None, oom)
+    report = MemoryReport(lens, info, device, need, cats, budget_bytes, None, oom)
     report.notes.append("refused before running: peak_bytes are the model states, counted")
     return report
 
@@ -238,7 +238,8 @@ def simulate_model(build_fn: Callable[[], tuple[nn.Module, object]],
     (CUDA's autocast lists, kernels, workspaces, 512-byte blocks; a GPU preset ``budget``
     picks the card's cuBLAS workspace); ``"cpu"`` as this CPU (equal to :func:`track_step`).
     The optimizer state is created first (zero gradients, one step), then one step is
-    tracked. ``known`` labels the report (``seq``, ``batch``, ``precision``, ...).
+    tracked. ``known`` labels the report (``seq``, ``batch``, ``precision``, ...). Under a
+    ``budget`` that the model states alone exceed, the step is not run (a ``build`` OOM).
     """
     tgt = get_target(target, budget)
     budget_bytes = resolve_budget(budget)
@@ -250,6 +251,10 @@ def simulate_model(build_fn: Callable[[], tuple[nn.Module, object]],
             raise InputError(f"build_fn must return (model, optimizer), got {type(built).__name__}")
         model, optimizer = built
         info = model_step(model, **known)
+        refused = (_states_refused(model, optimizer, info, f"{tgt.name} (fake)", budget_bytes, "simulate")
+                   if budget_bytes is not None else None)
+        if refused is not None:
+            return refused
         trainer = _FnTrainer(model, optimizer, torch.device("cpu"), lambda: step_fn(model, optimizer))
         tracker, _, before, after = run_tracked_step(trainer, (), budget_bytes, warmup="optimizer",
                                                      accounting=tgt.accounting())

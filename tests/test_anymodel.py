@@ -120,3 +120,12 @@ def test_unsupported_architecture_is_refused(tmp_path, capsys):
     assert main(["estimate", "--hf-config", str(tmp_path / "nothing.json")]) == 2
     assert main(["simulate", "--hf-config", "gpt2", "--seq", "2048"]) == 2
     assert "1-1024" in capsys.readouterr().err
+
+
+def test_simulate_refuses_model_states_over_the_budget():
+    """Qwen2.5-7B's fp32 weights, gradients and AdamW moments (16 B per parameter, 114 GiB)
+    exceed an 80 GB card before any activation: said at build, not at the first op."""
+    rep = hf.simulate_hf("qwen2.5-7b", seq=4096, batch=1, precision="bf16", checkpointing="full",
+                         budget="A100-80GB")
+    assert rep.fits is False and rep.oom.phase == "build"
+    assert rep.peak_bytes == 16 * hf.gpt_config("qwen2.5-7b").num_params()
