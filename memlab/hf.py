@@ -117,7 +117,7 @@ def step_config(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                       checkpointing=checkpointing, attention=attention, **more)
 
 
-def hf_config(cfg: dict | str | pathlib.Path, attention: str | None = None):
+def hf_config(cfg: dict | str | pathlib.Path):
     """The ``transformers`` config object (no network: built from the dict)."""
     from transformers import AutoConfig
     d = load_config(cfg)
@@ -127,7 +127,6 @@ def hf_config(cfg: dict | str | pathlib.Path, attention: str | None = None):
         conf = AutoConfig.for_model(kind, **d)
     except ValueError as e:
         raise InputError(f"model_type {kind!r} is unknown to transformers ({e})") from None
-    conf._attn_implementation = {"naive": "eager", "sdpa": "sdpa", None: "sdpa"}[attention]
     return conf
 
 
@@ -182,12 +181,13 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
     if (checkpointing or "none") not in HF_CHECKPOINTING:
         raise InputError(f"checkpointing={checkpointing!r} for a Hugging Face model; allowed: "
                          f"{', '.join(HF_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
-    conf = hf_config(cfg, attention)
+    conf = hf_config(cfg)
+    attn = {"naive": "eager", "sdpa": "sdpa", None: "sdpa"}[attention]  # memlab's names -> HF's
 
     def build():
         from transformers import AutoModelForCausalLM
         dtype = torch.bfloat16 if precision == "pure-bf16" else torch.float32
-        model = AutoModelForCausalLM.from_config(conf, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(conf, dtype=dtype, attn_implementation=attn)
         model.train()
         if checkpointing == "full":
             enable_hf_checkpointing(model)
