@@ -165,6 +165,8 @@ def check_leak_fixed(script_or_fn: Callable[[], object] | str | pathlib.Path, *,
     what still grows."""
     from .exercises import CheckFailed, CheckResult  # the exercises package owns the verdicts
     name = "leak fix"
+    if script_or_fn is None:  # the student copy's stub: not written yet
+        raise CheckFailed(f"{name}: write `train` (your fixed loop) in the cell above")
     growth = watch_steps(script_or_fn, budget=budget)
     grows = growth.per_step > tolerance
     if growth.oom is not None or grows:

@@ -117,3 +117,5 @@ def test_buggy_script_runs_out_of_memory_and_the_fix_runs_past_it(tmp_path, forw
     assert check_leak_fixed(str(path), budget=budget, past_step=buggy.oom_step).measured["steps"] == 8
     with pytest.raises(CheckFailed, match="ran 8 optimizer steps; run it past step 9"):
         check_leak_fixed(path, budget=budget, past_step=9)
+    with pytest.raises(CheckFailed, match="write `train`"):  # the student copy's stub
+        check_leak_fixed(None, budget=budget, past_step=9)
