@@ -166,7 +166,7 @@ def check_leak_fixed(script_or_fn: Callable[[], object] | str | pathlib.Path, *,
     from .exercises import CheckFailed, CheckResult  # the exercises package owns the verdicts
     name = "leak fix"
     if script_or_fn is None:  # the student copy's stub: not written yet
-        raise CheckFailed(f"{name}: write `train` (your fixed loop) in the cell above")
+        raise CheckFailed(f"{name}: write `train` in the cell above (your fixed loop)")
     growth = watch_steps(script_or_fn, budget=budget)
     grows = growth.per_step > tolerance
     if growth.oom is not None or grows:
