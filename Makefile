@@ -33,7 +33,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip -c constraints.txt
-	$(PY) -m pip install -q -c constraints.txt -e '.[lab,dist,test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[lab,dist,test,hf]'
 	@touch $@
 
 # Every notebook names the kernel "python3", which ipykernel provides in whatever environment

@@ -11,6 +11,7 @@ from .hardware import (GPU_PRESETS, GiB, MiB, Placement, fmt_bytes, parse_size, 
 from .measure import measure_step, time_step
 from .step import MemoryReport, StepConfig, build_trainer, make_batch
 from .simulate import simulate_step
+from .anymodel import simulate_model, track_step
 from .models import GPT, PRESETS, UNET_PRESETS, GPTConfig, UNet, UNetConfig, build_model, get_config
 from .tracking import CATEGORIES, MemoryTracker
 

@@ -87,6 +87,9 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = F
     p.add_argument("--gpu", default=None, help=f"budget from a card: {', '.join(GPU_PRESETS)}")
     p.add_argument("--budget", default=None, help="budget as a size: 512MiB, 40GB, 1073741824")
     if target:
+        p.add_argument("--hf-config", default=None, metavar="PATH",
+                       help="a Hugging Face config.json (or its folder, or a shipped name: "
+                            "llama-3-8b, qwen2.5-7b, mistral-7b, gpt2) instead of --model")
         p.add_argument("--target", default="cuda",
                        help="device whose autocast policy, kernels and workspaces are counted: "
                             "cuda (default) or cpu")
@@ -228,6 +231,8 @@ def run(args: argparse.Namespace) -> Result:
         get_target(args.target)  # a bad --target is a usage error before any work
         # a card's name also tells the target its architecture (cuBLAS workspace size)
         budget = args.gpu if args.gpu is not None else budget
+        if args.hf_config is not None:
+            return _hf_step(args, budget)
     if args.command == "estimate":
         from .estimate import estimate_step
         return estimate_step(step, budget=budget, target=args.target)
@@ -243,6 +248,24 @@ def run(args: argparse.Namespace) -> Result:
         return measure_distributed(step, device=args.device, budget=budget)
     from .measure import measure_step
     return measure_step(step, device=args.device, budget=budget, snapshot_path=args.snapshot)
+
+
+def _hf_step(args: argparse.Namespace, budget: int | str | None) -> MemoryReport:
+    """estimate or simulate of a Hugging Face config.json (:mod:`memlab.hf`)."""
+    from . import hf
+    if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
+        raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
+    kw = dict(seq=args.seq, batch=args.batch, precision=args.precision,
+              checkpointing=args.checkpointing, attention=args.attention)
+    if args.command == "estimate":
+        from .estimate import estimate_step
+        step = hf.step_config(args.hf_config, optimizer=args.optimizer, micro_batches=args.micro_batches,
+                              zero=args.zero, world_size=args.world_size, offload=args.offload, **kw)
+        return estimate_step(step, budget=budget, target=args.target)
+    if (args.micro_batches, args.zero, args.world_size, args.offload, args.optimizer) != (1, 0, 1, "none", "adamw"):
+        raise InputError("simulate --hf-config runs one AdamW step on one device; allowed: no "
+                         "--micro-batches/--zero/--world-size/--offload/--optimizer (use estimate)")
+    return hf.simulate_hf(args.hf_config, target=args.target, budget=budget, **kw)
 
 
 def _simulate_sharded(step: StepConfig, budget: int | str | None, target: str) -> MemoryReport:

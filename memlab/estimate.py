@@ -240,9 +240,9 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     held, late = states.get("held", 0.0), states.get("late", 0.0)
     scratch, gathered = states.get("step", 0.0), states.get("gathered", 0.0)
     acts = activation_bytes(cfg, seq, batch, step.precision, target.name, tp)
-    A = sum(acts.values())
+    A = sum(acts.values()) - states.get("frozen", 0.0)
     v = -(-v // tp)  # from here on: this rank's share of the vocabulary
-    head_grad = v * h * d.grad / (step.world_size // tp if step.zero >= 2 else 1)
+    head_grad = min(G, v * h * d.grad / (step.world_size // tp if step.zero >= 2 else 1))
     layer_grad = G * (1 - cfg.vocab_size * h / cfg.num_params()) / L if L else 0
     # With accumulation, gradients of earlier micro-batches are already there.
     G_prev = G if k > 1 else 0.0
@@ -250,6 +250,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     # Autocast's weight casts live until the forward ends; under full checkpointing autograd
     # does not keep them, so at the loss they are scratch (policy._CastCache).
     cached = d.weight_copy * L * _linear_weights(cfg)[0] / tp if cfg.checkpointing == "full" else 0
+    cached = 0 if "frozen" in states else cached
     m = {}
     if cfg.loss == "chunked":
         for moment, cats in chunked_loss_moments(replace(cfg, vocab_size=v), t, step.precision,
@@ -340,7 +341,8 @@ def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float],
 
 
 def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
-                  target: str = "cpu", tensor_parallel: int = 1, **overrides) -> MemoryReport:
+                  target: str = "cpu", tensor_parallel: int = 1, trainable_params: int | None = None,
+                  frozen_activation_bytes: float = 0.0, **overrides) -> MemoryReport:
     """Closed-form peak bytes of one steady-state training step, by category, per rank.
 
     ``batch`` is per rank; ``zero``, ``world_size`` and ``offload`` shard and move the model
@@ -357,6 +359,11 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     each block's activations, and a vocabulary-parallel loss; without sequence parallelism the
     residual stream, the norms and the checkpointed block inputs stay whole on every rank
     (:func:`activation_bytes`).
+
+    ``trainable_params``: adapters trained on a frozen model (LoRA, :mod:`memlab.finetune`):
+    the parameters grow by them, gradients and optimizer state are theirs alone, and autocast
+    caches no weight copies (it caches casts of leaves that require grad only);
+    ``frozen_activation_bytes`` are the activations the frozen layers do not keep.
     """
     tgt = get_target(target, budget)
     step = resolve_step(step, **overrides)
@@ -373,6 +380,10 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     ms = model_states(cfg, precision=step.precision, optimizer=step.optimizer, zero=step.zero,
                       world_size=step.world_size // tp, offload=step.offload)
     states = {k: x / tp for k, x in ms.peak_inputs().items()}
+    if trainable_params is not None:  # bytes per parameter are uniform: scale by the count
+        share = trainable_params / cfg.num_params()
+        states.update(parameters=states["parameters"] * (1 + share), frozen=frozen_activation_bytes,
+                      gradients=states["gradients"] * share, optimizer=states["optimizer"] * share)
     # the forward runs in the precision the model is cast to (DeepSpeed: 16 bits, no autocast)
     run = replace(step, precision=ms.compute_precision) if ms.deepspeed else step
     if isinstance(cfg, UNetConfig):

@@ -561,6 +561,57 @@ class TensorParallelPanel(Panel):
                title=f"{cfg.name}, seq {seq}, batch {self.batch}: t={t} keeps "
                      f"{f['total'] / 2**20:.0f} MiB per layer")
         ax.legend(fontsize=8)
+class FinetunePanel(Panel):
+    """"Will my fine-tune fit?": a Hugging Face config (:mod:`memlab.hf`) on a GPU, with
+    sequence and batch sliders and knobs for precision, checkpointing, LoRA and 8-bit AdamW.
+    Estimate only (:func:`memlab.finetune.estimate_finetune`), so every change redraws at
+    once; ``data`` holds the report drawn last."""
+
+    LORA = {"off": None, "r=16 q,v": (16, ("q_proj", "v_proj")),
+            "r=16 all linear": (16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj"))}
+
+    def __init__(self, hf_config: str = "llama-3-8b", gpu: str = "RTX4090-24GB", *,
+                 seqs: Sequence[int] = (512, 1024, 2048, 4096), batches: Sequence[int] = (1, 2, 4, 8),
+                 draw: bool = True):
+        from .finetune import estimate_finetune
+        from .hf import step_config
+        self.hf_config, self._estimate, self._step = hf_config, estimate_finetune, step_config
+        slider = lambda opts, name: W.SelectionSlider(options=list(opts), value=opts[0],  # noqa: E731
+                                                      description=name, continuous_update=False)
+        self.seq, self.batch = slider(seqs, "seq"), slider(batches, "batch")
+        self.gpu = W.Dropdown(options=list(GPU_PRESETS), value=gpu, description="GPU")
+        self.precision = W.Dropdown(options=["fp32", "bf16", "pure-bf16"], value="bf16",
+                                    description="precision")
+        self.checkpointing = W.Dropdown(options=["none", "full"], value="none", description="ckpt")
+        self.lora = W.Dropdown(options=list(self.LORA), value="off", description="LoRA")
+        self.eight_bit = W.Checkbox(value=False, description="8-bit AdamW")
+        self.status, self.output, self.data = W.HTML(), W.Output(), None
+        controls = [self.seq, self.batch, self.gpu, self.precision, self.checkpointing, self.lora,
+                    self.eight_bit]
+        for w in controls:
+            w.observe(lambda change: self.refresh(), names="value")
+        self.box = W.VBox([W.HBox(controls[:3]), W.HBox(controls[3:]), self.status, self.output])
+        if draw:
+            self.refresh()
+
+    def estimate(self) -> MemoryReport:
+        """The estimate for the controls as they are now."""
+        step = self._step(self.hf_config, seq=self.seq.value, batch=self.batch.value,
+                          precision=self.precision.value, checkpointing=self.checkpointing.value)
+        return self._estimate(step, lora=self.LORA[self.lora.value], eight_bit=self.eight_bit.value,
+                              budget=self.gpu.value, target="cuda")
+
+    def refresh(self) -> dict:
+        r = self.estimate()
+        self.data = {"peak_bytes": r.peak_bytes, "fits": r.fits, "by_category": dict(r.by_category),
+                     "report": r}
+        self.status.value = (f"{r.peak_bytes / 2**30:.1f} GiB on {self.gpu.value} "
+                             f"({r.budget_bytes / 2**30:.0f} GiB): "
+                             f"<b>{'fits' if r.fits else 'does NOT fit'}</b>")
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        plot_lenses({"estimate": r}, ax, title=f"{self.hf_config}: seq {self.seq.value} x batch "
+                                               f"{self.batch.value}, LoRA {self.lora.value}")
         fig.tight_layout()
         self.show(fig)
         return self.data
@@ -579,4 +630,4 @@ def _pick(options: Sequence, value):
 
 
 __all__ = ["Panel", "StepPanel", "CalculatorPanel", "UNetPanel", "AdvisorPanel", "CompressionPanel",
-           "PipelinePanel", "TablePanel", "TensorParallelPanel", "max_activations"]
+           "PipelinePanel", "TablePanel", "TensorParallelPanel", "FinetunePanel", "max_activations"]

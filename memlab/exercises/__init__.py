@@ -15,11 +15,6 @@ process group (:func:`fake_ranks`): DeepSpeed builds exactly the partitions that
 while collectives exchange nothing. Bytes and configs are real; losses are not.
 """
 
-from ..deepspeed_tools import (  # the notebooks' tools, kept reachable
-           deepspeed_batch_sizes,
-           fake_ranks,
-           run_deepspeed,
-)
 from .accumulation import ACC_TOLERANCE, RecordingOptimizer, check_accumulation
 from .amp import AMP_TOLERANCE, check_amp_step, reference_amp_step
 from .checkpoint import CKPT_TOLERANCE, check_checkpointed_block
@@ -40,7 +35,7 @@ from .zero import check_offload_config, check_zero_config
 __all__ = ["CheckResult", "CheckFailed", "check_first_step", "check_state_bytes", "check_estimator",
            "ESTIMATOR_TOLERANCE", "check_oom_fix", "check_amp_step", "reference_amp_step",
            "check_checkpointed_block", "check_accumulation", "RecordingOptimizer",
-           "fake_ranks", "deepspeed_batch_sizes", "run_deepspeed", "check_zero_config",
+           "check_zero_config",
            "check_offload_config", "check_tensor_parallel", "check_pack_hooks",
            "check_gradient_average", "DP_TOLERANCE", "check_min_ranks", "reference_min_ranks",
            "check_kv_cache", "check_skip_bytes", "check_in_flight", "check_peak_saving",

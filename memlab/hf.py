@@ -1,0 +1,243 @@
+"""Hugging Face models from their ``config.json``: no download, no weights.
+
+A Hugging Face model is fully described, for memory, by its ``config.json``. This module
+reads one (a file, or a folder holding one) and gives the two lenses what they need:
+
+* :func:`gpt_config` maps the architectures memlab's GPT covers onto a
+  :class:`~memlab.models.GPTConfig` for the estimate: Llama, Mistral and Qwen2 (SwiGLU,
+  RMSNorm, rotary positions, grouped-query attention; Qwen2 with q/k/v biases) and GPT-2
+  (GELU, LayerNorm, learned positions, tied head). Any other ``model_type`` is refused with
+  the list of those supported.
+* :func:`simulate_hf` builds the real ``transformers`` class (``AutoModelForCausalLM``) on
+  fake tensors through :func:`memlab.anymodel.simulate_model`, so any causal LM whose code
+  ``transformers`` has can be simulated.
+
+Hugging Face computes the rotary ``cos``/``sin`` for the tokens of each forward instead of
+keeping tables of ``max_position_embeddings`` rows per layer as memlab's GPT does, so the
+mapped config's ``block_size`` is the sequence length of the step (the context length still
+bounds it). The published ``config.json`` of Llama-3-8B, Qwen2.5-7B, Mistral-7B-v0.1 and
+GPT-2 ship in ``memlab/data/hf_configs`` (:data:`SHIPPED`).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import replace
+from importlib import resources
+from typing import Callable
+
+import torch
+
+from .errors import InputError
+from .models import GPTConfig
+from .step import MemoryReport, StepConfig
+
+#: model_type -> what memlab's GPT calls it; the estimate covers these.
+SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
+#: Shipped configs: name -> file in memlab/data/hf_configs.
+SHIPPED = {"llama-3-8b": "llama-3-8b.json", "qwen2.5-7b": "qwen2.5-7b.json",
+           "mistral-7b": "mistral-7b.json", "gpt2": "gpt2.json"}
+HF_CHECKPOINTING = ("none", "full")  # HF checkpoints whole decoder layers (or nothing)
+
+
+def shipped_config(name: str) -> dict:
+    """One of the shipped published configs (:data:`SHIPPED`) as a dict."""
+    if name not in SHIPPED:
+        raise InputError(f"no shipped config {name!r}; allowed: {', '.join(SHIPPED)}")
+    text = resources.files("memlab").joinpath("data", "hf_configs", SHIPPED[name]).read_text()
+    return json.loads(text)
+
+
+def load_config(path: str | pathlib.Path | dict) -> dict:
+    """A ``config.json`` as a dict: ``path`` is the file, a folder holding it, the name of a
+    shipped config (``"llama-3-8b"``), or already a dict."""
+    if isinstance(path, dict):
+        cfg = dict(path)
+    elif str(path) in SHIPPED:
+        cfg = shipped_config(str(path))
+    else:
+        p = pathlib.Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise InputError(f"--hf-config {str(path)!r}: no such config.json; allowed: a "
+                             f"config.json file, a folder holding one, or {', '.join(SHIPPED)}")
+        try:
+            cfg = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"--hf-config {str(p)!r} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise InputError(f"--hf-config {str(path)!r} has no model_type; allowed: a Hugging Face "
+                         f"config.json")
+    return cfg
+
+
+def _get(cfg: dict, *names: str):
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    raise InputError(f"config.json of model_type {cfg['model_type']!r} lacks {names[0]!r}")
+
+
+def gpt_config(cfg: dict | str | pathlib.Path, seq: int | None = None) -> GPTConfig:
+    """memlab's GPT of the same shapes as a Hugging Face config (see the module doc);
+    ``seq`` sets ``block_size`` (HF's per-forward rotary tables), checked against the context."""
+    cfg = load_config(cfg)
+    kind = cfg["model_type"]
+    if kind not in SUPPORTED:
+        raise InputError(f"model_type {kind!r} has no memlab GPT equivalent for the estimate; "
+                         f"supported: {', '.join(SUPPORTED)} (memlab simulate --hf-config "
+                         f"builds any causal LM)")
+    context = int(_get(cfg, "max_position_embeddings", "n_positions"))
+    if seq is not None and seq > context:
+        raise InputError(f"seq {seq} exceeds the model's context of {context} tokens; "
+                         f"allowed: 1-{context}")
+    name = cfg.get("_name_or_path") or (cfg.get("architectures") or [kind])[0]
+    if kind == "gpt2":
+        return GPTConfig(n_layer=_get(cfg, "n_layer"), n_head=_get(cfg, "n_head"),
+                         d_model=_get(cfg, "n_embd"), vocab_size=_get(cfg, "vocab_size"),
+                         block_size=context, mlp_hidden=cfg.get("n_inner"), name=name)
+    d, heads = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
+    if cfg.get("head_dim") not in (None, d // heads):
+        raise InputError(f"head_dim={cfg['head_dim']} differs from hidden_size/num_attention_heads "
+                         f"= {d // heads}; memlab's GPT needs them equal (use simulate)")
+    return GPTConfig(n_layer=_get(cfg, "num_hidden_layers"), n_head=heads, d_model=d,
+                     vocab_size=_get(cfg, "vocab_size"), block_size=seq or context, mlp="swiglu",
+                     mlp_hidden=_get(cfg, "intermediate_size"), norm="rmsnorm", position="rope",
+                     bias=False, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                     name=name, n_kv_head=cfg.get("num_key_value_heads") or heads,
+                     qkv_bias=True if kind == "qwen2" else bool(cfg.get("attention_bias", False)),
+                     rope_theta=float(cfg.get("rope_theta", 10000.0)))
+
+
+def step_config(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
+                checkpointing: str | None = None, attention: str | None = None, **more) -> StepConfig:
+    """A :class:`StepConfig` of the mapped GPT, for :func:`memlab.estimate_step`."""
+    return StepConfig(model=gpt_config(cfg, seq), seq=seq, batch=batch, precision=precision,
+                      checkpointing=checkpointing, attention=attention, **more)
+
+
+def hf_config(cfg: dict | str | pathlib.Path):
+    """The ``transformers`` config object (no network: built from the dict)."""
+    from transformers import AutoConfig
+    d = load_config(cfg)
+    d.pop("transformers_version", None)
+    kind = d.pop("model_type")
+    try:
+        conf = AutoConfig.for_model(kind, **d)
+    except ValueError as e:
+        raise InputError(f"model_type {kind!r} is unknown to transformers ({e})") from None
+    return conf
+
+
+def enable_hf_checkpointing(model) -> None:
+    """HF's own per-layer checkpointing, non-reentrant: ``activation_checkpointing_enable``
+    (transformers >= 5.x), which older releases call ``gradient_checkpointing_enable``."""
+    kw = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+
+
+def add_lora(model, lora: dict):
+    """``peft.get_peft_model(model, LoraConfig(**lora))``, also on fake tensors: peft moves
+    each new adapter to its base layer's device and dtype with ``Module.to``, which swaps
+    parameters and cannot swap fake ones; there, while the adapters are made, ``Module.to``
+    puts converted copies in place instead (the same tensors, the same bytes)."""
+    from peft import LoraConfig, get_peft_model
+    from torch._subclasses.fake_tensor import FakeTensor
+    if not isinstance(next(model.parameters()), FakeTensor):
+        return get_peft_model(model, LoraConfig(**lora))
+    to = torch.nn.Module.to
+    torch.nn.Module.to = _replacing_to
+    try:
+        return get_peft_model(model, LoraConfig(**lora))
+    finally:
+        torch.nn.Module.to = to
+
+
+def _replacing_to(module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
+    """``Module.to`` that replaces parameters and buffers rather than swapping them."""
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for k, t in table.items():
+                if t is None:
+                    continue
+                new = t.detach().to(device=device or t.device,
+                                    dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+                table[k] = torch.nn.Parameter(new, t.requires_grad) if table is m._parameters else new
+    return module
+
+
+def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
+             checkpointing: str | None = None, attention: str | None = None,
+             lora: dict | None = None, lr: float = 1e-4) -> Callable:
+    """A ``build_fn`` for :func:`memlab.simulate_model`: the HF causal LM (fp32 master
+    weights, or bf16 ones for ``pure-bf16``), HF's own gradient checkpointing for
+    ``checkpointing="full"``, LoRA adapters from ``lora`` (``peft.LoraConfig`` keywords),
+    and a fused AdamW over the trainable parameters."""
+    if (checkpointing or "none") not in HF_CHECKPOINTING:
+        raise InputError(f"checkpointing={checkpointing!r} for a Hugging Face model; allowed: "
+                         f"{', '.join(HF_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
+    conf = hf_config(cfg)
+    attn = {"naive": "eager", "sdpa": "sdpa", None: "sdpa"}[attention]  # memlab's names -> HF's
+
+    def build():
+        from transformers import AutoModelForCausalLM
+        dtype = torch.bfloat16 if precision == "pure-bf16" else torch.float32
+        model = AutoModelForCausalLM.from_config(conf, dtype=dtype, attn_implementation=attn)
+        model.train()
+        if checkpointing == "full":
+            enable_hf_checkpointing(model)
+        if lora is not None:
+            model = add_lora(model, lora)
+        params = [p for p in model.parameters() if p.requires_grad]
+        return model, torch.optim.AdamW(params, lr=lr, fused=True)
+    return build
+
+
+def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | None = None) -> Callable:
+    """A ``step_fn(model, optimizer)``: random tokens, ``model(input_ids, labels).loss`` under
+    the precision's autocast (on the model's device type), backward, step, zero_grad."""
+    from .step import autocast_for
+
+    def step(model, optimizer):
+        device = next(model.parameters()).device
+        v = vocab or model.config.vocab_size
+        ids = torch.randint(0, v, (batch, seq), device=device)
+        with autocast_for(precision, device):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
+                checkpointing: str | None = None, attention: str | None = None,
+                target: str = "cuda", budget: int | str | None = None,
+                lora: dict | None = None) -> MemoryReport:
+    """One training step of the HF model of ``cfg`` on fake tensors (:func:`simulate_model`)."""
+    from .anymodel import simulate_model
+    from .step import PRECISIONS
+    if precision not in PRECISIONS or precision == "fp16":
+        raise InputError(f"precision={precision!r} for a Hugging Face step; allowed: fp32, bf16, "
+                         f"pure-bf16")
+    d = load_config(cfg)
+    context = d.get("max_position_embeddings") or d.get("n_positions")
+    if context and seq > context:
+        raise InputError(f"seq {seq} exceeds the model's context of {context} tokens; "
+                         f"allowed: 1-{context}")
+    report = simulate_model(build_fn(d, precision=precision, checkpointing=checkpointing,
+                                     attention=attention, lora=lora),
+                            causal_lm_step(seq, batch, precision), target=target, budget=budget,
+                            seq=seq, batch=batch, precision=precision,
+                            checkpointing=checkpointing or "none")
+    report.step = replace(report.step, name=(d.get("architectures") or [d["model_type"]])[0])
+    return report
+
+
+__all__ = ["SUPPORTED", "SHIPPED", "HF_CHECKPOINTING", "shipped_config", "load_config",
+           "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "add_lora", "build_fn", "causal_lm_step", "simulate_hf"]

@@ -1,0 +1,145 @@
+"""LoRA through peft, HF's own checkpointing and 8-bit optimizer state, measured.
+
+Expected numbers: what peft itself reports, 8 bytes per trainable parameter for fp32 AdamW,
+memlab's own GPT with checkpointing="full", bitsandbytes' own state tensors (where it runs).
+"""
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from memlab import finetune, hf, measure_step  # noqa: E402
+from memlab.anymodel import track_step  # noqa: E402
+from memlab.models import GPT, PRESETS  # noqa: E402
+from memlab.tracking import CATEGORIES  # noqa: E402
+
+SMALL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+         "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 512,
+         "tie_word_embeddings": False}
+GPT2 = {"model_type": "gpt2", "n_embd": 128, "n_layer": 2, "n_head": 4, "vocab_size": 500,
+        "n_positions": 256}
+SEQ, BATCH = 128, 4
+ACT, GRAD = CATEGORIES.index("activations"), CATEGORIES.index("gradients")
+
+
+def _lora(targets, r=8):
+    return dict(r=r, target_modules=list(targets), lora_alpha=2 * r, lora_dropout=0.0)
+
+
+def _measure(cfg, precision="fp32", **kw):
+    torch.manual_seed(0)
+    model, opt = hf.build_fn(cfg, **kw)()
+    step = hf.causal_lm_step(SEQ, BATCH, precision)
+    return model, opt, track_step(lambda: step(model, opt), model=model, optimizer=opt)
+
+
+@pytest.mark.parametrize("cfg,targets", [(SMALL, ["q_proj", "v_proj"]),
+                                         (SMALL, finetune.LLAMA_TARGETS),
+                                         (GPT2, finetune.GPT2_TARGETS)])
+def test_lora_count_equals_peft(cfg, targets):
+    torch.manual_seed(0)
+    model, _ = hf.build_fn(cfg, lora=_lora(targets))()
+    trainable, _ = model.get_nb_trainable_parameters()
+    assert finetune.lora_params(hf.gpt_config(cfg), 8, targets) == trainable
+
+
+def test_lora_step_keeps_state_only_for_adapters():
+    model, opt, report = _measure(SMALL, lora=_lora(["q_proj", "v_proj"]))
+    trainable, _ = model.get_nb_trainable_parameters()
+    tensors = [p for p in model.parameters() if p.requires_grad]
+    # fp32 AdamW: two moments of 4 bytes per trainable parameter, plus the fused kernel's
+    # fp32 step counter per tensor
+    assert report.by_category["optimizer"] == 8 * trainable + 4 * len(tensors)
+    assert max(e.by_category[GRAD] for e in report.timeline) == 4 * trainable
+    n = sum(p.numel() for p in model.parameters())
+    assert report.by_category["parameters"] == 4 * n  # the frozen model is still held
+
+
+@pytest.mark.parametrize("targets,ckpt,precision", [
+    (["q_proj", "v_proj"], None, "fp32"), (["q_proj", "v_proj"], "full", "bf16"),
+    (finetune.LLAMA_TARGETS, None, "bf16"), (finetune.LLAMA_TARGETS, "full", "fp32")])
+def test_lora_estimate_tracks_the_measured_step(targets, ckpt, precision):
+    _, _, report = _measure(SMALL, precision, lora=_lora(targets), checkpointing=ckpt)
+    est = finetune.estimate_lora(hf.step_config(SMALL, seq=SEQ, batch=BATCH, checkpointing=ckpt,
+                                                precision=precision), rank=8, targets=targets)
+    assert est.peak_bytes == pytest.approx(report.peak_bytes, rel=0.11)
+
+
+def test_lora_estimate_of_llama_3_8b_within_3_percent_of_simulate():
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    kw = dict(seq=2048, batch=1, precision="bf16", checkpointing="full")
+    sim = hf.simulate_hf("llama-3-8b", target="cuda", lora=_lora(targets, 16), **kw)
+    est = finetune.estimate_lora(hf.step_config("llama-3-8b", **kw), rank=16, targets=targets,
+                                 target="cuda")
+    assert est.peak_bytes == pytest.approx(sim.peak_bytes, rel=0.03)
+    assert sim.by_category["optimizer"] < 0.01 * sim.by_category["parameters"]
+
+
+def test_lora_rejects_unknown_targets():
+    with pytest.raises(ValueError, match="allowed: q_proj"):
+        finetune.lora_params(hf.gpt_config(SMALL), 8, ["qkv"])
+
+
+def test_hf_checkpointing_keeps_what_memlab_full_keeps():
+    """HF's per-layer checkpointing and memlab's checkpointing="full" both keep one input per
+    decoder layer: the most activations alive at once agree within 5%, under a sixth of no
+    checkpointing's (the loss's logits and log-probabilities are kept either way)."""
+    kept = {}
+    for ckpt in ("none", "full"):
+        _, _, hf_rep = _measure(SMALL, checkpointing=ckpt)
+        ml = measure_step(hf.step_config(SMALL, seq=SEQ, batch=BATCH, checkpointing=ckpt))
+        kept[ckpt] = [max(e.by_category[ACT] for e in r.timeline) for r in (hf_rep, ml)]
+    assert kept["full"][0] == pytest.approx(kept["full"][1], rel=0.05)
+    assert kept["full"][0] < kept["none"][0] / 6
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt2-small", "llama-3-8b", "qwen2.5-7b"])
+def test_param_shapes_equal_the_model(name):
+    with torch.device("meta"):
+        model = GPT(PRESETS[name])
+    assert sorted(p.numel() for p in model.parameters()) == sorted(
+        finetune.gpt_param_shapes(PRESETS[name]))
+    assert finetune.adam_state_bytes(finetune.gpt_param_shapes(PRESETS[name])) == \
+        8 * PRESETS[name].num_params()
+
+
+def test_8bit_state_is_about_a_quarter():
+    from memlab import StepConfig, estimate_step
+    step = StepConfig(model="llama-3-8b", seq=2048, batch=1, precision="bf16",
+                      checkpointing="full")
+    eight = finetune.estimate_8bit(step, target="cuda")
+    full = estimate_step(step, target="cuda")
+    per_param = eight.by_category["optimizer"] / PRESETS["llama-3-8b"].num_params()
+    # 2 bytes of moments and 2 x 4 / 256 of block maxima per parameter
+    assert 2 + 8 / 256 <= per_param < 2 + 8 / 256 + 0.001
+    assert full.peak_bytes - eight.peak_bytes == full.by_category["optimizer"] - eight.by_category["optimizer"]
+
+
+def test_8bit_layout_equals_bitsandbytes():
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1000), torch.nn.Linear(1000, 64))
+    opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+               if torch.is_tensor(t) and t.dim() > 0)
+    assert held == finetune.adam_state_bytes([p.numel() for p in model.parameters()], "adamw-8bit")
+
+
+def test_will_it_fit_panel_redraws_with_the_estimate():
+    pytest.importorskip("ipywidgets")
+    from memlab.widgets import FinetunePanel
+    panel = FinetunePanel("llama-3-8b", "A100-80GB")
+    full = panel.data["peak_bytes"]
+    panel.lora.value = "r=16 all linear"  # a click, from code
+    step = hf.step_config("llama-3-8b", seq=512, batch=1, precision="bf16", checkpointing="none")
+    expected = finetune.estimate_lora(step, rank=16, targets=finetune.LLAMA_TARGETS,
+                                      budget="A100-80GB", target="cuda")
+    assert panel.data["peak_bytes"] == expected.peak_bytes < full
+    assert panel.data["fits"] is True and "fits" in panel.status.value
+    panel.seq.value = 4096
+    assert panel.data["peak_bytes"] == finetune.estimate_lora(
+        hf.step_config("llama-3-8b", seq=4096, batch=1, precision="bf16", checkpointing="none"),
+        rank=16, targets=finetune.LLAMA_TARGETS, budget="A100-80GB", target="cuda").peak_bytes
