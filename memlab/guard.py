@@ -229,6 +229,14 @@ def _held(est: StepEstimate, device_type: str, budget_bytes: int | None,
     return capped, f"the step stopped at the {how}"
 
 
+def cuda_need(step: StepConfig, target, budget_bytes: int | None = None) -> int:
+    """Bytes the guard asks of a GPU for ``step`` in this process, for the card of ``target``
+    (a :class:`~memlab.policy.Target`): ``margin x held + overhead``, without reading any
+    device (lesson sizing plans with it for cards that are not here)."""
+    held, _ = _held(estimate_for(step, target), "cuda", budget_bytes, with_host=False)
+    return math.ceil(MARGIN["cuda"] * held) + PROCESS_BYTES
+
+
 def memory_needs(step: StepConfig, device: torch.device | str = "cpu",
                  budget_bytes: int | None = None, *, spawned: bool = False,
                  est: StepEstimate | None = None) -> list[MemoryNeed]:
@@ -337,5 +345,6 @@ def check_host(step: StepConfig) -> None:
 
 __all__ = ["MARGIN", "PROCESS_BYTES", "RANK_PROCESS_BYTES", "DEEPSPEED_HOST_FACTOR",
            "MemoryNeed", "StepEstimate", "HostMemoryError", "host_available_bytes",
-           "process_headroom_bytes", "device_available_bytes", "cached_free_bytes", "target_for", "estimate_for",
+           "process_headroom_bytes", "device_available_bytes", "cached_free_bytes", "target_for",
+           "cuda_need", "estimate_for",
            "largest_tensor_bytes", "memory_needs", "build_oom_report", "preflight", "check_host"]
