@@ -183,6 +183,28 @@ LESSONS: dict[str, LessonPlan] = {
                                       for n in (8, 4)],
                      _steps_17),
 }
+
+
+def _rank_steps(z: dict, p: str) -> list[GpuStep]:
+    return [GpuStep("one rank's step", StepConfig(model="tiny", seq=z["seq"], batch=z["batch"]))]
+
+
+def _no_gpu_steps(z: dict, p: str) -> list[GpuStep]:
+    return []
+
+
+# Lessons measured with the exact CPU tracker on any machine (08, 15), and the rank lessons
+# whose ranks run the tiny GPT at their own sizes (10, 12).
+LESSONS.update({
+    "08": LessonPlan(lambda b: {"base": b}, lambda card, p: [{"base": CPU_BASE}], _no_gpu_steps),
+    "15": LessonPlan(lambda b: {"base": replace(b, seq=256)},
+                     lambda card, p: [{"base": replace(CPU_BASE, seq=256)}], _no_gpu_steps),
+    "10": LessonPlan(lambda b: {"base": b, "seq": 128, "batch": 4},
+                     lambda card, p: [{"base": CPU_BASE, "seq": 512, "batch": 8}], _rank_steps),
+    "12": LessonPlan(lambda b: {"base": b, "seq": 128, "batch": 8, "pp_seq": 128},
+                     lambda card, p: [{"base": CPU_BASE, "seq": 1024, "batch": 8, "pp_seq": 512}],
+                     _rank_steps),
+})
 DEFAULT = LessonPlan(lambda b: {"base": b}, _bases(), _base_only)
 
 
@@ -253,7 +275,7 @@ def plan(lesson: str, card: Card | None) -> Lesson:
     for sizes in ladder:
         steps = lp.steps(sizes, precision)
         needs = [cuda_need(s.step, target, s.budget) for s in steps]
-        if max(needs) <= usable:
+        if max(needs, default=0) <= usable:
             break
     return Lesson(lesson, "cuda", card, precision, sizes, steps, needs)
 

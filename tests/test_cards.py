@@ -160,3 +160,21 @@ def test_sm75_simulation_runs_the_math_kernel_as_the_estimate_counts_it():
     bf16 = simulate_step(StepConfig(model="tiny", seq=256, batch=4, precision="bf16"), card="T4-16GB")
     fp16 = simulate_step(StepConfig(model="tiny", seq=256, batch=4, precision="fp16"), card="T4-16GB")
     assert bf16.by_category["activations"] > 1.3 * fp16.by_category["activations"]
+
+
+def test_kaggle_two_t4s_run_the_rank_lessons_on_nccl_one_rank_per_gpu(monkeypatch):
+    """2 x T4: detection gives the 2-GPU profile, and place_ranks puts the rank lessons' two
+    ranks on NCCL, rank r on cuda:r (offload's shrink keeps both); one T4 sends them to CPU."""
+    from memlab.hardware import place_ranks
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: props("Tesla T4", 14.75, (7, 5)))
+    monkeypatch.delenv("MEMLAB_CARD", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    card = detect_card()
+    for place in (place_ranks(2), place_ranks(2, gpus=card.gpus), place_ranks(2, shrink=True)):
+        assert place.backend == "nccl" and place.devices == ("cuda:0", "cuda:1")
+        assert place.rank_env() == {"DS_ACCELERATOR": "cuda"}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    one = detect_card()
+    assert one.gpus == 1 and place_ranks(2, gpus=one.gpus).backend == "gloo"
+    assert place_ranks(2, shrink=True).devices == ("cuda:0",)
