@@ -26,7 +26,7 @@ import torch
 
 from .cards import Card, detect_card
 from .guard import cuda_need
-from .hardware import GiB, MiB, fmt_bytes
+from .hardware import MiB, fmt_bytes, resolve_budget
 from .models import GPTConfig
 from .policy import get_target
 from .step import StepConfig
@@ -85,7 +85,7 @@ def _steps_01(z: dict, p: str) -> list[GpuStep]:
 
 
 def _steps_02(z: dict, p: str) -> list[GpuStep]:
-    return [GpuStep("the OOM step under its budget", z["step"], z["budget"])]
+    return [GpuStep("the OOM step under its budget", z["step"], resolve_budget(z["budget"]))]
 
 
 def _steps_04(z: dict, p: str) -> list[GpuStep]:
@@ -105,7 +105,8 @@ def _steps_05(z: dict, p: str) -> list[GpuStep]:
 def _steps_06(z: dict, p: str) -> list[GpuStep]:
     s = z["step"]
     return [GpuStep("one big batch", s), GpuStep(f"{z['k']} micro-batches", replace(s, micro_batches=z["k"])),
-            GpuStep("batch search under its budget", replace(z["search_step"], batch=4 * s.batch), z["budget"])]
+            GpuStep("batch search under its budget", replace(z["search_step"], batch=4 * s.batch),
+                    resolve_budget(z["budget"]))]
 
 
 def _steps_11(z: dict, p: str) -> list[GpuStep]:
@@ -114,7 +115,6 @@ def _steps_11(z: dict, p: str) -> list[GpuStep]:
 
 def _steps_14(z: dict, p: str) -> list[GpuStep]:
     r = z["real"]
-    from .hardware import resolve_budget
     return [GpuStep("the plan's step under the card budget",
                     StepConfig(model=r["model"], seq=r["seq"], batch=r["batch"]), resolve_budget(r["gpu"]))]
 
@@ -154,8 +154,8 @@ LESSONS: dict[str, LessonPlan] = {
                                         "batches": [1, 2, b.batch]}]),
                      _steps_01),
     "02": LessonPlan(lambda b: {"base": b, "step": replace(b, seq=2 * b.seq, batch=2 * b.batch),
-                                "budget": 120 * MiB},
-                     _bases(lambda b: [{"step": replace(b, batch=8), "budget": 6 * GiB}]), _steps_02),
+                                "budget": "120MiB"},
+                     _bases(lambda b: [{"step": replace(b, batch=8), "budget": "6GiB"}]), _steps_02),
     "04": LessonPlan(lambda b: {"base": b, "batches": [1, 8], "precisions": ["fp32", "bf16", "pure-bf16"]},
                      lambda card, p: [{**z, "precisions": _precisions(card)}
                                       for z in _bases(lambda b: [{"batches": [1, n]} for n in (8, 4, 2)])(card, p)],
@@ -166,9 +166,9 @@ LESSONS: dict[str, LessonPlan] = {
                                         "batches": bs} for bs in ([1, 4, 16], [1, 4, 8], [1, 2, 4])]),
                      _steps_05),
     "06": LessonPlan(lambda b: {"base": b, "step": replace(b, seq=b.seq // 2, batch=8), "k": 4,
-                                "budget": 80 * MiB, "search_step": replace(b, seq=b.seq // 2), "tokens": 1024},
+                                "budget": "80MiB", "search_step": replace(b, seq=b.seq // 2), "tokens": 1024},
                      _bases(lambda b: [{"step": replace(b, seq=b.seq // 2, batch=n), "k": 4,
-                                        "budget": 8 * GiB, "search_step": replace(b, seq=b.seq // 2),
+                                        "budget": "8GiB", "search_step": replace(b, seq=b.seq // 2),
                                         "tokens": 4096} for n in (8, 4)]),
                      _steps_06),
     "11": LessonPlan(lambda b: {"base": b, "small": b},

@@ -39,7 +39,9 @@ def test_every_lesson_fits_every_card_under_the_guard(name, monkeypatch):
     patch_gpu(monkeypatch, card)
     for number in ALL:
         chosen = plan(number, card)
-        assert chosen.gpu and chosen.steps, number
+        assert chosen.gpu, number
+        # lessons measured on the GPU have GPU steps (08 and 15 use the CPU tracker anywhere)
+        assert bool(chosen.steps) == (number not in ("08", "15")), number
         assert chosen.precision in card.precisions()
         assert chosen.precision == ("bf16" if card.capability >= (8, 0) else "fp16")
         assert chosen.scaler == (card.capability < (8, 0))
@@ -66,7 +68,7 @@ def test_on_cpu_the_lessons_keep_their_cpu_sizes(monkeypatch, capsys):
     assert "CPU" in line and "tiny seq 128 batch 4" in line and line.count("\n") == 1
     assert not chosen.gpu and chosen.device == "cpu" and chosen.steps == []
     assert chosen.base.model_config.name == "tiny" and chosen["batches"] == [1, 8]
-    assert setup("06", quiet=True)["budget"] == 80 * MiB
+    assert setup("06", quiet=True)["budget"] == "80MiB"
     assert setup("14", quiet=True)["real"] == dict(model="tiny", gpu="150MiB", seq=256, batch=8)
 
 
