@@ -18,11 +18,10 @@ from typing import Iterator
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .kernels import rms_norm_fused, sdpa_backend
+from .kernels import DTYPE_NAMES, rms_norm_fused, sdpa_backend
 from .target import Target, get_target
 
 _aten = torch.ops.aten
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -210,7 +209,7 @@ def _sdpa_kernel(target: Target):
     where it has no fused kernel for the inputs' dtype (bf16 below sm80), else torch's own
     choice on the CPU (whose saved statistics :class:`TargetAccounting` sizes as the card's)."""
     def kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        backend = sdpa_backend(target, q.element_size(), q.shape[-1], dtype=_DTYPES.get(q.dtype))
+        backend = sdpa_backend(target, q.element_size(), q.shape[-1], dtype=DTYPE_NAMES.get(q.dtype))
         if backend == "math":
             return _aten._scaled_dot_product_attention_math.default(
                 q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]

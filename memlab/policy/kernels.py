@@ -21,7 +21,13 @@ every query head (``mha_bwd``). Without a fused kernel for the dtype (bf16 below
 """
 from __future__ import annotations
 
+import torch
+
 from ..cards import CARDS, REFERENCE_CARD, Card
+
+
+# torch dtypes by the names the card rules use (Card.sdpa_kernels)
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def target_name(target) -> str:
@@ -118,5 +124,5 @@ def rms_norm_fused(target) -> bool:
     return target_name(target) == "cuda"
 
 
-__all__ = ["layer_norm_stat_bytes", "rms_norm_fused", "sdpa_backend", "sdpa_backward_workspace",
+__all__ = ["DTYPE_NAMES", "layer_norm_stat_bytes", "rms_norm_fused", "sdpa_backend", "sdpa_backward_workspace",
            "sdpa_dtype", "sdpa_lse_bytes", "sdpa_math_extra_bytes", "target_card", "target_name"]

@@ -10,7 +10,7 @@ from ..cards import CARDS, REFERENCE_CARD, Card, detect_card, get_card
 from ..errors import InputError
 from ..tracking import DeviceAccounting
 from .autocast import CPU_AUTOCAST, CUDA_AUTOCAST, AutocastPolicy
-from .kernels import layer_norm_stat_bytes, sdpa_backend, sdpa_backward_workspace, sdpa_lse_bytes
+from .kernels import DTYPE_NAMES, layer_norm_stat_bytes, sdpa_backend, sdpa_backward_workspace, sdpa_lse_bytes
 from .workspaces import CUDA_BLOCK_BYTES, MATMUL_THREADS, conv_workspace
 
 TARGETS = ("cuda", "cpu")
@@ -96,7 +96,6 @@ def resolve_target(target: str | Target | None, budget: int | str | None = None,
 # The tracker's accounting for a CUDA target
 # --------------------------------------------------------------------------------------
 _aten = torch.ops.aten
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 class TargetAccounting(DeviceAccounting):
@@ -117,7 +116,7 @@ class TargetAccounting(DeviceAccounting):
         if func is _aten._scaled_dot_product_flash_attention_for_cpu.default and index == 1:
             out, lse = outputs[0], outputs[1]
             b, h, s = lse.shape
-            backend = sdpa_backend(self.target, out.element_size(), out.shape[-1], dtype=_DTYPES.get(out.dtype))
+            backend = sdpa_backend(self.target, out.element_size(), out.shape[-1], dtype=DTYPE_NAMES.get(out.dtype))
             return sdpa_lse_bytes(backend, b, h, s)
         if func is _aten.native_layer_norm.default and index in (1, 2):
             return outputs[index].numel() * layer_norm_stat_bytes(self.target, outputs[0].element_size())
@@ -141,7 +140,7 @@ class TargetAccounting(DeviceAccounting):
         if func is _aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
             q, k = args[1], args[2]
             b, h, s, d = q.shape
-            backend = sdpa_backend(self.target, q.element_size(), d, dtype=_DTYPES.get(q.dtype))
+            backend = sdpa_backend(self.target, q.element_size(), d, dtype=DTYPE_NAMES.get(q.dtype))
             return sdpa_backward_workspace(backend, b, h, s, d, k.shape[1], q.element_size())
         return 0
 
