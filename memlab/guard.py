@@ -101,8 +101,26 @@ def device_available_bytes(device: torch.device | str) -> int:
     ``c10/cuda/CUDACachingAllocator.cpp``). On CPU, the host's (:func:`host_available_bytes`)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0]) + cached_free_bytes(device)
+        free = int(torch.cuda.mem_get_info(device)[0])
+        capped = fraction_headroom_bytes(device)
+        return (free if capped is None else min(free, capped)) + cached_free_bytes(device)
     return host_available_bytes()
+
+
+def fraction_headroom_bytes(device: torch.device | str) -> int | None:
+    """What ``set_per_process_memory_fraction`` still lets this process reserve on a CUDA
+    device (``fraction x total - memory_reserved``), or ``None`` without a cap. A rehearsal
+    of a smaller card (:func:`memlab.lesson.rehearse`) or an instructor's split of one GPU
+    sets it; ``mem_get_info`` does not see it."""
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None:  # older torch: the cap cannot be read (pytorch/pytorch#140620)
+        return None
+    index = torch.device(device).index or 0
+    fraction = getter(index)
+    if fraction >= 1.0:
+        return None
+    total = torch.cuda.get_device_properties(index).total_memory
+    return max(0, int(fraction * total) - int(torch.cuda.memory_reserved(device)))
 
 
 def cached_free_bytes(device: torch.device | str) -> int:
@@ -345,6 +363,6 @@ def check_host(step: StepConfig) -> None:
 
 __all__ = ["MARGIN", "PROCESS_BYTES", "RANK_PROCESS_BYTES", "DEEPSPEED_HOST_FACTOR",
            "MemoryNeed", "StepEstimate", "HostMemoryError", "host_available_bytes",
-           "process_headroom_bytes", "device_available_bytes", "cached_free_bytes", "target_for",
+           "process_headroom_bytes", "device_available_bytes", "cached_free_bytes", "fraction_headroom_bytes", "target_for",
            "cuda_need", "estimate_for",
            "largest_tensor_bytes", "memory_needs", "build_oom_report", "preflight", "check_host"]

@@ -276,6 +276,7 @@ def test_the_guard_counts_this_process_cached_blocks_as_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i=0: SimpleNamespace(name="Tesla T4", total_memory=int(14.75 * GiB),
                                                     major=7, minor=5))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i=0: 1.0)
     monkeypatch.delenv("MEMLAB_CARD", raising=False)
     assert guard.cached_free_bytes("cuda") == 5 * GiB
     assert guard.device_available_bytes("cuda") == 6 * GiB
@@ -286,3 +287,12 @@ def test_the_guard_counts_this_process_cached_blocks_as_available(monkeypatch):
     assert 1 * GiB < need.need_bytes <= 6 * GiB and need.fits  # refused without the cache
     # the estimate it used is the T4's (sm75 cuBLAS workspace), not the reference H200's
     assert guard.target_for("cuda").card.name == "T4-16GB"
+    # a per-process cap (a rehearsal, an instructor's split): half of the card allows 7.375
+    # GiB, 6 of them reserved already, so 1.375 more; the driver's 1 GiB free is tighter: 1 + 5
+    # cached. At 0.42 only 0.195 GiB more may be reserved: that + 5 cached.
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i=0: 0.5)
+    assert guard.fraction_headroom_bytes("cuda") == int(0.5 * 14.75 * GiB) - 6 * GiB
+    assert guard.device_available_bytes("cuda") == 1 * GiB + 5 * GiB
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i=0: 0.42)
+    cap = int(0.42 * int(14.75 * GiB)) - 6 * GiB        # 0.195 GiB left under the cap
+    assert 0 < cap < 1 * GiB and guard.device_available_bytes("cuda") == cap + 5 * GiB

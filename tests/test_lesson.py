@@ -23,6 +23,7 @@ def patch_gpu(monkeypatch, card, *, gpus=1):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (card.memory - CONTEXT_BYTES, card.memory))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i=0: 1.0)
     # the UNet estimate's shape walk runs a tracker, which reads the allocator when CUDA is on
     for fn in ("synchronize", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, fn, lambda *a, **k: None)
