@@ -33,9 +33,8 @@ from .hardware import resolve_budget
 from .step import MemoryReport, StepConfig, autocast_for, resolve_step
 from .models import GPTConfig, UNet, UNetConfig
 from .policy import (Target, activation_copies, attention_probs_bytes, cross_entropy_moments,
-                     emulate, get_target, norm_saves, resolve_target, precision_bytes, sdpa_backend, sdpa_dtype,
-                     sdpa_math_extra_bytes,
-                     sdpa_lse_bytes)
+                     emulate, get_target, norm_saves, precision_bytes, resolve_target,
+                     sdpa_backend, sdpa_dtype, sdpa_lse_bytes, sdpa_math_extra_bytes)
 from .cards import Card  # noqa: F401  (a type in a signature)
 from .states import model_state_bytes, model_states, zero_formula  # noqa: F401 (re-exported)
 from .tracking import CATEGORIES

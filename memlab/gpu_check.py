@@ -336,7 +336,8 @@ def dry_run(notebooks: list[str], cards: list[Card]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memlab.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="build/gpu-check", help="folder for <card>/ (never the shipped references)")
+    parser.add_argument("--out", default="build/gpu-check",
+                        help="folder for <card>/ (never the shipped references)")
     parser.add_argument("--notebooks", nargs="*", default=[], help="notebooks to run under nbval")
     parser.add_argument("--card", default=None,
                         help=f"dry run: the card to plan for (default: all of {', '.join(CARDS)})")

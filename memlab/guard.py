@@ -363,6 +363,6 @@ def check_host(step: StepConfig) -> None:
 
 __all__ = ["MARGIN", "PROCESS_BYTES", "RANK_PROCESS_BYTES", "DEEPSPEED_HOST_FACTOR",
            "MemoryNeed", "StepEstimate", "HostMemoryError", "host_available_bytes",
-           "process_headroom_bytes", "device_available_bytes", "cached_free_bytes", "fraction_headroom_bytes", "target_for",
-           "cuda_need", "estimate_for",
+           "process_headroom_bytes", "device_available_bytes", "cached_free_bytes",
+           "fraction_headroom_bytes", "target_for", "cuda_need", "estimate_for",
            "largest_tensor_bytes", "memory_needs", "build_oom_report", "preflight", "check_host"]

@@ -61,7 +61,8 @@ class LessonPlan:
     steps: Callable[[dict, str], list[GpuStep]]
 
 
-def _bases(extra: Callable[[StepConfig], list[dict]] | None = None) -> Callable[[Card, str], list[dict]]:
+def _bases(extra: Callable[[StepConfig], list[dict]] | None = None
+           ) -> Callable[[Card, str], list[dict]]:
     """A ladder over :data:`GPU_BASES`, each base with the variants ``extra`` gives (or none)."""
     def ladder(card: Card, precision: str) -> list[dict]:
         out = []
@@ -156,12 +157,13 @@ LESSONS: dict[str, LessonPlan] = {
     "02": LessonPlan(lambda b: {"base": b, "step": replace(b, seq=2 * b.seq, batch=2 * b.batch),
                                 "budget": "120MiB"},
                      _bases(lambda b: [{"step": replace(b, batch=8), "budget": "6GiB"}]), _steps_02),
-    "04": LessonPlan(lambda b: {"base": b, "batches": [1, 8], "precisions": ["fp32", "bf16", "pure-bf16"]},
-                     lambda card, p: [{**z, "precisions": _precisions(card)}
-                                      for z in _bases(lambda b: [{"batches": [1, n]} for n in (8, 4, 2)])(card, p)],
+    "04": LessonPlan(lambda b: {"base": b, "batches": [1, 8],
+                                "precisions": ["fp32", "bf16", "pure-bf16"]},
+                     lambda card, p: [{**z, "precisions": _precisions(card)} for z in
+                                      _bases(lambda b: [{"batches": [1, n]} for n in (8, 4, 2)])(card, p)],
                      _steps_04),
-    "05": LessonPlan(lambda b: {"base": b, "step": replace(b, seq=2 * b.seq, batch=b.batch // 2, attention="naive"),
-                                "batches": [1, 4, 16]},
+    "05": LessonPlan(lambda b: {"base": b, "batches": [1, 4, 16],
+                                "step": replace(b, seq=2 * b.seq, batch=b.batch // 2, attention="naive")},
                      _bases(lambda b: [{"step": replace(b, batch=max(1, b.batch // 2), attention="naive"),
                                         "batches": bs} for bs in ([1, 4, 16], [1, 4, 8], [1, 2, 4])]),
                      _steps_05),
@@ -179,8 +181,8 @@ LESSONS: dict[str, LessonPlan] = {
                      lambda card, p: [{"base": GPU_BASES[0], "seq": 1024, "batch": n} for n in (4, 2, 1)],
                      _steps_16),
     "17": LessonPlan(lambda b: {"base": b, "step": StepConfig(model="unet-small", seq=32, batch=4)},
-                     lambda card, p: [{"base": GPU_BASES[0], "step": StepConfig(model="unet-small", seq=64, batch=n)}
-                                      for n in (8, 4)],
+                     lambda card, p: [{"base": GPU_BASES[0],
+                                       "step": StepConfig(model="unet-small", seq=64, batch=n)} for n in (8, 4)],
                      _steps_17),
 }
 

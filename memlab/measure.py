@@ -7,7 +7,8 @@ report at phase ``build`` under a budget). It then builds the model
 exists, and tracks the next step with :class:`~memlab.tracking.MemoryTracker`. On CUDA the
 report also carries the caching allocator's own figures: its growth over the step beyond the
 tracked tensors' becomes the ``workspace`` category (cuBLAS/cuDNN workspaces, block
-rounding; :func:`add_workspace`), and the step time is read after ``torch.cuda.synchronize``. Tensors on another
+rounding; :func:`add_workspace`), and the step time is read after
+``torch.cuda.synchronize``. Tensors on another
 device than the step's (offloaded state, ``save_on_cpu`` activations) are reported as host
 memory (``host_bytes``).
 """

@@ -10,7 +10,8 @@ from ..cards import CARDS, REFERENCE_CARD, Card, detect_card, get_card
 from ..errors import InputError
 from ..tracking import DeviceAccounting
 from .autocast import CPU_AUTOCAST, CUDA_AUTOCAST, AutocastPolicy
-from .kernels import DTYPE_NAMES, layer_norm_stat_bytes, sdpa_backend, sdpa_backward_workspace, sdpa_lse_bytes
+from .kernels import (DTYPE_NAMES, layer_norm_stat_bytes, sdpa_backend, sdpa_backward_workspace,
+                      sdpa_lse_bytes)
 from .workspaces import CUDA_BLOCK_BYTES, MATMUL_THREADS, conv_workspace
 
 TARGETS = ("cuda", "cpu")
@@ -116,7 +117,8 @@ class TargetAccounting(DeviceAccounting):
         if func is _aten._scaled_dot_product_flash_attention_for_cpu.default and index == 1:
             out, lse = outputs[0], outputs[1]
             b, h, s = lse.shape
-            backend = sdpa_backend(self.target, out.element_size(), out.shape[-1], dtype=DTYPE_NAMES.get(out.dtype))
+            backend = sdpa_backend(self.target, out.element_size(), out.shape[-1],
+                                   dtype=DTYPE_NAMES.get(out.dtype))
             return sdpa_lse_bytes(backend, b, h, s)
         if func is _aten.native_layer_norm.default and index in (1, 2):
             return outputs[index].numel() * layer_norm_stat_bytes(self.target, outputs[0].element_size())
