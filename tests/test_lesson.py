@@ -86,3 +86,21 @@ def test_setup_rehearses_a_smaller_card(monkeypatch, capsys):
     assert chosen.precision == "fp16" and chosen.scaler
     assert calls == {"fraction": 15360 * MiB / h200.memory, "flash": False}
     assert "rehearsed on NVIDIA H200" in capsys.readouterr().out
+
+
+WIRED = ("00", "01", "02", "04", "05", "06", "14", "16", "17")
+
+
+@pytest.mark.parametrize("number", WIRED)
+def test_each_sized_notebook_sets_up_its_own_lesson_right_after_the_imports(number):
+    """The set-up cell is the second code cell and names the notebook's own number, so the
+    sizes a notebook runs are the ones the fit test above checked."""
+    import json
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
+    (path,) = root.glob(f"{number}_*.ipynb")
+    code = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    assert "import memlab as ml" in code[0]
+    assert code[1].startswith("from memlab import lesson\n")
+    assert f'L = lesson.setup("{number}")' in code[1]
+    assert number in LESSONS
