@@ -306,7 +306,7 @@ def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,
                device: str = "cuda", budget: int | str | None = None) -> dict:
     """Advise for the card at hand (its total memory, or ``budget``), then run the plan for
     real on ``device`` with that budget enforced. Returns the plan, both peaks and the verdict
-    (``make gpu-check`` records it under ``data/reference/``). A plan under DeepSpeed (ZeRO,
+    (``make gpu-check`` records it under ``build/gpu-check/<card>/``). A plan under DeepSpeed (ZeRO,
     offload) runs on one DeepSpeed rank (:func:`memlab.distributed.measure_distributed`);
     its budget is then compared, not enforced."""
     import torch
