@@ -23,7 +23,8 @@ help:
 	@echo "make test-fast   package tests only"
 	@echo "make test-notebooks  notebooks under nbval only"
 	@echo "make bench       run benchmarks/*.py"
-	@echo "make gpu-check   CUDA tests, reference numbers and every notebook on one GPU (PY=python3: no venv)"
+	@echo "make gpu-check   CUDA tests, reference steps and every notebook on this GPU (PY=python3: no venv;"
+	@echo "                 CARD=T4-16GB rehearses a smaller card; DRY=1 prints the plan, no GPU needed)"
 	@echo "make strip       remove outputs from notebooks/*.ipynb"
 	@echo "make student     the workbook without solutions, in build/student/"
 	@echo "make venv|clean"
@@ -79,24 +80,30 @@ bench: venv
 	if [ $${#files[@]} -eq 0 ]; then echo "benchmarks/: nothing to run"; fi; \
 	for f in "$${files[@]}"; do echo "== $$f"; MPLBACKEND=Agg $(PY) "$$f" || exit $$?; done
 
-# On a GPU machine with no venv: `make gpu-check PY=python3` uses that interpreter as it is.
-# All notebooks in one nbval run, GPU_XDIST at a time on the one GPU, the slowest first; the
-# log (with each cell's time) goes beside the GPU's reference figures, data/reference/<gpu>/.
-GPU_XDIST ?= -n 4
-SLOW_FIRST := 11 15 12 13 10 09 04 14 02 05 01 06 07 08 03 00
-GPU_NOTEBOOKS = $(foreach n,$(SLOW_FIRST),$(wildcard notebooks/$(n)_*.ipynb)) \
-  $(filter-out $(foreach n,$(SLOW_FIRST),$(wildcard notebooks/$(n)_*.ipynb)),$(wildcard notebooks/*.ipynb))
-GPU_NAME_PY := import re, torch; print(re.sub(r'[^A-Za-z0-9._-]+', '-', torch.cuda.get_device_name(0)).strip('-'))
+# On a GPU machine with no venv: `make gpu-check PY=python3` uses that interpreter as it is,
+# and the notebook kernels import this checkout (PYTHONPATH). `pytest -m cuda`, the reference
+# steps sized for the card, then every notebook under nbval (rank notebooks one at a time, the
+# others two at a time), going on past failures; logs and one table (notebook, pass/fail,
+# wall time, card profile) in build/gpu-check/<card>/, never in memlab/data/reference/.
+# `CARD=T4-16GB` rehearses that card on a larger GPU (memory cap, no flash, fp16);
+# `DRY=1` prints the plan per notebook per card, on any machine.
+CARD ?=
+DRY ?=
+GPU_CHECK_OUT ?= build/gpu-check
+GPU_CHECK_PY = $(if $(filter command line,$(origin PY)),$(PY),$(if $(DRY),$(if $(wildcard $(PY)),$(PY),$(PYTHON)),$(PY)))
+GPU_CHECK_ENV = PYTHONPATH=$(CURDIR) MEMLAB_CARD=$(CARD) MPLBACKEND=Agg
 
-gpu-check: $(if $(filter command line,$(origin PY)),,venv)
-	@mkdir -p $(TORCH_EXTENSIONS_DIR)
-	$(PY) -m pytest -m cuda -p no:cacheprovider tests/ || { rc=$$?; [ $$rc -eq 5 ] && echo "no cuda tests collected"; [ $$rc -eq 5 ]; }
-	@mkdir -p data/reference
-	$(PY) -m memlab.gpu_check --out data/reference
-	@gpu=$$($(PY) -c "$(GPU_NAME_PY)") || gpu=no-gpu; mkdir -p data/reference/$$gpu; \
-	  echo "notebooks on $$gpu, log: data/reference/$$gpu/nb_gpu.log"; \
-	  set -o pipefail; $(NBVAL) $(GPU_XDIST) --dist loadfile --durations=0 $(GPU_NOTEBOOKS) 2>&1 \
-	  | tee data/reference/$$gpu/nb_gpu.log
+gpu-check: $(if $(or $(filter command line,$(origin PY)),$(DRY)),,venv)
+ifneq ($(DRY),)
+	@$(GPU_CHECK_ENV) $(GPU_CHECK_PY) -m memlab.gpu_check --dry-run $(if $(CARD),--card $(CARD)) \
+	  --out $(GPU_CHECK_OUT) --notebooks $(RANK_NOTEBOOKS) $(ONE_NOTEBOOKS)
+else
+	@mkdir -p $(TORCH_EXTENSIONS_DIR) $(GPU_CHECK_OUT)
+	-$(GPU_CHECK_ENV) $(GPU_CHECK_PY) -m pytest -m cuda -p no:cacheprovider tests/ \
+	  2>&1 | tee $(GPU_CHECK_OUT)/pytest-cuda$(if $(CARD),-$(CARD)).log
+	$(GPU_CHECK_ENV) $(GPU_CHECK_PY) -m memlab.gpu_check --out $(GPU_CHECK_OUT) \
+	  --notebooks $(RANK_NOTEBOOKS) $(ONE_NOTEBOOKS)
+endif
 
 strip:
 	$(PYTHON) tools/nbstrip.py

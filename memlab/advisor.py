@@ -42,6 +42,7 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 
+from .cards import Card  # noqa: F401  (a type in a signature)
 from .errors import InputError
 from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
 from .step import StepConfig
@@ -68,6 +69,7 @@ class Advice:
     deepspeed_config: dict = field(default_factory=dict)
     message: str = ""
     host_bytes: int = 0  # host memory the plan's offloaded model states take, per rank
+    target: object = None  # the policy.Target the plan was estimated for (its card)
 
     @property
     def short_bytes(self) -> int:
@@ -137,11 +139,11 @@ def flowchart(world_size: int) -> list[tuple[str, dict]]:
     return chain
 
 
-def _simulate(step: StepConfig) -> int:
-    """Simulated peak of ``step``: a DeepSpeed step runs in its own dtype on fake tensors with
-    its model states in DeepSpeed's layout (:func:`memlab.simulate.simulate_step`)."""
+def _simulate(step: StepConfig, target) -> int:
+    """Simulated peak of ``step`` on ``target``: a DeepSpeed step runs in its own dtype on fake
+    tensors with its model states in DeepSpeed's layout (:func:`memlab.simulate.simulate_step`)."""
     from .simulate import simulate_step
-    return simulate_step(step).peak_bytes
+    return simulate_step(step, target=target).peak_bytes
 
 
 def _model(model: str | GPTConfig) -> GPTConfig:
@@ -154,12 +156,19 @@ def _model(model: str | GPTConfig) -> GPTConfig:
 def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_size: int = 1,
            seq: int = 256, batch: int = 8, *, attention: str | None = None,
            optimizer: str = "adamw", headroom: float = 0.10, simulate: bool | None = None,
-           simulate_seconds: float = 30.0) -> Advice:
+           simulate_seconds: float = 30.0, target: str | None = None,
+           card: "Card | str | None" = None) -> Advice:
     """Walk the flowchart for ``model`` on ``world_size`` cards of ``gpu`` (a preset name or
     a size such as ``"150MiB"``), ``batch`` sequences of ``seq`` tokens per rank.
 
     ``simulate``: ``None`` simulates each step when affordable (one rank, fewer than 2B
     parameters) until ``simulate_seconds`` are spent; ``True``/``False`` force it.
+
+    The plan follows the card's rules (:func:`memlab.policy.resolve_target`): a GPU preset
+    ``gpu`` (or ``card``) plans with that card's kernels and workspaces, exactly as
+    ``estimate_step(advice.step, tensor_parallel=advice.tensor_parallel, target=advice.target)``
+    estimates the config it emits; a size plans for the GPU present, else the CPU
+    (``target`` names one outright).
     """
     if not 0 <= headroom < 1:
         raise InputError(f"headroom {headroom!r} is outside [0, 1): give a fraction such as 0.1")
@@ -168,6 +177,8 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     budget = resolve_budget(gpu)
     if budget is None:
         raise InputError(f"gpu {gpu!r}: give a GPU preset ({', '.join(GPU_PRESETS)}) or a size")
+    from .policy import resolve_target
+    tgt = resolve_target(target, gpu if isinstance(gpu, str) else None, card)
     cfg = _model(model)
     step = StepConfig(model=cfg, seq=seq, batch=batch, attention=attention, optimizer=optimizer,
                       world_size=world_size)
@@ -179,10 +190,10 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
 
     def peak_of(s: StepConfig, t: int) -> tuple[int, int | None]:
         from .estimate import estimate_step
-        est = estimate_step(s, tensor_parallel=t).peak_bytes
+        est = estimate_step(s, tensor_parallel=t, target=tgt).peak_bytes
         sim = None
         if simulate and t == 1 and time.perf_counter() - started < simulate_seconds:
-            sim = _simulate(s)
+            sim = _simulate(s, tgt)
         return est, sim
 
     def record(technique: str, s: StepConfig, t: int, kept: bool) -> dict:
@@ -224,6 +235,7 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     best = _best(steps)
     advice = Advice(steps, plan, current, best["peak_bytes"], budget, usable, headroom,
                     best["peak_bytes"] <= usable, t_now)
+    advice.target = tgt
     advice.deepspeed_config = _ds_config(current, t_now)
     advice.host_bytes = estimate_host_bytes(current)
     if advice.fits:
@@ -236,7 +248,7 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
                           f"{fmt_bytes(advice.short_bytes)}; use more ranks, a shorter sequence "
                           f"or a smaller batch (with gradient accumulation)")
         from .estimate import estimate_step
-        cats = estimate_step(current, tensor_parallel=t_now).by_category
+        cats = estimate_step(current, tensor_parallel=t_now, target=tgt).by_category
         if max(cats, key=cats.get) == "activations":
             advice.message += (
                 "; the activations are the largest part: sequence parallelism (Korthikanti et "
@@ -249,7 +261,7 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
 def estimate_host_bytes(step: StepConfig) -> int:
     """Host bytes per rank of the model states ``step`` offloads (0 without offload)."""
     from .estimate import estimate_step
-    return estimate_step(step).host_bytes
+    return estimate_step(step, target="cpu").host_bytes  # host bytes: the same on any target
 
 
 def _runs_as(step: StepConfig, tp: int, host_bytes: int) -> str:
@@ -294,7 +306,7 @@ def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,
                device: str = "cuda", budget: int | str | None = None) -> dict:
     """Advise for the card at hand (its total memory, or ``budget``), then run the plan for
     real on ``device`` with that budget enforced. Returns the plan, both peaks and the verdict
-    (``make gpu-check`` records it under ``data/reference/``). A plan under DeepSpeed (ZeRO,
+    (``make gpu-check`` records it under ``build/gpu-check/<card>/``). A plan under DeepSpeed (ZeRO,
     offload) runs on one DeepSpeed rank (:func:`memlab.distributed.measure_distributed`);
     its budget is then compared, not enforced."""
     import torch
@@ -304,7 +316,9 @@ def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,
         if device != "cuda" or not torch.cuda.is_available():
             raise InputError("check_plan without a budget needs a CUDA GPU; give budget=...")
         budget = torch.cuda.get_device_properties(0).total_memory
-    a = advise(model, budget, 1, seq, batch)
+    from .cards import detect_card
+    card = detect_card() if device == "cuda" else None
+    a = advise(model, budget, 1, seq, batch, target="cuda" if card else None, card=card)
     if under_deepspeed(a.step.zero, a.step.offload):
         from .distributed import measure_distributed
         real = measure_distributed(a.step, device=device)

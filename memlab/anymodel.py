@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .errors import InputError
 from .hardware import fmt_bytes, resolve_budget
 from .measure import add_workspace, run_tracked_step
-from .policy import emulate, get_target
+from .policy import emulate, resolve_target
 from .step import MemoryReport
 from .tracking import CATEGORIES, MemoryTracker, OOMInfo
 
@@ -241,7 +241,7 @@ def simulate_model(build_fn: Callable[[], tuple[nn.Module, object]],
     tracked. ``known`` labels the report (``seq``, ``batch``, ``precision``, ...). Under a
     ``budget`` that the model states alone exceed, the step is not run (a ``build`` OOM).
     """
-    tgt = get_target(target, budget)
+    tgt = resolve_target(target, budget)
     budget_bytes = resolve_budget(budget)
     start = time.perf_counter()
     # One mode for building and running: mixing fake modes is not supported.

@@ -227,21 +227,25 @@ def run(args: argparse.Namespace) -> Result:
     step = step_from_args(args)
     budget = _budget(args)
     if args.command in ("estimate", "simulate"):
+        from .cards import detect_card
         from .policy import get_target
         get_target(args.target)  # a bad --target is a usage error before any work
-        # a card's name also tells the target its architecture (cuBLAS workspace size)
+        # the card: --gpu names it (its kernels, cuBLAS workspace, memory as the budget), else
+        # the GPU present, else the reference H200 (the same target Python's lenses take)
+        card = None if args.gpu is not None or args.target != "cuda" else detect_card()
+        target = get_target(args.target, args.gpu, card)
         budget = args.gpu if args.gpu is not None else budget
         if args.hf_config is not None:
-            return _hf_step(args, budget)
+            return _hf_step(args, budget, target)
     if args.command == "estimate":
         from .estimate import estimate_step
-        return estimate_step(step, budget=budget, target=args.target)
+        return estimate_step(step, budget=budget, target=target)
     if args.command == "simulate":
         _check_simulate(step)
         if step.world_size > 1:
-            return _simulate_sharded(step, budget, args.target)
+            return _simulate_sharded(step, budget, target)
         from .simulate import simulate_step
-        return simulate_step(step, budget=budget, target=args.target)
+        return simulate_step(step, budget=budget, target=target)
     _check_measure(step, args)
     if _multi_rank(step):
         from .distributed import measure_distributed
@@ -250,7 +254,7 @@ def run(args: argparse.Namespace) -> Result:
     return measure_step(step, device=args.device, budget=budget, snapshot_path=args.snapshot)
 
 
-def _hf_step(args: argparse.Namespace, budget: int | str | None) -> MemoryReport:
+def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> MemoryReport:
     """estimate or simulate of a Hugging Face config.json (:mod:`memlab.hf`)."""
     from . import hf
     if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
@@ -261,20 +265,20 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None) -> MemoryReport
         from .estimate import estimate_step
         step = hf.step_config(args.hf_config, optimizer=args.optimizer, micro_batches=args.micro_batches,
                               zero=args.zero, world_size=args.world_size, offload=args.offload, **kw)
-        return estimate_step(step, budget=budget, target=args.target)
+        return estimate_step(step, budget=budget, target=target)
     if (args.micro_batches, args.zero, args.world_size, args.offload, args.optimizer) != (1, 0, 1, "none", "adamw"):
         raise InputError("simulate --hf-config runs one AdamW step on one device; allowed: no "
                          "--micro-batches/--zero/--world-size/--offload/--optimizer (use estimate)")
-    return hf.simulate_hf(args.hf_config, target=args.target, budget=budget, **kw)
+    return hf.simulate_hf(args.hf_config, target=target, budget=budget, **kw)
 
 
-def _simulate_sharded(step: StepConfig, budget: int | str | None, target: str) -> MemoryReport:
+def _simulate_sharded(step: StepConfig, budget: int | str | None, target) -> MemoryReport:
     """The FSDP2 simulation under a target's kernels; for CUDA each rank also holds the
     cuBLAS workspaces (its own process). Block rounding and per-call workspaces are not
     applied by the sharded tracker."""
     from .distributed import simulate_sharded
-    from .policy import emulate, get_target
-    tgt = get_target(target, budget)
+    from .policy import emulate, resolve_target
+    tgt = resolve_target(target, budget)
     with emulate(tgt):
         report = simulate_sharded(step, step.world_size, budget=budget)
     workspace = tgt.resident_workspace()

@@ -33,8 +33,9 @@ from .hardware import resolve_budget
 from .step import MemoryReport, StepConfig, autocast_for, resolve_step
 from .models import GPTConfig, UNet, UNetConfig
 from .policy import (Target, activation_copies, attention_probs_bytes, cross_entropy_moments,
-                     emulate, get_target, norm_saves, precision_bytes, sdpa_backend,
-                     sdpa_lse_bytes)
+                     emulate, get_target, norm_saves, precision_bytes, resolve_target,
+                     sdpa_backend, sdpa_dtype, sdpa_lse_bytes, sdpa_math_extra_bytes)
+from .cards import Card  # noqa: F401  (a type in a signature)
 from .states import model_state_bytes, model_states, zero_formula  # noqa: F401 (re-exported)
 from .tracking import CATEGORIES
 
@@ -53,7 +54,7 @@ class Dtypes:
     probs: int      # naive attention's saved probabilities (and their cast copy), per score
     # (moment, saved, scratch) bytes per logit through the loss (policy.cross_entropy_moments)
     loss_moments: tuple[tuple[str, int, int], ...]
-    target: str     # the device the sizes are for
+    target: "str | Target"  # the device the sizes are for (a Target: also its card)
 
 
 def dtypes(precision: str, target: str = "cpu") -> Dtypes:
@@ -62,7 +63,8 @@ def dtypes(precision: str, target: str = "cpu") -> Dtypes:
     bits; what else does depends on the device's op lists (:data:`memlab.policy.AUTOCAST`):
     on CUDA softmax and the loss's ``nll_loss`` run in fp32, on CPU the whole cross-entropy.
     """
-    get_target(target)  # validates the name
+    if isinstance(target, str):
+        get_target(target)  # validates the name
     param, compute, lower = precision_bytes(precision)
     residual = param  # the embedding output and the residual adds stay in the weights' dtype
     moments = tuple(cross_entropy_moments(target, precision))
@@ -146,7 +148,10 @@ def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
         if cfg.attention == "naive":
             total += a * s * s * batch * d.probs + s * s
         else:
-            total += sdpa_lse_bytes(sdpa_backend(target, C, cfg.head_dim), batch, a, s)
+            backend = sdpa_backend(target, C, cfg.head_dim, dtype=sdpa_dtype(precision))
+            total += sdpa_lse_bytes(backend, batch, a, s)
+            if backend == "math":  # the card has no fused kernel for this dtype
+                total += sdpa_math_extra_bytes(C, batch, a, s, cfg.head_dim)
     total += (4 if cfg.mlp == "swiglu" else 2) * t * f * C / tp
     if cfg.position == "rope" and C != 4:
         total += 2 * s * cfg.head_dim * C  # cos and sin cast to the compute dtype
@@ -229,7 +234,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
               target: Target, tp: int = 1) -> tuple[dict, str]:
     """Categories at the step's peak moment, and which moment that is, on one rank of
     ``tp``-way tensor parallelism."""
-    d = dtypes(step.precision, target.name)
+    d = dtypes(step.precision, target)
     k = step.micro_batches
     seq, batch = step.seq, step.batch // k
     t, h, f, v, L = seq * batch, cfg.d_model, cfg.hidden, cfg.vocab_size, cfg.n_layer
@@ -239,7 +244,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     # (ZeRO-2), the optimizer step's scratch, ZeRO-3's gathered parameters
     held, late = states.get("held", 0.0), states.get("late", 0.0)
     scratch, gathered = states.get("step", 0.0), states.get("gathered", 0.0)
-    acts = activation_bytes(cfg, seq, batch, step.precision, target.name, tp)
+    acts = activation_bytes(cfg, seq, batch, step.precision, target, tp)
     A = sum(acts.values()) - states.get("frozen", 0.0)
     v = -(-v // tp)  # from here on: this rank's share of the vocabulary
     head_grad = min(G, v * h * d.grad / (step.world_size // tp if step.zero >= 2 else 1))
@@ -254,7 +259,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     m = {}
     if cfg.loss == "chunked":
         for moment, cats in chunked_loss_moments(replace(cfg, vocab_size=v), t, step.precision,
-                                                 target.name).items():
+                                                 target).items():
             forward = moment.endswith("forward")
             m[moment] = dict(activations=A, gradients=G_prev + held + cats.get("gradients", 0),
                              temporaries=cats["temporaries"] + gathered
@@ -268,7 +273,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
         # the head's backward: logits gradient, gradient of the final norm's output, head grad
         m["head backward"] = dict(activations=A - lse, gradients=max(G_prev, head_grad) + held,
                                   temporaries=t * v * d.compute + t * h * d.compute + gathered)
-    layer = (layer_activation_bytes(cfg, seq, batch, step.precision, target.name, tp)
+    layer = (layer_activation_bytes(cfg, seq, batch, step.precision, target, tp)
              + d.weight_copy * _linear_weights(cfg)[0] / tp)
     # one block's backward: the MLP's two hidden-size gradients and the residual gradient
     f = f / tp
@@ -341,7 +346,8 @@ def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float],
 
 
 def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
-                  target: str = "cpu", tensor_parallel: int = 1, trainable_params: int | None = None,
+                  target: str | None = None, card: "Card | str | None" = None,
+                  tensor_parallel: int = 1, trainable_params: int | None = None,
                   frozen_activation_bytes: float = 0.0, **overrides) -> MemoryReport:
     """Closed-form peak bytes of one steady-state training step, by category, per rank.
 
@@ -350,7 +356,9 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     16-bit forward without autocast, when ZeRO or offload is on). ``host_bytes`` are the
     model states kept in host memory. ``target`` is the device whose autocast policy,
     kernels and workspaces the formulas follow (``"cpu"`` or ``"cuda"``,
-    :mod:`memlab.policy`); a GPU preset budget picks the card's cuBLAS workspace.
+    :mod:`memlab.policy`). Left out, it follows the card: ``card`` (a profile or preset name,
+    :mod:`memlab.cards`) or a GPU preset budget means CUDA on that card, else the GPU this
+    process sees, else (a CPU machine) the CPU (:func:`memlab.policy.resolve_target`).
 
     ``tensor_parallel`` (t, dividing ``world_size``): Megatron-style tensor parallelism
     inside groups of t ranks, data parallelism (and ZeRO) across the ``world_size / t``
@@ -365,7 +373,7 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     caches no weight copies (it caches casts of leaves that require grad only);
     ``frozen_activation_bytes`` are the activations the frozen layers do not keep.
     """
-    tgt = get_target(target, budget)
+    tgt = resolve_target(target, budget, card)
     step = resolve_step(step, **overrides)
     cfg = step.model_config
     tp = tensor_parallel

@@ -1,6 +1,13 @@
-"""Reference figures from a real GPU: ``python -m memlab.gpu_check --out data/reference``.
+"""Everything on one GPU, for any card: ``make gpu-check`` (``python -m memlab.gpu_check``).
 
-Writes ``<out>/<gpu-name>/`` with the files of the shipped ``NVIDIA-H200`` folder:
+Writes ``<out>/<card>/`` (``build/gpu-check/<card>/``; never the shipped references under
+``memlab/data/reference/``): the reference steps sized for the card, then every notebook
+under nbval (the rank-starting ones one at a time, the others two at a time), going on past
+a failure, and one table (notebook, pass/fail, wall time, card profile) in ``summary.md``.
+``MEMLAB_CARD=T4-16GB`` rehearses a smaller card on a larger GPU (:mod:`memlab.lesson`);
+``--dry-run`` prints the plan per notebook per card without a GPU.
+
+The reference files have the names of the shipped ``NVIDIA-H200`` folder:
 
 ``gpu_check.json``  gpt2-small and gpt2-medium at two sequence lengths x {fp32, bf16} x
                     {no checkpointing, full}: estimate, simulation (fake CPU tensors), the
@@ -28,10 +35,12 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from .cards import CARDS, Card, detect_card
 from .estimate import estimate_step
 from .measure import measure_step, time_step
 from .models import GPTConfig
@@ -80,33 +89,77 @@ def _header() -> dict:
 
 
 def lens_row(step: StepConfig, timed: bool = False) -> dict:
-    """Estimate, simulation, the measured step and the allocator for one step."""
-    real = measure_step(step, device="cuda")
-    row = {"config": step.describe(),
-           "estimate_peak_bytes": estimate_step(step).peak_bytes,
-           "simulate_peak_bytes": simulate_step(step).peak_bytes,
-           "measure_peak_bytes": real.tracked_peak_bytes or real.peak_bytes,
-           "measure_by_category": real.by_category, "allocator": real.allocator}
-    if timed:
-        row["step_seconds"] = time_step(step, device="cuda")
+    """Estimate, simulation, the measured step and the allocator for one step (the lenses
+    predict for the card present, :func:`memlab.policy.resolve_target`); a step that fails
+    is recorded with its error and the check goes on."""
+    try:
+        real = measure_step(step, device="cuda")
+        row = {"config": step.describe(),
+               "estimate_peak_bytes": estimate_step(step).peak_bytes,
+               "simulate_peak_bytes": simulate_step(step).peak_bytes,
+               "measure_peak_bytes": real.tracked_peak_bytes or real.peak_bytes,
+               "measure_by_category": real.by_category, "allocator": real.allocator}
+        if timed:
+            row["step_seconds"] = time_step(step, device="cuda")
+    except Exception as e:  # noqa: BLE001 - one failing step must not stop the check
+        print(f"{step.model_config.name} s{step.seq} b{step.batch} {step.precision}: FAILED {e}", flush=True)
+        return {"config": step.describe(), "error": f"{type(e).__name__}: {e}"[:2000]}
     alloc = real.allocator.get("max_memory_allocated", 0)
     print(f"{step.model_config.name} s{step.seq} b{step.batch} {step.precision}: tracked "
           f"{row['measure_peak_bytes'] / 2**30:.2f} GiB, allocator {alloc / 2**30:.2f} GiB", flush=True)
     return row
 
 
-def collect(cases=CASES, variants=VARIANTS) -> dict:
-    """``gpu_check.json``: three lenses, the allocator and the step time per case and variant."""
+def fits_card(step: StepConfig, card: Card) -> bool:
+    """Whether the measure guard lets ``step`` run on ``card`` in a fresh process
+    (:func:`memlab.guard.cuda_need` against the card's memory less the CUDA context)."""
+    from .guard import cuda_need
+    from .lesson import CONTEXT_BYTES
+    from .policy import get_target
+    return cuda_need(step, get_target("cuda", card=card)) <= card.memory - CONTEXT_BYTES
+
+
+def sized_cases(card: Card, cases=CASES, variants=VARIANTS) -> list[StepConfig]:
+    """The ``gpu_check.json`` steps this card can hold (a T4 drops gpt2-medium fp32 at 1024
+    tokens; bf16 variants only where bf16 is native)."""
+    steps = [StepConfig(model=m, seq=s, batch=b, **kw) for m, s, b in cases for kw in variants]
+    return [st for st in steps if fits_card(st, card)
+            and (card.bf16_native or st.precision not in ("bf16", "pure-bf16"))]
+
+
+def sized_devset(card: Card) -> list[StepConfig]:
+    """The ``devset.json`` steps this card can hold and runs natively."""
+    return [st for st in devset() if fits_card(st, card)
+            and (card.bf16_native or st.precision not in ("bf16", "pure-bf16"))]
+
+
+def deepspeed_step(card: Card) -> StepConfig:
+    """The one-GPU DeepSpeed step for a card: gpt2-large as on the H200 where ZeRO-0 of it
+    fits, else gpt2-medium, else gpt2-small; in the card's 16-bit precision."""
+    for model in ("gpt2-large", "gpt2-medium", "gpt2-small"):
+        step = replace(DEEPSPEED_STEP, model=model, precision=card.precision)
+        if fits_card(step, card):
+            return step
+    return replace(DEEPSPEED_STEP, model="gpt2-small", precision=card.precision, batch=1)
+
+
+def collect(card: Card, cases=CASES, variants=VARIANTS) -> dict:
+    """``gpu_check.json``: three lenses, the allocator and the step time per case and variant
+    the card holds, and the advisor's plan for a 24 GB card (or this one) run for real."""
     rows = []
-    for model, seq, batch in cases:
-        for kw in variants:
-            row = lens_row(StepConfig(model=model, seq=seq, batch=batch, **kw), timed=True)
-            rows.append({"model": model, "seq": seq, "batch": batch, **kw, **row})
-    props = torch.cuda.get_device_properties(0)
+    for st in sized_cases(card, cases, variants):
+        row = lens_row(st, timed=True)
+        kw = {k: getattr(st, k) for k in ("precision",) if st.precision != "fp32"}
+        if st.model_config.checkpointing != "none":
+            kw["checkpointing"] = st.model_config.checkpointing
+        rows.append({"model": st.model_config.name, "seq": st.seq, "batch": st.batch, **kw, **row})
     from .advisor import check_plan  # the advisor's plan for this card, run for real
-    return {**_header(), "total_memory": props.total_memory, "rows": rows,
-            "plan_check": check_plan("gpt2-medium", 1024, 16,
-                                     budget=min(props.total_memory, 24564 * 2**20))}
+    try:
+        plan = check_plan("gpt2-medium", 1024, 16, budget=min(card.memory, 24564 * 2**20))
+    except Exception as e:  # noqa: BLE001
+        plan = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    return {**_header(), "card": card.describe(), "total_memory": card.memory, "rows": rows,
+            "plan_check": plan}
 
 
 def _rss() -> int:
@@ -156,12 +209,16 @@ def deepspeed_one_gpu_worker(rank: int, world_size: int, step: StepConfig) -> di
 def collect_deepspeed(step: StepConfig = DEEPSPEED_STEP, cases=DEEPSPEED_CASES) -> list[dict]:
     """``zero_offload_one_gpu.json``: each case in its own one-rank launch (a fresh process,
     so host RSS and the allocator start clean), with memlab's estimate beside it."""
-    from dataclasses import replace
     from .distributed import run_ranks
     rows = []
     for zero, offload in cases:
         s = replace(step, zero=zero, offload=offload)
-        row = run_ranks(deepspeed_one_gpu_worker, 1, kwargs={"step": s}, timeout=1800)[0]
+        try:
+            row = run_ranks(deepspeed_one_gpu_worker, 1, kwargs={"step": s}, timeout=600)[0]
+        except Exception as e:  # noqa: BLE001 - record it, go on with the next case
+            rows.append({"zero": zero, "offload": offload, "error": f"{type(e).__name__}: {e}"[:2000]})
+            print(f"DeepSpeed ZeRO-{zero} offload {offload}: FAILED {e}", flush=True)
+            continue
         est = estimate_step(s) if zero or offload != "none" else None
         row["estimate_peak_bytes"] = est.peak_bytes if est else None
         row["estimate_host_bytes"] = est.host_bytes if est else None
@@ -172,34 +229,149 @@ def collect_deepspeed(step: StepConfig = DEEPSPEED_STEP, cases=DEEPSPEED_CASES) 
     return rows
 
 
-def write(out: str | Path) -> Path:
-    """Record everything for the GPU at hand into ``<out>/<gpu-name>/``."""
-    from dataclasses import replace
+# The cases of zero_offload_one_gpu.json a gpu-check runs (each a fresh DeepSpeed process):
+# plain ZeRO-2 and ZeRO-2 + optimizer offload, the pair lesson 11 compares.
+CHECK_DEEPSPEED_CASES = [(2, "none"), (2, "optimizer")]
+
+
+def write(out: str | Path, card: Card) -> Path:
+    """Record the reference steps sized for ``card`` into ``<out>/<card>/``."""
     from .distributed import measure_distributed
-    folder = Path(out) / gpu_name()
+    folder = Path(out) / card.name
     folder.mkdir(parents=True, exist_ok=True)
 
-    def dump(name: str, data) -> None:
+    def dump(name: str, make) -> None:
+        try:
+            data = make()
+        except Exception as e:  # noqa: BLE001 - one file failing must not stop the check
+            data = {"error": f"{type(e).__name__}: {e}"[:2000]}
         (folder / name).write_text(json.dumps(data, indent=1, default=str))
         print(f"wrote {folder / name}", flush=True)
 
-    dump("gpu_check.json", collect())
-    dump("devset.json", {**_header(), "rows": [lens_row(s) for s in devset()]})
-    dump("zero_offload_one_gpu.json", collect_deepspeed())
-    offload = replace(DEEPSPEED_STEP, zero=2, offload="optimizer")
-    dump("cli_measure_zero2_offload.json", measure_distributed(offload, device="cuda").to_dict())
+    dump("gpu_check.json", lambda: collect(card))
+    dump("devset.json", lambda: {**_header(), "rows": [lens_row(s) for s in sized_devset(card)]})
+    ds = deepspeed_step(card)
+    dump("zero_offload_one_gpu.json", lambda: collect_deepspeed(ds, CHECK_DEEPSPEED_CASES))
+    dump("cli_measure_zero2_offload.json",
+         lambda: measure_distributed(replace(ds, zero=2, offload="optimizer"), device="cuda").to_dict())
     return folder
 
 
+# ---- notebooks -----------------------------------------------------------------------
+RANK_LESSONS = ("09", "10", "11", "12", "13", "15")  # start ranks: one at a time
+NOTEBOOK_WORKERS = 2   # the other notebooks, two at a time on the one GPU
+
+
+@dataclass
+class NotebookRun:
+    notebook: str
+    passed: bool
+    seconds: float
+    log: str
+
+
+def lesson_of(notebook: str) -> str:
+    """``"04"`` for ``notebooks/04_mixed_precision.ipynb``."""
+    return Path(notebook).name.split("_")[0]
+
+
+def notebook_groups(notebooks: list[str]) -> tuple[list[str], list[str]]:
+    """(rank notebooks, one at a time; the others, two at a time)."""
+    rank = [n for n in notebooks if lesson_of(n) in RANK_LESSONS]
+    return rank, [n for n in notebooks if n not in rank]
+
+
+def run_notebook(notebook: str, folder: Path, python: str = sys.executable,
+                 cell_timeout: int = 300) -> NotebookRun:
+    """One notebook under nbval in its own pytest process; its log into ``folder``."""
+    import subprocess
+    log = folder / f"nb_{Path(notebook).stem}.log"
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        done = subprocess.run([python, "-m", "pytest", "--nbval", "--nbval-current-env",
+                               "-p", "no:cacheprovider", f"--nbval-cell-timeout={cell_timeout}",
+                               "--durations=0", notebook], stdout=f, stderr=subprocess.STDOUT)
+    return NotebookRun(notebook, done.returncode == 0, time.perf_counter() - start, str(log))
+
+
+def run_notebooks(notebooks: list[str], folder: Path, python: str = sys.executable) -> list[NotebookRun]:
+    """The rank notebooks one at a time, then the others two at a time; every notebook runs
+    whatever the others did."""
+    from concurrent.futures import ThreadPoolExecutor
+    rank, others = notebook_groups(notebooks)
+    runs = [run_notebook(n, folder, python) for n in rank]
+    with ThreadPoolExecutor(NOTEBOOK_WORKERS) as pool:
+        runs += list(pool.map(lambda n: run_notebook(n, folder, python), others))
+    return runs
+
+
+def table(runs: list[NotebookRun], card: Card) -> str:
+    """The closing table: notebook, pass/fail, wall time, card profile."""
+    lines = [f"card profile: {card.describe()}", "",
+             "| notebook | result | wall s |", "|---|---|---|"]
+    lines += [f"| {Path(r.notebook).name} | {'pass' if r.passed else 'FAIL'} | {r.seconds:.0f} |"
+              for r in runs]
+    return "\n".join(lines)
+
+
+def dry_run(notebooks: list[str], cards: list[Card]) -> str:
+    """The plan per notebook per card, as a CPU machine can print it: the group each notebook
+    runs in, the sizes :func:`memlab.lesson.plan` gives it, and the reference steps kept."""
+    from .lesson import plan
+    rank, others = notebook_groups(notebooks)
+    out = []
+    for card in cards:
+        out.append(f"== {card.describe()}")
+        steps = sized_cases(card)
+        out.append(f"  reference: {len(steps)} gpu_check steps, {len(sized_devset(card))} devset steps, "
+                   f"DeepSpeed {deepspeed_step(card).model_config.name} {deepspeed_step(card).precision}")
+        from .hardware import place_ranks
+        out.append(f"  rank notebooks: {place_ranks(2, gpus=card.gpus).reason}")
+        for n in rank + others:
+            group = "one at a time" if n in rank else f"{NOTEBOOK_WORKERS} at a time"
+            out.append(f"  {Path(n).name:<44} [{group}] {plan(lesson_of(n), card).line()}")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m memlab.gpu_check", description=__doc__)
-    parser.add_argument("--out", default="data/reference")
+    parser = argparse.ArgumentParser(prog="python -m memlab.gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="build/gpu-check",
+                        help="folder for <card>/ (never the shipped references)")
+    parser.add_argument("--notebooks", nargs="*", default=[], help="notebooks to run under nbval")
+    parser.add_argument("--card", default=None,
+                        help=f"dry run: the card to plan for (default: all of {', '.join(CARDS)})")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
+    parser.add_argument("--no-reference", action="store_true", help="notebooks only")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_check: torch sees no CUDA GPU; run it on a machine with one", file=sys.stderr)
+    if Path(args.out).resolve().is_relative_to(Path(__file__).resolve().parent / "data"):
+        print(f"gpu_check: --out {args.out} is inside the shipped references; allowed: any other "
+              f"folder, e.g. build/gpu-check", file=sys.stderr)
         return 2
-    write(args.out)
-    return 0
+    if args.dry_run:
+        from .cards import get_card
+        cards = [get_card(args.card)] if args.card else list(CARDS.values())
+        print(dry_run(args.notebooks, cards))
+        return 0
+    card = detect_card()
+    if card is None:
+        print("gpu_check: torch sees no CUDA GPU; run it on a machine with one (or --dry-run)",
+              file=sys.stderr)
+        return 2
+    if card.rehearsal:
+        from .lesson import rehearse
+        rehearse(card)
+    folder = Path(args.out) / card.name
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"gpu-check on {card.describe()} -> {folder}", flush=True)
+    start = time.perf_counter()
+    if not args.no_reference:
+        write(args.out, card)
+    runs = run_notebooks(args.notebooks, folder)
+    summary = table(runs, card) + f"\n\ntotal {time.perf_counter() - start:.0f} s\n"
+    (folder / "summary.md").write_text(summary)
+    print(summary)
+    return 0 if all(r.passed for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -35,8 +35,11 @@ Where the numbers come from:
   estimate on GPT steps (CUDA autocast keeps fp32 softmax), and a fresh process reserves up
   to 1.10 x what it allocates, so ``1.147 x 1.10 = 1.26``, rounded up to 1.3; cuDNN and
   cuBLAS workspaces add up to about 190 MiB the CPU-policy estimate does not see (UNet rows),
-  under 256 MiB. On CUDA the guard reads the CUDA target's estimate (:mod:`memlab.policy`),
-  which follows those kernels, so the margin is on the safe side there.
+  under 256 MiB. On CUDA the guard reads the CUDA target's estimate for the card present
+  (:func:`memlab.cards.detect_card`, :mod:`memlab.policy`), which follows those kernels, so
+  the margin is on the safe side there. What is available on CUDA is the driver's free memory
+  plus this process's own cached blocks (``memory_reserved - memory_allocated``): an earlier
+  cell's cache is not lost to the next step, and the refusal says how much was counted.
 * DeepSpeed ranks on CPU: each rank builds the whole model before DeepSpeed copies it into
   its flat buffers, and glibc keeps what is freed; measured RSS per rank 3.13 GiB for
   gpt2-small ZeRO-3 on 2 ranks (estimate 1.48 GiB per rank) and 0.55 GiB for tiny ZeRO-2
@@ -51,6 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cards import detect_card
 from .errors import HostMemoryError
 from .hardware import MiB, fmt_bytes
 from .models import GPTConfig
@@ -90,12 +94,40 @@ def process_headroom_bytes() -> int | None:
 
 
 def device_available_bytes(device: torch.device | str) -> int:
-    """Free memory of a CUDA device now (``torch.cuda.mem_get_info``); on CPU, the host's
-    (:func:`host_available_bytes`)."""
+    """Memory a new allocation can get on a CUDA device now: the driver's free memory
+    (``torch.cuda.mem_get_info``) plus the blocks this process's caching allocator holds
+    with no tensor in them (:func:`cached_free_bytes`), which the allocator frees and
+    retries with before it raises an OOM (``release_cached_blocks`` in
+    ``c10/cuda/CUDACachingAllocator.cpp``). On CPU, the host's (:func:`host_available_bytes`)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        free = int(torch.cuda.mem_get_info(device)[0])
+        capped = fraction_headroom_bytes(device)
+        return (free if capped is None else min(free, capped)) + cached_free_bytes(device)
     return host_available_bytes()
+
+
+def fraction_headroom_bytes(device: torch.device | str) -> int | None:
+    """What ``set_per_process_memory_fraction`` still lets this process reserve on a CUDA
+    device (``fraction x total - memory_reserved``), or ``None`` without a cap. A rehearsal
+    of a smaller card (:func:`memlab.lesson.rehearse`) or an instructor's split of one GPU
+    sets it; ``mem_get_info`` does not see it."""
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None:  # older torch: the cap cannot be read (pytorch/pytorch#140620)
+        return None
+    index = torch.device(device).index or 0
+    fraction = getter(index)
+    if fraction >= 1.0:
+        return None
+    total = torch.cuda.get_device_properties(index).total_memory
+    return max(0, int(fraction * total) - int(torch.cuda.memory_reserved(device)))
+
+
+def cached_free_bytes(device: torch.device | str) -> int:
+    """Bytes this process has reserved on a CUDA device but not allocated to tensors
+    (``memory_reserved - memory_allocated``): an earlier cell's cache, invisible to
+    ``mem_get_info`` (which counts it as used) but usable by the next step."""
+    return max(0, int(torch.cuda.memory_reserved(device)) - int(torch.cuda.memory_allocated(device)))
 
 
 def _cgroup_headroom() -> int | None:
@@ -185,6 +217,16 @@ def largest_tensor_bytes(step: StepConfig) -> int | None:
     return 4 * max(sizes)
 
 
+def target_for(device: torch.device | str):
+    """What the guard estimates with on ``device``: ``"cpu"``, or the CUDA target of the card
+    this process runs on (:func:`memlab.cards.detect_card`: its kernels and workspace)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    from .policy import get_target
+    return get_target("cuda", card=detect_card())
+
+
 def _held(est: StepEstimate, device_type: str, budget_bytes: int | None,
           with_host: bool) -> tuple[int, str]:
     """Bytes one process holds at its peak, and how that was found (for the message)."""
@@ -205,6 +247,14 @@ def _held(est: StepEstimate, device_type: str, budget_bytes: int | None,
     return capped, f"the step stopped at the {how}"
 
 
+def cuda_need(step: StepConfig, target, budget_bytes: int | None = None) -> int:
+    """Bytes the guard asks of a GPU for ``step`` in this process, for the card of ``target``
+    (a :class:`~memlab.policy.Target`): ``margin x held + overhead``, without reading any
+    device (lesson sizing plans with it for cards that are not here)."""
+    held, _ = _held(estimate_for(step, target), "cuda", budget_bytes, with_host=False)
+    return math.ceil(MARGIN["cuda"] * held) + PROCESS_BYTES
+
+
 def memory_needs(step: StepConfig, device: torch.device | str = "cpu",
                  budget_bytes: int | None = None, *, spawned: bool = False,
                  est: StepEstimate | None = None) -> list[MemoryNeed]:
@@ -213,7 +263,7 @@ def memory_needs(step: StepConfig, device: torch.device | str = "cpu",
     host), host RAM for all of them, the address space of each under ``ulimit -v``, and on
     CUDA the free memory of the GPUs they share."""
     device = torch.device(device)
-    est = est or estimate_for(step, device.type)
+    est = est or estimate_for(step, target_for(device))
     kind = device.type
     headroom = process_headroom_bytes()
     if not spawned:
@@ -221,7 +271,9 @@ def memory_needs(step: StepConfig, device: torch.device | str = "cpu",
         need = math.ceil(MARGIN[kind] * held) + PROCESS_BYTES
         rule = f"{what} x {MARGIN[kind]} + {fmt_bytes(PROCESS_BYTES)} for the process"
         if kind == "cuda":
-            return [MemoryNeed(f"free memory on {device}", need, device_available_bytes(device), rule)]
+            cached = cached_free_bytes(device)
+            return [MemoryNeed(f"free memory on {device} (free + {fmt_bytes(cached)} cached by this "
+                               f"process)", need, device_available_bytes(device), rule)]
         host = host_available_bytes()
         if headroom is not None and headroom < host:
             return [MemoryNeed("address space left under ulimit -v", need, headroom, rule)]
@@ -238,8 +290,11 @@ def memory_needs(step: StepConfig, device: torch.device | str = "cpu",
         gpus = max(1, torch.cuda.device_count())
         sharing = math.ceil(world / gpus)  # ranks go round-robin over the GPUs
         on_gpu = sharing * (math.ceil(MARGIN["cuda"] * held) + PROCESS_BYTES)
+        # the ranks are other processes: this one's cached blocks are of no use to them
+        # unless returned to the driver first
+        torch.cuda.empty_cache()
         free = min(torch.cuda.mem_get_info(i)[0] for i in range(min(gpus, world)))
-        needs.append(MemoryNeed("free GPU memory", on_gpu, free,
+        needs.append(MemoryNeed("free GPU memory (this process's cache emptied first)", on_gpu, free,
                                 f"{sharing} rank(s) per GPU x ({what} x {MARGIN['cuda']} + "
                                 f"{fmt_bytes(PROCESS_BYTES)} per process)"))
         per_rank = math.ceil(MARGIN["cpu"] * est.host_bytes) + RANK_PROCESS_BYTES
@@ -286,7 +341,7 @@ def preflight(step: StepConfig, device: torch.device | str = "cpu",
     its model states, :class:`HostMemoryError` when this machine cannot hold the step, else
     ``None`` (go ahead)."""
     device = torch.device(device)
-    est = estimate_for(step, device.type)
+    est = estimate_for(step, target_for(device))
     if budget_bytes is not None:
         refused = build_oom_report(step, device.type, budget_bytes, est)
         if refused is not None:
@@ -308,5 +363,6 @@ def check_host(step: StepConfig) -> None:
 
 __all__ = ["MARGIN", "PROCESS_BYTES", "RANK_PROCESS_BYTES", "DEEPSPEED_HOST_FACTOR",
            "MemoryNeed", "StepEstimate", "HostMemoryError", "host_available_bytes",
-           "process_headroom_bytes", "device_available_bytes", "estimate_for",
+           "process_headroom_bytes", "device_available_bytes", "cached_free_bytes",
+           "fraction_headroom_bytes", "target_for", "cuda_need", "estimate_for",
            "largest_tensor_bytes", "memory_needs", "build_oom_report", "preflight", "check_host"]

@@ -1,5 +1,5 @@
-"""Sizes and devices: parse ``"512MiB"``/``"40GB"``, GPU presets, pick a device, place
-ranks on devices, format bytes."""
+"""Sizes and devices: parse ``"512MiB"``/``"40GB"``, GPU presets (the card profiles of
+:mod:`memlab.cards`), pick a device, place ranks on devices, format bytes."""
 from __future__ import annotations
 
 import re
@@ -7,21 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
+from .cards import CARDS, Card, detect_card  # noqa: F401  (re-exported: the hardware layer)
 from .errors import InputError
 
 MiB = 2**20
 GiB = 2**30
 
-# Total memory of each card as ``nvidia-smi`` reports it (MiB). A process can use a little
-# less: the CUDA context takes a few hundred MiB before the first tensor.
-GPU_PRESETS: dict[str, int] = {
-    "T4-16GB": 15360 * MiB,
-    "RTX4090-24GB": 24564 * MiB,
-    "A100-40GB": 40960 * MiB,
-    "A100-80GB": 81920 * MiB,
-    "H100-80GB": 81559 * MiB,
-    "H200-141GB": 143771 * MiB,
-}
+# Memory of one device of each card profile (:mod:`memlab.cards`: capability, kernels,
+# workspace), as ``nvidia-smi`` reports it. A process can use a little less: the CUDA
+# context takes a few hundred MiB before the first tensor.
+GPU_PRESETS: dict[str, int] = {name: card.memory for name, card in CARDS.items()}
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

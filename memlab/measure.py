@@ -5,9 +5,10 @@ Before anything is allocated, :func:`measure_step` checks that the step fits thi
 report at phase ``build`` under a budget). It then builds the model
 (:func:`~memlab.step.build_trainer`), runs one untracked warm-up step so the optimizer state
 exists, and tracks the next step with :class:`~memlab.tracking.MemoryTracker`. On CUDA the
-report also carries the caching allocator's own figures: its ``max_memory_allocated`` less
-the tracked tensors becomes the ``workspace`` category (cuBLAS/cuDNN workspaces, block
-rounding), so that the categories add up to what the allocator says. Tensors on another
+report also carries the caching allocator's own figures: its growth over the step beyond the
+tracked tensors' becomes the ``workspace`` category (cuBLAS/cuDNN workspaces, block
+rounding; :func:`add_workspace`), and the step time is read after
+``torch.cuda.synchronize``. Tensors on another
 device than the step's (offloaded state, ``save_on_cpu`` activations) are reported as host
 memory (``host_bytes``).
 """
@@ -78,9 +79,9 @@ def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *
                 if is_host_oom(e):
                     tracker.oom.message = _host_message(tracker.oom)
             _release(e, trainer)
-        seconds = time.perf_counter() - start
-        if on_cuda:
+        if on_cuda:  # kernels run asynchronously: the step ends when the device is done
             torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
         gc.collect()
         after = tracker.live_bytes
     return tracker, seconds, before, after
@@ -186,19 +187,30 @@ def measure_trainer(trainer: Trainer, batch: tuple, *, budget: int | str | None 
 
 
 def add_workspace(report: MemoryReport) -> MemoryReport:
-    """Make a CUDA report add up to the allocator: its ``max_memory_allocated`` less the
-    tracked peak becomes the ``workspace`` category (bytes no tensor accounts for: cuBLAS
-    and cuDNN workspaces, 512-byte block rounding), ``peak_bytes`` becomes the allocator's
-    peak, and ``tracked_peak_bytes`` keeps the tracker's. Reports without allocator figures
-    (CPU, fake tensors) are returned unchanged."""
+    """Make a CUDA report say what the allocator saw during the step: its growth over the
+    step (``max_memory_allocated - memory_allocated_at_start``) beyond the tracked tensors'
+    growth (``tracked peak - live_before``) becomes the ``workspace`` category (bytes no
+    tensor accounts for: cuBLAS and cuDNN workspaces, in-kernel buffers, 512-byte block
+    rounding), added to ``peak_bytes``; ``tracked_peak_bytes`` keeps the tracker's.
+
+    Bytes allocated *before* the step that no tracked tensor holds (a learner's leftover
+    tensors, an earlier step's cuBLAS workspace) are not this step's workspace: they are
+    said in a note, not counted. Reports without allocator figures (CPU, fake tensors) are
+    returned unchanged."""
     allocated = report.allocator.get("max_memory_allocated")
     if allocated is None or report.tracked_peak_bytes is not None:
         return report
+    at_start = int(report.allocator.get("memory_allocated_at_start", 0))
+    tracked_start = int(report.live_before or 0) if at_start else 0
     report.tracked_peak_bytes = report.peak_bytes
-    workspace = max(0, allocated - report.peak_bytes)
+    workspace = max(0, (allocated - at_start) - (report.peak_bytes - tracked_start))
     report.by_category = {c: int(report.by_category.get(c, 0)) for c in CATEGORIES}
     report.by_category["workspace"] += workspace
     report.peak_bytes += workspace
+    untracked = at_start - tracked_start
+    if at_start and untracked > 0:
+        report.notes.append(f"{fmt_bytes(untracked)} were allocated before the step by no tracked "
+                            f"tensor (earlier cuBLAS workspaces, leftover tensors): not counted")
     return report
 
 

@@ -41,7 +41,8 @@ from .hardware import resolve_budget
 from .measure import run_tracked_step
 from .step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
 from .models import UNetConfig
-from .policy import emulate, get_target
+from .cards import Card  # noqa: F401  (a type in a signature)
+from .policy import emulate, resolve_target
 from .states import ModelStates, model_states
 from .tracking import CATEGORIES, Event
 
@@ -56,16 +57,20 @@ def _fake_batch(step: StepConfig) -> tuple:
 
 
 def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
-                  target: str = "cpu", **overrides) -> MemoryReport:
+                  target: str | None = None, card: "Card | str | None" = None,
+                  **overrides) -> MemoryReport:
     """Run one steady-state step on fake tensors and report its peak by category.
 
     ``budget`` is bytes, a size string, or a GPU preset (``"A100-40GB"``): the report says
     whether the step fits and, if not, where it ran out (``report.oom``). ``target`` is the
     device the bytes are counted for: ``"cpu"`` (exactly what :func:`measure_step` sees on
     this CPU) or ``"cuda"`` (CUDA's autocast policy, kernels, workspaces and 512-byte
-    blocks, see :mod:`memlab.policy`; a GPU preset budget picks the card's cuBLAS workspace).
+    blocks, see :mod:`memlab.policy`). Left out, it follows the card asked for (``card``, or
+    a GPU preset budget), else the GPU this process sees, else the CPU
+    (:func:`memlab.policy.resolve_target`): on a CPU machine the simulation still equals
+    the measurement to the byte.
     """
-    tgt = get_target(target, budget)
+    tgt = resolve_target(target, budget, card)
     step = resolve_step(step, **overrides)
     budget_bytes = resolve_budget(budget)
     start = time.perf_counter()

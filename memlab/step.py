@@ -99,9 +99,9 @@ class MemoryReport:
     run the CPU is the device). ``host_bytes`` is the peak of what the step keeps in host
     memory on an accelerator run (ZeRO-Offload's optimizer state and parameters,
     ``save_on_cpu`` activations), split in ``host_by_category``. On CUDA the measure lens
-    adds the allocator's bytes that no tensor accounts for as ``workspace``, so that
-    ``peak_bytes`` is the allocator's ``max_memory_allocated``; ``tracked_peak_bytes`` keeps
-    the tracker's exact tensor bytes.
+    adds the allocator's growth over the step that no tensor accounts for as ``workspace``
+    (:func:`memlab.measure.add_workspace`); ``tracked_peak_bytes`` keeps the tracker's exact
+    tensor bytes.
     """
 
     lens: str

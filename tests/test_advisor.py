@@ -7,6 +7,7 @@ import pytest
 
 from memlab.advisor import advise, check_plan, flowchart, tensor_parallel_degree
 from memlab.cli import main
+from memlab.cards import get_card
 from memlab.estimate import estimate_step, model_state_bytes
 from memlab.step import StepConfig
 from memlab.models import get_config
@@ -70,7 +71,7 @@ def test_13b_on_one_t4_fits_with_parameter_offload():
     assert zo["stage"] == 3 and zo["offload_param"] == {"device": "cpu"}
     assert "ZeRO-3" in a.message and "one rank" in a.message and "host memory" in a.message
     # the plan's peak is the estimate of the config it emits (one rank of 13B: not simulated)
-    assert a.peak_bytes == estimate_step(a.step).peak_bytes
+    assert a.peak_bytes == estimate_step(a.step, card="T4-16GB").peak_bytes
     # host: at least the 2 + 4 + 4 + 8 bytes per parameter ZeRO-Offload moves there
     psi = get_config("llama-13b").num_params()
     assert a.host_bytes >= 18 * psi and a.to_dict()["host_bytes"] == a.host_bytes
@@ -83,7 +84,7 @@ def test_nothing_fits_says_by_how_much():
     assert a.plan[-1] == "offload-all"
     assert "short by" in a.message and "GiB" in a.message
     assert a.to_dict()["fits"] is False
-    est = estimate_step(a.step)
+    est = estimate_step(a.step, card="T4-16GB")
     ckpt_inputs = 40 * 8 * 4096 * 5120 * 2  # one bf16 block input per layer (Chen et al. 2016)
     assert est.by_category["activations"] >= ckpt_inputs > 0.9 * a.usable_bytes
     assert a.peak_bytes == est.peak_bytes > a.usable_bytes
@@ -126,7 +127,7 @@ def test_plans_for_todays_models_match_their_estimate(model, world):
                       offload="all" if "offload_param" in ds["zero_optimization"] else
                       "optimizer" if "offload_optimizer" in ds["zero_optimization"] else "none")
     t = ds.get("tensor_parallel", {}).get("autotp_size", 1)
-    est = estimate_step(step, tensor_parallel=t)
+    est = estimate_step(step, tensor_parallel=t, card="H100-80GB")
     assert abs(est.peak_bytes - a.peak_bytes) / a.peak_bytes < 0.05
     assert ds["train_batch_size"] == world // t
 
@@ -136,7 +137,7 @@ def test_one_card_plan_for_llama_3_8b_simulates_as_planned():
     """The one-H100 plan run on fake tensors (DeepSpeed's layout, memlab.simulate): the
     simulated peak is the plan's within 5%, and it sits in the loss (the logits spike)."""
     a = advise("llama-3-8b", "H100-80GB", world_size=1, seq=8192, batch=1)
-    sim = simulate_step(a.step)
+    sim = simulate_step(a.step, card="H100-80GB")
     assert abs(sim.peak_bytes - a.peak_bytes) / a.peak_bytes < 0.05
     top = max(sim.timeline, key=lambda e: e.total)
     assert top.module == "LogSoftmaxBackward0"
@@ -217,3 +218,31 @@ def test_plot_advice_reads_bytes_on_a_linear_axis_from_zero():
     heights = [b.get_height() for b in ax.patches]
     assert heights == pytest.approx([s["peak_bytes"] / 2**30 for s in a.steps])
     assert ax.get_ylim()[1] >= max(heights)
+
+
+@pytest.mark.parametrize("card", ["T4-16GB", "RTX4090-24GB", "A100-40GB", "H200-141GB"])
+def test_plan_is_the_estimate_of_the_config_it_emits_on_that_card(card):
+    """The issue's case: gpt2-medium, seq 1024, batch 16. The plan's peak is, to the byte,
+    what estimate_step says of the emitted step on the same card (its kernels and cuBLAS
+    workspace), which is also what the CLI prints for --gpu CARD."""
+    a = advise("gpt2-medium", card, seq=1024, batch=16, simulate=False)
+    assert a.target.card.name == card
+    est = estimate_step(a.step, tensor_parallel=a.tensor_parallel, card=card)
+    assert a.peak_bytes == est.peak_bytes
+    # the card's rules, not the CPU's: the CPU target counts no cuBLAS workspace
+    cpu = estimate_step(a.step, tensor_parallel=a.tensor_parallel, target="cpu")
+    assert est.by_category["workspace"] == 2 * get_card(card).cublas_workspace() > 0
+    assert cpu.by_category["workspace"] == 0
+
+
+def test_cli_and_python_agree_for_the_same_card(capsys):
+    import json as _json
+
+    from memlab.cli import main
+    step = StepConfig(model="gpt2-medium", seq=1024, batch=16, precision="bf16", checkpointing="full")
+    for card in ("T4-16GB", "RTX4090-24GB"):
+        assert main(["estimate", "--model", "gpt2-medium", "--seq", "1024", "--batch", "16",
+                     "--precision", "bf16", "--checkpointing", "full", "--gpu", card, "--json"]) == 0
+        out = _json.loads(capsys.readouterr().out)
+        assert out["peak_bytes"] == estimate_step(step, budget=card).peak_bytes \
+            == estimate_step(step, card=card).peak_bytes

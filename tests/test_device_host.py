@@ -168,3 +168,59 @@ def test_save_on_cpu_activations_are_host_memory_on_cuda():
         tracker, *_ = run_tracked_step(trainer, batch, None)
     assert tracker.host_peak_by_category()["activations"] > 0.5 * plain.by_category["activations"]
     assert tracker.peak_bytes < plain.tracked_peak_bytes
+
+
+def test_workspace_is_the_allocators_growth_beyond_the_tracked_tensors():
+    """900 bytes no tracked tensor holds were allocated before the step (a learner's leftover
+    tensors, an earlier step's cuBLAS workspace): not the step's workspace. Tracked: 1100 at
+    the start, 4000 at the peak (growth 2900); allocator: 2000 at the start, 5400 at the peak
+    (growth 3400); the workspace is the 500 bytes of growth no tensor accounts for."""
+    step = StepConfig(seq=32, batch=2)
+    cats = dict.fromkeys(CATEGORIES, 0) | {"parameters": 1000, "activations": 3000}
+    # tracked: 1100 at the start (parameters + batch), 4000 at the peak
+    allocator = {"max_memory_allocated": 2000 + 3400, "memory_allocated_at_start": 2000,
+                 "max_memory_reserved": 8192}
+    rep = add_workspace(MemoryReport("measure", step, "cuda", 4000, cats, allocator=allocator,
+                                     live_before=1100))
+    assert rep.by_category["workspace"] == 3400 - (4000 - 1100) == 500
+    assert rep.peak_bytes == 4500 and rep.tracked_peak_bytes == 4000
+    assert any("900 B were allocated before the step" in n for n in rep.notes)
+
+
+def test_cuda_step_time_is_read_after_synchronize(monkeypatch):
+    """run_tracked_step on a (patched) CUDA trainer: the clock is read after
+    torch.cuda.synchronize, so asynchronous kernels are inside the step time."""
+    import memlab.measure as measure
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    clock = iter(range(100))
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: calls.append("clock") or next(clock))
+
+    class FakeTrainer:
+        device = torch.device("cuda")
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(self, batch):
+            calls.append("step")
+
+    class Tracker:
+        def __init__(self, *a, **k):
+            self.live_bytes, self.oom, self.timeline = 0, None, []
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def track_model(self, *a):
+            pass
+
+        track_optimizer = track_tensors = reset_peak = track_model
+
+    monkeypatch.setattr(measure, "MemoryTracker", Tracker)
+    measure.run_tracked_step(FakeTrainer(), (), None, warmup=False)
+    step_at = calls.index("step")
+    after = calls[step_at:]
+    assert after.index("sync") < after.index("clock"), calls

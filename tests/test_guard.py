@@ -255,3 +255,44 @@ def test_compression_panel_refuses_then_measures(monkeypatch):
     panel.seq.value = 64
     assert panel.data["refused"] is None and panel.data["seq"] == 64
     assert panel.data["activation_bytes"] == panel.data["baseline_activation_bytes"]  # "none"
+
+
+def test_the_guard_counts_this_process_cached_blocks_as_available(monkeypatch):
+    """An earlier cell left 6 GiB reserved with 1 GiB of tensors in it: mem_get_info says
+    1 GiB free, yet the next step can have 1 + (6 - 1) = 6 GiB (the allocator frees its cache
+    and retries before it raises). A step needing about 3.6 GiB is let through, and the
+    message says the cache was counted."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from memlab import guard
+    GiB = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * GiB, 16 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 6 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * GiB)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i=0: SimpleNamespace(name="Tesla T4", total_memory=int(14.75 * GiB),
+                                                    major=7, minor=5))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i=0: 1.0)
+    monkeypatch.delenv("MEMLAB_CARD", raising=False)
+    assert guard.cached_free_bytes("cuda") == 5 * GiB
+    assert guard.device_available_bytes("cuda") == 6 * GiB
+    step = StepConfig(model="gpt2-small", seq=256, batch=4)
+    (need,) = guard.memory_needs(step, "cuda")
+    assert "5.00 GiB cached by this process" in need.resource
+    assert need.available_bytes == 6 * GiB
+    assert 1 * GiB < need.need_bytes <= 6 * GiB and need.fits  # refused without the cache
+    # the estimate it used is the T4's (sm75 cuBLAS workspace), not the reference H200's
+    assert guard.target_for("cuda").card.name == "T4-16GB"
+    # a per-process cap (a rehearsal, an instructor's split): half of the card allows 7.375
+    # GiB, 6 of them reserved already, so 1.375 more; the driver's 1 GiB free is tighter: 1 + 5
+    # cached. At 0.42 only 0.195 GiB more may be reserved: that + 5 cached.
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i=0: 0.5)
+    assert guard.fraction_headroom_bytes("cuda") == int(0.5 * 14.75 * GiB) - 6 * GiB
+    assert guard.device_available_bytes("cuda") == 1 * GiB + 5 * GiB
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i=0: 0.42)
+    cap = int(0.42 * int(14.75 * GiB)) - 6 * GiB        # 0.195 GiB left under the cap
+    assert 0 < cap < 1 * GiB and guard.device_available_bytes("cuda") == cap + 5 * GiB

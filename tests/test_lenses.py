@@ -2,11 +2,12 @@
 import itertools
 
 import pytest
+import torch
 
 from memlab.estimate import estimate_step, model_state_bytes, zero_formula
 from memlab.measure import measure_step
 from memlab.step import StepConfig
-from memlab.models import get_config
+from memlab.models import build_model, get_config
 from memlab.simulate import simulate_step
 
 # Held out: none of these shapes were used to write the formula (it was derived on tiny at
@@ -60,9 +61,15 @@ def test_measure_matches_estimate_on_the_default_step():
 
 def test_gpt2_xl_simulates_and_fits_an_a100_40gb():
     # its speed is a benchmark's claim (benchmarks/), not a timed test's
+    # a GPU preset means the CUDA target for that card: the allocator's 512-byte blocks
     rep = simulate_step(StepConfig(model="gpt2-xl", seq=1024, batch=1), budget="A100-40GB")
-    assert rep.fits
-    assert rep.by_category["parameters"] == 4 * get_config("gpt2-xl").num_params()
+    assert rep.fits and rep.device == "cuda (fake)"
+    with torch.device("meta"):
+        numels = [p.numel() for p in build_model(get_config("gpt2-xl")).parameters()]
+    assert sum(numels) == get_config("gpt2-xl").num_params()
+    assert rep.by_category["parameters"] == sum(-(-4 * n // 512) * 512 for n in numels)
+    cpu = simulate_step(StepConfig(model="gpt2-xl", seq=1024, batch=1), budget="A100-40GB", target="cpu")
+    assert cpu.by_category["parameters"] == 4 * get_config("gpt2-xl").num_params()
 
 
 def test_simulated_oom_on_a_small_card():

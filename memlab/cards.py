@@ -1,0 +1,236 @@
+"""The GPUs learners own, as profiles: memory, compute capability and what follows from it.
+
+A :class:`Card` is what the lenses and the lessons need to know about a GPU, and nothing
+else: how much memory one device has, how many devices there are, its compute capability,
+and the facts that capability decides in torch (2.11-2.13):
+
+* **bf16 natively** from sm80 (Ampere) on; below, bf16 runs emulated and slowly, so a
+  lesson uses fp16 with a ``GradScaler`` there (``torch.cuda.is_bf16_supported``).
+* **Scaled dot-product attention kernels** (``aten/src/ATen/native/transformers/cuda/
+  sdp_utils.cpp``): FlashAttention-2 needs sm80+ and fp16/bf16 inputs
+  (``check_flash_attention_hardware_support``, ``check_dtypes_low_precision``); the
+  memory-efficient kernel runs from sm50 on, for fp16/fp32 below sm80 and fp16/bf16/fp32
+  from sm80 (``less_than_sm80_mem_efficient_dtypes``,
+  ``greater_than_or_equal_sm80_mem_efficient_dtypes``); everything else falls back to the
+  ``math`` composite. So on a T4 (sm75) bf16 attention materialises its scores.
+* **cuBLAS workspace** per (handle, stream) (``parseChosenWorkspaceSize`` in
+  ``aten/src/ATen/cuda/CublasHandlePool.cpp``): ``CUBLAS_WORKSPACE_CONFIG`` when set, else
+  4096 KiB x 8 = 32 MiB on sm90 (Hopper) and 4096 KiB x 2 + 16 KiB x 8 elsewhere; plus a
+  cuBLASLt workspace of ``CUBLASLT_WORKSPACE_SIZE`` KiB (default 1024).
+
+:func:`detect_card` maps the device torch sees to a profile (or builds one from its
+properties). ``MEMLAB_CARD=T4-16GB`` asks for a *rehearsal*: on a larger GPU the profile of
+the named card is returned, marked ``rehearsal``, and :func:`memlab.lesson.setup` caps the
+memory and switches off the kernels that card lacks.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+
+import torch
+
+from .errors import InputError
+
+_MiB = 2**20
+CARD_ENV = "MEMLAB_CARD"   # the profile to rehearse (lesson.setup, detect_card, make gpu-check CARD=)
+
+SDPA_KERNELS = ("flash", "efficient", "math")  # torch's priority order on CUDA
+
+
+@dataclass(frozen=True)
+class Card:
+    """One GPU model as the lenses and lessons see it.
+
+    ``memory`` is one device's total (``nvidia-smi``'s MiB for the presets; the device's
+    ``total_memory`` when detected), ``gpus`` how many of them the machine has (Kaggle's
+    2 x T4: 2), ``capability`` the compute capability. ``rehearsal`` names the real GPU when
+    this profile is rehearsed on a larger one (``MEMLAB_CARD``); ``flash`` is ``False``
+    when FlashAttention is switched off although the capability has it.
+    """
+
+    name: str
+    memory: int
+    capability: tuple[int, int]
+    gpus: int = 1
+    device_name: str = ""
+    rehearsal: str | None = None
+    flash: bool = True
+
+    @property
+    def bf16_native(self) -> bool:
+        """bf16 arithmetic in hardware: Ampere (sm80) and later."""
+        return tuple(self.capability) >= (8, 0)
+
+    @property
+    def precision(self) -> str:
+        """The 16-bit mixed precision a lesson uses here: ``bf16`` where native, else ``fp16``
+        (with a ``GradScaler``)."""
+        return "bf16" if self.bf16_native else "fp16"
+
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions a lesson may run on this card (bf16 ones only where native)."""
+        return ("fp32", "bf16", "fp16", "pure-bf16") if self.bf16_native else ("fp32", "fp16")
+
+    def sdpa_kernels(self, elem_bytes: int, dtype: str | None = None) -> tuple[str, ...]:
+        """Fused attention kernels this card runs for inputs of ``elem_bytes`` per element
+        (``dtype``: ``"bf16"`` or ``"fp16"`` to tell the two 16-bit types apart; default
+        fp16 for 2 bytes), in torch's priority order, ``"math"`` last (always possible)."""
+        cap = tuple(self.capability)
+        dtype = dtype or {2: "fp16", 4: "fp32"}.get(elem_bytes, "other")
+        kernels = []
+        if self.flash and cap >= (8, 0) and dtype in ("fp16", "bf16"):
+            kernels.append("flash")
+        efficient = ("fp16", "fp32", "bf16") if cap >= (8, 0) else ("fp16", "fp32")
+        if cap >= (5, 0) and dtype in efficient:
+            kernels.append("efficient")
+        return (*kernels, "math")
+
+    def cublas_workspace(self, env: dict[str, str] | None = None) -> int:
+        """Bytes of one (handle, stream)'s cuBLAS + cuBLASLt workspace on this card."""
+        return cublas_workspace_bytes(self.capability, env) + cublaslt_workspace_bytes(env)
+
+    @property
+    def total_memory(self) -> int:
+        """Memory of all the card's devices together."""
+        return self.memory * self.gpus
+
+    def describe(self) -> str:
+        """One line: name, memory, capability, and the rehearsal if any."""
+        gib = self.memory / 2**30
+        gpus = f"{self.gpus} x " if self.gpus > 1 else ""
+        line = (f"{self.name} ({gpus}{gib:.1f} GiB, sm{self.capability[0]}{self.capability[1]}, "
+                f"bf16 {'native' if self.bf16_native else 'emulated'}, "
+                f"flash {'on' if self.flash and self.capability >= (8, 0) else 'off'})")
+        return line + (f", rehearsed on {self.rehearsal}" if self.rehearsal else "")
+
+
+def cublas_workspace_bytes(capability: tuple[int, int] = (9, 0),
+                           env: dict[str, str] | None = None) -> int:
+    """cuBLAS workspace of one (handle, stream), as torch chooses it: ``CUBLAS_WORKSPACE_CONFIG``
+    (``:SIZE_KiB:COUNT`` pairs, summed) if set, else 32 MiB on sm90 and 8 MiB + 128 KiB
+    otherwise (``parseChosenWorkspaceSize`` in ``CublasHandlePool.cpp``)."""
+    env = os.environ if env is None else env
+    default = 4096 * 8 * 1024 if tuple(capability) == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+    config = env.get("CUBLAS_WORKSPACE_CONFIG")
+    if not config:
+        return default
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+    return sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs else default
+
+
+def cublaslt_workspace_bytes(env: dict[str, str] | None = None) -> int:
+    """cuBLASLt workspace of one (handle, stream): ``CUBLASLT_WORKSPACE_SIZE`` KiB, default
+    1024 (``parseCUDABlasLtWorkspaceSize``)."""
+    env = os.environ if env is None else env
+    try:
+        return int(env.get("CUBLASLT_WORKSPACE_SIZE", "1024")) * 1024
+    except ValueError:
+        return 1024 * 1024
+
+
+def _card(name: str, mib: int, cap: tuple[int, int], gpus: int = 1, device: str = "") -> Card:
+    return Card(name, mib * _MiB, cap, gpus, device)
+
+
+# Total memory as ``nvidia-smi`` reports it (MiB); capability from NVIDIA's CUDA GPUs list.
+# A process gets a little less: the CUDA context takes a few hundred MiB first.
+CARDS: dict[str, Card] = {c.name: c for c in (
+    _card("T4-16GB", 15360, (7, 5), device="Tesla T4"),
+    _card("2xT4-16GB", 15360, (7, 5), gpus=2, device="Tesla T4"),
+    _card("V100-16GB", 16160, (7, 0), device="Tesla V100-SXM2-16GB"),
+    _card("V100-32GB", 32510, (7, 0), device="Tesla V100-SXM2-32GB"),
+    _card("RTX3090-24GB", 24576, (8, 6), device="NVIDIA GeForce RTX 3090"),
+    _card("RTX4090-24GB", 24564, (8, 9), device="NVIDIA GeForce RTX 4090"),
+    _card("L4-24GB", 23034, (8, 9), device="NVIDIA L4"),
+    _card("A10G-24GB", 23028, (8, 6), device="NVIDIA A10G"),
+    _card("A100-40GB", 40960, (8, 0), device="NVIDIA A100-SXM4-40GB"),
+    _card("A100-80GB", 81920, (8, 0), device="NVIDIA A100-SXM4-80GB"),
+    _card("H100-80GB", 81559, (9, 0), device="NVIDIA H100 80GB HBM3"),
+    _card("H200-141GB", 143771, (9, 0), device="NVIDIA H200"),
+)}
+REFERENCE_CARD = "H200-141GB"  # the GPU of memlab/data/reference/NVIDIA-H200
+
+
+def get_card(name: str) -> Card:
+    """The profile named ``name`` (``"T4-16GB"``); an unknown name is bad input."""
+    if name not in CARDS:
+        raise InputError(f"unknown GPU preset {name!r}; allowed: {', '.join(CARDS)}")
+    return CARDS[name]
+
+
+# (pattern in the device name, profile, or (profile <= 48 GiB, profile above)); first match wins
+_NAMES = (
+    (r"\bT4\b", "T4-16GB"),
+    (r"V100", ("V100-16GB", "V100-32GB")),
+    (r"RTX 3090", "RTX3090-24GB"),
+    (r"RTX 4090", "RTX4090-24GB"),
+    (r"\bL4\b", "L4-24GB"),
+    (r"A10G", "A10G-24GB"),
+    (r"A100", ("A100-40GB", "A100-80GB")),
+    (r"H100", "H100-80GB"),
+    (r"H200", "H200-141GB"),
+)
+
+
+def _profile_for(device_name: str, total: int) -> str | None:
+    for pattern, names in _NAMES:
+        if re.search(pattern, device_name):
+            if isinstance(names, str):
+                return names
+            small, large = (get_card(n) for n in names)
+            return small.name if total <= (small.memory + large.memory) // 2 else large.name
+    return None
+
+
+def card_from_properties(props, gpus: int = 1) -> Card:
+    """The profile of a device from its properties (``name``, ``total_memory``, ``major``,
+    ``minor``, as ``torch.cuda.get_device_properties`` gives them): a known model's profile
+    with this device's memory and capability, else one built from the properties."""
+    cap = (int(props.major), int(props.minor))
+    total = int(props.total_memory)
+    known = _profile_for(props.name, total)
+    if known is not None:
+        base = get_card(known)
+        if gpus == 2 and known == "T4-16GB":
+            base = get_card("2xT4-16GB")
+        return replace(base, memory=total, capability=cap, gpus=gpus, device_name=props.name)
+    short = re.sub(r"^(NVIDIA|Tesla)\s+", "", props.name)
+    short = re.sub(r"[^A-Za-z0-9]+", "", short) or "GPU"
+    prefix = f"{gpus}x" if gpus > 1 else ""
+    return Card(f"{prefix}{short}-{round(total / 1e9)}GB", total, cap, gpus, props.name)
+
+
+def detect_card(props=None, gpus: int | None = None, env: dict[str, str] | None = None) -> Card | None:
+    """The card this process runs on, or ``None`` without a CUDA GPU.
+
+    ``props``: device properties to read instead of GPU 0's (tests pass a stand-in); ``gpus``:
+    how many devices (default: torch's count, 1 when ``props`` is given). With ``MEMLAB_CARD``
+    set to a profile name in ``env`` (default ``os.environ``), that profile is returned marked
+    as a rehearsal on the real device; it must not be larger than the device it runs on.
+    """
+    env = os.environ if env is None else env
+    if props is None:
+        if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+            return None
+        props = torch.cuda.get_device_properties(0)
+        gpus = torch.cuda.device_count() if gpus is None else gpus
+    real = card_from_properties(props, 1 if gpus is None else gpus)
+    asked = env.get(CARD_ENV)
+    if not asked:
+        return real
+    card = get_card(asked)
+    if card.memory > real.memory:
+        raise InputError(f"{CARD_ENV}={asked!r} has {card.memory / 2**30:.1f} GiB, more than this "
+                         f"{props.name} ({real.memory / 2**30:.1f} GiB): a rehearsal can only "
+                         f"shrink the card; allowed: a profile of at most that memory")
+    if card.gpus > real.gpus:
+        raise InputError(f"{CARD_ENV}={asked!r} needs {card.gpus} GPUs and this machine has "
+                         f"{real.gpus}; allowed: a single-GPU profile")
+    flash = real.capability >= (8, 0) and card.capability >= (8, 0)
+    return replace(card, rehearsal=props.name, flash=flash)
+
+
+__all__ = ["CARD_ENV", "CARDS", "Card", "REFERENCE_CARD", "SDPA_KERNELS", "card_from_properties",
+           "cublas_workspace_bytes", "cublaslt_workspace_bytes", "detect_card", "get_card"]
