@@ -4,10 +4,11 @@ Three lenses on one training step: :func:`estimate_step` (closed-form formulas),
 :func:`simulate_step` (fake tensors, for GPUs you do not have) and :func:`measure_step`
 (a real step, tracked exactly on CPU, with allocator statistics on CUDA).
 """
-from .errors import HostMemoryError, InputError
+from .errors import InputError
+from .guard import HostMemoryError
 from .estimate import estimate_step
-from .hardware import (GPU_PRESETS, Placement, fmt_bytes, parse_size, pick_device, place_ranks,
-                       resolve_budget)
+from .hardware import GPU_PRESETS, Placement, pick_device, place_ranks, resolve_budget
+from .units import GiB, MiB, fmt_bytes, parse_size
 from .measure import measure_step, time_step
 from .step import MemoryReport, StepConfig, build_trainer, make_batch
 from .simulate import simulate_step

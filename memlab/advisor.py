@@ -43,9 +43,10 @@ import time
 from dataclasses import dataclass, field, replace
 
 from .errors import InputError
-from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
+from .hardware import GPU_PRESETS, resolve_budget
 from .step import StepConfig
 from .models import GPTConfig, get_config
+from .units import fmt_bytes
 
 SIMULATE_MAX_PARAMS = 2_000_000_000  # gpt2-xl (1.6B) simulates in ~4 s on 2 cores
 TP_MAX = 8  # tensor parallelism all-reduces twice per layer each way: keep it inside a node

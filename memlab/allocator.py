@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 from .errors import InputError
-from .hardware import MiB, parse_size
+from .units import MiB, parse_size
 
 # "2.00 GiB", "20.00 MiB", "512 bytes": c10's format_size; "0 B": memlab's fmt_bytes
 _SIZE = r"([0-9.]+ (?:bytes|B|KiB|MiB|GiB|TiB))"
@@ -42,11 +42,6 @@ _FIELDS = {
 }
 
 
-def _bytes(text: str) -> int:
-    number, unit = text.split()
-    return int(float(number)) if unit == "bytes" else parse_size(number + unit)
-
-
 def read_oom(message: str) -> dict[str, int]:
     """The sizes in an out-of-memory message, in bytes.
 
@@ -63,7 +58,7 @@ def read_oom(message: str) -> dict[str, int]:
     for key, pattern in _FIELDS.items():
         m = re.search(pattern, message)
         if m:
-            out[key] = _bytes(m.group(1))
+            out[key] = parse_size(m.group(1))
     if "requested" not in out:
         raise InputError(f"not an out-of-memory message (no 'Tried to allocate'): {message[:120]!r}")
     return out

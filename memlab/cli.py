@@ -22,10 +22,12 @@ import traceback
 from dataclasses import replace
 from typing import TYPE_CHECKING, Union
 
-from .errors import HostMemoryError, InputError
-from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
+from .errors import InputError
+from .guard import HostMemoryError
+from .hardware import GPU_PRESETS, resolve_budget
 from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
 from .models import CHECKPOINTINGS, ATTENTIONS, PRESETS, UNET_PRESETS, GPTConfig, get_config
+from .units import fmt_bytes
 
 if TYPE_CHECKING:  # the heavy modules load only for the subcommands that need them
     from .advisor import Advice

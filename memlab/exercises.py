@@ -30,12 +30,13 @@ import torch.nn.functional as F
 
 from .distributed import set_cache_env, zero_accounting
 from .estimate import layer_activation_bytes, zero_formula
-from .hardware import fmt_bytes, resolve_budget
+from .hardware import resolve_budget
 from .measure import measure_step
 from .models import GPT, get_config
 from .step import StepConfig, make_batch
 from .techniques import relative_error
 from .tracking import CATEGORIES, MemoryTracker
+from .units import fmt_bytes
 from .errors import InputError
 
 MiB = 2**20

@@ -37,6 +37,7 @@ from .measure import measure_step, time_step
 from .models import GPTConfig
 from .simulate import simulate_step
 from .step import StepConfig
+from .units import GiB, MiB
 
 CASES = [("gpt2-small", 512, 8), ("gpt2-small", 1024, 8), ("gpt2-medium", 512, 4),
          ("gpt2-medium", 1024, 4)]
@@ -91,7 +92,7 @@ def lens_row(step: StepConfig, timed: bool = False) -> dict:
         row["step_seconds"] = time_step(step, device="cuda")
     alloc = real.allocator.get("max_memory_allocated", 0)
     print(f"{step.model_config.name} s{step.seq} b{step.batch} {step.precision}: tracked "
-          f"{row['measure_peak_bytes'] / 2**30:.2f} GiB, allocator {alloc / 2**30:.2f} GiB", flush=True)
+          f"{row['measure_peak_bytes'] / GiB:.2f} GiB, allocator {alloc / GiB:.2f} GiB", flush=True)
     return row
 
 
@@ -106,7 +107,7 @@ def collect(cases=CASES, variants=VARIANTS) -> dict:
     from .advisor import check_plan  # the advisor's plan for this card, run for real
     return {**_header(), "total_memory": props.total_memory, "rows": rows,
             "plan_check": check_plan("gpt2-medium", 1024, 16,
-                                     budget=min(props.total_memory, 24564 * 2**20))}
+                                     budget=min(props.total_memory, 24564 * MiB))}
 
 
 def _rss() -> int:
@@ -167,7 +168,7 @@ def collect_deepspeed(step: StepConfig = DEEPSPEED_STEP, cases=DEEPSPEED_CASES) 
         row["estimate_host_bytes"] = est.host_bytes if est else None
         rows.append(row)
         print(f"DeepSpeed ZeRO-{zero} offload {offload}: device peak "
-              f"{(row['device_peak'] or 0) / 2**30:.2f} GiB, host RSS {row['rss_before'] / 2**30:.2f} GiB",
+              f"{(row['device_peak'] or 0) / GiB:.2f} GiB, host RSS {row['rss_before'] / GiB:.2f} GiB",
               flush=True)
     return rows
 

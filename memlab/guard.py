@@ -8,7 +8,7 @@ estimates the step first (:func:`memlab.estimate.estimate_step`, per rank) and
 * under a simulated budget, returns a ``fits: false`` report with an OOM at phase ``build``
   when the parameters and optimizer state alone exceed the budget (the budget covers the
   whole step, building included);
-* raises :class:`~memlab.errors.HostMemoryError` when the memory the step needs is more
+* raises :class:`HostMemoryError` when the memory the step needs is more
   than the machine has available: host RAM on CPU, free device memory on CUDA.
 
 The rule, ``need = margin x held + overhead``:
@@ -51,11 +51,38 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import HostMemoryError
-from .hardware import MiB, fmt_bytes
+from .errors import InputError
+from .units import MiB, fmt_bytes
 from .models import GPTConfig
 from .step import MemoryReport, StepConfig
 from .tracking import CATEGORIES, OOMInfo
+
+class HostMemoryError(InputError):
+    """A real step that this machine cannot hold, refused before anything was allocated.
+
+    ``need_bytes`` is what the step needs by :mod:`memlab.guard`'s rule, ``available_bytes``
+    what ``resource`` (``"host RAM"``, ``"free memory on cuda:0"``) has now; ``way_out`` says
+    what to run instead. ``str()`` is one line.
+    """
+
+    def __init__(self, need_bytes: int, available_bytes: int, resource: str, rule: str,
+                 way_out: str = "simulate it instead (`memlab simulate` with the same flags, or "
+                                "memlab.simulate.simulate_step) or choose a smaller model, "
+                                "sequence or batch"):
+        self.need_bytes, self.available_bytes = int(need_bytes), int(available_bytes)
+        self.resource, self.rule, self.way_out = resource, rule, way_out
+        super().__init__(self._line())
+
+    def _line(self) -> str:
+        return (f"measuring this step needs about {fmt_bytes(self.need_bytes)} of {self.resource} "
+                f"({self.rule}) but only {fmt_bytes(self.available_bytes)} is available; "
+                f"{self.way_out}")
+
+    def with_way_out(self, way_out: str) -> "HostMemoryError":
+        """The same refusal with another way out (the CLI names the exact command)."""
+        return HostMemoryError(self.need_bytes, self.available_bytes, self.resource, self.rule,
+                               way_out)
+
 
 MARGIN = {"cpu": 1.15, "cuda": 1.3}
 PROCESS_BYTES = 256 * MiB

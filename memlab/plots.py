@@ -18,6 +18,7 @@ from .errors import InputError
 from .parallel import bubble_fraction, pipeline_bubble, pipeline_run
 from .step import MemoryReport
 from .tracking import CATEGORIES
+from .units import GiB, MiB, binary_unit
 
 if TYPE_CHECKING:
     from .advisor import Advice
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from .parallel import ParallelResult
     from .snapshot import SnapshotTimeline
 
-MiB = 2**20
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868",
           "activations": "#c44e52", "temporaries": "#8172b3", "other": "#937860",
           "workspace": "#8c8c8c"}
@@ -209,7 +209,6 @@ def plot_advice(advice: Advice, ax=None):
     that a bar's height reads as bytes (a log axis made a 52 GiB bar look empty beside
     100 GiB ones)."""
     ax = ax or plt.subplots(figsize=(8, 3.4))[1]
-    GiB = 2**30
     names = [s["technique"] for s in advice.steps]
     peaks = [s["peak_bytes"] / GiB for s in advice.steps]
     colors = ["#55a868" if s["fits"] else ("#c44e52" if s["kept"] else "#dddddd") for s in advice.steps]
@@ -279,7 +278,7 @@ def plot_stage_memory(result: ParallelResult, ax=None, *, rank: int = 0):
     """Peak bytes of one stage against m, GPipe vs 1F1B (the batch is fixed)."""
     ax = ax or plt.subplots(figsize=(4, 3))[1]
     for sched, mark in (("gpipe", "o-"), ("1f1b", "s-")):
-        pts = [(r["m"], r["peak_bytes"] / 2**20) for r in result.per_rank[rank]["runs"]
+        pts = [(r["m"], r["peak_bytes"] / MiB) for r in result.per_rank[rank]["runs"]
                if r["schedule"] == sched and "peak_bytes" in r]
         if pts:
             ax.plot(*zip(*pts), mark, label=sched)
@@ -291,11 +290,6 @@ def plot_stage_memory(result: ParallelResult, ax=None, *, rank: int = 0):
 
 
 # -- diagrams: pictures of what a formula or a measurement says -------------------------
-def _unit(nbytes: float) -> tuple[int, str]:
-    """The binary unit that keeps a figure's numbers readable."""
-    return (2**30, "GiB") if nbytes >= 2**30 else (MiB, "MiB") if nbytes >= MiB else (2**10, "KiB")
-
-
 ZERO_STAGE_NAMES = ("ZeRO-0: data parallel, all replicated", "ZeRO-1: optimizer states sharded",
                     "ZeRO-2: + gradients sharded", "ZeRO-3: + parameters sharded")
 
@@ -307,7 +301,7 @@ def plot_zero_partition(num_params: int, world_size: int = 4, ax=None, **formula
     rank's shard; a replicated one light. Linear axis from 0."""
     from .states import zero_formula
     per = [zero_formula(num_params, s, world_size, **formula) for s in range(4)]
-    scale, unit = _unit(sum(per[0].values()))
+    scale, unit = binary_unit(sum(per[0].values()), smallest="KiB")
     rows = 4 * (world_size + 1)
     ax = ax or plt.subplots(figsize=(8, 0.28 * rows + 0.8))[1]
     cats, y = ("parameters", "gradients", "optimizer"), 0

@@ -26,6 +26,7 @@ from .hardware import Placement, place_ranks
 from .parallel.formulas import bubble_fraction
 from .states import zero_saving  # one source for the ZeRO formula (re-exported)
 from .step import StepConfig
+from .units import GiB, MiB
 
 REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
 
@@ -304,7 +305,6 @@ def reference_ratios(refs: list[dict]) -> dict[str, str]:
 def _deepspeed_ratios(gpu: str, rows: list[dict]) -> dict[str, str]:
     """ZeRO and offload on one GPU (``zero_offload_one_gpu.json``): the allocator's device
     peak and the step time of each stage against stage 0, offload against ZeRO-2."""
-    GiB = 2**30
     by = {(r.get("zero"), r.get("offload")): r for r in rows
           if r.get("device_peak") and r.get("step_seconds")}
     base, z2 = by.get((0, "none")), by.get((2, "none"))
@@ -357,25 +357,25 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
     add("gradient checkpointing", m, tratio("checkpointing"),
         f"activations are most of the peak (here {act_share:.0%}; activations alone fell "
         f"{1 - ratio('checkpointing', 'activation_bytes'):.0%})",
-        f"peak {base['peak_bytes'] / 2**20:.1f} -> {one['checkpointing']['peak_bytes'] / 2**20:.1f} MiB")
+        f"peak {base['peak_bytes'] / MiB:.1f} -> {one['checkpointing']['peak_bytes'] / MiB:.1f} MiB")
     m = ratio("bf16")
     add("mixed precision", m, tratio("bf16"),
         f"activations dominate and weights are stored in 16 bits (autocast keeps fp32 weights; "
         f"activations fell {1 - ratio('bf16', 'activation_bytes'):.0%})",
-        f"peak {one['bf16']['peak_bytes'] / 2**20:.1f} MiB; CPU bf16 matmuls are not faster")
+        f"peak {one['bf16']['peak_bytes'] / MiB:.1f} MiB; CPU bf16 matmuls are not faster")
     m = ratio("int8")
     add("activation compression", m, tratio("int8"),
         f"activations are most of the peak (int8 cut activations "
         f"{1 - ratio('int8', 'activation_bytes'):.0%})",
-        f"int8 per-row saved-tensor hooks: peak {one['int8']['peak_bytes'] / 2**20:.1f} MiB")
+        f"int8 per-row saved-tensor hooks: peak {one['int8']['peak_bytes'] / MiB:.1f} MiB")
     m = ratio("selective")
     naive = _selective_estimate(step)
     add("recomputation (selective)", m, tratio("selective"),
         f"attention scores are stored (naive attention, estimate: {naive:.0%} saved)",
-        f"attention core recomputed: peak {one['selective']['peak_bytes'] / 2**20:.1f} MiB "
+        f"attention core recomputed: peak {one['selective']['peak_bytes'] / MiB:.1f} MiB "
         f"({step.model_config.attention} attention; with sdpa only the log-sum-exp is saved)")
-    notes = [f"baseline peak {base['peak_bytes'] / 2**20:.1f} MiB, activations "
-             f"{base['activation_bytes'] / 2**20:.1f} MiB ({act_share:.0%} of the peak)"]
+    notes = [f"baseline peak {base['peak_bytes'] / MiB:.1f} MiB, activations "
+             f"{base['activation_bytes'] / MiB:.1f} MiB ({act_share:.0%} of the peak)"]
     if distributed:
         placement = table_placement(world_size)
         multi = multi_rank(step, world_size, placement)
@@ -392,7 +392,7 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
             rows.append(Row(tech, seed_mem, seed_comp, 1 - states, zr["seconds"] / z0["seconds"], v,
                             f"model states per rank -{states:.0%} (fp32 training, DeepSpeed adds an "
                             f"fp32 master partition); whole step peak "
-                            f"{z0['peak_bytes'] / 2**20:.1f} -> {zr['peak_bytes'] / 2**20:.1f} MiB "
+                            f"{z0['peak_bytes'] / MiB:.1f} -> {zr['peak_bytes'] / MiB:.1f} MiB "
                             f"(activations and buckets unchanged); time vs DeepSpeed stage 0"))
         tp = multi["tp"]
         m = tp["peak_bytes"] / base["peak_bytes"]
@@ -401,14 +401,14 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
                         f"{tp['param_bytes'] / tp['full_param_bytes']:.0%} per rank at "
                         f"t={world_size}; embeddings, norms and the loss stay whole)"
                         if m > 1 - 0.8 / world_size else "holds",
-                        f"rank peak {tp['peak_bytes'] / 2**20:.1f} MiB vs one device "
-                        f"{base['peak_bytes'] / 2**20:.1f} MiB; not timed"))
+                        f"rank peak {tp['peak_bytes'] / MiB:.1f} MiB vs one device "
+                        f"{base['peak_bytes'] / MiB:.1f} MiB; not timed"))
         pp = multi["pp"]
         m = pp["peak_bytes"] / base["peak_bytes"]
         rows.append(Row("pipeline parallelism", *SEED["pipeline parallelism"][:2], m,
                         1 / (1 - pp["bubble"]), "holds" if m < 1 else "does not hold",
                         f"1F1B, 4 micro-batches, {world_size} stages: stage peak "
-                        f"{pp['peak_bytes'] / 2**20:.1f} MiB, bubble {pp['bubble']:.0%} "
+                        f"{pp['peak_bytes'] / MiB:.1f} MiB, bubble {pp['bubble']:.0%} "
                         f"(formula {bubble_fraction(world_size, 4):.0%})"))
         off, z2 = multi["offload"], multi["zero2"]
         dev = off["allocator"]["device_peak_bytes"]
@@ -416,8 +416,8 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
         rows.append(Row("offloading", *SEED["offloading"][:2], m, off["seconds"] / z2["seconds"],
                         "holds" if m < 0.75 else "holds only when optimizer state dominates "
                         "(large models, small activations)",
-                        f"ZeRO-2 + optimizer offload: device peak {dev / 2**20:.1f} MiB, host "
-                        f"{off['allocator']['host_bytes'] / 2**20:.1f} MiB; memory and time vs ZeRO-2"))
+                        f"ZeRO-2 + optimizer offload: device peak {dev / MiB:.1f} MiB, host "
+                        f"{off['allocator']['host_bytes'] / MiB:.1f} MiB; memory and time vs ZeRO-2"))
         notes.append(f"multi-rank rows: {placement.reason}; ZeRO rows give the model "
                      f"states per rank (what ZeRO shards) against stage 0")
     refs = reference_ratios(load_references(reference_dir))

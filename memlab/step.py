@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 
 from .errors import InputError
-from .hardware import fmt_bytes
 from .models import GPTConfig, UNetConfig, build_model, get_config
 from .tracking import CATEGORIES, Event, OOMInfo
+from .units import fmt_bytes
 
 PRECISIONS = ("fp32", "bf16", "fp16", "pure-bf16")
 OPTIMIZERS = ("adamw", "sgd")
