@@ -20,6 +20,8 @@ import re
 import subprocess
 import sys
 
+import torch
+
 from .errors import InputError
 from .units import MiB, parse_size
 
@@ -79,7 +81,6 @@ def fragment_once(big_mib: int = 1024, piece_mib: int = 60, request_mib: int = 2
     free. With expandable segments the allocator unmaps the free pages of the holes (in
     20 MiB granules: pieces are multiples of it) and maps the request behind the last piece.
     """
-    import torch
     if not torch.cuda.is_available():
         raise InputError("fragmentation needs a CUDA GPU: the caching allocator is CUDA's")
     dev = torch.device("cuda", 0)

@@ -20,21 +20,24 @@ import shlex
 import sys
 import traceback
 from dataclasses import replace
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
+from .advisor import Advice, advise
+from .distributed import measure_distributed, simulate_sharded
 from .errors import InputError
+from .estimate import estimate_step
 from .guard import HostMemoryError
 from .hardware import GPU_PRESETS, resolve_budget
+from .measure import measure_step
+from .models import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
+from .policy import emulate, get_target
+from .report import Table, write_report
+from .simulate import simulate_step
 from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
-from .models import CHECKPOINTINGS, ATTENTIONS, PRESETS, UNET_PRESETS, GPTConfig, get_config
 from .units import fmt_bytes
 
-if TYPE_CHECKING:  # the heavy modules load only for the subcommands that need them
-    from .advisor import Advice
-    from .report import Table
-
 #: What a subcommand computes: each prints itself with ``table()`` or ``to_json()``.
-Result = Union[MemoryReport, "Advice", "Table"]
+Result = Union[MemoryReport, Advice, Table]
 
 
 class UsageError(InputError):
@@ -144,7 +147,6 @@ def _add_advise_args(p: argparse.ArgumentParser) -> None:
 
 
 def _advise(args: argparse.Namespace) -> Advice:
-    from .advisor import advise
     budget = _budget(args)
     if budget is None:
         raise InputError(f"give --gpu ({', '.join(GPU_PRESETS)}) or --budget SIZE")
@@ -216,7 +218,6 @@ def run(args: argparse.Namespace) -> Result:
     if args.command == "advise":
         return _advise(args)
     if args.command == "report":
-        from .report import write_report
         if args.world_size < 2 and not args.no_distributed:
             raise InputError(f"world size {args.world_size} for the multi-rank rows; allowed: 2 or "
                              f"more (or --no-distributed)")
@@ -226,24 +227,19 @@ def run(args: argparse.Namespace) -> Result:
     step = step_from_args(args)
     budget = _budget(args)
     if args.command in ("estimate", "simulate"):
-        from .policy import get_target
         get_target(args.target)  # a bad --target is a usage error before any work
         # a card's name also tells the target its architecture (cuBLAS workspace size)
         budget = args.gpu if args.gpu is not None else budget
     if args.command == "estimate":
-        from .estimate import estimate_step
         return estimate_step(step, budget=budget, target=args.target)
     if args.command == "simulate":
         _check_simulate(step)
         if step.world_size > 1:
             return _simulate_sharded(step, budget, args.target)
-        from .simulate import simulate_step
         return simulate_step(step, budget=budget, target=args.target)
     _check_measure(step, args)
     if _multi_rank(step):
-        from .distributed import measure_distributed
         return measure_distributed(step, device=args.device, budget=budget)
-    from .measure import measure_step
     return measure_step(step, device=args.device, budget=budget, snapshot_path=args.snapshot)
 
 
@@ -251,8 +247,6 @@ def _simulate_sharded(step: StepConfig, budget: int | str | None, target: str) -
     """The FSDP2 simulation under a target's kernels; for CUDA each rank also holds the
     cuBLAS workspaces (its own process). Block rounding and per-call workspaces are not
     applied by the sharded tracker."""
-    from .distributed import simulate_sharded
-    from .policy import emulate, get_target
     tgt = get_target(target, budget)
     with emulate(tgt):
         report = simulate_sharded(step, step.world_size, budget=budget)

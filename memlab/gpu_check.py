@@ -28,15 +28,18 @@ import os
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from .advisor import check_plan
+from .distributed import deepspeed_config, default_backend, measure_distributed, run_ranks
 from .estimate import estimate_step
 from .measure import measure_step, time_step
 from .models import GPTConfig
 from .simulate import simulate_step
-from .step import StepConfig
+from .step import StepConfig, build_trainer, make_batch
 from .units import GiB, MiB
 
 CASES = [("gpt2-small", 512, 8), ("gpt2-small", 1024, 8), ("gpt2-medium", 512, 4),
@@ -104,7 +107,6 @@ def collect(cases=CASES, variants=VARIANTS) -> dict:
             row = lens_row(StepConfig(model=model, seq=seq, batch=batch, **kw), timed=True)
             rows.append({"model": model, "seq": seq, "batch": batch, **kw, **row})
     props = torch.cuda.get_device_properties(0)
-    from .advisor import check_plan  # the advisor's plan for this card, run for real
     return {**_header(), "total_memory": props.total_memory, "rows": rows,
             "plan_check": check_plan("gpt2-medium", 1024, 16,
                                      budget=min(props.total_memory, 24564 * MiB))}
@@ -122,9 +124,7 @@ def deepspeed_one_gpu_worker(rank: int, world_size: int, step: StepConfig) -> di
     ``device_base`` is what the allocator holds after the warm-up step (model states and
     DeepSpeed's buffers), ``device_peak`` its ``max_memory_allocated`` over the next step.
     """
-    import deepspeed
-    from .distributed import deepspeed_config, default_backend
-    from .step import build_trainer, make_batch
+    import deepspeed  # optional and heavy: only this rank worker needs it
     deepspeed.init_distributed(dist_backend=default_backend())
     cuda = torch.cuda.is_available()
     model = build_trainer(step, "cuda" if cuda else "cpu").model
@@ -157,8 +157,6 @@ def deepspeed_one_gpu_worker(rank: int, world_size: int, step: StepConfig) -> di
 def collect_deepspeed(step: StepConfig = DEEPSPEED_STEP, cases=DEEPSPEED_CASES) -> list[dict]:
     """``zero_offload_one_gpu.json``: each case in its own one-rank launch (a fresh process,
     so host RSS and the allocator start clean), with memlab's estimate beside it."""
-    from dataclasses import replace
-    from .distributed import run_ranks
     rows = []
     for zero, offload in cases:
         s = replace(step, zero=zero, offload=offload)
@@ -175,8 +173,6 @@ def collect_deepspeed(step: StepConfig = DEEPSPEED_STEP, cases=DEEPSPEED_CASES) 
 
 def write(out: str | Path) -> Path:
     """Record everything for the GPU at hand into ``<out>/<gpu-name>/``."""
-    from dataclasses import replace
-    from .distributed import measure_distributed
     folder = Path(out) / gpu_name()
     folder.mkdir(parents=True, exist_ok=True)
 

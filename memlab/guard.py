@@ -49,9 +49,11 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 
 from .errors import InputError
+from .estimate import estimate_step, model_state_bytes
 from .units import MiB, fmt_bytes
 from .models import GPTConfig
 from .step import MemoryReport, StepConfig
@@ -96,7 +98,6 @@ DEEPSPEED_HOST_FACTOR = 2.0
 def host_available_bytes() -> int:
     """Host RAM a new allocation can get now without swapping: ``psutil``'s available memory,
     lowered to the container's limit (cgroup v2 or v1) when there is one."""
-    import psutil
     avail = psutil.virtual_memory().available
     headroom = _cgroup_headroom()
     return int(avail if headroom is None else min(avail, headroom))
@@ -106,13 +107,12 @@ def process_headroom_bytes() -> int | None:
     """Address space this process may still map under ``RLIMIT_AS`` (``ulimit -v``), or
     ``None`` when unlimited (or not on a Unix)."""
     try:
-        import resource
+        import resource  # POSIX only: no RLIMIT_AS on Windows
     except ImportError:
         return None
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
         return None
-    import psutil
     return max(0, soft - psutil.Process().memory_info().vms)
 
 
@@ -185,7 +185,6 @@ class StepEstimate:
 def estimate_for(step: StepConfig, target: str = "cpu") -> StepEstimate:
     """The figures :func:`preflight` works from, per rank, from the closed-form estimate for
     the device the step will run on (``target``: ``"cpu"`` or ``"cuda"``)."""
-    from .estimate import estimate_step, model_state_bytes
     est = estimate_step(step, target=target)
     states = model_state_bytes(step.model_config.num_params(), precision=step.precision,
                                optimizer=step.optimizer, zero=step.zero,

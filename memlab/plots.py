@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.patches import Rectangle
 
 from .errors import InputError
-from .parallel import bubble_fraction, pipeline_bubble, pipeline_run
+from .parallel import bubble_fraction, in_flight, pipeline_bubble, pipeline_run, pipeline_schedule
+from .states import zero_formula
 from .step import MemoryReport
 from .tracking import CATEGORIES
 from .units import GiB, MiB, binary_unit
@@ -299,7 +301,6 @@ def plot_zero_partition(num_params: int, world_size: int = 4, ax=None, **formula
     parameters, gradients and optimizer states on that rank (:func:`memlab.states.zero_formula`,
     ``formula`` its keyword arguments). A sharded part is drawn solid and labelled with the
     rank's shard; a replicated one light. Linear axis from 0."""
-    from .states import zero_formula
     per = [zero_formula(num_params, s, world_size, **formula) for s in range(4)]
     scale, unit = binary_unit(sum(per[0].values()), smallest="KiB")
     rows = 4 * (world_size + 1)
@@ -345,7 +346,6 @@ def plot_tensor_split(d_model: int, hidden: int, t: int = 2, ax=None, *,
             raise InputError(f"{name} must be a positive integer, got {v!r}")
     if hidden % t:
         raise InputError(f"hidden={hidden} is not divisible by t={t}")
-    from matplotlib.patches import Rectangle
     ax = ax or plt.subplots(figsize=(9, 4))[1]
     gap = 0.3 * max(d_model, hidden)
     x0 = hidden + gap  # the second matrix starts here
@@ -377,7 +377,6 @@ def plot_pipeline_schedule(p: int, m: int, schedule: str = "1f1b", ax=None, *,
     """The ideal schedule (:func:`memlab.parallel.pipeline_schedule`): which micro-batch each
     stage runs in each time slot, forward light and backward dark, idle slots (the bubble)
     hatched. Every op takes its slots exactly; nothing here is timed."""
-    from .parallel import in_flight, pipeline_schedule
     events = pipeline_schedule(p, m, schedule, forward=forward, backward=backward)
     wall = max(e[3] for stage in events for e in stage)
     ax = ax or plt.subplots(figsize=(8, 0.45 * p + 0.9))[1]

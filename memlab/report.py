@@ -21,11 +21,17 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .compression import compressed_trainer
+from .distributed import measure_zero
 from .errors import InputError
+from .estimate import estimate_step
 from .hardware import Placement, place_ranks
+from .measure import measure_trainer, time_steps
+from .parallel import measure_pipeline, measure_tensor_parallel
 from .parallel.formulas import bubble_fraction
 from .states import zero_saving  # one source for the ZeRO formula (re-exported)
 from .step import StepConfig
+from .techniques import category_max
 from .units import GiB, MiB
 
 REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
@@ -109,7 +115,7 @@ class Table:
 
     def plot(self, ax=None):
         """Memory ratio against time ratio per technique (1, 1 is the baseline)."""
-        from .plots import plot_tradeoff
+        from .plots import plot_tradeoff  # matplotlib: loaded only when a figure is drawn
         pts = {r.technique: (r.memory_ratio, r.time_ratio) for r in self.rows
                if r.memory_ratio is not None and r.time_ratio is not None}
         ax = plot_tradeoff(pts, ax, title="the seed's table, measured: memory vs time")
@@ -118,7 +124,7 @@ class Table:
 
     def save(self, out: str | Path) -> dict[str, Path]:
         """Write ``table.md``, ``table.json`` and ``table.png`` into ``out``."""
-        import matplotlib
+        import matplotlib  # the UI edge: `memlab report` without a figure never loads it
         import matplotlib.pyplot as plt
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -150,7 +156,6 @@ def verdict(saving: float, claim: tuple[float, float] | None, condition: str) ->
 
 def _selective_estimate(step: StepConfig) -> float:
     """Saving of selective recomputation with materialised (naive) attention, by formula."""
-    from .estimate import estimate_step
     naive = replace(step, attention="naive")
     return 1 - (estimate_step(replace(naive, checkpointing="selective")).peak_bytes
                 / estimate_step(naive).peak_bytes)
@@ -167,9 +172,6 @@ def ranks_for(stage: int, target: float, limit: int = 4096) -> int | None:
 def single_device(step: StepConfig, repeats: int = 2) -> dict[str, dict]:
     """Peak (one tracked step) and median untracked step time of the baseline and of each
     single-device technique; one trainer per variant serves both."""
-    from .compression import compressed_trainer
-    from .measure import measure_trainer, time_steps
-    from .techniques import category_max
     variants = {"baseline": (step, "none"),
                 "checkpointing": (replace(step, checkpointing="full"), "none"),
                 "bf16": (replace(step, precision="bf16"), "none"),
@@ -201,8 +203,6 @@ def multi_rank(step: StepConfig, world_size: int = 2, placement: Placement | Non
     """ZeRO 0-3 and ZeRO-2 + optimizer offload in one DeepSpeed launch; one tensor-parallel
     and one pipeline (1F1B, 4 micro-batches) run. Each on ``world_size`` ranks, placed by
     ``placement`` (default :func:`table_placement`)."""
-    from .distributed import measure_zero
-    from .parallel import measure_pipeline, measure_tensor_parallel
     placement = placement or table_placement(world_size)
     s = replace(step, world_size=world_size, precision="fp32")
     zs = [replace(s, zero=z) for z in (0, 0, 1, 2, 3)] + [replace(s, zero=2, offload="optimizer")]
@@ -438,9 +438,6 @@ SINGLE = {"gradient checkpointing": ({"checkpointing": "full"}, "none"),
 
 def measure_saving(step: StepConfig, technique: str) -> dict:
     """Peak and activations of ``step`` without and with one single-device technique."""
-    from .compression import compressed_trainer
-    from .measure import measure_trainer
-    from .techniques import category_max
     if technique not in SINGLE:
         raise InputError(f"technique={technique!r}; allowed: {', '.join(SINGLE)}")
     over, variant = SINGLE[technique]
