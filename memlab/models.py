@@ -49,6 +49,10 @@ class GPTConfig:
     ``mlp="gelu"`` with LayerNorm and learned positions is GPT-2's block; ``mlp="swiglu"``
     with RMSNorm and rotary positions is LLaMA's.
 
+    ``attention`` and ``checkpointing`` are switches of the built model. In a training step
+    the :class:`~memlab.step.StepConfig` owns them (they move there from this config; set on
+    both with different values, the step refuses): vary them on the step.
+
     Fields added for today's open models (all default to the old behaviour, so every config
     written before them builds the same model, byte for byte):
 

@@ -25,15 +25,24 @@ from .units import MiB, fmt_bytes
 PRECISIONS = ("fp32", "bf16", "fp16", "pure-bf16")
 OPTIMIZERS = ("adamw", "sgd")
 OFFLOADS = ("none", "optimizer", "all")
+#: what the step owns of its model's switches (see :class:`StepConfig`)
+SWITCHES = ("checkpointing", "attention")
 
 
 @dataclass(frozen=True)
 class StepConfig:
     """Everything that decides the memory of one training step.
 
-    ``model`` is a preset name or a config; ``attention`` and ``checkpointing`` override the
-    model's own when given. ``zero``, ``world_size`` and ``offload`` describe data-parallel
-    sharding: the single-process lenses account for them by formula.
+    ``model`` is a preset name or a config. ``zero``, ``world_size`` and ``offload`` describe
+    data-parallel sharding: the single-process lenses account for them by formula.
+
+    ``checkpointing`` and ``attention`` belong to the step: they are what a lesson varies
+    (``replace(step, checkpointing="full")``) while the model stays the same. A model config
+    carries them too, because a model built on its own needs them; given to a step, a model
+    config's values move into the step (``None`` here: take the model's), and the step keeps
+    the model with its defaults, so that ``step.checkpointing`` is the one place to read and
+    to change them. Set on both with different values, the step refuses. A UNet has no
+    ``attention`` switch (SDPA at its lowest resolution): ``attention`` stays ``None``.
     """
 
     model: str | GPTConfig | UNetConfig = "tiny"
@@ -64,19 +73,40 @@ class StepConfig:
         if self.batch % self.micro_batches:
             raise InputError(f"batch {self.batch} is not divisible into {self.micro_batches} "
                              f"micro-batches; choose a divisor of the batch")
+        self._own_switches()
         cfg = self.model_config  # validates the preset name and the overrides
         limit = cfg.block_size if isinstance(cfg, GPTConfig) else 4096
         if self.seq > limit:
             raise InputError(f"seq {self.seq} exceeds the model's block size; allowed: 1-{limit}")
 
+    def _own_switches(self) -> None:
+        """Move ``checkpointing``/``attention`` from a model config into the step (see above)."""
+        cfg = get_config(self.model) if isinstance(self.model, str) else self.model
+        defaults = {}
+        for name in SWITCHES:
+            on_step = getattr(self, name)
+            if name not in getattr(cfg, "__dataclass_fields__", {}):
+                if on_step is not None:
+                    raise InputError(f"{name}={on_step!r}: the model {cfg.name!r} has no {name} "
+                                     f"switch; leave {name} unset")
+                continue
+            default, on_model = type(cfg).__dataclass_fields__[name].default, getattr(cfg, name)
+            if on_step is not None and on_model not in (default, on_step):
+                raise InputError(f"{name} is set twice: {on_model!r} on the model config and "
+                                 f"{on_step!r} on the StepConfig; set it once, on the step "
+                                 f"(StepConfig(..., {name}={on_step!r})), and leave the model "
+                                 f"config's default ({default!r})")
+            object.__setattr__(self, name, on_model if on_step is None else on_step)
+            defaults[name] = default
+        if not isinstance(self.model, str) and any(getattr(cfg, n) != d for n, d in defaults.items()):
+            object.__setattr__(self, "model", replace(cfg, **defaults))
+
     @property
     def model_config(self) -> GPTConfig | UNetConfig:
+        """The model the step builds: its config with the step's switches (and, for a UNet,
+        ``seq`` as the image side)."""
         cfg = get_config(self.model) if isinstance(self.model, str) else self.model
-        over = {}
-        if self.checkpointing is not None:
-            over["checkpointing"] = self.checkpointing
-        if self.attention is not None and isinstance(cfg, GPTConfig):
-            over["attention"] = self.attention
+        over = {n: getattr(self, n) for n in SWITCHES if getattr(self, n) is not None}
         if isinstance(cfg, UNetConfig):
             over["image_size"] = self.seq
         return replace(cfg, **over) if over else cfg
