@@ -177,3 +177,47 @@ def test_every_readme_table_starts_with_its_header():
            if line.startswith("|") and not lines[i - 1].startswith("|")
            and not (i + 1 < len(lines) and lines[i + 1].startswith("| ---"))]
     assert cut == []
+
+
+# -- function-level imports: only for optional or heavy dependencies ------------------------
+#: What a function may import: optional dependencies, the UI edge, torch submodules that
+#: ``import memlab`` does not load and that cost seconds (timed on this repo's CPU machine:
+#: pipelining +6.3 s, fsdp +2.9 s, tensor +2.2 s, cpp_extension +1.0 s), and POSIX-only
+#: ``resource``; memlab's ``plots`` is matplotlib. Everything else is imported at the top,
+#: where a reader sees it.
+LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "matplotlib", "tqdm.auto",
+           ".plots",
+           "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining",
+           "torch.distributed._tools", "torch.utils.cpp_extension", "resource")
+#: Modules other branches of issue 16 rewrite (splits, the fake process group in one place);
+#: each goes once its function-level imports do (the test below says when).
+PENDING = {"distributed", "techniques", "estimate", "states", "exercises", "policy",
+           "parallel.formulas", "parallel.tensor"}
+
+
+def _late_imports() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for name in modmap.modules():
+        path = modmap.module_path(name)
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    names = ["." * node.level + (node.module or "")]
+                else:
+                    continue
+                late = [n for n in names if not any(n == ok or n.startswith(ok + ".") for ok in LATE_OK)]
+                out.setdefault(name, []).extend(f"memlab/{path.relative_to(modmap.PACKAGE).as_posix()}:"
+                                                 f"{node.lineno}: {n}" for n in late)
+    return {k: v for k, v in out.items() if v}
+
+
+def test_function_level_imports_are_only_optional_or_heavy_dependencies():
+    late = _late_imports()
+    offences = [line for name, lines in late.items() if name not in PENDING for line in lines]
+    assert offences == [], "import these at the top of the module"
+    stale = sorted(PENDING - set(late))
+    assert stale == [], f"no function-level imports left in {stale}: remove them from PENDING"
