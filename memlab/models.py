@@ -17,6 +17,10 @@ Multi-Query Transformer Models from Multi-Head Checkpoints", arXiv:2305.13245).
 
 The loss can be computed in chunks of tokens (``loss="chunked"``) so that the full
 ``tokens x vocab`` logits never exist: see :mod:`memlab.chunked_loss`.
+
+Over 500 lines because both families share one interface the lenses build through
+(:func:`get_config` over one preset table, :func:`build_model`, the ``checkpointing``
+switch), and the GPT's presets are a published-shape table that reads best beside the config.
 """
 from __future__ import annotations
 

@@ -32,6 +32,10 @@ moment they were made.
 A *budget* turns the tracker into a simulated device: the op that takes live bytes over it
 raises ``torch.OutOfMemoryError`` with a CUDA-like message. On CUDA the tracker also records
 the caching allocator's own figures and, if asked, a ``_record_memory_history`` snapshot.
+
+Over 500 lines because the dispatch mode, the hooks that name parameters, gradients and
+optimizer state, the replay that settles categories and the budget's OOM all read and write
+one record per storage: split apart, each would reach into the others' private state.
 """
 from __future__ import annotations
 
