@@ -124,7 +124,7 @@ class Table:
 
     def save(self, out: str | Path) -> dict[str, Path]:
         """Write ``table.md``, ``table.json`` and ``table.png`` into ``out``."""
-        import matplotlib  # the UI edge: `memlab report` without a figure never loads it
+        import matplotlib  # the UI edge: loaded when a figure is written, not on import
         import matplotlib.pyplot as plt
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
