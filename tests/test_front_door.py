@@ -12,14 +12,17 @@ import memlab as ml
 from memlab.step import MemoryReport, StepConfig
 from memlab.tracking import CATEGORIES, Event, OOMInfo
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
 
 
 def test_import_memlab_loads_no_heavy_optional_dependency():
     """DeepSpeed, the notebook stack and matplotlib load only where used (import cost)."""
     heavy = ["deepspeed", "ipywidgets", "IPython", "matplotlib", "transformers", "peft"]
     code = f"import sys, memlab; print([m for m in {heavy!r} if m in sys.modules])"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # from the repository root: this checkout's memlab, not an installed one
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=ROOT)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
 
 
