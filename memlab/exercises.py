@@ -36,10 +36,9 @@ from .models import GPT, get_config
 from .step import StepConfig, make_batch
 from .techniques import relative_error
 from .tracking import CATEGORIES, MemoryTracker
-from .units import fmt_bytes
+from .units import MiB, fmt_bytes
 from .errors import InputError
 
-MiB = 2**20
 BUCKET_LIMIT = 2**24  # elements; DeepSpeed's defaults (5e8) make GiB-sized buckets
 
 

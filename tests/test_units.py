@@ -1,7 +1,11 @@
 """Sizes and their units (memlab.units): the one parser, the one formatter, and the two
 out-of-memory readers that must read a size the same way."""
+import ast
+import pathlib
+
 import pytest
 
+import memlab
 from memlab.allocator import read_oom
 from memlab.errors import InputError
 from memlab.tracking import requested_bytes
@@ -76,3 +80,26 @@ def test_binary_unit_floor_for_figures():
     assert binary_unit(5 * MiB, smallest="KiB") == (MiB, "MiB")
     with pytest.raises(InputError, match="smallest='TiB'; allowed: B, KiB, MiB, GiB"):
         binary_unit(1, smallest="TiB")
+
+
+UNIT_NAMES = {"KIB", "MIB", "GIB", "TIB", "KB", "MB", "GB", "TB"}
+
+
+def test_units_are_defined_once():
+    """No module but units.py binds KiB..TiB or keeps its own table of unit names."""
+    offences = []
+    package = pathlib.Path(memlab.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "units.py" and path.parent == package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                offences += [f"{path.name}:{node.lineno}: {t.id} =" for t in targets
+                             if isinstance(t, ast.Name) and t.id in ("KiB", "MiB", "GiB", "TiB")]
+            if isinstance(node, ast.Dict):
+                keys = {k.value.upper() for k in node.keys
+                        if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+                if len(keys & UNIT_NAMES) >= 2:
+                    offences.append(f"{path.name}:{node.lineno}: a table of units")
+    assert offences == [], "import them from memlab.units"
