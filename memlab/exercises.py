@@ -36,7 +36,7 @@ from .models import GPT, get_config
 from .step import StepConfig, make_batch
 from .techniques import relative_error
 from .tracking import CATEGORIES, MemoryTracker
-from .units import MiB, fmt_bytes
+from .units import fmt_bytes
 from .errors import InputError
 
 BUCKET_LIMIT = 2**24  # elements; DeepSpeed's defaults (5e8) make GiB-sized buckets
