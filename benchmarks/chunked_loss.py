@@ -18,7 +18,7 @@ import time
 import torch
 
 from memlab.chunked_loss import linear_cross_entropy, loss_spike_bytes, plain_linear_cross_entropy
-from memlab.hardware import fmt_bytes
+from memlab.units import fmt_bytes
 from memlab.tracking import MemoryTracker
 
 D_MODEL, CHUNK = 64, 128

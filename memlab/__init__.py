@@ -1,18 +1,59 @@
 """memlab: where the memory of a training step goes, and how to get it back.
 
-Three lenses on one training step: :func:`estimate_step` (closed-form formulas),
-:func:`simulate_step` (fake tensors, for GPUs you do not have) and :func:`measure_step`
-(a real step, tracked exactly on CPU, with allocator statistics on CUDA).
+The front door: ``import memlab as ml`` gives what a learner calls (``__all__``).
+
+- Three lenses on one training step, each returning a :class:`MemoryReport`:
+  :func:`estimate_step` (closed-form formulas), :func:`simulate_step` (fake tensors, for GPUs
+  you do not have) and :func:`measure_step` (a real step, tracked exactly on CPU, with the
+  allocator's statistics on CUDA).
+- Many ranks: :func:`measure_distributed` (real DeepSpeed ZeRO/offload ranks),
+  :func:`measure_zero` (several ZeRO stages in one launch), :func:`simulate_sharded` (one
+  FSDP2 rank of N on fake tensors), :func:`measure_tensor_parallel`, :func:`measure_pipeline`.
+- :func:`advise`: the techniques, in order, until the step fits a card; :func:`measure_table`:
+  the comparison table of the techniques, measured.
+- What the lessons build with: :class:`StepConfig`, :class:`GPTConfig` and the presets,
+  :func:`build_trainer`, :func:`make_batch`, :class:`MemoryTracker`; sizes: :data:`MiB`,
+  :data:`GiB`, :func:`fmt_bytes`; bad input raises :class:`InputError`.
+
+Plumbing stays in its module (``memlab.hardware.Placement``, ``memlab.hardware.pick_device``,
+...). Importing memlab loads neither DeepSpeed nor ipywidgets nor matplotlib: the modules that
+need them (``distributed``'s rank workers, ``widgets``, ``plots``) load them when used.
+The layers, lowest first, and what each module owns: the README's module map
+(``tools/modmap.py``, checked by ``tests/test_architecture.py``).
 """
-from .errors import HostMemoryError, InputError
-from .estimate import estimate_step
-from .hardware import (GPU_PRESETS, GiB, MiB, Placement, fmt_bytes, parse_size, pick_device, place_ranks,
-                       resolve_budget)
-from .measure import measure_step, time_step
-from .step import MemoryReport, StepConfig, build_trainer, make_batch
-from .simulate import simulate_step
+from .advisor import Advice, advise
 from .anymodel import simulate_model, track_step
+from .distributed import measure_distributed, measure_zero, simulate_sharded
+from .errors import InputError
+from .estimate import estimate_step
+from .guard import HostMemoryError
+from .hardware import GPU_PRESETS, place_ranks, resolve_budget
+from .measure import measure_step, time_step
 from .models import GPT, PRESETS, UNET_PRESETS, GPTConfig, UNet, UNetConfig, build_model, get_config
+from .parallel import measure_pipeline, measure_tensor_parallel
+from .report import measure_table
+from .simulate import simulate_step
+from .step import MemoryReport, StepConfig, build_trainer, make_batch
 from .tracking import CATEGORIES, MemoryTracker
+from .units import GiB, MiB, fmt_bytes, parse_size
 
 __version__ = "0.1.0"
+
+__all__ = [
+    # the three lenses and what they return
+    "estimate_step", "simulate_step", "measure_step", "MemoryReport", "CATEGORIES",
+    # your own model: measure its step, simulate it on fake tensors
+    "track_step", "simulate_model",
+    # many ranks
+    "measure_distributed", "measure_zero", "simulate_sharded", "measure_tensor_parallel",
+    "measure_pipeline",
+    # planning and the comparison table
+    "advise", "Advice", "measure_table",
+    # the step and the models
+    "StepConfig", "GPTConfig", "UNetConfig", "GPT", "UNet", "PRESETS", "UNET_PRESETS",
+    "get_config", "build_model", "build_trainer", "make_batch", "time_step", "MemoryTracker",
+    # cards, ranks and sizes
+    "GPU_PRESETS", "resolve_budget", "place_ranks", "MiB", "GiB", "fmt_bytes", "parse_size",
+    # errors
+    "InputError", "HostMemoryError",
+]

@@ -42,11 +42,20 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from .cards import Card  # noqa: F401  (a type in a signature)
+from .distributed import deepspeed_config, measure_distributed
 from .errors import InputError
-from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
-from .step import StepConfig
+from .estimate import estimate_step
+from .hardware import GPU_PRESETS, resolve_budget
+from .measure import measure_step
 from .models import GPTConfig, get_config
+from .parallel.formulas import check_tensor_parallel
+from .simulate import simulate_step
+from .states import under_deepspeed
+from .step import StepConfig
+from .units import fmt_bytes
 
 SIMULATE_MAX_PARAMS = 2_000_000_000  # gpt2-xl (1.6B) simulates in ~4 s on 2 cores
 TP_MAX = 8  # tensor parallelism all-reduces twice per layer each way: keep it inside a node
@@ -110,7 +119,6 @@ def tensor_parallel_degree(cfg: GPTConfig, world_size: int, limit: int = TP_MAX)
     """Largest ``t <= limit`` dividing the world size that the model allows
     (:func:`memlab.parallel.check_tensor_parallel`: the heads and the MLP width, and the
     key/value heads split or replicated)."""
-    from .parallel.formulas import check_tensor_parallel
 
     def allowed(t: int) -> bool:
         try:
@@ -142,7 +150,6 @@ def flowchart(world_size: int) -> list[tuple[str, dict]]:
 def _simulate(step: StepConfig, target) -> int:
     """Simulated peak of ``step`` on ``target``: a DeepSpeed step runs in its own dtype on fake
     tensors with its model states in DeepSpeed's layout (:func:`memlab.simulate.simulate_step`)."""
-    from .simulate import simulate_step
     return simulate_step(step, target=target).peak_bytes
 
 
@@ -189,7 +196,6 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     started = time.perf_counter()
 
     def peak_of(s: StepConfig, t: int) -> tuple[int, int | None]:
-        from .estimate import estimate_step
         est = estimate_step(s, tensor_parallel=t, target=tgt).peak_bytes
         sim = None
         if simulate and t == 1 and time.perf_counter() - started < simulate_seconds:
@@ -247,7 +253,6 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
                           f"usable ({fmt_bytes(budget)} less {headroom:.0%} headroom): short by "
                           f"{fmt_bytes(advice.short_bytes)}; use more ranks, a shorter sequence "
                           f"or a smaller batch (with gradient accumulation)")
-        from .estimate import estimate_step
         cats = estimate_step(current, tensor_parallel=t_now, target=tgt).by_category
         if max(cats, key=cats.get) == "activations":
             advice.message += (
@@ -260,13 +265,11 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
 
 def estimate_host_bytes(step: StepConfig) -> int:
     """Host bytes per rank of the model states ``step`` offloads (0 without offload)."""
-    from .estimate import estimate_step
     return estimate_step(step, target="cpu").host_bytes  # host bytes: the same on any target
 
 
 def _runs_as(step: StepConfig, tp: int, host_bytes: int) -> str:
     """How the plan runs: plain PyTorch, or DeepSpeed with which stage, and why."""
-    from .states import under_deepspeed
     if not under_deepspeed(step.zero, step.offload):
         ranks = " with DDP" if step.world_size > 1 else ""
         return f"runs as plain PyTorch{ranks} (autocast, checkpointing): no DeepSpeed config needed"
@@ -290,8 +293,6 @@ def _best(steps: list[dict]) -> dict:
 def _ds_config(step: StepConfig, tp: int) -> dict:
     """DeepSpeed's config for the plan, from :func:`memlab.distributed.deepspeed_config`;
     empty for a plan that runs as plain PyTorch (its peak is estimated as such)."""
-    from .distributed import deepspeed_config
-    from .states import under_deepspeed
     if not under_deepspeed(step.zero, step.offload):
         return {}
     cfg = deepspeed_config(step)
@@ -309,9 +310,6 @@ def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,
     (``make gpu-check`` records it under ``build/gpu-check/<card>/``). A plan under DeepSpeed (ZeRO,
     offload) runs on one DeepSpeed rank (:func:`memlab.distributed.measure_distributed`);
     its budget is then compared, not enforced."""
-    import torch
-    from .measure import measure_step
-    from .states import under_deepspeed
     if budget is None:
         if device != "cuda" or not torch.cuda.is_available():
             raise InputError("check_plan without a budget needs a CUDA GPU; give budget=...")
@@ -320,7 +318,6 @@ def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,
     card = detect_card() if device == "cuda" else None
     a = advise(model, budget, 1, seq, batch, target="cuda" if card else None, card=card)
     if under_deepspeed(a.step.zero, a.step.offload):
-        from .distributed import measure_distributed
         real = measure_distributed(a.step, device=device)
         real.budget_bytes = a.budget_bytes
     else:

@@ -20,8 +20,10 @@ import re
 import subprocess
 import sys
 
+import torch
+
 from .errors import InputError
-from .hardware import MiB, parse_size
+from .units import MiB, parse_size
 
 # "2.00 GiB", "20.00 MiB", "512 bytes": c10's format_size; "0 B": memlab's fmt_bytes
 _SIZE = r"([0-9.]+ (?:bytes|B|KiB|MiB|GiB|TiB))"
@@ -42,11 +44,6 @@ _FIELDS = {
 }
 
 
-def _bytes(text: str) -> int:
-    number, unit = text.split()
-    return int(float(number)) if unit == "bytes" else parse_size(number + unit)
-
-
 def read_oom(message: str) -> dict[str, int]:
     """The sizes in an out-of-memory message, in bytes.
 
@@ -63,7 +60,7 @@ def read_oom(message: str) -> dict[str, int]:
     for key, pattern in _FIELDS.items():
         m = re.search(pattern, message)
         if m:
-            out[key] = _bytes(m.group(1))
+            out[key] = parse_size(m.group(1))
     if "requested" not in out:
         raise InputError(f"not an out-of-memory message (no 'Tried to allocate'): {message[:120]!r}")
     return out
@@ -84,7 +81,6 @@ def fragment_once(big_mib: int = 1024, piece_mib: int = 60, request_mib: int = 2
     free. With expandable segments the allocator unmaps the free pages of the holes (in
     20 MiB granules: pieces are multiples of it) and maps the request behind the last piece.
     """
-    import torch
     if not torch.cuda.is_available():
         raise InputError("fragmentation needs a CUDA GPU: the caching allocator is CUDA's")
     dev = torch.device("cuda", 0)

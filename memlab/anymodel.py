@@ -27,11 +27,12 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .errors import InputError
-from .hardware import fmt_bytes, resolve_budget
+from .hardware import resolve_budget
 from .measure import add_workspace, run_tracked_step
 from .policy import emulate, resolve_target
 from .step import MemoryReport
 from .tracking import CATEGORIES, MemoryTracker, OOMInfo
+from .units import fmt_bytes
 
 
 @dataclass(frozen=True)

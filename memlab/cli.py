@@ -20,19 +20,25 @@ import shlex
 import sys
 import traceback
 from dataclasses import replace
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
-from .errors import HostMemoryError, InputError
-from .hardware import GPU_PRESETS, fmt_bytes, resolve_budget
+from .advisor import Advice, advise
+from .distributed import measure_distributed, simulate_sharded
+from .errors import InputError
+from .estimate import estimate_step
+from .guard import HostMemoryError
+from .hardware import GPU_PRESETS, resolve_budget
+from .measure import measure_step
+from .models import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
+from .cards import detect_card
+from .policy import emulate, get_target, resolve_target
+from .report import Table, write_report
+from .simulate import simulate_step
 from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
-from .models import CHECKPOINTINGS, ATTENTIONS, PRESETS, UNET_PRESETS, GPTConfig, get_config
-
-if TYPE_CHECKING:  # the heavy modules load only for the subcommands that need them
-    from .advisor import Advice
-    from .report import Table
+from .units import fmt_bytes
 
 #: What a subcommand computes: each prints itself with ``table()`` or ``to_json()``.
-Result = Union[MemoryReport, "Advice", "Table"]
+Result = Union[MemoryReport, Advice, Table]
 
 
 class UsageError(InputError):
@@ -145,7 +151,6 @@ def _add_advise_args(p: argparse.ArgumentParser) -> None:
 
 
 def _advise(args: argparse.Namespace) -> Advice:
-    from .advisor import advise
     budget = _budget(args)
     if budget is None:
         raise InputError(f"give --gpu ({', '.join(GPU_PRESETS)}) or --budget SIZE")
@@ -217,7 +222,6 @@ def run(args: argparse.Namespace) -> Result:
     if args.command == "advise":
         return _advise(args)
     if args.command == "report":
-        from .report import write_report
         if args.world_size < 2 and not args.no_distributed:
             raise InputError(f"world size {args.world_size} for the multi-rank rows; allowed: 2 or "
                              f"more (or --no-distributed)")
@@ -227,8 +231,6 @@ def run(args: argparse.Namespace) -> Result:
     step = step_from_args(args)
     budget = _budget(args)
     if args.command in ("estimate", "simulate"):
-        from .cards import detect_card
-        from .policy import get_target
         get_target(args.target)  # a bad --target is a usage error before any work
         # the card: --gpu names it (its kernels, cuBLAS workspace, memory as the budget), else
         # the GPU present, else the reference H200 (the same target Python's lenses take)
@@ -238,19 +240,15 @@ def run(args: argparse.Namespace) -> Result:
         if args.hf_config is not None:
             return _hf_step(args, budget, target)
     if args.command == "estimate":
-        from .estimate import estimate_step
         return estimate_step(step, budget=budget, target=target)
     if args.command == "simulate":
         _check_simulate(step)
         if step.world_size > 1:
             return _simulate_sharded(step, budget, target)
-        from .simulate import simulate_step
         return simulate_step(step, budget=budget, target=target)
     _check_measure(step, args)
     if _multi_rank(step):
-        from .distributed import measure_distributed
         return measure_distributed(step, device=args.device, budget=budget)
-    from .measure import measure_step
     return measure_step(step, device=args.device, budget=budget, snapshot_path=args.snapshot)
 
 
@@ -276,8 +274,6 @@ def _simulate_sharded(step: StepConfig, budget: int | str | None, target) -> Mem
     """The FSDP2 simulation under a target's kernels; for CUDA each rank also holds the
     cuBLAS workspaces (its own process). Block rounding and per-call workspaces are not
     applied by the sharded tracker."""
-    from .distributed import simulate_sharded
-    from .policy import emulate, resolve_target
     tgt = resolve_target(target, budget)
     with emulate(tgt):
         report = simulate_sharded(step, step.world_size, budget=budget)

@@ -195,7 +195,7 @@ class ActivationCompressor:
 def compressed_trainer(step: StepConfig, variant: str, seed: int = 0) -> tuple:
     """A trainer for ``step`` with ``variant`` (a key of :data:`VARIANTS`) applied: returns
     the trainer, its :class:`ActivationCompressor` (or ``None``) and the batch. Raises
-    :class:`~memlab.errors.HostMemoryError` before building a step host RAM cannot hold."""
+    :class:`~memlab.guard.HostMemoryError` before building a step host RAM cannot hold."""
     if variant not in VARIANTS:
         raise InputError(f"variant={variant!r}; allowed: {', '.join(VARIANTS)}")
     how = VARIANTS[variant]

@@ -40,12 +40,15 @@ from pathlib import Path
 
 import torch
 
+from .advisor import check_plan
 from .cards import CARDS, Card, detect_card
+from .distributed import deepspeed_config, default_backend, measure_distributed, run_ranks
 from .estimate import estimate_step
 from .measure import measure_step, time_step
 from .models import GPTConfig
 from .simulate import simulate_step
-from .step import StepConfig
+from .step import StepConfig, build_trainer, make_batch
+from .units import GiB
 
 CASES = [("gpt2-small", 512, 8), ("gpt2-small", 1024, 8), ("gpt2-medium", 512, 4),
          ("gpt2-medium", 1024, 4)]
@@ -106,7 +109,7 @@ def lens_row(step: StepConfig, timed: bool = False) -> dict:
         return {"config": step.describe(), "error": f"{type(e).__name__}: {e}"[:2000]}
     alloc = real.allocator.get("max_memory_allocated", 0)
     print(f"{step.model_config.name} s{step.seq} b{step.batch} {step.precision}: tracked "
-          f"{row['measure_peak_bytes'] / 2**30:.2f} GiB, allocator {alloc / 2**30:.2f} GiB", flush=True)
+          f"{row['measure_peak_bytes'] / GiB:.2f} GiB, allocator {alloc / GiB:.2f} GiB", flush=True)
     return row
 
 
@@ -153,7 +156,6 @@ def collect(card: Card, cases=CASES, variants=VARIANTS) -> dict:
         if st.model_config.checkpointing != "none":
             kw["checkpointing"] = st.model_config.checkpointing
         rows.append({"model": st.model_config.name, "seq": st.seq, "batch": st.batch, **kw, **row})
-    from .advisor import check_plan  # the advisor's plan for this card, run for real
     try:
         plan = check_plan("gpt2-medium", 1024, 16, budget=min(card.memory, 24564 * 2**20))
     except Exception as e:  # noqa: BLE001
@@ -174,9 +176,7 @@ def deepspeed_one_gpu_worker(rank: int, world_size: int, step: StepConfig) -> di
     ``device_base`` is what the allocator holds after the warm-up step (model states and
     DeepSpeed's buffers), ``device_peak`` its ``max_memory_allocated`` over the next step.
     """
-    import deepspeed
-    from .distributed import deepspeed_config, default_backend
-    from .step import build_trainer, make_batch
+    import deepspeed  # optional and heavy: only this rank worker needs it
     deepspeed.init_distributed(dist_backend=default_backend())
     cuda = torch.cuda.is_available()
     model = build_trainer(step, "cuda" if cuda else "cpu").model
@@ -209,7 +209,6 @@ def deepspeed_one_gpu_worker(rank: int, world_size: int, step: StepConfig) -> di
 def collect_deepspeed(step: StepConfig = DEEPSPEED_STEP, cases=DEEPSPEED_CASES) -> list[dict]:
     """``zero_offload_one_gpu.json``: each case in its own one-rank launch (a fresh process,
     so host RSS and the allocator start clean), with memlab's estimate beside it."""
-    from .distributed import run_ranks
     rows = []
     for zero, offload in cases:
         s = replace(step, zero=zero, offload=offload)
@@ -224,7 +223,7 @@ def collect_deepspeed(step: StepConfig = DEEPSPEED_STEP, cases=DEEPSPEED_CASES) 
         row["estimate_host_bytes"] = est.host_bytes if est else None
         rows.append(row)
         print(f"DeepSpeed ZeRO-{zero} offload {offload}: device peak "
-              f"{(row['device_peak'] or 0) / 2**30:.2f} GiB, host RSS {row['rss_before'] / 2**30:.2f} GiB",
+              f"{(row['device_peak'] or 0) / GiB:.2f} GiB, host RSS {row['rss_before'] / GiB:.2f} GiB",
               flush=True)
     return rows
 
@@ -236,7 +235,6 @@ CHECK_DEEPSPEED_CASES = [(2, "none"), (2, "optimizer")]
 
 def write(out: str | Path, card: Card) -> Path:
     """Record the reference steps sized for ``card`` into ``<out>/<card>/``."""
-    from .distributed import measure_distributed
     folder = Path(out) / card.name
     folder.mkdir(parents=True, exist_ok=True)
 

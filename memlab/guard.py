@@ -8,7 +8,7 @@ estimates the step first (:func:`memlab.estimate.estimate_step`, per rank) and
 * under a simulated budget, returns a ``fits: false`` report with an OOM at phase ``build``
   when the parameters and optimizer state alone exceed the budget (the budget covers the
   whole step, building included);
-* raises :class:`~memlab.errors.HostMemoryError` when the memory the step needs is more
+* raises :class:`HostMemoryError` when the memory the step needs is more
   than the machine has available: host RAM on CPU, free device memory on CUDA.
 
 The rule, ``need = margin x held + overhead``:
@@ -52,14 +52,43 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 
 from .cards import detect_card
-from .errors import HostMemoryError
-from .hardware import MiB, fmt_bytes
+from .errors import InputError
+from .estimate import estimate_step, model_state_bytes
+from .units import MiB, fmt_bytes
 from .models import GPTConfig
 from .step import MemoryReport, StepConfig
 from .tracking import CATEGORIES, OOMInfo
+
+class HostMemoryError(InputError):
+    """A real step that this machine cannot hold, refused before anything was allocated.
+
+    ``need_bytes`` is what the step needs by :mod:`memlab.guard`'s rule, ``available_bytes``
+    what ``resource`` (``"host RAM"``, ``"free memory on cuda:0"``) has now; ``way_out`` says
+    what to run instead. ``str()`` is one line.
+    """
+
+    def __init__(self, need_bytes: int, available_bytes: int, resource: str, rule: str,
+                 way_out: str = "simulate it instead (`memlab simulate` with the same flags, or "
+                                "memlab.simulate.simulate_step) or choose a smaller model, "
+                                "sequence or batch"):
+        self.need_bytes, self.available_bytes = int(need_bytes), int(available_bytes)
+        self.resource, self.rule, self.way_out = resource, rule, way_out
+        super().__init__(self._line())
+
+    def _line(self) -> str:
+        return (f"measuring this step needs about {fmt_bytes(self.need_bytes)} of {self.resource} "
+                f"({self.rule}) but only {fmt_bytes(self.available_bytes)} is available; "
+                f"{self.way_out}")
+
+    def with_way_out(self, way_out: str) -> "HostMemoryError":
+        """The same refusal with another way out (the CLI names the exact command)."""
+        return HostMemoryError(self.need_bytes, self.available_bytes, self.resource, self.rule,
+                               way_out)
+
 
 MARGIN = {"cpu": 1.15, "cuda": 1.3}
 PROCESS_BYTES = 256 * MiB
@@ -73,7 +102,6 @@ DEEPSPEED_HOST_FACTOR = 2.0
 def host_available_bytes() -> int:
     """Host RAM a new allocation can get now without swapping: ``psutil``'s available memory,
     lowered to the container's limit (cgroup v2 or v1) when there is one."""
-    import psutil
     avail = psutil.virtual_memory().available
     headroom = _cgroup_headroom()
     return int(avail if headroom is None else min(avail, headroom))
@@ -83,13 +111,12 @@ def process_headroom_bytes() -> int | None:
     """Address space this process may still map under ``RLIMIT_AS`` (``ulimit -v``), or
     ``None`` when unlimited (or not on a Unix)."""
     try:
-        import resource
+        import resource  # POSIX only: no RLIMIT_AS on Windows
     except ImportError:
         return None
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
         return None
-    import psutil
     return max(0, soft - psutil.Process().memory_info().vms)
 
 
@@ -190,7 +217,6 @@ class StepEstimate:
 def estimate_for(step: StepConfig, target: str = "cpu") -> StepEstimate:
     """The figures :func:`preflight` works from, per rank, from the closed-form estimate for
     the device the step will run on (``target``: ``"cpu"`` or ``"cuda"``)."""
-    from .estimate import estimate_step, model_state_bytes
     est = estimate_step(step, target=target)
     states = model_state_bytes(step.model_config.num_params(), precision=step.precision,
                                optimizer=step.optimizer, zero=step.zero,

@@ -1,42 +1,22 @@
-"""Sizes and devices: parse ``"512MiB"``/``"40GB"``, GPU presets (the card profiles of
-:mod:`memlab.cards`), pick a device, place ranks on devices, format bytes."""
+"""Devices: GPU presets (the card profiles of :mod:`memlab.cards`) and budgets, picking a device,
+placing ranks on devices.
+
+Sizes and their units live in :mod:`memlab.units`."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .cards import CARDS, Card, detect_card  # noqa: F401  (re-exported: the hardware layer)
 from .errors import InputError
-
-MiB = 2**20
-GiB = 2**30
+from .units import parse_size
 
 # Memory of one device of each card profile (:mod:`memlab.cards`: capability, kernels,
 # workspace), as ``nvidia-smi`` reports it. A process can use a little less: the CUDA
 # context takes a few hundred MiB before the first tensor.
 GPU_PRESETS: dict[str, int] = {name: card.memory for name, card in CARDS.items()}
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(value: int | float | str) -> int:
-    """Bytes from ``1073741824``, ``"512MiB"``, ``"1.5GiB"`` or ``"40GB"`` (GB = 10^9 B)."""
-    if isinstance(value, bool):
-        raise InputError(f"budget {value!r} is not a size")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise InputError(f"budget {value!r} is negative; give a size >= 0 "
-                             f"such as 536870912, '512MiB' or '40GB'")
-        return int(value)
-    m = _SIZE.match(str(value))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise InputError(f"malformed size {value!r}; expected a number with an optional unit "
-                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '512MiB' or '40GB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def resolve_budget(budget: int | str | None) -> int | None:
@@ -140,17 +120,7 @@ def rank_device() -> torch.device:
     Workers ask this instead of ``torch.cuda.is_available()``: CPU ranks on a GPU machine
     must stay on the CPU (see :func:`place_ranks`).
     """
-    import torch.distributed as dist
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
-
-def fmt_bytes(n: float) -> str:
-    """Human-readable bytes in binary units: ``14.26 MiB``."""
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 2**10)):
-        if n >= size:
-            return f"{sign}{n / size:.2f} {unit}"
-    return f"{sign}{int(n)} B"

@@ -26,10 +26,11 @@ import torch
 
 from .cards import Card, detect_card
 from .guard import cuda_need
-from .hardware import MiB, fmt_bytes, resolve_budget
+from .hardware import resolve_budget
 from .models import GPTConfig
 from .policy import get_target
 from .step import StepConfig
+from .units import MiB, fmt_bytes
 
 # The CUDA context, cuBLAS/cuDNN handles and the kernels' code take this much of a card's
 # memory before the first tensor (a T4's 15360 MiB shows about 14.5 GiB free after torch

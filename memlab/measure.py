@@ -21,11 +21,12 @@ import traceback
 
 import torch
 
-from .errors import HostMemoryError, InputError
-from .guard import preflight
-from .hardware import fmt_bytes, pick_device, resolve_budget
+from .errors import InputError
+from .guard import HostMemoryError, preflight
+from .hardware import pick_device, resolve_budget
 from .step import MemoryReport, StepConfig, Trainer, batch_to, build_trainer, make_batch, resolve_step
 from .tracking import CATEGORIES, DeviceAccounting, MemoryTracker, OOMInfo, is_host_oom, requested_bytes
+from .units import fmt_bytes
 
 
 def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *,

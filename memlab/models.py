@@ -17,6 +17,10 @@ Multi-Query Transformer Models from Multi-Head Checkpoints", arXiv:2305.13245).
 
 The loss can be computed in chunks of tokens (``loss="chunked"``) so that the full
 ``tokens x vocab`` logits never exist: see :mod:`memlab.chunked_loss`.
+
+Over 500 lines because both families share one interface the lenses build through
+(:func:`get_config` over one preset table, :func:`build_model`, the ``checkpointing``
+switch), and the GPT's presets are a published-shape table that reads best beside the config.
 """
 from __future__ import annotations
 
@@ -48,6 +52,10 @@ class GPTConfig:
 
     ``mlp="gelu"`` with LayerNorm and learned positions is GPT-2's block; ``mlp="swiglu"``
     with RMSNorm and rotary positions is LLaMA's.
+
+    ``attention`` and ``checkpointing`` are switches of the built model. In a training step
+    the :class:`~memlab.step.StepConfig` owns them (they move there from this config; set on
+    both with different values, the step refuses): vary them on the step.
 
     Fields added for today's open models (all default to the old behaviour, so every config
     written before them builds the same model, byte for byte):

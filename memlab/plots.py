@@ -17,11 +17,14 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.patches import Rectangle
 
 from .errors import InputError
-from .parallel import bubble_fraction, pipeline_bubble, pipeline_run
+from .parallel import bubble_fraction, in_flight, pipeline_bubble, pipeline_run, pipeline_schedule
+from .states import zero_formula
 from .step import MemoryReport
 from .tracking import CATEGORIES
+from .units import GiB, MiB, binary_unit
 
 if TYPE_CHECKING:
     from .advisor import Advice
@@ -29,7 +32,6 @@ if TYPE_CHECKING:
     from .parallel import ParallelResult
     from .snapshot import SnapshotTimeline
 
-MiB = 2**20
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868",
           "activations": "#c44e52", "temporaries": "#8172b3", "other": "#937860",
           "workspace": "#8c8c8c"}
@@ -232,7 +234,6 @@ def plot_advice(advice: Advice, ax=None):
     that a bar's height reads as bytes (a log axis made a 52 GiB bar look empty beside
     100 GiB ones)."""
     ax = ax or plt.subplots(figsize=(8, 3.4))[1]
-    GiB = 2**30
     names = [s["technique"] for s in advice.steps]
     peaks = [s["peak_bytes"] / GiB for s in advice.steps]
     colors = ["#55a868" if s["fits"] else ("#c44e52" if s["kept"] else "#dddddd") for s in advice.steps]
@@ -302,7 +303,7 @@ def plot_stage_memory(result: ParallelResult, ax=None, *, rank: int = 0):
     """Peak bytes of one stage against m, GPipe vs 1F1B (the batch is fixed)."""
     ax = ax or plt.subplots(figsize=(4, 3))[1]
     for sched, mark in (("gpipe", "o-"), ("1f1b", "s-")):
-        pts = [(r["m"], r["peak_bytes"] / 2**20) for r in result.per_rank[rank]["runs"]
+        pts = [(r["m"], r["peak_bytes"] / MiB) for r in result.per_rank[rank]["runs"]
                if r["schedule"] == sched and "peak_bytes" in r]
         if pts:
             ax.plot(*zip(*pts), mark, label=sched)
@@ -314,11 +315,6 @@ def plot_stage_memory(result: ParallelResult, ax=None, *, rank: int = 0):
 
 
 # -- diagrams: pictures of what a formula or a measurement says -------------------------
-def _unit(nbytes: float) -> tuple[int, str]:
-    """The binary unit that keeps a figure's numbers readable."""
-    return (2**30, "GiB") if nbytes >= 2**30 else (MiB, "MiB") if nbytes >= MiB else (2**10, "KiB")
-
-
 ZERO_STAGE_NAMES = ("ZeRO-0: data parallel, all replicated", "ZeRO-1: optimizer states sharded",
                     "ZeRO-2: + gradients sharded", "ZeRO-3: + parameters sharded")
 
@@ -328,9 +324,8 @@ def plot_zero_partition(num_params: int, world_size: int = 4, ax=None, **formula
     parameters, gradients and optimizer states on that rank (:func:`memlab.states.zero_formula`,
     ``formula`` its keyword arguments). A sharded part is drawn solid and labelled with the
     rank's shard; a replicated one light. Linear axis from 0."""
-    from .states import zero_formula
     per = [zero_formula(num_params, s, world_size, **formula) for s in range(4)]
-    scale, unit = _unit(sum(per[0].values()))
+    scale, unit = binary_unit(sum(per[0].values()), smallest="KiB")
     rows = 4 * (world_size + 1)
     ax = ax or plt.subplots(figsize=(8, 0.28 * rows + 0.8))[1]
     cats, y = ("parameters", "gradients", "optimizer"), 0
@@ -374,7 +369,6 @@ def plot_tensor_split(d_model: int, hidden: int, t: int = 2, ax=None, *,
             raise InputError(f"{name} must be a positive integer, got {v!r}")
     if hidden % t:
         raise InputError(f"hidden={hidden} is not divisible by t={t}")
-    from matplotlib.patches import Rectangle
     ax = ax or plt.subplots(figsize=(9, 4))[1]
     gap = 0.3 * max(d_model, hidden)
     x0 = hidden + gap  # the second matrix starts here
@@ -406,7 +400,6 @@ def plot_pipeline_schedule(p: int, m: int, schedule: str = "1f1b", ax=None, *,
     """The ideal schedule (:func:`memlab.parallel.pipeline_schedule`): which micro-batch each
     stage runs in each time slot, forward light and backward dark, idle slots (the bubble)
     hatched. Every op takes its slots exactly; nothing here is timed."""
-    from .parallel import in_flight, pipeline_schedule
     events = pipeline_schedule(p, m, schedule, forward=forward, backward=backward)
     wall = max(e[3] for stage in events for e in stage)
     ax = ax or plt.subplots(figsize=(8, 0.45 * p + 0.9))[1]

@@ -16,8 +16,9 @@ import math
 from dataclasses import dataclass
 
 from .errors import InputError
+from .units import GiB, KiB, MiB
 
-UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "": 1}
+UNITS = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "": 1}
 CLOSE = 0.10  # within 10% counts as a good prediction: the lenses themselves agree within ~2%
 
 

@@ -21,11 +21,18 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .compression import compressed_trainer
+from .distributed import measure_zero
 from .errors import InputError
+from .estimate import estimate_step
 from .hardware import Placement, place_ranks
+from .measure import measure_trainer, time_steps
+from .parallel import measure_pipeline, measure_tensor_parallel
 from .parallel.formulas import bubble_fraction
 from .states import zero_saving  # one source for the ZeRO formula (re-exported)
 from .step import StepConfig
+from .techniques import category_max
+from .units import GiB, MiB
 
 REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
 
@@ -108,7 +115,7 @@ class Table:
 
     def plot(self, ax=None):
         """Memory ratio against time ratio per technique (1, 1 is the baseline)."""
-        from .plots import plot_tradeoff
+        from .plots import plot_tradeoff  # matplotlib: loaded only when a figure is drawn
         pts = {r.technique: (r.memory_ratio, r.time_ratio) for r in self.rows
                if r.memory_ratio is not None and r.time_ratio is not None}
         ax = plot_tradeoff(pts, ax, title="the seed's table, measured: memory vs time")
@@ -117,7 +124,7 @@ class Table:
 
     def save(self, out: str | Path) -> dict[str, Path]:
         """Write ``table.md``, ``table.json`` and ``table.png`` into ``out``."""
-        import matplotlib
+        import matplotlib  # the UI edge: loaded when a figure is written, not on import
         import matplotlib.pyplot as plt
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +156,6 @@ def verdict(saving: float, claim: tuple[float, float] | None, condition: str) ->
 
 def _selective_estimate(step: StepConfig) -> float:
     """Saving of selective recomputation with materialised (naive) attention, by formula."""
-    from .estimate import estimate_step
     naive = replace(step, attention="naive")
     return 1 - (estimate_step(replace(naive, checkpointing="selective")).peak_bytes
                 / estimate_step(naive).peak_bytes)
@@ -166,9 +172,6 @@ def ranks_for(stage: int, target: float, limit: int = 4096) -> int | None:
 def single_device(step: StepConfig, repeats: int = 2) -> dict[str, dict]:
     """Peak (one tracked step) and median untracked step time of the baseline and of each
     single-device technique; one trainer per variant serves both."""
-    from .compression import compressed_trainer
-    from .measure import measure_trainer, time_steps
-    from .techniques import category_max
     variants = {"baseline": (step, "none"),
                 "checkpointing": (replace(step, checkpointing="full"), "none"),
                 "bf16": (replace(step, precision="bf16"), "none"),
@@ -200,8 +203,6 @@ def multi_rank(step: StepConfig, world_size: int = 2, placement: Placement | Non
     """ZeRO 0-3 and ZeRO-2 + optimizer offload in one DeepSpeed launch; one tensor-parallel
     and one pipeline (1F1B, 4 micro-batches) run. Each on ``world_size`` ranks, placed by
     ``placement`` (default :func:`table_placement`)."""
-    from .distributed import measure_zero
-    from .parallel import measure_pipeline, measure_tensor_parallel
     placement = placement or table_placement(world_size)
     s = replace(step, world_size=world_size, precision="fp32")
     zs = [replace(s, zero=z) for z in (0, 0, 1, 2, 3)] + [replace(s, zero=2, offload="optimizer")]
@@ -304,7 +305,6 @@ def reference_ratios(refs: list[dict]) -> dict[str, str]:
 def _deepspeed_ratios(gpu: str, rows: list[dict]) -> dict[str, str]:
     """ZeRO and offload on one GPU (``zero_offload_one_gpu.json``): the allocator's device
     peak and the step time of each stage against stage 0, offload against ZeRO-2."""
-    GiB = 2**30
     by = {(r.get("zero"), r.get("offload")): r for r in rows
           if r.get("device_peak") and r.get("step_seconds")}
     base, z2 = by.get((0, "none")), by.get((2, "none"))
@@ -357,25 +357,25 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
     add("gradient checkpointing", m, tratio("checkpointing"),
         f"activations are most of the peak (here {act_share:.0%}; activations alone fell "
         f"{1 - ratio('checkpointing', 'activation_bytes'):.0%})",
-        f"peak {base['peak_bytes'] / 2**20:.1f} -> {one['checkpointing']['peak_bytes'] / 2**20:.1f} MiB")
+        f"peak {base['peak_bytes'] / MiB:.1f} -> {one['checkpointing']['peak_bytes'] / MiB:.1f} MiB")
     m = ratio("bf16")
     add("mixed precision", m, tratio("bf16"),
         f"activations dominate and weights are stored in 16 bits (autocast keeps fp32 weights; "
         f"activations fell {1 - ratio('bf16', 'activation_bytes'):.0%})",
-        f"peak {one['bf16']['peak_bytes'] / 2**20:.1f} MiB; CPU bf16 matmuls are not faster")
+        f"peak {one['bf16']['peak_bytes'] / MiB:.1f} MiB; CPU bf16 matmuls are not faster")
     m = ratio("int8")
     add("activation compression", m, tratio("int8"),
         f"activations are most of the peak (int8 cut activations "
         f"{1 - ratio('int8', 'activation_bytes'):.0%})",
-        f"int8 per-row saved-tensor hooks: peak {one['int8']['peak_bytes'] / 2**20:.1f} MiB")
+        f"int8 per-row saved-tensor hooks: peak {one['int8']['peak_bytes'] / MiB:.1f} MiB")
     m = ratio("selective")
     naive = _selective_estimate(step)
     add("recomputation (selective)", m, tratio("selective"),
         f"attention scores are stored (naive attention, estimate: {naive:.0%} saved)",
-        f"attention core recomputed: peak {one['selective']['peak_bytes'] / 2**20:.1f} MiB "
+        f"attention core recomputed: peak {one['selective']['peak_bytes'] / MiB:.1f} MiB "
         f"({step.model_config.attention} attention; with sdpa only the log-sum-exp is saved)")
-    notes = [f"baseline peak {base['peak_bytes'] / 2**20:.1f} MiB, activations "
-             f"{base['activation_bytes'] / 2**20:.1f} MiB ({act_share:.0%} of the peak)"]
+    notes = [f"baseline peak {base['peak_bytes'] / MiB:.1f} MiB, activations "
+             f"{base['activation_bytes'] / MiB:.1f} MiB ({act_share:.0%} of the peak)"]
     if distributed:
         placement = table_placement(world_size)
         multi = multi_rank(step, world_size, placement)
@@ -392,7 +392,7 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
             rows.append(Row(tech, seed_mem, seed_comp, 1 - states, zr["seconds"] / z0["seconds"], v,
                             f"model states per rank -{states:.0%} (fp32 training, DeepSpeed adds an "
                             f"fp32 master partition); whole step peak "
-                            f"{z0['peak_bytes'] / 2**20:.1f} -> {zr['peak_bytes'] / 2**20:.1f} MiB "
+                            f"{z0['peak_bytes'] / MiB:.1f} -> {zr['peak_bytes'] / MiB:.1f} MiB "
                             f"(activations and buckets unchanged); time vs DeepSpeed stage 0"))
         tp = multi["tp"]
         m = tp["peak_bytes"] / base["peak_bytes"]
@@ -401,14 +401,14 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
                         f"{tp['param_bytes'] / tp['full_param_bytes']:.0%} per rank at "
                         f"t={world_size}; embeddings, norms and the loss stay whole)"
                         if m > 1 - 0.8 / world_size else "holds",
-                        f"rank peak {tp['peak_bytes'] / 2**20:.1f} MiB vs one device "
-                        f"{base['peak_bytes'] / 2**20:.1f} MiB; not timed"))
+                        f"rank peak {tp['peak_bytes'] / MiB:.1f} MiB vs one device "
+                        f"{base['peak_bytes'] / MiB:.1f} MiB; not timed"))
         pp = multi["pp"]
         m = pp["peak_bytes"] / base["peak_bytes"]
         rows.append(Row("pipeline parallelism", *SEED["pipeline parallelism"][:2], m,
                         1 / (1 - pp["bubble"]), "holds" if m < 1 else "does not hold",
                         f"1F1B, 4 micro-batches, {world_size} stages: stage peak "
-                        f"{pp['peak_bytes'] / 2**20:.1f} MiB, bubble {pp['bubble']:.0%} "
+                        f"{pp['peak_bytes'] / MiB:.1f} MiB, bubble {pp['bubble']:.0%} "
                         f"(formula {bubble_fraction(world_size, 4):.0%})"))
         off, z2 = multi["offload"], multi["zero2"]
         dev = off["allocator"]["device_peak_bytes"]
@@ -416,8 +416,8 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
         rows.append(Row("offloading", *SEED["offloading"][:2], m, off["seconds"] / z2["seconds"],
                         "holds" if m < 0.75 else "holds only when optimizer state dominates "
                         "(large models, small activations)",
-                        f"ZeRO-2 + optimizer offload: device peak {dev / 2**20:.1f} MiB, host "
-                        f"{off['allocator']['host_bytes'] / 2**20:.1f} MiB; memory and time vs ZeRO-2"))
+                        f"ZeRO-2 + optimizer offload: device peak {dev / MiB:.1f} MiB, host "
+                        f"{off['allocator']['host_bytes'] / MiB:.1f} MiB; memory and time vs ZeRO-2"))
         notes.append(f"multi-rank rows: {placement.reason}; ZeRO rows give the model "
                      f"states per rank (what ZeRO shards) against stage 0")
     refs = reference_ratios(load_references(reference_dir))
@@ -438,9 +438,6 @@ SINGLE = {"gradient checkpointing": ({"checkpointing": "full"}, "none"),
 
 def measure_saving(step: StepConfig, technique: str) -> dict:
     """Peak and activations of ``step`` without and with one single-device technique."""
-    from .compression import compressed_trainer
-    from .measure import measure_trainer
-    from .techniques import category_max
     if technique not in SINGLE:
         raise InputError(f"technique={technique!r}; allowed: {', '.join(SINGLE)}")
     over, variant = SINGLE[technique]

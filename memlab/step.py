@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from html import escape
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from importlib import resources
 
@@ -17,22 +18,31 @@ import torch
 import torch.nn as nn
 
 from .errors import InputError
-from .hardware import fmt_bytes
 from .models import GPTConfig, UNetConfig, build_model, get_config
 from .tracking import CATEGORIES, Event, OOMInfo
+from .units import MiB, fmt_bytes
 
 PRECISIONS = ("fp32", "bf16", "fp16", "pure-bf16")
 OPTIMIZERS = ("adamw", "sgd")
 OFFLOADS = ("none", "optimizer", "all")
+#: what the step owns of its model's switches (see :class:`StepConfig`)
+SWITCHES = ("checkpointing", "attention")
 
 
 @dataclass(frozen=True)
 class StepConfig:
     """Everything that decides the memory of one training step.
 
-    ``model`` is a preset name or a config; ``attention`` and ``checkpointing`` override the
-    model's own when given. ``zero``, ``world_size`` and ``offload`` describe data-parallel
-    sharding: the single-process lenses account for them by formula.
+    ``model`` is a preset name or a config. ``zero``, ``world_size`` and ``offload`` describe
+    data-parallel sharding: the single-process lenses account for them by formula.
+
+    ``checkpointing`` and ``attention`` belong to the step: they are what a lesson varies
+    (``replace(step, checkpointing="full")``) while the model stays the same. A model config
+    carries them too, because a model built on its own needs them; given to a step, a model
+    config's values move into the step (``None`` here: take the model's), and the step keeps
+    the model with its defaults, so that ``step.checkpointing`` is the one place to read and
+    to change them. Set on both with different values, the step refuses. A UNet has no
+    ``attention`` switch (SDPA at its lowest resolution): ``attention`` stays ``None``.
     """
 
     model: str | GPTConfig | UNetConfig = "tiny"
@@ -63,19 +73,40 @@ class StepConfig:
         if self.batch % self.micro_batches:
             raise InputError(f"batch {self.batch} is not divisible into {self.micro_batches} "
                              f"micro-batches; choose a divisor of the batch")
+        self._own_switches()
         cfg = self.model_config  # validates the preset name and the overrides
         limit = cfg.block_size if isinstance(cfg, GPTConfig) else 4096
         if self.seq > limit:
             raise InputError(f"seq {self.seq} exceeds the model's block size; allowed: 1-{limit}")
 
+    def _own_switches(self) -> None:
+        """Move ``checkpointing``/``attention`` from a model config into the step (see above)."""
+        cfg = get_config(self.model) if isinstance(self.model, str) else self.model
+        defaults = {}
+        for name in SWITCHES:
+            on_step = getattr(self, name)
+            if name not in getattr(cfg, "__dataclass_fields__", {}):
+                if on_step is not None:
+                    raise InputError(f"{name}={on_step!r}: the model {cfg.name!r} has no {name} "
+                                     f"switch; leave {name} unset")
+                continue
+            default, on_model = type(cfg).__dataclass_fields__[name].default, getattr(cfg, name)
+            if on_step is not None and on_model not in (default, on_step):
+                raise InputError(f"{name} is set twice: {on_model!r} on the model config and "
+                                 f"{on_step!r} on the StepConfig; set it once, on the step "
+                                 f"(StepConfig(..., {name}={on_step!r})), and leave the model "
+                                 f"config's default ({default!r})")
+            object.__setattr__(self, name, on_model if on_step is None else on_step)
+            defaults[name] = default
+        if not isinstance(self.model, str) and any(getattr(cfg, n) != d for n, d in defaults.items()):
+            object.__setattr__(self, "model", replace(cfg, **defaults))
+
     @property
     def model_config(self) -> GPTConfig | UNetConfig:
+        """The model the step builds: its config with the step's switches (and, for a UNet,
+        ``seq`` as the image side)."""
         cfg = get_config(self.model) if isinstance(self.model, str) else self.model
-        over = {}
-        if self.checkpointing is not None:
-            over["checkpointing"] = self.checkpointing
-        if self.attention is not None and isinstance(cfg, GPTConfig):
-            over["attention"] = self.attention
+        over = {n: getattr(self, n) for n in SWITCHES if getattr(self, n) is not None}
         if isinstance(cfg, UNetConfig):
             over["image_size"] = self.seq
         return replace(cfg, **over) if over else cfg
@@ -170,11 +201,50 @@ class MemoryReport:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=_json_default)
 
-    def table(self) -> str:
-        """A readable table of the categories, the peak and the verdict."""
+    # -- reading it ---------------------------------------------------------------------
+    def category_peaks(self) -> dict[str, int]:
+        """Each category's most bytes alive at any op of the step. The peak's split
+        (``by_category``) can miss a category: at a small batch the peak sits in the optimizer
+        step, after the activations are freed; this finds them at the end of forward. A
+        report without a timeline (the estimate, a rank's summary) has only the peak's split."""
+        peaks = {c: int(self.by_category.get(c, 0)) for c in CATEGORIES}
+        for e in self.timeline:
+            for c, b in zip(CATEGORIES, e.by_category):
+                peaks[c] = max(peaks[c], int(b))
+        return peaks
+
+    def category_max(self) -> tuple[str, int]:
+        """The largest category of the step and its bytes (its most at any op): what to
+        attack first. Ties go to the earlier category in :data:`CATEGORIES`."""
+        peaks = self.category_peaks()
+        name = max(CATEGORIES, key=lambda c: peaks[c])  # max keeps the first of equals
+        return name, peaks[name]
+
+    def mib(self, category: str | None = None) -> float:
+        """The peak in MiB, or one category's bytes at the peak (``by_category``) in MiB."""
+        if category is None:
+            return self.peak_bytes / MiB
+        if category not in CATEGORIES:
+            raise InputError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
+        return self.by_category.get(category, 0) / MiB
+
+    # -- showing it ----------------------------------------------------------------------
+    def _title(self) -> str:
         cfg = self.step.model_config
-        lines = [f"{self.lens} | {cfg.name} | seq {self.step.seq} batch {self.step.batch} | "
-                 f"{self.step.precision} | ckpt {cfg.checkpointing} | {self.device}"]
+        return (f"{self.lens} | {cfg.name} | seq {self.step.seq} batch {self.step.batch} | "
+                f"{self.step.precision} | ckpt {cfg.checkpointing} | {self.device}")
+
+    def _verdict(self) -> str | None:
+        if self.oom is not None:
+            return "does NOT fit (out of memory)"
+        if self.budget_bytes is None:
+            return None
+        return "fits" if self.fits else "does NOT fit"
+
+    def table(self) -> str:
+        """A readable table: the categories at the peak, the peak, host bytes, the budget and
+        its verdict, the OOM, the allocator's figures, the step time, per-rank peaks, notes."""
+        lines = [self._title()]
         for c in CATEGORIES:
             lines.append(f"  {c:<12} {fmt_bytes(self.by_category.get(c, 0)):>12}")
         lines.append(f"  {'peak':<12} {fmt_bytes(self.peak_bytes):>12}")
@@ -184,18 +254,49 @@ class MemoryReport:
             host = ", ".join(f"{c} {fmt_bytes(v)}" for c, v in self.host_by_category.items() if v)
             lines.append(f"  {'host':<12} {fmt_bytes(self.host_bytes):>12}  ({host})")
         if self.budget_bytes is not None:
-            verdict = "fits" if self.fits else "does NOT fit"
-            lines.append(f"  {'budget':<12} {fmt_bytes(self.budget_bytes):>12}  -> {verdict}")
+            lines.append(f"  {'budget':<12} {fmt_bytes(self.budget_bytes):>12}  -> {self._verdict()}")
         if self.oom is not None:
             lines.append(f"  OOM: {self.oom.message}")
         for name, value in self.allocator.items():
             lines.append(f"  {name:<24} {fmt_bytes(value):>12}")
         if self.step_seconds is not None:
             lines.append(f"  step time   {self.step_seconds * 1e3:10.1f} ms")
+        for i, r in enumerate(self.per_rank or []):
+            lines.append(f"  rank {i:<7} {fmt_bytes(r.peak_bytes):>12}")
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
+
+    def __repr__(self) -> str:
+        top = sorted(((v, c) for c, v in self.by_category.items() if v), reverse=True)[:3]
+        parts = ", ".join(f"{c} {fmt_bytes(v)}" for v, c in top)
+        verdict = self._verdict()
+        return (f"<MemoryReport {self.lens} on {self.device}: peak {fmt_bytes(self.peak_bytes)}"
+                f"{f' ({parts})' if parts else ''}{f', {verdict}' if verdict else ''}"
+                f"{f', {len(self.notes)} note(s)' if self.notes else ''}>")
+
+    def _repr_html_(self) -> str:
+        """The table in a notebook: one row per category with its share of the peak."""
+        def row(*cells: str, bold: bool = False) -> str:
+            tag = ("<td><b>{}</b></td>" if bold else "<td>{}</td>")
+            return "<tr>" + "".join(tag.format(escape(c)) for c in cells) + "</tr>"
+
+        peak = self.peak_bytes
+        rows = [row(c, fmt_bytes(b), f"{b / peak:.0%}" if peak else "")
+                for c, b in ((c, int(self.by_category.get(c, 0))) for c in CATEGORIES)]
+        rows.append(row("peak", fmt_bytes(peak), "", bold=True))
+        if self.host_bytes:
+            rows.append(row("host", fmt_bytes(self.host_bytes), ""))
+        if self.budget_bytes is not None:
+            rows.append(row("budget", fmt_bytes(self.budget_bytes), self._verdict()))
+        after = [f"<p>OOM: {escape(self.oom.message)}</p>"] if self.oom is not None else []
+        if self.notes:
+            after.append("<ul>" + "".join(f"<li>{escape(n)}</li>" for n in self.notes) + "</ul>")
+        return (f"<table><caption>{escape(self._title())}</caption>"
+                f"<tr><th>category</th><th>bytes</th><th>of the peak</th></tr>{''.join(rows)}"
+                f"</table>{''.join(after)}")
 
 
 def _json_default(o):

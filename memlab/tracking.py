@@ -32,6 +32,10 @@ moment they were made.
 A *budget* turns the tracker into a simulated device: the op that takes live bytes over it
 raises ``torch.OutOfMemoryError`` with a CUDA-like message. On CUDA the tracker also records
 the caching allocator's own figures and, if asked, a ``_record_memory_history`` snapshot.
+
+Over 500 lines because the dispatch mode, the hooks that name parameters, gradients and
+optimizer state, the replay that settles categories and the budget's OOM all read and write
+one record per storage: split apart, each would reach into the others' private state.
 """
 from __future__ import annotations
 
@@ -46,8 +50,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from .hardware import fmt_bytes, resolve_budget
 from .errors import InputError
+from .hardware import resolve_budget
+from .units import fmt_bytes, parse_size
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other",
               "workspace")
@@ -97,7 +102,6 @@ _SIZE = re.compile(r"[Tt]ried to allocate ([0-9.]+) ?(bytes|B|KiB|MiB|GiB|TiB)")
 # What torch's CPU allocator says when malloc fails (Linux/macOS: "can't allocate memory",
 # Windows: "not enough memory"); both name DefaultCPUAllocator.
 _HOST_OOM = re.compile(r"DefaultCPUAllocator|can't allocate memory|not enough memory")
-_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
 def is_host_oom(error: BaseException) -> bool:
@@ -111,7 +115,7 @@ def requested_bytes(message: str) -> int:
     """The bytes an allocator's OOM message says it tried to allocate (``"Tried to allocate
     2.50 GiB"``, CUDA's and the tracker's own wording), or 0 when the message has none."""
     m = _SIZE.search(message)
-    return int(round(float(m.group(1)) * _UNITS[m.group(2)])) if m else 0
+    return parse_size(m.group(1) + m.group(2)) if m else 0
 
 
 @dataclass

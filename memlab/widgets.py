@@ -10,7 +10,7 @@ Setting a widget's value from code fires the same callback as a click, synchrono
 following cell can assert on :attr:`StepPanel.data` headless (under nbval).
 
 A size this machine cannot hold is refused before anything is built
-(:class:`~memlab.errors.HostMemoryError`): the panel shows the one-line refusal in its
+(:class:`~memlab.guard.HostMemoryError`): the panel shows the one-line refusal in its
 output, ``data["refused"]`` holds it, and the next size that fits measures as usual.
 
 Past 500 lines on purpose: this is the one module allowed to import ipywidgets
@@ -34,13 +34,15 @@ from .estimate import estimate_step
 from .states import model_states
 from .compression import VARIANTS, compare
 from .diffusion import unet_module_key
-from .errors import HostMemoryError, InputError
+from .errors import InputError
+from .guard import HostMemoryError
 from .hardware import GPU_PRESETS
 from .models import PRESETS, UNetConfig, get_config
 from .parallel import ParallelResult, bubble_fraction, pipeline_bubble, pipeline_run, tp_activation_bytes
 from .report import SEED, SINGLE, measure_saving
 from .step import PRECISIONS, MemoryReport, StepConfig
 from .techniques import activations_by_module, category_max, lens_fn
+from .units import GiB, MiB
 from .plots import (plot_advice, plot_bubble, plot_calculator, plot_lenses, plot_module_bytes,
                     plot_pipeline, plot_stage_memory, plot_timeline)
 
@@ -155,7 +157,7 @@ class StepPanel(Panel):
         }
         self.history.append(self.data)
         verdict = {True: "fits", False: "<b>OOM</b>", None: ""}[report.fits]
-        self.status.value = f"peak {report.peak_bytes / 2**20:.1f} MiB {verdict}"
+        self.status.value = f"peak {report.peak_bytes / MiB:.1f} MiB {verdict}"
         self.draw(report)
         return self.data
 
@@ -366,10 +368,10 @@ class LossSpikePanel(Panel):
                      "saving": plain.peak_bytes - chunked.peak_bytes, "spike_bytes": spike,
                      "plain_moment": plain.notes[0].removeprefix("peak moment: "),
                      "chunked_moment": chunked.notes[0].removeprefix("peak moment: ")}
-        self.status.value = (f"plain {plain.peak_bytes / 2**30:.2f} GiB at {self.data['plain_moment']}; "
-                             f"chunked {chunked.peak_bytes / 2**30:.2f} GiB at "
+        self.status.value = (f"plain {plain.peak_bytes / GiB:.2f} GiB at {self.data['plain_moment']}; "
+                             f"chunked {chunked.peak_bytes / GiB:.2f} GiB at "
                              f"{self.data['chunked_moment']}; logits + log-softmax "
-                             f"{spike / 2**30:.2f} GiB")
+                             f"{spike / GiB:.2f} GiB")
         fig, ax = plt.subplots(figsize=(6.5, 3.2))
         plot_lenses(reports, ax, title=f"{cfg.name}: vocab {vocab}, {seq} tokens x {self.step.batch} "
                                        f"({target})")
@@ -411,10 +413,10 @@ class CompressionPanel(Panel):
                      "baseline_activation_bytes": base["activation_bytes"],
                      "grad_error": row["grad_error"], "refused": None}
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 2.8))
-        a1.bar(["none", v], [base["activation_bytes"] / 2**20, row["activation_bytes"] / 2**20],
+        a1.bar(["none", v], [base["activation_bytes"] / MiB, row["activation_bytes"] / MiB],
                color="#c44e52")
         a1.set_ylabel("activations kept (MiB)")
-        a2.bar(["none", v], [base["peak_bytes"] / 2**20, row["peak_bytes"] / 2**20], color="#4c72b0")
+        a2.bar(["none", v], [base["peak_bytes"] / MiB, row["peak_bytes"] / MiB], color="#4c72b0")
         a2.set_ylabel("step peak (MiB)")
         fig.suptitle(f"seq {step.seq}, {v}: gradient error {row['grad_error']:.1e}", fontsize=9)
         fig.tight_layout()
@@ -498,7 +500,7 @@ class PipelinePanel(Panel):
         plot_bubble(self.result, fig.add_subplot(2, 2, 3), highlight=(sched, m))
         ax = plot_stage_memory(self.result, fig.add_subplot(2, 2, 4))
         if run.get("peak_bytes"):
-            ax.plot(m, run["peak_bytes"] / 2**20, "r*", ms=14)
+            ax.plot(m, run["peak_bytes"] / MiB, "r*", ms=14)
         fig.tight_layout()
         self.show(fig)
 

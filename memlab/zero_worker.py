@@ -13,7 +13,9 @@ import argparse
 import json
 import os
 
-from .distributed import zero_rank_step, set_cache_env
+import torch
+
+from .distributed import set_cache_env, zero_rank_step
 from .hardware import place_ranks
 from .step import StepConfig
 
@@ -33,10 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     placement = place_ranks(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     os.environ.update(placement.rank_env())
     set_cache_env()
-    import torch
     if placement.backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    import deepspeed
+    import deepspeed  # optional and heavy; after rank_env(), which it reads at import
     deepspeed.init_distributed(dist_backend=placement.backend)
     step = StepConfig(model=args.model, seq=args.seq, batch=args.batch, precision=args.precision,
                       zero=args.zero, world_size=world, offload=args.offload)

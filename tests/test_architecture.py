@@ -1,11 +1,18 @@
-"""The layering the README's module map promises: domain modules run without a notebook
+"""The layering the README's module map promises (``tools/modmap.py``: LAYERS, lowest first):
+every module is on the map, no module imports from a layer above its own, there is no import
+cycle, and the README's map is what the code says. Also: domain modules run without a notebook
 stack, and no module reaches into another's private names."""
 import ast
 import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import memlab
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+import modmap  # noqa: E402  (tools/ is not a package)
 
 PACKAGE = pathlib.Path(memlab.__file__).parent
 UI = {"widgets"}  # the only modules allowed to import ipywidgets / IPython
@@ -60,3 +67,176 @@ def test_only_ui_imports_ipywidgets():
             if any(n.split(".")[0] in ("ipywidgets", "IPython") for n in names):
                 users.add(path.stem)
     assert users <= UI, users
+
+
+# -- the module map and the layers ------------------------------------------------------------
+FIX = "add it to LAYERS in tools/modmap.py (its layer, what it owns), then run python tools/modmap.py"
+
+
+def _allowed() -> set[tuple[str, str]]:
+    """The tolerated edges, with the packages the imported module sits in."""
+    out = set()
+    for a, b in modmap.ALLOWED:
+        parts = b.split(".")
+        out |= {(a, ".".join(parts[:i])) for i in range(1, len(parts) + 1)}
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    allowed = _allowed()
+    return {m: {d for d in deps if (m, d) not in allowed} for m, deps in modmap.graph().items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_module_is_on_the_map_and_every_line_is_a_module():
+    on_map = modmap.layer_of()
+    modules = set(modmap.modules())
+    missing = [f"memlab/{modmap.module_path(m).relative_to(modmap.PACKAGE)} is not on the module map: {FIX}"
+               for m in sorted(modules - set(on_map))]
+    assert missing == []
+    assert sorted(set(on_map) - modules) == [], "LAYERS names a module that does not exist"
+    mapped = [m for _, owned in modmap.LAYERS for m in owned]
+    assert len(mapped) == len(set(mapped)), "a module is in two layers"
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    layer = modmap.layer_of()
+    names = [name for name, _ in modmap.LAYERS]
+    upward = [f"{m} ({names[layer[m]]}) imports {d} ({names[layer[d]]})"
+              for m, deps in _graph().items() for d in sorted(deps)
+              if m in layer and d in layer and layer[d] > layer[m]]
+    assert upward == []
+
+
+def test_no_import_cycle():
+    assert _cycles(_graph()) == []
+
+
+def test_cycle_finder_finds_a_cycle_through_three_modules():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("edge", sorted(modmap.ALLOWED))
+def test_each_tolerated_import_still_exists(edge):
+    """Once the code drops a tolerated import, its line in ALLOWED must go too."""
+    a, b = edge
+    assert b in modmap.graph()[a], f"{a} no longer imports {b}: delete it from ALLOWED in tools/modmap.py"
+
+
+def test_readme_module_map_is_what_the_code_says():
+    block = modmap.readme_block(modmap.README.read_text())
+    assert block is not None, f"README.md lost its {modmap.START} ... {modmap.END} markers"
+    assert block == modmap.render(), "README.md's module map is out of date: run python tools/modmap.py"
+
+
+def test_the_map_reads_imports_anywhere_in_a_file():
+    """The imports column counts function-level imports and a package's __init__."""
+    graph = modmap.graph()
+    assert "plots" in graph["report"]            # inside Table.plot
+    assert {"parallel", "parallel.formulas"} <= graph["advisor"]  # parallel/__init__ runs first
+    assert graph["errors"] == set()
+    assert "parallel" not in graph["parallel.tensor"]  # its own package is loaded before it
+
+
+def test_every_readme_table_starts_with_its_header():
+    """A table row after a non-table line starts a new table: it must be a header (the next
+    line the ``| --- |`` rule), or else a paragraph has cut a table in two."""
+    lines = modmap.README.read_text().splitlines()
+    cut = [f"README.md:{i + 1}: {line[:60]}" for i, line in enumerate(lines)
+           if line.startswith("|") and not lines[i - 1].startswith("|")
+           and not (i + 1 < len(lines) and lines[i + 1].startswith("| ---"))]
+    assert cut == []
+
+
+# -- function-level imports: only for optional or heavy dependencies ------------------------
+#: What a function may import: optional dependencies, the UI edge, torch submodules that
+#: ``import memlab`` does not load and that cost seconds (timed on this repo's CPU machine:
+#: pipelining +6.3 s, fsdp +2.9 s, tensor +2.2 s, cpp_extension +1.0 s), and POSIX-only
+#: ``resource``; memlab's ``plots`` is matplotlib. Everything else is imported at the top,
+#: where a reader sees it.
+LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "matplotlib", "tqdm.auto",
+           ".plots",
+           "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining",
+           "torch.distributed._tools", "torch.utils.cpp_extension", "resource")
+#: Modules other branches of issue 16 rewrite (splits, the fake process group in one place);
+#: each goes once its function-level imports do (the test below says when).
+PENDING = {"distributed", "techniques", "estimate", "states", "exercises", "policy",
+           "parallel.formulas", "parallel.tensor"}
+
+
+def _late_imports() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for name in modmap.modules():
+        path = modmap.module_path(name)
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    names = ["." * node.level + (node.module or "")]
+                else:
+                    continue
+                late = [n for n in names if not any(n == ok or n.startswith(ok + ".") for ok in LATE_OK)]
+                out.setdefault(name, []).extend(f"memlab/{path.relative_to(modmap.PACKAGE).as_posix()}:"
+                                                 f"{node.lineno}: {n}" for n in late)
+    return {k: v for k, v in out.items() if v}
+
+
+def test_function_level_imports_are_only_optional_or_heavy_dependencies():
+    late = _late_imports()
+    offences = [line for name, lines in late.items() if name not in PENDING for line in lines]
+    assert offences == [], "import these at the top of the module"
+    stale = sorted(PENDING - set(late))
+    assert stale == [], f"no function-level imports left in {stale}: remove them from PENDING"
+
+
+# -- one job per module ------------------------------------------------------------------------
+LONG = 500
+#: Modules other issue-16 branches split; each goes once it is short or says why it is not.
+LONG_PENDING = {"distributed", "policy", "exercises"}
+
+
+def test_a_module_over_500_lines_says_why_in_its_docstring():
+    long = {}
+    for name in modmap.modules():
+        path = modmap.module_path(name)
+        text = path.read_text()
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if len(text.splitlines()) > LONG and f"Over {LONG} lines because" not in doc:
+            long[name] = len(text.splitlines())
+    assert {m: n for m, n in long.items() if m not in LONG_PENDING} == {}, \
+        f"split it, or say why not in its docstring ('Over {LONG} lines because ...')"
+    assert sorted(LONG_PENDING - set(long)) == [], "short now (or explained): remove from LONG_PENDING"

@@ -20,15 +20,15 @@ from .amp import AMP_TOLERANCE, check_amp_step, reference_amp_step
 from .checkpoint import CKPT_TOLERANCE, check_checkpointed_block
 from .common import CheckFailed, CheckResult
 from .compression import PACK_TOLERANCE, check_pack_hooks
-from .logits import ESTIMATOR_TOLERANCE, check_estimator
 from .data_parallel import DP_TOLERANCE, check_gradient_average
 from .diffusion import check_skip_bytes
 from .gqa import check_kv_cache
+from .logits import ESTIMATOR_TOLERANCE, check_estimator
+from .oom import check_oom_fix
 from .pipeline import check_in_flight
 from .planning import check_min_ranks, reference_min_ranks
-from .table import SAVING_TOLERANCE, check_peak_saving
-from .oom import check_oom_fix
 from .start import check_first_step, check_state_bytes
+from .table import SAVING_TOLERANCE, check_peak_saving
 from .tensor_parallel import TP_TOLERANCE, check_tensor_parallel
 from .zero import check_offload_config, check_zero_config
 

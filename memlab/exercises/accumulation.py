@@ -6,10 +6,10 @@ from typing import Callable
 import torch
 
 from ..errors import InputError
-from ..hardware import fmt_bytes
 from ..models import GPT
 from ..step import StepConfig, make_batch
 from ..tracking import MemoryTracker
+from ..units import fmt_bytes
 from .common import (
     CheckResult,
     call_learner,

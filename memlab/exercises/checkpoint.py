@@ -4,10 +4,18 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..estimate import layer_activation_bytes
-from ..hardware import fmt_bytes
 from ..models import get_config
 from ..step import StepConfig, make_batch
-from .common import CheckResult, call_learner, fail, forward_kept, rel_diff, require, tiny_model
+from ..units import fmt_bytes
+from .common import (
+    CheckResult,
+    call_learner,
+    fail,
+    forward_kept,
+    rel_diff,
+    require,
+    tiny_model,
+)
 
 CKPT_TOLERANCE = 1e-6  # recomputation repeats the same operations: gradients match to rounding
 

@@ -6,10 +6,10 @@ from typing import Callable
 import torch
 
 from ..estimate import layer_activation_bytes
-from ..hardware import fmt_bytes
 from ..models import GPT, get_config
 from ..step import StepConfig, make_batch
 from ..techniques import relative_error
+from ..units import fmt_bytes
 from .common import CheckResult, call_learner, fail, forward_kept, require, tiny_model
 
 PACK_TOLERANCE = 1e-2  # relative gradient error allowed for 16-bit saved activations

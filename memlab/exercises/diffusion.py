@@ -4,10 +4,10 @@ from __future__ import annotations
 from typing import Callable
 
 from ..diffusion import unet_levels
-from ..hardware import fmt_bytes
 from ..measure import measure_step
 from ..step import StepConfig
 from ..techniques import activations_by_module
+from ..units import fmt_bytes
 from .common import CheckResult, call_learner, fail, require
 
 

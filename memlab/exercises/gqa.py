@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..hardware import fmt_bytes
 from ..models import get_config
+from ..units import fmt_bytes
 from .common import CheckResult, call_learner, fail, require
 
 MODELS = ("llama-3-8b", "llama-3-70b", "mistral-7b", "qwen2.5-7b", "gpt2-medium")

@@ -4,10 +4,10 @@ from __future__ import annotations
 from typing import Callable
 
 from ..estimate import estimate_step
-from ..hardware import fmt_bytes
 from ..models import get_config
 from ..simulate import simulate_step
 from ..step import StepConfig
+from ..units import fmt_bytes
 from .common import CheckResult, call_learner, fail, require
 
 ESTIMATOR_TOLERANCE = 0.05  # the closed form of the lesson lands within ~3% of the simulation

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from ..errors import InputError
-from ..hardware import fmt_bytes, resolve_budget
+from ..hardware import resolve_budget
 from ..measure import measure_step
 from ..step import StepConfig
+from ..units import fmt_bytes
 from .common import CheckResult, fail, require
 
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..hardware import GPU_PRESETS, fmt_bytes
+from ..hardware import GPU_PRESETS
 from ..states import bytes_per_param
+from ..units import fmt_bytes
 from .common import CheckResult, call_learner, fail, require
 
 HEADROOM = 0.10  # the advisor's default: CUDA context, NCCL buffers, fragmentation

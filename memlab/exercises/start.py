@@ -4,12 +4,12 @@ from __future__ import annotations
 from typing import Callable
 
 from ..estimate import estimate_step
-from ..hardware import fmt_bytes
 from ..measure import measure_step
 from ..models import get_config
 from ..states import model_state_bytes
 from ..step import StepConfig
 from ..techniques import category_max
+from ..units import fmt_bytes
 from .common import CheckResult, call_learner, fail, require
 
 MAX_TOKENS = 4096  # seq x batch a CPU measures in a few seconds on the tiny model

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from ..hardware import fmt_bytes
 from ..models import get_config
+from ..units import fmt_bytes
 from .common import CheckResult, call_learner, fail, require, tiny_model
 
 TP_TOLERANCE = 1e-5  # the partial sums add in another order

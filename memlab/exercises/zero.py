@@ -7,8 +7,8 @@ from typing import Callable
 from ..deepspeed_tools import fake_ranks, run_deepspeed
 from ..errors import InputError
 from ..estimate import zero_formula
-from ..hardware import fmt_bytes
 from ..models import get_config
+from ..units import fmt_bytes
 from .common import CheckResult, call_learner, fail, require
 
 BUCKET_LIMIT = 2**24  # elements; DeepSpeed's defaults (5e8) make GiB-sized buckets

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..distributed import resolve_placement, run_ranks
 from ..errors import InputError
 from ..models import GPT
 from ..step import StepConfig, build_optimizer, make_batch
@@ -206,7 +207,6 @@ def measure_pipeline(step: StepConfig | None = None, stages: int = 2, *,
     """Run ``step``'s GPT as a ``stages``-rank pipeline for each schedule and micro-batch
     count; per stage: wall and busy time, bubble, micro-batches in flight, peak bytes.
     Ranks are placed as in :func:`~memlab.parallel.measure_tensor_parallel`."""
-    from ..distributed import resolve_placement, run_ranks
     step = step or StepConfig()
     if isinstance(micro_batches, int):
         micro_batches = (micro_batches,)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from ..distributed import resolve_placement, run_ranks
 from ..errors import InputError
 from ..models import GPT, GPTConfig
 from ..step import StepConfig, make_batch
@@ -270,7 +271,6 @@ def measure_tensor_parallel(step: StepConfig | None = None, tp: int = 2, *, chec
     one process (``check``), parameter bytes, activations per layer and the tracked peak.
     The ranks run where ``placement`` says (default :func:`~memlab.hardware.place_ranks`:
     NCCL with one GPU per rank, else gloo on the CPU); ``backend="gloo"`` asks for the CPU."""
-    from ..distributed import resolve_placement, run_ranks
     step = step or StepConfig()
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig):

@@ -1,0 +1,206 @@
+"""The module map: memlab's layers, what each module owns, and what it imports (read from the code).
+
+``LAYERS`` is the one place the layer order is written down, lowest first. A module may import
+modules of its own layer and of the layers below, never above; ``tests/test_architecture.py``
+holds the code to it (no upward import, no cycle, no module missing from the map) and checks
+that the README's map is what this script writes.
+
+    python tools/modmap.py           # rewrite the map in README.md from LAYERS and the code
+    python tools/modmap.py --check   # exit 1 when README.md's map is out of date
+
+A new module: add a line to its layer in ``LAYERS`` (what it owns, in a few words), then run
+``python tools/modmap.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "memlab"
+README = ROOT / "README.md"
+START, END = "<!-- modmap:start -->", "<!-- modmap:end -->"
+
+#: (layer, {module: what it owns}), lowest layer first. Module names are dotted paths inside
+#: memlab ("parallel.formulas"); a package's ``__init__`` is the package's name ("parallel"),
+#: memlab's own ``__init__`` is "__init__" (the front door).
+LAYERS: list[tuple[str, dict[str, str]]] = [
+    ("base: errors, units, devices", {
+        "errors": "`InputError`: bad user input (exit 2 in the CLI); imports nothing from memlab",
+        "units": "bytes and their units: `KiB`..`TiB`, the one size parser `parse_size`, `fmt_bytes`",
+        "hardware": "GPU presets and budgets, picking a device, placing ranks on devices (`place_ranks`)",
+        "allocator": "the CUDA caching allocator from outside: its OOM message read into numbers, fragmentation provoked",
+        "snapshot": "CUDA allocator snapshots: loading them, their live and reserved bytes over time",
+    }),
+    ("tracker and models", {
+        "tracking": "`MemoryTracker`: live bytes by category, device and host, the simulated budget and its OOM",
+        "chunked_loss": "the language-model head and cross-entropy over chunks of tokens (the loss spike's fix)",
+        "models": "GPT (MHA/GQA) and UNet, their configs and presets with published shapes",
+        "states": "model states per rank and where they live: plain PyTorch or DeepSpeed's layout per ZeRO stage and offload",
+        "policy": "a target device's rules (autocast op lists, kernels, workspaces, allocator blocks) applied to a CPU step",
+        "diffusion": "the UNet's activations by part and resolution",
+    }),
+    ("the step and its report", {
+        "step": "`StepConfig` (owns checkpointing and attention), `MemoryReport`, `Trainer`, `build_trainer`, `make_batch`",
+        "reference": "the H200 reference rows (`data/reference/`) as steps and figures",
+    }),
+    ("the lenses", {
+        "estimate": "the estimate lens: closed-form bytes, activations and the peak moment",
+        "parallel.formulas": "tensor- and pipeline-parallel formulas: bytes per rank, bubbles, schedules",
+        "guard": "the refusal rule (`HostMemoryError`): estimate vs host RAM / free GPU memory, before anything is built",
+        "measure": "the measure lens: a real step, warmed up and tracked; OOMs caught and released; step timing",
+        "simulate": "the simulate lens: the same step on fake tensors",
+    }),
+    ("the techniques", {
+        "techniques": "sweeps, fp16 loss scaling, accumulation, largest batch under a budget",
+        "compression": "activation compression with saved-tensor hooks (bf16, int8) and its gradient error",
+        "batching": "token-budget batching of variable-length text: fixed, bucketed, packed",
+        "distributed": "`run_ranks`, DeepSpeed ZeRO and offload per rank, FSDP2 sharded simulation",
+        "parallel.common": "what the tensor- and pipeline-parallel workers share: results, rank threads, one step",
+        "parallel.tensor": "tensor parallelism: the Megatron split, its workers and simulation",
+        "parallel.pipeline": "pipeline parallelism: stages, GPipe and 1F1B, their workers",
+        "parallel": "the parallel package's names in one place",
+        "advisor": "the seed's flowchart as a plan (in DeepSpeed's accounting) and its DeepSpeed config",
+    }),
+    ("the UI", {
+        "plots": "every matplotlib figure",
+        "report": "the seed's comparison table, measured, as Markdown, JSON and PNG",
+        "widgets": "every ipywidgets panel (the only module importing ipywidgets)",
+        "exercises": "checkers for the learners' own code in the lessons' \"Your turn\" cells",
+    }),
+    ("the edge: commands, scripts, the front door", {
+        "cli": "the `memlab` command: flags, exit codes",
+        "zero_worker": "the ZeRO rank as a script for torchrun/deepspeed",
+        "parallel.__main__": "`python -m memlab.parallel tp` or `pp` for torchrun",
+        "gpu_check": "`make gpu-check`: reference figures on a CUDA machine",
+        "__init__": "the front door: `memlab.__all__`, what a learner calls",
+    }),
+]
+
+#: Imports the map tolerates for now, each with why; the architecture test fails once one of
+#: them is gone from the code (delete it here then).
+ALLOWED: dict[tuple[str, str], str] = {
+    ("estimate", "parallel.formulas"): "issue 16: the tensor-parallel check moves onto the model "
+                                       "config and the per-rank activations get one source",
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    """``memlab/parallel/formulas.py`` -> ``parallel.formulas``; ``memlab/__init__.py`` -> ``__init__``."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def module_path(name: str) -> pathlib.Path:
+    """The file of a module name (the inverse of :func:`module_name`)."""
+    base = PACKAGE.joinpath(*name.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+def modules() -> list[str]:
+    """Every module of the package, by name."""
+    return sorted(module_name(p) for p in PACKAGE.rglob("*.py"))
+
+
+def imports(name: str, known: set[str] | None = None) -> set[str]:
+    """The memlab modules ``name`` imports, anywhere in it (top, function, ``TYPE_CHECKING``).
+
+    ``from .parallel.formulas import x`` runs ``parallel/__init__`` first, so it counts as an
+    import of both (from outside the package: ``parallel``'s own modules are loaded by it).
+    memlab's own ``__init__`` (the front door) runs before any module and imports them; it is
+    not counted as their import.
+    """
+    known = set(modules()) if known is None else known
+    path = module_path(name)
+    package = name.split(".") if path.name == "__init__.py" and name != "__init__" else name.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[list[str]] = []
+        if isinstance(node, ast.Import):
+            targets += [a.name.split(".")[1:] for a in node.names if a.name.split(".")[0] == "memlab"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                mod = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif (node.module or "").split(".")[0] == "memlab":
+                mod = node.module.split(".")[1:]
+            else:
+                continue
+            # `from .pkg import sub` imports the submodule; `from .mod import name` the module
+            targets += [mod + [a.name] for a in node.names if ".".join(mod + [a.name]) in known]
+            targets.append(mod)
+        for parts in targets:
+            for i in range(1, len(parts) + 1):  # the module and every package above it
+                if ".".join(parts[:i]) in known:
+                    found.add(".".join(parts[:i]))
+    # a module's own packages are loaded before it: not imports of it
+    own = {".".join(package[:i]) for i in range(1, len(package) + 1)}
+    return found - own - {name, "__init__"}
+
+
+def graph() -> dict[str, set[str]]:
+    """Module -> the memlab modules it imports."""
+    known = set(modules())
+    return {m: imports(m, known) for m in sorted(known)}
+
+
+def layer_of() -> dict[str, int]:
+    """Module -> the index of its layer in :data:`LAYERS`."""
+    out: dict[str, int] = {}
+    for i, (_, owned) in enumerate(LAYERS):
+        for m in owned:
+            out[m] = i
+    return out
+
+
+def _display(name: str) -> str:
+    return module_path(name).relative_to(PACKAGE).as_posix()
+
+
+def render() -> str:
+    """The README's module map: one row per module, layers lowest first."""
+    deps = graph()
+    lines = [START,
+             "<!-- generated by `python tools/modmap.py` from its LAYERS table and the code: edit those, not this -->",
+             "| layer | module | owns | imports (memlab modules, anywhere in the file) |",
+             "| --- | --- | --- | --- |"]
+    for i, (layer, owned) in enumerate(LAYERS):
+        for j, (m, owns) in enumerate(owned.items()):
+            uses = ", ".join(f"`{d}`" for d in sorted(deps.get(m, ()))) or "none"
+            lines.append(f"| {f'{i} {layer}' if j == 0 else ''} | `{_display(m)}` | {owns} | {uses} |")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def readme_block(text: str) -> str | None:
+    """The map as it stands in the README text, or None when the markers are missing."""
+    if START not in text or END not in text:
+        return None
+    return text[text.index(START):text.index(END) + len(END)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when README.md's map is out of date")
+    args = ap.parse_args(argv)
+    text = README.read_text()
+    old, new = readme_block(text), render()
+    if old is None:
+        print(f"README.md has no {START} ... {END} block", file=sys.stderr)
+        return 1
+    if args.check:
+        if old != new:
+            print("README.md's module map is out of date: run python tools/modmap.py", file=sys.stderr)
+            return 1
+        return 0
+    if old != new:
+        README.write_text(text.replace(old, new))
+        print("README.md: module map rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
