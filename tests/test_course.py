@@ -63,3 +63,57 @@ def test_no_budget_touches_nothing(fake_cuda):
     with measure.cuda_budget(None):
         pass
     assert fake_cuda["set"] == []
+
+
+# --- the learner's copy survives `make student` and `make clean` ----------------------------
+
+def _make(tmp, *args):
+    import subprocess
+    import sys
+    out = subprocess.run(["make", "-s", *args, f"PYTHON={sys.executable}", f"PY={sys.executable}"],
+                         cwd=tmp, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.fixture
+def repo_copy(tmp_path):
+    """The Makefile, tools/ and two notebooks in a scratch folder, so `make clean` runs there."""
+    import shutil
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    shutil.copytree(ROOT / "tools", tmp_path / "tools")
+    (tmp_path / "notebooks").mkdir()
+    for name in ("00_start_here.ipynb", "05_checkpointing.ipynb"):
+        shutil.copy(ROOT / "notebooks" / name, tmp_path / "notebooks" / name)
+    return tmp_path
+
+
+def test_student_edit_survives_make_student_and_make_clean(repo_copy):
+    import json
+    _make(repo_copy, "student")
+    target = repo_copy / "student" / "05_checkpointing.ipynb"
+    nb = json.loads(target.read_text())
+    cell = next(c for c in nb["cells"] if "exercise" in c["metadata"].get("tags", []))
+    cell["source"] = ["class CheckpointedBlock: pass  # my answer"]
+    target.write_text(json.dumps(nb, indent=1))
+    untouched = (repo_copy / "student" / "00_start_here.ipynb").read_text()
+
+    # a new edition of both notebooks arrives
+    for name in ("00_start_here.ipynb", "05_checkpointing.ipynb"):
+        src = repo_copy / "notebooks" / name
+        fresh = json.loads(src.read_text())
+        fresh["cells"][0]["source"] = ["# Revised\n"] + fresh["cells"][0]["source"]
+        src.write_text(json.dumps(fresh, indent=1))
+    said = _make(repo_copy, "student")
+    _make(repo_copy, "clean")
+
+    assert "my answer" in target.read_text()                     # the learner's work is kept
+    beside = repo_copy / "student" / "05_checkpointing.new.ipynb"
+    assert beside.exists() and "# Revised" in beside.read_text()  # the new edition beside it
+    assert "05_checkpointing.new.ipynb" in said                   # and the learner is told
+    fresh00 = (repo_copy / "student" / "00_start_here.ipynb").read_text()
+    assert fresh00 != untouched and "# Revised" in fresh00       # untouched: simply updated
+    assert not (repo_copy / "student" / "00_start_here.new.ipynb").exists()
+
+    _make(repo_copy, "student", "FORCE=1")                        # forcing replaces it
+    assert "my answer" not in target.read_text() and "# Revised" in target.read_text()
