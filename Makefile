@@ -133,7 +133,7 @@ doctor: venv
 SITE_TIMEOUT ?= 900
 site: venv
 	@mkdir -p $(TORCH_EXTENSIONS_DIR)
-	MPLBACKEND=Agg $(PY) tools/make_site.py --out build/site --timeout $(SITE_TIMEOUT)
+	$(PY) tools/make_site.py --out build/site --timeout $(SITE_TIMEOUT)
 
 # every wheel the venv needs (DeepSpeed's sdist built into a wheel), for a classroom with no network
 WHEELHOUSE_DIR ?= wheelhouse

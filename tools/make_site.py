@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import os
 import pathlib
 import re
 import sys
@@ -65,6 +66,9 @@ def build(paths: list[pathlib.Path], out: pathlib.Path, timeout: float, execute:
     from memlab.classroom import run_notebook
 
     out.mkdir(parents=True, exist_ok=True)
+    # kernels inherit the environment: a non-interactive backend (MPLBACKEND=Agg, as the tests
+    # set) would leave every lesson without `%matplotlib inline` with no figures on its page
+    os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
     rows = []
     for i, path in enumerate(paths):
         t = time.perf_counter()
