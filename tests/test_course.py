@@ -1,5 +1,6 @@
 """The course kit: the syllabus covers the notebooks, and a class's GPU share survives a
 budgeted measurement."""
+import importlib.util
 import pathlib
 import re
 from types import SimpleNamespace
@@ -11,6 +12,10 @@ from memlab import measure
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COURSE = ROOT / "course"
+_spec = importlib.util.spec_from_file_location("test_plan", ROOT / "tests" / "test_plan.py")
+_plan = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_plan)
+PENDING = _plan.PENDING  # one list, emptied by the lead at the merge
 
 
 def test_syllabus_names_every_notebook_and_no_other():
@@ -20,7 +25,8 @@ def test_syllabus_names_every_notebook_and_no_other():
     missing = [n for n in notebooks if n not in text]
     assert missing == [], f"syllabus.md does not name {missing}"
     named = set(re.findall(r"\b\d\d_[a-z0-9_]+\.ipynb\b", text))
-    assert named <= set(notebooks), f"syllabus.md names notebooks that do not exist: {named - set(notebooks)}"
+    unknown = named - set(notebooks) - PENDING  # lessons being written on other branches
+    assert not unknown, f"syllabus.md names notebooks that do not exist: {unknown}"
 
 
 def test_course_documents_exist_and_link_the_syllabus():
