@@ -8,6 +8,7 @@ one ``## Exercise N`` section each (numbers measured on a CPU, and what changes 
 tool appends them to a copy of the notebook as markdown cells after an "Answer key" heading.
 Solutions stay in (``make student`` is the edition without them); outputs are dropped.
 """
+import argparse
 import glob
 import json
 import os
@@ -61,15 +62,12 @@ def with_answers(nb: dict, answers: dict[int, str]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    out = "build/instructor"
-    if "--out" in argv:
-        i = argv.index("--out")
-        if i + 1 >= len(argv):
-            print("--out needs a directory", file=sys.stderr)
-            return 2
-        out = argv[i + 1]
-        argv = argv[:i] + argv[i + 2:]
-    paths = argv or sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("notebooks", nargs="*", help="default: notebooks/*.ipynb")
+    parser.add_argument("--out", default="build/instructor")
+    args = parser.parse_args(argv)
+    out = args.out
+    paths = args.notebooks or sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
     os.makedirs(out, exist_ok=True)
     missing = []
     for path in paths:
