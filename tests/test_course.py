@@ -123,3 +123,21 @@ def test_student_edit_survives_make_student_and_make_clean(repo_copy):
 
     _make(repo_copy, "student", "FORCE=1")                        # forcing replaces it
     assert "my answer" not in target.read_text() and "# Revised" in target.read_text()
+
+
+def test_make_lab_edition_student_opens_the_students_copy(repo_copy):
+    import shutil
+    import subprocess
+    import sys
+    for name in ("pyproject.toml", "constraints.txt"):
+        shutil.copy(ROOT / name, repo_copy / name)
+    plan = {}
+    for edition in ("student", "instructor", "solutions"):
+        out = subprocess.run(["make", "-n", "lab", f"EDITION={edition}", f"PY={sys.executable}",
+                              f"PYTHON={sys.executable}"], cwd=repo_copy, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        plan[edition] = out.stdout
+    assert "tools/make_student.py --out student" in plan["student"]
+    assert "jupyter lab" in plan["student"].splitlines()[-1] and plan["student"].splitlines()[-1].endswith(" student/")
+    assert plan["instructor"].splitlines()[-1].endswith(" build/instructor/")
+    assert plan["solutions"].splitlines()[-1].endswith(" notebooks/") and "make_student" not in plan["solutions"]
