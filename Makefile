@@ -16,6 +16,7 @@ NBVAL_CELL_TIMEOUT ?= 300
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: help venv lab test test-fast test-notebooks bench gpu-check strip student clean
+.PHONY: instructor doctor site wheelhouse
 
 help:
 	@echo "make lab         open the workbook in JupyterLab (installs on first run)"
@@ -26,21 +27,34 @@ help:
 	@echo "make gpu-check   CUDA tests, reference steps and every notebook on this GPU (PY=python3: no venv;"
 	@echo "                 CARD=T4-16GB rehearses a smaller card; DRY=1 prints the plan, no GPU needed)"
 	@echo "make strip       remove outputs from notebooks/*.ipynb"
-	@echo "make student     the workbook without solutions, in build/student/"
-	@echo "make venv|clean"
+	@echo "make student     the workbook without solutions, in student/ (never over your edits; FORCE=1)"
+	@echo "make lab EDITION=student|instructor   open that edition instead of notebooks/"
+	@echo "make instructor  notebooks with the answer keys appended, in build/instructor/"
+	@echo "make doctor      pre-flight check: versions, cores, GPU, DeepSpeed op, two ranks, verdict"
+	@echo "make site        execute every notebook, write a static HTML site to build/site/"
+	@echo "make wheelhouse  every wheel the venv needs, in wheelhouse/ (then: make venv WHEELHOUSE=wheelhouse)"
+	@echo "make venv|clean  (make clean keeps student/)"
 
 venv: $(STAMP)
 
+# WHEELHOUSE=dir: install with no network, from the wheels `make wheelhouse` wrote
+PIP_SOURCE = $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE))
+
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip -c constraints.txt
-	$(PY) -m pip install -q -c constraints.txt -e '.[lab,dist,test,hf]'
+	$(PY) -m pip install -q $(PIP_SOURCE) --upgrade pip -c constraints.txt
+	$(PY) -m pip install -q $(PIP_SOURCE) -c constraints.txt -e '.[lab,dist,test,hf]'
 	@touch $@
 
 # Every notebook names the kernel "python3", which ipykernel provides in whatever environment
 # runs it: the venv's own Python here (tools/nbstrip.py --check enforces the name).
-lab: venv
-	$(PY) -m jupyter lab $(LAB_ARGS) notebooks/
+# EDITION=student opens the learner's copy (made first, never over their edits),
+# EDITION=instructor the notebooks with their answer keys.
+EDITION ?= solutions
+STUDENT_DIR ?= student
+LAB_DIR = $(if $(filter student,$(EDITION)),$(STUDENT_DIR),$(if $(filter instructor,$(EDITION)),build/instructor,notebooks))/
+lab: venv $(if $(filter student,$(EDITION)),student) $(if $(filter instructor,$(EDITION)),instructor)
+	$(PY) -m jupyter lab $(LAB_ARGS) $(LAB_DIR)
 
 test: venv
 	$(run-tests)
@@ -108,9 +122,31 @@ endif
 strip:
 	$(PYTHON) tools/nbstrip.py
 
-# every code cell tagged "solution" becomes an empty "# your code here" cell
+# every code cell tagged "solution" becomes an empty "# your code here" cell; the copy lives in
+# student/ (not build/, so `make clean` keeps it) and a notebook the learner changed is kept
+# (the new one goes beside it as NN_name.new.ipynb) unless FORCE=1
 student:
-	$(PYTHON) tools/make_student.py --out build/student
+	$(PYTHON) tools/make_student.py --out $(STUDENT_DIR) $(if $(FORCE),--force)
+
+# notebooks with course/answers/<stem>.md appended as markdown cells
+instructor:
+	$(PYTHON) tools/make_instructor.py --out build/instructor
+
+doctor: venv
+	@mkdir -p $(TORCH_EXTENSIONS_DIR)
+	$(PY) -m memlab.cli doctor
+
+# executes every notebook (rank-starting ones too, one at a time) into a static HTML site
+SITE_TIMEOUT ?= 900
+site: venv
+	@mkdir -p $(TORCH_EXTENSIONS_DIR)
+	$(PY) tools/make_site.py --out build/site --timeout $(SITE_TIMEOUT)
+
+# every wheel the venv needs (DeepSpeed's sdist built into a wheel), for a classroom with no network
+WHEELHOUSE_DIR ?= wheelhouse
+wheelhouse:
+	$(PYTHON) -m pip wheel -q -w $(WHEELHOUSE_DIR) -c constraints.txt pip setuptools wheel '.[lab,dist,test,hf]'
+	@du -sh $(WHEELHOUSE_DIR); ls $(WHEELHOUSE_DIR) | wc -l
 
 clean:
 	rm -rf .cache .pytest_cache build dist *.egg-info

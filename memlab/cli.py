@@ -124,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks for the ZeRO, offload, TP and PP rows")
     p.add_argument("--no-distributed", action="store_true", help="single-device rows only (fast)")
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    # classroom commands: their logic is in memlab.doctor and memlab.classroom
+    p = sub.add_parser("doctor", help="pre-flight check for a class: versions, GPU, DeepSpeed op, two ranks")
+    p.add_argument("--no-build", action="store_true", help="do not build DeepSpeed's CPU Adam op")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("class", help="class tools: `class collect DIR --out results.csv`")
+    p.add_argument("action", choices=["collect"])
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="DIR [--out results.csv] [--timeout S]")
     return parser
 
 
@@ -333,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "presets":
             print(_presets(args.json))
             return 0
+        if args.command == "doctor":
+            from . import doctor
+            return doctor.main(["--no-build"] * args.no_build + ["--json"] * args.json)
+        if args.command == "class":
+            from . import classroom
+            return classroom.main(args.rest)
         result = run(args)
     except HostMemoryError as e:
         step = None

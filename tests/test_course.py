@@ -1,5 +1,6 @@
 """The course kit: the syllabus covers the notebooks, and a class's GPU share survives a
 budgeted measurement."""
+import importlib.util
 import pathlib
 import re
 from types import SimpleNamespace
@@ -11,6 +12,10 @@ from memlab import measure
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COURSE = ROOT / "course"
+_spec = importlib.util.spec_from_file_location("test_plan", ROOT / "tests" / "test_plan.py")
+_plan = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_plan)
+PENDING = _plan.PENDING  # one list, emptied by the lead at the merge
 
 
 def test_syllabus_names_every_notebook_and_no_other():
@@ -20,7 +25,8 @@ def test_syllabus_names_every_notebook_and_no_other():
     missing = [n for n in notebooks if n not in text]
     assert missing == [], f"syllabus.md does not name {missing}"
     named = set(re.findall(r"\b\d\d_[a-z0-9_]+\.ipynb\b", text))
-    assert named <= set(notebooks), f"syllabus.md names notebooks that do not exist: {named - set(notebooks)}"
+    unknown = named - set(notebooks) - PENDING  # lessons being written on other branches
+    assert not unknown, f"syllabus.md names notebooks that do not exist: {unknown}"
 
 
 def test_course_documents_exist_and_link_the_syllabus():
@@ -63,3 +69,75 @@ def test_no_budget_touches_nothing(fake_cuda):
     with measure.cuda_budget(None):
         pass
     assert fake_cuda["set"] == []
+
+
+# --- the learner's copy survives `make student` and `make clean` ----------------------------
+
+def _make(tmp, *args):
+    import subprocess
+    import sys
+    out = subprocess.run(["make", "-s", *args, f"PYTHON={sys.executable}", f"PY={sys.executable}"],
+                         cwd=tmp, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.fixture
+def repo_copy(tmp_path):
+    """The Makefile, tools/ and two notebooks in a scratch folder, so `make clean` runs there."""
+    import shutil
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    shutil.copytree(ROOT / "tools", tmp_path / "tools")
+    (tmp_path / "notebooks").mkdir()
+    for name in ("00_start_here.ipynb", "05_checkpointing.ipynb"):
+        shutil.copy(ROOT / "notebooks" / name, tmp_path / "notebooks" / name)
+    return tmp_path
+
+
+def test_student_edit_survives_make_student_and_make_clean(repo_copy):
+    import json
+    _make(repo_copy, "student")
+    target = repo_copy / "student" / "05_checkpointing.ipynb"
+    nb = json.loads(target.read_text())
+    cell = next(c for c in nb["cells"] if "exercise" in c["metadata"].get("tags", []))
+    cell["source"] = ["class CheckpointedBlock: pass  # my answer"]
+    target.write_text(json.dumps(nb, indent=1))
+    untouched = (repo_copy / "student" / "00_start_here.ipynb").read_text()
+
+    # a new edition of both notebooks arrives
+    for name in ("00_start_here.ipynb", "05_checkpointing.ipynb"):
+        src = repo_copy / "notebooks" / name
+        fresh = json.loads(src.read_text())
+        fresh["cells"][0]["source"] = ["# Revised\n"] + fresh["cells"][0]["source"]
+        src.write_text(json.dumps(fresh, indent=1))
+    said = _make(repo_copy, "student")
+    _make(repo_copy, "clean")
+
+    assert "my answer" in target.read_text()                     # the learner's work is kept
+    beside = repo_copy / "student" / "05_checkpointing.new.ipynb"
+    assert beside.exists() and "# Revised" in beside.read_text()  # the new edition beside it
+    assert "05_checkpointing.new.ipynb" in said                   # and the learner is told
+    fresh00 = (repo_copy / "student" / "00_start_here.ipynb").read_text()
+    assert fresh00 != untouched and "# Revised" in fresh00       # untouched: simply updated
+    assert not (repo_copy / "student" / "00_start_here.new.ipynb").exists()
+
+    _make(repo_copy, "student", "FORCE=1")                        # forcing replaces it
+    assert "my answer" not in target.read_text() and "# Revised" in target.read_text()
+
+
+def test_make_lab_edition_student_opens_the_students_copy(repo_copy):
+    import shutil
+    import subprocess
+    import sys
+    for name in ("pyproject.toml", "constraints.txt"):
+        shutil.copy(ROOT / name, repo_copy / name)
+    plan = {}
+    for edition in ("student", "instructor", "solutions"):
+        out = subprocess.run(["make", "-n", "lab", f"EDITION={edition}", f"PY={sys.executable}",
+                              f"PYTHON={sys.executable}"], cwd=repo_copy, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        plan[edition] = out.stdout
+    assert "tools/make_student.py --out student" in plan["student"]
+    assert "jupyter lab" in plan["student"].splitlines()[-1] and plan["student"].splitlines()[-1].endswith(" student/")
+    assert plan["instructor"].splitlines()[-1].endswith(" build/instructor/")
+    assert plan["solutions"].splitlines()[-1].endswith(" notebooks/") and "make_student" not in plan["solutions"]

@@ -1,13 +1,20 @@
-"""Write the student edition of the workbook (stdlib only).
+"""Write the student edition of the workbook (stdlib only), never over a learner's work.
 
-    python tools/make_student.py [--out DIR] [NOTEBOOK ...]   # default: notebooks/*.ipynb -> build/student/
+    python tools/make_student.py [--out DIR] [--force] [NOTEBOOK ...]   # default: notebooks/*.ipynb -> student/
 
 Every code cell tagged ``solution`` (cell metadata ``tags``) becomes an empty code cell
 holding only ``# your code here``; every other cell is copied unchanged, without outputs. The
 exercise's markdown cell before it and the check cell after it stay, so the learner writes the
 code and runs the check.
+
+A learner works in this copy, so regenerating it must not lose their answers. ``DIR/.generated.json``
+records the SHA-256 of every notebook this tool wrote. A notebook whose file still has that hash
+(untouched) is replaced by the new edition; one that differs (the learner edited or ran it) is
+kept, and the new edition is written beside it as ``NN_name.new.ipynb`` with a message.
+``--force`` overwrites anyway.
 """
 import glob
+import hashlib
 import json
 import os
 import sys
@@ -16,6 +23,7 @@ from student_stub import student_source  # tools/ is on the path when run as a s
 
 PLACEHOLDER = "# your code here"
 SOLUTION_TAG = "solution"
+MANIFEST = ".generated.json"
 
 
 def is_solution(cell: dict) -> bool:
@@ -39,8 +47,43 @@ def studentize(nb: dict) -> tuple[dict, int]:
     return dict(nb, cells=cells), removed
 
 
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_edition(target: str, text: str, manifest: dict, force: bool) -> str:
+    """Write ``text`` to ``target`` unless the learner changed it; returns what happened:
+    "new", "updated", "unchanged", "kept" (written beside, as .new.ipynb) or "forced"."""
+    data = text.encode("utf-8")
+    name = os.path.basename(target)
+    if not os.path.exists(target):
+        action = "new"
+    else:
+        with open(target, "rb") as f:
+            current = sha256(f.read())
+        if current == sha256(data):
+            manifest[name] = current
+            return "unchanged"
+        if current == manifest.get(name):
+            action = "updated"
+        elif force:
+            action = "forced"
+        else:  # the learner's file: leave it, put the new edition beside it
+            beside = target[: -len(".ipynb")] + ".new.ipynb"
+            with open(beside, "wb") as f:
+                f.write(data)
+            return "kept"
+    with open(target, "wb") as f:
+        f.write(data)
+    manifest[name] = sha256(data)
+    return action
+
+
 def main(argv: list[str]) -> int:
-    out = "build/student"
+    out, force = "student", False
+    if "--force" in argv:
+        force = True
+        argv = [a for a in argv if a != "--force"]
     if "--out" in argv:
         i = argv.index("--out")
         if i + 1 >= len(argv):
@@ -50,17 +93,30 @@ def main(argv: list[str]) -> int:
         argv = argv[:i] + argv[i + 2:]
     paths = argv or sorted(glob.glob("notebooks/*.ipynb"))
     os.makedirs(out, exist_ok=True)
-    total = 0
+    manifest_path = os.path.join(out, MANIFEST)
+    manifest = {}
+    if os.path.exists(manifest_path):
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    total, kept = 0, []
     for path in paths:
         with open(path, encoding="utf-8") as f:
             nb, removed = studentize(json.load(f))
         target = os.path.join(out, os.path.basename(path))
-        with open(target, "w", encoding="utf-8") as f:
-            f.write(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+        action = write_edition(target, json.dumps(nb, indent=1, ensure_ascii=False) + "\n", manifest, force)
         total += removed
-        if removed:
-            print(f"{target}: {removed} solution cell(s) emptied")
+        if action == "kept":
+            kept.append(target)
+            print(f"{target}: you changed it, kept; the new edition is beside it: "
+                  f"{target[:-len('.ipynb')]}.new.ipynb")
+        elif removed and action != "unchanged":
+            print(f"{target}: {removed} solution cell(s) emptied ({action})")
+    with open(manifest_path, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.write("\n")
     print(f"{len(paths)} notebooks -> {out}/, {total} exercises to write")
+    if kept:
+        print(f"{len(kept)} notebook(s) you changed were kept; FORCE=1 (make) or --force overwrites them")
     return 0
 
 

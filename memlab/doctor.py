@@ -1,0 +1,202 @@
+"""Pre-flight check for a class: can this machine run the workbook, and where does each lesson run?
+
+    memlab doctor [--no-build] [--json]        # or: make doctor
+
+Prints one line per fact (Python and package versions, CPU cores and RAM, each GPU's name,
+memory, capability and native bf16, DeepSpeed's CPU Adam op and its cache folder, two ranks
+starting), then a one-line verdict: which lessons run on the GPU, which on the CPU. Exits 1
+only when something blocks the workbook (``FAIL`` lines); ``warn`` lines say what is slower or
+left out.
+
+The decisions are plain functions of the facts (:func:`gpu_facts`, :func:`lesson_places`,
+:func:`verdict`), unit-tested with patched device properties; :func:`collect` gathers the facts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+from .hardware import fmt_bytes, place_ranks
+
+MIN_PYTHON = (3, 10)
+# one-process lessons, and the lessons that start two ranks (the Makefile runs those alone)
+SINGLE_LESSONS = ("00", "01", "02", "03", "04", "05", "06", "07", "08", "14", "16", "17")
+RANK_LESSONS = ("09", "10", "11", "12", "13", "15")
+OFFLOAD_LESSON = "11"          # runs one rank per GPU so that device and host are two memories
+DEEPSPEED_LESSONS = ("10", "11", "15")
+MIN_RAM = 4 * 2**30            # a kernel plus two ranks (course/running-a-class.md)
+# bf16 tensor-core kernels arrived with Ampere (sm_80); older cards emulate bf16 or refuse it
+BF16_NATIVE_FROM = (8, 0)
+
+
+@dataclass
+class Check:
+    """One line of the report: ``status`` is "ok", "warn" or "FAIL" (blocks the workbook)."""
+
+    name: str
+    status: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.status:<4}  {self.name}: {self.detail}"
+
+
+def gpu_facts(props) -> dict:
+    """Name, memory, capability and native bf16 of one GPU, from ``torch.cuda.get_device_properties``."""
+    capability = (int(props.major), int(props.minor))
+    return {"name": props.name, "memory": int(props.total_memory),
+            "capability": f"{capability[0]}.{capability[1]}",
+            "bf16_native": capability >= BF16_NATIVE_FROM}
+
+
+def lesson_places(gpus: int) -> dict[str, str]:
+    """Where each lesson runs with ``gpus`` CUDA GPUs: "gpu", "gpu ranks" or "cpu" / "cpu ranks".
+
+    Rank lessons follow :func:`memlab.hardware.place_ranks` for two ranks (the offload lesson
+    with ``shrink=True``), the one place memlab decides rank placement."""
+    places = {n: ("gpu" if gpus >= 1 else "cpu") for n in SINGLE_LESSONS}
+    for n in RANK_LESSONS:
+        placement = place_ranks(2, gpus, shrink=(n == OFFLOAD_LESSON))
+        places[n] = "gpu ranks" if placement.backend == "nccl" else "cpu ranks"
+    return dict(sorted(places.items()))
+
+
+def verdict(places: dict[str, str], blocked: list[str]) -> str:
+    """One line: which lessons run on the GPU, which on the CPU (or what blocks the workbook)."""
+    if blocked:
+        return f"verdict: the workbook cannot run here: {'; '.join(blocked)}"
+    on_gpu = [n for n, p in places.items() if p.startswith("gpu")]
+    on_cpu = [n for n, p in places.items() if p.startswith("cpu")]
+    parts = []
+    if on_gpu:
+        parts.append(f"on the GPU: {' '.join(on_gpu)}")
+    if on_cpu:
+        parts.append(f"on the CPU: {' '.join(on_cpu)}"
+                     + (" (two gloo ranks for " + " ".join(n for n in on_cpu if n in RANK_LESSONS) + ")"
+                        if any(n in RANK_LESSONS for n in on_cpu) else ""))
+    return "verdict: lessons " + "; ".join(parts)
+
+
+def _version(module: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(module)
+    except PackageNotFoundError:
+        return None
+
+
+def _ram_bytes() -> int | None:
+    try:
+        import psutil
+        return int(psutil.virtual_memory().total)
+    except ImportError:  # psutil is a dependency; be useful without it anyway
+        return None
+
+
+CPU_ADAM_PROBE = ("import os, time; t = time.time()\n"
+                  "from deepspeed.ops.op_builder import CPUAdamBuilder\n"
+                  "CPUAdamBuilder().load()\n"
+                  "print(f'{time.time() - t:.1f}')\n")
+
+
+def check_cpu_adam(timeout: float = 900.0) -> Check:
+    """Build (or load from the cache) DeepSpeed's CPU Adam op in a child process."""
+    import torch
+    from .distributed import cpu_adam_buildable, set_cache_env
+    set_cache_env()
+    cache = os.environ["TORCH_EXTENSIONS_DIR"]
+    ok, why = cpu_adam_buildable()
+    if not ok:
+        return Check("deepspeed cpu_adam", "warn", f"cannot build ({why}); lesson 11's CPU Adam "
+                     f"part is skipped, the rest runs. cache: {cache}")
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        done = subprocess.run([sys.executable, "-c", CPU_ADAM_PROBE], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Check("deepspeed cpu_adam", "warn", f"no build after {timeout:g} s (a stale 'lock' "
+                     f"file under {cache}? delete it). cache: {cache}")
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return Check("deepspeed cpu_adam", "warn", f"build failed: {last}. cache: {cache}")
+    secs = done.stdout.strip().splitlines()[-1]
+    return Check("deepspeed cpu_adam", "ok", f"built/loaded in {secs} s; cache: {cache} "
+                 f"(TORCH_EXTENSIONS_DIR)")
+
+
+def check_two_ranks(timeout: float = 120.0) -> Check:
+    """Start two gloo ranks and all-reduce once: what every rank lesson needs."""
+    from .distributed import RankError, allreduce_worker, run_ranks
+    try:
+        out = run_ranks(allreduce_worker, 2, kwargs={"value": 1.0}, timeout=timeout, backend="gloo")
+    except RankError as e:
+        return Check("two ranks", "FAIL", f"gloo ranks did not start: {e}")
+    if [r["sum"] for r in out] != [3.0, 3.0]:
+        return Check("two ranks", "FAIL", f"all-reduce gave {[r['sum'] for r in out]}, expected 3.0 on both")
+    return Check("two ranks", "ok", "2 gloo ranks started and all-reduced (1 + 2 = 3)")
+
+
+def collect(build: bool = True) -> tuple[list[Check], dict[str, str]]:
+    """Every check on this machine, and where each lesson runs."""
+    checks = []
+    py = sys.version_info[:3]
+    checks.append(Check("python", "ok" if py[:2] >= MIN_PYTHON else "FAIL",
+                        f"{'.'.join(map(str, py))} ({platform.platform()})"
+                        + ("" if py[:2] >= MIN_PYTHON else f"; memlab needs {MIN_PYTHON[0]}.{MIN_PYTHON[1]}+")))
+    for pkg, need in (("torch", "FAIL"), ("numpy", "FAIL"), ("matplotlib", "FAIL"), ("ipywidgets", "FAIL"),
+                      ("ipykernel", "FAIL"), ("jupyterlab", "warn"), ("deepspeed", "FAIL"), ("nbval", "warn")):
+        v = _version(pkg)
+        why = {"deepspeed": "lessons " + ", ".join(DEEPSPEED_LESSONS) + " need it (pip install -e '.[dist]')",
+               "jupyterlab": "open the notebooks another way (VS Code, JupyterHub)",
+               "nbval": "make test-notebooks needs it"}.get(pkg, "the notebooks need it")
+        checks.append(Check(pkg, "ok" if v else need, v or f"not installed: {why}"))
+    cores = os.cpu_count() or 1
+    checks.append(Check("cpu cores", "ok" if cores >= 2 else "warn",
+                        f"{cores}" + ("" if cores >= 2 else ": the two ranks of 09-13, 15 share one core (slow)")))
+    ram = _ram_bytes()
+    checks.append(Check("ram", "ok" if ram and ram >= MIN_RAM else "warn",
+                        (fmt_bytes(ram) if ram else "unknown")
+                        + ("" if ram and ram >= MIN_RAM else f"; keep {fmt_bytes(MIN_RAM)} free for a kernel and two ranks")))
+    gpus = 0
+    try:
+        import torch
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for i in range(gpus):
+            f = gpu_facts(torch.cuda.get_device_properties(i))
+            checks.append(Check(f"gpu {i}", "ok", f"{f['name']}, {fmt_bytes(f['memory'])}, capability "
+                                f"{f['capability']}, bf16 {'native' if f['bf16_native'] else 'emulated/slow'}"))
+        if gpus == 0:
+            checks.append(Check("gpu", "ok", f"none (torch {torch.__version__}, CUDA "
+                                f"{torch.version.cuda or 'not built'}): every lesson runs on the CPU"))
+    except ImportError:
+        pass
+    if _version("torch") and _version("deepspeed"):
+        checks.append(check_cpu_adam() if build else
+                      Check("deepspeed cpu_adam", "ok", "not built (--no-build); cache: "
+                            + os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")))
+        checks.append(check_two_ranks())
+    return checks, lesson_places(gpus)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``memlab doctor``: print the checks and the verdict; 1 when something blocks the workbook."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    checks, places = collect(build="--no-build" not in argv)
+    blocked = [f"{c.name}: {c.detail}" for c in checks if c.status == "FAIL"]
+    line = verdict(places, blocked)
+    if "--json" in argv:
+        print(json.dumps({"checks": [asdict(c) for c in checks], "lessons": places, "verdict": line}, indent=1))
+    else:
+        print("\n".join(str(c) for c in checks))
+        print(line)
+    return 1 if blocked else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
