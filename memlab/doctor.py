@@ -20,7 +20,9 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-from .hardware import fmt_bytes, place_ranks
+from .hardware import place_ranks
+
+from .units import fmt_bytes
 
 MIN_PYTHON = (3, 10)
 # one-process lessons, and the lessons that start two ranks (the Makefile runs those alone)

@@ -16,9 +16,11 @@ import math
 from dataclasses import dataclass
 
 from .errors import InputError
-from .units import GiB, KiB, MiB
+from .units import SIZE_UNITS
 
-UNITS = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "": 1}
+# the units a guess may be written in: bytes and binary sizes (memlab.units), or "" for a number
+UNITS = dict.fromkeys(("B", "KiB", "MiB", "GiB"), 0) | {"": 1}
+UNITS.update({u: SIZE_UNITS[u.upper()] for u in ("B", "KiB", "MiB", "GiB")})
 CLOSE = 0.10  # within 10% counts as a good prediction: the lenses themselves agree within ~2%
 
 
