@@ -19,8 +19,7 @@ from .errors import InputError
 from .units import SIZE_UNITS
 
 # the units a guess may be written in: bytes and binary sizes (memlab.units), or "" for a number
-UNITS = dict.fromkeys(("B", "KiB", "MiB", "GiB"), 0) | {"": 1}
-UNITS.update({u: SIZE_UNITS[u.upper()] for u in ("B", "KiB", "MiB", "GiB")})
+UNITS = {u: SIZE_UNITS[u.upper()] for u in ("B", "KiB", "MiB", "GiB")} | {"": 1}
 CLOSE = 0.10  # within 10% counts as a good prediction: the lenses themselves agree within ~2%
 
 
