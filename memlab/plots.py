@@ -8,7 +8,7 @@
 - :func:`plot_grad_histogram`: gradient magnitudes against the smallest fp16 number.
 - :func:`plot_snapshot`: a CUDA allocator snapshot's live and reserved bytes over time.
 
-Past 500 lines on purpose: one module for every figure, so that panels and notebooks draw
+Over 500 lines because there is one module for every figure, so that panels and notebooks draw
 the same way (one job: turning reports into matplotlib axes).
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ A size this machine cannot hold is refused before anything is built
 (:class:`~memlab.guard.HostMemoryError`): the panel shows the one-line refusal in its
 output, ``data["refused"]`` holds it, and the next size that fits measures as usual.
 
-Past 500 lines on purpose: this is the one module allowed to import ipywidgets
+Over 500 lines because this is the one module allowed to import ipywidgets
 (tests/test_architecture.py), so every panel lives here; each is a thin shell over a lens or
 a domain function, with its figure in :mod:`memlab.plots`.
 """
