@@ -1,4 +1,4 @@
-"""Leaks: memory that grows step over step, found by the tracker, and the exercise's checker.
+"""Leaks: memory that grows step over step, found by the tracker.
 
 A training loop in steady state holds the same bytes after every optimizer step: parameters,
 gradients, optimizer state. Memory that is still there one step later and was not before is
@@ -8,9 +8,8 @@ step's graph, and with it every step's activations), an evaluation without
 outputs. :func:`watch_steps` runs a loop of the learner's under
 :class:`~memlab.tracking.MemoryTracker` and reads the live bytes, by category, right after
 every ``optimizer.step()`` (a global optimizer hook: the loop needs no change), so the growth
-per step is measured in bytes and named by category. :func:`check_leak_fixed` is the
-checker of lesson 03's exercise: the fixed loop must run past the step where the buggy one
-ran out of memory, under the same budget, and grow by no more than a tolerance.
+per step is measured in bytes and named by category; lesson 03's exercise is checked with it
+(:func:`memlab.exercises.check_leak_fixed`).
 """
 from __future__ import annotations
 
@@ -157,39 +156,4 @@ def tiny_setup(seq: int = 64, batch: int = 4, seed: int = 0):
     return trainer.model, trainer.optimizer, lambda i: make_batch(step, "cpu", seed=i)
 
 
-def check_leak_fixed(script_or_fn: Callable[[], object] | str | pathlib.Path, *,
-                     budget: int | str, past_step: int, tolerance: int = TOLERANCE):
-    """The checker of lesson 03's leak exercise: run the learner's fixed loop under the
-    ``budget`` the buggy one ran out of, require more than ``past_step`` optimizer steps, no
-    out-of-memory, and growth per step within ``tolerance`` bytes. Returns a passed
-    :class:`memlab.exercises.CheckResult`; raises ``CheckFailed`` saying, in measured terms,
-    what still grows."""
-    from .exercises import (  # the exercises package owns the verdicts
-        CheckFailed,
-        CheckResult,
-    )
-    name = "leak fix"
-    if script_or_fn is None:  # the student copy's stub: not written yet
-        raise CheckFailed(f"{name}: write `train` in the cell above (your fixed loop)")
-    growth = watch_steps(script_or_fn, budget=budget)
-    grows = growth.per_step > tolerance
-    if growth.oom is not None or grows:
-        what = ", ".join(f"{c} +{fmt_bytes(v)}" for c, v in growth.per_step_by_category().items()
-                         if v > 0) or "nothing measurable"
-        why = (f"ran out of memory in step {growth.oom_step} under {fmt_bytes(resolve_budget(budget))}"
-               if growth.oom is not None else f"ran {growth.steps} steps")
-        raise CheckFailed(f"{name}: {why}; live memory still grows {fmt_bytes(growth.per_step)} "
-                          f"per step ({what}). Find what keeps a tensor (or its graph) from "
-                          f"one step to the next.")
-    if growth.steps <= max(past_step, 2):
-        raise CheckFailed(f"{name}: the loop ran {growth.steps} optimizer steps; run it past "
-                          f"step {past_step} (the buggy loop ran out of memory there)")
-    return CheckResult(name, {"steps": growth.steps, "growth_per_step": growth.per_step,
-                              "live_after_last_step": growth.live_after[-1]},
-                       [f"{growth.steps} steps under {fmt_bytes(resolve_budget(budget))}, past "
-                        f"step {past_step} where the buggy loop ran out of memory",
-                        f"growth per step {fmt_bytes(growth.per_step)} (tolerance "
-                        f"{fmt_bytes(tolerance)}): steady state"])
-
-
-__all__ = ["TOLERANCE", "StepGrowth", "watch_steps", "tiny_setup", "check_leak_fixed"]
+__all__ = ["TOLERANCE", "StepGrowth", "watch_steps", "tiny_setup"]

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from memlab.exercises import CheckFailed
-from memlab.leaks import check_leak_fixed, tiny_setup, watch_steps
+from memlab.exercises import check_leak_fixed
+from memlab.leaks import tiny_setup, watch_steps
 from memlab.tracking import MemoryTracker
 
 STEPS, SEQ, BATCH, VOCAB = 5, 64, 4, 1000

@@ -23,6 +23,7 @@ from .compression import PACK_TOLERANCE, check_pack_hooks
 from .data_parallel import DP_TOLERANCE, check_gradient_average
 from .diffusion import check_skip_bytes
 from .gqa import check_kv_cache
+from .leaks import check_leak_fixed
 from .logits import ESTIMATOR_TOLERANCE, check_estimator
 from .oom import check_oom_fix
 from .pipeline import check_in_flight
@@ -33,7 +34,7 @@ from .tensor_parallel import TP_TOLERANCE, check_tensor_parallel
 from .zero import check_offload_config, check_zero_config
 
 __all__ = ["CheckResult", "CheckFailed", "check_first_step", "check_state_bytes", "check_estimator",
-           "ESTIMATOR_TOLERANCE", "check_oom_fix", "check_amp_step", "reference_amp_step",
+           "ESTIMATOR_TOLERANCE", "check_oom_fix", "check_leak_fixed", "check_amp_step", "reference_amp_step",
            "check_checkpointed_block", "check_accumulation", "RecordingOptimizer",
            "check_zero_config",
            "check_offload_config", "check_tensor_parallel", "check_pack_hooks",
