@@ -11,17 +11,20 @@ STAMP  := $(VENV)/.stamp
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 
 PYTEST_TIMEOUT ?= 900
+# one slow test may run every notebook (the site: about 35 minutes on 2 cores)
+SLOW_TIMEOUT ?= 4800
 NBVAL_CELL_TIMEOUT ?= 300
 # jupyter refuses to start as root unless told
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help venv lab test test-fast test-notebooks bench gpu-check strip student clean
+.PHONY: help venv lab test test-fast test-slow test-notebooks bench gpu-check strip student clean
 .PHONY: instructor doctor site wheelhouse
 
 help:
 	@echo "make lab         open the workbook in JupyterLab (installs on first run)"
 	@echo "make test        package tests, then every notebook under nbval"
 	@echo "make test-fast   package tests only"
+	@echo "make test-slow   the slow tests make test leaves out: H200 replays, every notebook as a class, the site"
 	@echo "make test-notebooks  notebooks under nbval only"
 	@echo "make bench       run benchmarks/*.py"
 	@echo "make gpu-check   CUDA tests, reference steps and every notebook on this GPU (PY=python3: no venv;"
@@ -63,6 +66,12 @@ test: venv
 test-fast: venv
 	$(run-tests)
 
+# The replays and whole-workbook runs (every notebook collected as a class, the whole site:
+# about an hour on 2 cores); `make test` runs their fast subsets.
+test-slow: venv
+	@mkdir -p $(TORCH_EXTENSIONS_DIR)
+	MPLBACKEND=Agg $(PY) -m pytest $(XDIST) --timeout=$(SLOW_TIMEOUT) -m slow tests/
+
 test-notebooks: venv
 	$(run-notebooks)
 
@@ -79,7 +88,7 @@ NBVAL := MPLBACKEND=Agg $(PY) -m pytest --nbval --nbval-current-env -p no:cachep
 
 define run-tests
 @mkdir -p $(TORCH_EXTENSIONS_DIR)
-MPLBACKEND=Agg $(PY) -m pytest $(XDIST) --timeout=$(PYTEST_TIMEOUT) tests/
+MPLBACKEND=Agg $(PY) -m pytest $(XDIST) --timeout=$(PYTEST_TIMEOUT) -m "not slow" tests/
 endef
 
 # notebooks are committed stripped: nbval executes every cell and the assert cells test

@@ -133,8 +133,10 @@ def test_make_lab_edition_student_opens_the_students_copy(repo_copy):
         shutil.copy(ROOT / name, repo_copy / name)
     plan = {}
     for edition in ("student", "instructor", "solutions"):
-        out = subprocess.run(["make", "-n", "lab", f"EDITION={edition}", f"PY={sys.executable}",
-                              f"PYTHON={sys.executable}"], cwd=repo_copy, capture_output=True, text=True)
+        # --no-print-directory: under `make test` the child make would add "Leaving directory"
+        out = subprocess.run(["make", "--no-print-directory", "-n", "lab", f"EDITION={edition}",
+                              f"PY={sys.executable}", f"PYTHON={sys.executable}"],
+                             cwd=repo_copy, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         plan[edition] = out.stdout
     assert "tools/make_student.py --out student" in plan["student"]
