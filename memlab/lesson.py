@@ -188,25 +188,60 @@ LESSONS: dict[str, LessonPlan] = {
 }
 
 
+def _tiny_07(vocab: int, **over) -> GPTConfig:
+    """Lesson 07's LLaMA-shaped tiny model (its ``tiny()``): two layers, ``d_model`` 64."""
+    shape = dict(n_layer=2, d_model=64, n_head=8, n_kv_head=2, vocab_size=vocab, block_size=1024,
+                 mlp="swiglu", mlp_hidden=128, norm="rmsnorm", position="rope", bias=False,
+                 tie_embeddings=False, loss_chunk=128, name=f"tiny-v{vocab}")
+    return GPTConfig(**{**shape, **over})
+
+
+def _steps_07(z: dict, p: str) -> list[GpuStep]:
+    """The largest of lesson 07's fp32 steps: the 128k vocabulary (its base), plain and chunked
+    loss (the 32k, GQA and timed batch-1 steps are smaller)."""
+    b = z["base"]
+    return [GpuStep("plain loss, vocabulary 128256", b),
+            GpuStep("chunked loss, vocabulary 128256", replace(b, model=_tiny_07(128256, loss="chunked")))]
+
+
+def _step_07(seq: int, batch: int) -> StepConfig:
+    return StepConfig(model=_tiny_07(128256), seq=seq, batch=batch)
+
+
 def _rank_steps(z: dict, p: str) -> list[GpuStep]:
-    return [GpuStep("one rank's step", StepConfig(model="tiny", seq=z["seq"], batch=z["batch"]))]
+    """One rank's step (the tiny GPT at the lesson's per-rank sizes, its base) where the ranks
+    run on GPUs; none where they run on the CPU (:func:`memlab.hardware.place_ranks`)."""
+    return [] if z["ranks"] == "cpu" else [GpuStep("one rank's step", z["base"])]
 
 
 def _no_gpu_steps(z: dict, p: str) -> list[GpuStep]:
     return []
 
 
+def _ranks(cpu: tuple[int, int], gpu: tuple[int, int], world_size: int = 2) -> LessonPlan:
+    """A rank lesson: the tiny GPT per rank at ``cpu`` (seq, batch) where its ranks run on the
+    CPU (no GPU, or fewer GPUs than ranks: gloo), at ``gpu`` where each rank has its own GPU
+    (NCCL, ``card.gpus >= world_size``); ``ranks`` says which."""
+    def sizes(seq_batch: tuple[int, int], where: str) -> dict:
+        return {"base": StepConfig(model="tiny", seq=seq_batch[0], batch=seq_batch[1]), "ranks": where}
+    return LessonPlan(lambda b: sizes(cpu, "cpu"),
+                      lambda card, p: [sizes(gpu, "cuda") if card.gpus >= world_size else sizes(cpu, "cpu")],
+                      _rank_steps)
+
+
 # Lessons measured with the exact CPU tracker on any machine (08, 15), and the rank lessons
-# whose ranks run the tiny GPT at their own sizes (10, 12).
+# whose ranks run the tiny GPT at their own sizes (09, 10, 12, 13).
 LESSONS.update({
+    "07": LessonPlan(lambda b: {"base": _step_07(256, 2)},
+                     lambda card, p: [{"base": _step_07(s, n)} for s, n in ((1024, 4), (1024, 2), (1024, 1), (512, 1))],
+                     _steps_07),
     "08": LessonPlan(lambda b: {"base": b}, lambda card, p: [{"base": CPU_BASE}], _no_gpu_steps),
     "15": LessonPlan(lambda b: {"base": replace(b, seq=256)},
                      lambda card, p: [{"base": replace(CPU_BASE, seq=256)}], _no_gpu_steps),
-    "10": LessonPlan(lambda b: {"base": b, "seq": 128, "batch": 4},
-                     lambda card, p: [{"base": CPU_BASE, "seq": 512, "batch": 8}], _rank_steps),
-    "12": LessonPlan(lambda b: {"base": b, "seq": 128, "batch": 8, "pp_seq": 128},
-                     lambda card, p: [{"base": CPU_BASE, "seq": 1024, "batch": 8, "pp_seq": 512}],
-                     _rank_steps),
+    "09": _ranks((64, 2), (64, 2)),       # a primer: the same sizes on GPUs
+    "10": _ranks((128, 4), (512, 8)),
+    "12": _ranks((128, 8), (1024, 8)),
+    "13": _ranks((128, 8), (512, 8)),     # the pipeline's (seq, batch); micro-batches 1-8 of it
 })
 DEFAULT = LessonPlan(lambda b: {"base": b}, _bases(), _base_only)
 

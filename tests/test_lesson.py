@@ -10,7 +10,8 @@ from memlab.cards import CARDS, get_card
 from memlab.lesson import CONTEXT_BYTES, LESSONS, plan, setup
 
 MiB, GiB = 2**20, 2**30
-ALL = sorted(LESSONS) + ["03", "07"]  # "03"/"07": a lesson without its own table gets the base
+ALL = sorted(LESSONS) + ["03"]  # "03": a lesson without its own table gets the base
+RANK = ("09", "10", "12", "13")  # lessons whose ranks run the tiny GPT: one GPU each, else the CPU
 
 
 def patch_gpu(monkeypatch, card, *, gpus=1):
@@ -41,8 +42,11 @@ def test_every_lesson_fits_every_card_under_the_guard(name, monkeypatch):
     for number in ALL:
         chosen = plan(number, card)
         assert chosen.gpu, number
-        # lessons measured on the GPU have GPU steps (08 and 15 use the CPU tracker anywhere)
-        assert bool(chosen.steps) == (number not in ("08", "15")), number
+        # lessons measured on the GPU have GPU steps (08 and 15 use the CPU tracker anywhere;
+        # one GPU is fewer than the rank lessons' two ranks, which then run on the CPU)
+        assert bool(chosen.steps) == (number not in ("08", "15", *RANK)), number
+        if number in RANK:
+            assert chosen.sizes == plan(number, None).sizes and chosen["ranks"] == "cpu", number
         assert chosen.precision in card.precisions()
         assert chosen.precision == ("bf16" if card.capability >= (8, 0) else "fp16")
         assert chosen.scaler == (card.capability < (8, 0))
@@ -52,6 +56,24 @@ def test_every_lesson_fits_every_card_under_the_guard(name, monkeypatch):
             (need,) = guard.memory_needs(s.step, "cuda", s.budget)
             assert need.fits, (name, number, s.label, need)
             assert guard.target_for("cuda").card.capability == card.capability
+
+
+def test_rank_lessons_size_their_ranks_for_one_gpu_each_on_two_gpus(monkeypatch):
+    """2 x T4: the rank lessons' ranks run on NCCL, one T4 each (place_ranks), at their GPU
+    sizes, and every rank's step fits one T4 under the guard."""
+    from memlab.hardware import place_ranks
+    card = get_card("2xT4-16GB")
+    patch_gpu(monkeypatch, card, gpus=2)
+    assert place_ranks(2, gpus=card.gpus).device_type == "cuda"
+    for number in RANK:
+        chosen = plan(number, card)
+        assert chosen["ranks"] == "cuda" and chosen.steps, number
+        assert chosen.base.model_config.name == "tiny"
+        assert chosen.base.seq >= plan(number, None).base.seq, number
+        for s in chosen.steps:
+            (need,) = guard.memory_needs(s.step, "cuda", s.budget)
+            assert need.fits, (number, s.label, need)
+    assert plan("12", card).base.seq == 1024 and plan("10", card).base.batch == 8
 
 
 def test_small_cards_get_smaller_steps_than_large_ones():
@@ -71,6 +93,13 @@ def test_on_cpu_the_lessons_keep_their_cpu_sizes(monkeypatch, capsys):
     assert chosen.base.model_config.name == "tiny" and chosen["batches"] == [1, 8]
     assert setup("06", quiet=True)["budget"] == "80MiB"
     assert setup("14", quiet=True)["real"] == dict(model="tiny", gpu="150MiB", seq=256, batch=8)
+    # the sizes the newly wired notebooks had on CPU: (seq, batch) of their measured steps
+    was = {"07": (256, 2), "08": (128, 4), "09": (64, 2), "10": (128, 4), "12": (128, 8), "13": (128, 8),
+           "15": (256, 4)}
+    for number, (seq, batch) in was.items():
+        b = setup(number, quiet=True).base
+        assert (b.seq, b.batch, b.precision) == (seq, batch, "fp32"), number
+    assert setup("07", quiet=True).base.model_config.vocab_size == 128256
 
 
 def test_setup_rehearses_a_smaller_card(monkeypatch, capsys):
@@ -88,7 +117,7 @@ def test_setup_rehearses_a_smaller_card(monkeypatch, capsys):
     assert "rehearsed on NVIDIA H200" in capsys.readouterr().out
 
 
-WIRED = ("00", "01", "02", "04", "05", "06", "14", "16", "17")
+WIRED = ("00", "01", "02", "04", "05", "06", "07", "14", "16", "17")
 
 
 @pytest.mark.parametrize("number", WIRED)
