@@ -62,11 +62,16 @@ def cell_outcome(cell) -> tuple[str, str]:
     for out in cell.get("outputs", []):
         if out.get("output_type") == "error":
             return "fail", ANSI.sub("", f"{out['ename']}: {out['evalue']}").strip()
-    text = "".join(o.get("text", "") if o.get("output_type") == "stream" else
-                   o.get("data", {}).get("text/plain", "")
-                   for o in cell.get("outputs", []))
-    first = next((line.strip() for line in text.splitlines() if line.strip()), "passed")
-    return "pass", first
+    # the checker's result is displayed (text/plain) or printed; stderr is the libraries' noise
+    # (DeepSpeed's op build, warnings), never the verdict
+    lines = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            text = out.get("text", "") if out.get("name") == "stdout" else ""
+        else:
+            text = out.get("data", {}).get("text/plain", "")
+        lines += [line.strip() for line in text.splitlines() if line.strip()]
+    return "pass", next((line for line in lines if line.startswith("PASSED")), lines[0] if lines else "passed")
 
 
 def run_notebook(path: pathlib.Path, cell_timeout: float = 600.0) -> dict:

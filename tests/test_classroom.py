@@ -100,3 +100,17 @@ def test_bad_folder_is_an_input_error(tmp_path):
         classroom.collect(tmp_path / "nope")
     with pytest.raises(InputError, match="no notebooks"):
         classroom.collect(tmp_path)
+
+
+def test_the_verdict_is_the_checkers_line_not_a_librarys_noise():
+    """A checker cell that first built a DeepSpeed op: the build's lines come before the result."""
+    cell = {"outputs": [
+        {"output_type": "stream", "name": "stderr", "text": "[WARNING] cpu_adam: building\n"},
+        {"output_type": "stream", "name": "stdout", "text": "/usr/bin/ld: cannot find -laio\n"},
+        {"output_type": "execute_result", "data": {"text/plain": "PASSED offload: 16 B/param / N\n  host ok"}}]}
+    assert classroom.cell_outcome(cell) == ("pass", "PASSED offload: 16 B/param / N")
+    noisy_only = {"outputs": [{"output_type": "stream", "name": "stderr", "text": "warning\n"}]}
+    assert classroom.cell_outcome(noisy_only) == ("pass", "passed")
+    failed = {"outputs": [{"output_type": "error", "ename": "CheckFailed", "evalue": "zero: stage 1, not 2",
+                           "traceback": []}]}
+    assert classroom.cell_outcome(failed) == ("fail", "CheckFailed: zero: stage 1, not 2")
