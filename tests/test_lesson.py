@@ -117,7 +117,7 @@ def test_setup_rehearses_a_smaller_card(monkeypatch, capsys):
     assert "rehearsed on NVIDIA H200" in capsys.readouterr().out
 
 
-WIRED = ("00", "01", "02", "04", "05", "06", "07", "08", "09", "10", "12", "13", "14", "16", "17")
+WIRED = ("00", "01", "02", "04", "05", "06", "07", "08", "09", "10", "12", "13", "14", "15", "16", "17")
 
 
 @pytest.mark.parametrize("number", WIRED)
