@@ -112,7 +112,24 @@ def _steps_06(z: dict, p: str) -> list[GpuStep]:
 
 
 def _steps_11(z: dict, p: str) -> list[GpuStep]:
-    return [GpuStep("save_on_cpu step", z["small"])]
+    # DeepSpeed's ZeRO-2 without offload on one GPU keeps 16-bit weights and gradients, the fp32
+    # master and Adam's moments on the device: the plain step's 16 B/param plus its activations
+    return [GpuStep("ZeRO-2 without offload (the device's largest case)", z["step"]),
+            GpuStep("save_on_cpu step", z["small"])]
+
+
+# Lesson 11's DeepSpeed step, largest first: (model, seq, batch, index of its save_on_cpu step
+# in GPU_BASES). gpt2-large is zero_offload_one_gpu.json's step on the H200.
+_OFFLOAD_11 = (("gpt2-large", 1024, 4, 0), ("gpt2-medium", 1024, 4, 0), ("gpt2-medium", 1024, 2, 1),
+               ("gpt2-medium", 512, 2, 2), ("gpt2-small", 512, 2, 4))
+
+
+def _ladder_11(card: Card, precision: str) -> list[dict]:
+    """bf16 where the card has it; elsewhere fp32, since DeepSpeed's fp16 needs loss scaling
+    that this lesson (about where the bytes live) does not teach."""
+    ds = "bf16" if card.bf16_native else "fp32"
+    return [{"base": GPU_BASES[i], "small": GPU_BASES[i],
+             "step": StepConfig(model=m, seq=s, batch=n, precision=ds)} for m, s, n, i in _OFFLOAD_11]
 
 
 def _steps_14(z: dict, p: str) -> list[GpuStep]:
@@ -174,8 +191,7 @@ LESSONS: dict[str, LessonPlan] = {
                                         "budget": "8GiB", "search_step": replace(b, seq=b.seq // 2),
                                         "tokens": 4096} for n in (8, 4)]),
                      _steps_06),
-    "11": LessonPlan(lambda b: {"base": b, "small": b},
-                     _bases(lambda b: [{"small": b}]), _steps_11),
+    "11": LessonPlan(lambda b: {"base": b, "small": b, "step": b}, _ladder_11, _steps_11),
     "14": LessonPlan(lambda b: {"base": b, "real": dict(model="tiny", gpu="150MiB", seq=256, batch=8)},
                      lambda card, p: [{"base": GPU_BASES[0], **r} for r in _real_14(card, p)], _steps_14),
     "16": LessonPlan(lambda b: {"base": b, "seq": 256, "batch": 2},
@@ -229,13 +245,15 @@ def _ranks(cpu: tuple[int, int], gpu: tuple[int, int], world_size: int = 2) -> L
                       _rank_steps)
 
 
-# Lessons measured with the exact CPU tracker on any machine (08, 15), and the rank lessons
+# Lessons measured with the exact CPU tracker on any machine (08, 15), 03's small models, and the rank lessons
 # whose ranks run the tiny GPT at their own sizes (09, 10, 12, 13).
 LESSONS.update({
     "07": LessonPlan(lambda b: {"base": _step_07(256, 2)},
                      lambda card, p: [{"base": _step_07(s, n)} for s, n in ((1024, 4), (1024, 2), (1024, 1), (512, 1))],
                      _steps_07),
     "08": LessonPlan(lambda b: {"base": b}, lambda card, p: [{"base": CPU_BASE}], _no_gpu_steps),
+    # 03's GPU cells run a 4-layer Llama from its own config (about 100 MiB) on any card
+    "03": LessonPlan(lambda b: {"base": b}, lambda card, p: [{"base": CPU_BASE}], _no_gpu_steps),
     "15": LessonPlan(lambda b: {"base": replace(b, seq=256)},
                      lambda card, p: [{"base": replace(CPU_BASE, seq=256)}], _no_gpu_steps),
     "09": _ranks((64, 2), (64, 2)),       # a primer: the same sizes on GPUs
