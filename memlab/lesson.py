@@ -311,7 +311,7 @@ class Lesson:
 
 def _short(v) -> str:
     if isinstance(v, StepConfig):
-        return f"{v.model_config.name}/s{v.seq}/b{v.batch}"
+        return f"{v.model_config.name}/s{v.seq}/b{v.batch}" + ("" if v.precision == "fp32" else f"/{v.precision}")
     if isinstance(v, int) and v >= MiB:
         return fmt_bytes(v)
     return str(v)
