@@ -51,7 +51,6 @@ from .estimate import estimate_step
 from .hardware import GPU_PRESETS, resolve_budget
 from .measure import measure_step
 from .models import GPTConfig, get_config
-from .parallel.formulas import check_tensor_parallel
 from .simulate import simulate_step
 from .states import under_deepspeed
 from .step import StepConfig
@@ -117,12 +116,12 @@ class Advice:
 
 def tensor_parallel_degree(cfg: GPTConfig, world_size: int, limit: int = TP_MAX) -> int:
     """Largest ``t <= limit`` dividing the world size that the model allows
-    (:func:`memlab.parallel.check_tensor_parallel`: the heads and the MLP width, and the
-    key/value heads split or replicated)."""
+    (:meth:`memlab.models.GPTConfig.check_tensor_parallel`: the heads and the MLP width, and
+    the key/value heads split or replicated)."""
 
     def allowed(t: int) -> bool:
         try:
-            check_tensor_parallel(cfg, t)
+            cfg.check_tensor_parallel(t)
         except ValueError:
             return False
         return world_size % t == 0

@@ -28,6 +28,7 @@ from .errors import InputError
 from .hardware import Placement, place_ranks, rank_device, visible_gpus
 # the paper's per-rank formula (re-exported for lesson 06) and memlab's DeepSpeed buckets: one
 # source in memlab.states, which the estimate and the advisor read too
+from .ranks import fake_process_group
 from .states import BUCKET_ELEMENTS, PERSISTENCE_THRESHOLD, zero_formula
 
 REPO = Path(__file__).resolve().parent.parent
@@ -881,10 +882,8 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, *
     :class:`MemoryReport` (lens "simulate") with ``per_rank``.
     """
     from dataclasses import replace
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     from .hardware import resolve_budget
     from .step import MemoryReport, StepConfig
 
@@ -892,19 +891,13 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, *
     world_size = world_size or step.world_size
     step = replace(step, world_size=world_size, zero=3, **overrides)
     _fsdp_kwargs(step)  # validates the precision
-    if dist.is_initialized():
-        raise RuntimeError("a process group already exists in this process; simulate_sharded "
-                           "needs its own fake one (run it outside a distributed job)")
     budget_bytes = resolve_budget(budget)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
+    with fake_process_group(world_size):
         mesh = init_device_mesh("cpu", (world_size,))  # outside fake mode: it reads ranks
         start = time.perf_counter()
         # real inputs: to_empty (meta -> fake) and the batch meet the mode from outside
         tracker = _fsdp_tracked_step(step, mesh, FakeTensorMode(allow_non_fake_inputs=True))
         seconds = time.perf_counter() - start
-    finally:
-        dist.destroy_process_group()
     one = MemoryReport("simulate", step, "cpu", tracker.peak_bytes, tracker.peak_by_category(),
                        budget_bytes, seconds)
     rep = MemoryReport("simulate", step, "cpu", one.peak_bytes, dict(one.by_category),

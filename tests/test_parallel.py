@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import memlab as ml
-from memlab.parallel import (tp_attention_forward, bubble_fraction, check_tensor_parallel, in_flight,
+from memlab.parallel import (tp_attention_forward, bubble_fraction, in_flight,
                              measure_pipeline, measure_tensor_parallel, qkv_head_permutation,
                              simulate_tensor_parallel, stage_bounds, tp_activation_bytes)
 from memlab.tracking import MemoryTracker
@@ -57,6 +57,19 @@ def test_head_permutation_lets_each_rank_compute_its_heads_alone():
     assert torch.allclose(total + attn.proj.bias, full, atol=1e-6)
     with pytest.raises(ValueError, match="must divide n_head"):
         qkv_head_permutation(cfg, 3)
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_gpt2_block_per_rank_is_the_papers_closed_form(t):
+    """Korthikanti et al. 2022 sec. 4.2.1: ``sbh(10 + 24/t + 5as/(ht))`` for fp16 with dropout.
+    In fp32 without dropout (the two dropout masks, ``2sbh``, and the attention one gone) with
+    fused SDPA (a log-sum-exp per head and token instead of the ``as^2`` scores) that is
+    ``16 sbh + 48 sbh / t`` plus LayerNorm's two fp32 statistics per row (``2 x 8 sb``) and
+    the log-sum-exp ``4 a s b / t``. Written out here, not read from the estimate."""
+    cfg = ml.get_config("tiny")  # GPT-2 block: LayerNorm, GELU MLP of 4h, learned positions
+    s, b, h, a = 64, 2, cfg.d_model, cfg.n_head
+    paper = 16 * s * b * h + 48 * s * b * h / t + 2 * 8 * s * b + 4 * a * s * b / t
+    assert tp_activation_bytes(cfg, s, b, t)["total"] == paper
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "naive"])
@@ -130,13 +143,13 @@ def _llama_like(kv: int | None, **over) -> ml.GPTConfig:
 
 
 def test_kv_heads_split_or_replicated_as_megatron_core():
-    assert check_tensor_parallel(_llama_like(2), 2) == "split"        # 2 kv heads, 1 per rank
-    assert check_tensor_parallel(_llama_like(2), 4) == "replicated"   # 2 ranks share each
-    assert check_tensor_parallel(_llama_like(1), 4) == "replicated"   # MQA
-    assert check_tensor_parallel(_llama_like(None), 4) == "split"     # MHA, as before
+    assert _llama_like(2).check_tensor_parallel(2) == "split"        # 2 kv heads, 1 per rank
+    assert _llama_like(2).check_tensor_parallel(4) == "replicated"   # 2 ranks share each
+    assert _llama_like(1).check_tensor_parallel(4) == "replicated"   # MQA
+    assert _llama_like(None).check_tensor_parallel(4) == "split"     # MHA, as before
     cfg = _llama_like(None, n_head=6, n_kv_head=3, d_model=96)
     with pytest.raises(ValueError, match="allowed: 1, 3"):  # 2 divides neither 3 nor n_head/3
-        check_tensor_parallel(cfg, 2)
+        cfg.check_tensor_parallel(2)
     with pytest.raises(ValueError, match="must divide n_head=4"):
         qkv_head_permutation(_llama_like(2), 8)
 
