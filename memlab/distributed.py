@@ -28,7 +28,7 @@ from .errors import InputError
 from .hardware import Placement, place_ranks, rank_device, visible_gpus
 # the paper's per-rank formula (re-exported for lesson 06) and memlab's DeepSpeed buckets: one
 # source in memlab.states, which the estimate and the advisor read too
-from .ranks import fake_process_group
+from .ranks import default_backend, fake_process_group
 from .states import BUCKET_ELEMENTS, PERSISTENCE_THRESHOLD, zero_formula
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,11 +50,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def default_backend(world_size: int = 1) -> str:
-    """The backend :func:`~memlab.hardware.place_ranks` gives ``world_size`` ranks here."""
-    return place_ranks(world_size).backend
 
 
 def set_dist_env(rank: int, world_size: int, port: int | None = None) -> None:

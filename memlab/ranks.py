@@ -15,6 +15,13 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .errors import InputError
+from .hardware import place_ranks
+
+
+def default_backend(world_size: int = 1) -> str:
+    """The backend :func:`~memlab.hardware.place_ranks` gives ``world_size`` ranks here: NCCL
+    when every rank can have its own GPU, gloo (CPU) otherwise."""
+    return place_ranks(world_size).backend
 
 
 @contextlib.contextmanager
@@ -33,4 +40,4 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-__all__ = ["fake_process_group"]
+__all__ = ["default_backend", "fake_process_group"]

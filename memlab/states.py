@@ -130,11 +130,6 @@ class ModelStates:
     def host_bytes(self) -> float:
         return float(sum(self.host.values()))
 
-    @property
-    def device_bytes(self) -> float:
-        """Device bytes at the end of backward (parameters, gradients, optimizer, buffers)."""
-        return self.parameters + self.gradients + self.optimizer + self.buffers
-
     def as_dict(self) -> dict[str, float]:
         """``parameters``, ``gradients``, ``optimizer`` (device) and ``host`` (all host
         bytes): the shape :func:`model_state_bytes` returns."""

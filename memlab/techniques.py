@@ -332,14 +332,6 @@ class BatchPrediction:
         return max(a + c * batch for a, c in self.lines)
 
 
-def phase_peaks(report: MemoryReport) -> dict[str, int]:
-    """The highest live total in each phase of a measured step's timeline."""
-    out: dict[str, int] = {}
-    for e in report.timeline:
-        out[e.phase] = max(out.get(e.phase, 0), e.total)
-    return out
-
-
 def predict_max_batch(step: StepConfig, budget: int | str, *, calibrate: tuple[int, int] = (1, 2),
                       **kwargs) -> BatchPrediction:
     """Measure the step at two batch sizes (no budget), fit ``static + slope * batch`` to the
@@ -384,4 +376,4 @@ def predict_max_batch(step: StepConfig, budget: int | str, *, calibrate: tuple[i
 __all__ = ["LENSES", "FP16_TINY", "lens_fn", "sweep", "category_max", "activations_by_module", "step_flops",
            "relative_error", "UnderflowResult", "fp16_underflow", "master_weight_states",
            "AccumulationCheck", "accumulation_check", "BatchSearch", "find_max_batch_search",
-           "BatchPrediction", "phase_peaks", "predict_max_batch"]
+           "BatchPrediction", "predict_max_batch"]

@@ -573,10 +573,6 @@ class MemoryTracker(TorchDispatchMode):
         ev = self.timeline[self._host_peak_op]
         return dict(zip(CATEGORIES, ev.host_by_category))
 
-    @property
-    def peak_event(self) -> Event | None:
-        return self.timeline[self._peak_op] if self._peak_op >= 0 else None
-
     def reset_peak(self) -> None:
         """Start a new peak from the bytes live now (e.g. after a warm-up step)."""
         self.peak_bytes = self.live_bytes
