@@ -2,7 +2,6 @@
 before anything is built, a budget covers model building, and a host allocator failure
 inside a step is explained and released like an OOM."""
 import json
-import math
 import os
 import resource
 import subprocess
@@ -107,8 +106,7 @@ def test_refusal_names_the_rule_and_builds_nothing(monkeypatch):
         measure_step(step)
     e = info.value
     assert isinstance(e, InputError) and isinstance(e, ValueError)  # exit 2 in the CLI
-    # the README's rule: 1.15 x the estimate + 256 MiB for the process, on CPU
-    assert e.need_bytes == math.ceil(1.15 * estimate_step(step).peak_bytes) + 256 * MiB
+    assert e.need_bytes > estimate_step(step).peak_bytes and e.need_bytes > e.available_bytes
     assert e.available_bytes == 100 * MiB and e.resource == "host RAM"
     assert "\n" not in str(e) and "memlab simulate" in str(e)
 
@@ -122,9 +120,29 @@ def test_a_budget_bounds_what_the_host_must_hold(monkeypatch):
     # the largest tensor: the fp32 log-softmax of 8 x 1024 tokens over 50257 words
     largest = 4 * 8 * 1024 * 50257
     need = guard.memory_needs(step, "cpu", budget)[0]
+    unbudgeted = guard.memory_needs(step, "cpu")[0]
     assert est > 2 * (budget + largest)
-    assert need.need_bytes == math.ceil(1.15 * (budget + largest)) + 256 * MiB
+    # it covers what the stopped step holds, and far less than the whole step would need
+    assert budget + largest < need.need_bytes < unbudgeted.need_bytes / 2
     assert "stopped at the budget" in need.rule
+
+
+@pytest.mark.parametrize("model, seq, batch, most", [
+    ("tiny", 256, 8, 1.75),
+    pytest.param("gpt2-small", 128, 2, 1.25, marks=pytest.mark.slow),
+])
+def test_the_need_covers_what_a_real_step_takes_on_this_host(import_rss, model, seq, batch, most):
+    """The guard's need for a step against the RSS a fresh process really grew by while
+    measuring it (``memlab measure`` in a child, its max RSS less an import-only child's):
+    never less (the guard protects), at most ``most`` times more (it does not refuse what
+    fits). Achieved on this host: tiny 308-315 MiB grown, 1.53-1.57x (the fixed process allowance
+    dominates a small step); gpt2-small 2406 MiB, 1.155x."""
+    rc, _, err, rss, _ = _run_limited(["-m", "memlab.cli", "measure", "--model", model, "--seq",
+                                       str(seq), "--batch", str(batch), "--json"])
+    assert rc == 0, err
+    grown = rss - import_rss
+    need = guard.memory_needs(StepConfig(model=model, seq=seq, batch=batch), "cpu")[0].need_bytes
+    assert grown <= need <= most * grown, (grown, need)
 
 
 def test_budget_smaller_than_the_model_is_an_oom_at_build(monkeypatch):
@@ -191,9 +209,11 @@ def test_ranks_are_refused_together_before_spawning(monkeypatch):
     step = StepConfig(seq=64, batch=2, zero=2, world_size=2)
     with pytest.raises(HostMemoryError) as info:
         distributed.measure_distributed(step)
-    # per rank: 2 x 1.15 x the estimate + 512 MiB for the rank's own process; two ranks
-    per_rank = math.ceil(2 * 1.15 * estimate_step(step).peak_bytes) + 512 * MiB
-    assert info.value.need_bytes == 2 * per_rank > GiB
+    # DeepSpeed ranks on CPU each build the whole model before sharding it: a rank needs more
+    # than its own (sharded) estimate, and more than one process's need
+    one = guard.memory_needs(StepConfig(seq=64, batch=2), "cpu")[0].need_bytes
+    assert info.value.need_bytes > 2 * one > 2 * estimate_step(step).peak_bytes
+    assert info.value.need_bytes > info.value.available_bytes == GiB
 
 
 def test_ranks_whose_model_states_exceed_the_budget_are_an_oom_at_build(monkeypatch):
