@@ -15,13 +15,14 @@ NBVAL_CELL_TIMEOUT ?= 300
 # jupyter refuses to start as root unless told
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help venv lab test test-fast test-notebooks bench gpu-check strip student clean
+.PHONY: help venv lab test test-fast test-slow test-notebooks bench gpu-check strip student clean
 .PHONY: instructor doctor site wheelhouse
 
 help:
 	@echo "make lab         open the workbook in JupyterLab (installs on first run)"
 	@echo "make test        package tests, then every notebook under nbval"
 	@echo "make test-fast   package tests only"
+	@echo "make test-slow   the tests marked slow (the other H200 rows, the largest shapes)"
 	@echo "make test-notebooks  notebooks under nbval only"
 	@echo "make bench       run benchmarks/*.py"
 	@echo "make gpu-check   CUDA tests, reference steps and every notebook on this GPU (PY=python3: no venv;"
@@ -66,6 +67,10 @@ test-fast: venv
 test-notebooks: venv
 	$(run-notebooks)
 
+test-slow: venv
+	@mkdir -p $(TORCH_EXTENSIONS_DIR)
+	MPLBACKEND=Agg $(PY) -m pytest $(XDIST) --timeout=$(PYTEST_TIMEOUT) -m slow tests/
+
 # pytest exits 5 when it collects nothing: say so instead of failing
 # Two pytest workers, one thread each: on a 2-core machine that halves the wall time, and
 # torch's own threads no longer fight the other worker (or the ranks of a multi-rank test).
@@ -77,9 +82,11 @@ ONE_NOTEBOOKS := $(filter-out $(RANK_NOTEBOOKS),$(wildcard notebooks/*.ipynb))
 NBVAL := MPLBACKEND=Agg $(PY) -m pytest --nbval --nbval-current-env -p no:cacheprovider \
   --nbval-cell-timeout=$(NBVAL_CELL_TIMEOUT)
 
+# Tests marked slow each have a fast sibling in the default run (the first H200 row of each
+# kind, the tiny plan, the tiny guard row, the installed package's import): `make test-slow`.
 define run-tests
 @mkdir -p $(TORCH_EXTENSIONS_DIR)
-MPLBACKEND=Agg $(PY) -m pytest $(XDIST) --timeout=$(PYTEST_TIMEOUT) tests/
+MPLBACKEND=Agg $(PY) -m pytest $(XDIST) --timeout=$(PYTEST_TIMEOUT) -m "not slow" tests/
 endef
 
 # notebooks are committed stripped: nbval executes every cell and the assert cells test
