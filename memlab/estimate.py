@@ -75,7 +75,7 @@ def dtypes(precision: str, target: str = "cpu") -> Dtypes:
                   target=target)
 
 
-def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int, tp: int = 1) -> int:
+def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int, tensor_parallel: int = 1) -> int:
     """Elements of q, k, v that one block keeps for backward, and the attention output
     ``proj`` reads, for multi-head and grouped-query attention.
 
@@ -93,7 +93,7 @@ def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int, tp: int = 1) 
     output (which the views then keep whole). :func:`memlab.parallel.tp_activation_bytes`
     uses this count, and the tests check it against the tracker for every combination.
     """
-    t, hd = seq * batch, cfg.head_dim
+    t, hd, tp = seq * batch, cfg.head_dim, tensor_parallel
     split = cfg.kv_heads % tp == 0
     heads, kv_heads = cfg.n_head // tp, (cfg.kv_heads // tp if split else 1)
     fused = t * (cfg.n_head + 2 * cfg.kv_heads) * hd // (tp if split else 1)
@@ -111,7 +111,7 @@ def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int, tp: int = 1) 
 
 
 def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
-                           target: str = "cpu", tp: int = 1) -> float:
+                           target: str = "cpu", tensor_parallel: int = 1) -> float:
     """Bytes one transformer block saves for backward (no checkpointing).
 
     With ``t = s*b`` tokens, ``h = d_model``, ``f`` the MLP width and ``a`` heads, in element
@@ -128,16 +128,16 @@ def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
     divided by ``tp``; the residual stream, the norms and the inputs of the first matmuls
     are not.
     """
-    return sum(layer_activation_parts(cfg, seq, batch, precision, target, tp).values())
+    return sum(layer_activation_parts(cfg, seq, batch, precision, target, tensor_parallel).values())
 
 
 def layer_activation_parts(cfg: GPTConfig, seq: int, batch: int, precision: str,
-                           target: str = "cpu", tp: int = 1) -> dict[str, float]:
-    """:func:`layer_activation_bytes` in three parts, per rank of ``tp``: ``replicated``
+                           target: str = "cpu", tensor_parallel: int = 1) -> dict[str, float]:
+    """:func:`layer_activation_bytes` in three parts, per rank of ``tensor_parallel`` (tp): ``replicated``
     (the residual adds, the norms and their outputs, the causal mask: whole on every rank),
     ``sharded`` (q, k, v, the attention output and the MLP: divided by ``tp``) and
     ``attention_core`` (naive attention's probabilities or SDPA's log-sum-exp)."""
-    d = dtypes(precision, target)
+    d, tp = dtypes(precision, target), tensor_parallel
     t, h, f, a, s = seq * batch, cfg.d_model, cfg.hidden, cfg.n_head // tp, seq
     C = d.compute
     replicated = 2 * t * h * _residual_saved(cfg, d) + 2 * _norm_bytes(cfg, d, t)
@@ -175,11 +175,13 @@ def _norm_bytes(cfg: GPTConfig, d: Dtypes, t: int) -> int:
 
 
 def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
-                     target: str = "cpu", tp: int = 1) -> dict[str, float]:
+                     target: str = "cpu", tensor_parallel: int = 1, *,
+                     tp: int | None = None) -> dict[str, float]:
     """Saved-for-backward bytes of the whole forward, split into its parts; per rank of
     ``tp``-way tensor parallelism (the embedding output, the final norm and, under full
     checkpointing, every block's input stay whole on each rank: that is what sequence
     parallelism would divide; the loss is vocabulary-parallel, as in Megatron-LM)."""
+    tp = tensor_parallel if tp is None else tp  # ``tp=``: the old spelling lesson 16 uses
     d = dtypes(precision, target)
     t, h, v = seq * batch, cfg.d_model, cfg.vocab_size
     layer_w, head_w = sum(cfg.matmul_numels()[0]), cfg.matmul_numels()[1]

@@ -92,14 +92,14 @@ def test_activation_formula_at_t1_matches_one_process(attention):
 
 @pytest.mark.distributed
 def test_tensor_parallel_halves_block_params_and_matches_one_process():
-    res = measure_tensor_parallel(ml.StepConfig(seq=64, batch=4), tp=2, timeout=180)
+    res = measure_tensor_parallel(ml.StepConfig(seq=64, batch=4), tensor_parallel=2, timeout=180)
     for r in res.per_rank:
         assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
         assert r["max_grad_diff"] < 1e-5
         assert r["block_param_bytes"] / r["full_block_param_bytes"] == pytest.approx(0.5, abs=0.01)
         assert r["layer_activation"] == pytest.approx(r["formula"]["total"], rel=0.01)
     assert res.report().per_rank[0].peak_bytes == res.per_rank[0]["peak_bytes"]
-    sim = simulate_tensor_parallel(ml.StepConfig(seq=64, batch=4), tp=2)
+    sim = simulate_tensor_parallel(ml.StepConfig(seq=64, batch=4), tensor_parallel=2)
     assert sim["peak_bytes"] == pytest.approx(res.per_rank[0]["peak_bytes"], rel=0.01)
     assert sim["layer_activation"] == pytest.approx(sim["formula"]["total"], rel=1e-3)
 
@@ -205,7 +205,7 @@ def test_gqa_tensor_parallel_simulated_per_rank(kv, t, attention):
     """Fake process group: every weight of a block is split (none held twice, also with
     replicated kv heads), and each layer keeps what the formula counts."""
     cfg = _llama_like(kv, n_head=8, attention=attention)
-    sim = simulate_tensor_parallel(ml.StepConfig(model=cfg, seq=32, batch=2), tp=t)
+    sim = simulate_tensor_parallel(ml.StepConfig(model=cfg, seq=32, batch=2), tensor_parallel=t)
     d, f, hd, L = cfg.d_model, cfg.hidden, cfg.head_dim, cfg.n_layer
     weights = (cfg.n_head + 2 * kv) * hd * d + d * d + 3 * d * f  # qkv, proj, fc, gate, out
     assert sim["block_param_bytes"] == 4 * L * (weights / t + 2 * d)  # + the two RMSNorms
@@ -216,9 +216,17 @@ def test_gqa_tensor_parallel_simulated_per_rank(kv, t, attention):
 @pytest.mark.parametrize("kv", [2, 1])
 def test_gqa_swiglu_tensor_parallel_matches_one_process(kv):
     """Two gloo ranks: kv heads split (kv=2) or replicated through the all-gather (MQA)."""
-    res = measure_tensor_parallel(ml.StepConfig(model=_llama_like(kv), seq=32, batch=2), tp=2,
+    res = measure_tensor_parallel(ml.StepConfig(model=_llama_like(kv), seq=32, batch=2), tensor_parallel=2,
                                   timeout=300)
     for r in res.per_rank:
         assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
         assert r["max_grad_diff"] < 1e-5
         assert r["layer_activation"] == r["formula"]["total"]
+
+
+def test_tp_is_the_old_spelling_of_tensor_parallel():
+    """Lessons 12 and 16 still write ``tp=``: it means ``tensor_parallel=``."""
+    from memlab.estimate import activation_bytes
+    cfg = _llama_like(2)
+    assert activation_bytes(cfg, 32, 2, "fp32", tp=2) == \
+        activation_bytes(cfg, 32, 2, "fp32", tensor_parallel=2) != activation_bytes(cfg, 32, 2, "fp32")

@@ -227,8 +227,9 @@ def tp_worker(rank: int, world_size: int, *, model: str | GPTConfig = "tiny", se
     return out
 
 
-def simulate_tensor_parallel(step: StepConfig | None = None, tp: int = 2) -> dict:
-    """Rank 0 of a ``tp``-way tensor-parallel step, in this process, without the memory:
+def simulate_tensor_parallel(step: StepConfig | None = None, tensor_parallel: int = 2, *,
+                             tp: int | None = None) -> dict:
+    """Rank 0 of a ``tensor_parallel``-way step, in this process, without the memory:
     a fake process group (collectives return at once) and fake tensors, tracked exactly.
 
     Every rank holds the same shapes, so rank 0 stands for all; the numbers equal a real
@@ -236,6 +237,7 @@ def simulate_tensor_parallel(step: StepConfig | None = None, tp: int = 2) -> dic
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
+    tp = tensor_parallel if tp is None else tp  # ``tp=``: the old spelling lesson 12 uses
     step = step or StepConfig()
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig):
@@ -257,13 +259,15 @@ def simulate_tensor_parallel(step: StepConfig | None = None, tp: int = 2) -> dic
     return out
 
 
-def measure_tensor_parallel(step: StepConfig | None = None, tp: int = 2, *, check: bool = True,
+def measure_tensor_parallel(step: StepConfig | None = None, tensor_parallel: int = 2, *,
+                            tp: int | None = None, check: bool = True,
                             timeout: float = 300.0, backend: str | None = None,
                             placement: Placement | None = None) -> ParallelResult:
     """Run one TP step of ``step``'s GPT on ``tp`` spawned ranks: loss and gradients against
     one process (``check``), parameter bytes, activations per layer and the tracked peak.
     The ranks run where ``placement`` says (default :func:`~memlab.hardware.place_ranks`:
     NCCL with one GPU per rank, else gloo on the CPU); ``backend="gloo"`` asks for the CPU."""
+    tp = tensor_parallel if tp is None else tp  # ``tp=``: the old spelling lesson 12 uses
     step = step or StepConfig()
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig):
