@@ -133,8 +133,9 @@ def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
 
 def layer_activation_parts(cfg: GPTConfig, seq: int, batch: int, precision: str,
                            target: str = "cpu", tensor_parallel: int = 1) -> dict[str, float]:
-    """:func:`layer_activation_bytes` in three parts, per rank of ``tensor_parallel`` (tp): ``replicated``
-    (the residual adds, the norms and their outputs, the causal mask: whole on every rank),
+    """:func:`layer_activation_bytes` in three parts, per rank of ``tensor_parallel`` (tp):
+    ``replicated`` (the residual adds, the norms and their outputs, the causal mask: whole on
+    every rank),
     ``sharded`` (q, k, v, the attention output and the MLP: divided by ``tp``) and
     ``attention_core`` (naive attention's probabilities or SDPA's log-sum-exp)."""
     d, tp = dtypes(precision, target), tensor_parallel
@@ -258,7 +259,8 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     lse = acts["log_softmax"]
     # Autocast's weight casts live until the forward ends; under full checkpointing autograd
     # does not keep them, so at the loss they are scratch (policy._CastCache).
-    cached = d.weight_copy * L * sum(cfg.matmul_numels()[0]) / tp if cfg.checkpointing == "full" else 0
+    layer_w = sum(cfg.matmul_numels()[0])
+    cached = d.weight_copy * L * layer_w / tp if cfg.checkpointing == "full" else 0
     cached = 0 if "frozen" in states else cached
     m = {}
     if cfg.loss == "chunked":
@@ -278,7 +280,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
         m["head backward"] = dict(activations=A - lse, gradients=max(G_prev, head_grad) + held,
                                   temporaries=t * v * d.compute + t * h * d.compute + gathered)
     layer = (layer_activation_bytes(cfg, seq, batch, step.precision, target, tp)
-             + d.weight_copy * sum(cfg.matmul_numels()[0]) / tp)
+             + d.weight_copy * layer_w / tp)
     # one block's backward: the MLP's two hidden-size gradients and the residual gradient
     f = f / tp
     transient = t * f * d.compute + t * h * d.residual

@@ -34,8 +34,8 @@ REFERENCE_SNAPSHOT = ("data", "reference", "NVIDIA-H200", "gpt2-small-step.pickl
 # a set as a call of ``builtins.set``). Everything else (a function to call, a class to
 # build) is how a pickle runs code, and an allocator snapshot never needs it. Protocols 0-2
 # spell builtins ``__builtin__``.
-PLAIN_GLOBALS = frozenset({(m, n) for m in ("builtins", "__builtin__") for n in ("set", "frozenset")}
-                          | {("collections", "OrderedDict")})
+PLAIN_GLOBALS = frozenset({(m, n) for m in ("builtins", "__builtin__")
+                           for n in ("set", "frozenset")} | {("collections", "OrderedDict")})
 
 
 class RefusedGlobal(pickle.UnpicklingError):

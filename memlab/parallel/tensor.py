@@ -15,7 +15,8 @@ Megatron-Core does (``megatron/core/transformer/attention.py``, ``SelfAttention`
   that share it - and its ``n_head / t`` query heads. The all-gather's backward is a
   reduce-scatter, which sums the key/value gradients of the ranks sharing a head.
 
-Any other ``t`` is refused (:meth:`memlab.models.GPTConfig.check_tensor_parallel`), as Megatron-Core's ``divide`` does.
+Any other ``t`` is refused (:meth:`memlab.models.GPTConfig.check_tensor_parallel`), as
+Megatron-Core's ``divide`` does.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ from .formulas import tp_activation_bytes
 
 def qkv_head_permutation(cfg: GPTConfig, t: int) -> torch.Tensor:
     """Row order of the fused ``qkv`` weight that a column-wise split in ``t`` equal chunks
-    turns into whole attention heads (:meth:`memlab.models.GPTConfig.check_tensor_parallel` says which layout).
+    turns into whole attention heads (:meth:`memlab.models.GPTConfig.check_tensor_parallel`
+    says which layout).
 
     ``qkv`` rows are ``[q (n_head heads) | k (n_kv_head) | v (n_kv_head)]``, ``head_dim``
     rows per head; a split of that order would hand rank 0 all of q and none of k.
