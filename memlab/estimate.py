@@ -28,6 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 from .errors import InputError
 from .hardware import resolve_budget
 from .step import MemoryReport, StepConfig, autocast_for, resolve_step
@@ -38,7 +41,7 @@ from .policy import (Target, activation_copies, attention_probs_bytes, cross_ent
 from .cards import Card  # noqa: F401  (a type in a signature)
 from .states import (model_state_bytes, model_states, step_model_states,  # noqa: F401 (re-exported)
                      zero_formula)
-from .tracking import CATEGORIES
+from .tracking import CATEGORIES, MemoryTracker
 
 
 @dataclass(frozen=True)
@@ -317,10 +320,6 @@ def _gpt_other(cfg: GPTConfig, step: StepConfig) -> int:
 def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float],
                target: Target) -> tuple[dict, str]:
     """UNet activations by counting each module's saved tensors on a shape walk."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .tracking import MemoryTracker
 
     # A conv net's saved tensors depend on every resolution, so we count them on a fake
     # forward (no memory, milliseconds) rather than in a hand-written table, under the

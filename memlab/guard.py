@@ -57,10 +57,10 @@ import torch
 
 from .cards import detect_card
 from .errors import InputError
-from .estimate import estimate_step, model_state_bytes
+from .estimate import estimate_step
 from .units import MiB, fmt_bytes
 from .models import GPTConfig
-from .estimate import estimate_step
+from .policy import get_target
 from .states import step_model_states
 from .step import MemoryReport, StepConfig
 from .tracking import CATEGORIES, OOMInfo
@@ -249,7 +249,6 @@ def target_for(device: torch.device | str):
     device = torch.device(device)
     if device.type != "cuda":
         return "cpu"
-    from .policy import get_target
     return get_target("cuda", card=detect_card())
 
 

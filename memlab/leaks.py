@@ -25,6 +25,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .errors import InputError
+from .exercises.common import CheckFailed, CheckResult  # the exercises own the verdicts
 from .hardware import resolve_budget
 from .step import StepConfig, build_trainer, make_batch
 from .tracking import CATEGORIES, MemoryTracker, OOMInfo
@@ -164,10 +165,6 @@ def check_leak_fixed(script_or_fn: Callable[[], object] | str | pathlib.Path, *,
     out-of-memory, and growth per step within ``tolerance`` bytes. Returns a passed
     :class:`memlab.exercises.CheckResult`; raises ``CheckFailed`` saying, in measured terms,
     what still grows."""
-    from .exercises import (  # the exercises package owns the verdicts
-        CheckFailed,
-        CheckResult,
-    )
     name = "leak fix"
     if script_or_fn is None:  # the student copy's stub: not written yet
         raise CheckFailed(f"{name}: write `train` in the cell above (your fixed loop)")

@@ -15,7 +15,7 @@ through them; ranks idle while the pipeline fills and drains, the *bubble*
 ``(p - 1) / (m + p - 1)`` of each rank's time. GPipe runs all forwards, then all backwards
 (holding ``m`` micro-batches of activations); 1F1B interleaves them (holding at most ``p``).
 
-Workers follow :func:`memlab.distributed.run_ranks`' contract ``fn(rank, world_size,
+Workers follow :func:`memlab.ranks.run_ranks`' contract ``fn(rank, world_size,
 **kwargs)`` and run after ``init_process_group``; ``python -m memlab.parallel tp|pp`` runs
 the same worker under ``torchrun`` (:mod:`memlab.parallel.__main__`). Figures and the
 lesson's panel live in :mod:`memlab.ui`.

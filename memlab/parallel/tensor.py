@@ -24,9 +24,11 @@ import copy
 import types
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
-from ..distributed import resolve_placement, run_ranks
+from ..ranks import resolve_placement, run_ranks
 from ..errors import InputError
 from ..models import GPT, GPTConfig
 from ..step import StepConfig, make_batch
@@ -191,7 +193,6 @@ def tp_worker(rank: int, world_size: int, *, model: str | GPTConfig = "tiny", se
     """One TP rank: loss and gradients against the single-process model, then a tracked
     AdamW step with the activations each block keeps. ``model``: a preset name or a
     :class:`~memlab.models.GPTConfig`. Returns plain numbers."""
-    from torch.distributed.device_mesh import init_device_mesh
     set_rank_threads(world_size)
     dev = rank_device()
     step = worker_step(model, seq, batch, attention)
@@ -237,8 +238,6 @@ def simulate_tensor_parallel(step: StepConfig | None = None, tensor_parallel: in
     Every rank holds the same shapes, so rank 0 stands for all; the numbers equal a real
     run's (lesson 08 checks it on the tiny model), for models no laptop could hold.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
     tp = tensor_parallel if tp is None else tp  # ``tp=``: the old spelling lesson 12 uses
     step = step or StepConfig()
     cfg = step.model_config
