@@ -86,6 +86,9 @@ ONE_NOTEBOOKS := $(filter-out $(RANK_NOTEBOOKS),$(wildcard notebooks/*.ipynb))
 NBVAL := MPLBACKEND=Agg $(PY) -m pytest --nbval --nbval-current-env -p no:cacheprovider \
   --nbval-cell-timeout=$(NBVAL_CELL_TIMEOUT)
 
+# Tests marked slow each have a fast sibling in the default run (the first H200 row of each
+# kind, the tiny plan, the tiny guard row, the installed package's import, lesson 02 collected
+# as a class, lesson 00's site page): `make test-slow`.
 define run-tests
 @mkdir -p $(TORCH_EXTENSIONS_DIR)
 MPLBACKEND=Agg $(PY) -m pytest $(XDIST) --timeout=$(PYTEST_TIMEOUT) -m "not slow" tests/

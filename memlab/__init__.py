@@ -23,7 +23,8 @@ The layers, lowest first, and what each module owns: the README's module map
 """
 from .advisor import Advice, advise
 from .anymodel import simulate_model, track_step
-from .distributed import measure_distributed, measure_zero, simulate_sharded
+from .sharded import simulate_sharded
+from .zero import measure_distributed, measure_zero
 from .errors import InputError
 from .estimate import estimate_step
 from .guard import HostMemoryError

@@ -14,7 +14,7 @@ advisor emits: without ZeRO or offload a plain PyTorch step (autocast, ``torch.u
 DDP across ranks; no DeepSpeed config), with them DeepSpeed's layout
 (:func:`memlab.states.model_states`: 16-bit weights and gradients plus an fp32 master and
 moments, sharded by stage, offloaded ones in host memory) and the config of
-:func:`memlab.distributed.deepspeed_config`. On one rank offload needs a ZeRO stage all the
+:func:`memlab.zero.deepspeed_config`. On one rank offload needs a ZeRO stage all the
 same (DeepSpeed offloads from its ZeRO optimizer, and parameters only at stage 3: ZeRO-Offload
 on ZeRO-2, Ren et al. 2021 sec. 4; ZeRO-Infinity on ZeRO-3, Rajbhandari et al. 2021 sec. 5):
 the message says so, and how much host memory the offloaded states take.
@@ -44,14 +44,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .cards import Card  # noqa: F401  (a type in a signature)
-from .distributed import deepspeed_config, measure_distributed
+from .cards import Card, detect_card
+from .zero import deepspeed_config, measure_distributed
 from .errors import InputError
 from .estimate import estimate_step
 from .hardware import GPU_PRESETS, resolve_budget
 from .measure import measure_step
 from .models import GPTConfig, get_config
-from .parallel.formulas import check_tensor_parallel
+from .policy import resolve_target
 from .simulate import simulate_step
 from .states import under_deepspeed
 from .step import StepConfig
@@ -117,12 +117,12 @@ class Advice:
 
 def tensor_parallel_degree(cfg: GPTConfig, world_size: int, limit: int = TP_MAX) -> int:
     """Largest ``t <= limit`` dividing the world size that the model allows
-    (:func:`memlab.parallel.check_tensor_parallel`: the heads and the MLP width, and the
-    key/value heads split or replicated)."""
+    (:meth:`memlab.models.GPTConfig.check_tensor_parallel`: the heads and the MLP width, and
+    the key/value heads split or replicated)."""
 
     def allowed(t: int) -> bool:
         try:
-            check_tensor_parallel(cfg, t)
+            cfg.check_tensor_parallel(t)
         except ValueError:
             return False
         return world_size % t == 0
@@ -184,7 +184,6 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     budget = resolve_budget(gpu)
     if budget is None:
         raise InputError(f"gpu {gpu!r}: give a GPU preset ({', '.join(GPU_PRESETS)}) or a size")
-    from .policy import resolve_target
     tgt = resolve_target(target, gpu if isinstance(gpu, str) else None, card)
     cfg = _model(model)
     step = StepConfig(model=cfg, seq=seq, batch=batch, attention=attention, optimizer=optimizer,
@@ -291,7 +290,7 @@ def _best(steps: list[dict]) -> dict:
 
 
 def _ds_config(step: StepConfig, tp: int) -> dict:
-    """DeepSpeed's config for the plan, from :func:`memlab.distributed.deepspeed_config`;
+    """DeepSpeed's config for the plan, from :func:`memlab.zero.deepspeed_config`;
     empty for a plan that runs as plain PyTorch (its peak is estimated as such)."""
     if not under_deepspeed(step.zero, step.offload):
         return {}
@@ -308,13 +307,12 @@ def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,
     """Advise for the card at hand (its total memory, or ``budget``), then run the plan for
     real on ``device`` with that budget enforced. Returns the plan, both peaks and the verdict
     (``make gpu-check`` records it under ``build/gpu-check/<card>/``). A plan under DeepSpeed (ZeRO,
-    offload) runs on one DeepSpeed rank (:func:`memlab.distributed.measure_distributed`);
+    offload) runs on one DeepSpeed rank (:func:`memlab.zero.measure_distributed`);
     its budget is then compared, not enforced."""
     if budget is None:
         if device != "cuda" or not torch.cuda.is_available():
             raise InputError("check_plan without a budget needs a CUDA GPU; give budget=...")
         budget = torch.cuda.get_device_properties(0).total_memory
-    from .cards import detect_card
     card = detect_card() if device == "cuda" else None
     a = advise(model, budget, 1, seq, batch, target="cuda" if card else None, card=card)
     if under_deepspeed(a.step.zero, a.step.offload):

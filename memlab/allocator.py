@@ -26,11 +26,13 @@ from .errors import InputError
 from .units import MiB, parse_size
 
 # "2.00 GiB", "20.00 MiB", "512 bytes": c10's format_size; "0 B": memlab's fmt_bytes
-_SIZE = r"([0-9.]+ (?:bytes|B|KiB|MiB|GiB|TiB))"
+_SIZE = r"([0-9.]+ ?(?:bytes|B|KiB|MiB|GiB|TiB))"
 # the allocator's message (CUDACachingAllocator.cpp, "CUDA out of memory. Tried to allocate
 # ...") and memlab's simulated one (tracking.py), field by field; every field is optional
 _FIELDS = {
-    "requested": r"Tried to allocate " + _SIZE,
+    # CUDA's and the tracker's "Tried to allocate 2.50 GiB", the CPU allocator's "you tried
+    # to allocate 1125899906842624 bytes"
+    "requested": r"[Tt]ried to allocate " + _SIZE,
     "total": r"total capacity of " + _SIZE,
     "free": r"of which " + _SIZE + r" is free",
     "process": r"this process has " + _SIZE + r" memory in use",
@@ -64,6 +66,15 @@ def read_oom(message: str) -> dict[str, int]:
     if "requested" not in out:
         raise InputError(f"not an out-of-memory message (no 'Tried to allocate'): {message[:120]!r}")
     return out
+
+
+def requested_bytes(message: str) -> int:
+    """The bytes an allocator's OOM message says it tried to allocate (:func:`read_oom`'s
+    ``requested``), or 0 when the message has none."""
+    try:
+        return read_oom(message)["requested"]
+    except InputError:
+        return 0
 
 
 # --------------------------------------------------------------------------------------
@@ -144,4 +155,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["read_oom", "fragment_once", "fragmentation"]
+__all__ = ["read_oom", "requested_bytes", "fragment_once", "fragmentation"]

@@ -146,12 +146,6 @@ class BatchPlan:
         """The batch with the most slots (the most rows among equals): the peak's batch."""
         return max(self.batches, key=lambda b: (b.slots, len(b.rows)))
 
-    def summary(self) -> dict:
-        return {"strategy": self.strategy, "batches": len(self.batches),
-                "padding_fraction": self.padding_fraction, "tokens": self.tokens,
-                "slots": self.slots, "shapes": len(self.shapes),
-                "tokens_per_batch": self.tokens / len(self.batches)}
-
 
 def _check(lengths: Sequence[int], token_budget: int, max_len: int) -> tuple[int, ...]:
     lengths = tuple(int(n) for n in lengths)

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import InputError
+from .precision import precision_bytes
 
 __all__ = ["linear_cross_entropy", "plain_linear_cross_entropy", "loss_spike_bytes",
            "GradientCheck", "check_linear_cross_entropy"]
@@ -164,11 +165,8 @@ def loss_spike_bytes(tokens: int, vocab: int, precision: str = "fp32") -> int:
     and :func:`linear_cross_entropy` never makes: the logits (4 bytes each in fp32, 2 under
     bf16/fp16 autocast or pure bf16) and the fp32 log-softmax (4 bytes, 2 in pure bf16).
     A lower bound of what chunking saves at a peak inside the loss."""
-    sizes = {"fp32": (4, 4), "bf16": (2, 4), "fp16": (2, 4), "pure-bf16": (2, 2)}
-    if precision not in sizes:
-        raise InputError(f"precision={precision!r}; allowed: {', '.join(sizes)}")
-    logits, log_softmax = sizes[precision]
-    return tokens * vocab * (logits + log_softmax)
+    param, logits, _ = precision_bytes(precision)
+    return tokens * vocab * (logits + param)  # the log-softmax is in the weights' dtype
 
 
 @dataclass(frozen=True)

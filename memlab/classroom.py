@@ -17,6 +17,7 @@ database; our checkers already say what is wrong, so a CSV is all a class needs.
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import pathlib
 import re
@@ -145,7 +146,6 @@ def write_tables(results: list[Result], csv_path: str | pathlib.Path) -> tuple[p
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m memlab.classroom DIR [--out results.csv] [--timeout S]``."""
-    import argparse
     p = argparse.ArgumentParser(prog="memlab class collect", description=__doc__.split("\n")[0])
     p.add_argument("dir", help="folder of submitted notebooks, one subfolder per student")
     p.add_argument("--out", default="results.csv", help="CSV to write (the Markdown table goes beside it)")

@@ -22,8 +22,11 @@ import traceback
 from dataclasses import replace
 from typing import Union
 
+from . import classroom, doctor, hf
+
 from .advisor import Advice, advise
-from .distributed import measure_distributed, simulate_sharded
+from .sharded import simulate_sharded
+from .zero import measure_distributed
 from .errors import InputError
 from .estimate import estimate_step
 from .guard import HostMemoryError
@@ -261,13 +264,11 @@ def run(args: argparse.Namespace) -> Result:
 
 def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> MemoryReport:
     """estimate or simulate of a Hugging Face config.json (:mod:`memlab.hf`)."""
-    from . import hf
     if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
         raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
     kw = dict(seq=args.seq, batch=args.batch, precision=args.precision,
               checkpointing=args.checkpointing, attention=args.attention)
     if args.command == "estimate":
-        from .estimate import estimate_step
         step = hf.step_config(args.hf_config, optimizer=args.optimizer, micro_batches=args.micro_batches,
                               zero=args.zero, world_size=args.world_size, offload=args.offload, **kw)
         return estimate_step(step, budget=budget, target=target)
@@ -341,10 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_presets(args.json))
             return 0
         if args.command == "doctor":
-            from . import doctor
             return doctor.main(["--no-build"] * args.no_build + ["--json"] * args.json)
         if args.command == "class":
-            from . import classroom
             return classroom.main(args.rest)
         result = run(args)
     except HostMemoryError as e:

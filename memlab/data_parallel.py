@@ -11,7 +11,7 @@ reduce-scatter leaves each rank one shard of the sum, all-gather puts the shards
 >>> ddp = measure_ddp(StepConfig(seq=64, batch=4), world_size=2)
 >>> ddp[0]["bytes"]                                # full replicas: parameters, gradients, Adam
 
-Workers run on ranks started by :func:`memlab.distributed.run_ranks`, placed by
+Workers run on ranks started by :func:`memlab.ranks.run_ranks`, placed by
 :func:`memlab.hardware.place_ranks` (one GPU per rank, or CPU ranks on gloo).
 """
 from __future__ import annotations
@@ -19,10 +19,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .distributed import run_ranks
+from .ranks import run_ranks
 from .hardware import Placement, rank_device
-from .step import StepConfig
+from .step import StepConfig, build_trainer, make_batch
 
 
 def collectives_worker(rank: int, world_size: int, n: int = 4) -> dict:
@@ -30,7 +32,6 @@ def collectives_worker(rank: int, world_size: int, n: int = 4) -> dict:
     of data parallelism on it: all-reduce (every rank gets the sum), reduce-scatter (rank r
     gets shard r of the sum) and all-gather (every rank gets every rank's shard). Returns the
     lists each rank held, and the bytes of each result."""
-    import torch.distributed as dist
     device = rank_device()
     x = torch.arange(n * world_size, dtype=torch.float32, device=device) + 10 * rank
     summed = x.clone()
@@ -61,8 +62,6 @@ def ddp_worker(rank: int, world_size: int, step: StepConfig) -> dict:
     process alone on a fresh copy of the model: the largest gradient difference says whether
     the all-reduce gave every rank the one-process gradient. ``bytes``: what this rank holds
     after the step (parameters, gradients, Adam's moments), each a full replica."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from .step import build_trainer, make_batch
     device = rank_device()
     big = replace(step, batch=step.batch * world_size)
     inputs, targets = make_batch(big, device, seed=0)          # one global batch, same everywhere

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 from typing import Callable
 
 import torch
 
-from .distributed import host_gradient_bytes, set_cache_env, zero_accounting
-from .errors import InputError
 from .models import GPT, get_config
+from .ranks import fake_process_group, set_cache_env
 from .step import StepConfig, make_batch
+from .zero import host_gradient_bytes, zero_accounting
 
 
 @contextlib.contextmanager
@@ -26,14 +27,6 @@ def fake_ranks(world_size: int = 2):
     weights are wrong, so use it for configs and bytes, not for losses. The group, DeepSpeed's
     handle on it and the environment it reads are undone on exit.
     """
-    import logging
-
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise InputError(f"world_size must be a positive integer, got {world_size!r}")
-    if dist.is_initialized():
-        raise RuntimeError("a process group already exists in this process; fake_ranks needs its own")
     set_cache_env()  # DS_ACCELERATOR=cpu without a GPU (read when deepspeed is imported)
     import deepspeed
     import deepspeed.comm.comm as ds_comm
@@ -41,17 +34,16 @@ def fake_ranks(world_size: int = 2):
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     log = logging.getLogger("DeepSpeed")
     level = log.level
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        log.setLevel(logging.ERROR)
-        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its op builds
-            deepspeed.init_distributed(dist_backend="gloo")  # wraps the group made above
-        yield
+        os.environ.update(env)
+        with fake_process_group(world_size):  # validates world_size, refuses a second group
+            log.setLevel(logging.ERROR)
+            with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its op builds
+                deepspeed.init_distributed(dist_backend="gloo")  # wraps the group made above
+            yield
     finally:
-        dist.destroy_process_group()
         # DeepSpeed caches the group and its world group; the next fake_ranks makes new ones
         ds_comm.cdb = None
         ds_groups._WORLD_GROUP = None
@@ -102,7 +94,7 @@ def run_deepspeed(config: dict, ranks: int = 2, make_engine: Callable | None = N
     """Build the tiny GPT, ``deepspeed.initialize`` it with ``config`` as rank 0 of ``ranks``
     (:func:`fake_ranks`), run two steps and return what the engine decided: ZeRO stage, batch
     sizes, offload, whether activation checkpointing was configured, and the rank's exact
-    bytes (``memlab.distributed.zero_accounting``). ``make_engine(model)`` replaces the
+    bytes (``memlab.zero.zero_accounting``). ``make_engine(model)`` replaces the
     plain ``deepspeed.initialize`` call."""
     import deepspeed
     with fake_ranks(ranks):

@@ -55,7 +55,7 @@ def attention_score_bytes(tokens: int, batch: int, heads: int = 1, element_bytes
 
 
 def unet_module_key(cfg: UNetConfig, image: int) -> Callable[[Event], str]:
-    """A labeller for :func:`memlab.techniques.activations_by_module`: an op of a UNet module
+    """A labeller for :func:`memlab.sweeps.activations_by_module`: an op of a UNet module
     (``UNet.down.1.conv2``) is labelled with its part and resolution (``encoder 16px``).
 
     The UNet's own ops (outside its child modules) are named by what they are and where

@@ -19,8 +19,14 @@ import platform
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+import psutil
+import torch
 
 from .hardware import place_ranks
+from .offload import cpu_adam_buildable
+from .ranks import RankError, allreduce_worker, run_ranks, set_cache_env
 
 from .units import fmt_bytes
 
@@ -84,19 +90,14 @@ def verdict(places: dict[str, str], blocked: list[str]) -> str:
 
 
 def _version(module: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
     try:
         return version(module)
     except PackageNotFoundError:
         return None
 
 
-def _ram_bytes() -> int | None:
-    try:
-        import psutil
-        return int(psutil.virtual_memory().total)
-    except ImportError:  # psutil is a dependency; be useful without it anyway
-        return None
+def _ram_bytes() -> int:
+    return int(psutil.virtual_memory().total)
 
 
 CPU_ADAM_PROBE = ("import os, time; t = time.time()\n"
@@ -107,8 +108,6 @@ CPU_ADAM_PROBE = ("import os, time; t = time.time()\n"
 
 def check_cpu_adam(timeout: float = 900.0) -> Check:
     """Build (or load from the cache) DeepSpeed's CPU Adam op in a child process."""
-    import torch
-    from .distributed import cpu_adam_buildable, set_cache_env
     set_cache_env()
     cache = os.environ["TORCH_EXTENSIONS_DIR"]
     ok, why = cpu_adam_buildable()
@@ -134,7 +133,6 @@ def check_cpu_adam(timeout: float = 900.0) -> Check:
 
 def check_two_ranks(timeout: float = 120.0) -> Check:
     """Start two gloo ranks and all-reduce once: what every rank lesson needs."""
-    from .distributed import RankError, allreduce_worker, run_ranks
     try:
         out = run_ranks(allreduce_worker, 2, kwargs={"value": 1.0}, timeout=timeout, backend="gloo")
     except RankError as e:
@@ -167,7 +165,6 @@ def collect(build: bool = True) -> tuple[list[Check], dict[str, str]]:
                         + ("" if ram and ram >= MIN_RAM else f"; keep {fmt_bytes(MIN_RAM)} free for a kernel and two ranks")))
     gpus = 0
     try:
-        import torch
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         for i in range(gpus):
             f = gpu_facts(torch.cuda.get_device_properties(i))

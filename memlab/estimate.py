@@ -28,6 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 from .errors import InputError
 from .hardware import resolve_budget
 from .step import MemoryReport, StepConfig, autocast_for, resolve_step
@@ -36,8 +39,9 @@ from .policy import (Target, activation_copies, attention_probs_bytes, cross_ent
                      emulate, get_target, norm_saves, precision_bytes, resolve_target,
                      sdpa_backend, sdpa_dtype, sdpa_lse_bytes, sdpa_math_extra_bytes)
 from .cards import Card  # noqa: F401  (a type in a signature)
-from .states import model_state_bytes, model_states, zero_formula  # noqa: F401 (re-exported)
-from .tracking import CATEGORIES
+from .states import (model_state_bytes, model_states, step_model_states,  # noqa: F401 (re-exported)
+                     zero_formula)
+from .tracking import CATEGORIES, MemoryTracker
 
 
 @dataclass(frozen=True)
@@ -74,17 +78,7 @@ def dtypes(precision: str, target: str = "cpu") -> Dtypes:
                   target=target)
 
 
-def _linear_weights(cfg: GPTConfig) -> tuple[int, int]:
-    """Elements of matmul weights per layer and in the head (autocast copies these): the
-    fused ``qkv`` has ``(n_head + 2 n_kv_head) * head_dim`` rows, so grouped-query attention
-    copies less."""
-    d, f = cfg.d_model, cfg.hidden
-    qkv = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim * d
-    per_layer = qkv + d * d + (3 if cfg.mlp == "swiglu" else 2) * d * f
-    return per_layer, cfg.vocab_size * d
-
-
-def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int, tp: int = 1) -> int:
+def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int, tensor_parallel: int = 1) -> int:
     """Elements of q, k, v that one block keeps for backward, and the attention output
     ``proj`` reads, for multi-head and grouped-query attention.
 
@@ -102,7 +96,7 @@ def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int, tp: int = 1) 
     output (which the views then keep whole). :func:`memlab.parallel.tp_activation_bytes`
     uses this count, and the tests check it against the tracker for every combination.
     """
-    t, hd = seq * batch, cfg.head_dim
+    t, hd, tp = seq * batch, cfg.head_dim, tensor_parallel
     split = cfg.kv_heads % tp == 0
     heads, kv_heads = cfg.n_head // tp, (cfg.kv_heads // tp if split else 1)
     fused = t * (cfg.n_head + 2 * cfg.kv_heads) * hd // (tp if split else 1)
@@ -120,7 +114,7 @@ def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int, tp: int = 1) 
 
 
 def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
-                           target: str = "cpu", tp: int = 1) -> float:
+                           target: str = "cpu", tensor_parallel: int = 1) -> float:
     """Bytes one transformer block saves for backward (no checkpointing).
 
     With ``t = s*b`` tokens, ``h = d_model``, ``f`` the MLP width and ``a`` heads, in element
@@ -137,25 +131,37 @@ def layer_activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
     divided by ``tp``; the residual stream, the norms and the inputs of the first matmuls
     are not.
     """
-    d = dtypes(precision, target)
+    return sum(layer_activation_parts(cfg, seq, batch, precision, target, tensor_parallel).values())
+
+
+def layer_activation_parts(cfg: GPTConfig, seq: int, batch: int, precision: str,
+                           target: str = "cpu", tensor_parallel: int = 1) -> dict[str, float]:
+    """:func:`layer_activation_bytes` in three parts, per rank of ``tensor_parallel`` (tp):
+    ``replicated`` (the residual adds, the norms and their outputs, the causal mask: whole on
+    every rank),
+    ``sharded`` (q, k, v, the attention output and the MLP: divided by ``tp``) and
+    ``attention_core`` (naive attention's probabilities or SDPA's log-sum-exp)."""
+    d, tp = dtypes(precision, target), tensor_parallel
     t, h, f, a, s = seq * batch, cfg.d_model, cfg.hidden, cfg.n_head // tp, seq
     C = d.compute
-    total = (2 * t * h * _residual_saved(cfg, d) + 2 * _norm_bytes(cfg, d, t)
-             + attention_saved_elements(cfg, seq, batch, tp) * C)
+    replicated = 2 * t * h * _residual_saved(cfg, d) + 2 * _norm_bytes(cfg, d, t)
     if cfg.mlp == "swiglu":  # the second norm's output feeds two matmuls (gate, up)
-        total += (activation_copies(precision, 2) - 1) * t * h * C
+        replicated += (activation_copies(precision, 2) - 1) * t * h * C
+    if cfg.position == "rope" and C != 4:
+        replicated += 2 * s * cfg.head_dim * C  # cos and sin cast to the compute dtype
+    core = 0
     if cfg.checkpointing != "selective":
         if cfg.attention == "naive":
-            total += a * s * s * batch * d.probs + s * s
+            core = a * s * s * batch * d.probs
+            replicated += s * s  # the boolean causal mask
         else:
             backend = sdpa_backend(target, C, cfg.head_dim, dtype=sdpa_dtype(precision))
-            total += sdpa_lse_bytes(backend, batch, a, s)
+            core = sdpa_lse_bytes(backend, batch, a, s)
             if backend == "math":  # the card has no fused kernel for this dtype
-                total += sdpa_math_extra_bytes(C, batch, a, s, cfg.head_dim)
-    total += (4 if cfg.mlp == "swiglu" else 2) * t * f * C / tp
-    if cfg.position == "rope" and C != 4:
-        total += 2 * s * cfg.head_dim * C  # cos and sin cast to the compute dtype
-    return total
+                core += sdpa_math_extra_bytes(C, batch, a, s, cfg.head_dim)
+    sharded = (attention_saved_elements(cfg, seq, batch, tp) * C
+               + (4 if cfg.mlp == "swiglu" else 2) * t * f * C / tp)
+    return {"replicated": replicated, "sharded": sharded, "attention_core": core}
 
 
 def _residual_saved(cfg: GPTConfig, d: Dtypes) -> int:
@@ -173,14 +179,16 @@ def _norm_bytes(cfg: GPTConfig, d: Dtypes, t: int) -> int:
 
 
 def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
-                     target: str = "cpu", tp: int = 1) -> dict[str, float]:
+                     target: str = "cpu", tensor_parallel: int = 1, *,
+                     tp: int | None = None) -> dict[str, float]:
     """Saved-for-backward bytes of the whole forward, split into its parts; per rank of
     ``tp``-way tensor parallelism (the embedding output, the final norm and, under full
     checkpointing, every block's input stay whole on each rank: that is what sequence
     parallelism would divide; the loss is vocabulary-parallel, as in Megatron-LM)."""
+    tp = tensor_parallel if tp is None else tp  # ``tp=``: the old spelling lesson 16 uses
     d = dtypes(precision, target)
     t, h, v = seq * batch, cfg.d_model, cfg.vocab_size
-    layer_w, head_w = _linear_weights(cfg)
+    layer_w, head_w = sum(cfg.matmul_numels()[0]), cfg.matmul_numels()[1]
     final_norm = _norm_bytes(cfg, d, t)
     embed = t * h * _residual_saved(cfg, d) + (8 * seq if cfg.position == "learned" else 0)
     # the chunked loss casts the head weight itself, uncached, and keeps no logits: only a
@@ -254,7 +262,8 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     lse = acts["log_softmax"]
     # Autocast's weight casts live until the forward ends; under full checkpointing autograd
     # does not keep them, so at the loss they are scratch (policy._CastCache).
-    cached = d.weight_copy * L * _linear_weights(cfg)[0] / tp if cfg.checkpointing == "full" else 0
+    layer_w = sum(cfg.matmul_numels()[0])
+    cached = d.weight_copy * L * layer_w / tp if cfg.checkpointing == "full" else 0
     cached = 0 if "frozen" in states else cached
     m = {}
     if cfg.loss == "chunked":
@@ -274,7 +283,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
         m["head backward"] = dict(activations=A - lse, gradients=max(G_prev, head_grad) + held,
                                   temporaries=t * v * d.compute + t * h * d.compute + gathered)
     layer = (layer_activation_bytes(cfg, seq, batch, step.precision, target, tp)
-             + d.weight_copy * _linear_weights(cfg)[0] / tp)
+             + d.weight_copy * layer_w / tp)
     # one block's backward: the MLP's two hidden-size gradients and the residual gradient
     f = f / tp
     transient = t * f * d.compute + t * h * d.residual
@@ -311,10 +320,6 @@ def _gpt_other(cfg: GPTConfig, step: StepConfig) -> int:
 def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float],
                target: Target) -> tuple[dict, str]:
     """UNet activations by counting each module's saved tensors on a shape walk."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .tracking import MemoryTracker
 
     # A conv net's saved tensors depend on every resolution, so we count them on a fake
     # forward (no memory, milliseconds) rather than in a hand-written table, under the
@@ -378,15 +383,13 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     cfg = step.model_config
     tp = tensor_parallel
     if tp != 1:
-        from .parallel.formulas import check_tensor_parallel
         if not isinstance(cfg, GPTConfig):
             raise InputError(f"tensor_parallel={tp!r} needs a GPT model, got {cfg.name!r}")
-        check_tensor_parallel(cfg, tp)
+        cfg.check_tensor_parallel(tp)
         if step.world_size % tp:
             raise InputError(f"tensor_parallel={tp} must divide world_size={step.world_size}; "
                              f"allowed: {', '.join(str(k) for k in range(1, step.world_size + 1) if step.world_size % k == 0)}")
-    ms = model_states(cfg, precision=step.precision, optimizer=step.optimizer, zero=step.zero,
-                      world_size=step.world_size // tp, offload=step.offload)
+    ms = step_model_states(replace(step, world_size=step.world_size // tp))
     states = {k: x / tp for k, x in ms.peak_inputs().items()}
     if trainable_params is not None:  # bytes per parameter are uniform: scale by the count
         share = trainable_params / cfg.num_params()

@@ -33,19 +33,26 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from .advisor import check_plan
-from .cards import CARDS, Card, detect_card
-from .distributed import deepspeed_config, default_backend, measure_distributed, run_ranks
+from .cards import CARDS, Card, detect_card, get_card
+from .ranks import default_backend, run_ranks
+from .zero import deepspeed_config, measure_distributed
 from .estimate import estimate_step
+from .guard import cuda_need
+from .hardware import place_ranks
+from .lesson import CONTEXT_BYTES, plan, rehearse
 from .measure import measure_step, time_step
 from .models import GPTConfig
+from .policy import get_target
 from .simulate import simulate_step
 from .step import StepConfig, build_trainer, make_batch
 from .units import GiB
@@ -116,9 +123,6 @@ def lens_row(step: StepConfig, timed: bool = False) -> dict:
 def fits_card(step: StepConfig, card: Card) -> bool:
     """Whether the measure guard lets ``step`` run on ``card`` in a fresh process
     (:func:`memlab.guard.cuda_need` against the card's memory less the CUDA context)."""
-    from .guard import cuda_need
-    from .lesson import CONTEXT_BYTES
-    from .policy import get_target
     return cuda_need(step, get_target("cuda", card=card)) <= card.memory - CONTEXT_BYTES
 
 
@@ -282,7 +286,6 @@ def notebook_groups(notebooks: list[str]) -> tuple[list[str], list[str]]:
 def run_notebook(notebook: str, folder: Path, python: str = sys.executable,
                  cell_timeout: int = 300) -> NotebookRun:
     """One notebook under nbval in its own pytest process; its log into ``folder``."""
-    import subprocess
     log = folder / f"nb_{Path(notebook).stem}.log"
     start = time.perf_counter()
     with open(log, "w") as f:
@@ -295,7 +298,6 @@ def run_notebook(notebook: str, folder: Path, python: str = sys.executable,
 def run_notebooks(notebooks: list[str], folder: Path, python: str = sys.executable) -> list[NotebookRun]:
     """The rank notebooks one at a time, then the others two at a time; every notebook runs
     whatever the others did."""
-    from concurrent.futures import ThreadPoolExecutor
     rank, others = notebook_groups(notebooks)
     runs = [run_notebook(n, folder, python) for n in rank]
     with ThreadPoolExecutor(NOTEBOOK_WORKERS) as pool:
@@ -315,7 +317,6 @@ def table(runs: list[NotebookRun], card: Card) -> str:
 def dry_run(notebooks: list[str], cards: list[Card]) -> str:
     """The plan per notebook per card, as a CPU machine can print it: the group each notebook
     runs in, the sizes :func:`memlab.lesson.plan` gives it, and the reference steps kept."""
-    from .lesson import plan
     rank, others = notebook_groups(notebooks)
     out = []
     for card in cards:
@@ -323,7 +324,6 @@ def dry_run(notebooks: list[str], cards: list[Card]) -> str:
         steps = sized_cases(card)
         out.append(f"  reference: {len(steps)} gpu_check steps, {len(sized_devset(card))} devset steps, "
                    f"DeepSpeed {deepspeed_step(card).model_config.name} {deepspeed_step(card).precision}")
-        from .hardware import place_ranks
         out.append(f"  rank notebooks: {place_ranks(2, gpus=card.gpus).reason}")
         for n in rank + others:
             group = "one at a time" if n in rank else f"{NOTEBOOK_WORKERS} at a time"
@@ -347,7 +347,6 @@ def main(argv: list[str] | None = None) -> int:
               f"folder, e.g. build/gpu-check", file=sys.stderr)
         return 2
     if args.dry_run:
-        from .cards import get_card
         cards = [get_card(args.card)] if args.card else list(CARDS.values())
         print(dry_run(args.notebooks, cards))
         return 0
@@ -357,7 +356,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if card.rehearsal:
-        from .lesson import rehearse
         rehearse(card)
     folder = Path(args.out) / card.name
     folder.mkdir(parents=True, exist_ok=True)

@@ -57,9 +57,11 @@ import torch
 
 from .cards import detect_card
 from .errors import InputError
-from .estimate import estimate_step, model_state_bytes
+from .estimate import estimate_step
 from .units import MiB, fmt_bytes
 from .models import GPTConfig
+from .policy import get_target
+from .states import step_model_states
 from .step import MemoryReport, StepConfig
 from .tracking import CATEGORIES, OOMInfo
 
@@ -218,12 +220,10 @@ def estimate_for(step: StepConfig, target: str = "cpu") -> StepEstimate:
     """The figures :func:`preflight` works from, per rank, from the closed-form estimate for
     the device the step will run on (``target``: ``"cpu"`` or ``"cuda"``)."""
     est = estimate_step(step, target=target)
-    states = model_state_bytes(step.model_config.num_params(), precision=step.precision,
-                               optimizer=step.optimizer, zero=step.zero,
-                               world_size=step.world_size, offload=step.offload)
-    model_states = int(states["parameters"] + states["gradients"] + states["optimizer"])
+    ms = step_model_states(step)  # the estimate's own model states: one ZeRO division
+    held = int(ms.parameters + ms.gradients + ms.optimizer)
     return StepEstimate(est.peak_bytes, int(est.by_category["parameters"]),
-                        int(est.by_category["optimizer"]), model_states, int(states["host"]),
+                        int(est.by_category["optimizer"]), held, int(ms.host_bytes),
                         largest_tensor_bytes(step), dict(est.by_category))
 
 
@@ -249,7 +249,6 @@ def target_for(device: torch.device | str):
     device = torch.device(device)
     if device.type != "cuda":
         return "cpu"
-    from .policy import get_target
     return get_target("cuda", card=detect_card())
 
 

@@ -27,10 +27,12 @@ from importlib import resources
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import InputError
+from .anymodel import simulate_model
 from .models import GPTConfig
-from .step import MemoryReport, StepConfig
+from .step import PRECISIONS, MemoryReport, StepConfig, autocast_for
 
 #: model_type -> what memlab's GPT calls it; the estimate covers these.
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
@@ -146,7 +148,6 @@ def add_lora(model, lora: dict):
     parameters and cannot swap fake ones; there, while the adapters are made, ``Module.to``
     puts converted copies in place instead (the same tensors, the same bytes)."""
     from peft import LoraConfig, get_peft_model
-    from torch._subclasses.fake_tensor import FakeTensor
     if not isinstance(next(model.parameters()), FakeTensor):
         return get_peft_model(model, LoraConfig(**lora))
     to = torch.nn.Module.to
@@ -201,7 +202,6 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
 def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | None = None) -> Callable:
     """A ``step_fn(model, optimizer)``: random tokens, ``model(input_ids, labels).loss`` under
     the precision's autocast (on the model's device type), backward, step, zero_grad."""
-    from .step import autocast_for
 
     def step(model, optimizer):
         device = next(model.parameters()).device
@@ -220,8 +220,6 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                 target: str = "cuda", budget: int | str | None = None,
                 lora: dict | None = None) -> MemoryReport:
     """One training step of the HF model of ``cfg`` on fake tensors (:func:`simulate_model`)."""
-    from .anymodel import simulate_model
-    from .step import PRECISIONS
     if precision not in PRECISIONS or precision == "fp16":
         raise InputError(f"precision={precision!r} for a Hugging Face step; allowed: fp32, bf16, "
                          f"pure-bf16")

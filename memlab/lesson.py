@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from .cards import Card, detect_card
-from .guard import cuda_need
+from .guard import MARGIN, PROCESS_BYTES, cuda_need
 from .hardware import resolve_budget
 from .models import GPTConfig
 from .policy import get_target
@@ -160,7 +160,6 @@ def _real_14(card: Card, precision: str) -> list[dict]:
     guard's margin over it, else the largest budget it can (so the plan still has work)."""
     usable = card.memory - CONTEXT_BYTES
     t4 = 15360 * MiB
-    from .guard import MARGIN, PROCESS_BYTES
     room = int((usable - PROCESS_BYTES) / MARGIN["cuda"]) // (256 * MiB) * 256 * MiB
     gpu = "T4-16GB" if room >= t4 else f"{room // MiB}MiB"
     return [{"real": dict(model="gpt2-small", gpu=gpu, seq=1024, batch=16)}]

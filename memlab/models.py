@@ -166,23 +166,56 @@ class GPTConfig:
     def hidden(self) -> int:
         return self.mlp_hidden or 4 * self.d_model
 
+    def matmul_numels(self) -> tuple[list[int], int]:
+        """Elements of the matmul weights of one block (fused ``qkv``, ``proj``, the MLP's
+        two or three) and of the head (autocast copies these). The fused ``qkv`` has
+        ``(n_head + 2 n_kv_head) * head_dim`` rows, so grouped-query attention copies less."""
+        d, f = self.d_model, self.hidden
+        kv = self.kv_heads * self.head_dim  # width of the k and of the v projection
+        mlp = [d * f, f * d] + ([d * f] if self.mlp == "swiglu" else [])
+        return [(d + 2 * kv) * d, d * d] + mlp, self.vocab_size * d
+
+    def param_numels(self) -> list[int]:
+        """Elements of every parameter, closed form (tied embeddings counted once): the one
+        parameter count of a GPT (``num_params``, the model-state formulas, the estimate)."""
+        d, f, v = self.d_model, self.hidden, self.vocab_size
+        kv = self.kv_heads * self.head_dim
+        b = self.bias
+        norm = ([d, d] if b else [d]) if self.norm == "layernorm" else [d]
+        layer = 2 * norm + self.matmul_numels()[0]
+        if self.has_qkv_bias:
+            layer.append(d + 2 * kv)
+        layer += ([d, f, d] if b else [])  # proj, MLP in and out biases
+        if self.mlp == "swiglu" and b:
+            layer.append(f)
+        emb = [v * d] + ([self.block_size * d] if self.position == "learned" else [])
+        return emb + self.n_layer * layer + norm + ([] if self.tie_embeddings else [v * d])
+
     def num_params(self) -> int:
         """Parameter count, closed form (tied embeddings counted once); equals
         ``sum(p.numel() for p in GPT(cfg).parameters())`` for every config."""
-        d, h, v, L = self.d_model, self.hidden, self.vocab_size, self.n_layer
-        kv = self.kv_heads * self.head_dim  # width of the k and of the v projection
-        b = 1 if self.bias else 0
-        norm = (2 if self.bias else 1) * d if self.norm == "layernorm" else d
-        attn = d * d + 2 * d * kv + d * d  # q, k and v, output projection
-        attn += (d + 2 * kv if self.has_qkv_bias else 0) + b * d
-        if self.mlp == "swiglu":
-            mlp = 3 * d * h + b * (2 * h + d)
-        else:
-            mlp = 2 * d * h + b * (h + d)
-        per_layer = attn + mlp + 2 * norm
-        emb = v * d + (self.block_size * d if self.position == "learned" else 0)
-        head = 0 if self.tie_embeddings else v * d
-        return L * per_layer + emb + norm + head
+        return sum(self.param_numels())
+
+    def check_tensor_parallel(self, tensor_parallel: int) -> str:
+        """How ``tensor_parallel`` ranks split this model's attention, or an InputError.
+
+        The degree must divide the query heads and the MLP width. Key/value heads are
+        ``"split"`` when it divides ``n_kv_head`` (each rank its own), ``"replicated"`` when
+        ``n_kv_head`` divides it (``t / n_kv_head`` ranks share each; Megatron-Core's
+        ``num_query_groups < world_size`` case), and anything else is refused.
+        """
+        t = tensor_parallel
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise InputError(f"tensor-parallel degree must be a positive integer, got {t!r}")
+        h, kv = self.n_head, self.kv_heads
+        allowed = [d for d in range(1, h + 1) if h % d == 0 and self.hidden % d == 0
+                   and (kv % d == 0 or (d % kv == 0
+                                        and ((h // kv + 2) * self.head_dim) % (d // kv) == 0))]
+        if t not in allowed:
+            raise InputError(f"tensor-parallel degree t={t} must divide n_head={h} and the MLP "
+                             f"width {self.hidden}, and divide or be a multiple of n_kv_head={kv}; "
+                             f"allowed: {', '.join(map(str, allowed))}")
+        return "split" if kv % t == 0 else "replicated"
 
 
 def _llama(name: str, d: int, layers: int, heads: int, hidden: int, *, kv_heads: int | None = None,

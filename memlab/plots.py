@@ -464,7 +464,7 @@ def plot_activation_life(report: MemoryReport | Mapping[str, MemoryReport], ax=N
 
 def plot_module_bytes(by_module: Mapping[str, float], ax=None, *, title: str | None = None,
                       xlabel: str = "kept for backward (MiB)"):
-    """Horizontal bars of bytes per module (e.g. :func:`memlab.techniques.activations_by_module`),
+    """Horizontal bars of bytes per module (e.g. :func:`memlab.sweeps.activations_by_module`),
     in the order given, in MiB on a linear axis from 0."""
     ax = ax or plt.subplots(figsize=(6, 0.3 * len(by_module) + 0.8))[1]
     names = list(by_module)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .compression import compressed_trainer
-from .distributed import measure_zero
+from .zero import measure_zero
 from .errors import InputError
 from .estimate import estimate_step
 from .hardware import Placement, place_ranks
@@ -31,7 +31,7 @@ from .parallel import measure_pipeline, measure_tensor_parallel
 from .parallel.formulas import bubble_fraction
 from .states import zero_saving  # one source for the ZeRO formula (re-exported)
 from .step import StepConfig
-from .techniques import category_max
+from .sweeps import category_max
 from .units import GiB, MiB
 
 REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))

@@ -26,7 +26,9 @@ A GPU's capacity is applied as a budget, as on CPU.
 A step under DeepSpeed (ZeRO or offload) is simulated as DeepSpeed runs it as far as one
 process can: the model cast to its 16-bit (or fp32) dtype, no autocast; the model states of
 every moment are then put in DeepSpeed's layout (:func:`memlab.states.model_states`: sharded
-per rank, offloaded ones in ``host_bytes``).
+per rank, offloaded ones in ``host_bytes``). Those model-state bytes are the formula's, not
+the simulation's, and the report's ``notes`` say so (:data:`FORMULA_NOTE`): only the
+activations, temporaries and workspaces of such a report are simulated.
 """
 from __future__ import annotations
 
@@ -100,6 +102,16 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     return report
 
 
+#: The note a DeepSpeed simulation carries: which of its numbers are the formula's, not the
+#: fake step's. A test comparing the simulation with the estimate must leave these out.
+FORMULA_CATEGORIES = ("parameters", "gradients", "optimizer", "host")
+FORMULA_NOTE = ("from the formula (memlab.states.model_states), not simulated: parameters, "
+                "optimizer, gradients (the rank's share; only their growth through backward "
+                "is simulated), DeepSpeed's buffers, ZeRO-3's gathered parameters and the "
+                "step's fp32 gradient copy (in temporaries), and all host bytes; simulated: "
+                "activations, the other temporaries and workspaces")
+
+
 def _deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float) -> None:
     """Put the simulated unsharded step's model states in DeepSpeed's layout, op by op.
 
@@ -135,4 +147,8 @@ def _deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float) 
     report.host_bytes, report.host_by_category = sum(host.values()), host
     report.notes.append(f"DeepSpeed step: simulated in {ms.compute_precision} without autocast, "
                         f"model states in DeepSpeed's layout (memlab.states)")
+    report.notes.append(FORMULA_NOTE)
     report.notes.extend(ms.notes)
+
+
+__all__ = ["FORMULA_CATEGORIES", "FORMULA_NOTE", "simulate_step"]

@@ -18,6 +18,7 @@ To open a snapshot in the browser viewer: gunzip a ``.pickle.gz`` first, then dr
 from __future__ import annotations
 
 import gzip
+import io
 import pickle
 from dataclasses import dataclass, field
 from importlib import resources
@@ -29,10 +30,33 @@ from .errors import InputError
 REFERENCE_SNAPSHOT = ("data", "reference", "NVIDIA-H200", "gpt2-small-step.pickle.gz")
 
 
+# the only names a snapshot's pickle may load: harmless containers (older protocols pickle
+# a set as a call of ``builtins.set``). Everything else (a function to call, a class to
+# build) is how a pickle runs code, and an allocator snapshot never needs it. Protocols 0-2
+# spell builtins ``__builtin__``.
+PLAIN_GLOBALS = frozenset({(m, n) for m in ("builtins", "__builtin__")
+                           for n in ("set", "frozenset")} | {("collections", "OrderedDict")})
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle asked for a global outside :data:`PLAIN_GLOBALS`."""
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Unpickles containers, strings and numbers only: any other global is refused before
+    it is looked up, so nothing a pickle names is imported or called."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in PLAIN_GLOBALS:
+            raise RefusedGlobal(f"it asks for {module}.{name}")
+        return super().find_class(module, name)
+
+
 def load_snapshot(path: str | Path | None = None) -> dict:
     """A snapshot from ``path`` (``.pickle`` or gzip'ed ``.pickle.gz``), or the H200
-    reference shipped with memlab. Pickles can run code when loaded: open only your own
-    snapshots and memlab's."""
+    reference shipped with memlab. Only plain containers, strings and numbers are unpickled
+    (:class:`PlainUnpickler`): a file that would import or call anything is refused with an
+    InputError, so a snapshot from someone else cannot run code here."""
     if path is None:
         data = resources.files("memlab").joinpath(*REFERENCE_SNAPSHOT).read_bytes()
         where = "/".join(REFERENCE_SNAPSHOT)
@@ -41,7 +65,10 @@ def load_snapshot(path: str | Path | None = None) -> dict:
     if data[:2] == b"\x1f\x8b":  # gzip's magic number
         data = gzip.decompress(data)
     try:
-        snap = pickle.loads(data)
+        snap = PlainUnpickler(io.BytesIO(data)).load()
+    except RefusedGlobal as e:
+        raise InputError(f"{where} is not a plain allocator snapshot ({e}); memlab unpickles "
+                         f"only dicts, lists, strings and numbers") from None
     except Exception as e:
         raise InputError(f"{where} is not a pickled allocator snapshot: {e}") from None
     if not isinstance(snap, dict) or not {"segments", "device_traces"} <= snap.keys():
@@ -105,4 +132,4 @@ def live_timeline(snapshot: dict, device: int = 0) -> SnapshotTimeline:
                             peak_index, [i for i, e in enumerate(trace) if e["action"] == "oom"])
 
 
-__all__ = ["REFERENCE_SNAPSHOT", "SnapshotTimeline", "load_snapshot", "live_timeline"]
+__all__ = ["PLAIN_GLOBALS", "PlainUnpickler", "REFERENCE_SNAPSHOT", "SnapshotTimeline", "load_snapshot", "live_timeline"]

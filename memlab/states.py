@@ -16,7 +16,7 @@ Adam (Rajbhandari et al. 2020, "ZeRO", sec. 3.1 and 5.1). Stage 1 divides the K 
 N data-parallel ranks, stage 2 also the gradients, stage 3 also the parameters. In fp32 mode
 the weights and gradients take 4 + 4 and DeepSpeed's ZeRO optimizer still keeps a separate
 fp32 master partition (``single_partition_of_fp32_groups``, ``fp32_partitioned_groups_flat``,
-read by :func:`memlab.distributed.zero_accounting`): K = 4 + 8; at stage 0 the fp32 model
+read by :func:`memlab.zero.zero_accounting`): K = 4 + 8; at stage 0 the fp32 model
 is the master and K = 8. What DeepSpeed 0.19 (``runtime/zero/stage_1_and_2.py``,
 ``stage3.py``) holds besides, per rank:
 
@@ -43,12 +43,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .errors import InputError
+from .models import build_model
+from .precision import SIZES, check_precision
 
 BUCKET_ELEMENTS = 2**20  # memlab's DeepSpeed buckets (ZeRO-3's defaults allocate ~1.9 GiB/rank)
 PERSISTENCE_THRESHOLD = 10_000  # ZeRO-3 keeps parameters smaller than this whole on every rank
 SUB_GROUP_SIZE = 10**9  # DeepSpeed's default zero_optimization.sub_group_size (stage 3)
-PLAIN = {"fp32": (4, 4), "bf16": (4, 4), "fp16": (4, 4), "pure-bf16": (2, 2)}  # weights, grads
+PLAIN = {p: (w, w) for p, (w, _) in SIZES.items()}  # bytes of a weight and of its gradient
 MOMENTS = {"adamw": 2, "sgd": 1}
 OFFLOADS = ("none", "optimizer", "all")
 
@@ -88,26 +92,10 @@ def pinned_bytes(nbytes: float) -> int:
 def param_numels(cfg) -> list[int]:
     """Elements of every parameter of a model config (GPT: closed form; UNet: built on the
     ``meta`` device, which allocates nothing)."""
-    from .models import GPTConfig
-    if not isinstance(cfg, GPTConfig):
-        import torch
-        from .models import build_model
-        with torch.device("meta"):
-            return [p.numel() for p in build_model(cfg).parameters()]
-    d, f, v, L = cfg.d_model, cfg.hidden, cfg.vocab_size, cfg.n_layer
-    kv = cfg.kv_heads * cfg.head_dim  # width of k and of v (grouped-query attention)
-    b = cfg.bias
-    norm = ([d, d] if b else [d]) if cfg.norm == "layernorm" else [d]
-    layer = 2 * norm + [(d + 2 * kv) * d, d * d, d * f, f * d]  # fused qkv, proj, MLP
-    if cfg.has_qkv_bias:
-        layer.append(d + 2 * kv)
-    layer += ([d, f, d] if b else [])
-    if cfg.mlp == "swiglu":
-        layer += [d * f] + ([f] if b else [])
-    out = [v * d] + ([cfg.block_size * d] if cfg.position == "learned" else []) + L * layer + norm
-    if not cfg.tie_embeddings:
-        out.append(v * d)
-    return out
+    if hasattr(cfg, "param_numels"):
+        return cfg.param_numels()
+    with torch.device("meta"):
+        return [p.numel() for p in build_model(cfg).parameters()]
 
 
 @dataclass(frozen=True)
@@ -141,11 +129,6 @@ class ModelStates:
     @property
     def host_bytes(self) -> float:
         return float(sum(self.host.values()))
-
-    @property
-    def device_bytes(self) -> float:
-        """Device bytes at the end of backward (parameters, gradients, optimizer, buffers)."""
-        return self.parameters + self.gradients + self.optimizer + self.buffers
 
     def as_dict(self) -> dict[str, float]:
         """``parameters``, ``gradients``, ``optimizer`` (device) and ``host`` (all host
@@ -190,8 +173,7 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
         raise InputError(f"ZeRO stage {zero!r} is outside 0-3")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world size {world_size!r} must be a positive integer")
-    if precision not in PLAIN:
-        raise InputError(f"precision={precision!r}; allowed: {', '.join(PLAIN)}")
+    check_precision(precision)
     if optimizer not in MOMENTS:
         raise InputError(f"optimizer={optimizer!r}; allowed: {', '.join(MOMENTS)}")
     if offload not in OFFLOADS:
@@ -217,9 +199,9 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     shard = n if zero >= 1 else 1
     notes = [f"DeepSpeed layout: {e} + {e} + {master + 4 * moments} bytes per parameter "
              f"(weights, gradients, fp32 master and moments), ZeRO-{zero} over {n} rank(s)"]
-    params = e * psi / (n if zero >= 3 else 1) + (e * small if zero >= 3 else 0)
-    grads = e * psi / (n if zero >= 2 else 1)
-    opt = (master + 4 * moments) * psi / shard
+    split = zero_formula(psi, zero, n, param_bytes=e, grad_bytes=e, k=master + 4 * moments)
+    params = split["parameters"] + (e * small if zero >= 3 else 0)
+    grads, opt = split["gradients"], split["optimizer"]
     grads_from = {0: "backward", 1: "backward", 2: "first bucket", 3: "always"}[zero]
     bucket = e * bucket_elements if zero >= 1 else 0
     buffers = bucket
@@ -261,6 +243,13 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
                        host, tuple(notes))
 
 
+def step_model_states(step) -> ModelStates:
+    """The model states of a :class:`memlab.step.StepConfig` (its model, precision,
+    optimizer, ZeRO stage, world size and offload)."""
+    return model_states(step.model_config, precision=step.precision, optimizer=step.optimizer,
+                        zero=step.zero, world_size=step.world_size, offload=step.offload)
+
+
 def model_state_bytes(num_params: int, *, precision: str = "fp32", optimizer: str = "adamw",
                       zero: int = 0, world_size: int = 1, offload: str = "none") -> dict[str, float]:
     """Parameters, gradients and optimizer state per rank on the device, and the bytes in
@@ -280,5 +269,5 @@ def bytes_per_param(precision: str, stage: int, world_size: int, *, optimizer: s
 
 
 __all__ = ["ModelStates", "model_states", "model_state_bytes", "zero_formula", "zero_saving",
-           "under_deepspeed", "bytes_per_param", "param_numels", "pinned_bytes",
+           "under_deepspeed", "step_model_states", "bytes_per_param", "param_numels", "pinned_bytes",
            "BUCKET_ELEMENTS", "PERSISTENCE_THRESHOLD", "SUB_GROUP_SIZE"]

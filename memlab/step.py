@@ -19,12 +19,12 @@ import torch.nn as nn
 
 from .errors import InputError
 from .models import GPTConfig, UNetConfig, build_model, get_config
+from .precision import PRECISIONS, check_precision
+from .states import OFFLOADS
 from .tracking import CATEGORIES, Event, OOMInfo
 from .units import MiB, fmt_bytes
 
-PRECISIONS = ("fp32", "bf16", "fp16", "pure-bf16")
 OPTIMIZERS = ("adamw", "sgd")
-OFFLOADS = ("none", "optimizer", "all")
 #: what the step owns of its model's switches (see :class:`StepConfig`)
 SWITCHES = ("checkpointing", "attention")
 
@@ -62,8 +62,7 @@ class StepConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name.replace('_', ' ')} must be a positive integer, got {value!r}")
-        if self.precision not in PRECISIONS:
-            raise InputError(f"precision={self.precision!r}; allowed: {', '.join(PRECISIONS)}")
+        check_precision(self.precision)
         if self.optimizer not in OPTIMIZERS:
             raise InputError(f"optimizer={self.optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
         if self.offload not in OFFLOADS:

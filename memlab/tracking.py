@@ -50,9 +50,10 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from .allocator import requested_bytes
 from .errors import InputError
 from .hardware import resolve_budget
-from .units import fmt_bytes, parse_size
+from .units import fmt_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other",
               "workspace")
@@ -96,9 +97,6 @@ def _storages(t: torch.Tensor) -> list[tuple[torch.UntypedStorage, torch.device]
     return [(t.untyped_storage(), t.device)]
 
 
-# CUDA's and the tracker's "Tried to allocate 2.50 GiB", the CPU allocator's "you tried to
-# allocate 1125899906842624 bytes"
-_SIZE = re.compile(r"[Tt]ried to allocate ([0-9.]+) ?(bytes|B|KiB|MiB|GiB|TiB)")
 # What torch's CPU allocator says when malloc fails (Linux/macOS: "can't allocate memory",
 # Windows: "not enough memory"); both name DefaultCPUAllocator.
 _HOST_OOM = re.compile(r"DefaultCPUAllocator|can't allocate memory|not enough memory")
@@ -109,13 +107,6 @@ def is_host_oom(error: BaseException) -> bool:
     can't allocate memory``) rather than a bug."""
     return (isinstance(error, RuntimeError) and not isinstance(error, torch.OutOfMemoryError)
             and bool(_HOST_OOM.search(str(error))))
-
-
-def requested_bytes(message: str) -> int:
-    """The bytes an allocator's OOM message says it tried to allocate (``"Tried to allocate
-    2.50 GiB"``, CUDA's and the tracker's own wording), or 0 when the message has none."""
-    m = _SIZE.search(message)
-    return parse_size(m.group(1) + m.group(2)) if m else 0
 
 
 @dataclass
@@ -581,10 +572,6 @@ class MemoryTracker(TorchDispatchMode):
             return self.host_by_category()
         ev = self.timeline[self._host_peak_op]
         return dict(zip(CATEGORIES, ev.host_by_category))
-
-    @property
-    def peak_event(self) -> Event | None:
-        return self.timeline[self._peak_op] if self._peak_op >= 0 else None
 
     def reset_peak(self) -> None:
         """Start a new peak from the bytes live now (e.g. after a warm-up step)."""

@@ -35,13 +35,15 @@ from .states import model_states
 from .compression import VARIANTS, compare
 from .diffusion import unet_module_key
 from .errors import InputError
+from .finetune import estimate_finetune
 from .guard import HostMemoryError
 from .hardware import GPU_PRESETS
+from .hf import step_config
 from .models import PRESETS, UNetConfig, get_config
 from .parallel import ParallelResult, bubble_fraction, pipeline_bubble, pipeline_run, tp_activation_bytes
 from .report import SEED, SINGLE, measure_saving
 from .step import PRECISIONS, MemoryReport, StepConfig
-from .techniques import activations_by_module, category_max, lens_fn
+from .sweeps import activations_by_module, category_max, lens_fn
 from .units import GiB, MiB
 from .plots import (plot_advice, plot_bubble, plot_calculator, plot_lenses, plot_module_bytes,
                     plot_pipeline, plot_stage_memory, plot_timeline)
@@ -174,7 +176,7 @@ class StepPanel(Panel):
 class UNetPanel(StepPanel):
     """A diffusion UNet's step: sliders for the image side and the batch, drop-downs for
     precision and checkpointing; the Output shows what each part of the UNet keeps for
-    backward, by resolution (:func:`memlab.techniques.activations_by_module`), and the
+    backward, by resolution (:func:`memlab.sweeps.activations_by_module`), and the
     step's peak by category. ``data["by_module"]`` holds the bars drawn last."""
 
     def __init__(self, step: StepConfig, *, images: Sequence[int] = (16, 32, 48),
@@ -576,8 +578,6 @@ class FinetunePanel(Panel):
     def __init__(self, hf_config: str = "llama-3-8b", gpu: str = "RTX4090-24GB", *,
                  seqs: Sequence[int] = (512, 1024, 2048, 4096), batches: Sequence[int] = (1, 2, 4, 8),
                  draw: bool = True):
-        from .finetune import estimate_finetune
-        from .hf import step_config
         self.hf_config, self._estimate, self._step = hf_config, estimate_finetune, step_config
         slider = lambda opts, name: W.SelectionSlider(options=list(opts), value=opts[0],  # noqa: E731
                                                       description=name, continuous_update=False)

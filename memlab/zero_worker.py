@@ -15,7 +15,8 @@ import os
 
 import torch
 
-from .distributed import set_cache_env, zero_rank_step
+from .ranks import set_cache_env
+from .zero import zero_rank_step
 from .hardware import place_ranks
 from .step import StepConfig
 

@@ -9,7 +9,7 @@ from memlab.compression import (ActivationCompressor, gradient_error, gradients,
                                 measure_compressed, quantize)
 from memlab.estimate import activation_bytes
 from memlab.step import StepConfig, build_trainer, make_batch
-from memlab.techniques import category_max
+from memlab.sweeps import category_max
 
 STEP = StepConfig(seq=128, batch=4)
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from memlab.distributed import RankError, allreduce_worker, run_ranks
+from memlab.ranks import RankError, allreduce_worker, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -39,7 +39,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_runner_returns_results_by_rank():
-    out = run_ranks("memlab.distributed:allreduce_worker", 2, kwargs={"value": 2.0})
+    out = run_ranks("memlab.ranks:allreduce_worker", 2, kwargs={"value": 2.0})
     assert [r["rank"] for r in out] == [0, 1]
     assert all(r["sum"] == 2.0 * (1 + 2) for r in out)
     assert out[0]["backend"] == "gloo"
@@ -79,8 +79,9 @@ def test_unimportable_worker_is_refused():
 
 
 # --- ZeRO with DeepSpeed: one 2-rank launch serves all the assertions below -------------
-from memlab.distributed import (deepspeed_config, fsdp_worker, measure_offload, measure_zero,  # noqa: E402
-                                simulate_sharded)
+from memlab.offload import measure_offload  # noqa: E402
+from memlab.sharded import fsdp_worker, simulate_sharded  # noqa: E402
+from memlab.zero import deepspeed_config, measure_zero  # noqa: E402
 from memlab.step import StepConfig  # noqa: E402
 
 SMALL = dict(seq=128, batch=4, world_size=2)

@@ -151,7 +151,7 @@ def test_peak_saving_passes_the_reference():
 def test_peak_saving_names_the_activation_saving():
     def on_activations(step, **technique):
         from memlab import measure_step
-        from memlab.techniques import category_max
+        from memlab.sweeps import category_max
         a = [category_max(measure_step(step, **kw), "activations") for kw in (technique, {})]
         return 1 - a[0] / a[1]
     with pytest.raises(ex.CheckFailed, match="saving on the activations"):

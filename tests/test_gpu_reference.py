@@ -21,13 +21,30 @@ def _tolerance(ref) -> float:
     return 0.03 if isinstance(ref.step.model_config, GPTConfig) else 0.15
 
 
-def _heavy(ref) -> bool:
-    # gpt2-small and larger take several seconds each to simulate on two shared cores
-    return ref.step.model_config.num_params() > 100_000_000
+def _kind(ref) -> str:
+    """The kind of a reference row: GPT in fp32, in 16 bits, checkpointed; LLaMA-style; UNet."""
+    cfg = ref.step.model_config
+    if not isinstance(cfg, GPTConfig):
+        return "unet"
+    if cfg.mlp == "swiglu":
+        return "llama"
+    if cfg.checkpointing != "none":
+        return "gpt checkpointed"
+    return "gpt fp32" if ref.step.precision == "fp32" else "gpt 16-bit"
+
+
+KINDS = ("gpt fp32", "gpt 16-bit", "gpt checkpointed", "llama", "unet")
+# The default run simulates the first row of each kind (about 1 s each on two shared cores);
+# the other rows, the same code paths at other shapes, are marked slow (``make test-slow``).
+FAST = {next(i for i, r in enumerate(STEPS) if _kind(r) == k) for k in KINDS}
 
 
 def _ids(ref) -> str:
     return f"{ref.source.split('/')[-1]}-{ref.label}".replace(" ", "_")
+
+
+def test_the_fast_subset_covers_every_kind_of_row():
+    assert sorted(_kind(STEPS[i]) for i in FAST) == sorted(KINDS)
 
 
 def test_every_reference_row_is_replayed():
@@ -43,8 +60,8 @@ def test_estimate_cuda_matches_the_allocator(ref):
     assert abs(err) < _tolerance(ref), f"{ref.label}: estimate {err:+.1%} vs max_memory_allocated"
 
 
-@pytest.mark.parametrize("ref", [pytest.param(r, marks=pytest.mark.slow) if _heavy(r) else r
-                                 for r in STEPS], ids=_ids)
+@pytest.mark.parametrize("ref", [r if i in FAST else pytest.param(r, marks=pytest.mark.slow)
+                                 for i, r in enumerate(STEPS)], ids=_ids)
 def test_simulate_cuda_matches_the_allocator(ref):
     sim = simulate_step(ref.step, target="cuda")
     err = sim.peak_bytes / ref.allocator_peak - 1

@@ -2,7 +2,6 @@
 before anything is built, a budget covers model building, and a host allocator failure
 inside a step is explained and released like an OOM."""
 import json
-import math
 import os
 import resource
 import subprocess
@@ -16,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import memlab.distributed as distributed
+import memlab.zero as zero
 import memlab.guard as guard
 import memlab.measure as measure
 from memlab.estimate import estimate_step
@@ -107,8 +106,7 @@ def test_refusal_names_the_rule_and_builds_nothing(monkeypatch):
         measure_step(step)
     e = info.value
     assert isinstance(e, InputError) and isinstance(e, ValueError)  # exit 2 in the CLI
-    # the README's rule: 1.15 x the estimate + 256 MiB for the process, on CPU
-    assert e.need_bytes == math.ceil(1.15 * estimate_step(step).peak_bytes) + 256 * MiB
+    assert e.need_bytes > estimate_step(step).peak_bytes and e.need_bytes > e.available_bytes
     assert e.available_bytes == 100 * MiB and e.resource == "host RAM"
     assert "\n" not in str(e) and "memlab simulate" in str(e)
 
@@ -122,9 +120,34 @@ def test_a_budget_bounds_what_the_host_must_hold(monkeypatch):
     # the largest tensor: the fp32 log-softmax of 8 x 1024 tokens over 50257 words
     largest = 4 * 8 * 1024 * 50257
     need = guard.memory_needs(step, "cpu", budget)[0]
+    unbudgeted = guard.memory_needs(step, "cpu")[0]
     assert est > 2 * (budget + largest)
-    assert need.need_bytes == math.ceil(1.15 * (budget + largest)) + 256 * MiB
+    # it covers what the stopped step holds, and far less than the whole step would need
+    assert budget + largest < need.need_bytes < unbudgeted.need_bytes / 2
     assert "stopped at the budget" in need.rule
+
+
+@pytest.mark.parametrize("model, seq, batch, most", [
+    ("tiny", 256, 8, 1.75),
+    pytest.param("gpt2-small", 128, 2, 1.25, marks=pytest.mark.slow),
+])
+def test_the_need_covers_what_a_real_step_takes_on_this_host(model, seq, batch, most):
+    """The guard's need for a step against the RSS a fresh process really grew by while
+    measuring it (a child imports memlab, resets its peak RSS, measures the step and reports
+    its peak RSS less its RSS before): never less (the guard protects), at most ``most``
+    times more (it does not refuse what fits). Achieved on this host: tiny 1.5-1.6x (the
+    fixed process allowance dominates a small step); gpt2-small 1.16x."""
+    code = ("import re, memlab.measure as m, memlab.step as s\n"
+            "kb = lambda k: int(re.search(k + r':\\s+(\\d+) kB', open('/proc/self/status').read())[1])\n"
+            "before = kb('VmRSS')\n"
+            "open('/proc/self/clear_refs', 'w').write('5')  # the peak restarts from here\n"
+            f"m.measure_step(s.StepConfig(model={model!r}, seq={seq}, batch={batch}))\n"
+            "print(1024 * (kb('VmHWM') - before))\n")
+    rc, out, err, _, _ = _run_limited(["-c", code])
+    assert rc == 0, err
+    grown = int(out)
+    need = guard.memory_needs(StepConfig(model=model, seq=seq, batch=batch), "cpu")[0].need_bytes
+    assert grown <= need <= most * grown, (grown, need)
 
 
 def test_budget_smaller_than_the_model_is_an_oom_at_build(monkeypatch):
@@ -187,19 +210,21 @@ def test_host_allocator_failure_is_explained_and_released(fail_at, phase):
 def test_ranks_are_refused_together_before_spawning(monkeypatch):
     monkeypatch.setattr(guard, "host_available_bytes", lambda: 1 * GiB)
     monkeypatch.setattr(guard, "process_headroom_bytes", lambda: None)
-    monkeypatch.setattr(distributed, "run_ranks", _no_build)
+    monkeypatch.setattr(zero, "run_ranks", _no_build)
     step = StepConfig(seq=64, batch=2, zero=2, world_size=2)
     with pytest.raises(HostMemoryError) as info:
-        distributed.measure_distributed(step)
-    # per rank: 2 x 1.15 x the estimate + 512 MiB for the rank's own process; two ranks
-    per_rank = math.ceil(2 * 1.15 * estimate_step(step).peak_bytes) + 512 * MiB
-    assert info.value.need_bytes == 2 * per_rank > GiB
+        zero.measure_distributed(step)
+    # DeepSpeed ranks on CPU each build the whole model before sharding it: a rank needs more
+    # than its own (sharded) estimate, and more than one process's need
+    one = guard.memory_needs(StepConfig(seq=64, batch=2), "cpu")[0].need_bytes
+    assert info.value.need_bytes > 2 * one > 2 * estimate_step(step).peak_bytes
+    assert info.value.need_bytes > info.value.available_bytes == GiB
 
 
 def test_ranks_whose_model_states_exceed_the_budget_are_an_oom_at_build(monkeypatch):
-    monkeypatch.setattr(distributed, "run_ranks", _no_build)
+    monkeypatch.setattr(zero, "run_ranks", _no_build)
     step = StepConfig(model="gpt2-small", seq=64, batch=2, zero=2, world_size=2)
-    rep = distributed.measure_distributed(step, budget="100MiB")
+    rep = zero.measure_distributed(step, budget="100MiB")
     assert rep.fits is False and rep.oom.phase == "build" and len(rep.per_rank) == 2
     # ZeRO-2 keeps whole fp32 parameters on every rank: 4 x 124,439,808 B > 100 MiB
     assert rep.by_category["parameters"] == 4 * 124_439_808

@@ -1,4 +1,5 @@
-"""The three lenses agree: estimate within 5% of measure, simulate equal to measure."""
+"""The three lenses agree: the estimate with the simulation per category (to the byte where
+both peak at the same moment), the simulation with the measurement to the byte."""
 import itertools
 
 import pytest
@@ -21,27 +22,54 @@ GRID = [StepConfig(model=get_config("tiny", d_model=192, n_head=6, n_layer=3, vo
             [(96, 3), (200, 2)])]
 
 
+STATES = ("parameters", "gradients", "optimizer")
+
+
+def _rest(rep) -> int:
+    """The bytes of a report's peak that are not model states (activations, temporaries,
+    other, workspace): what a bound on a total that is mostly model states cannot see."""
+    return rep.peak_bytes - sum(rep.by_category[c] for c in STATES)
+
+
 @pytest.mark.parametrize("step", GRID, ids=lambda s: f"{s.precision}-{s.checkpointing}-{s.attention}-s{s.seq}b{s.batch}")
-def test_estimate_within_5_percent_of_simulate(step):
+def test_estimate_matches_simulate_per_category(step):
+    """The formula against the tracked fake step, category by category. Without full
+    checkpointing both peak at the same moment and agree to 256 bytes in every category
+    (achieved: 168 bytes in all, AdamW's step counters). With full checkpointing the
+    estimate's peak moment is not the simulation's: the total is within 1.5% (achieved
+    1.17%) and the bytes that are not model states within 20% (achieved 9.6-18%), a known
+    gap of the recomputed block's moment, bounded here so it cannot grow unseen."""
     sim = simulate_step(step)
     est = estimate_step(step)
-    assert abs(est.peak_bytes - sim.peak_bytes) / sim.peak_bytes < 0.05
     assert est.by_category["parameters"] == sim.by_category["parameters"]
+    assert abs(est.by_category["optimizer"] - sim.by_category["optimizer"]) <= 256
+    if step.model_config.checkpointing != "full":
+        for category, simulated in sim.by_category.items():
+            assert abs(est.by_category[category] - simulated) <= 256, category
+        assert abs(est.peak_bytes - sim.peak_bytes) <= 256
+    else:
+        assert est.peak_bytes == pytest.approx(sim.peak_bytes, rel=0.015)
+        assert _rest(est) == pytest.approx(_rest(sim), rel=0.20)
 
 
 LLAMA = get_config("tiny", mlp="swiglu", norm="rmsnorm", position="rope", bias=False,
                    tie_embeddings=False, name="tiny-llama")
 
 
-@pytest.mark.parametrize("step", [
-    StepConfig(model=LLAMA, seq=96, batch=2),
-    StepConfig(model=LLAMA, seq=96, batch=2, precision="bf16", checkpointing="full"),
-    StepConfig(seq=96, batch=4, micro_batches=2),
-    StepConfig(model="unet-small", seq=32, batch=4),
+@pytest.mark.parametrize("step, total, rest", [
+    (StepConfig(model=LLAMA, seq=96, batch=2), 0.015, 0.01),                 # 1.01%, 0.76%
+    (StepConfig(model=LLAMA, seq=96, batch=2, precision="bf16", checkpointing="full"),
+     0.005, 0.05),                                                           # 0.06%, 4.1%
+    (StepConfig(seq=96, batch=4, micro_batches=2), 0.01, 0.03),              # 0.48%, 2.3%
+    (StepConfig(model="unet-small", seq=32, batch=4), 0.05, 0.06),           # 3.8%, 5.1%
 ], ids=["llama-like", "llama-like-bf16-full", "accumulation", "unet"])
-def test_estimate_of_other_shapes_within_5_percent(step):
-    sim = simulate_step(step)
-    assert abs(estimate_step(step).peak_bytes - sim.peak_bytes) / sim.peak_bytes < 0.05
+def test_estimate_of_other_shapes_per_category(step, total, rest):
+    """Other block shapes, accumulation and the UNet: the total and the bytes that are not
+    model states, each with a bound near what is achieved (in the comments)."""
+    sim, est = simulate_step(step), estimate_step(step)
+    assert est.by_category["parameters"] == sim.by_category["parameters"]
+    assert est.peak_bytes == pytest.approx(sim.peak_bytes, rel=total)
+    assert _rest(est) == pytest.approx(_rest(sim), rel=rest)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(checkpointing="full", precision="bf16"),
@@ -55,8 +83,9 @@ def test_simulate_equals_measure_to_the_byte(kw):
 
 def test_measure_matches_estimate_on_the_default_step():
     step = StepConfig()
-    real = measure_step(step)
-    assert abs(estimate_step(step).peak_bytes - real.peak_bytes) / real.peak_bytes < 0.05
+    real, est = measure_step(step), estimate_step(step)
+    for category, measured in real.by_category.items():  # achieved: 168 bytes in all
+        assert abs(est.by_category[category] - measured) <= 256, category
 
 
 def test_gpt2_xl_simulates_and_fits_an_a100_40gb():

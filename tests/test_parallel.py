@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import memlab as ml
-from memlab.parallel import (tp_attention_forward, bubble_fraction, check_tensor_parallel, in_flight,
+from memlab.parallel import (tp_attention_forward, bubble_fraction, in_flight,
                              measure_pipeline, measure_tensor_parallel, qkv_head_permutation,
                              simulate_tensor_parallel, stage_bounds, tp_activation_bytes)
 from memlab.tracking import MemoryTracker
@@ -59,6 +59,19 @@ def test_head_permutation_lets_each_rank_compute_its_heads_alone():
         qkv_head_permutation(cfg, 3)
 
 
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_gpt2_block_per_rank_is_the_papers_closed_form(t):
+    """Korthikanti et al. 2022 sec. 4.2.1: ``sbh(10 + 24/t + 5as/(ht))`` for fp16 with dropout.
+    In fp32 without dropout (the two dropout masks, ``2sbh``, and the attention one gone) with
+    fused SDPA (a log-sum-exp per head and token instead of the ``as^2`` scores) that is
+    ``16 sbh + 48 sbh / t`` plus LayerNorm's two fp32 statistics per row (``2 x 8 sb``) and
+    the log-sum-exp ``4 a s b / t``. Written out here, not read from the estimate."""
+    cfg = ml.get_config("tiny")  # GPT-2 block: LayerNorm, GELU MLP of 4h, learned positions
+    s, b, h, a = 64, 2, cfg.d_model, cfg.n_head
+    paper = 16 * s * b * h + 48 * s * b * h / t + 2 * 8 * s * b + 4 * a * s * b / t
+    assert tp_activation_bytes(cfg, s, b, t)["total"] == paper
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "naive"])
 def test_activation_formula_at_t1_matches_one_process(attention):
     """t = 1 is the single-process block: the adapted formula must be exact there."""
@@ -79,14 +92,14 @@ def test_activation_formula_at_t1_matches_one_process(attention):
 
 @pytest.mark.distributed
 def test_tensor_parallel_halves_block_params_and_matches_one_process():
-    res = measure_tensor_parallel(ml.StepConfig(seq=64, batch=4), tp=2, timeout=180)
+    res = measure_tensor_parallel(ml.StepConfig(seq=64, batch=4), tensor_parallel=2, timeout=180)
     for r in res.per_rank:
         assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
         assert r["max_grad_diff"] < 1e-5
         assert r["block_param_bytes"] / r["full_block_param_bytes"] == pytest.approx(0.5, abs=0.01)
         assert r["layer_activation"] == pytest.approx(r["formula"]["total"], rel=0.01)
     assert res.report().per_rank[0].peak_bytes == res.per_rank[0]["peak_bytes"]
-    sim = simulate_tensor_parallel(ml.StepConfig(seq=64, batch=4), tp=2)
+    sim = simulate_tensor_parallel(ml.StepConfig(seq=64, batch=4), tensor_parallel=2)
     assert sim["peak_bytes"] == pytest.approx(res.per_rank[0]["peak_bytes"], rel=0.01)
     assert sim["layer_activation"] == pytest.approx(sim["formula"]["total"], rel=1e-3)
 
@@ -130,13 +143,13 @@ def _llama_like(kv: int | None, **over) -> ml.GPTConfig:
 
 
 def test_kv_heads_split_or_replicated_as_megatron_core():
-    assert check_tensor_parallel(_llama_like(2), 2) == "split"        # 2 kv heads, 1 per rank
-    assert check_tensor_parallel(_llama_like(2), 4) == "replicated"   # 2 ranks share each
-    assert check_tensor_parallel(_llama_like(1), 4) == "replicated"   # MQA
-    assert check_tensor_parallel(_llama_like(None), 4) == "split"     # MHA, as before
+    assert _llama_like(2).check_tensor_parallel(2) == "split"        # 2 kv heads, 1 per rank
+    assert _llama_like(2).check_tensor_parallel(4) == "replicated"   # 2 ranks share each
+    assert _llama_like(1).check_tensor_parallel(4) == "replicated"   # MQA
+    assert _llama_like(None).check_tensor_parallel(4) == "split"     # MHA, as before
     cfg = _llama_like(None, n_head=6, n_kv_head=3, d_model=96)
     with pytest.raises(ValueError, match="allowed: 1, 3"):  # 2 divides neither 3 nor n_head/3
-        check_tensor_parallel(cfg, 2)
+        cfg.check_tensor_parallel(2)
     with pytest.raises(ValueError, match="must divide n_head=4"):
         qkv_head_permutation(_llama_like(2), 8)
 
@@ -192,7 +205,7 @@ def test_gqa_tensor_parallel_simulated_per_rank(kv, t, attention):
     """Fake process group: every weight of a block is split (none held twice, also with
     replicated kv heads), and each layer keeps what the formula counts."""
     cfg = _llama_like(kv, n_head=8, attention=attention)
-    sim = simulate_tensor_parallel(ml.StepConfig(model=cfg, seq=32, batch=2), tp=t)
+    sim = simulate_tensor_parallel(ml.StepConfig(model=cfg, seq=32, batch=2), tensor_parallel=t)
     d, f, hd, L = cfg.d_model, cfg.hidden, cfg.head_dim, cfg.n_layer
     weights = (cfg.n_head + 2 * kv) * hd * d + d * d + 3 * d * f  # qkv, proj, fc, gate, out
     assert sim["block_param_bytes"] == 4 * L * (weights / t + 2 * d)  # + the two RMSNorms
@@ -203,9 +216,17 @@ def test_gqa_tensor_parallel_simulated_per_rank(kv, t, attention):
 @pytest.mark.parametrize("kv", [2, 1])
 def test_gqa_swiglu_tensor_parallel_matches_one_process(kv):
     """Two gloo ranks: kv heads split (kv=2) or replicated through the all-gather (MQA)."""
-    res = measure_tensor_parallel(ml.StepConfig(model=_llama_like(kv), seq=32, batch=2), tp=2,
+    res = measure_tensor_parallel(ml.StepConfig(model=_llama_like(kv), seq=32, batch=2), tensor_parallel=2,
                                   timeout=300)
     for r in res.per_rank:
         assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
         assert r["max_grad_diff"] < 1e-5
         assert r["layer_activation"] == r["formula"]["total"]
+
+
+def test_tp_is_the_old_spelling_of_tensor_parallel():
+    """Lessons 12 and 16 still write ``tp=``: it means ``tensor_parallel=``."""
+    from memlab.estimate import activation_bytes
+    cfg = _llama_like(2)
+    assert activation_bytes(cfg, 32, 2, "fp32", tp=2) == \
+        activation_bytes(cfg, 32, 2, "fp32", tensor_parallel=2) != activation_bytes(cfg, 32, 2, "fp32")

@@ -31,12 +31,20 @@ def test_op_lists_are_the_ones_torch_registers(policy, key):
     assert policy.ops == _registered(key)
 
 
-def test_cuda_and_cpu_autocast_differ_where_the_gpu_showed_it():
-    assert CUDA_AUTOCAST.rule("softmax.int") == "fp32_set_opt_dtype"
-    assert CPU_AUTOCAST.rule("softmax.int") is None
-    assert CPU_AUTOCAST.rule("cross_entropy_loss") == "fp32"
-    assert CUDA_AUTOCAST.rule("cross_entropy_loss") is None
-    assert CUDA_AUTOCAST.rule("group_norm") == "fp32" and CPU_AUTOCAST.rule("group_norm") is None
+def test_cpu_rules_are_what_cpu_autocast_does():
+    """The CPU table's rules against torch's CPU autocast itself: the dtype each op returns
+    (the CUDA table's rules are checked by the H200 reference, tests/test_gpu_reference.py)."""
+    x = torch.randn(4, 8)
+    img = torch.randn(1, 4, 2, 2, dtype=torch.bfloat16)  # every op gets a 16-bit input
+    target = torch.randint(0, 8, (4,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x @ torch.randn(8, 8)  # a bf16 matmul output
+        seen = {"softmax.int": F.softmax(h, -1).dtype, "group_norm": F.group_norm(img, 2).dtype,
+                "cross_entropy_loss": F.cross_entropy(h, target, reduction="none").dtype}
+    rules = {op: CPU_AUTOCAST.rule(op) for op in seen}
+    for op, dtype in seen.items():
+        # "fp32": the op is cast up; None: the op runs in its input's dtype (bf16 here)
+        assert (rules[op] == "fp32") == (dtype == torch.float32), (op, rules[op], dtype)
 
 
 def test_bad_target_is_rejected():

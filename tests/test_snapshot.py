@@ -6,6 +6,7 @@ from importlib import resources
 
 import pytest
 
+from memlab.errors import InputError
 from memlab.snapshot import REFERENCE_SNAPSHOT, live_timeline, load_snapshot
 
 MiB = 2**20
@@ -81,3 +82,40 @@ def test_what_is_not_a_snapshot_is_refused(tmp_path):
 
 def test_the_reference_is_package_data():
     assert resources.files("memlab").joinpath(*REFERENCE_SNAPSHOT).is_file()
+
+
+class _Plant:
+    """A pickle that, loaded by ``pickle.loads``, calls ``pathlib.Path.touch`` on a file."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        import pathlib
+        return pathlib.Path.touch, (pathlib.Path(self.target),)
+
+
+@pytest.mark.parametrize("gzipped", [False, True])
+def test_a_snapshot_that_would_run_code_is_refused_and_nothing_runs(tmp_path, gzipped):
+    planted = tmp_path / "ran"
+    evil = {"segments": [], "device_traces": [[]], "payload": _Plant(planted)}
+    data = pickle.dumps(evil)
+    pickle.loads(data)  # the attack works on plain pickle: the file appears
+    assert planted.exists()
+    planted.unlink()
+    path = tmp_path / ("evil.pickle.gz" if gzipped else "evil.pickle")
+    path.write_bytes(gzip.compress(data) if gzipped else data)
+    with pytest.raises(InputError, match="not a plain allocator snapshot") as info:
+        load_snapshot(path)
+    assert "\n" not in str(info.value) and "pathlib" in str(info.value)
+    assert not planted.exists()
+
+
+def test_plain_containers_of_every_protocol_load(tmp_path):
+    snap = {"segments": [{"blocks": [], "device": 0, "total_size": 2**20}],
+            "device_traces": [[{"action": "alloc", "size": 512, "time_us": 1.5}]],
+            "tags": {"a", "b"}, "pair": (1, -2), "frozen": frozenset({3})}
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        path = tmp_path / f"p{protocol}.pickle"
+        path.write_bytes(pickle.dumps(snap, protocol=protocol))
+        assert load_snapshot(path) == snap

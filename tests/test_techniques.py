@@ -4,8 +4,10 @@ from dataclasses import replace
 import pytest
 
 from memlab import GPTConfig, StepConfig, measure_step
-from memlab.techniques import (FP16_TINY, accumulation_check, find_max_batch_search, fp16_underflow,
-                               predict_max_batch, step_flops, sweep)
+from memlab.accumulation import accumulation_check
+from memlab.max_batch import find_max_batch_search, predict_max_batch
+from memlab.mixed_precision import FP16_TINY, fp16_underflow
+from memlab.sweeps import step_flops, sweep
 
 # smaller than ``tiny`` so that a batch search of ~8 real steps takes seconds
 MICRO = GPTConfig(n_layer=2, n_head=2, d_model=64, vocab_size=256, block_size=256, name="micro")

@@ -8,7 +8,7 @@ import pytest
 import memlab
 from memlab.allocator import read_oom
 from memlab.errors import InputError
-from memlab.tracking import requested_bytes
+from memlab.allocator import requested_bytes
 from memlab.units import GiB, KiB, MiB, binary_unit, fmt_bytes, parse_size
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..step import StepConfig, make_batch
-from ..techniques import relative_error
+from ..sweeps import relative_error
 from .common import CheckResult, call_learner, fail, grad_norm, require, tiny_model
 
 AMP_TOLERANCE = 1e-3  # relative difference of a weight update against the reference step

@@ -8,7 +8,7 @@ import torch
 from ..estimate import layer_activation_bytes
 from ..models import GPT, get_config
 from ..step import StepConfig, make_batch
-from ..techniques import relative_error
+from ..sweeps import relative_error
 from ..units import fmt_bytes
 from .common import CheckResult, call_learner, fail, forward_kept, require, tiny_model
 

@@ -6,7 +6,7 @@ from typing import Callable
 from ..diffusion import unet_levels
 from ..measure import measure_step
 from ..step import StepConfig
-from ..techniques import activations_by_module
+from ..sweeps import activations_by_module
 from ..units import fmt_bytes
 from .common import CheckResult, call_learner, fail, require
 

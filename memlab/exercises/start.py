@@ -8,7 +8,7 @@ from ..measure import measure_step
 from ..models import get_config
 from ..states import model_state_bytes
 from ..step import StepConfig
-from ..techniques import category_max
+from ..sweeps import category_max
 from ..units import fmt_bytes
 from .common import CheckResult, call_learner, fail, require
 

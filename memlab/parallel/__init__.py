@@ -15,21 +15,20 @@ through them; ranks idle while the pipeline fills and drains, the *bubble*
 ``(p - 1) / (m + p - 1)`` of each rank's time. GPipe runs all forwards, then all backwards
 (holding ``m`` micro-batches of activations); 1F1B interleaves them (holding at most ``p``).
 
-Workers follow :func:`memlab.distributed.run_ranks`' contract ``fn(rank, world_size,
+Workers follow :func:`memlab.ranks.run_ranks`' contract ``fn(rank, world_size,
 **kwargs)`` and run after ``init_process_group``; ``python -m memlab.parallel tp|pp`` runs
 the same worker under ``torchrun`` (:mod:`memlab.parallel.__main__`). Figures and the
 lesson's panel live in :mod:`memlab.ui`.
 """
 from .common import ParallelResult, default_backend, rank_device, worker_step
-from .formulas import (SCHEDULES, bubble_fraction, check_tensor_parallel, pipeline_schedule,
-                       tp_activation_bytes)
+from .formulas import SCHEDULES, bubble_fraction, pipeline_schedule, tp_activation_bytes
 from .pipeline import (PipelineStageModule, in_flight, measure_pipeline, pipeline_bubble,
                        pipeline_run, pp_worker, stage_bounds)
 from .tensor import (apply_tensor_parallel, measure_tensor_parallel, qkv_head_permutation,
                      simulate_tensor_parallel, tp_attention_forward, tp_worker)
 
 __all__ = ["ParallelResult", "SCHEDULES", "PipelineStageModule", "apply_tensor_parallel",
-           "bubble_fraction", "check_tensor_parallel", "default_backend", "in_flight",
+           "bubble_fraction", "default_backend", "in_flight",
            "measure_pipeline", "measure_tensor_parallel", "pipeline_bubble", "pipeline_run",
            "pipeline_schedule", "pp_worker",
            "qkv_head_permutation", "rank_device", "simulate_tensor_parallel", "stage_bounds",

@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import InputError
-from ..hardware import place_ranks, rank_device
+from ..hardware import rank_device
+from ..ranks import default_backend  # noqa: F401 (re-exported)
 from ..models import GPTConfig
 from ..step import MemoryReport, StepConfig
 
@@ -33,12 +34,6 @@ def worker_step(model: str | GPTConfig, seq: int, batch: int, attention: str,
     if tie is not None and step.model_config.tie_embeddings != tie:
         step = replace(step, model=replace(step.model_config, tie_embeddings=tie))
     return step
-
-
-def default_backend(ranks: int) -> str:
-    """The backend :func:`~memlab.hardware.place_ranks` gives ``ranks`` ranks here: NCCL when
-    every rank can have its own GPU, gloo (CPU) otherwise."""
-    return place_ranks(ranks).backend
 
 
 def set_rank_threads(world_size: int) -> None:

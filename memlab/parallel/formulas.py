@@ -1,9 +1,11 @@
-"""Formulas of tensor and pipeline parallelism: the pipeline bubble, which tensor-parallel
-degrees a model allows, and the activations a tensor-parallel layer keeps (Korthikanti et
+"""Formulas of tensor and pipeline parallelism: the pipeline bubble, the pipeline schedule,
+and the activations a tensor-parallel layer keeps, read from the estimate's one per-layer
+count (:func:`memlab.estimate.layer_activation_parts`) (Korthikanti et
 al. 2022, section 4.2.1)."""
 from __future__ import annotations
 
 from ..errors import InputError
+from ..estimate import layer_activation_parts
 from ..models import GPTConfig
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -20,27 +22,8 @@ def bubble_fraction(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def check_tensor_parallel(cfg: GPTConfig, t: int) -> str:
-    """How ``t`` tensor-parallel ranks split ``cfg``'s attention, or an InputError.
-
-    ``t`` must divide the query heads and the MLP width. Key/value heads are ``"split"``
-    when ``t`` divides ``n_kv_head`` (each rank its own), ``"replicated"`` when
-    ``n_kv_head`` divides ``t`` (``t / n_kv_head`` ranks share each; Megatron-Core's
-    ``num_query_groups < world_size`` case), and anything else is refused.
-    """
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise InputError(f"tensor-parallel degree must be a positive integer, got {t!r}")
-    h, kv = cfg.n_head, cfg.kv_heads
-    allowed = [d for d in range(1, h + 1) if h % d == 0 and cfg.hidden % d == 0
-               and (kv % d == 0 or (d % kv == 0 and ((h // kv + 2) * cfg.head_dim) % (d // kv) == 0))]
-    if t not in allowed:
-        raise InputError(f"tensor-parallel degree t={t} must divide n_head={h} and the MLP width "
-                         f"{cfg.hidden}, and divide or be a multiple of n_kv_head={kv}; "
-                         f"allowed: {', '.join(map(str, allowed))}")
-    return "split" if kv % t == 0 else "replicated"
-
-
-def tp_activation_bytes(cfg: GPTConfig, seq: int, batch: int, t: int = 1) -> dict[str, float]:
+def tp_activation_bytes(cfg: GPTConfig, seq: int, batch: int, tensor_parallel: int = 1, *,
+                        target: str = "cpu") -> dict[str, float]:
     """Activation bytes one transformer layer keeps for backward on each of ``t`` TP ranks
     (fp32, the precision the tensor-parallel runs use).
 
@@ -72,19 +55,9 @@ def tp_activation_bytes(cfg: GPTConfig, seq: int, batch: int, t: int = 1) -> dic
       (no dropout: the paper's ``5`` becomes ``4``) and the boolean causal mask, ``s^2``
       bytes on every rank; with fused SDPA only its log-sum-exp, ``4 a_r s b``.
     """
-    from ..estimate import attention_saved_elements  # one count of q, k, v for both
-    check_tensor_parallel(cfg, t)
-    s, b, h, f = seq, batch, cfg.d_model, cfg.hidden
-    tokens = s * b
-    norm = 8 * tokens * h + (8 * tokens if cfg.norm == "layernorm" else 4 * tokens * h + 4 * tokens)
-    mask = s * s if cfg.attention == "naive" else 0
-    replicated = 2 * norm + mask
-    heads = cfg.n_head // t
-    mlp = (4 if cfg.mlp == "swiglu" else 2) * 4 * tokens * f / t
-    sharded = 4 * attention_saved_elements(cfg, seq, batch, t) + mlp  # with proj's input
-    core = 4 * heads * s * s * b if cfg.attention == "naive" else 4 * heads * tokens
-    return {"replicated": replicated, "sharded": sharded, "attention_core": core,
-            "total": replicated + sharded + core}
+    cfg.check_tensor_parallel(tensor_parallel)
+    parts = layer_activation_parts(cfg, seq, batch, "fp32", target, tensor_parallel)
+    return {**parts, "total": sum(parts.values())}
 
 
 def pipeline_schedule(p: int, m: int, schedule: str = "gpipe", *, forward: int = 1,

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..distributed import resolve_placement, run_ranks
+from ..ranks import resolve_placement, run_ranks
 from ..errors import InputError
 from ..models import GPT
 from ..step import StepConfig, build_optimizer, make_batch

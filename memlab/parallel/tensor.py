@@ -15,7 +15,8 @@ Megatron-Core does (``megatron/core/transformer/attention.py``, ``SelfAttention`
   that share it - and its ``n_head / t`` query heads. The all-gather's backward is a
   reduce-scatter, which sums the key/value gradients of the ranks sharing a head.
 
-Any other ``t`` is refused (:func:`check_tensor_parallel`), as Megatron-Core's ``divide`` does.
+Any other ``t`` is refused (:meth:`memlab.models.GPTConfig.check_tensor_parallel`), as
+Megatron-Core's ``divide`` does.
 """
 from __future__ import annotations
 
@@ -23,23 +24,26 @@ import copy
 import types
 
 import torch
-import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
-from ..distributed import resolve_placement, run_ranks
+from ..ranks import resolve_placement, run_ranks
 from ..errors import InputError
 from ..models import GPT, GPTConfig
 from ..step import StepConfig, make_batch
 from ..tracking import MemoryTracker
 from ..hardware import Placement
+from ..ranks import fake_process_group
 from .common import (ParallelResult, is_sharded, local_bytes, rank_device, set_rank_threads,
                      worker_step)
-from .formulas import check_tensor_parallel, tp_activation_bytes
+from .formulas import tp_activation_bytes
 
 
 def qkv_head_permutation(cfg: GPTConfig, t: int) -> torch.Tensor:
     """Row order of the fused ``qkv`` weight that a column-wise split in ``t`` equal chunks
-    turns into whole attention heads (:func:`check_tensor_parallel` says which layout).
+    turns into whole attention heads (:meth:`memlab.models.GPTConfig.check_tensor_parallel`
+    says which layout).
 
     ``qkv`` rows are ``[q (n_head heads) | k (n_kv_head) | v (n_kv_head)]``, ``head_dim``
     rows per head; a split of that order would hand rank 0 all of q and none of k.
@@ -51,7 +55,7 @@ def qkv_head_permutation(cfg: GPTConfig, t: int) -> torch.Tensor:
       (Megatron-Core's interleaved layout); a chunk is part of a group, so ranks all-gather
       the projection's output and pick their group from it (:func:`tp_attention_forward`).
     """
-    layout = check_tensor_parallel(cfg, t)
+    layout = cfg.check_tensor_parallel(t)
     h, kv, hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
     q = torch.arange(h * hd).view(h, hd)
     k = h * hd + torch.arange(kv * hd).view(kv, hd)
@@ -85,7 +89,7 @@ def tp_attention_forward(self, x: torch.Tensor) -> torch.Tensor:
     hd, groups = cfg.head_dim, cfg.n_head // cfg.kv_heads
     mesh = getattr(self, "tp_mesh", None)
     qkv = self.qkv(x)
-    if mesh is not None and check_tensor_parallel(cfg, mesh.size()) == "replicated":
+    if mesh is not None and cfg.check_tensor_parallel(mesh.size()) == "replicated":
         t, rank = mesh.size(), mesh.get_local_rank()
         ranks_per_group = t // cfg.kv_heads
         width = (groups + 2) * hd
@@ -189,7 +193,6 @@ def tp_worker(rank: int, world_size: int, *, model: str | GPTConfig = "tiny", se
     """One TP rank: loss and gradients against the single-process model, then a tracked
     AdamW step with the activations each block keeps. ``model``: a preset name or a
     :class:`~memlab.models.GPTConfig`. Returns plain numbers."""
-    from torch.distributed.device_mesh import init_device_mesh
     set_rank_threads(world_size)
     dev = rank_device()
     step = worker_step(model, seq, batch, attention)
@@ -227,26 +230,21 @@ def tp_worker(rank: int, world_size: int, *, model: str | GPTConfig = "tiny", se
     return out
 
 
-def simulate_tensor_parallel(step: StepConfig | None = None, tp: int = 2) -> dict:
-    """Rank 0 of a ``tp``-way tensor-parallel step, in this process, without the memory:
+def simulate_tensor_parallel(step: StepConfig | None = None, tensor_parallel: int = 2, *,
+                             tp: int | None = None) -> dict:
+    """Rank 0 of a ``tensor_parallel``-way step, in this process, without the memory:
     a fake process group (collectives return at once) and fake tensors, tracked exactly.
 
     Every rank holds the same shapes, so rank 0 stands for all; the numbers equal a real
     run's (lesson 08 checks it on the tiny model), for models no laptop could hold.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    tp = tensor_parallel if tp is None else tp  # ``tp=``: the old spelling lesson 12 uses
     step = step or StepConfig()
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig):
         raise InputError("tensor parallelism needs a GPT model")
-    check_tensor_parallel(cfg, tp)
-    if dist.is_initialized():
-        raise RuntimeError("a process group already exists in this process; the simulation "
-                           "needs its own fake one (run it outside a distributed job)")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
-    try:
+    cfg.check_tensor_parallel(tp)
+    with fake_process_group(tp):
         mesh = init_device_mesh("cpu", (tp,))  # outside fake mode: it reads the ranks
         with FakeTensorMode(), torch.device("cpu"):
             model = apply_tensor_parallel(GPT(cfg), mesh)
@@ -257,25 +255,25 @@ def simulate_tensor_parallel(step: StepConfig | None = None, tp: int = 2) -> dic
             opt.step()
             opt.zero_grad(set_to_none=True)
             out = tp_tracked_step(model, opt, idx, tgt)
-    finally:
-        dist.destroy_process_group()
     out.update(rank=0, world_size=tp, config=cfg.name,
                formula=tp_activation_bytes(cfg, step.seq, step.batch, tp))
     return out
 
 
-def measure_tensor_parallel(step: StepConfig | None = None, tp: int = 2, *, check: bool = True,
+def measure_tensor_parallel(step: StepConfig | None = None, tensor_parallel: int = 2, *,
+                            tp: int | None = None, check: bool = True,
                             timeout: float = 300.0, backend: str | None = None,
                             placement: Placement | None = None) -> ParallelResult:
     """Run one TP step of ``step``'s GPT on ``tp`` spawned ranks: loss and gradients against
     one process (``check``), parameter bytes, activations per layer and the tracked peak.
     The ranks run where ``placement`` says (default :func:`~memlab.hardware.place_ranks`:
     NCCL with one GPU per rank, else gloo on the CPU); ``backend="gloo"`` asks for the CPU."""
+    tp = tensor_parallel if tp is None else tp  # ``tp=``: the old spelling lesson 12 uses
     step = step or StepConfig()
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig):
         raise InputError(f"tensor parallelism needs a GPT model, got {getattr(cfg, 'name', cfg)!r}")
-    check_tensor_parallel(cfg, tp)  # before any rank starts
+    cfg.check_tensor_parallel(tp)  # before any rank starts
     placement = resolve_placement(tp, backend=backend, placement=placement)
     res = run_ranks(tp_worker, tp, timeout=timeout, placement=placement,
                     kwargs=dict(model=step.model, seq=step.seq, batch=step.batch,

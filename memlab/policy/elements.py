@@ -4,21 +4,9 @@ its kernels, :mod:`.kernels`). ``target`` is ``"cuda"``/``"cpu"`` or a
 :class:`~memlab.policy.Target`."""
 from __future__ import annotations
 
-from ..errors import InputError
-from ..states import PLAIN
+from ..precision import precision_bytes  # noqa: F401 (re-exported: the one table)
 from .autocast import AUTOCAST
 from .kernels import layer_norm_stat_bytes, rms_norm_fused, target_name
-
-
-def precision_bytes(precision: str) -> tuple[int, int, int | None]:
-    """``(parameter, compute, autocast)`` bytes per element of a precision (parameters as
-    :data:`memlab.states.PLAIN` keeps them): autocast's dtype is ``None`` when autocast is
-    off (fp32, pure-bf16), and matmuls compute in it when on."""
-    autocast = {"fp32": None, "bf16": 2, "fp16": 2, "pure-bf16": None}
-    if precision not in autocast:
-        raise InputError(f"precision={precision!r}; allowed: {', '.join(autocast)}")
-    param = PLAIN[precision][0]
-    return param, autocast[precision] or param, autocast[precision]
 
 
 def op_bytes(target, op: str, input_bytes: int, precision: str,

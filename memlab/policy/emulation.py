@@ -16,6 +16,7 @@ import weakref
 from typing import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map_only
 
 from .kernels import DTYPE_NAMES, rms_norm_fused, sdpa_backend
@@ -111,7 +112,6 @@ def _promote_kernel(op):
 
 
 def _is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
     return isinstance(t, FakeTensor)
 
 
