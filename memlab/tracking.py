@@ -573,6 +573,26 @@ class MemoryTracker(TorchDispatchMode):
         ev = self.timeline[self._host_peak_op]
         return dict(zip(CATEGORIES, ev.host_by_category))
 
+    def allocation_log(self) -> tuple[list[tuple[int, int, str]], list[tuple[str, int, int]]]:
+        """The device allocations in the order the allocator saw them, for replaying them
+        through an allocator model (:mod:`memlab.policy.caching`): what was registered before
+        the first op, as ``(key, bytes, category)``, then the ops' events, ``("alloc", key,
+        bytes)``, ``("free", key, 0)``, and ``(phase, -1, 0)`` where the ops enter a new
+        phase (``"forward"``, ``"backward"``, ``"optimizer"``, ...). Host storages are left out."""
+        recs, log = self._records, self._log
+        first = next((i for i, (_, kind) in enumerate(log) if kind == 0), len(log))
+        held = [(k, recs[k].nbytes, recs[k].category) for k, kind in log[:first]
+                if kind == 1 and not recs[k].host]
+        events, phase = [], None
+        for key, kind in log[first:]:
+            if kind == 0:
+                if self._ops[key][2] != phase:
+                    phase = self._ops[key][2]
+                    events.append((phase, -1, 0))
+            elif not recs[key].host:
+                events.append(("alloc" if kind > 0 else "free", key, recs[key].nbytes if kind > 0 else 0))
+        return held, events
+
     def reset_peak(self) -> None:
         """Start a new peak from the bytes live now (e.g. after a warm-up step)."""
         self.peak_bytes = self.live_bytes

@@ -150,13 +150,16 @@ def test_sm75_attention_in_the_estimate():
 
 def test_sm75_simulation_runs_the_math_kernel_as_the_estimate_counts_it():
     """The simulation on a T4 dispatches bf16 attention to the math composite (fp16 keeps a
-    fused kernel): its peak agrees with the estimate's math-kernel rule within 0.1%."""
+    fused kernel): its peak agrees with the estimate's math-kernel rule within 0.1%, both
+    without workspace (the simulation's includes the allocator's unsplit blocks, which a
+    formula cannot know: memlab.policy.caching)."""
     from memlab.simulate import simulate_step
     for precision in ("bf16", "fp16"):
         step = StepConfig(model="tiny", seq=256, batch=4, precision=precision)
         sim = simulate_step(step, card="T4-16GB")
         est = estimate_step(step, card="T4-16GB")
-        assert abs(sim.peak_bytes / est.peak_bytes - 1) < 0.001, precision
+        tensors = [r.peak_bytes - r.by_category["workspace"] for r in (sim, est)]
+        assert abs(tensors[0] / tensors[1] - 1) < 0.001, precision
     bf16 = simulate_step(StepConfig(model="tiny", seq=256, batch=4, precision="bf16"), card="T4-16GB")
     fp16 = simulate_step(StepConfig(model="tiny", seq=256, batch=4, precision="fp16"), card="T4-16GB")
     assert bf16.by_category["activations"] > 1.3 * fp16.by_category["activations"]

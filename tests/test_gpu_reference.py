@@ -1,10 +1,18 @@
 """The CUDA target against a real GPU: every measured H200 step, replayed on CPU.
 
 Ground truth is the CUDA caching allocator's ``max_memory_allocated`` over the step, recorded
-in ``memlab/data/reference/NVIDIA-H200/{devset,gpu_check}.json``. The estimate and the
-simulation with ``target="cuda"`` must land within 3% of it on every GPT row and within 15%
-on the UNet rows (whose cuDNN convolution workspace is a model, see ``memlab.policy``). The
-rows also record the tracker's bytes on that GPU (``measure_by_category``: what the
+in ``memlab/data/reference/NVIDIA-H200/{devset,gpu_check}.json``. Under is the side on which
+a learner is told a step fits and then runs out of memory, so the bounds are one-sided:
+
+* the simulation with ``target="cuda"`` replays the step's allocations through the caching
+  allocator's block rules (``memlab.policy.caching``): every GPT row within 1% and at most
+  0.65% under (the rest is the cache that earlier rows of the same process left behind,
+  which no replay of one step can know); UNet rows within 10% (cuDNN's convolution
+  workspace is a model, see ``memlab.policy``);
+* the estimate, a formula with no allocation order to replay, counts 512-byte blocks only:
+  GPT rows from 1.5% under to 0.5% over, UNet rows within 10%.
+
+The rows also record the tracker's bytes on that GPU (``measure_by_category``: what the
 dispatcher saw), which the simulation must reproduce up to the allocator's 512-byte blocks.
 """
 import pytest
@@ -17,8 +25,13 @@ from memlab.simulate import simulate_step
 STEPS = reference_steps()
 
 
-def _tolerance(ref) -> float:
-    return 0.03 if isinstance(ref.step.model_config, GPTConfig) else 0.15
+# (most under, most over) the allocator, as fractions: see the module docstring
+ESTIMATE_BOUNDS = {"gpt": (-0.015, 0.005), "unet": (-0.10, 0.10)}
+SIMULATE_BOUNDS = {"gpt": (-0.0065, 0.01), "unet": (-0.10, 0.10)}
+
+
+def _family(ref) -> str:
+    return "gpt" if isinstance(ref.step.model_config, GPTConfig) else "unet"
 
 
 def _kind(ref) -> str:
@@ -57,7 +70,8 @@ def test_every_reference_row_is_replayed():
 def test_estimate_cuda_matches_the_allocator(ref):
     est = estimate_step(ref.step, target="cuda")
     err = est.peak_bytes / ref.allocator_peak - 1
-    assert abs(err) < _tolerance(ref), f"{ref.label}: estimate {err:+.1%} vs max_memory_allocated"
+    low, high = ESTIMATE_BOUNDS[_family(ref)]
+    assert low < err < high, f"{ref.label}: estimate {err:+.2%} vs max_memory_allocated"
 
 
 @pytest.mark.parametrize("ref", [r if i in FAST else pytest.param(r, marks=pytest.mark.slow)
@@ -65,7 +79,8 @@ def test_estimate_cuda_matches_the_allocator(ref):
 def test_simulate_cuda_matches_the_allocator(ref):
     sim = simulate_step(ref.step, target="cuda")
     err = sim.peak_bytes / ref.allocator_peak - 1
-    assert abs(err) < _tolerance(ref), f"{ref.label}: simulate {err:+.1%} vs max_memory_allocated"
+    low, high = SIMULATE_BOUNDS[_family(ref)]
+    assert low < err < high, f"{ref.label}: simulate {err:+.2%} vs max_memory_allocated"
     assert sim.device == "cuda (fake)"
     if isinstance(ref.step.model_config, GPTConfig):
         # What the dispatcher saw on the GPU, to the byte but for 512-byte blocks of the few

@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "policy.autocast": "autocast op lists per device",
         "policy.elements": "element sizes under a target",
         "policy.kernels": "attention and norm kernels per card",
+        "policy.caching": "the CUDA caching allocator's block rules, a step's allocations replayed through them",
         "policy.workspaces": "cuBLAS / cuDNN / attention workspaces",
         "policy.target": "the target device a lens predicts for",
         "policy.emulation": "the simulation's dispatcher emulation of a target",
