@@ -1,6 +1,6 @@
-"""The advisor: walk the seed's decision flowchart until a training step fits the GPU.
+"""The advisor: walk the curriculum's decision flowchart until a training step fits the GPU.
 
-The seed's flowchart (curriculum section 6) is: enough memory? -> mixed precision -> still
+The curriculum's flowchart (course/curriculum.md, section 6) is: enough memory? -> mixed precision -> still
 short? checkpointing -> still short? ZeRO-1/2/3 -> still short? tensor + pipeline parallel
 -> CPU offload -> train. :func:`advise` walks it on the estimate
 (:func:`memlab.estimate.estimate_step`), adding one technique at a time to the plan, and
@@ -131,7 +131,7 @@ def tensor_parallel_degree(cfg: GPTConfig, world_size: int, limit: int = TP_MAX)
 
 
 def flowchart(world_size: int) -> list[tuple[str, dict]]:
-    """The seed's flowchart as ``(technique, StepConfig overrides)``, in order.
+    """The curriculum's flowchart as ``(technique, StepConfig overrides)``, in order.
 
     ZeRO sharding and tensor parallelism need several ranks. Offload runs under DeepSpeed's
     ZeRO optimizer on any number of ranks: stage 2 for the optimizer state (ZeRO-Offload, Ren

@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list model and GPU presets")
     p.add_argument("--json", action="store_true")
     _add_advise_args(sub.add_parser("advise", help="the techniques, in order, until the step fits"))
-    p = sub.add_parser("report", help="the seed's comparison table, measured (Markdown + PNG)")
+    p = sub.add_parser("report", help="the curriculum's comparison table, measured (Markdown + PNG)")
     p.add_argument("--out", required=True, help="folder for table.md, table.json and table.png")
     p.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--seq", type=_positive_int("seq"), default=256, help="sequence length")

@@ -198,9 +198,9 @@ def plot_tradeoff(points: Mapping[str, tuple[float, float]], ax=None, *,
         ax.annotate(name, (mem, time), textcoords="offset points", xytext=(6, 4), fontsize=8)
     ax.axvline(1.0, color="grey", lw=0.8)
     ax.axhline(1.0, color="grey", lw=0.8)
-    # the seed's claim: 50-70% of the memory saved for 30-50% more compute
+    # the curriculum's claim: 50-70% of the memory saved for 30-50% more compute
     ax.add_patch(plt.Rectangle((0.3, 1.3), 0.2, 0.2, color="gold", alpha=0.3,
-                               label="seed: -50..70% memory, +30..50% time"))
+                               label="curriculum: -50..70% memory, +30..50% time"))
     ax.set_xlabel("peak memory / baseline")
     ax.set_ylabel("step time / baseline")
     ax.set_title(title or "memory against recompute time", fontsize=9)

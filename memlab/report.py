@@ -1,6 +1,6 @@
-"""The seed's comparison table, measured: memory saved and compute cost of each technique.
+"""The curriculum's comparison table, measured: memory saved and compute cost of each technique.
 
-The seed (curriculum section 4) gives folklore figures: checkpointing saves 50-70% for
+The curriculum (course/curriculum.md, section 4) gives folklore figures: checkpointing saves 50-70% for
 30-50% more compute, mixed precision ~50%, ZeRO-1/2/3 ~50/75/90%, activation compression
 30-60%, and so on. :func:`measure_table` measures each row on this machine for one training
 step of the tiny GPT, as ratios to a baseline (fp32, no technique), and marks each claim
@@ -36,8 +36,8 @@ from .units import GiB, MiB
 
 REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
 
-# technique -> (seed's memory claim, seed's compute claim, claimed saving range or None)
-SEED = {
+# technique -> (the curriculum's memory claim, its compute claim, claimed saving range or None)
+CLAIMS = {
     "gradient checkpointing": ("~50-70%", "+30-50%", (0.50, 0.70)),
     "mixed precision": ("~50%", "lower or equal", (0.45, 0.55)),
     "ZeRO-1": ("~50%", "slight communication", (0.45, 0.55)),
@@ -53,11 +53,11 @@ SEED = {
 
 @dataclass
 class Row:
-    """One technique: the seed's claim, what we measured, and the verdict."""
+    """One technique: the curriculum's claim, what we measured, and the verdict."""
 
     technique: str
-    seed_memory: str
-    seed_compute: str
+    curriculum_memory: str
+    curriculum_compute: str
     memory_ratio: float | None  # peak with the technique / peak without (lower is better)
     time_ratio: float | None    # step time with / without
     verdict: str                # holds | holds only when ... | does not hold
@@ -96,13 +96,13 @@ class Table:
                  else "single-device rows only")
         head = (f"Measured on this machine: {s.model_config.name}, seq {s.seq}, batch {s.batch}, "
                 f"AdamW, fp32 baseline; {multi}.\n\n")
-        lines = ["| technique | seed: memory | measured memory saved | seed: compute | "
+        lines = ["| technique | curriculum: memory | measured memory saved | curriculum: compute | "
                  "measured time ratio | verdict | evidence | GPU reference |",
                  "|---|---|---|---|---|---|---|---|"]
         for r in self.rows:
             saved = "n/a" if r.saving is None else f"{r.saving:.0%}"
             tr = "n/a" if r.time_ratio is None else f"{r.time_ratio:.2f}x"
-            lines.append(f"| {r.technique} | {r.seed_memory} | {saved} | {r.seed_compute} | {tr} "
+            lines.append(f"| {r.technique} | {r.curriculum_memory} | {saved} | {r.curriculum_compute} | {tr} "
                          f"| {r.verdict} | {r.evidence} | {r.reference or '-'} |")
         notes = "".join(f"\n- {n}" for n in self.notes)
         return head + "\n".join(lines) + ("\n" + notes if notes else "") + "\n"
@@ -118,7 +118,7 @@ class Table:
         from .plots import plot_tradeoff  # matplotlib: loaded only when a figure is drawn
         pts = {r.technique: (r.memory_ratio, r.time_ratio) for r in self.rows
                if r.memory_ratio is not None and r.time_ratio is not None}
-        ax = plot_tradeoff(pts, ax, title="the seed's table, measured: memory vs time")
+        ax = plot_tradeoff(pts, ax, title="the curriculum's table, measured: memory vs time")
         ax.legend(fontsize=7, loc="upper left")  # the upper right holds slow, small savers
         return ax
 
@@ -129,7 +129,7 @@ class Table:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         paths = {"markdown": out / "table.md", "json": out / "table.json", "png": out / "table.png"}
-        paths["markdown"].write_text("# The seed's comparison table, measured\n\n" + self.to_markdown())
+        paths["markdown"].write_text("# The curriculum's comparison table, measured\n\n" + self.to_markdown())
         paths["json"].write_text(self.to_json())
         with matplotlib.rc_context({"backend": "Agg"}):
             fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -328,7 +328,7 @@ def _deepspeed_ratios(gpu: str, rows: list[dict]) -> dict[str, str]:
 
 def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distributed: bool = True,
                   repeats: int = 2, reference_dir: str | Path = REFERENCE_DIR) -> Table:
-    """Measure every row of the seed's table for ``step`` (default tiny, seq 256, batch 8).
+    """Measure every row of the curriculum's table for ``step`` (default tiny, seq 256, batch 8).
 
     ``distributed=False`` skips the multi-rank rows (they spawn ranks: the slow part).
     """
@@ -349,9 +349,9 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
         return one[name]["seconds"] / base["seconds"] if repeats else None
 
     def add(tech, mem, tr, cond, evidence):
-        seed_mem, seed_comp, claim = SEED[tech]
+        cur_mem, cur_comp, claim = CLAIMS[tech]
         v = verdict(1 - mem, claim, cond) if mem is not None else "not measured"
-        rows.append(Row(tech, seed_mem, seed_comp, mem, tr, v, evidence))
+        rows.append(Row(tech, cur_mem, cur_comp, mem, tr, v, evidence))
 
     m = ratio("checkpointing")
     add("gradient checkpointing", m, tratio("checkpointing"),
@@ -384,19 +384,19 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
         for z, tech in ((1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")):
             zr = multi[f"zero{z}"]
             states = 1 - _model_states(zr["allocator"]) / s0
-            n_needed = ranks_for(z, SEED[tech][2][0] - 0.05)
-            seed_mem, seed_comp, claim = SEED[tech]
+            n_needed = ranks_for(z, CLAIMS[tech][2][0] - 0.05)
+            cur_mem, cur_comp, claim = CLAIMS[tech]
             v = verdict(states, claim, f"N >= {n_needed} ranks (formula, mixed-precision Adam: "
                                        f"{zero_saving(z, world_size):.0%} at N={world_size}, "
                                        f"{zero_saving(z, 64):.0%} at N=64)")
-            rows.append(Row(tech, seed_mem, seed_comp, 1 - states, zr["seconds"] / z0["seconds"], v,
+            rows.append(Row(tech, cur_mem, cur_comp, 1 - states, zr["seconds"] / z0["seconds"], v,
                             f"model states per rank -{states:.0%} (fp32 training, DeepSpeed adds an "
                             f"fp32 master partition); whole step peak "
                             f"{z0['peak_bytes'] / MiB:.1f} -> {zr['peak_bytes'] / MiB:.1f} MiB "
                             f"(activations and buckets unchanged); time vs DeepSpeed stage 0"))
         tp = multi["tp"]
         m = tp["peak_bytes"] / base["peak_bytes"]
-        rows.append(Row("tensor parallelism", *SEED["tensor parallelism"][:2], m, None,
+        rows.append(Row("tensor parallelism", *CLAIMS["tensor parallelism"][:2], m, None,
                         "holds only when the split layers dominate (parameters "
                         f"{tp['param_bytes'] / tp['full_param_bytes']:.0%} per rank at "
                         f"t={world_size}; embeddings, norms and the loss stay whole)"
@@ -405,7 +405,7 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
                         f"{base['peak_bytes'] / MiB:.1f} MiB; not timed"))
         pp = multi["pp"]
         m = pp["peak_bytes"] / base["peak_bytes"]
-        rows.append(Row("pipeline parallelism", *SEED["pipeline parallelism"][:2], m,
+        rows.append(Row("pipeline parallelism", *CLAIMS["pipeline parallelism"][:2], m,
                         1 / (1 - pp["bubble"]), "holds" if m < 1 else "does not hold",
                         f"1F1B, 4 micro-batches, {world_size} stages: stage peak "
                         f"{pp['peak_bytes'] / MiB:.1f} MiB, bubble {pp['bubble']:.0%} "
@@ -413,7 +413,7 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
         off, z2 = multi["offload"], multi["zero2"]
         dev = off["allocator"]["device_peak_bytes"]
         m = dev / z2["peak_bytes"]
-        rows.append(Row("offloading", *SEED["offloading"][:2], m, off["seconds"] / z2["seconds"],
+        rows.append(Row("offloading", *CLAIMS["offloading"][:2], m, off["seconds"] / z2["seconds"],
                         "holds" if m < 0.75 else "holds only when optimizer state dominates "
                         "(large models, small activations)",
                         f"ZeRO-2 + optimizer offload: device peak {dev / MiB:.1f} MiB, host "
@@ -425,7 +425,7 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
         r.reference = refs.get(r.technique, "")
     if not refs:
         notes.append("no GPU reference figures in data/reference/<gpu>/ yet (make gpu-check)")
-    order = list(SEED)
+    order = list(CLAIMS)
     rows.sort(key=lambda r: order.index(r.technique))
     return Table(rows, step, world_size if distributed else 1, time.perf_counter() - start, notes)
 
@@ -450,7 +450,7 @@ def measure_saving(step: StepConfig, technique: str) -> dict:
         if comp is not None:
             comp.remove()
     out["saving"] = 1 - out[technique]["peak_bytes"] / out["baseline"]["peak_bytes"]
-    out["verdict"] = verdict(out["saving"], SEED[technique][2], "activations dominate the peak")
+    out["verdict"] = verdict(out["saving"], CLAIMS[technique][2], "activations dominate the peak")
     return out
 
 
@@ -460,6 +460,6 @@ def write_report(out: str | Path, step: StepConfig | None = None, **kwargs) -> t
     return table, table.save(out)
 
 
-__all__ = ["Row", "Table", "SEED", "SINGLE", "measure_saving", "measure_table", "write_report", "load_references",
+__all__ = ["Row", "Table", "CLAIMS", "SINGLE", "measure_saving", "measure_table", "write_report", "load_references",
            "reference_ratios", "verdict", "zero_saving", "ranks_for", "single_device",
            "multi_rank", "table_placement"]

@@ -38,7 +38,7 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
                      torch_adam: bool = True) -> dict:
     """The DeepSpeed config for ``step`` (a :class:`~memlab.step.StepConfig`).
 
-    Modelled on the seed's config (train_batch_size, gradient_accumulation_steps, fp16/bf16,
+    Modelled on the curriculum's config (course/curriculum.md, section 5) (train_batch_size, gradient_accumulation_steps, fp16/bf16,
     zero_optimization with offload, activation_checkpointing). ``step.batch`` is the batch of
     one rank, so train_batch_size = batch x world_size. Adam runs as ``torch.optim.AdamW``
     (``torch_adam``): no op is compiled, and the state lives where ZeRO puts it.

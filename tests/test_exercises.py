@@ -120,7 +120,7 @@ def amp_step_bf16(model, optimizer, scaler, batch):
 
 
 def amp_step_seed(model, optimizer, scaler, batch):
-    from torch.cuda.amp import autocast  # the seed's import
+    from torch.cuda.amp import autocast  # the curriculum's import
     optimizer.zero_grad(set_to_none=True)
     with autocast():
         loss = model(*batch)
@@ -286,7 +286,7 @@ def test_fake_ranks_leave_nothing_behind(ds):
 
 
 def test_deepspeed_batch_sizes_are_deepspeeds_own(ds):
-    seed = {"train_batch_size": 8, "gradient_accumulation_steps": 4}   # the seed's config
+    seed = {"train_batch_size": 8, "gradient_accumulation_steps": 4}   # the curriculum's config
     # micro-batch = 8 / (4 x ranks)
     assert deepspeed_tools.deepspeed_batch_sizes(seed, 1)["train_micro_batch_size_per_gpu"] == 2
     assert deepspeed_tools.deepspeed_batch_sizes(seed, 2)["train_micro_batch_size_per_gpu"] == 1

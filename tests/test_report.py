@@ -36,7 +36,7 @@ def test_single_device_rows_are_measured(table):
 ])
 def test_verdict_follows_from_the_estimated_saving(table, technique, change, claim_low, condition):
     """A second lens decides the verdict: the closed-form estimate's saving for the same
-    change, against the seed's published low end (50-70% for checkpointing, ~50% for mixed
+    change, against the curriculum's published low end (50-70% for checkpointing, ~50% for mixed
     precision) less the table's 5-point allowance. The measured saving agrees with the
     estimate's within 0.5 points (achieved: 0.3 and < 0.01)."""
     base = estimate_step(STEP).peak_bytes

@@ -83,7 +83,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "parallel.tensor": "tensor parallelism: the Megatron split, its workers and simulation",
         "parallel.pipeline": "pipeline parallelism: stages, GPipe and 1F1B, their workers",
         "parallel": "the parallel package's names in one place",
-        "advisor": "the seed's flowchart as a plan (in DeepSpeed's accounting) and its DeepSpeed config",
+        "advisor": "the curriculum's flowchart as a plan (in DeepSpeed's accounting) and its DeepSpeed config",
         "finetune": "LoRA counted from rank and targets; 8-bit AdamW state",
         "deepspeed_tools": "DeepSpeed as rank 0 of N: fake ranks, batch keys, two engine steps",
         "data_parallel": "collectives and one DDP step measured on ranks",
@@ -91,7 +91,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
     }),
     ("the UI", {
         "plots": "every matplotlib figure",
-        "report": "the seed's comparison table, measured, as Markdown, JSON and PNG",
+        "report": "the curriculum's comparison table, measured, as Markdown, JSON and PNG",
         "widgets": "every ipywidgets panel (the only module importing ipywidgets)",
         "leaks": "growth per optimizer step: what a leaking loop keeps, by category",
         "exercises": "checkers for the learners' own code in the lessons' \"Your turn\" cells",
