@@ -348,29 +348,26 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
     def tratio(name):
         return one[name]["seconds"] / base["seconds"] if repeats else None
 
-    def add(tech, mem, tr, cond, evidence):
+    def add(tech, name, cond, evidence):
+        """The row of ``tech``, measured as the single-device case ``name``."""
         cur_mem, cur_comp, claim = CLAIMS[tech]
-        v = verdict(1 - mem, claim, cond) if mem is not None else "not measured"
-        rows.append(Row(tech, cur_mem, cur_comp, mem, tr, v, evidence))
+        mem = ratio(name)
+        rows.append(Row(tech, cur_mem, cur_comp, mem, tratio(name), verdict(1 - mem, claim, cond), evidence))
 
-    m = ratio("checkpointing")
-    add("gradient checkpointing", m, tratio("checkpointing"),
+    add("gradient checkpointing", "checkpointing",
         f"activations are most of the peak (here {act_share:.0%}; activations alone fell "
         f"{1 - ratio('checkpointing', 'activation_bytes'):.0%})",
         f"peak {base['peak_bytes'] / MiB:.1f} -> {one['checkpointing']['peak_bytes'] / MiB:.1f} MiB")
-    m = ratio("bf16")
-    add("mixed precision", m, tratio("bf16"),
+    add("mixed precision", "bf16",
         f"activations dominate and weights are stored in 16 bits (autocast keeps fp32 weights; "
         f"activations fell {1 - ratio('bf16', 'activation_bytes'):.0%})",
         f"peak {one['bf16']['peak_bytes'] / MiB:.1f} MiB; CPU bf16 matmuls are not faster")
-    m = ratio("int8")
-    add("activation compression", m, tratio("int8"),
+    add("activation compression", "int8",
         f"activations are most of the peak (int8 cut activations "
         f"{1 - ratio('int8', 'activation_bytes'):.0%})",
         f"int8 per-row saved-tensor hooks: peak {one['int8']['peak_bytes'] / MiB:.1f} MiB")
-    m = ratio("selective")
     naive = _selective_estimate(step)
-    add("recomputation (selective)", m, tratio("selective"),
+    add("recomputation (selective)", "selective",
         f"attention scores are stored (naive attention, estimate: {naive:.0%} saved)",
         f"attention core recomputed: peak {one['selective']['peak_bytes'] / MiB:.1f} MiB "
         f"({step.model_config.attention} attention; with sdpa only the log-sum-exp is saved)")

@@ -83,38 +83,41 @@ def test_predict_answers_are_collapsed_below_their_question():
 # --------------------------------------------------------------------------------------
 # Reference solutions (what the notebooks' solution cells write) and wrong ones
 # --------------------------------------------------------------------------------------
-def amp_step(model, optimizer, scaler, batch):
+def solution(notebook: str, name: str):
+    """``name`` as the notebook's solution cells define it (what a learner who solved it wrote)."""
+    (path,) = (ROOT / "notebooks").glob(f"{notebook}_*.ipynb")
+    ns = {"torch": torch, "nn": nn, "F": F, "checkpoint": checkpoint}
+    for cell in _cells(path):
+        if _is_solution(cell):
+            exec(_src(cell), ns)
+    return ns[name]
+
+
+amp_step = solution("04", "amp_step")
+
+
+def _scaled_backward(model, optimizer, scaler, batch, dtype=torch.float16):
+    """What the wrong answers below get right: the forward under autocast, the scaled backward."""
     optimizer.zero_grad(set_to_none=True)
-    with torch.amp.autocast(batch[0].device.type, dtype=torch.float16):
+    with torch.amp.autocast(batch[0].device.type, dtype=dtype):
         loss = model(*batch)
     scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
 
 
 def amp_step_without_scaler_step(model, optimizer, scaler, batch):
-    optimizer.zero_grad(set_to_none=True)
-    with torch.amp.autocast(batch[0].device.type, dtype=torch.float16):
-        loss = model(*batch)
-    scaler.scale(loss).backward()
+    _scaled_backward(model, optimizer, scaler, batch)
     optimizer.step()  # the gradients are still multiplied by the scale
 
 
 def amp_step_manual_unscale(model, optimizer, scaler, batch):
-    optimizer.zero_grad(set_to_none=True)
-    with torch.amp.autocast(batch[0].device.type, dtype=torch.float16):
-        loss = model(*batch)
-    scaler.scale(loss).backward()
+    _scaled_backward(model, optimizer, scaler, batch)
     scaler.unscale_(optimizer)
     optimizer.step()  # also when the gradients hold inf
     scaler.update()
 
 
 def amp_step_bf16(model, optimizer, scaler, batch):
-    optimizer.zero_grad(set_to_none=True)
-    with torch.amp.autocast(batch[0].device.type, dtype=torch.bfloat16):
-        loss = model(*batch)
-    scaler.scale(loss).backward()
+    _scaled_backward(model, optimizer, scaler, batch, dtype=torch.bfloat16)
     scaler.step(optimizer)
     scaler.update()
 
