@@ -215,9 +215,12 @@ def test_gqa_tensor_parallel_simulated_per_rank(kv, t, attention):
 @pytest.mark.distributed
 @pytest.mark.parametrize("kv", [2, 1])
 def test_gqa_swiglu_tensor_parallel_matches_one_process(kv):
-    """Two gloo ranks: kv heads split (kv=2) or replicated through the all-gather (MQA)."""
-    res = measure_tensor_parallel(ml.StepConfig(model=_llama_like(kv), seq=32, batch=2), tensor_parallel=2,
-                                  timeout=300)
+    """Two gloo ranks: kv heads split (kv=2) or replicated through the all-gather (MQA).
+    Five layers: gloo's own thread may free an all-reduce's input after the block's forward
+    hook has read the live bytes (seen on a loaded machine: one layer +16 KiB), and the median
+    of five layers is what every layer keeps even with two such late frees."""
+    res = measure_tensor_parallel(ml.StepConfig(model=_llama_like(kv, n_layer=5), seq=32, batch=2),
+                                  tensor_parallel=2, timeout=300)
     for r in res.per_rank:
         assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
         assert r["max_grad_diff"] < 1e-5

@@ -178,8 +178,8 @@ def tp_tracked_step(tp: GPT, opt: torch.optim.Optimizer, idx: torch.Tensor,
             hk.remove()
     per_layer = sorted(b - a for a, b in zip(marks, marks[1:]))
     out["layer_activation_bytes"] = [b - a for a, b in zip(marks, marks[1:])]
-    # the median: an all-reduce result may be freed one block late, moving bytes between
-    # neighbouring layers (the sum over layers is exact)
+    # the median: gloo's thread may free an all-reduce's input after a block's hook has read
+    # the live bytes (a layer late, or past the last block), so one layer can read high
     mid = len(per_layer) // 2
     out["layer_activation"] = (per_layer[mid] if len(per_layer) % 2
                                else (per_layer[mid - 1] + per_layer[mid]) / 2)
