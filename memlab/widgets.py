@@ -41,7 +41,7 @@ from .hardware import GPU_PRESETS
 from .hf import step_config
 from .models import PRESETS, UNetConfig, get_config
 from .parallel import ParallelResult, bubble_fraction, pipeline_bubble, pipeline_run, tp_activation_bytes
-from .report import SEED, SINGLE, measure_saving
+from .report import CLAIMS, SINGLE, measure_saving
 from .step import PRECISIONS, MemoryReport, StepConfig
 from .sweeps import activations_by_module, category_max, lens_fn
 from .units import GiB, MiB
@@ -458,7 +458,7 @@ class TablePanel(Panel):
         res = self._cache[key]
         self.data = {"technique": key[0], "batch": key[1], "seq": key[2], "saving": res["saving"],
                      "verdict": res["verdict"], "refused": None}
-        self.status.value = (f"saved {res['saving']:.0%} (curriculum: {SEED[key[0]][0]}): "
+        self.status.value = (f"saved {res['saving']:.0%} (curriculum: {CLAIMS[key[0]][0]}): "
                              f"{res['verdict']}")
         reports = {name: MemoryReport("measure", self.step, "cpu", r["peak_bytes"], r["by_category"])
                    for name, r in res.items() if isinstance(r, dict)}
