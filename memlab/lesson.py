@@ -27,7 +27,7 @@ import torch
 from .cards import Card, detect_card
 from .guard import MARGIN, PROCESS_BYTES, cuda_need
 from .hardware import resolve_budget
-from .models import GPTConfig
+from .models import tiny_llama
 from .policy import get_target
 from .step import StepConfig
 from .units import MiB, fmt_bytes
@@ -139,10 +139,8 @@ def _steps_14(z: dict, p: str) -> list[GpuStep]:
 
 
 def _steps_16(z: dict, p: str) -> list[GpuStep]:
-    cfg = GPTConfig(n_layer=2, d_model=64, n_head=8, n_kv_head=2, vocab_size=128256, block_size=1024,
-                    mlp="swiglu", mlp_hidden=128, norm="rmsnorm", position="rope", bias=False,
-                    tie_embeddings=False, name="tiny-v128256")
-    return [GpuStep("plain loss, vocabulary 128256", StepConfig(model=cfg, seq=z["seq"], batch=z["batch"]))]
+    return [GpuStep("plain loss, vocabulary 128256", StepConfig(model=tiny_llama(128256), seq=z["seq"],
+                                                                batch=z["batch"]))]
 
 
 def _steps_17(z: dict, p: str) -> list[GpuStep]:
@@ -203,24 +201,17 @@ LESSONS: dict[str, LessonPlan] = {
 }
 
 
-def _tiny_07(vocab: int, **over) -> GPTConfig:
-    """Lesson 07's LLaMA-shaped tiny model (its ``tiny()``): two layers, ``d_model`` 64."""
-    shape = dict(n_layer=2, d_model=64, n_head=8, n_kv_head=2, vocab_size=vocab, block_size=1024,
-                 mlp="swiglu", mlp_hidden=128, norm="rmsnorm", position="rope", bias=False,
-                 tie_embeddings=False, loss_chunk=128, name=f"tiny-v{vocab}")
-    return GPTConfig(**{**shape, **over})
-
-
 def _steps_07(z: dict, p: str) -> list[GpuStep]:
     """The largest of lesson 07's fp32 steps: the 128k vocabulary (its base), plain and chunked
     loss (the 32k, GQA and timed batch-1 steps are smaller)."""
     b = z["base"]
     return [GpuStep("plain loss, vocabulary 128256", b),
-            GpuStep("chunked loss, vocabulary 128256", replace(b, model=_tiny_07(128256, loss="chunked")))]
+            GpuStep("chunked loss, vocabulary 128256", replace(b, model=tiny_llama(128256, loss="chunked")))]
 
 
 def _step_07(seq: int, batch: int) -> StepConfig:
-    return StepConfig(model=_tiny_07(128256), seq=seq, batch=batch)
+    """Lesson 07's base: its ``tiny`` (:func:`memlab.models.tiny_llama`) at vocabulary 128256."""
+    return StepConfig(model=tiny_llama(128256), seq=seq, batch=batch)
 
 
 def _rank_steps(z: dict, p: str) -> list[GpuStep]:
@@ -231,6 +222,10 @@ def _rank_steps(z: dict, p: str) -> list[GpuStep]:
 
 def _no_gpu_steps(z: dict, p: str) -> list[GpuStep]:
     return []
+
+
+#: A lesson with no GPU step to size: the CPU base everywhere.
+NO_GPU_STEPS = LessonPlan(lambda b: {"base": b}, lambda card, p: [{"base": CPU_BASE}], _no_gpu_steps)
 
 
 def _ranks(cpu: tuple[int, int], gpu: tuple[int, int], world_size: int = 2) -> LessonPlan:
@@ -244,15 +239,14 @@ def _ranks(cpu: tuple[int, int], gpu: tuple[int, int], world_size: int = 2) -> L
                       _rank_steps)
 
 
-# Lessons measured with the exact CPU tracker on any machine (08, 15), 03's small models, and the rank lessons
-# whose ranks run the tiny GPT at their own sizes (09, 10, 12, 13).
+# Lessons measured with the exact CPU tracker on any machine (08, 15), 03's small models, and
+# the rank lessons whose ranks run the tiny GPT at their own sizes (09, 10, 12, 13).
 LESSONS.update({
     "07": LessonPlan(lambda b: {"base": _step_07(256, 2)},
                      lambda card, p: [{"base": _step_07(s, n)} for s, n in ((1024, 4), (1024, 2), (1024, 1), (512, 1))],
                      _steps_07),
-    "08": LessonPlan(lambda b: {"base": b}, lambda card, p: [{"base": CPU_BASE}], _no_gpu_steps),
-    # 03's GPU cells run a 4-layer Llama from its own config (about 100 MiB) on any card
-    "03": LessonPlan(lambda b: {"base": b}, lambda card, p: [{"base": CPU_BASE}], _no_gpu_steps),
+    "08": NO_GPU_STEPS,
+    "03": NO_GPU_STEPS,   # its GPU cells run a 4-layer Llama of its own (about 100 MiB) on any card
     "15": LessonPlan(lambda b: {"base": replace(b, seq=256)},
                      lambda card, p: [{"base": replace(CPU_BASE, seq=256)}], _no_gpu_steps),
     "09": _ranks((64, 2), (64, 2)),       # a primer: the same sizes on GPUs

@@ -228,6 +228,16 @@ def _llama(name: str, d: int, layers: int, heads: int, hidden: int, *, kv_heads:
                      qkv_bias=qkv_bias, rope_theta=theta)
 
 
+def tiny_llama(vocab: int = 1000, **over) -> GPTConfig:
+    """The lessons' small LLaMA-shaped model (07, 16): 2 layers, ``d_model`` 64, 8 query and
+    2 key/value heads, SwiGLU (128), RMSNorm, rotary, untied head, loss chunks of 128 tokens;
+    ``over`` replaces any field (``n_kv_head=None`` for multi-head, ``loss="chunked"``)."""
+    shape = dict(n_layer=2, d_model=64, n_head=8, n_kv_head=2, vocab_size=vocab, block_size=1024,
+                 mlp="swiglu", mlp_hidden=128, norm="rmsnorm", position="rope", bias=False,
+                 tie_embeddings=False, loss_chunk=128, name=f"tiny-v{vocab}")
+    return GPTConfig(**{**shape, **over})
+
+
 def _gpt2(name: str, d: int, layers: int, heads: int) -> GPTConfig:
     return GPTConfig(n_layer=layers, n_head=heads, d_model=d, vocab_size=50257,
                      block_size=1024, name=name)
