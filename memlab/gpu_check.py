@@ -53,6 +53,7 @@ from .lesson import CONTEXT_BYTES, plan, rehearse
 from .measure import measure_step, time_step
 from .models import GPTConfig
 from .policy import get_target
+from .policy.caching import CachingAllocator
 from .simulate import simulate_step
 from .step import StepConfig, build_trainer, make_batch
 from .units import GiB
@@ -98,15 +99,18 @@ def _header() -> dict:
             "cuda": torch.version.cuda}
 
 
-def lens_row(step: StepConfig, timed: bool = False) -> dict:
+def lens_row(step: StepConfig, timed: bool = False, process: CachingAllocator | None = None) -> dict:
     """Estimate, simulation, the measured step and the allocator for one step (the lenses
     predict for the card present, :func:`memlab.policy.resolve_target`); a step that fails
-    is recorded with its error and the check goes on."""
+    is recorded with its error and the check goes on. ``process``: the simulated caching
+    allocator of this process, so that each row is simulated with the cache the rows
+    measured before it left (the timing trainer's steps repeat the same blocks and are not
+    replayed)."""
     try:
         real = measure_step(step, device="cuda")
         row = {"config": step.describe(),
                "estimate_peak_bytes": estimate_step(step).peak_bytes,
-               "simulate_peak_bytes": simulate_step(step).peak_bytes,
+               "simulate_peak_bytes": simulate_step(step, allocator=process).peak_bytes,
                "measure_peak_bytes": real.tracked_peak_bytes or real.peak_bytes,
                "measure_by_category": real.by_category, "allocator": real.allocator}
         if timed:
@@ -150,12 +154,14 @@ def deepspeed_step(card: Card) -> StepConfig:
     return replace(DEEPSPEED_STEP, model="gpt2-small", precision=card.precision, batch=1)
 
 
-def collect(card: Card, cases=CASES, variants=VARIANTS) -> dict:
+def collect(card: Card, cases=CASES, variants=VARIANTS,
+            process: CachingAllocator | None = None) -> dict:
     """``gpu_check.json``: three lenses, the allocator and the step time per case and variant
     the card holds, and the advisor's plan for a 24 GB card (or this one) run for real."""
     rows = []
+    process = CachingAllocator() if process is None else process
     for st in sized_cases(card, cases, variants):
-        row = lens_row(st, timed=True)
+        row = lens_row(st, timed=True, process=process)
         kw = {k: getattr(st, k) for k in ("precision",) if st.precision != "fp32"}
         if st.model_config.checkpointing != "none":
             kw["checkpointing"] = st.model_config.checkpointing
@@ -250,8 +256,10 @@ def write(out: str | Path, card: Card) -> Path:
         (folder / name).write_text(json.dumps(data, indent=1, default=str))
         print(f"wrote {folder / name}", flush=True)
 
-    dump("gpu_check.json", lambda: collect(card))
-    dump("devset.json", lambda: {**_header(), "rows": [lens_row(s) for s in sized_devset(card)]})
+    process = CachingAllocator()  # the simulation's copy of this process's cache
+    dump("gpu_check.json", lambda: collect(card, process=process))
+    dump("devset.json", lambda: {**_header(), "rows": [lens_row(s, process=process)
+                                                       for s in sized_devset(card)]})
     ds = deepspeed_step(card)
     dump("zero_offload_one_gpu.json", lambda: collect_deepspeed(ds, CHECK_DEEPSPEED_CASES))
     dump("cli_measure_zero2_offload.json",

@@ -38,5 +38,20 @@ def test_replay_measures_the_second_step():
             ("optimizer", -1, 0), ("alloc", 3, 2 * MiB), ("free", 3, 0),
             ("free", 0, 0)]                                  # teardown of a held key: ignored
     alloc = replay_steady_step(held, step)
-    assert alloc.allocated == 8 * MiB
     assert alloc.peak_allocated == 8 * MiB + int(2.5 * MiB)
+    # the trainer is dropped after the step: nothing stays allocated, the segment stays cached
+    assert (alloc.allocated, alloc.reserved) == (0, 20 * MiB)
+
+
+def test_a_warm_process_hands_out_a_whole_block_a_fresh_one_splits():
+    # Step A leaves [free 8 MiB][cuBLAS workspace 4 MiB][free 8 MiB] in one 20 MiB segment.
+    proc = CachingAllocator()
+    replay_steady_step([(0, 8 * MiB, "parameters"), (1, 4 * MiB, "workspace")], [], proc)
+    assert (proc.allocated, proc.reserved) == (4 * MiB, 20 * MiB)   # the workspace stays
+    # Step B's 7.5 MiB parameter: a fresh process carves it from a new segment's 16 MiB rest
+    # (8.5 MiB left: split); the warm process's best fit is a cached 8 MiB block (0.5 MiB
+    # left: not split), so max_memory_allocated reads 0.5 MiB more, and no segment is added.
+    step_b = [(0, 4 * MiB, "workspace"), (1, int(7.5 * MiB), "parameters")]
+    assert replay_steady_step(step_b, []).peak_allocated == int(11.5 * MiB)
+    assert replay_steady_step(step_b, [], proc).peak_allocated == 12 * MiB
+    assert (len(proc.workspaces), proc.reserved) == (1, 20 * MiB)

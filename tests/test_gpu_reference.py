@@ -2,23 +2,31 @@
 
 Ground truth is the CUDA caching allocator's ``max_memory_allocated`` over the step, recorded
 in ``memlab/data/reference/NVIDIA-H200/{devset,gpu_check}.json``. Under is the side on which
-a learner is told a step fits and then runs out of memory, so the bounds are one-sided:
+a learner is told a step fits and then runs out of memory, so the bounds are one-sided.
 
-* the simulation with ``target="cuda"`` replays the step's allocations through the caching
-  allocator's block rules (``memlab.policy.caching``): every GPT row within 1% and at most
-  0.65% under (the rest is the cache that earlier rows of the same process left behind,
-  which no replay of one step can know); UNet rows within 10% (cuDNN's convolution
+Each file was recorded by one process that measured its rows in order (build the model, a
+warm-up step, the tracked step; the cache kept from row to row), so every row but the first
+ran with the cache the rows before it left, and which cached block a request finds changes
+what ``max_memory_allocated`` counts (``memlab.policy.caching``). Hence:
+
+* the simulation with ``target="cuda"`` in the process the rows were recorded in (one
+  :class:`~memlab.policy.caching.CachingAllocator` passed to every row of a file, in order):
+  every GPT row from 0.1% under to 0.5% over; UNet rows within 10% (cuDNN's convolution
   workspace is a model, see ``memlab.policy``);
-* the estimate, a formula with no allocation order to replay, counts 512-byte blocks only:
-  GPT rows from 1.5% under to 0.5% over, UNet rows within 10%.
+* the simulation of one step in a fresh process, what a single call gives: GPT rows from
+  0.65% under to 1% over (the rows recorded after others are the low ones);
+* the estimate, a formula with no allocation order to replay: the bytes the dispatcher saw on
+  the GPU, category by category, plus the cuBLAS workspaces; against the allocator, GPT rows
+  from 1.5% under to 0.5% over, UNet rows within 10%.
 
 The rows also record the tracker's bytes on that GPU (``measure_by_category``: what the
-dispatcher saw), which the simulation must reproduce up to the allocator's 512-byte blocks.
+dispatcher saw), which both lenses must reproduce up to the allocator's 512-byte blocks.
 """
 import pytest
 
 from memlab.estimate import estimate_step
 from memlab.models import GPTConfig
+from memlab.policy.caching import CachingAllocator
 from memlab.reference import reference_steps, step_from_description
 from memlab.simulate import simulate_step
 
@@ -28,6 +36,8 @@ STEPS = reference_steps()
 # (most under, most over) the allocator, as fractions: see the module docstring
 ESTIMATE_BOUNDS = {"gpt": (-0.015, 0.005), "unet": (-0.10, 0.10)}
 SIMULATE_BOUNDS = {"gpt": (-0.0065, 0.01), "unet": (-0.10, 0.10)}
+IN_PROCESS_BOUNDS = {"gpt": (-0.001, 0.005), "unet": (-0.10, 0.10)}
+MiB = 2**20
 
 
 def _family(ref) -> str:
@@ -52,6 +62,10 @@ KINDS = ("gpt fp32", "gpt 16-bit", "gpt checkpointed", "llama", "unet")
 FAST = {next(i for i, r in enumerate(STEPS) if _kind(r) == k) for k in KINDS}
 
 
+def _file(ref) -> str:
+    return ref.source.split("/")[1].split("#")[0]
+
+
 def _ids(ref) -> str:
     return f"{ref.source.split('/')[-1]}-{ref.label}".replace(" ", "_")
 
@@ -62,8 +76,8 @@ def test_the_fast_subset_covers_every_kind_of_row():
 
 def test_every_reference_row_is_replayed():
     # 19 devset rows and 16 gpu_check rows (4 cases x 4 variants), none dropped
-    assert sum(r.source.split("/")[1].startswith("devset") for r in STEPS) == 19
-    assert sum(r.source.split("/")[1].startswith("gpu_check") for r in STEPS) == 16
+    assert sum(_file(r) == "devset.json" for r in STEPS) == 19
+    assert sum(_file(r) == "gpu_check.json" for r in STEPS) == 16
 
 
 @pytest.mark.parametrize("ref", STEPS, ids=_ids)
@@ -72,6 +86,15 @@ def test_estimate_cuda_matches_the_allocator(ref):
     err = est.peak_bytes / ref.allocator_peak - 1
     low, high = ESTIMATE_BOUNDS[_family(ref)]
     assert low < err < high, f"{ref.label}: estimate {err:+.2%} vs max_memory_allocated"
+    if isinstance(ref.step.model_config, GPTConfig):
+        # The formula's tensors are the dispatcher's on the GPU: what is left to the
+        # allocator is block choice, which needs an allocation order (the simulation's).
+        # To a KiB on 29 of the 31 rows; gpt2-medium at seq 512 with full checkpointing
+        # keeps one [batch, seq, d] fp32 temporary (8 MiB, 0.14%) more than the GPU did.
+        seen = ref.row["measure_by_category"]
+        slack = max(64 * 1024, 0.0015 * sum(seen.values()))
+        for cat, nbytes in seen.items():
+            assert abs(est.by_category[cat] - nbytes) <= slack, (cat, est.by_category[cat], nbytes)
 
 
 @pytest.mark.parametrize("ref", [r if i in FAST else pytest.param(r, marks=pytest.mark.slow)
@@ -88,6 +111,34 @@ def test_simulate_cuda_matches_the_allocator(ref):
         seen = ref.row["measure_by_category"]
         for cat in ("parameters", "activations", "temporaries", "other"):
             assert 0 <= sim.by_category[cat] - seen[cat] <= 4096, (cat, sim.by_category[cat], seen[cat])
+
+
+def _replay_recording_process(rows) -> list[tuple[str, float]]:
+    """Each row simulated in one process, in the order the file recorded them."""
+    process = CachingAllocator()
+    return [(ref.label, simulate_step(ref.step, target="cuda", allocator=process).peak_bytes
+             / ref.allocator_peak - 1) for ref in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["devset.json", "gpu_check.json"])
+def test_simulate_in_the_recording_process_matches_the_allocator(name):
+    rows = [r for r in STEPS if _file(r) == name]
+    for ref, (label, err) in zip(rows, _replay_recording_process(rows)):
+        low, high = IN_PROCESS_BOUNDS[_family(ref)]
+        assert low < err < high, f"{label}: simulate in the recording process {err:+.2%}"
+
+
+def test_the_cache_an_earlier_step_left_is_what_a_fresh_process_misses():
+    # gpu_check's first two rows, fp32 then bf16: the bf16 step run alone reads more than
+    # 0.5% under the allocator; after the fp32 step, as it was recorded, it lands.
+    fp32, bf16 = [r for r in STEPS if _file(r) == "gpu_check.json"][:2]
+    assert (fp32.step.precision, bf16.step.precision) == ("fp32", "bf16")
+    alone = simulate_step(bf16.step, target="cuda").peak_bytes / bf16.allocator_peak - 1
+    (_, first), (_, second) = _replay_recording_process([fp32, bf16])
+    low, high = IN_PROCESS_BOUNDS["gpt"]
+    assert alone < -0.005
+    assert low < first < high and low < second < high, (first, second)
 
 
 def test_llama_dev_row_rebuilds_its_custom_model():

@@ -89,6 +89,8 @@ class CachingAllocator:
         self.allocated = 0
         self.peak_allocated = 0
         self.reserved = 0
+        # library workspaces (cuBLAS): made once per process, kept across steps and models
+        self.workspaces: list[_Block] = []
 
     def reset_peak(self) -> None:
         self.peak_allocated = self.allocated
@@ -151,7 +153,8 @@ class CachingAllocator:
 
 
 def replay_steady_step(held: Iterable[tuple[int, int, str]],
-                       step: list[tuple[str, int, int]]) -> CachingAllocator:
+                       step: list[tuple[str, int, int]],
+                       allocator: CachingAllocator | None = None) -> CachingAllocator:
     """``max_memory_allocated`` of a steady-state step, replayed through the allocator.
 
     ``held``: ``(key, nbytes, category)`` for what exists before the step and stays
@@ -163,11 +166,30 @@ def replay_steady_step(held: Iterable[tuple[int, int, str]],
     The step is run twice, a warm-up that creates the lazy state then the step measured
     from the cache the warm-up left; frees of held keys (the tracker's teardown) are
     ignored. Returns the allocator after it (``peak_allocated``: the measured step's peak).
+
+    ``allocator``: the caching allocator of the process the step runs in, holding the cache
+    its earlier steps left (default: a fresh process). Which cached block each request finds
+    depends on that history, so the same step can peak higher in a process that ran others
+    first. After the step its tensors are freed, as when a trainer is dropped: the allocator
+    keeps its cache and the library workspaces (``workspace`` in ``held``, made once per
+    process and reused by the next step) for the next call.
     """
-    alloc = CachingAllocator()
+    alloc = CachingAllocator() if allocator is None else allocator
     held = list(held)
     keep = {key for key, _, _ in held}
-    live = {key: alloc.malloc(n) for key, n, cat in held if cat != "optimizer"}
+    spare = list(alloc.workspaces)
+    live: dict[int, _Block | None] = {}
+    for key, n, cat in held:
+        if cat == "workspace":
+            same = next((b for b in spare if b.size == round_size(n)), None)
+            if same is None:
+                same = alloc.malloc(n)
+                alloc.workspaces.append(same)
+            else:
+                spare.remove(same)
+            continue
+        if cat != "optimizer":
+            live[key] = alloc.malloc(n)
     lazy = [(key, n) for key, n, cat in held if cat == "optimizer"]
 
     def run(create_lazy: bool) -> None:
@@ -190,6 +212,8 @@ def replay_steady_step(held: Iterable[tuple[int, int, str]],
     run(True)
     alloc.reset_peak()
     run(False)
+    for block in live.values():
+        alloc.free(block)
     return alloc
 
 
