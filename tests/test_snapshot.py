@@ -119,3 +119,18 @@ def test_plain_containers_of_every_protocol_load(tmp_path):
         path = tmp_path / f"p{protocol}.pickle"
         path.write_bytes(pickle.dumps(snap, protocol=protocol))
         assert load_snapshot(path) == snap
+
+
+# What pickles use to run code: a callable looked up as a global, then called with REDUCE.
+CODE_GLOBALS = [("os", "system"), ("posix", "system"), ("builtins", "eval"), ("builtins", "exec"),
+                ("builtins", "__import__"), ("builtins", "getattr"), ("subprocess", "Popen"),
+                ("torch", "load"), ("numpy", "load")]
+
+
+@pytest.mark.parametrize("module,name", CODE_GLOBALS)
+def test_every_global_outside_the_plain_containers_is_refused(tmp_path, module, name):
+    # protocol 0 by hand: push module.name, call it with one harmless string argument
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(f"c{module}\n{name}\n(S'true'\ntR.".encode())
+    with pytest.raises(InputError, match=f"it asks for {module}.{name}"):
+        load_snapshot(path)
