@@ -53,16 +53,14 @@ def sweep(step: StepConfig, param: str, values: Sequence, lens: str = "measure",
 
 
 def category_max(report: MemoryReport, category: str) -> int:
-    """Most bytes of one category alive at any op of the step. The peak's breakdown can miss
-    a category: at a small batch the peak sits in the optimizer step, after activations are
-    freed and before gradients are; this finds activations at the end of forward, gradients
-    at the end of backward."""
+    """Most bytes of one category alive at any op of the step
+    (:meth:`MemoryReport.category_peaks`, for one category named by a learner). The peak's
+    breakdown can miss a category: at a small batch the peak sits in the optimizer step,
+    after activations are freed and before gradients are; this finds activations at the end
+    of forward, gradients at the end of backward."""
     if category not in CATEGORIES:
         raise InputError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
-    if not report.timeline:  # estimate lens: no timeline, only the peak's breakdown
-        return int(report.by_category.get(category, 0))
-    i = CATEGORIES.index(category)
-    return max(e.by_category[i] for e in report.timeline)
+    return report.category_peaks()[category]
 
 
 def activations_by_module(report: MemoryReport,
