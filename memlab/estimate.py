@@ -350,6 +350,14 @@ def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float],
     return out, "start of backward"
 
 
+#: What the formula leaves out on a CUDA target, in numbers from the H200 reference steps
+#: (``tests/test_gpu_reference.py``).
+ALLOCATOR_NOTE = ("the CUDA caching allocator's block choices are not in this formula: it can "
+                  "hand a request a whole cached block up to 1 MiB larger, depending on what the "
+                  "process ran before; on the H200 reference steps max_memory_allocated read up "
+                  "to 1.5% more than this estimate (simulate_step replays the allocator)")
+
+
 def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
                   target: str | None = None, card: "Card | str | None" = None,
                   tensor_parallel: int = 1, trainable_params: int | None = None,
@@ -407,6 +415,8 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
                           resolve_budget(budget), None, host_bytes=sum(host.values()),
                           host_by_category=host)
     report.notes.append(f"peak moment: {moment}")
+    if tgt.is_cuda:
+        report.notes.append(ALLOCATOR_NOTE)
     report.notes.extend(ms.notes)
     if tp > 1:
         report.notes.append(f"tensor parallel t={tp} (Megatron layout, no sequence parallelism: "

@@ -24,7 +24,7 @@ dispatcher saw), which both lenses must reproduce up to the allocator's 512-byte
 """
 import pytest
 
-from memlab.estimate import estimate_step
+from memlab.estimate import ALLOCATOR_NOTE, estimate_step
 from memlab.models import GPTConfig
 from memlab.policy.caching import CachingAllocator
 from memlab.reference import reference_steps, step_from_description
@@ -86,6 +86,7 @@ def test_estimate_cuda_matches_the_allocator(ref):
     err = est.peak_bytes / ref.allocator_peak - 1
     low, high = ESTIMATE_BOUNDS[_family(ref)]
     assert low < err < high, f"{ref.label}: estimate {err:+.2%} vs max_memory_allocated"
+    assert ALLOCATOR_NOTE in est.notes and "1.5%" in ALLOCATOR_NOTE  # says what it leaves out
     if isinstance(ref.step.model_config, GPTConfig):
         # The formula's tensors are the dispatcher's on the GPU: what is left to the
         # allocator is block choice, which needs an allocation order (the simulation's).
