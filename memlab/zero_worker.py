@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 
@@ -44,7 +45,11 @@ def main(argv: list[str] | None = None) -> None:
                       zero=args.zero, world_size=world, offload=args.offload)
     out = zero_rank_step(rank, world, step)
     out["host_accounts"] = list(out["host_accounts"])
-    print(json.dumps({"world_size": world, **out}), flush=True)
+    # One write per rank: the ranks share torchrun's stdout, where print() writes the line and
+    # its newline as two writes when stdout is unbuffered, and two ranks' lines then run
+    # together (seen in CI). One write of less than PIPE_BUF bytes to a pipe is atomic (POSIX).
+    sys.stdout.write(json.dumps({"world_size": world, **out}) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
