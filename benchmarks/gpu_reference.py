@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     shown = 0
     for ref in rows:
-        process = None if args.no_simulate else processes.setdefault(
-            ref.source.split("/", 1)[1].split("#")[0], CachingAllocator())
+        process = None if args.no_simulate else processes.setdefault(ref.file, CachingAllocator())
         if args.only not in ref.label:
             if process is not None:  # the recording process ran it: its cache carries on
                 simulate_step(ref.step, target="cuda", allocator=process)

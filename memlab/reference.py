@@ -28,6 +28,12 @@ class ReferenceStep:
     row: dict
 
     @property
+    def file(self) -> str:
+        """The reference file of the row (``"devset.json"``): one process measured the rows of
+        a file, in the file's order, keeping its allocator's cache from row to row."""
+        return self.source.split("/", 1)[1].split("#")[0]
+
+    @property
     def allocator_peak(self) -> int:
         """``torch.cuda.max_memory_allocated()`` over the step: the ground truth."""
         return int(self.row["allocator"]["max_memory_allocated"])

@@ -62,10 +62,6 @@ KINDS = ("gpt fp32", "gpt 16-bit", "gpt checkpointed", "llama", "unet")
 FAST = {next(i for i, r in enumerate(STEPS) if _kind(r) == k) for k in KINDS}
 
 
-def _file(ref) -> str:
-    return ref.source.split("/")[1].split("#")[0]
-
-
 def _ids(ref) -> str:
     return f"{ref.source.split('/')[-1]}-{ref.label}".replace(" ", "_")
 
@@ -76,8 +72,8 @@ def test_the_fast_subset_covers_every_kind_of_row():
 
 def test_every_reference_row_is_replayed():
     # 19 devset rows and 16 gpu_check rows (4 cases x 4 variants), none dropped
-    assert sum(_file(r) == "devset.json" for r in STEPS) == 19
-    assert sum(_file(r) == "gpu_check.json" for r in STEPS) == 16
+    assert sum(r.file == "devset.json" for r in STEPS) == 19
+    assert sum(r.file == "gpu_check.json" for r in STEPS) == 16
 
 
 @pytest.mark.parametrize("ref", STEPS, ids=_ids)
@@ -125,7 +121,7 @@ def _replay_recording_process(rows) -> list[tuple[str, float]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["devset.json", "gpu_check.json"])
 def test_simulate_in_the_recording_process_matches_the_allocator(name):
-    rows = [r for r in STEPS if _file(r) == name]
+    rows = [r for r in STEPS if r.file == name]
     for ref, (label, err) in zip(rows, _replay_recording_process(rows)):
         low, high = IN_PROCESS_BOUNDS[_family(ref)]
         assert low < err < high, f"{label}: simulate in the recording process {err:+.2%}"
@@ -134,7 +130,7 @@ def test_simulate_in_the_recording_process_matches_the_allocator(name):
 def test_the_cache_an_earlier_step_left_is_what_a_fresh_process_misses():
     # gpu_check's first two rows, fp32 then bf16: the bf16 step run alone reads more than
     # 0.5% under the allocator; after the fp32 step, as it was recorded, it lands.
-    fp32, bf16 = [r for r in STEPS if _file(r) == "gpu_check.json"][:2]
+    fp32, bf16 = [r for r in STEPS if r.file == "gpu_check.json"][:2]
     assert (fp32.step.precision, bf16.step.precision) == ("fp32", "bf16")
     alone = simulate_step(bf16.step, target="cuda").peak_bytes / bf16.allocator_peak - 1
     (_, first), (_, second) = _replay_recording_process([fp32, bf16])
