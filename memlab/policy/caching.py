@@ -34,7 +34,7 @@ from collections.abc import Iterable
 kMinBlockSize = 512            # all sizes are rounded to at least 512 bytes
 kSmallSize = 1 << 20           # largest "small" allocation is 1 MiB
 kSmallBuffer = 2 << 20         # "small" allocations are packed in 2 MiB blocks
-kLargeBuffer = 20 << 20        # allocations between 1 and 10 MiB may use kLargeBuffer
+kLargeBuffer = 20 << 20        # "large" allocations may be packed in 20 MiB blocks
 kMinLargeAlloc = 10 << 20      # allocations between 1 and 10 MiB may use kLargeBuffer
 kRoundLarge = 2 << 20          # round up large allocations to 2 MiB
 
