@@ -17,7 +17,7 @@ import sys
 import time
 
 from memlab.estimate import estimate_step
-from memlab.policy.caching import CachingAllocator
+from memlab.policy.caching_allocator import CachingAllocator
 from memlab.reference import reference_steps
 from memlab.simulate import simulate_step
 

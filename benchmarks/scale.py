@@ -6,7 +6,7 @@ is its own) with ``OMP_NUM_THREADS=1``:
 * ``llama-3-8b``: one rank, seq 8192, batch 1, bf16 autocast, full checkpointing
   (:func:`memlab.simulate.simulate_step`). Target: under 10 s.
 * ``llama-3-70b``: ZeRO-3 over 64 ranks, seq 8192, batch 1, bf16, full checkpointing, as
-  FSDP2 on a fake process group (:func:`memlab.sharded.simulate_sharded`, what
+  FSDP2 on a fake process group (:func:`memlab.distributed.fsdp.simulate_sharded`, what
   ``memlab simulate --zero 3 --world-size 64`` runs). Targets: under 60 s, under 2 GiB RSS.
 
 "simulation" is the call itself; "process" adds starting Python and importing torch and
@@ -40,7 +40,7 @@ def child(name: str) -> None:
         run = lambda: simulate_step(ml.StepConfig(model="llama-3-8b", seq=8192, batch=1,  # noqa: E731
                                                   precision="bf16", checkpointing="full"))
     else:
-        from memlab.sharded import simulate_sharded
+        from memlab.distributed.fsdp import simulate_sharded
         run = lambda: simulate_sharded(ml.StepConfig(model="llama-3-70b", seq=8192, batch=1,  # noqa: E731
                                                      precision="bf16", checkpointing="full"), 64)
     sim_wall, sim_cpu = time.perf_counter(), time.process_time()

@@ -25,8 +25,8 @@ from typing import Union
 from . import classroom, doctor, hf
 
 from .advisor import Advice, advise
-from .sharded import simulate_sharded
-from .zero import measure_distributed
+from .distributed.fsdp import simulate_sharded
+from .distributed.deepspeed_zero import measure_distributed
 from .errors import InputError
 from .estimate import estimate_step
 from .guard import HostMemoryError
@@ -35,7 +35,7 @@ from .measure import measure_step
 from .models import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
 from .cards import detect_card
 from .policy import emulate, get_target, resolve_target
-from .report import Table, write_report
+from .technique_table import Table, write_report
 from .simulate import simulate_step
 from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
 from .units import fmt_bytes
@@ -228,7 +228,7 @@ def _check_measure(step: StepConfig, args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> Result:
     """Compute what a subcommand asks for: a :class:`MemoryReport` (estimate, simulate,
     measure), an :class:`~memlab.advisor.Advice` (advise) or a
-    :class:`~memlab.report.Table` (report)."""
+    :class:`~memlab.technique_table.Table` (report)."""
     if args.command == "advise":
         return _advise(args)
     if args.command == "report":

@@ -25,8 +25,8 @@ import psutil
 import torch
 
 from .hardware import place_ranks
-from .offload import cpu_adam_buildable
-from .ranks import RankError, allreduce_worker, run_ranks, set_cache_env
+from .distributed.offload import cpu_adam_buildable
+from .distributed.ranks import RankError, allreduce_worker, run_ranks, set_cache_env
 
 from .units import fmt_bytes
 

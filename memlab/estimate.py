@@ -90,10 +90,10 @@ def attention_saved_elements(cfg: GPTConfig, seq: int, batch: int, tensor_parall
     heads are one (a view cannot be folded otherwise); a selectively checkpointed core keeps
     its inputs as they were passed (before any repeat).
 
-    Per rank of ``tp``-way tensor parallelism (:mod:`memlab.parallel.tensor`) a rank has
+    Per rank of ``tp``-way tensor parallelism (:mod:`memlab.distributed.tensor_parallel`) a rank has
     ``n_head / tp`` query heads and ``n_kv_head / tp`` key/value heads, or, when ``tp``
     exceeds ``n_kv_head``, one replicated key/value head read from the all-gathered ``qkv``
-    output (which the views then keep whole). :func:`memlab.parallel.tp_activation_bytes`
+    output (which the views then keep whole). :func:`memlab.distributed.parallel_formulas.tp_activation_bytes`
     uses this count, and the tests check it against the tracker for every combination.
     """
     t, hd, tp = seq * batch, cfg.head_dim, tensor_parallel

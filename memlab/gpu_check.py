@@ -24,7 +24,7 @@ The reference files have the names of the shipped ``NVIDIA-H200`` folder:
                     and ZeRO-3 + parameter offload
 ``cli_measure_zero2_offload.json``  ``memlab measure`` (one DeepSpeed rank) of the offload step
 
-:func:`memlab.report.load_references` reads these folders; lesson 11 and ``memlab report``
+:func:`memlab.technique_table.load_references` reads these folders; lesson 11 and ``memlab report``
 show their GPU columns.
 """
 from __future__ import annotations
@@ -44,8 +44,8 @@ import torch
 
 from .advisor import check_plan
 from .cards import CARDS, Card, detect_card, get_card
-from .ranks import default_backend, run_ranks
-from .zero import deepspeed_config, measure_distributed
+from .distributed.ranks import default_backend, run_ranks
+from .distributed.deepspeed_zero import deepspeed_config, measure_distributed
 from .estimate import estimate_step
 from .guard import cuda_need
 from .hardware import place_ranks
@@ -53,7 +53,7 @@ from .lesson import CONTEXT_BYTES, plan, rehearse
 from .measure import measure_step, time_step
 from .models import GPTConfig
 from .policy import get_target
-from .policy.caching import CachingAllocator
+from .policy.caching_allocator import CachingAllocator
 from .simulate import simulate_step
 from .step import StepConfig, build_trainer, make_batch
 from .units import GiB

@@ -9,7 +9,7 @@ reads one (a file, or a folder holding one) and gives the two lenses what they n
   (GELU, LayerNorm, learned positions, tied head). Any other ``model_type`` is refused with
   the list of those supported.
 * :func:`simulate_hf` builds the real ``transformers`` class (``AutoModelForCausalLM``) on
-  fake tensors through :func:`memlab.anymodel.simulate_model`, so any causal LM whose code
+  fake tensors through :func:`memlab.your_model.simulate_model`, so any causal LM whose code
   ``transformers`` has can be simulated.
 
 Hugging Face computes the rotary ``cos``/``sin`` for the tokens of each forward instead of
@@ -30,7 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import InputError
-from .anymodel import simulate_model
+from .your_model import simulate_model
 from .models import GPTConfig
 from .step import PRECISIONS, MemoryReport, StepConfig, autocast_for
 

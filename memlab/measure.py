@@ -25,7 +25,7 @@ from .errors import InputError
 from .guard import HostMemoryError, preflight
 from .hardware import pick_device, resolve_budget
 from .step import MemoryReport, StepConfig, Trainer, batch_to, build_trainer, make_batch, resolve_step
-from .allocator import requested_bytes
+from .oom import requested_bytes
 from .tracking import CATEGORIES, DeviceAccounting, MemoryTracker, OOMInfo, is_host_oom
 from .units import fmt_bytes
 

@@ -20,7 +20,8 @@ import numpy as np
 from matplotlib.patches import Rectangle
 
 from .errors import InputError
-from .parallel import bubble_fraction, in_flight, pipeline_bubble, pipeline_run, pipeline_schedule
+from .distributed.parallel_formulas import bubble_fraction, pipeline_schedule
+from .distributed.pipeline_parallel import in_flight, pipeline_bubble, pipeline_run
 from .states import zero_formula
 from .step import MemoryReport
 from .tracking import CATEGORIES
@@ -29,7 +30,7 @@ from .units import GiB, MiB, binary_unit
 if TYPE_CHECKING:
     from .advisor import Advice
     from .batching import BatchPlan
-    from .parallel import ParallelResult
+    from .distributed.parallel_common import ParallelResult
     from .snapshot import SnapshotTimeline
 
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868",
@@ -397,7 +398,7 @@ def plot_tensor_split(d_model: int, hidden: int, t: int = 2, ax=None, *,
 
 def plot_pipeline_schedule(p: int, m: int, schedule: str = "1f1b", ax=None, *,
                            forward: int = 1, backward: int = 2):
-    """The ideal schedule (:func:`memlab.parallel.pipeline_schedule`): which micro-batch each
+    """The ideal schedule (:func:`memlab.distributed.parallel_formulas.pipeline_schedule`): which micro-batch each
     stage runs in each time slot, forward light and backward dark, idle slots (the bubble)
     hatched. Every op takes its slots exactly; nothing here is timed."""
     events = pipeline_schedule(p, m, schedule, forward=forward, backward=backward)

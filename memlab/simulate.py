@@ -18,7 +18,7 @@ bytes are counted for is the ``target``:
   convolution and FlashAttention backward workspaces, in the category ``workspace``),
   CUDA's attention log-sum-exp and LayerNorm statistics, and rounds every storage to the
   caching allocator's 512-byte blocks; the step's allocations are then replayed through the
-  allocator's block rules (:mod:`memlab.policy.caching`: a block too little larger than the
+  allocator's block rules (:mod:`memlab.policy.caching_allocator`: a block too little larger than the
   request is handed out whole), and what that adds goes to ``workspace``. Which cached block
   a request finds depends on what the process ran before (``allocator=``). On the H200
   reference steps, each replayed in the process that recorded it, this lands from 0.01% under
@@ -50,7 +50,7 @@ from .step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_ste
 from .models import UNetConfig
 from .cards import Card  # noqa: F401  (a type in a signature)
 from .policy import emulate, resolve_target
-from .policy.caching import CachingAllocator, replay_steady_step
+from .policy.caching_allocator import CachingAllocator, replay_steady_step
 from .states import ModelStates, model_states
 from .tracking import CATEGORIES, Event
 from .units import fmt_bytes
@@ -80,7 +80,7 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     the measurement to the byte.
 
     ``allocator`` (CUDA target): the caching allocator of the process the step runs in,
-    with what its earlier steps left cached (:class:`memlab.policy.caching.CachingAllocator`;
+    with what its earlier steps left cached (:class:`memlab.policy.caching_allocator.CachingAllocator`;
     pass the same one to each step a process runs, in order). Left out, the step runs in a
     fresh process. A warm cache can hand out larger blocks: on the H200 reference rows
     recorded after others, a fresh process reads up to 0.62% under the allocator, the
@@ -121,7 +121,7 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
 def _add_unsplit_blocks(report: MemoryReport, tracker, allocator: CachingAllocator | None) -> None:
     """Count what the CUDA caching allocator hands out beyond the rounded requests: the
     step's allocations replayed through its block rules (warm-up, then the step measured,
-    :func:`memlab.policy.caching.replay_steady_step`); the excess of that peak over the
+    :func:`memlab.policy.caching_allocator.replay_steady_step`); the excess of that peak over the
     tracker's goes to ``workspace``, as :func:`memlab.measure.add_workspace` counts it on a GPU."""
     extra = replay_steady_step(*tracker.allocation_log(), allocator).peak_allocated - report.peak_bytes
     if extra > 0:

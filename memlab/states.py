@@ -16,7 +16,7 @@ Adam (Rajbhandari et al. 2020, "ZeRO", sec. 3.1 and 5.1). Stage 1 divides the K 
 N data-parallel ranks, stage 2 also the gradients, stage 3 also the parameters. In fp32 mode
 the weights and gradients take 4 + 4 and DeepSpeed's ZeRO optimizer still keeps a separate
 fp32 master partition (``single_partition_of_fp32_groups``, ``fp32_partitioned_groups_flat``,
-read by :func:`memlab.zero.zero_accounting`): K = 4 + 8; at stage 0 the fp32 model
+read by :func:`memlab.distributed.deepspeed_zero.zero_accounting`): K = 4 + 8; at stage 0 the fp32 model
 is the master and K = 8. What DeepSpeed 0.19 (``runtime/zero/stage_1_and_2.py``,
 ``stage3.py``) holds besides, per rank:
 

@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from .allocator import requested_bytes
+from .oom import requested_bytes
 from .errors import InputError
 from .hardware import resolve_budget
 from .units import fmt_bytes
@@ -575,7 +575,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def allocation_log(self) -> tuple[list[tuple[int, int, str]], list[tuple[str, int, int]]]:
         """The device allocations in the order the allocator saw them, for replaying them
-        through an allocator model (:mod:`memlab.policy.caching`): what was registered before
+        through an allocator model (:mod:`memlab.policy.caching_allocator`): what was registered before
         the first op, as ``(key, bytes, category)``, then the ops' events, ``("alloc", key,
         bytes)``, ``("free", key, 0)``, and ``(phase, -1, 0)`` where the ops enter a new
         phase (``"forward"``, ``"backward"``, ``"optimizer"``, ...). Host storages are left out."""

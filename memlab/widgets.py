@@ -40,8 +40,10 @@ from .guard import HostMemoryError
 from .hardware import GPU_PRESETS
 from .hf import step_config
 from .models import PRESETS, UNetConfig, get_config
-from .parallel import ParallelResult, bubble_fraction, pipeline_bubble, pipeline_run, tp_activation_bytes
-from .report import CLAIMS, SINGLE, measure_saving
+from .distributed.parallel_common import ParallelResult
+from .distributed.parallel_formulas import bubble_fraction, tp_activation_bytes
+from .distributed.pipeline_parallel import pipeline_bubble, pipeline_run
+from .technique_table import CLAIMS, SINGLE, measure_saving
 from .step import PRECISIONS, MemoryReport, StepConfig
 from .sweeps import activations_by_module, category_max, lens_fn
 from .units import GiB, MiB
@@ -509,7 +511,7 @@ class PipelinePanel(Panel):
 
 class TensorParallelPanel(Panel):
     """A model drop-down, a sequence slider and the tensor-parallel degree ``t``: draws one
-    layer's activations per rank from :func:`~memlab.parallel.tp_activation_bytes` (Korthikanti
+    layer's activations per rank from :func:`~memlab.distributed.parallel_formulas.tp_activation_bytes` (Korthikanti
     et al. 2022, sec. 4.2.1), what stays whole beside what ``t`` divides, for every degree the
     model allows. ``data`` holds the drawn degree's numbers (bytes)."""
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from memlab.allocator import fragmentation, read_oom
+from memlab.oom import fragmentation, read_oom
 from memlab.step import StepConfig
 from memlab.tracking import MemoryTracker
 

@@ -152,7 +152,7 @@ def test_sm75_simulation_runs_the_math_kernel_as_the_estimate_counts_it():
     """The simulation on a T4 dispatches bf16 attention to the math composite (fp16 keeps a
     fused kernel): its peak agrees with the estimate's math-kernel rule within 0.1%, both
     without workspace (the simulation's includes the allocator's unsplit blocks, which a
-    formula cannot know: memlab.policy.caching)."""
+    formula cannot know: memlab.policy.caching_allocator)."""
     from memlab.simulate import simulate_step
     for precision in ("bf16", "fp16"):
         step = StepConfig(model="tiny", seq=256, batch=4, precision=precision)

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab.measure import add_workspace, measure_step, run_tracked_step
 from memlab.step import MemoryReport, StepConfig, build_trainer, make_batch
-from memlab.allocator import requested_bytes
+from memlab.oom import requested_bytes
 from memlab.tracking import CATEGORIES, MemoryTracker
 
 D, H = 256, 1024  # a two-layer MLP, 256 -> 1024 -> 256

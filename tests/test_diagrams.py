@@ -7,8 +7,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import memlab as ml  # noqa: E402
-from memlab import batching as bt, plots, techniques as tq  # noqa: E402
-from memlab.parallel import bubble_fraction, in_flight, pipeline_schedule  # noqa: E402
+from memlab import batching as bt, plots, sweeps# noqa: E402
+from memlab.distributed.parallel_formulas import bubble_fraction, pipeline_schedule
+from memlab.distributed.pipeline_parallel import in_flight# noqa: E402
 from memlab.tracking import CATEGORIES  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
@@ -110,7 +111,7 @@ def test_activation_life_is_the_measured_category(gpt_report):
     y = ax.lines[0].get_ydata()
     i = CATEGORIES.index("activations")
     np.testing.assert_allclose(y, [e.by_category[i] / MiB for e in gpt_report.timeline])
-    assert y.max() == pytest.approx(tq.category_max(gpt_report, "activations") / MiB)
+    assert y.max() == pytest.approx(sweeps.category_max(gpt_report, "activations") / MiB)
     last_forward = max(k for k, e in enumerate(gpt_report.timeline) if e.phase == "forward"
                        and k < len(y) // 2 + len(y) // 4)
     assert y[last_forward] == pytest.approx(y.max())  # the top is the end of forward
@@ -119,8 +120,8 @@ def test_activation_life_is_the_measured_category(gpt_report):
 
 
 def test_activations_by_module_sum_to_the_category(gpt_report):
-    parts = tq.activations_by_module(gpt_report)
-    assert sum(parts.values()) == tq.category_max(gpt_report, "activations")
+    parts = sweeps.activations_by_module(gpt_report)
+    assert sum(parts.values()) == sweeps.category_max(gpt_report, "activations")
     assert [k for k in parts if k.startswith("blocks.")] == [f"blocks.{i}" for i in range(4)]
     # four identical blocks keep identical bytes
     assert len({parts[f"blocks.{i}"] for i in range(4)}) == 1
@@ -128,7 +129,7 @@ def test_activations_by_module_sum_to_the_category(gpt_report):
     np.testing.assert_allclose([p.get_width() for p in ax.patches],
                                [v / MiB for v in parts.values()])
     with pytest.raises(ValueError, match="no timeline"):
-        tq.activations_by_module(ml.estimate_step(ml.StepConfig()))
+        sweeps.activations_by_module(ml.estimate_step(ml.StepConfig()))
 
 
 def test_padding_plot_bars_are_slots():

@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import memlab as ml  # noqa: E402
-from memlab import diffusion as dif, techniques as tq  # noqa: E402
+from memlab import diffusion as dif, sweeps# noqa: E402
 from memlab.step import build_trainer, make_batch  # noqa: E402
 
 CFG = ml.get_config("unet-small")  # base 32, mults (1, 2, 2): channels 32, 64, 64
@@ -32,7 +32,7 @@ def test_levels_halve_the_side():
 def test_checkpointed_encoder_keeps_exactly_its_skips(reports):
     """With every ResBlock checkpointed, an encoder block keeps only its output: the skip
     tensor the decoder will concatenate."""
-    parts = tq.activations_by_module(reports["full"])
+    parts = sweeps.activations_by_module(reports["full"])
     kept = sum(v for k, v in parts.items() if k.startswith("down."))
     by_hand = BATCH * 4 * (32 * 32 * 32 + 64 * 16 * 16 + 64 * 8 * 8)  # b * c * side^2 * fp32
     assert kept == by_hand == dif.skip_bytes(CFG, IMAGE, BATCH)
@@ -41,15 +41,15 @@ def test_checkpointed_encoder_keeps_exactly_its_skips(reports):
 def test_skip_concatenations_cost_what_their_channels_say(reports):
     key = dif.unet_module_key(CFG, IMAGE)
     for name, r in reports.items():
-        parts = tq.activations_by_module(r, key)
-        assert sum(parts.values()) == tq.category_max(r, "activations")
+        parts = sweeps.activations_by_module(r, key)
+        assert sum(parts.values()) == sweeps.category_max(r, "activations")
         # decoder input = what comes from below + the skip: 8px 64+64, 16px 64+64, 32px 64+32
         for side, ch in ((8, 128), (16, 128), (32, 96)):
             assert parts[f"skip concat {side}px"] == BATCH * ch * side * side * 4, (name, side)
 
 
 def test_attention_at_the_lowest_resolution_is_cheap(reports):
-    parts = tq.activations_by_module(reports["none"], dif.unet_module_key(CFG, IMAGE))
+    parts = sweeps.activations_by_module(reports["none"], dif.unet_module_key(CFG, IMAGE))
     attention = parts["attention 8px"]
     assert attention < 0.05 * sum(parts.values())
     # naive attention over the full 32x32 image would keep 1024^2 probabilities a sample
@@ -58,7 +58,7 @@ def test_attention_at_the_lowest_resolution_is_cheap(reports):
 
 
 def test_unet_checkpointing_same_gradients_fewer_activations(reports):
-    acts = {c: tq.category_max(r, "activations") for c, r in reports.items()}
+    acts = {c: sweeps.category_max(r, "activations") for c, r in reports.items()}
     assert acts["full"] < 0.5 * acts["none"]
     grads = {}
     for c in ("none", "full"):

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from memlab.ranks import RankError, allreduce_worker, run_ranks
+from memlab.distributed.ranks import RankError, allreduce_worker, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -39,7 +39,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_runner_returns_results_by_rank():
-    out = run_ranks("memlab.ranks:allreduce_worker", 2, kwargs={"value": 2.0})
+    out = run_ranks("memlab.distributed.ranks:allreduce_worker", 2, kwargs={"value": 2.0})
     assert [r["rank"] for r in out] == [0, 1]
     assert all(r["sum"] == 2.0 * (1 + 2) for r in out)
     assert out[0]["backend"] == "gloo"
@@ -79,9 +79,9 @@ def test_unimportable_worker_is_refused():
 
 
 # --- ZeRO with DeepSpeed: one 2-rank launch serves all the assertions below -------------
-from memlab.offload import measure_offload  # noqa: E402
-from memlab.sharded import fsdp_worker, simulate_sharded  # noqa: E402
-from memlab.zero import deepspeed_config, measure_zero  # noqa: E402
+from memlab.distributed.offload import measure_offload  # noqa: E402
+from memlab.distributed.fsdp import fsdp_worker, simulate_sharded  # noqa: E402
+from memlab.distributed.deepspeed_zero import deepspeed_config, measure_zero  # noqa: E402
 from memlab.step import StepConfig  # noqa: E402
 
 SMALL = dict(seq=128, batch=4, world_size=2)
@@ -174,7 +174,7 @@ def test_deepspeed_config_is_validated():
 def test_zero_worker_runs_as_a_script_under_torchrun(torchrun):
     import json
     from memlab.models import get_config
-    out = torchrun("memlab.zero_worker", "--zero", "2", "--seq", "32", "--batch", "2")
+    out = torchrun("memlab.distributed.zero_worker", "--zero", "2", "--seq", "32", "--batch", "2")
     ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")),
                    key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1] and {r["world_size"] for r in ranks} == {2}

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import memlab as ml
-from memlab import deepspeed_tools
+from memlab.distributed import deepspeed_rank0
 from memlab import exercises as ex
 from memlab.models import Block
 
@@ -283,7 +283,7 @@ def test_fake_ranks_leave_nothing_behind(ds):
     import os
     import torch.distributed as dist
     before = os.environ.get("WORLD_SIZE")
-    with deepspeed_tools.fake_ranks(4):
+    with deepspeed_rank0.fake_ranks(4):
         assert dist.get_world_size() == 4 and ds.comm.get_world_size() == 4
     assert not dist.is_initialized() and os.environ.get("WORLD_SIZE") == before
 
@@ -291,9 +291,9 @@ def test_fake_ranks_leave_nothing_behind(ds):
 def test_deepspeed_batch_sizes_are_deepspeeds_own(ds):
     seed = {"train_batch_size": 8, "gradient_accumulation_steps": 4}   # the curriculum's config
     # micro-batch = 8 / (4 x ranks)
-    assert deepspeed_tools.deepspeed_batch_sizes(seed, 1)["train_micro_batch_size_per_gpu"] == 2
-    assert deepspeed_tools.deepspeed_batch_sizes(seed, 2)["train_micro_batch_size_per_gpu"] == 1
-    assert "greater than 0" in deepspeed_tools.deepspeed_batch_sizes(seed, 4)["error"]
+    assert deepspeed_rank0.deepspeed_batch_sizes(seed, 1)["train_micro_batch_size_per_gpu"] == 2
+    assert deepspeed_rank0.deepspeed_batch_sizes(seed, 2)["train_micro_batch_size_per_gpu"] == 1
+    assert "greater than 0" in deepspeed_rank0.deepspeed_batch_sizes(seed, 4)["error"]
 
 
 def test_zero_checker_passes_the_reference(ds):

@@ -128,7 +128,7 @@ def test_in_flight_names_stage_blind_1f1b():
 
 @pytest.mark.distributed
 def test_in_flight_agrees_with_a_measured_pipeline():
-    from memlab.parallel import measure_pipeline
+    from memlab.distributed.pipeline_parallel import measure_pipeline
     from memlab.step import StepConfig
     pp = measure_pipeline(StepConfig(seq=32, batch=4), 2, micro_batches=(2, 4), repeats=1)
     r = ex.check_in_flight(in_flight, measured=pp)

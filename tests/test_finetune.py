@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("peft")
 
 from memlab import finetune, hf, measure_step  # noqa: E402
-from memlab.anymodel import track_step  # noqa: E402
+from memlab.your_model import track_step  # noqa: E402
 from memlab.models import GPT, PRESETS  # noqa: E402
 from memlab.tracking import CATEGORIES  # noqa: E402
 

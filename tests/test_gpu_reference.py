@@ -7,10 +7,10 @@ a learner is told a step fits and then runs out of memory, so the bounds are one
 Each file was recorded by one process that measured its rows in order (build the model, a
 warm-up step, the tracked step; the cache kept from row to row), so every row but the first
 ran with the cache the rows before it left, and which cached block a request finds changes
-what ``max_memory_allocated`` counts (``memlab.policy.caching``). Hence:
+what ``max_memory_allocated`` counts (``memlab.policy.caching_allocator``). Hence:
 
 * the simulation with ``target="cuda"`` in the process the rows were recorded in (one
-  :class:`~memlab.policy.caching.CachingAllocator` passed to every row of a file, in order):
+  :class:`~memlab.policy.caching_allocator.CachingAllocator` passed to every row of a file, in order):
   every GPT row from 0.1% under to 0.5% over; UNet rows within 10% (cuDNN's convolution
   workspace is a model, see ``memlab.policy``);
 * the simulation of one step in a fresh process, what a single call gives: GPT rows from
@@ -26,7 +26,7 @@ import pytest
 
 from memlab.estimate import ALLOCATOR_NOTE, estimate_step
 from memlab.models import GPTConfig
-from memlab.policy.caching import CachingAllocator
+from memlab.policy.caching_allocator import CachingAllocator
 from memlab.reference import reference_steps, step_from_description
 from memlab.simulate import simulate_step
 

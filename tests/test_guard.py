@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import memlab.zero as zero
+import memlab.distributed.deepspeed_zero as zero
 import memlab.guard as guard
 import memlab.measure as measure
 from memlab.estimate import estimate_step

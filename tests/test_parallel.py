@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import memlab as ml
-from memlab.parallel import (tp_attention_forward, bubble_fraction, in_flight,
-                             measure_pipeline, measure_tensor_parallel, qkv_head_permutation,
-                             simulate_tensor_parallel, stage_bounds, tp_activation_bytes)
+from memlab.distributed.tensor_parallel import tp_attention_forward, measure_tensor_parallel, qkv_head_permutation, simulate_tensor_parallel
+from memlab.distributed.parallel_formulas import bubble_fraction, tp_activation_bytes
+from memlab.distributed.pipeline_parallel import in_flight, measure_pipeline, stage_bounds
 from memlab.tracking import MemoryTracker
 
 
@@ -122,7 +122,7 @@ def test_parallel_module_runs_under_torchrun(torchrun):
     """The lesson's worker as a script: torchrun starts the ranks, rank 0 prints them all.
     (tp and pp share this entry point; pp also checks the loss against one process.)"""
     import json
-    pp = json.loads(torchrun("memlab.parallel", "pp", "--seq", "32", "--batch", "4",
+    pp = json.loads(torchrun("memlab.distributed", "pp", "--seq", "32", "--batch", "4",
                               "--micro-batches", "2", "--schedule", "gpipe"))
     first, last = pp
     n_layer = ml.get_config("tiny").n_layer

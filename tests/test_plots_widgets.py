@@ -151,7 +151,7 @@ def test_table_panel_sequence_slider_remeasures():
 
 @pytest.mark.distributed
 def test_pipeline_panel_redraws_when_controls_change():
-    from memlab.parallel import measure_pipeline
+    from memlab.distributed.pipeline_parallel import measure_pipeline
     from memlab.widgets import PipelinePanel
     result = measure_pipeline(StepConfig(seq=32, batch=4), 2, micro_batches=(1, 2, 4), repeats=1)
     panel = PipelinePanel(result)
@@ -187,7 +187,7 @@ def test_loss_spike_panel_follows_vocabulary_and_sequence():
 
 def test_tensor_parallel_panel_redraws_with_the_formula():
     from memlab.models import get_config
-    from memlab.parallel import tp_activation_bytes
+    from memlab.distributed.parallel_formulas import tp_activation_bytes
     from memlab.widgets import TensorParallelPanel
     panel = TensorParallelPanel("gpt2-medium", seq=1024, batch=1)
     assert panel.t.options == (1, 2, 4, 8, 16)           # 16 heads, MLP 4096

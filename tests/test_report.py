@@ -8,7 +8,7 @@ from dataclasses import replace
 from memlab.cli import main
 from memlab.estimate import estimate_step
 from memlab.step import StepConfig
-from memlab.report import (load_references, measure_table, ranks_for, reference_ratios, verdict,
+from memlab.technique_table import (load_references, measure_table, ranks_for, reference_ratios, verdict,
                            zero_saving)
 
 STEP = StepConfig(seq=128, batch=4)

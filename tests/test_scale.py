@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import memlab as ml
 from memlab.chunked_loss import loss_spike_bytes
-from memlab.sharded import simulate_sharded
+from memlab.distributed.fsdp import simulate_sharded
 from memlab.estimate import activation_bytes, estimate_step
 from memlab.policy import get_target
 from memlab.simulate import simulate_step

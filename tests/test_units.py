@@ -6,9 +6,9 @@ import pathlib
 import pytest
 
 import memlab
-from memlab.allocator import read_oom
+from memlab.oom import read_oom
 from memlab.errors import InputError
-from memlab.allocator import requested_bytes
+from memlab.oom import requested_bytes
 from memlab.units import GiB, KiB, MiB, binary_unit, fmt_bytes, parse_size
 
 

@@ -24,7 +24,7 @@ README = ROOT / "README.md"
 START, END = "<!-- modmap:start -->", "<!-- modmap:end -->"
 
 #: (layer, {module: what it owns}), lowest layer first. Module names are dotted paths inside
-#: memlab ("parallel.formulas"); a package's ``__init__`` is the package's name ("parallel"),
+#: memlab ("distributed.fsdp"); a package's ``__init__`` is the package's name ("distributed"),
 #: memlab's own ``__init__`` is "__init__" (the front door).
 LAYERS: list[tuple[str, dict[str, str]]] = [
     ("base: errors, units, devices", {
@@ -33,10 +33,11 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "cards": "card profiles (memory, capability, native bf16, attention kernels, cuBLAS workspace), `detect_card`",
         "predictions": "the learner's written guesses scored against the measurement",
         "hardware": "GPU presets and budgets, picking a device, placing ranks on devices (`place_ranks`)",
-        "allocator": "the CUDA caching allocator from outside: its OOM message read into numbers, fragmentation provoked",
+        "oom": "the CUDA caching allocator from outside: its OOM message read into numbers, fragmentation provoked",
         "snapshot": "CUDA allocator snapshots: loading them (plain containers only), their live and reserved bytes over time",
         "precision": "precisions and their element sizes: the one table every formula reads",
-        "ranks": "`run_ranks` (N processes, one group, failures named by rank) and `fake_process_group` (rank 0 of N alone)",
+        "distributed": "the multi-rank package: ranks, data parallel, ZeRO with DeepSpeed, offload, FSDP2, tensor and pipeline parallelism",
+        "distributed.ranks": "`run_ranks` (N processes, one group, failures named by rank) and `fake_process_group` (rank 0 of N alone)",
     }),
     ("tracker and models", {
         "tracking": "`MemoryTracker`: live bytes by category, device and host, the simulated budget and its OOM",
@@ -47,7 +48,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "policy.autocast": "autocast op lists per device",
         "policy.elements": "element sizes under a target",
         "policy.kernels": "attention and norm kernels per card",
-        "policy.caching": "the CUDA caching allocator's block rules, a step's allocations replayed through them",
+        "policy.caching_allocator": "the CUDA caching allocator's block rules, a step's allocations replayed through them",
         "policy.workspaces": "cuBLAS / cuDNN / attention workspaces",
         "policy.target": "the target device a lens predicts for",
         "policy.emulation": "the simulation's dispatcher emulation of a target",
@@ -59,11 +60,11 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
     }),
     ("the lenses", {
         "estimate": "the estimate lens: closed-form bytes, activations and the peak moment",
-        "parallel.formulas": "tensor- and pipeline-parallel formulas: bytes per rank, bubbles, schedules",
+        "distributed.parallel_formulas": "tensor- and pipeline-parallel formulas: bytes per rank, bubbles, schedules",
         "guard": "the refusal rule (`HostMemoryError`): estimate vs host RAM / free GPU memory, before anything is built",
         "measure": "the measure lens: a real step, warmed up and tracked; OOMs caught and released; step timing",
         "simulate": "the simulate lens: the same step on fake tensors",
-        "anymodel": "any model: `track_step`, `tracking()`, `simulate_model`",
+        "your_model": "any model: `track_step`, `tracking()`, `simulate_model`",
         "hf": "Hugging Face `config.json`: mapped to a `GPTConfig`, or the real class on fake tensors",
         "calculator": "the real-scale calculator: `estimate_step` per rank for a card",
     }),
@@ -72,26 +73,23 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "mixed_precision": "fp16 underflow and loss scaling; where mixed precision keeps 16 bytes per parameter",
         "accumulation": "gradient accumulation checked against one large batch",
         "max_batch": "the largest batch under a budget: searched and predicted",
-        "techniques": "the single-device techniques under one name (re-exports sweeps, mixed_precision, accumulation, max_batch)",
         "compression": "activation compression with saved-tensor hooks (bf16, int8) and its gradient error",
         "batching": "token-budget batching of variable-length text: fixed, bucketed, packed",
-        "zero": "ZeRO with real DeepSpeed: its config, its per-rank accounting, ranks that measure it",
-        "offload": "ZeRO-Offload measured on ranks: device peak, host bytes, RSS growth",
-        "sharded": "FSDP2 (= ZeRO-3) on a fake process group and fake tensors: `simulate_sharded`",
-        "distributed": "the multi-rank names under one name (re-exports ranks, zero, offload, sharded)",
-        "parallel.common": "what the tensor- and pipeline-parallel workers share: results, rank threads, one step",
-        "parallel.tensor": "tensor parallelism: the Megatron split, its workers and simulation",
-        "parallel.pipeline": "pipeline parallelism: stages, GPipe and 1F1B, their workers",
-        "parallel": "the parallel package's names in one place",
+        "distributed.deepspeed_zero": "ZeRO with real DeepSpeed: its config, its per-rank accounting, ranks that measure it",
+        "distributed.offload": "ZeRO-Offload measured on ranks: device peak, host bytes, RSS growth",
+        "distributed.fsdp": "FSDP2 (= ZeRO-3) on a fake process group and fake tensors: `simulate_sharded`",
+        "distributed.parallel_common": "what the tensor- and pipeline-parallel workers share: results, rank threads, one step",
+        "distributed.tensor_parallel": "tensor parallelism: the Megatron split, its workers and simulation",
+        "distributed.pipeline_parallel": "pipeline parallelism: stages, GPipe and 1F1B, their workers",
         "advisor": "the curriculum's flowchart as a plan (in DeepSpeed's accounting) and its DeepSpeed config",
         "finetune": "LoRA counted from rank and targets; 8-bit AdamW state",
-        "deepspeed_tools": "DeepSpeed as rank 0 of N: fake ranks, batch keys, two engine steps",
-        "data_parallel": "collectives and one DDP step measured on ranks",
+        "distributed.deepspeed_rank0": "DeepSpeed as rank 0 of N: fake ranks, batch keys, two engine steps",
+        "distributed.data_parallel": "collectives and one DDP step measured on ranks",
         "lesson": "`lesson.setup`: device, the card's precision and each lesson's sizes",
     }),
     ("the UI", {
         "plots": "every matplotlib figure",
-        "report": "the curriculum's comparison table, measured, as Markdown, JSON and PNG",
+        "technique_table": "the curriculum's comparison table, measured, as Markdown, JSON and PNG",
         "widgets": "every ipywidgets panel (the only module importing ipywidgets)",
         "leaks": "growth per optimizer step: what a leaking loop keeps, by category",
         "exercises": "checkers for the learners' own code in the lessons' \"Your turn\" cells",
@@ -115,8 +113,8 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
     }),
     ("the edge: commands, scripts, the front door", {
         "cli": "the `memlab` command: flags, exit codes",
-        "zero_worker": "the ZeRO rank as a script for torchrun/deepspeed",
-        "parallel.__main__": "`python -m memlab.parallel tp` or `pp` for torchrun",
+        "distributed.zero_worker": "the ZeRO rank as a script for torchrun/deepspeed",
+        "distributed.__main__": "`python -m memlab.distributed tp` or `pp` for torchrun",
         "gpu_check": "`make gpu-check`: reference figures on a CUDA machine",
         "doctor": "`memlab doctor`: this machine's facts and the verdict",
         "classroom": "`memlab class collect`: submitted notebooks run headless, checker results",
@@ -130,7 +128,7 @@ ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: pathlib.Path) -> str:
-    """``memlab/parallel/formulas.py`` -> ``parallel.formulas``; ``memlab/__init__.py`` -> ``__init__``."""
+    """``memlab/distributed/fsdp.py`` -> ``distributed.fsdp``; ``memlab/__init__.py`` -> ``__init__``."""
     parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
     if parts[-1] == "__init__" and len(parts) > 1:
         parts.pop()
@@ -151,8 +149,8 @@ def modules() -> list[str]:
 def imports(name: str, known: set[str] | None = None) -> set[str]:
     """The memlab modules ``name`` imports, anywhere in it (top, function, ``TYPE_CHECKING``).
 
-    ``from .parallel.formulas import x`` runs ``parallel/__init__`` first, so it counts as an
-    import of both (from outside the package: ``parallel``'s own modules are loaded by it).
+    ``from .distributed.fsdp import x`` runs ``distributed/__init__`` first, so it counts as an
+    import of both (from outside the package: ``distributed``'s own modules are loaded by it).
     memlab's own ``__init__`` (the front door) runs before any module and imports them; it is
     not counted as their import.
     """

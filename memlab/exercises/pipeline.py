@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..parallel import ParallelResult
+from ..distributed.parallel_common import ParallelResult
 from .common import CheckResult, call_learner, fail, require
 
 
@@ -33,7 +33,7 @@ def check_in_flight(in_flight: Callable, *, measured: ParallelResult | None = No
     ``stage`` (0 = first) of a ``p``-stage pipeline holds at once with ``m`` micro-batches,
     ``schedule`` "gpipe" or "1f1b". Checked against each schedule's order of forwards and
     backwards for p up to 8 and m up to 16 and, given ``measured`` (a
-    :func:`~memlab.parallel.measure_pipeline` result), against what each measured stage held."""
+    :func:`~memlab.distributed.pipeline_parallel.measure_pipeline` result), against what each measured stage held."""
     name = "micro-batches in flight"
     require(name, "in_flight", in_flight, "a function (stage, p, m, schedule) returning an int")
     cases = 0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..report import SINGLE, measure_saving
+from ..technique_table import SINGLE, measure_saving
 from ..step import StepConfig
 from .common import CheckResult, call_learner, fail, require
 
@@ -16,7 +16,7 @@ def check_peak_saving(peak_saving: Callable) -> CheckResult:
     """``peak_saving(step, **technique)`` measures ``step`` (a StepConfig) with and without one
     technique given as a StepConfig override (``checkpointing="full"``, ``precision="bf16"``)
     and returns the saving on the step's peak, ``1 - peak_with / peak_without``. Checked on the
-    tiny GPT at two sizes against the table's own measurement (``memlab.report``) within
+    tiny GPT at two sizes against the table's own measurement (``memlab.technique_table``) within
     :data:`SAVING_TOLERANCE`."""
     name = "a row of the table"
     require(name, "peak_saving", peak_saving,

@@ -1,10 +1,10 @@
 """Lessons 10-11: a DeepSpeed ZeRO / ZeRO-Offload config and ``deepspeed.initialize``, checked as rank 0 of N
-(:func:`memlab.deepspeed_tools.fake_ranks`)."""
+(:func:`memlab.distributed.deepspeed_rank0.fake_ranks`)."""
 from __future__ import annotations
 
 from typing import Callable
 
-from ..deepspeed_tools import fake_ranks, run_deepspeed
+from ..distributed.deepspeed_rank0 import fake_ranks, run_deepspeed
 from ..errors import InputError
 from ..estimate import zero_formula
 from ..models import get_config

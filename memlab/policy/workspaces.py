@@ -19,7 +19,7 @@ The CUDA caching allocator rounds every block up to a multiple of 512 bytes
 from __future__ import annotations
 
 from ..cards import cublas_workspace_bytes, cublaslt_workspace_bytes
-from .caching import kMinBlockSize
+from .caching_allocator import kMinBlockSize
 
 
 def conv_workspace(in_channels: int, kernel: tuple[int, ...], out_spatial: tuple[int, ...],
@@ -40,7 +40,7 @@ def conv_workspace(in_channels: int, kernel: tuple[int, ...], out_spatial: tuple
 
 
 MATMUL_THREADS = 2  # the caller's thread (forward) and the autograd device thread (backward)
-CUDA_BLOCK_BYTES = kMinBlockSize  # of the CUDA caching allocator (memlab.policy.caching)
+CUDA_BLOCK_BYTES = kMinBlockSize  # of the CUDA caching allocator (memlab.policy.caching_allocator)
 
 
 __all__ = ["CUDA_BLOCK_BYTES", "MATMUL_THREADS", "conv_workspace", "cublas_workspace_bytes",

@@ -9,14 +9,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ranks import resolve_placement, run_ranks
+from .ranks import resolve_placement, run_ranks
 from ..errors import InputError
 from ..models import GPT
 from ..step import StepConfig, build_optimizer, make_batch
 from ..tracking import MemoryTracker
 from ..hardware import Placement
-from .common import ParallelResult, rank_device, set_rank_threads, worker_step
-from .formulas import SCHEDULES, bubble_fraction
+from .parallel_common import ParallelResult, rank_device, set_rank_threads, worker_step
+from .parallel_formulas import SCHEDULES, bubble_fraction
 
 
 class _Clock:
@@ -206,7 +206,7 @@ def measure_pipeline(step: StepConfig | None = None, stages: int = 2, *,
                      placement: Placement | None = None) -> ParallelResult:
     """Run ``step``'s GPT as a ``stages``-rank pipeline for each schedule and micro-batch
     count; per stage: wall and busy time, bubble, micro-batches in flight, peak bytes.
-    Ranks are placed as in :func:`~memlab.parallel.measure_tensor_parallel`."""
+    Ranks are placed as in :func:`~memlab.distributed.tensor_parallel.measure_tensor_parallel`."""
     step = step or StepConfig()
     if isinstance(micro_batches, int):
         micro_batches = (micro_batches,)

@@ -22,13 +22,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .compression import compressed_trainer
-from .zero import measure_zero
+from .distributed.deepspeed_zero import measure_zero
 from .errors import InputError
 from .estimate import estimate_step
 from .hardware import Placement, place_ranks
 from .measure import measure_trainer, time_steps
-from .parallel import measure_pipeline, measure_tensor_parallel
-from .parallel.formulas import bubble_fraction
+from .distributed.pipeline_parallel import measure_pipeline
+from .distributed.tensor_parallel import measure_tensor_parallel
+from .distributed.parallel_formulas import bubble_fraction
 from .states import zero_saving  # one source for the ZeRO formula (re-exported)
 from .step import StepConfig
 from .sweeps import category_max

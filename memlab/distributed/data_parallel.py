@@ -11,7 +11,7 @@ reduce-scatter leaves each rank one shard of the sum, all-gather puts the shards
 >>> ddp = measure_ddp(StepConfig(seq=64, batch=4), world_size=2)
 >>> ddp[0]["bytes"]                                # full replicas: parameters, gradients, Adam
 
-Workers run on ranks started by :func:`memlab.ranks.run_ranks`, placed by
+Workers run on ranks started by :func:`memlab.distributed.ranks.run_ranks`, placed by
 :func:`memlab.hardware.place_ranks` (one GPU per rank, or CPU ranks on gloo).
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .ranks import run_ranks
-from .hardware import Placement, rank_device
-from .step import StepConfig, build_trainer, make_batch
+from ..hardware import Placement, rank_device
+from ..step import StepConfig, build_trainer, make_batch
 
 
 def collectives_worker(rank: int, world_size: int, n: int = 4) -> dict:

@@ -2,8 +2,8 @@
 
 One machine or many, the same file::
 
-    torchrun --nproc-per-node 2 -m memlab.zero_worker --zero 2
-    deepspeed --hostfile hostfile -m memlab.zero_worker --zero 3 --offload optimizer
+    torchrun --nproc-per-node 2 -m memlab.distributed.zero_worker --zero 2
+    deepspeed --hostfile hostfile -m memlab.distributed.zero_worker --zero 3 --offload optimizer
 
 Each rank prints one JSON line: its exact ZeRO accounting and tracked peak (bytes).
 """
@@ -17,9 +17,9 @@ import sys
 import torch
 
 from .ranks import set_cache_env
-from .zero import zero_rank_step
-from .hardware import place_ranks
-from .step import StepConfig
+from .deepspeed_zero import zero_rank_step
+from ..hardware import place_ranks
+from ..step import StepConfig
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@
 :func:`zero_rank_step` runs one rank's engine under the tracker (or, on CUDA, the caching
 allocator) and :func:`zero_accounting` reads what DeepSpeed's ZeRO optimizer holds, by
 account; :func:`measure_zero` and :func:`measure_distributed` start the ranks
-(:func:`memlab.ranks.run_ranks`) and return a :class:`~memlab.step.MemoryReport` per step
+(:func:`memlab.distributed.ranks.run_ranks`) and return a :class:`~memlab.step.MemoryReport` per step
 with ``per_rank``. The per-rank formula is :func:`memlab.states.zero_formula`.
 """
 from __future__ import annotations
@@ -21,14 +21,14 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from .errors import InputError
-from .guard import preflight
-from .hardware import Placement, rank_device, resolve_budget
-from .measure import add_workspace
+from ..errors import InputError
+from ..guard import preflight
+from ..hardware import Placement, rank_device, resolve_budget
+from ..measure import add_workspace
 from .ranks import RankError, default_backend, resolve_placement, run_ranks
-from .states import BUCKET_ELEMENTS, PERSISTENCE_THRESHOLD, zero_formula  # noqa: F401 (re-exported)
-from .step import MemoryReport, StepConfig, build_trainer, make_batch
-from .tracking import MemoryTracker
+from ..states import BUCKET_ELEMENTS, PERSISTENCE_THRESHOLD, zero_formula  # noqa: F401 (re-exported)
+from ..step import MemoryReport, StepConfig, build_trainer, make_batch
+from ..tracking import MemoryTracker
 
 ACCOUNTS = ("parameters", "gradients", "fp32_master", "optimizer_state", "comm_buffers")
 

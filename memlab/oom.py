@@ -9,7 +9,7 @@ but unallocated* (cached blocks too small or too split up for the request).
 :func:`fragmentation` provokes the classic case in a fresh process, once with the default
 allocator and once with expandable segments.
 
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m memlab.allocator fragment
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m memlab.oom fragment
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def fragmentation(expandable: bool, timeout: float = 120.0, **sizes) -> dict:
     conf = [c for c in env.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",")
             if c and not c.startswith("expandable_segments")]
     env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(conf + [f"expandable_segments:{expandable}"])
-    args = [sys.executable, "-m", "memlab.allocator", "fragment"]
+    args = [sys.executable, "-m", "memlab.oom", "fragment"]
     for key, value in sizes.items():
         args += [f"--{key.replace('_', '-')}", str(int(value))]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
@@ -134,7 +134,7 @@ def fragmentation(expandable: bool, timeout: float = 120.0, **sizes) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m memlab.allocator",
+    ap = argparse.ArgumentParser(prog="python -m memlab.oom",
                                  description="provoke allocator fragmentation (CUDA), print JSON")
     sub = ap.add_subparsers(dest="command", required=True)
     frag = sub.add_parser("fragment", help="one fragmentation run in this process")
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = fragment_once(args.big_mib, args.piece_mib, args.request_mib, args.cap_mib)
     except ValueError as e:
-        print(f"memlab.allocator: {e}", file=sys.stderr)
+        print(f"memlab.oom: {e}", file=sys.stderr)
         return 2
     print(json.dumps(out))
     return 0

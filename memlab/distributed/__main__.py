@@ -1,4 +1,4 @@
-"""``torchrun --nproc-per-node N -m memlab.parallel tp|pp``: one process per rank (torchrun
+"""``torchrun --nproc-per-node N -m memlab.distributed tp|pp``: one process per rank (torchrun
 sets RANK, WORLD_SIZE, ...); rank 0 prints every rank's numbers as JSON."""
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 
 from ..hardware import place_ranks
-from .formulas import SCHEDULES
-from .pipeline import pp_worker
-from .tensor import tp_worker
+from .parallel_formulas import SCHEDULES
+from .pipeline_parallel import pp_worker
+from .tensor_parallel import tp_worker
 
 
 def main(argv: list[str] | None = None) -> list[dict] | None:
-    """``torchrun --nproc-per-node N -m memlab.parallel tp|pp ...``: rank 0 prints JSON."""
-    ap = argparse.ArgumentParser(prog="python -m memlab.parallel",
+    """``torchrun --nproc-per-node N -m memlab.distributed tp|pp ...``: rank 0 prints JSON."""
+    ap = argparse.ArgumentParser(prog="python -m memlab.distributed",
                                  description="tensor (tp) or pipeline (pp) parallel step, "
                                              "per-rank memory as JSON")
     ap.add_argument("mode", choices=("tp", "pp"))

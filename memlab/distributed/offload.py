@@ -11,9 +11,9 @@ import os
 import shutil
 from dataclasses import replace
 
-from .hardware import Placement, place_ranks
+from ..hardware import Placement, place_ranks
 from .ranks import run_ranks
-from .zero import ACCOUNTS, deepspeed_config, zero_worker
+from .deepspeed_zero import ACCOUNTS, deepspeed_config, zero_worker
 
 OFFLOAD_CASES = ((2, "none"), (2, "optimizer"), (3, "all"))
 

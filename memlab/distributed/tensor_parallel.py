@@ -28,16 +28,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
-from ..ranks import resolve_placement, run_ranks
+from .ranks import resolve_placement, run_ranks
 from ..errors import InputError
 from ..models import GPT, GPTConfig
 from ..step import StepConfig, make_batch
 from ..tracking import MemoryTracker
 from ..hardware import Placement
-from ..ranks import fake_process_group
-from .common import (ParallelResult, is_sharded, local_bytes, rank_device, set_rank_threads,
+from .ranks import fake_process_group
+from .parallel_common import (ParallelResult, is_sharded, local_bytes, rank_device, set_rank_threads,
                      worker_step)
-from .formulas import tp_activation_bytes
+from .parallel_formulas import tp_activation_bytes
 
 
 def qkv_head_permutation(cfg: GPTConfig, t: int) -> torch.Tensor:

@@ -195,7 +195,7 @@ def tracking(model: nn.Module, optimizer=None, *, budget: int | str | None = Non
              **known) -> Iterator[Tracking]:
     """Track whatever the ``with`` block runs, for code that is not a function:
 
-    >>> with memlab.anymodel.tracking(model, opt, budget="2GiB") as t:
+    >>> with memlab.your_model.tracking(model, opt, budget="2GiB") as t:
     ...     loss = model(**batch).loss; loss.backward(); opt.step(); opt.zero_grad()
     >>> print(t.report)
 

@@ -11,10 +11,10 @@ from typing import Callable
 
 import torch
 
-from .models import GPT, get_config
+from ..models import GPT, get_config
 from .ranks import fake_process_group, set_cache_env
-from .step import StepConfig, make_batch
-from .zero import host_gradient_bytes, zero_accounting
+from ..step import StepConfig, make_batch
+from .deepspeed_zero import host_gradient_bytes, zero_accounting
 
 
 @contextlib.contextmanager
@@ -94,7 +94,7 @@ def run_deepspeed(config: dict, ranks: int = 2, make_engine: Callable | None = N
     """Build the tiny GPT, ``deepspeed.initialize`` it with ``config`` as rank 0 of ``ranks``
     (:func:`fake_ranks`), run two steps and return what the engine decided: ZeRO stage, batch
     sizes, offload, whether activation checkpointing was configured, and the rank's exact
-    bytes (``memlab.zero.zero_accounting``). ``make_engine(model)`` replaces the
+    bytes (``memlab.distributed.deepspeed_zero.zero_accounting``). ``make_engine(model)`` replaces the
     plain ``deepspeed.initialize`` call."""
     import deepspeed
     with fake_ranks(ranks):

@@ -2,7 +2,7 @@
 group and fake tensors.
 
 :func:`simulate_sharded` runs rank 0 of a ``world_size``-rank FSDP2 step in this process
-(:func:`memlab.ranks.fake_process_group`) under ``FakeTensorMode``, tracked exactly;
+(:func:`memlab.distributed.ranks.fake_process_group`) under ``FakeTensorMode``, tracked exactly;
 :func:`fsdp_worker` runs the same tracked step on real ranks, for comparison.
 """
 from __future__ import annotations
@@ -15,12 +15,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
-from .errors import InputError
-from .hardware import resolve_budget
-from .models import GPTConfig, build_model
+from ..errors import InputError
+from ..hardware import resolve_budget
+from ..models import GPTConfig, build_model
 from .ranks import fake_process_group
-from .step import MemoryReport, StepConfig, make_batch
-from .tracking import CATEGORIES, MemoryTracker
+from ..step import MemoryReport, StepConfig, make_batch
+from ..tracking import CATEGORIES, MemoryTracker
 
 SHARDED_PRECISIONS = ("fp32", "bf16")
 

@@ -35,8 +35,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from .errors import InputError
-from .hardware import Placement, place_ranks, visible_gpus
+from ..errors import InputError
+from ..hardware import Placement, place_ranks, visible_gpus
 
 REPO = Path(__file__).resolve().parent.parent
 
