@@ -14,7 +14,7 @@ advisor emits: without ZeRO or offload a plain PyTorch step (autocast, ``torch.u
 DDP across ranks; no DeepSpeed config), with them DeepSpeed's layout
 (:func:`memlab.states.model_states`: 16-bit weights and gradients plus an fp32 master and
 moments, sharded by stage, offloaded ones in host memory) and the config of
-:func:`memlab.distributed.deepspeed_zero.deepspeed_config`. On one rank offload needs a ZeRO stage all the
+:func:`memlab.distributed.deepspeed_config.deepspeed_config`. On one rank offload needs a ZeRO stage all the
 same (DeepSpeed offloads from its ZeRO optimizer, and parameters only at stage 3: ZeRO-Offload
 on ZeRO-2, Ren et al. 2021 sec. 4; ZeRO-Infinity on ZeRO-3, Rajbhandari et al. 2021 sec. 5):
 the message says so, and how much host memory the offloaded states take.
@@ -45,7 +45,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .cards import Card, detect_card
-from .distributed.deepspeed_zero import deepspeed_config, measure_distributed
+from .distributed.deepspeed_zero import measure_distributed
+from .distributed.deepspeed_config import deepspeed_config
 from .errors import InputError
 from .estimate import estimate_step
 from .hardware import GPU_PRESETS, resolve_budget
@@ -290,7 +291,7 @@ def _best(steps: list[dict]) -> dict:
 
 
 def _ds_config(step: StepConfig, tp: int) -> dict:
-    """DeepSpeed's config for the plan, from :func:`memlab.distributed.deepspeed_zero.deepspeed_config`;
+    """DeepSpeed's config for the plan, from :func:`memlab.distributed.deepspeed_config.deepspeed_config`;
     empty for a plan that runs as plain PyTorch (its peak is estimated as such)."""
     if not under_deepspeed(step.zero, step.offload):
         return {}

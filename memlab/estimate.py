@@ -39,8 +39,7 @@ from .policy import (Target, activation_copies, attention_probs_bytes, cross_ent
                      emulate, get_target, norm_saves, precision_bytes, resolve_target,
                      sdpa_backend, sdpa_dtype, sdpa_lse_bytes, sdpa_math_extra_bytes)
 from .cards import Card  # noqa: F401  (a type in a signature)
-from .states import (model_state_bytes, model_states, step_model_states,  # noqa: F401 (re-exported)
-                     zero_formula)
+from .states import step_model_states
 from .tracking import CATEGORIES, MemoryTracker
 
 

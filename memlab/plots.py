@@ -22,7 +22,7 @@ from matplotlib.patches import Rectangle
 from .errors import InputError
 from .distributed.parallel_formulas import bubble_fraction, pipeline_schedule
 from .distributed.pipeline_parallel import in_flight, pipeline_bubble, pipeline_run
-from .states import zero_formula
+from .distributed.zero import zero_formula
 from .step import MemoryReport
 from .tracking import CATEGORIES
 from .units import GiB, MiB, binary_unit
@@ -322,7 +322,7 @@ ZERO_STAGE_NAMES = ("ZeRO-0: data parallel, all replicated", "ZeRO-1: optimizer 
 
 def plot_zero_partition(num_params: int, world_size: int = 4, ax=None, **formula):
     """What each rank holds under ZeRO stages 0-3: one bar per rank, its length the bytes of
-    parameters, gradients and optimizer states on that rank (:func:`memlab.states.zero_formula`,
+    parameters, gradients and optimizer states on that rank (:func:`memlab.distributed.zero.zero_formula`,
     ``formula`` its keyword arguments). A sharded part is drawn solid and labelled with the
     rank's shard; a replicated one light. Linear axis from 0."""
     per = [zero_formula(num_params, s, world_size, **formula) for s in range(4)]

@@ -30,7 +30,7 @@ from .measure import measure_trainer, time_steps
 from .distributed.pipeline_parallel import measure_pipeline
 from .distributed.tensor_parallel import measure_tensor_parallel
 from .distributed.parallel_formulas import bubble_fraction
-from .states import zero_saving  # one source for the ZeRO formula (re-exported)
+from .distributed.zero import zero_saving  # one source for the ZeRO formula (re-exported)
 from .step import StepConfig
 from .sweeps import category_max
 from .units import GiB, MiB

@@ -5,7 +5,9 @@ import itertools
 import pytest
 import torch
 
-from memlab.estimate import estimate_step, model_state_bytes, zero_formula
+from memlab.distributed.zero import zero_formula
+from memlab.estimate import estimate_step
+from memlab.states import model_state_bytes
 from memlab.measure import measure_step
 from memlab.step import StepConfig
 from memlab.models import build_model, get_config

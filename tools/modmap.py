@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "snapshot": "CUDA allocator snapshots: loading them (plain containers only), their live and reserved bytes over time",
         "precision": "precisions and their element sizes: the one table every formula reads",
         "distributed": "the multi-rank package: ranks, data parallel, ZeRO with DeepSpeed, offload, FSDP2, tensor and pipeline parallelism",
+        "distributed.zero": "the ZeRO paper's per-rank formula: `zero_formula` (2 + 2 + K bytes divided by stage), `zero_saving`",
         "distributed.ranks": "`run_ranks` (N processes, one group, failures named by rank) and `fake_process_group` (rank 0 of N alone)",
     }),
     ("tracker and models", {
@@ -44,6 +45,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "chunked_loss": "the language-model head and cross-entropy over chunks of tokens (the loss spike's fix)",
         "models": "GPT (MHA/GQA) and UNet, their configs and presets with published shapes",
         "states": "model states per rank and where they live: plain PyTorch or DeepSpeed's layout per ZeRO stage and offload",
+        "distributed.deepspeed_config": "the DeepSpeed config a step describes (`deepspeed_config`), with memlab's bucket sizes",
         "policy": "a target device's rules (autocast op lists, kernels, workspaces, allocator blocks) applied to a CPU step",
         "policy.autocast": "autocast op lists per device",
         "policy.elements": "element sizes under a target",

@@ -1,11 +1,11 @@
-"""ZeRO with real DeepSpeed: its config, its per-rank accounting, and ranks that measure it.
+"""ZeRO with real DeepSpeed: its per-rank accounting, and ranks that measure it.
 
-:func:`deepspeed_config` writes the config a :class:`~memlab.step.StepConfig` describes;
-:func:`zero_rank_step` runs one rank's engine under the tracker (or, on CUDA, the caching
+:func:`memlab.distributed.deepspeed_config.deepspeed_config` writes the config a
+:class:`~memlab.step.StepConfig` describes; :func:`zero_rank_step` runs one rank's engine under the tracker (or, on CUDA, the caching
 allocator) and :func:`zero_accounting` reads what DeepSpeed's ZeRO optimizer holds, by
 account; :func:`measure_zero` and :func:`measure_distributed` start the ranks
 (:func:`memlab.distributed.ranks.run_ranks`) and return a :class:`~memlab.step.MemoryReport` per step
-with ``per_rank``. The per-rank formula is :func:`memlab.states.zero_formula`.
+with ``per_rank``. The per-rank formula is :func:`memlab.distributed.zero.zero_formula`.
 """
 from __future__ import annotations
 
@@ -26,67 +26,11 @@ from ..guard import preflight
 from ..hardware import Placement, rank_device, resolve_budget
 from ..measure import add_workspace
 from .ranks import RankError, default_backend, resolve_placement, run_ranks
-from ..states import BUCKET_ELEMENTS, PERSISTENCE_THRESHOLD, zero_formula  # noqa: F401 (re-exported)
+from .deepspeed_config import deepspeed_config
 from ..step import MemoryReport, StepConfig, build_trainer, make_batch
 from ..tracking import MemoryTracker
 
 ACCOUNTS = ("parameters", "gradients", "fp32_master", "optimizer_state", "comm_buffers")
-
-
-def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
-                     persistence_threshold: int = PERSISTENCE_THRESHOLD,
-                     torch_adam: bool = True) -> dict:
-    """The DeepSpeed config for ``step`` (a :class:`~memlab.step.StepConfig`).
-
-    Modelled on the curriculum's config (course/curriculum.md, section 5) (train_batch_size, gradient_accumulation_steps, fp16/bf16,
-    zero_optimization with offload, activation_checkpointing). ``step.batch`` is the batch of
-    one rank, so train_batch_size = batch x world_size. Adam runs as ``torch.optim.AdamW``
-    (``torch_adam``): no op is compiled, and the state lives where ZeRO puts it.
-    ``torch_adam=False`` (offload only) lets DeepSpeed run its compiled ``DeepSpeedCPUAdam``.
-    """
-    if step.precision not in ("fp32", "bf16"):
-        raise InputError(f"precision={step.precision!r} for DeepSpeed here; allowed: fp32, bf16 "
-                         f"(fp16 loss scaling is not supported by DeepSpeed's CPU accelerator)")
-    if step.optimizer != "adamw":
-        raise InputError(f"optimizer={step.optimizer!r} for DeepSpeed here; allowed: adamw")
-    if step.offload == "all" and step.zero != 3:
-        raise InputError(f"offload='all' (parameters too) needs ZeRO stage 3, got stage {step.zero}")
-    if step.offload == "optimizer" and step.zero == 0:
-        raise InputError("offload='optimizer' needs ZeRO stage 1-3, got stage 0")
-    if bucket_elements < 1:
-        raise InputError(f"bucket_elements must be positive, got {bucket_elements}")
-    if not torch_adam and step.offload == "none":
-        raise InputError("torch_adam=False selects DeepSpeedCPUAdam, which runs on the host: "
-                         "it needs offload='optimizer' or 'all'")
-    zero: dict[str, Any] = {"stage": step.zero, "reduce_bucket_size": bucket_elements,
-                            "allgather_bucket_size": bucket_elements,
-                            "contiguous_gradients": True, "overlap_comm": False}
-    if step.zero == 3:
-        zero.update(stage3_prefetch_bucket_size=bucket_elements,
-                    stage3_param_persistence_threshold=persistence_threshold,
-                    stage3_max_live_parameters=4 * bucket_elements,
-                    stage3_max_reuse_distance=4 * bucket_elements)
-    if step.offload in ("optimizer", "all"):
-        zero["offload_optimizer"] = {"device": "cpu"}
-    if step.offload == "all":
-        zero["offload_param"] = {"device": "cpu"}
-    cfg = {
-        "train_batch_size": step.batch * step.world_size,
-        "train_micro_batch_size_per_gpu": step.batch // step.micro_batches,
-        "gradient_accumulation_steps": step.micro_batches,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": torch_adam}},
-        "fp16": {"enabled": False},
-        "bf16": {"enabled": step.precision == "bf16"},
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if step.model_config.checkpointing != "none":
-        cfg["activation_checkpointing"] = {"partition_activations": step.zero == 3,
-                                           "contiguous_memory_optimization": False}
-    return cfg
 
 
 def _nbytes(tensors) -> int:
@@ -429,5 +373,5 @@ def measure_distributed(step=None, *, device: str | None = "cpu", placement: Pla
 # --------------------------------------------------------------------------------------
 
 
-__all__ = ["ACCOUNTS", "deepspeed_config", "measure_distributed", "measure_zero",
-           "zero_accounting", "zero_formula", "zero_rank_step", "zero_worker"]
+__all__ = ["ACCOUNTS", "measure_distributed", "measure_zero", "zero_accounting", "zero_rank_step",
+           "zero_worker"]

@@ -13,7 +13,8 @@ from dataclasses import replace
 
 from ..hardware import Placement, place_ranks
 from .ranks import run_ranks
-from .deepspeed_zero import ACCOUNTS, deepspeed_config, zero_worker
+from .deepspeed_zero import ACCOUNTS, zero_worker
+from .deepspeed_config import deepspeed_config
 
 OFFLOAD_CASES = ((2, "none"), (2, "optimizer"), (3, "all"))
 

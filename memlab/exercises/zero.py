@@ -6,7 +6,7 @@ from typing import Callable
 
 from ..distributed.deepspeed_rank0 import fake_ranks, run_deepspeed
 from ..errors import InputError
-from ..estimate import zero_formula
+from ..distributed.zero import zero_formula
 from ..models import get_config
 from ..units import fmt_bytes
 from .common import CheckResult, call_learner, fail, require
