@@ -18,8 +18,8 @@ import time
 import torch
 
 from memlab.chunked_loss import linear_cross_entropy, loss_spike_bytes, plain_linear_cross_entropy
-from memlab.units import fmt_bytes
 from memlab.tracking import MemoryTracker
+from memlab.units import fmt_bytes
 
 D_MODEL, CHUNK = 64, 128
 SIZES = [(32000, 256), (32000, 1024), (128256, 512)]  # (vocab, tokens)

@@ -5,8 +5,8 @@ Prints ratios, asserts nothing: timings on shared 2-core machines are noisy. Tar
 """
 import time
 
-from memlab.step import StepConfig, build_trainer, make_batch
 from memlab.simulate import simulate_step
+from memlab.step import StepConfig, build_trainer, make_batch
 from memlab.tracking import MemoryTracker
 
 

@@ -22,22 +22,22 @@ The layers, lowest first, and what each module owns: the README's module map
 (``tools/modmap.py``, checked by ``tests/test_architecture.py``).
 """
 from .advisor import Advice, advise
-from .your_model import simulate_model, track_step
-from .distributed.fsdp import simulate_sharded
 from .distributed.deepspeed_zero import measure_distributed, measure_zero
+from .distributed.fsdp import simulate_sharded
+from .distributed.pipeline_parallel import measure_pipeline
+from .distributed.tensor_parallel import measure_tensor_parallel
 from .errors import InputError
 from .estimate import estimate_step
 from .guard import HostMemoryError
 from .hardware import GPU_PRESETS, place_ranks, resolve_budget
 from .measure import measure_step, time_step
 from .models import GPT, PRESETS, UNET_PRESETS, GPTConfig, UNet, UNetConfig, build_model, get_config
-from .distributed.pipeline_parallel import measure_pipeline
-from .distributed.tensor_parallel import measure_tensor_parallel
-from .technique_table import measure_table
 from .simulate import simulate_step
 from .step import MemoryReport, StepConfig, build_trainer, make_batch
+from .technique_table import measure_table
 from .tracking import CATEGORIES, MemoryTracker
 from .units import GiB, MiB, fmt_bytes, parse_size
+from .your_model import simulate_model, track_step
 
 __version__ = "0.1.0"
 

@@ -10,6 +10,7 @@ import torch
 from .errors import InputError
 from .step import StepConfig, build_trainer, make_batch
 
+
 @dataclass
 class AccumulationCheck:
     """One batch of ``batch`` against ``k`` micro-batches of ``batch // k``."""

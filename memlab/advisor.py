@@ -45,8 +45,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .cards import Card, detect_card
-from .distributed.deepspeed_zero import measure_distributed
 from .distributed.deepspeed_config import deepspeed_config
+from .distributed.deepspeed_zero import measure_distributed
 from .errors import InputError
 from .estimate import estimate_step
 from .hardware import GPU_PRESETS, resolve_budget

@@ -23,21 +23,20 @@ from dataclasses import replace
 from typing import Union
 
 from . import classroom, doctor, hf
-
 from .advisor import Advice, advise
-from .distributed.fsdp import simulate_sharded
+from .cards import detect_card
 from .distributed.deepspeed_zero import measure_distributed
+from .distributed.fsdp import simulate_sharded
 from .errors import InputError
 from .estimate import estimate_step
 from .guard import HostMemoryError
 from .hardware import GPU_PRESETS, resolve_budget
 from .measure import measure_step
 from .models import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
-from .cards import detect_card
 from .policy import emulate, get_target, resolve_target
-from .technique_table import Table, write_report
 from .simulate import simulate_step
 from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
+from .technique_table import Table, write_report
 from .units import fmt_bytes
 
 #: What a subcommand computes: each prints itself with ``table()`` or ``to_json()``.

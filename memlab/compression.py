@@ -37,9 +37,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .errors import InputError
 from .guard import check_host
 from .measure import measure_trainer, time_steps
+from .step import MemoryReport, StepConfig, autocast_for, batch_to, build_trainer, make_batch, resolve_step
 from .sweeps import category_max, relative_error
-from .step import (MemoryReport, StepConfig, autocast_for, batch_to, build_trainer, make_batch,
-                   resolve_step)
 
 MODES = ("bf16", "int8")
 GRANULARITIES = ("row", "tensor")

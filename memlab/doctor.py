@@ -24,10 +24,9 @@ from importlib.metadata import PackageNotFoundError, version
 import psutil
 import torch
 
-from .hardware import place_ranks
 from .distributed.offload import cpu_adam_buildable
 from .distributed.ranks import RankError, allreduce_worker, run_ranks, set_cache_env
-
+from .hardware import place_ranks
 from .units import fmt_bytes
 
 MIN_PYTHON = (3, 10)

@@ -31,15 +31,27 @@ from dataclasses import dataclass, replace
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .cards import Card  # noqa: F401  (a type in a signature)
 from .errors import InputError
 from .hardware import resolve_budget
-from .step import MemoryReport, StepConfig, autocast_for, resolve_step
 from .models import GPTConfig, UNet, UNetConfig
-from .policy import (Target, activation_copies, attention_probs_bytes, cross_entropy_moments,
-                     emulate, get_target, norm_saves, precision_bytes, resolve_target,
-                     sdpa_backend, sdpa_dtype, sdpa_lse_bytes, sdpa_math_extra_bytes)
-from .cards import Card  # noqa: F401  (a type in a signature)
+from .policy import (
+    Target,
+    activation_copies,
+    attention_probs_bytes,
+    cross_entropy_moments,
+    emulate,
+    get_target,
+    norm_saves,
+    precision_bytes,
+    resolve_target,
+    sdpa_backend,
+    sdpa_dtype,
+    sdpa_lse_bytes,
+    sdpa_math_extra_bytes,
+)
 from .states import step_model_states
+from .step import MemoryReport, StepConfig, autocast_for, resolve_step
 from .tracking import CATEGORIES, MemoryTracker
 
 

@@ -44,9 +44,9 @@ import torch
 
 from .advisor import check_plan
 from .cards import CARDS, Card, detect_card, get_card
-from .distributed.ranks import default_backend, run_ranks
-from .distributed.deepspeed_zero import measure_distributed
 from .distributed.deepspeed_config import deepspeed_config
+from .distributed.deepspeed_zero import measure_distributed
+from .distributed.ranks import default_backend, run_ranks
 from .estimate import estimate_step
 from .guard import cuda_need
 from .hardware import place_ranks

@@ -58,12 +58,13 @@ import torch
 from .cards import detect_card
 from .errors import InputError
 from .estimate import estimate_step
-from .units import MiB, fmt_bytes
 from .models import GPTConfig
 from .policy import get_target
 from .states import step_model_states
 from .step import MemoryReport, StepConfig
 from .tracking import CATEGORIES, OOMInfo
+from .units import MiB, fmt_bytes
+
 
 class HostMemoryError(InputError):
     """A real step that this machine cannot hold, refused before anything was allocated.

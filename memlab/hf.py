@@ -30,9 +30,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import InputError
-from .your_model import simulate_model
 from .models import GPTConfig
 from .step import PRECISIONS, MemoryReport, StepConfig, autocast_for
+from .your_model import simulate_model
 
 #: model_type -> what memlab's GPT calls it; the estimate covers these.
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")

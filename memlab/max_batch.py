@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-
 from .errors import InputError
 from .hardware import resolve_budget
 from .measure import measure_step
 from .step import StepConfig
+
 
 @dataclass
 class BatchSearch:

@@ -24,8 +24,8 @@ import torch
 from .errors import InputError
 from .guard import HostMemoryError, preflight
 from .hardware import pick_device, resolve_budget
-from .step import MemoryReport, StepConfig, Trainer, batch_to, build_trainer, make_batch, resolve_step
 from .oom import requested_bytes
+from .step import MemoryReport, StepConfig, Trainer, batch_to, build_trainer, make_batch, resolve_step
 from .tracking import CATEGORIES, DeviceAccounting, MemoryTracker, OOMInfo, is_host_oom
 from .units import fmt_bytes
 

@@ -19,10 +19,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
 
-from .errors import InputError
 from .distributed.parallel_formulas import bubble_fraction, pipeline_schedule
 from .distributed.pipeline_parallel import in_flight, pipeline_bubble, pipeline_run
 from .distributed.zero import zero_formula
+from .errors import InputError
 from .step import MemoryReport
 from .tracking import CATEGORIES
 from .units import GiB, MiB, binary_unit

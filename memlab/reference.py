@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass, fields
 from importlib import resources
 
-from .step import StepConfig
-from .models import GPTConfig, UNetConfig, get_config
 from .errors import InputError
+from .models import GPTConfig, UNetConfig, get_config
+from .step import StepConfig
 
 REFERENCE_FILES = ("devset.json", "gpu_check.json")
 

@@ -38,20 +38,19 @@ activations, temporaries and workspaces of such a report are simulated.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dataclasses import replace
-
+from .cards import Card  # noqa: F401  (a type in a signature)
 from .hardware import resolve_budget
 from .measure import run_tracked_step
-from .step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
 from .models import UNetConfig
-from .cards import Card  # noqa: F401  (a type in a signature)
 from .policy import emulate, resolve_target
 from .policy.caching_allocator import CachingAllocator, replay_steady_step
 from .states import ModelStates, model_states
+from .step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
 from .tracking import CATEGORIES, Event
 from .units import fmt_bytes
 

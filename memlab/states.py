@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InputError
 from .distributed.zero import zero_formula
+from .errors import InputError
 from .models import build_model
 from .precision import SIZES, check_precision
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from html import escape
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
+from html import escape
 from importlib import resources
 
 import torch

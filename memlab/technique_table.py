@@ -16,21 +16,21 @@ round-robin so that background load slows all of them alike.
 from __future__ import annotations
 
 import json
-from importlib import resources
 import time
 from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
 from pathlib import Path
 
 from .compression import compressed_trainer
 from .distributed.deepspeed_zero import measure_zero
+from .distributed.parallel_formulas import bubble_fraction
+from .distributed.pipeline_parallel import measure_pipeline
+from .distributed.tensor_parallel import measure_tensor_parallel
+from .distributed.zero import zero_saving  # one source for the ZeRO formula (re-exported)
 from .errors import InputError
 from .estimate import estimate_step
 from .hardware import Placement, place_ranks
 from .measure import measure_trainer, time_steps
-from .distributed.pipeline_parallel import measure_pipeline
-from .distributed.tensor_parallel import measure_tensor_parallel
-from .distributed.parallel_formulas import bubble_fraction
-from .distributed.zero import zero_saving  # one source for the ZeRO formula (re-exported)
 from .step import StepConfig
 from .sweeps import category_max
 from .units import GiB, MiB

@@ -45,14 +45,14 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from .oom import requested_bytes
 from .errors import InputError
 from .hardware import resolve_budget
+from .oom import requested_bytes
 from .units import fmt_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other",

@@ -30,25 +30,33 @@ from IPython.display import clear_output, display
 from .advisor import advise
 from .calculator import CHECKPOINTING, MODELS, calculator
 from .chunked_loss import loss_spike_bytes
-from .estimate import estimate_step
-from .states import model_states
 from .compression import VARIANTS, compare
 from .diffusion import unet_module_key
+from .distributed.parallel_common import ParallelResult
+from .distributed.parallel_formulas import bubble_fraction, tp_activation_bytes
+from .distributed.pipeline_parallel import pipeline_bubble, pipeline_run
 from .errors import InputError
+from .estimate import estimate_step
 from .finetune import estimate_finetune
 from .guard import HostMemoryError
 from .hardware import GPU_PRESETS
 from .hf import step_config
 from .models import PRESETS, UNetConfig, get_config
-from .distributed.parallel_common import ParallelResult
-from .distributed.parallel_formulas import bubble_fraction, tp_activation_bytes
-from .distributed.pipeline_parallel import pipeline_bubble, pipeline_run
-from .technique_table import CLAIMS, SINGLE, measure_saving
+from .plots import (
+    plot_advice,
+    plot_bubble,
+    plot_calculator,
+    plot_lenses,
+    plot_module_bytes,
+    plot_pipeline,
+    plot_stage_memory,
+    plot_timeline,
+)
+from .states import model_states
 from .step import PRECISIONS, MemoryReport, StepConfig
 from .sweeps import activations_by_module, category_max, lens_fn
+from .technique_table import CLAIMS, SINGLE, measure_saving
 from .units import GiB, MiB
-from .plots import (plot_advice, plot_bubble, plot_calculator, plot_lenses, plot_module_bytes,
-                    plot_pipeline, plot_stage_memory, plot_timeline)
 
 
 class Panel:

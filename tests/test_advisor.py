@@ -6,13 +6,13 @@ from dataclasses import replace
 import pytest
 
 from memlab.advisor import advise, check_plan, flowchart, tensor_parallel_degree
-from memlab.cli import main
 from memlab.cards import get_card
+from memlab.cli import main
 from memlab.estimate import estimate_step
 from memlab.measure import measure_step
-from memlab.step import StepConfig
 from memlab.models import get_config
 from memlab.simulate import simulate_step
+from memlab.step import StepConfig
 
 MiB = 2**20
 

@@ -4,7 +4,6 @@ import torch
 import torch.nn as nn
 
 from memlab.oom import fragmentation, read_oom
-from memlab.step import StepConfig
 from memlab.tracking import MemoryTracker
 
 MiB, GiB = 2**20, 2**30

@@ -1,6 +1,11 @@
 """The CUDA caching allocator's block rules (memlab.policy.caching_allocator), case by case."""
-from memlab.policy.caching_allocator import (CachingAllocator, fresh_block_bytes, replay_steady_step,
-                                   round_size, should_split)
+from memlab.policy.caching_allocator import (
+    CachingAllocator,
+    fresh_block_bytes,
+    replay_steady_step,
+    round_size,
+    should_split,
+)
 
 MiB = 2**20
 

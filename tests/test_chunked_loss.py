@@ -6,8 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memlab.chunked_loss import (check_linear_cross_entropy, linear_cross_entropy,
-                                 loss_spike_bytes, plain_linear_cross_entropy)
+from memlab.chunked_loss import (
+    check_linear_cross_entropy,
+    linear_cross_entropy,
+    loss_spike_bytes,
+    plain_linear_cross_entropy,
+)
 from memlab.measure import measure_step
 from memlab.models import GPT, GPTConfig, get_config
 from memlab.simulate import simulate_step

@@ -5,8 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from memlab.compression import (ActivationCompressor, gradient_error, gradients,
-                                measure_compressed, quantize)
+from memlab.compression import ActivationCompressor, gradient_error, gradients, measure_compressed, quantize
 from memlab.estimate import activation_bytes
 from memlab.step import StepConfig, build_trainer, make_batch
 from memlab.sweeps import category_max

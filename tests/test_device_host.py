@@ -5,13 +5,14 @@ the step runs on ``meta`` (shapes only, like an accelerator's tensors) while the
 optimizer state lives on the CPU, as ZeRO-Offload puts it in host memory.
 """
 import gc
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab.measure import add_workspace, measure_step, run_tracked_step
-from memlab.step import MemoryReport, StepConfig, build_trainer, make_batch
 from memlab.oom import requested_bytes
+from memlab.step import MemoryReport, StepConfig, build_trainer, make_batch
 from memlab.tracking import CATEGORIES, MemoryTracker
 
 D, H = 256, 1024  # a two-layer MLP, 256 -> 1024 -> 256

@@ -7,9 +7,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import memlab as ml  # noqa: E402
-from memlab import batching as bt, plots, sweeps# noqa: E402
+from memlab import batching as bt  # noqa: E402
+from memlab import plots, sweeps
 from memlab.distributed.parallel_formulas import bubble_fraction, pipeline_schedule
-from memlab.distributed.pipeline_parallel import in_flight# noqa: E402
+from memlab.distributed.pipeline_parallel import in_flight  # noqa: E402
 from memlab.tracking import CATEGORIES  # noqa: E402
 
 MiB, GiB = 2**20, 2**30

@@ -8,7 +8,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import memlab as ml  # noqa: E402
-from memlab import diffusion as dif, sweeps# noqa: E402
+from memlab import diffusion as dif  # noqa: E402
+from memlab import sweeps
 from memlab.step import build_trainer, make_batch  # noqa: E402
 
 CFG = ml.get_config("unet-small")  # base 32, mults (1, 2, 2): channels 32, 64, 64

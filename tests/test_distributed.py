@@ -79,10 +79,10 @@ def test_unimportable_worker_is_refused():
 
 
 # --- ZeRO with DeepSpeed: one 2-rank launch serves all the assertions below -------------
-from memlab.distributed.offload import measure_offload  # noqa: E402
-from memlab.distributed.fsdp import fsdp_worker, simulate_sharded  # noqa: E402
-from memlab.distributed.deepspeed_zero import measure_zero  # noqa: E402
 from memlab.distributed.deepspeed_config import deepspeed_config
+from memlab.distributed.deepspeed_zero import measure_zero  # noqa: E402
+from memlab.distributed.fsdp import fsdp_worker, simulate_sharded  # noqa: E402
+from memlab.distributed.offload import measure_offload  # noqa: E402
 from memlab.step import StepConfig  # noqa: E402
 
 SMALL = dict(seq=128, batch=4, world_size=2)
@@ -174,6 +174,7 @@ def test_deepspeed_config_is_validated():
 
 def test_zero_worker_runs_as_a_script_under_torchrun(torchrun):
     import json
+
     from memlab.models import get_config
     out = torchrun("memlab.distributed.zero_worker", "--zero", "2", "--seq", "32", "--batch", "2")
     ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")),

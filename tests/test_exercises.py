@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import memlab as ml
-from memlab.distributed import deepspeed_rank0
 from memlab import exercises as ex
+from memlab.distributed import deepspeed_rank0
 from memlab.models import Block
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -281,6 +281,7 @@ def initialize(config):
 
 def test_fake_ranks_leave_nothing_behind(ds):
     import os
+
     import torch.distributed as dist
     before = os.environ.get("WORLD_SIZE")
     with deepspeed_rank0.fake_ranks(4):

@@ -5,8 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from memlab import gpu_check
 from memlab.cards import CARDS, get_card
 

@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memlab.exercises import CheckFailed
-from memlab.exercises import check_leak_fixed
+from memlab.exercises import CheckFailed, check_leak_fixed
 from memlab.leaks import tiny_setup, watch_steps
 from memlab.tracking import MemoryTracker
 

@@ -7,11 +7,11 @@ import torch
 
 from memlab.distributed.zero import zero_formula
 from memlab.estimate import estimate_step
-from memlab.states import model_state_bytes
 from memlab.measure import measure_step
-from memlab.step import StepConfig
 from memlab.models import build_model, get_config
 from memlab.simulate import simulate_step
+from memlab.states import model_state_bytes
+from memlab.step import StepConfig
 
 # Held out: none of these shapes were used to write the formula (it was derived on tiny at
 # seq 64/128/256 with batch 2/4/8).

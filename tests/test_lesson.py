@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memlab import guard, lesson
+from memlab import guard
 from memlab.cards import CARDS, get_card
 from memlab.lesson import CONTEXT_BYTES, LESSONS, plan, setup
 

@@ -5,9 +5,14 @@ import pytest
 import torch
 
 import memlab as ml
-from memlab.distributed.tensor_parallel import tp_attention_forward, measure_tensor_parallel, qkv_head_permutation, simulate_tensor_parallel
 from memlab.distributed.parallel_formulas import bubble_fraction, tp_activation_bytes
 from memlab.distributed.pipeline_parallel import in_flight, measure_pipeline, stage_bounds
+from memlab.distributed.tensor_parallel import (
+    measure_tensor_parallel,
+    qkv_head_permutation,
+    simulate_tensor_parallel,
+    tp_attention_forward,
+)
 from memlab.tracking import MemoryTracker
 
 

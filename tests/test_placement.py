@@ -104,6 +104,7 @@ def test_zero_rank_step_builds_on_the_cpu_when_its_group_is_gloo(monkeypatch):
     """1 GPU, 2 ranks -> gloo, and DeepSpeed's step then builds on the CPU even though CUDA
     is 'available' (the code before placement built on CUDA whenever CUDA existed)."""
     import torch.distributed as dist
+
     from memlab.distributed.deepspeed_zero import zero_rank_step
     from memlab.step import StepConfig
 

@@ -7,8 +7,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from memlab import CATEGORIES, StepConfig, measure_step  # noqa: E402
-from memlab.plots import (plot_curve, plot_grad_histogram, plot_lenses, plot_timeline,  # noqa: E402
-                          plot_tradeoff, timeline_array)
+from memlab.plots import plot_curve, plot_grad_histogram, plot_lenses, plot_timeline, plot_tradeoff, timeline_array  # noqa: E402
 from memlab.widgets import StepPanel  # noqa: E402
 
 MiB = 2**20
@@ -186,8 +185,8 @@ def test_loss_spike_panel_follows_vocabulary_and_sequence():
 
 
 def test_tensor_parallel_panel_redraws_with_the_formula():
-    from memlab.models import get_config
     from memlab.distributed.parallel_formulas import tp_activation_bytes
+    from memlab.models import get_config
     from memlab.widgets import TensorParallelPanel
     panel = TensorParallelPanel("gpt2-medium", seq=1024, batch=1)
     assert panel.t.options == (1, 2, 4, 8, 16)           # 16 heads, MLP 4096

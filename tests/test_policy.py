@@ -9,12 +9,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memlab.cli import main
 from memlab.estimate import estimate_step
 from memlab.measure import measure_step
-from memlab.step import StepConfig
 from memlab.models import get_config
-from memlab.policy import (CPU_AUTOCAST, CUDA_AUTOCAST, attention_probs_bytes, conv_workspace,
-                           cross_entropy_moments, cublas_workspace_bytes, cublaslt_workspace_bytes,
-                           emulate, get_target, sdpa_lse_bytes)
+from memlab.policy import (
+    CPU_AUTOCAST,
+    CUDA_AUTOCAST,
+    attention_probs_bytes,
+    conv_workspace,
+    cross_entropy_moments,
+    cublas_workspace_bytes,
+    cublaslt_workspace_bytes,
+    emulate,
+    get_target,
+    sdpa_lse_bytes,
+)
 from memlab.simulate import simulate_step
+from memlab.step import StepConfig
 from memlab.tracking import CATEGORIES, MemoryTracker
 
 MiB = 2**20

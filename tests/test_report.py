@@ -1,15 +1,13 @@
 """The measured comparison table: verdicts, GPU references, files written, the CLI."""
 import json
+from dataclasses import replace
 
 import pytest
-
-from dataclasses import replace
 
 from memlab.cli import main
 from memlab.estimate import estimate_step
 from memlab.step import StepConfig
-from memlab.technique_table import (load_references, measure_table, ranks_for, reference_ratios, verdict,
-                           zero_saving)
+from memlab.technique_table import load_references, measure_table, ranks_for, reference_ratios, verdict, zero_saving
 
 STEP = StepConfig(seq=128, batch=4)
 

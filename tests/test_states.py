@@ -2,9 +2,9 @@
 layouts."""
 import pytest
 
+from memlab.distributed.zero import zero_formula
 from memlab.models import PRESETS, UNET_PRESETS, build_model, get_config
 from memlab.states import bytes_per_param, model_state_bytes, model_states, param_numels, pinned_bytes, under_deepspeed
-from memlab.distributed.zero import zero_formula
 
 PSI = 10**9
 

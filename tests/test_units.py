@@ -6,9 +6,8 @@ import pathlib
 import pytest
 
 import memlab
-from memlab.oom import read_oom
 from memlab.errors import InputError
-from memlab.oom import requested_bytes
+from memlab.oom import read_oom, requested_bytes
 from memlab.units import GiB, KiB, MiB, binary_unit, fmt_bytes, parse_size
 
 

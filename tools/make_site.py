@@ -63,6 +63,7 @@ def render(nb, nav: str) -> str:
 def build(paths: list[pathlib.Path], out: pathlib.Path, timeout: float, execute: bool = True) -> list[dict]:
     """Execute and render ``paths`` into ``out``; returns one row per lesson for the index."""
     import nbformat
+
     from memlab.classroom import run_notebook
 
     out.mkdir(parents=True, exist_ok=True)

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .ranks import run_ranks
 from ..hardware import Placement, rank_device
 from ..step import StepConfig, build_trainer, make_batch
+from .ranks import run_ranks
 
 
 def collectives_worker(rank: int, world_size: int, n: int = 4) -> dict:

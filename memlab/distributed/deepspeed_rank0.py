@@ -12,9 +12,9 @@ from typing import Callable
 import torch
 
 from ..models import GPT, get_config
-from .ranks import fake_process_group, set_cache_env
 from ..step import StepConfig, make_batch
 from .deepspeed_zero import host_gradient_bytes, zero_accounting
+from .ranks import fake_process_group, set_cache_env
 
 
 @contextlib.contextmanager

@@ -25,10 +25,10 @@ from ..errors import InputError
 from ..guard import preflight
 from ..hardware import Placement, rank_device, resolve_budget
 from ..measure import add_workspace
-from .ranks import RankError, default_backend, resolve_placement, run_ranks
-from .deepspeed_config import deepspeed_config
 from ..step import MemoryReport, StepConfig, build_trainer, make_batch
 from ..tracking import MemoryTracker
+from .deepspeed_config import deepspeed_config
+from .ranks import RankError, default_backend, resolve_placement, run_ranks
 
 ACCOUNTS = ("parameters", "gradients", "fp32_master", "optimizer_state", "comm_buffers")
 

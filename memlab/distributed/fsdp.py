@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from ..errors import InputError
 from ..hardware import resolve_budget
 from ..models import GPTConfig, build_model
-from .ranks import fake_process_group
 from ..step import MemoryReport, StepConfig, make_batch
 from ..tracking import CATEGORIES, MemoryTracker
+from .ranks import fake_process_group
 
 SHARDED_PRECISIONS = ("fp32", "bf16")
 

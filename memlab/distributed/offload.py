@@ -12,9 +12,9 @@ import shutil
 from dataclasses import replace
 
 from ..hardware import Placement, place_ranks
-from .ranks import run_ranks
-from .deepspeed_zero import ACCOUNTS, zero_worker
 from .deepspeed_config import deepspeed_config
+from .deepspeed_zero import ACCOUNTS, zero_worker
+from .ranks import run_ranks
 
 OFFLOAD_CASES = ((2, "none"), (2, "optimizer"), (3, "all"))
 

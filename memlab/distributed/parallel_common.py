@@ -9,9 +9,9 @@ import torch
 
 from ..errors import InputError
 from ..hardware import rank_device
-from .ranks import default_backend  # noqa: F401 (re-exported)
 from ..models import GPTConfig
 from ..step import MemoryReport, StepConfig
+from .ranks import default_backend  # noqa: F401 (re-exported)
 
 
 def is_sharded(p: torch.Tensor) -> bool:

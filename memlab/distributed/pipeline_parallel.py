@@ -9,14 +9,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .ranks import resolve_placement, run_ranks
 from ..errors import InputError
+from ..hardware import Placement
 from ..models import GPT
 from ..step import StepConfig, build_optimizer, make_batch
 from ..tracking import MemoryTracker
-from ..hardware import Placement
 from .parallel_common import ParallelResult, rank_device, set_rank_threads, worker_step
 from .parallel_formulas import SCHEDULES, bubble_fraction
+from .ranks import resolve_placement, run_ranks
 
 
 class _Clock:

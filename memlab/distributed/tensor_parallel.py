@@ -28,16 +28,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
-from .ranks import resolve_placement, run_ranks
 from ..errors import InputError
+from ..hardware import Placement
 from ..models import GPT, GPTConfig
 from ..step import StepConfig, make_batch
 from ..tracking import MemoryTracker
-from ..hardware import Placement
-from .ranks import fake_process_group
-from .parallel_common import (ParallelResult, is_sharded, local_bytes, rank_device, set_rank_threads,
-                     worker_step)
+from .parallel_common import ParallelResult, is_sharded, local_bytes, rank_device, set_rank_threads, worker_step
 from .parallel_formulas import tp_activation_bytes
+from .ranks import fake_process_group, resolve_placement, run_ranks
 
 
 def qkv_head_permutation(cfg: GPTConfig, t: int) -> torch.Tensor:
@@ -119,8 +117,7 @@ def tp_attention_forward(self, x: torch.Tensor) -> torch.Tensor:
 def apply_tensor_parallel(model: GPT, mesh) -> GPT:
     """Shard every block of ``model`` in place over the 1-D ``mesh`` (Megatron layout):
     ``qkv``, ``fc`` and SwiGLU's ``gate`` column-wise, ``proj`` and ``out`` row-wise."""
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     cfg, t = model.cfg, mesh.size()
     perm = qkv_head_permutation(cfg, t)
     plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),

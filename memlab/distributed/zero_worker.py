@@ -16,10 +16,10 @@ import sys
 
 import torch
 
-from .ranks import set_cache_env
-from .deepspeed_zero import zero_rank_step
 from ..hardware import place_ranks
 from ..step import StepConfig
+from .deepspeed_zero import zero_rank_step
+from .ranks import set_cache_env
 
 
 def main(argv: list[str] | None = None) -> None:

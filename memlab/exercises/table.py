@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..technique_table import SINGLE, measure_saving
 from ..step import StepConfig
+from ..technique_table import SINGLE, measure_saving
 from .common import CheckResult, call_learner, fail, require
 
 SAVING_TOLERANCE = 0.01  # two measurements of the same step by the same tracker

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Callable
 
 from ..distributed.deepspeed_rank0 import fake_ranks, run_deepspeed
-from ..errors import InputError
 from ..distributed.zero import zero_formula
+from ..errors import InputError
 from ..models import get_config
 from ..units import fmt_bytes
 from .common import CheckResult, call_learner, fail, require

@@ -67,14 +67,34 @@ dispatcher overrides of the simulation).
 from __future__ import annotations
 
 from .autocast import AUTOCAST, CPU_AUTOCAST, CUDA_AUTOCAST, AutocastPolicy
-from .elements import (activation_copies, attention_probs_bytes, cross_entropy_moments, norm_saves,
-                       op_bytes, precision_bytes)
+from .elements import (
+                       activation_copies,
+                       attention_probs_bytes,
+                       cross_entropy_moments,
+                       norm_saves,
+                       op_bytes,
+                       precision_bytes,
+)
 from .emulation import emulate
-from .kernels import (layer_norm_stat_bytes, rms_norm_fused, sdpa_backend, sdpa_backward_workspace,
-                      sdpa_dtype, sdpa_lse_bytes, sdpa_math_extra_bytes, target_card, target_name)
+from .kernels import (
+                       layer_norm_stat_bytes,
+                       rms_norm_fused,
+                       sdpa_backend,
+                       sdpa_backward_workspace,
+                       sdpa_dtype,
+                       sdpa_lse_bytes,
+                       sdpa_math_extra_bytes,
+                       target_card,
+                       target_name,
+)
 from .target import TARGETS, Target, TargetAccounting, get_target, resolve_target
-from .workspaces import (CUDA_BLOCK_BYTES, MATMUL_THREADS, conv_workspace, cublas_workspace_bytes,
-                         cublaslt_workspace_bytes)
+from .workspaces import (
+                       CUDA_BLOCK_BYTES,
+                       MATMUL_THREADS,
+                       conv_workspace,
+                       cublas_workspace_bytes,
+                       cublaslt_workspace_bytes,
+)
 
 __all__ = ["AUTOCAST", "AutocastPolicy", "CPU_AUTOCAST", "CUDA_AUTOCAST", "CUDA_BLOCK_BYTES",
            "MATMUL_THREADS", "TARGETS", "Target", "TargetAccounting", "activation_copies",

@@ -25,7 +25,6 @@ import torch
 
 from ..cards import CARDS, REFERENCE_CARD, Card
 
-
 # torch dtypes by the names the card rules use (Card.sdpa_kernels)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 

@@ -10,8 +10,7 @@ from ..cards import CARDS, REFERENCE_CARD, Card, detect_card, get_card
 from ..errors import InputError
 from ..tracking import DeviceAccounting
 from .autocast import CPU_AUTOCAST, CUDA_AUTOCAST, AutocastPolicy
-from .kernels import (DTYPE_NAMES, layer_norm_stat_bytes, sdpa_backend, sdpa_backward_workspace,
-                      sdpa_lse_bytes)
+from .kernels import DTYPE_NAMES, layer_norm_stat_bytes, sdpa_backend, sdpa_backward_workspace, sdpa_lse_bytes
 from .workspaces import CUDA_BLOCK_BYTES, MATMUL_THREADS, conv_workspace
 
 TARGETS = ("cuda", "cpu")
