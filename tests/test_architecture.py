@@ -1,6 +1,6 @@
-"""The layering the README's module map promises (``tools/modmap.py``: LAYERS, lowest first):
+"""The layering the module map (docs/modules.md) promises (``tools/modmap.py``: LAYERS, lowest first):
 every module is on the map, no module imports from a layer above its own, there is no import
-cycle, and the README's map is what the code says. Also: domain modules run without a notebook
+cycle, and the map is what the code says. Also: domain modules run without a notebook
 stack, and no module reaches into another's private names."""
 import ast
 import pathlib
@@ -154,10 +154,10 @@ def test_each_tolerated_import_still_exists(edge):
     assert b in modmap.graph()[a], f"{a} no longer imports {b}: delete it from ALLOWED in tools/modmap.py"
 
 
-def test_readme_module_map_is_what_the_code_says():
-    block = modmap.readme_block(modmap.README.read_text())
-    assert block is not None, f"README.md lost its {modmap.START} ... {modmap.END} markers"
-    assert block == modmap.render(), "README.md's module map is out of date: run python tools/modmap.py"
+def test_the_module_map_in_docs_is_what_the_code_says():
+    block = modmap.map_block(modmap.MAP_PAGE.read_text())
+    assert block is not None, f"docs/modules.md lost its {modmap.START} ... {modmap.END} markers"
+    assert block == modmap.render(), "docs/modules.md's module map is out of date: run python tools/modmap.py"
 
 
 def test_the_map_reads_imports_anywhere_in_a_file():
@@ -170,11 +170,13 @@ def test_the_map_reads_imports_anywhere_in_a_file():
     assert "distributed" not in graph["distributed.tensor_parallel"]  # its own package is loaded before it
 
 
-def test_every_readme_table_starts_with_its_header():
+@pytest.mark.parametrize("page", ["README.md"] + sorted(p.relative_to(modmap.ROOT).as_posix()
+                                                     for p in (modmap.ROOT / "docs").glob("*.md")))
+def test_every_table_starts_with_its_header(page):
     """A table row after a non-table line starts a new table: it must be a header (the next
     line the ``| --- |`` rule), or else a paragraph has cut a table in two."""
-    lines = modmap.README.read_text().splitlines()
-    cut = [f"README.md:{i + 1}: {line[:60]}" for i, line in enumerate(lines)
+    lines = (modmap.ROOT / page).read_text().splitlines()
+    cut = [f"{page}:{i + 1}: {line[:60]}" for i, line in enumerate(lines)
            if line.startswith("|") and not lines[i - 1].startswith("|")
            and not (i + 1 < len(lines) and lines[i + 1].startswith("| ---"))]
     assert cut == []
