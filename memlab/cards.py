@@ -13,10 +13,10 @@ and the facts that capability decides in torch (2.11-2.13):
   from sm80 (``less_than_sm80_mem_efficient_dtypes``,
   ``greater_than_or_equal_sm80_mem_efficient_dtypes``); everything else falls back to the
   ``math`` composite. So on a T4 (sm75) bf16 attention materialises its scores.
-* **cuBLAS workspace** per (handle, stream) (``parseChosenWorkspaceSize`` in
-  ``aten/src/ATen/cuda/CublasHandlePool.cpp``): ``CUBLAS_WORKSPACE_CONFIG`` when set, else
-  4096 KiB x 8 = 32 MiB on sm90 (Hopper) and 4096 KiB x 2 + 16 KiB x 8 elsewhere; plus a
-  cuBLASLt workspace of ``CUBLASLT_WORKSPACE_SIZE`` KiB (default 1024).
+* **cuBLAS workspace** per (handle, stream), larger on sm90 (Hopper), plus a cuBLASLt
+  workspace: the sizes and their environment variables are written once, at
+  :func:`cublas_workspace_bytes` and :func:`cublaslt_workspace_bytes` (from
+  ``aten/src/ATen/cuda/CublasHandlePool.cpp``).
 
 :func:`detect_card` maps the device torch sees to a profile (or builds one from its
 properties). ``MEMLAB_CARD=T4-16GB`` asks for a *rehearsal*: on a larger GPU the profile of

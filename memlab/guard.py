@@ -11,40 +11,12 @@ estimates the step first (:func:`memlab.estimate.estimate_step`, per rank) and
 * raises :class:`HostMemoryError` when the memory the step needs is more
   than the machine has available: host RAM on CPU, free device memory on CUDA.
 
-The rule, ``need = margin x held + overhead``:
-
-``held``      the estimate's peak per rank (plus what offload keeps in host memory). Under a
-              budget the step is stopped at the budget, so
-              ``held = min(peak, budget + the largest single tensor)`` on CPU (the op that
-              crosses the budget has allocated its output) and ``min(peak, budget)`` on CUDA
-              (the allocator refuses at the cap); never less than the model states.
-``margin``    :data:`MARGIN`: 1.15 on CPU, 1.3 on CUDA, from the estimate's known errors (below).
-``overhead``  :data:`PROCESS_BYTES` (256 MiB) for the process.
-
-Multi-rank runs spawn one process per rank, all on this host: each needs
-``DEEPSPEED_HOST_FACTOR x margin x held + RANK_PROCESS_BYTES`` of host RAM on CPU, and the
-ranks sharing a GPU share its free memory.
-
-Where the numbers come from:
-
-* CPU: the estimate is within 5% of the tracked bytes (``tests/test_lenses.py``, held-out
-  shapes), and process RSS grew 4.3% + about 115 MiB above the tracked bytes (gpt2-small
-  seq 128 batch 2: 2194 MiB estimated, 2404 MiB RSS growth; tiny: +115 to +130 MiB), so
-  ``1.05 x 1.05 ~ 1.10``, rounded up to 1.15, and 256 MiB over the 210 MiB seen.
-* CUDA (``data/reference/NVIDIA-H200``): the allocator's peak was up to 1.147 x the CPU-policy
-  estimate on GPT steps (CUDA autocast keeps fp32 softmax), and a fresh process reserves up
-  to 1.10 x what it allocates, so ``1.147 x 1.10 = 1.26``, rounded up to 1.3; cuDNN and
-  cuBLAS workspaces add up to about 190 MiB the CPU-policy estimate does not see (UNet rows),
-  under 256 MiB. On CUDA the guard reads the CUDA target's estimate for the card present
-  (:func:`memlab.cards.detect_card`, :mod:`memlab.policy`), which follows those kernels, so
-  the margin is on the safe side there. What is available on CUDA is the driver's free memory
-  plus this process's own cached blocks (``memory_reserved - memory_allocated``): an earlier
-  cell's cache is not lost to the next step, and the refusal says how much was counted.
-* DeepSpeed ranks on CPU: each rank builds the whole model before DeepSpeed copies it into
-  its flat buffers, and glibc keeps what is freed; measured RSS per rank 3.13 GiB for
-  gpt2-small ZeRO-3 on 2 ranks (estimate 1.48 GiB per rank) and 0.55 GiB for tiny ZeRO-2
-  (estimate 56 MiB): about 500 MiB for the rank's interpreter, torch and DeepSpeed plus
-  1.74 x the estimate.
+The rule, ``need = MARGIN[device] x held + PROCESS_BYTES`` (``held``: the estimate's peak per
+rank, capped at the budget when there is one; multi-rank runs on one host add up
+``DEEPSPEED_HOST_FACTOR x margin x held + RANK_PROCESS_BYTES`` per rank), and where each of
+its numbers comes from (the estimate's measured errors on CPU and on the H200 reference) are
+written down once, in ``docs/guard.md``; ``tests/test_docs.py`` holds that page to the
+constants below.
 """
 from __future__ import annotations
 

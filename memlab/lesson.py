@@ -8,7 +8,7 @@ and the sizes of the lesson's steps. It prints one line: card, memory, precision
 On CPU the sizes are the lesson's CPU sizes (the tiny GPT, seconds a step). On a GPU each
 lesson lists its GPU steps as a function of its sizes (:data:`LESSONS`), and :func:`setup`
 takes the largest sizes on the lesson's ladder for which *every* GPU step passes the
-measure guard on this card: ``1.3 x estimate + 256 MiB`` (:func:`memlab.guard.cuda_need`,
+measure guard on this card (:func:`memlab.guard.cuda_need`, the rule in ``docs/guard.md``,
 with the card's own estimate: its kernels and cuBLAS workspace) within the card's memory
 less :data:`CONTEXT_BYTES` for the CUDA context. So a 16 GB T4 gets GPT-2 small at shorter
 sequences or smaller batches than an H200, and no cell is refused.

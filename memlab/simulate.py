@@ -20,11 +20,10 @@ bytes are counted for is the ``target``:
   caching allocator's 512-byte blocks; the step's allocations are then replayed through the
   allocator's block rules (:mod:`memlab.policy.caching_allocator`: a block too little larger than the
   request is handed out whole), and what that adds goes to ``workspace``. Which cached block
-  a request finds depends on what the process ran before (``allocator=``). On the H200
-  reference steps, each replayed in the process that recorded it, this lands from 0.01% under
-  to 0.31% over ``torch.cuda.max_memory_allocated()`` on GPT steps (one step in a fresh
-  process: 0.62% under to 0.74% over) and within 10% on the UNet, whose cuDNN workspace is a
-  model (``data/reference/``, ``benchmarks/gpu_reference.py``).
+  a request finds depends on what the process ran before (``allocator=``). How close this
+  lands to ``torch.cuda.max_memory_allocated()`` on the H200 reference steps, in the
+  recording process and in a fresh one: ``docs/accuracy.md`` (``data/reference/``,
+  ``benchmarks/gpu_reference.py``).
 
 A GPU's capacity is applied as a budget, as on CPU.
 
@@ -81,9 +80,8 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     ``allocator`` (CUDA target): the caching allocator of the process the step runs in,
     with what its earlier steps left cached (:class:`memlab.policy.caching_allocator.CachingAllocator`;
     pass the same one to each step a process runs, in order). Left out, the step runs in a
-    fresh process. A warm cache can hand out larger blocks: on the H200 reference rows
-    recorded after others, a fresh process reads up to 0.62% under the allocator, the
-    process they were recorded in from 0.01% under to 0.31% over.
+    fresh process. A warm cache can hand out larger blocks, so a row recorded after others
+    lands closer replayed in its recording process than alone (``docs/accuracy.md``).
     """
     tgt = resolve_target(target, budget, card)
     step = resolve_step(step, **overrides)

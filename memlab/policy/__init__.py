@@ -39,20 +39,12 @@ dispatcher overrides and tracker accounting) and by :mod:`memlab.estimate` (as e
    backward allocates ``dq_accum`` ``(b, round(s, 128), h, round(d, 32))`` and ``softmax_d``
    ``(b, h, round(s, 128))`` in fp32 inside the kernel, and with grouped-query attention
    ``dk``/``dv`` expanded to every query head (``mha_bwd``).
-3. **Memory the dispatcher never sees** (category ``workspace``). Each thread that runs a
-   matmul gets a cuBLAS workspace from the caching allocator: ``CUBLAS_WORKSPACE_CONFIG``,
-   else 4096 KiB x 8 = 32 MiB on sm90 (Hopper) and 4096 KiB x 2 + 16 KiB x 8 elsewhere,
-   plus a cuBLASLt workspace of ``CUBLASLT_WORKSPACE_SIZE`` KiB (default 1024)
-   (``aten/src/ATen/cuda/CublasHandlePool.cpp``; cuBLAS docs, ``cublasSetWorkspace``: 32 MiB
-   recommended on Hopper). A training step has two such threads (the caller's for forward
-   and the autograd engine's device thread for backward), so 66 MiB on an H100/H200: the
-   reference H200 kept 64-66 MiB allocated after every step. cuDNN convolutions take a
-   workspace for the call; its size depends on the algorithm its heuristics pick, which is
-   not knowable offline. The stated model: the explicit-GEMM algorithm's buffer, the im2col
-   matrix of one image (``C_in k_h k_w`` x ``H_out W_out`` elements; cuDNN API reference,
-   ``cudnnConvolutionFwdAlgo_t``: ``CUDNN_CONVOLUTION_FWD_ALGO_GEMM`` "needs a significant
-   memory workspace to store the matrix that holds the input tensor data"), none for a 1x1
-   stride-1 convolution, held during the convolution and its backward.
+3. **Memory the dispatcher never sees** (category ``workspace``): a cuBLAS and a cuBLASLt
+   workspace for each thread that runs a matmul (their sizes written once, in
+   :func:`memlab.cards.cublas_workspace_bytes` and :func:`memlab.cards.cublaslt_workspace_bytes`),
+   two such threads in a training step (the caller's for forward, the autograd engine's device
+   thread for backward), and the model of cuDNN's per-call convolution workspace: both in
+   :mod:`memlab.policy.workspaces`, with their sources.
 
 Finally the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 (``kMinBlockSize`` in ``c10/cuda/CUDACachingAllocator.cpp``), which :class:`TargetAccounting`
