@@ -18,7 +18,7 @@ The front door: ``import memlab as ml`` gives what a learner calls (``__all__``)
 Plumbing stays in its module (``memlab.hardware.Placement``, ``memlab.hardware.pick_device``,
 ...). Importing memlab loads neither DeepSpeed nor ipywidgets nor matplotlib: the modules that
 need them (``distributed``'s rank workers, ``widgets``, ``plots``) load them when used.
-The layers, lowest first, and what each module owns: the README's module map
+The layers, lowest first, and what each module owns: the module map in ``docs/modules.md``
 (``tools/modmap.py``, checked by ``tests/test_architecture.py``).
 """
 from .advisor import Advice, advise

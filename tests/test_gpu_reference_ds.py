@@ -57,7 +57,7 @@ def test_every_reference_row_is_checked():
                                                 (0, "none", 0.025)])
 def test_device_base_is_the_model_states_deepspeed_keeps(zero, offload, rel):
     """After warm-up the allocator holds the model states and DeepSpeed's buffers; the
-    cuBLAS workspace (64 MiB on this GPU, README) comes on top. Achieved: +0.009% (ZeRO
+    cuBLAS workspace (``memlab.cards.cublas_workspace_bytes``) comes on top. Achieved: +0.009% (ZeRO
     1-3), +0.056% (offload). The ZeRO-0 row ran DeepSpeed at stage 0, a step
     :class:`StepConfig` cannot express (``zero=0`` is plain PyTorch with autocast), so it is
     checked here against DeepSpeed's stage-0 layout only: 2.4% under, a known gap (DeepSpeed's
