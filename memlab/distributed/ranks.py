@@ -38,7 +38,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from ..errors import InputError
 from ..hardware import Placement, place_ranks, visible_gpus
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # memlab/distributed/ranks.py -> the checkout
 
 
 class RankError(RuntimeError):
