@@ -24,7 +24,7 @@ The reference files have the names of the shipped ``NVIDIA-H200`` folder:
                     and ZeRO-3 + parameter offload
 ``cli_measure_zero2_offload.json``  ``memlab measure`` (one DeepSpeed rank) of the offload step
 
-:func:`memlab.technique_table.load_references` reads these folders; lesson 11 and ``memlab report``
+:func:`memlab.reference.load_references` reads these folders; lesson 11 and ``memlab report``
 show their GPU columns.
 """
 from __future__ import annotations

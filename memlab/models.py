@@ -53,9 +53,10 @@ class GPTConfig:
     ``mlp="gelu"`` with LayerNorm and learned positions is GPT-2's block; ``mlp="swiglu"``
     with RMSNorm and rotary positions is LLaMA's.
 
-    ``attention`` and ``checkpointing`` are switches of the built model. In a training step
-    the :class:`~memlab.step.StepConfig` owns them (they move there from this config; set on
-    both with different values, the step refuses): vary them on the step.
+    ``attention`` and ``checkpointing`` are switches of the built model, owned here. A
+    :class:`~memlab.step.StepConfig` can choose them for its step (``StepConfig(...,
+    checkpointing="full")``), which is where a lesson varies them: its ``model_config`` is this
+    config with the step's choices.
 
     Fields added for today's open models (all default to the old behaviour, so every config
     written before them builds the same model, byte for byte):
@@ -559,12 +560,12 @@ class UNet(nn.Module):
         temb = self.time(_time_embedding(t, self.cfg.base))
         h = self.inp(x)
         skips = []
-        for block, pool in zip(self.down, self.pool):
+        for block, pool in zip(self.down, self.pool, strict=True):
             h = self._res(block, h, temb)
             skips.append(h)
             h = pool(h)
         h = self.mid_attn(self._res(self.mid, h, temb))
-        for block, up in zip(self.up, self.upsample):
+        for block, up in zip(self.up, self.upsample, strict=True):
             h = self._res(block, torch.cat([h, skips.pop()], dim=1), temb)
             h = up(h)
         return F.mse_loss(self.out(h), noise)

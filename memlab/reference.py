@@ -11,27 +11,29 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from importlib import resources
+from pathlib import Path
 
 from .errors import InputError
 from .models import GPTConfig, UNetConfig, get_config
 from .step import StepConfig
 
-REFERENCE_FILES = ("devset.json", "gpu_check.json")
+REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
+REFERENCE_FILES = ("devset.json", "gpu_check.json")  # the files whose rows replay as steps
 
 
 @dataclass(frozen=True)
 class ReferenceStep:
-    """One measured step: where it comes from, its config and the recorded figures."""
+    """One measured step: where it comes from, its config and the recorded figures.
 
-    source: str            # "<gpu>/<file>#<row index>"
+    ``file`` is the reference file of the row (``"devset.json"``): one process measured the
+    rows of a file, in the file's order, keeping its allocator's cache from row to row; ``index``
+    is the row's place in it."""
+
+    gpu: str               # the folder under memlab/data/reference/, e.g. "NVIDIA-H200"
+    file: str
+    index: int
     step: StepConfig
     row: dict
-
-    @property
-    def file(self) -> str:
-        """The reference file of the row (``"devset.json"``): one process measured the rows of
-        a file, in the file's order, keeping its allocator's cache from row to row."""
-        return self.source.split("/", 1)[1].split("#")[0]
 
     @property
     def allocator_peak(self) -> int:
@@ -77,7 +79,8 @@ def step_from_description(d: dict) -> StepConfig:
     and the variant's ``precision`` / ``checkpointing``).
 
     The result describes itself as ``d`` does: ``step_from_description(s.describe())``
-    equals ``s`` up to the preset name being replaced by its config.
+    equals ``s`` up to the preset name being replaced by its config and the model's own
+    switches being written on the step.
     """
     if "model" not in d or "seq" not in d or "batch" not in d:
         raise InputError(f"a step description needs 'model', 'seq' and 'batch'; got keys {sorted(d)}")
@@ -93,26 +96,89 @@ def step_from_description(d: dict) -> StepConfig:
     return step
 
 
-def load_reference(gpu: str = "NVIDIA-H200", name: str = "devset.json") -> dict:
-    """One reference file of the package data, parsed."""
-    if name not in REFERENCE_FILES:
-        raise InputError(f"reference file {name!r}; allowed: {', '.join(REFERENCE_FILES)}")
-    folder = resources.files("memlab").joinpath("data", "reference", gpu)
-    if not folder.is_dir():
-        raise InputError(f"no reference measurements for GPU {gpu!r} in memlab/data/reference/")
-    return json.loads(folder.joinpath(name).read_text())
+def load_references(directory: str | Path = REFERENCE_DIR) -> list[dict]:
+    """GPU reference figures (``make gpu-check``), one dict per GPU, or ``[]`` when none were
+    recorded.
+
+    A GPU's folder (``data/reference/NVIDIA-H200/``) gives its ``gpu_check.json`` (``gpu``,
+    ``rows``, ``plan_check``) with ``devset`` (the rows of ``devset.json``) and ``zero_offload``
+    (``zero_offload_one_gpu.json``) added when present, and ``folder``, its name. A flat
+    ``<gpu>.json`` with ``rows`` (older recordings) is read as it is. A file that is missing
+    or not JSON is skipped.
+
+    Args:
+        directory: the folder of GPU folders (default: the package data).
+
+    Returns:
+        One dict per GPU, by folder name.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+
+    def read(path: Path):
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    refs = []
+    for path in sorted(directory.iterdir()):
+        if path.is_dir():
+            check, dev, zero = (read(path / n) for n in
+                                ("gpu_check.json", "devset.json", "zero_offload_one_gpu.json"))
+            data = dict(check) if isinstance(check, dict) else {}
+            data.setdefault("rows", [])
+            if isinstance(dev, dict) and isinstance(dev.get("rows"), list):
+                data["devset"] = dev["rows"]
+                data.setdefault("gpu", dev.get("gpu"))
+            if isinstance(zero, list):
+                data["zero_offload"] = zero
+            if not isinstance(data["rows"], list) or not (
+                    data["rows"] or data.get("devset") or data.get("zero_offload")):
+                continue
+            data["folder"] = path.name
+            data["gpu"] = data.get("gpu") or path.name
+            refs.append(data)
+        elif path.suffix == ".json":
+            data = read(path)
+            if isinstance(data, dict) and isinstance(data.get("rows"), list):
+                refs.append(data)
+    return refs
 
 
-def reference_steps(gpu: str = "NVIDIA-H200", names: tuple[str, ...] = REFERENCE_FILES) -> list[ReferenceStep]:
-    """Every measured row of the reference files, as steps to replay."""
+# the key of load_references' dict that holds each replayable file's rows
+_ROWS_KEY = {"devset.json": "devset", "gpu_check.json": "rows"}
+
+
+def reference_steps(gpu: str = "NVIDIA-H200", names: tuple[str, ...] = REFERENCE_FILES,
+                    directory: str | Path = REFERENCE_DIR) -> list[ReferenceStep]:
+    """Every measured row of a GPU's reference files, as steps to replay.
+
+    Args:
+        gpu: the GPU's folder under ``directory``.
+        names: which of :data:`REFERENCE_FILES` to read.
+        directory: the folder of GPU folders (default: the package data).
+
+    Returns:
+        The rows of each file in ``names``, in the file's order.
+
+    Raises:
+        InputError: an unknown file name, or no recorded folder for ``gpu``.
+    """
+    for name in names:
+        if name not in REFERENCE_FILES:
+            raise InputError(f"reference file {name!r}; allowed: {', '.join(REFERENCE_FILES)}")
+    ref = next((r for r in load_references(directory) if r.get("folder") == gpu), None)
+    if ref is None:
+        raise InputError(f"no reference measurements for GPU {gpu!r} in {directory}")
     out = []
     for name in names:
-        data = load_reference(gpu, name)
-        for i, row in enumerate(data["rows"]):
+        for i, row in enumerate(ref.get(_ROWS_KEY[name], [])):
             desc = row.get("config", row)
-            out.append(ReferenceStep(f"{gpu}/{name}#{i}", step_from_description(desc), row))
+            out.append(ReferenceStep(gpu, name, i, step_from_description(desc), row))
     return out
 
 
-__all__ = ["ReferenceStep", "REFERENCE_FILES", "load_reference", "reference_steps",
+__all__ = ["REFERENCE_DIR", "REFERENCE_FILES", "ReferenceStep", "load_references", "reference_steps",
            "step_from_description"]

@@ -36,21 +36,21 @@ class StepConfig:
     ``model`` is a preset name or a config. ``zero``, ``world_size`` and ``offload`` describe
     data-parallel sharding: the single-process lenses account for them by formula.
 
-    ``checkpointing`` and ``attention`` belong to the step: they are what a lesson varies
-    (``replace(step, checkpointing="full")``) while the model stays the same. A model config
-    carries them too, because a model built on its own needs them; given to a step, a model
-    config's values move into the step (``None`` here: take the model's), and the step keeps
-    the model with its defaults, so that ``step.checkpointing`` is the one place to read and
-    to change them. Set on both with different values, the step refuses. A UNet has no
-    ``attention`` switch (SDPA at its lowest resolution): ``attention`` stays ``None``.
+    ``checkpointing`` and ``attention`` are switches of the model config (a model built on
+    its own needs them); a step only chooses them for its step: what a lesson varies
+    (``replace(step, checkpointing="full")``) while the model stays the same. ``None`` (the
+    default) keeps the model's own; a value replaces it. :attr:`model_config` is the one place
+    where the two meet, and the one to read: ``step.model_config.checkpointing`` is what is
+    built and estimated. A UNet has no ``attention`` switch (SDPA at its lowest resolution):
+    ``attention`` must stay ``None``.
     """
 
     model: str | GPTConfig | UNetConfig = "tiny"
     seq: int = 256
     batch: int = 8
     precision: str = "fp32"
-    checkpointing: str | None = None
-    attention: str | None = None
+    checkpointing: str | None = None   # None: the model config's own
+    attention: str | None = None       # None: the model config's own
     optimizer: str = "adamw"
     micro_batches: int = 1
     zero: int = 0
@@ -72,38 +72,21 @@ class StepConfig:
         if self.batch % self.micro_batches:
             raise InputError(f"batch {self.batch} is not divisible into {self.micro_batches} "
                              f"micro-batches; choose a divisor of the batch")
-        self._own_switches()
-        cfg = self.model_config  # validates the preset name and the overrides
+        cfg = get_config(self.model) if isinstance(self.model, str) else self.model
+        for name in SWITCHES:
+            on_step = getattr(self, name)
+            if on_step is not None and name not in getattr(cfg, "__dataclass_fields__", {}):
+                raise InputError(f"{name}={on_step!r}: the model {cfg.name!r} has no {name} "
+                                 f"switch; leave {name} unset")
+        cfg = self.model_config  # validates the preset name and the switches' values
         limit = cfg.block_size if isinstance(cfg, GPTConfig) else 4096
         if self.seq > limit:
             raise InputError(f"seq {self.seq} exceeds the model's block size; allowed: 1-{limit}")
 
-    def _own_switches(self) -> None:
-        """Move ``checkpointing``/``attention`` from a model config into the step (see above)."""
-        cfg = get_config(self.model) if isinstance(self.model, str) else self.model
-        defaults = {}
-        for name in SWITCHES:
-            on_step = getattr(self, name)
-            if name not in getattr(cfg, "__dataclass_fields__", {}):
-                if on_step is not None:
-                    raise InputError(f"{name}={on_step!r}: the model {cfg.name!r} has no {name} "
-                                     f"switch; leave {name} unset")
-                continue
-            default, on_model = type(cfg).__dataclass_fields__[name].default, getattr(cfg, name)
-            if on_step is not None and on_model not in (default, on_step):
-                raise InputError(f"{name} is set twice: {on_model!r} on the model config and "
-                                 f"{on_step!r} on the StepConfig; set it once, on the step "
-                                 f"(StepConfig(..., {name}={on_step!r})), and leave the model "
-                                 f"config's default ({default!r})")
-            object.__setattr__(self, name, on_model if on_step is None else on_step)
-            defaults[name] = default
-        if not isinstance(self.model, str) and any(getattr(cfg, n) != d for n, d in defaults.items()):
-            object.__setattr__(self, "model", replace(cfg, **defaults))
-
     @property
     def model_config(self) -> GPTConfig | UNetConfig:
-        """The model the step builds: its config with the step's switches (and, for a UNet,
-        ``seq`` as the image side)."""
+        """The model the step builds: its config with the switches the step sets (and, for a
+        UNet, ``seq`` as the image side)."""
         cfg = get_config(self.model) if isinstance(self.model, str) else self.model
         over = {n: getattr(self, n) for n in SWITCHES if getattr(self, n) is not None}
         if isinstance(cfg, UNetConfig):
@@ -208,13 +191,14 @@ class MemoryReport:
         report without a timeline (the estimate, a rank's summary) has only the peak's split."""
         peaks = {c: int(self.by_category.get(c, 0)) for c in CATEGORIES}
         for e in self.timeline:
-            for c, b in zip(CATEGORIES, e.by_category):
+            for c, b in zip(CATEGORIES, e.by_category, strict=False):
                 peaks[c] = max(peaks[c], int(b))
         return peaks
 
-    def category_max(self) -> tuple[str, int]:
+    def largest_category(self) -> tuple[str, int]:
         """The largest category of the step and its bytes (its most at any op): what to
-        attack first. Ties go to the earlier category in :data:`CATEGORIES`."""
+        attack first. Ties go to the earlier category in :data:`CATEGORIES`. One category's
+        most is :func:`memlab.sweeps.category_max`."""
         peaks = self.category_peaks()
         name = max(CATEGORIES, key=lambda c: peaks[c])  # max keeps the first of equals
         return name, peaks[name]
@@ -379,7 +363,7 @@ class Trainer:
         """One optimizer step over ``micro_batches`` slices; returns the detached loss."""
         k = self.step_config.micro_batches
         total = None
-        for micro in zip(*(t.chunk(k) for t in batch)):
+        for micro in zip(*(t.chunk(k) for t in batch), strict=True):
             with autocast_for(self.step_config.precision, self.device):
                 loss = self.model(*micro) / k
             (self.scaler.scale(loss) if self.scaler else loss).backward()

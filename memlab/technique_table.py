@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 
 from .compression import compressed_trainer
@@ -31,11 +30,10 @@ from .errors import InputError
 from .estimate import estimate_step
 from .hardware import Placement, place_ranks
 from .measure import measure_trainer, time_steps
+from .reference import REFERENCE_DIR, load_references
 from .step import StepConfig
 from .sweeps import category_max
 from .units import GiB, MiB
-
-REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
 
 # technique -> (the curriculum's memory claim, its compute claim, claimed saving range or None)
 CLAIMS = {
@@ -210,7 +208,7 @@ def multi_rank(step: StepConfig, world_size: int = 2, placement: Placement | Non
     # the launch's first engine is slow to start: time the second
     reps = measure_zero(zs, placement=placement)[1:]
     out = {f"zero{z}": {"peak_bytes": r.peak_bytes, "seconds": r.step_seconds,
-                        "allocator": dict(r.allocator)} for z, r in zip((0, 1, 2, 3), reps)}
+                        "allocator": dict(r.allocator)} for z, r in zip((0, 1, 2, 3), reps[:4], strict=True)}
     off = reps[-1]
     out["offload"] = {"peak_bytes": off.peak_bytes, "seconds": off.step_seconds,
                       "allocator": dict(off.allocator)}
@@ -230,50 +228,6 @@ def multi_rank(step: StepConfig, world_size: int = 2, placement: Placement | Non
 def _model_states(acc: dict) -> int:
     """Device bytes of parameters, gradients, fp32 master and optimizer state on one rank."""
     return acc["device_bytes"] - acc.get("comm_buffers", 0)
-
-
-def load_references(directory: str | Path = REFERENCE_DIR) -> list[dict]:
-    """GPU reference figures (``make gpu-check``), one dict per GPU, or ``[]`` when none were
-    recorded.
-
-    A GPU's folder (``data/reference/NVIDIA-H200/``) gives its ``gpu_check.json`` (``gpu``,
-    ``rows``, ``plan_check``) with ``devset`` (the rows of ``devset.json``) and ``zero_offload``
-    (``zero_offload_one_gpu.json``) added when present, and ``folder``, its name. A flat
-    ``<gpu>.json`` with ``rows`` (older recordings) is read as it is.
-    """
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-
-    def read(path: Path):
-        try:
-            return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            return None
-
-    refs = []
-    for path in sorted(directory.iterdir()):
-        if path.is_dir():
-            check, dev, zero = (read(path / n) for n in
-                                ("gpu_check.json", "devset.json", "zero_offload_one_gpu.json"))
-            data = dict(check) if isinstance(check, dict) else {}
-            data.setdefault("rows", [])
-            if isinstance(dev, dict) and isinstance(dev.get("rows"), list):
-                data["devset"] = dev["rows"]
-                data.setdefault("gpu", dev.get("gpu"))
-            if isinstance(zero, list):
-                data["zero_offload"] = zero
-            if not isinstance(data["rows"], list) or not (
-                    data["rows"] or data.get("devset") or data.get("zero_offload")):
-                continue
-            data["folder"] = path.name
-            data["gpu"] = data.get("gpu") or path.name
-            refs.append(data)
-        elif path.suffix == ".json":
-            data = read(path)
-            if isinstance(data, dict) and isinstance(data.get("rows"), list):
-                refs.append(data)
-    return refs
 
 
 def reference_ratios(refs: list[dict]) -> dict[str, str]:
@@ -458,6 +412,6 @@ def write_report(out: str | Path, step: StepConfig | None = None, **kwargs) -> t
     return table, table.save(out)
 
 
-__all__ = ["Row", "Table", "CLAIMS", "SINGLE", "measure_saving", "measure_table", "write_report", "load_references",
+__all__ = ["Row", "Table", "CLAIMS", "SINGLE", "measure_saving", "measure_table", "write_report",
            "reference_ratios", "verdict", "zero_saving", "ranks_for", "single_device",
            "multi_rank", "table_placement"]

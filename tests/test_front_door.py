@@ -74,20 +74,20 @@ def _report(**kw) -> MemoryReport:
     return MemoryReport(**{**base, **kw})
 
 
-def test_category_max_reads_the_whole_step_not_only_the_peak():
+def test_largest_category_reads_the_whole_step_not_only_the_peak():
     r = _report()
     # at the peak the split says optimizer 8 MiB is largest; over the step it still is,
     # and activations reach 7 MiB (end of forward), not the 3 MiB of the peak's split
-    assert r.category_max() == ("optimizer", 8 * 2**20)
+    assert r.largest_category() == ("optimizer", 8 * 2**20)
     assert r.category_peaks()["activations"] == 7 * 2**20
     assert r.category_peaks()["gradients"] == 4 * 2**20
     bigger = _report(timeline=r.timeline + [_event(3, "forward", activations=9 * 2**20)])
-    assert bigger.category_max() == ("activations", 9 * 2**20)
+    assert bigger.largest_category() == ("activations", 9 * 2**20)
 
 
-def test_category_max_without_a_timeline_is_the_peaks_split():
+def test_largest_category_without_a_timeline_is_the_peaks_split():
     r = ml.estimate_step(StepConfig(seq=64, batch=2))
-    name, nbytes = r.category_max()
+    name, nbytes = r.largest_category()
     assert nbytes == max(r.by_category.values()) and r.by_category[name] == nbytes
 
 

@@ -4,6 +4,7 @@ The GPU count is patched (``torch.cuda.is_available`` / ``device_count``): the d
 pure, and the one machine that crashed (one H200, two ranks: ``invalid device ordinal`` on
 rank 1, see data/reference/NVIDIA-H200/nb_06.log) is the 1-GPU case below.
 """
+import json
 import os
 import socket
 
@@ -105,7 +106,7 @@ def test_zero_rank_step_builds_on_the_cpu_when_its_group_is_gloo(monkeypatch):
     is 'available' (the code before placement built on CUDA whenever CUDA existed)."""
     import torch.distributed as dist
 
-    from memlab.distributed.deepspeed_zero import zero_rank_step
+    from memlab.distributed.deepspeed_zero import RankResult, zero_rank_step
     from memlab.step import StepConfig
 
     gpus(monkeypatch, 1)
@@ -121,6 +122,26 @@ def test_zero_rank_step_builds_on_the_cpu_when_its_group_is_gloo(monkeypatch):
         out = zero_rank_step(0, 1, StepConfig(seq=32, batch=2, zero=2), track=False)
     finally:
         dist.destroy_process_group()
-    assert out["device"] == "cpu"
-    assert out["accounting"]["parameters"] == 4 * StepConfig().model_config.num_params()
-    assert "device_peak_bytes" not in out  # no CUDA allocator was asked
+    assert out.device == "cpu"
+    assert out.accounting["parameters"] == 4 * StepConfig().model_config.num_params()
+    assert out.device_peak_bytes is None  # no CUDA allocator was asked
+    assert RankResult.from_dict(json.loads(json.dumps(out.to_dict()))) == out  # zero_worker's JSON line
+
+
+def test_a_rank_result_crosses_a_json_line_unchanged():
+    """zero_worker prints a RankResult as JSON; from_dict gives back the same result (tuple of
+    host accounts, the OOM as an OOMInfo), ignoring the launcher's extra keys."""
+    from memlab.distributed.deepspeed_zero import RankResult
+    from memlab.errors import InputError
+    from memlab.tracking import OOMInfo
+
+    oom = OOMInfo("aten::mm", "blocks.0", "backward", 2**20, 3 * 2**20, 2**22, "over budget",
+                  by_category={"activations": 2**20})
+    res = RankResult(rank=1, device="cpu", optimizer="AdamW", host_accounts=("fp32_master",),
+                     accounting={"fp32_master": 8, "optimizer_state": 16}, peak_bytes=64,
+                     by_category={"parameters": 4}, oom=oom)
+    line = json.dumps({"world_size": 2, **res.to_dict()})
+    assert RankResult.from_dict(json.loads(line)) == res
+    assert res.host_account_bytes() == 8
+    with pytest.raises(InputError, match="needs \\['optimizer'\\]"):
+        RankResult.from_dict({"rank": 0, "device": "cpu", "host_accounts": []})

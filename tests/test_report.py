@@ -6,8 +6,9 @@ import pytest
 
 from memlab.cli import main
 from memlab.estimate import estimate_step
+from memlab.reference import load_references
 from memlab.step import StepConfig
-from memlab.technique_table import load_references, measure_table, ranks_for, reference_ratios, verdict, zero_saving
+from memlab.technique_table import measure_table, ranks_for, reference_ratios, verdict, zero_saving
 
 STEP = StepConfig(seq=128, batch=4)
 

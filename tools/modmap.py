@@ -58,7 +58,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "diffusion": "the UNet's activations by part and resolution",
     }),
     ("the step and its report", {
-        "step": "`StepConfig` (owns checkpointing and attention), `MemoryReport`, `Trainer`, `build_trainer`, `make_batch`",
+        "step": "`StepConfig` (a step; its model config owns checkpointing and attention), `MemoryReport`, `Trainer`, `build_trainer`, `make_batch`",
         "reference": "the H200 reference rows (`data/reference/`) as steps and figures",
     }),
     ("the lenses", {

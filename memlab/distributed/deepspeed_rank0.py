@@ -13,7 +13,7 @@ import torch
 
 from ..models import GPT, get_config
 from ..step import StepConfig, make_batch
-from .deepspeed_zero import host_gradient_bytes, zero_accounting
+from .deepspeed_zero import zero_accounting
 from .ranks import fake_process_group, set_cache_env
 
 
@@ -85,7 +85,6 @@ def engine_step(engine, seq: int = 32) -> dict:
             engine.backward(engine(*batch))
             if i == k - 1:
                 acc = zero_accounting(engine, stage)
-                acc["host_gradients"] = host_gradient_bytes(engine)
             engine.step()
     return acc
 

@@ -1,11 +1,12 @@
 """ZeRO with real DeepSpeed: its per-rank accounting, and ranks that measure it.
 
 :func:`memlab.distributed.deepspeed_config.deepspeed_config` writes the config a
-:class:`~memlab.step.StepConfig` describes; :func:`zero_rank_step` runs one rank's engine under the tracker (or, on CUDA, the caching
-allocator) and :func:`zero_accounting` reads what DeepSpeed's ZeRO optimizer holds, by
-account; :func:`measure_zero` and :func:`measure_distributed` start the ranks
-(:func:`memlab.distributed.ranks.run_ranks`) and return a :class:`~memlab.step.MemoryReport` per step
-with ``per_rank``. The per-rank formula is :func:`memlab.distributed.zero.zero_formula`.
+:class:`~memlab.step.StepConfig` describes; :func:`zero_rank_step` runs one rank's engine under
+the tracker (or, on CUDA, the caching allocator) and returns its :class:`RankResult`;
+:func:`zero_accounting` reads what DeepSpeed's ZeRO optimizer holds, by account;
+:func:`measure_zero` and :func:`measure_distributed` start the ranks
+(:func:`memlab.distributed.ranks.run_ranks`) and return a :class:`~memlab.step.MemoryReport`
+per step with ``per_rank``. The per-rank formula is :func:`memlab.distributed.zero.zero_formula`.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import logging
 import time
 import traceback
 import warnings
-from dataclasses import replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 import psutil
@@ -26,7 +27,7 @@ from ..guard import preflight
 from ..hardware import Placement, rank_device, resolve_budget
 from ..measure import add_workspace
 from ..step import MemoryReport, StepConfig, build_trainer, make_batch
-from ..tracking import MemoryTracker
+from ..tracking import MemoryTracker, OOMInfo
 from .deepspeed_config import deepspeed_config
 from .ranks import RankError, default_backend, resolve_placement, run_ranks
 
@@ -60,7 +61,9 @@ def zero_accounting(engine, stage: int) -> dict[str, int]:
     (``p.grad`` at stage 0, the reduced partitions at 1-3); fp32_master: the rank's fp32
     partition the optimizer updates; optimizer_state: Adam's moments; comm_buffers: the
     contiguous gradient reduce bucket (configured elements x dtype size; it exists only
-    during backward, so the tracker sees it as a temporary).
+    during backward, so the tracker sees it as a temporary); host_gradients: the fp32 gradient
+    partition ZeRO-Offload keeps beside the master (:func:`host_gradient_bytes`). Read it after
+    the last backward of a step, where the gradients are held.
     """
     opt = engine.optimizer
     params = list(engine.module.parameters())
@@ -83,7 +86,8 @@ def zero_accounting(engine, stage: int) -> dict[str, int]:
     bucket = engine.zero_reduce_bucket_size() if stage > 0 else 0
     comm = bucket * (2 if engine.bfloat16_enabled() else 4)
     return {"parameters": p_bytes, "gradients": grads, "fp32_master": _nbytes(master),
-            "optimizer_state": _nbytes(state), "comm_buffers": comm}
+            "optimizer_state": _nbytes(state), "comm_buffers": comm,
+            "host_gradients": host_gradient_bytes(engine)}
 
 
 def host_gradient_bytes(engine) -> int:
@@ -113,128 +117,222 @@ def _rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def zero_rank_step(rank: int, world_size: int, step, steps: int = 2,
-                   budget: int | str | None = None, *, torch_adam: bool = True,
-                   track: bool = True) -> dict:
-    """Build a DeepSpeed engine for ``step`` on this rank's device, warm up, then one timed
-    step and, with ``track``, one tracked step (peak by category, device and host).
+@dataclass
+class RankResult:
+    """One rank's ZeRO step (:func:`zero_rank_step`), in bytes and seconds.
 
-    The device follows the process group (:func:`~memlab.hardware.rank_device`), never
-    ``torch.cuda.is_available()``: CPU ranks on a GPU machine build on the CPU. The timed step
-    runs without a tracker (a dispatch mode slows it down): its seconds, DeepSpeed's
-    accounting, on CUDA the allocator's base and peak, and the process's RSS.
+    ``accounting`` is DeepSpeed's exact bytes by account (:func:`zero_accounting`; ``None``
+    when the step ran out of its budget first); ``host_accounts`` the accounts ZeRO-Offload
+    keeps in host memory. ``peak_bytes``/``by_category`` and ``host_bytes``/``host_by_category``
+    are the tracker's device and host peaks (``None``/0 when no step was tracked);
+    ``device_*_bytes`` the CUDA caching allocator's over the untracked timed step (CUDA and
+    no budget only). Ranks send it to the parent pickled; as JSON it goes through
+    :meth:`to_dict` and comes back with :meth:`from_dict`.
+    """
 
-    ``budget`` (bytes, a size or a GPU preset) is this rank's: the warm-up and the tracked
-    step then run under a budgeted tracker (which also gives the time and the accounting),
-    and an OOM comes back as the result's ``oom`` (an :class:`~memlab.tracking.OOMInfo`)
-    with the step abandoned."""
+    rank: int
+    device: str                      # "cpu" or "cuda": the device the rank built on
+    optimizer: str                   # the class of the optimizer DeepSpeed steps
+    host_accounts: tuple[str, ...]
+    accounting: dict[str, int] | None = None
+    step_seconds: float = 0.0
+    rss_start_bytes: int = 0
+    rss_bytes: int | None = None     # after the timed step; None when none was timed
+    device_base_bytes: int | None = None
+    device_peak_bytes: int | None = None
+    device_reserved_bytes: int | None = None
+    peak_bytes: int | None = None
+    by_category: dict[str, int] | None = None
+    host_bytes: int = 0
+    host_by_category: dict[str, int] = field(default_factory=dict)
+    cuda_stats: dict[str, int] = field(default_factory=dict)
+    oom: OOMInfo | None = None
+
+    def host_account_bytes(self) -> int:
+        """Bytes of the accounts kept in host memory (0 without offload)."""
+        return sum(self.accounting[k] for k in self.host_accounts) if self.accounting else 0
+
+    def device_account_bytes(self) -> int:
+        """Bytes of the model-state accounts kept on the device."""
+        acc = self.accounting or {}
+        return sum(acc[k] for k in ACCOUNTS if k not in self.host_accounts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``host_accounts`` a list, ``oom`` a dict or ``None``)."""
+        d = asdict(self)
+        d["host_accounts"] = list(self.host_accounts)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RankResult:
+        """The result :meth:`to_dict` wrote; keys that are not fields (a launcher's
+        ``world_size``) are left out.
+
+        Raises:
+            InputError: a required field (``rank``, ``device``, ``optimizer``,
+                ``host_accounts``) is missing."""
+        names = {f.name for f in fields(cls)}
+        missing = [f.name for f in fields(cls) if f.default is MISSING
+                   and f.default_factory is MISSING and f.name not in d]
+        if missing:
+            raise InputError(f"a rank result needs {missing}; got keys {sorted(d)}")
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["host_accounts"] = tuple(kw["host_accounts"])
+        if isinstance(kw.get("oom"), dict):
+            kw["oom"] = OOMInfo(**kw["oom"])
+        return cls(**kw)
+
+
+def _build_engine(step: StepConfig, rank: int, torch_adam: bool):
+    """DeepSpeed's engine for ``step`` on this rank's device, this rank's batch (seeded by the
+    rank) and its micro-batches."""
     import deepspeed
 
-    device = rank_device()
-    on_cuda = device.type == "cuda"
-    rss_start = _rss_bytes()
-    if on_cuda:  # what an earlier engine of this launch left behind is not this step's
-        torch.cuda.synchronize(device)
-        held_before = torch.cuda.memory_allocated(device)
-    trainer = build_trainer(step, device)
+    trainer = build_trainer(step, rank_device())
     model = trainer.model
     del trainer
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=deepspeed_config(step, torch_adam=torch_adam))
     batch = make_batch(step, engine.device, seed=rank)
-    micro = list(zip(*(t.chunk(step.micro_batches) for t in batch)))
+    micro = list(zip(*(t.chunk(step.micro_batches) for t in batch), strict=True))  # one batch dim
+    return engine, batch, micro
 
-    def one_step(account: bool = False) -> dict | None:
-        acc = None
-        for i, mb in enumerate(micro):
-            loss = engine(*mb)
-            engine.backward(loss)
-            if account and i == len(micro) - 1:
-                acc = zero_accounting(engine, step.zero)  # gradients are held right here
-                acc["host_gradients"] = host_gradient_bytes(engine)
-            engine.step()
-            del loss
-        return acc
 
+def _train_step(engine, micro: list, stage: int, account: bool = False) -> dict[str, int] | None:
+    """One optimizer step over the micro-batches; with ``account``, DeepSpeed's accounting
+    read after the last backward, where the gradients are held."""
+    acc = None
+    for i, mb in enumerate(micro):
+        loss = engine(*mb)
+        engine.backward(loss)
+        if account and i == len(micro) - 1:
+            acc = zero_accounting(engine, stage)
+        engine.step()
+        del loss
+    return acc
+
+
+def _register(tracker: MemoryTracker, engine, stage: int, batch) -> None:
+    """Tell ``tracker`` which tensors are parameters, optimizer state and the batch."""
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", None)
+    tracker.track_model(engine.module)
+    if stage == 3:
+        tracker.track_tensors((p.ds_tensor for p in engine.module.parameters()), "parameters")
+    tracker.track_tensors(_ds_tensors(opt, "single_partition_of_fp32_groups")
+                          + _ds_tensors(opt, "fp32_partitioned_groups_flat"), "optimizer")
+    if isinstance(inner, torch.optim.Optimizer):
+        tracker.track_optimizer(inner)
+    tracker.track_tensors(batch, "other")
+    tracker.reset_peak()
+
+
+def _tracked_steps(tracker: MemoryTracker, engine, batch, micro: list, stage: int, n: int,
+                   account: bool) -> dict[str, int] | None:
+    """``n`` steps under ``tracker``; an OOM is recorded in ``tracker.oom``. Every rank holds
+    the same shapes, so under one budget the ranks run out at the same op."""
+    acc = None
+    try:
+        with tracker:
+            _register(tracker, engine, stage, batch)
+            for _ in range(n):
+                acc = _train_step(engine, micro, stage, account=account)
+    except torch.OutOfMemoryError as e:
+        traceback.clear_frames(e.__traceback__)
+    return acc
+
+
+def _timed_step(res: RankResult, engine, micro: list, stage: int, held_before: int | None) -> None:
+    """One untracked step (a dispatch mode slows it down) into ``res``: its seconds,
+    DeepSpeed's accounting, the process's RSS and, on CUDA (``held_before`` the bytes an
+    earlier engine of this launch left), the allocator's base, peak and reserved bytes."""
+    device = engine.device
+    if held_before is not None:
+        torch.cuda.synchronize(device)
+        res.device_base_bytes = torch.cuda.memory_allocated(device) - held_before
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    res.accounting = _train_step(engine, micro, stage, account=True)
+    if held_before is not None:
+        torch.cuda.synchronize(device)
+        res.device_peak_bytes = torch.cuda.max_memory_allocated(device) - held_before
+        res.device_reserved_bytes = torch.cuda.max_memory_reserved(device)
+    res.step_seconds = time.perf_counter() - start
+    res.rss_bytes = _rss_bytes()
+
+
+def _record_peaks(res: RankResult, tracker: MemoryTracker) -> None:
+    """The tracker's device and host peaks, and its CUDA figures, into ``res``."""
+    res.peak_bytes, res.by_category = tracker.peak_bytes, tracker.peak_by_category()
+    res.host_bytes, res.host_by_category = tracker.host_peak_bytes, tracker.host_peak_by_category()
+    res.cuda_stats, res.oom = dict(tracker.cuda_stats), tracker.oom
+
+
+def zero_rank_step(rank: int, world_size: int, step: StepConfig, steps: int = 2,
+                   budget: int | str | None = None, *, torch_adam: bool = True,
+                   track: bool = True) -> RankResult:
+    """Build a DeepSpeed engine for ``step`` on this rank's device, warm up, then one timed
+    step and, with ``track``, one tracked step (peak by category, device and host).
+
+    The device follows the process group (:func:`~memlab.hardware.rank_device`), never
+    ``torch.cuda.is_available()``: CPU ranks on a GPU machine build on the CPU. Without a
+    budget the timed step runs without a tracker: its seconds, DeepSpeed's accounting, on
+    CUDA the allocator's base and peak, and the process's RSS.
+
+    Args:
+        rank, world_size: this rank of the process group.
+        step: the step to run (its ``zero``, ``offload``, ``micro_batches``...).
+        steps: steps in all, the last one measured (the first creates Adam's state).
+        budget: this rank's bytes (a size or a GPU preset): the warm-up and the tracked step
+            then run under a budgeted tracker (which also gives the time and the accounting),
+            and an OOM comes back as the result's ``oom`` with the step abandoned.
+        torch_adam: torch's AdamW rather than DeepSpeed's compiled CPU Adam.
+        track: run the tracked step even without a budget.
+
+    Returns:
+        The rank's :class:`RankResult`.
+    """
+    device = rank_device()
+    rss_start = _rss_bytes()
+    held_before = None
+    if device.type == "cuda":  # what an earlier engine of this launch left behind is not this step's
+        torch.cuda.synchronize(device)
+        held_before = torch.cuda.memory_allocated(device)
+    engine, batch, micro = _build_engine(step, rank, torch_adam)
     budget_bytes = resolve_budget(budget)
-
-    def register(tracker: MemoryTracker) -> None:
-        opt = engine.optimizer
-        inner = getattr(opt, "optimizer", None)
-        tracker.track_model(engine.module)
-        if step.zero == 3:
-            tracker.track_tensors((p.ds_tensor for p in engine.module.parameters()), "parameters")
-        tracker.track_tensors(_ds_tensors(opt, "single_partition_of_fp32_groups")
-                              + _ds_tensors(opt, "fp32_partitioned_groups_flat"), "optimizer")
-        if isinstance(inner, torch.optim.Optimizer):
-            tracker.track_optimizer(inner)
-        tracker.track_tensors(batch, "other")
-        tracker.reset_peak()
-
-    def run(tracker: MemoryTracker, n: int, account: bool) -> dict | None:
-        """``n`` steps under ``tracker``; an OOM is recorded in ``tracker.oom``. Every rank
-        holds the same shapes, so under one budget the ranks run out at the same op."""
-        acc = None
-        try:
-            with tracker:
-                register(tracker)
-                for _ in range(n):
-                    acc = one_step(account=account)
-        except torch.OutOfMemoryError as e:
-            traceback.clear_frames(e.__traceback__)
-        return acc
-
+    on_cuda = held_before is not None
     # host memory is whatever is not on the engine's device (offloaded master, moments, grads)
     warm = MemoryTracker(budget_bytes, device=engine.device, cuda=on_cuda)
     if budget_bytes is None:
         for _ in range(steps - 1):
-            one_step()  # warm-up: Adam's state exists afterwards
+            _train_step(engine, micro, step.zero)  # warm-up: Adam's state exists afterwards
     else:
-        run(warm, steps - 1, False)  # the budget covers the warm-up too
-    out: dict[str, Any] = {"rank": rank, "device": device.type,
-                           "host_accounts": _host_accounts(step.offload, step.zero),
-                           "optimizer": type(getattr(engine.optimizer, "optimizer",
-                                                     engine.optimizer)).__name__,
-                           "accounting": None, "step_seconds": 0.0,
-                           "rss_start_bytes": rss_start, "rss_bytes": None}
+        _tracked_steps(warm, engine, batch, micro, step.zero, steps - 1, False)  # the budget covers it too
+    res = RankResult(rank=rank, device=device.type, host_accounts=_host_accounts(step.offload, step.zero),
+                     optimizer=type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
+                     rss_start_bytes=rss_start)
     if budget_bytes is None:
-        if on_cuda:
-            torch.cuda.synchronize(device)
-            out["device_base_bytes"] = torch.cuda.memory_allocated(device) - held_before
-            torch.cuda.reset_peak_memory_stats(device)
+        _timed_step(res, engine, micro, step.zero, held_before)
+    if warm.oom is not None:
+        _record_peaks(res, warm)
+    elif track or budget_bytes is not None:
+        tracker = MemoryTracker(budget_bytes, device=engine.device, cuda=on_cuda)
         start = time.perf_counter()
-        out["accounting"] = one_step(account=True)
-        if on_cuda:
-            torch.cuda.synchronize(device)
-            out["device_peak_bytes"] = torch.cuda.max_memory_allocated(device) - held_before
-            out["device_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-        out["step_seconds"] = time.perf_counter() - start
-        out["rss_bytes"] = _rss_bytes()
-    tracker = MemoryTracker(budget_bytes, device=engine.device, cuda=on_cuda)
-    ran = warm.oom is None and (track or budget_bytes is not None)
-    if ran:
-        start = time.perf_counter()
-        acc = run(tracker, 1, budget_bytes is not None)
+        acc = _tracked_steps(tracker, engine, batch, micro, step.zero, 1, budget_bytes is not None)
         if budget_bytes is not None:
-            out["accounting"], out["step_seconds"] = acc, time.perf_counter() - start
-    used = tracker if ran else warm
-    if ran or warm.oom is not None:
-        out.update(peak_bytes=used.peak_bytes, by_category=used.peak_by_category(),
-                   host_bytes=used.host_peak_bytes, host_by_category=used.host_peak_by_category(),
-                   cuda_stats=dict(used.cuda_stats), oom=used.oom)
-    else:
-        out.update(peak_bytes=None, by_category=None, host_bytes=0, host_by_category={},
-                   cuda_stats={}, oom=None)
-    del engine, model, warm, tracker, used, batch, micro
+            res.accounting, res.step_seconds = acc, time.perf_counter() - start
+        _record_peaks(res, tracker)
+        del tracker
+    del engine, warm, batch, micro
     gc.collect()
     if on_cuda:
         torch.cuda.empty_cache()  # the next engine in this launch starts from a clean device
-    return out
+    return res
 
 
 def zero_worker(rank: int, world_size: int, steps: list, budget: int | None = None, *,
                 torch_adam: bool = True, track: bool = True,
-                threads: int | None = None) -> list[dict]:
+                threads: int | None = None) -> list[RankResult]:
     """Run each :class:`StepConfig` in ``steps`` with DeepSpeed on this rank, one after
     another in one process group (one launch for several stages saves start-up time);
     ``budget`` is each rank's (see :func:`zero_rank_step`). ``threads``: torch's CPU threads
@@ -251,33 +349,31 @@ def zero_worker(rank: int, world_size: int, steps: list, budget: int | None = No
             for s in steps]
 
 
-def _rank_report(step, res: dict, device: str, budget_bytes: int | None = None):
+def _rank_report(step: StepConfig, res: RankResult, budget_bytes: int | None = None) -> MemoryReport:
     """One rank's report: the tracker's device peak and host peak (on a GPU, offloaded state
     is host memory), DeepSpeed's exact accounting and, on CUDA, the allocator's figures."""
-    rep = MemoryReport("measure", step, device, res["peak_bytes"], dict(res["by_category"]),
-                       budget_bytes, step_seconds=res["step_seconds"], oom=res.get("oom"),
-                       host_bytes=res.get("host_bytes", 0),
-                       host_by_category=dict(res.get("host_by_category", {})))
-    if res.get("accounting") is None:  # the step ran out of its budget before accounting
-        rep.notes.append(f"rank {res['rank']} of {step.world_size}: out of its budget")
+    rep = MemoryReport("measure", step, res.device, res.peak_bytes, dict(res.by_category or {}),
+                       budget_bytes, step_seconds=res.step_seconds, oom=res.oom,
+                       host_bytes=res.host_bytes, host_by_category=dict(res.host_by_category))
+    if res.accounting is None:  # the step ran out of its budget before accounting
+        rep.notes.append(f"rank {res.rank} of {step.world_size}: out of its budget")
         return rep
-    acc = dict(res["accounting"])
-    host = sum(acc[k] for k in res["host_accounts"])
-    acc["host_bytes"] = host
-    acc["device_bytes"] = sum(acc[k] for k in ACCOUNTS if k not in res["host_accounts"])
-    if res.get("device", device) == "cpu":
+    acc = dict(res.accounting)
+    acc["host_bytes"] = res.host_account_bytes()
+    acc["device_bytes"] = res.device_account_bytes()
+    if res.device == "cpu":
         # host and device are one memory: what a GPU would hold is the peak less the
         # offloaded accounts (parameters are gathered back for compute, so they stay)
-        acc["device_peak_bytes"] = res["peak_bytes"] - (
-            sum(acc[k] for k in res["host_accounts"] if k != "parameters"))
+        acc["device_peak_bytes"] = res.peak_bytes - (
+            sum(acc[k] for k in res.host_accounts if k != "parameters"))
     else:
-        acc["device_peak_bytes"] = res["peak_bytes"]  # the tracker counted the device alone
-    acc.update(res.get("cuda_stats", {}))
+        acc["device_peak_bytes"] = res.peak_bytes  # the tracker counted the device alone
+    acc.update(res.cuda_stats)
     rep.allocator = acc
     add_workspace(rep)
-    rep.notes.append(f"rank {res['rank']} of {step.world_size}; 'allocator' holds DeepSpeed's "
+    rep.notes.append(f"rank {res.rank} of {step.world_size}; 'allocator' holds DeepSpeed's "
                      f"exact per-rank accounting (bytes): " + ", ".join(ACCOUNTS))
-    if res["host_accounts"]:
+    if res.host_accounts:
         rep.notes.append("offload: allocator['host_bytes'] are what ZeRO-Offload keeps in CPU "
                          "memory by DeepSpeed's accounting; on a CPU-only machine host and "
                          "device are one memory (the report's host_bytes are 0), so the saving "
@@ -289,10 +385,10 @@ def _oom_after_failure(error: RankError, step, device: str, budget_bytes: int | 
     """The report of a one-step launch in which a rank ran out of its budget and returned,
     and a peer, still inside a collective, lost its connection and failed: the OOM is the
     finding, not the peer's broken pipe. Re-raises ``error`` when no rank reported an OOM."""
-    ooms = sorted(r for r, res in error.partial.items() if res[0].get("oom") is not None)
+    ooms = sorted(r for r, res in error.partial.items() if res[0].oom is not None)
     if not ooms:
         raise error
-    per = [_rank_report(step, error.partial[r][0], device, budget_bytes) for r in ooms]
+    per = [_rank_report(step, error.partial[r][0], budget_bytes) for r in ooms]
     rep = MemoryReport("measure", step, device, per[0].peak_bytes, dict(per[0].by_category),
                        budget_bytes, oom=per[0].oom, per_rank=per)
     rep.notes.append(f"rank {ooms[0]} ran out of its budget; rank {error.rank} then failed: "
@@ -342,7 +438,7 @@ def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placemen
         if refused[i] is not None:
             reports.append(refused[i])
             continue
-        per = [_rank_report(s, ranks[r][j], device, budget_bytes) for r in range(world)]
+        per = [_rank_report(s, ranks[r][j], budget_bytes) for r in range(world)]
         j += 1
         top = max(per, key=lambda r: r.peak_bytes)
         oom = next((r.oom for r in per if r.oom is not None), None)
@@ -373,5 +469,5 @@ def measure_distributed(step=None, *, device: str | None = "cpu", placement: Pla
 # --------------------------------------------------------------------------------------
 
 
-__all__ = ["ACCOUNTS", "measure_distributed", "measure_zero", "zero_accounting", "zero_rank_step",
+__all__ = ["ACCOUNTS", "RankResult", "measure_distributed", "measure_zero", "zero_accounting", "zero_rank_step",
            "zero_worker"]

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from ..hardware import Placement, place_ranks
 from .deepspeed_config import deepspeed_config
-from .deepspeed_zero import ACCOUNTS, zero_worker
+from .deepspeed_zero import zero_worker
 from .ranks import run_ranks
 
 OFFLOAD_CASES = ((2, "none"), (2, "optimizer"), (3, "all"))
@@ -42,8 +42,8 @@ def measure_offload(step, *, cases=OFFLOAD_CASES, placement: Placement | None = 
     the base the model states DeepSpeed keeps on the device (``source`` says which). Both
     give ``host_bytes`` (DeepSpeed's accounting of the offloaded fp32 master, Adam's state,
     the fp32 gradient partition and, with ``"all"``, the parameters), how much the process's
-    resident memory grew while the engine was built and run (``rss_growth_bytes``, psutil) and the step time. ``cpu_adam``
-    runs the offloaded optimizer as DeepSpeed's compiled ``DeepSpeedCPUAdam`` instead of
+    resident memory grew while the engine was built and run (``rss_growth_bytes``, psutil) and
+    the step time. ``cpu_adam`` runs the offloaded optimizer as DeepSpeed's compiled ``DeepSpeedCPUAdam`` instead of
     torch's AdamW (offload cases only). Rows are rank 0's.
     """
     placement = placement or place_ranks(step.world_size)
@@ -58,22 +58,22 @@ def measure_offload(step, *, cases=OFFLOAD_CASES, placement: Placement | None = 
                       kwargs={"steps": steps, "torch_adam": not cpu_adam, "track": not on_cuda,
                               "threads": threads})
     rows = []
-    for s, res in zip(steps, ranks[0]):
-        acc = res["accounting"]
-        host = sum(acc[k] for k in res["host_accounts"])
+    for s, res in zip(steps, ranks[0], strict=True):
+        acc = res.accounting
         if on_cuda:
-            peak, base, source = res["device_peak_bytes"], res["device_base_bytes"], "allocator"
+            peak, base, source = res.device_peak_bytes, res.device_base_bytes, "allocator"
         else:
             # parameters offloaded at stage 3 are gathered to the device for each layer: the
             # tracker saw them there, so only the optimizer side leaves the device's count
-            peak = res["peak_bytes"] - sum(acc[k] for k in res["host_accounts"] if k != "parameters")
-            base = sum(acc[k] for k in ACCOUNTS if k not in res["host_accounts"])
+            peak = res.peak_bytes - sum(acc[k] for k in res.host_accounts if k != "parameters")
+            base = res.device_account_bytes()
             source = "accounting"
-        rss = (res["rss_bytes"] - res["rss_start_bytes"]) if res["rss_bytes"] is not None else None
-        rows.append({"zero": s.zero, "offload": s.offload, "optimizer": res["optimizer"],
+        rss = (res.rss_bytes - res.rss_start_bytes) if res.rss_bytes is not None else None
+        rows.append({"zero": s.zero, "offload": s.offload, "optimizer": res.optimizer,
                      "device": placement.device_type, "source": source,
-                     "device_peak_bytes": peak, "device_base_bytes": base, "host_bytes": host,
-                     "rss_growth_bytes": rss, "step_seconds": res["step_seconds"],
+                     "device_peak_bytes": peak, "device_base_bytes": base,
+                     "host_bytes": res.host_account_bytes(),
+                     "rss_growth_bytes": rss, "step_seconds": res.step_seconds,
                      "accounting": dict(acc)})
     return rows
 

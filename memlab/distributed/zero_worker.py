@@ -43,8 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     deepspeed.init_distributed(dist_backend=placement.backend)
     step = StepConfig(model=args.model, seq=args.seq, batch=args.batch, precision=args.precision,
                       zero=args.zero, world_size=world, offload=args.offload)
-    out = zero_rank_step(rank, world, step)
-    out["host_accounts"] = list(out["host_accounts"])
+    out = zero_rank_step(rank, world, step).to_dict()  # RankResult.from_dict reads it back
     # One write per rank: the ranks share torchrun's stdout, where print() writes the line and
     # its newline as two writes when stdout is unbuffered, and two ranks' lines then run
     # together (seen in CI). One write of less than PIPE_BUF bytes to a pipe is atomic (POSIX).
