@@ -6,6 +6,7 @@
     memlab measure  --model tiny --budget 120MiB
     memlab measure  --model tiny --zero 2 --world-size 2 --json
     memlab presets
+    memlab oom < traceback.txt                     # an OOM message read and explained
 
 Exit status: 0 for a result (a step that does not fit its budget is a result: ``fits:
 false``); 2 for bad input, a flag the command cannot honour, or a real measurement this
@@ -33,6 +34,7 @@ from .guard import HostMemoryError
 from .hardware import GPU_PRESETS, resolve_budget
 from .measure import measure_step
 from .models import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
+from .oom import OOMExplanation, explain_oom
 from .policy import emulate, get_target, resolve_target
 from .simulate import simulate_step
 from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
@@ -133,7 +135,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("class", help="class tools: `class collect DIR --out results.csv`")
     p.add_argument("action", choices=["collect"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="DIR [--out results.csv] [--timeout S]")
+    _add_oom_args(sub.add_parser("oom", help="read an out-of-memory message and say what it means"))
     return parser
+
+
+# --- memlab oom: an out-of-memory message read (memlab.oom) ------------------------------
+def _add_oom_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", nargs="?", default="-",
+                   help="a file holding the message, traceback or log; '-' or nothing: stdin")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _oom(args: argparse.Namespace) -> OOMExplanation:
+    """``memlab oom``: the message from a file or stdin, explained."""
+    if args.file == "-":
+        if sys.stdin.isatty():
+            raise InputError("paste the message on stdin (end with Ctrl-D) or give a file: memlab oom FILE")
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(args.file, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError as e:
+            raise InputError(f"cannot read {args.file!r}: {e.strerror}") from None
+    return explain_oom(text)
 
 
 def _headroom(text: str) -> float:
@@ -230,6 +255,8 @@ def run(args: argparse.Namespace) -> Result:
     :class:`~memlab.technique_table.Table` (report)."""
     if args.command == "advise":
         return _advise(args)
+    if args.command == "oom":
+        return _oom(args)
     if args.command == "report":
         if args.world_size < 2 and not args.no_distributed:
             raise InputError(f"world size {args.world_size} for the multi-rank rows; allowed: 2 or "

@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "cards": "card profiles (memory, capability, native bf16, attention kernels, cuBLAS workspace), `detect_card`",
         "predictions": "the learner's written guesses scored against the measurement",
         "hardware": "GPU presets and budgets, picking a device, placing ranks on devices (`place_ranks`)",
-        "oom": "the CUDA caching allocator from outside: its OOM message read into numbers, fragmentation provoked",
+        "oom": "OOM messages of every torch era, the host allocator, DeepSpeed and NCCL read into numbers and explained; fragmentation provoked",
         "snapshot": "CUDA allocator snapshots: loading them (plain containers only), their live and reserved bytes over time",
         "precision": "precisions and their element sizes: the one table every formula reads",
         "distributed": "the multi-rank package: ranks, data parallel, ZeRO with DeepSpeed, offload, FSDP2, tensor and pipeline parallelism",
