@@ -94,6 +94,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "technique_table": "the curriculum's comparison table, measured, as Markdown, JSON and PNG",
         "widgets": "every ipywidgets panel (the only module importing ipywidgets)",
         "leaks": "growth per optimizer step: what a leaking loop keeps, by category",
+        "callbacks": "the learner's own run: a transformers `TrainerCallback` and `memory_watch` for a plain loop (first steps by category, CUDA history, OOMs explained)",
         "exercises": "checkers for the learners' own code in the lessons' \"Your turn\" cells",
         "exercises.accumulation": "the accumulation exercise's checker",
         "exercises.amp": "the amp exercise's checker",
