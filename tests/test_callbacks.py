@@ -37,6 +37,7 @@ def trainer_for(model, callback, tmp_path, steps: int):
     return transformers.Trainer(model=model, args=args, train_dataset=dataset(), callbacks=[callback])
 
 
+@pytest.mark.slow  # a Trainer: transformers and accelerate import for tens of seconds on 2 cores
 def test_trainer_callback_report_equals_track_step_of_the_same_step(tmp_path):
     from memlab.callbacks import MemoryCallback
 
@@ -98,6 +99,7 @@ def test_an_oom_in_the_trainer_is_explained_and_the_tracker_left(tmp_path):
 
 
 def test_plain_loop_watch_equals_track_step_and_explains_an_oom():
+    """The fast sibling of the Trainer tests: the same StepWatch, driven by a plain loop."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randn(32, 64)
