@@ -28,6 +28,7 @@ importable without it.
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import sys
 import time
@@ -283,11 +284,8 @@ def _make_callback_class() -> type:
 
             self._previous, self._hook = previous, hook
             sys.excepthook = hook
-            try:
-                from IPython import get_ipython
-            except ImportError:
-                return
-            shell = get_ipython()
+            # IPython puts get_ipython in builtins inside a kernel or shell: no import needed
+            shell = getattr(builtins, "get_ipython", lambda: None)()
             if shell is not None and hasattr(shell, "set_custom_exc"):
                 def ipython_handler(shell, etype, value, tb, tb_offset=None):
                     shell.showtraceback((etype, value, tb), tb_offset=tb_offset)

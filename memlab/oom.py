@@ -10,6 +10,13 @@ but unallocated* (cached blocks too small or too split up for the request).
 allocator and once with expandable segments.
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m memlab.oom fragment
+
+:func:`parse_oom` reads every format torch has printed (before 1.5, before 2.1, after), the
+host allocator's, DeepSpeed's and NCCL's into an :class:`OOMMessage`; :func:`explain_oom` says
+what the numbers mean (``memlab oom`` on the command line, :func:`explain_last` in a notebook).
+
+Over 500 lines because the message's formats, their reading and the experiment that provokes
+the message's fragmentation case are one subject: the allocator seen from outside.
 """
 from __future__ import annotations
 
