@@ -87,7 +87,7 @@ def _fsdp_tracked_step(step, mesh, mode=None, *, reshard_after_forward: bool = T
             model(*(t[:1, :1] for t in batch))
 
         def one_step() -> None:
-            for micro in zip(*(t.chunk(step.micro_batches) for t in batch)):
+            for micro in zip(*(t.chunk(step.micro_batches) for t in batch), strict=True):
                 loss = model(*micro) / step.micro_batches
                 loss.backward()
                 del loss
