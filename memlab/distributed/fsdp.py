@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -156,8 +157,6 @@ def fsdp_worker(rank: int, world_size: int, step, reshard_after_forward: bool = 
                 cpu_offload: bool = False) -> dict:
     """A real FSDP2 step on this rank (the check for :func:`simulate_sharded`): on its GPU
     when the group is NCCL's, else on the CPU."""
-    import torch.distributed as dist
-
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device, (world_size,))
     t = _fsdp_tracked_step(step, mesh, reshard_after_forward=reshard_after_forward,
