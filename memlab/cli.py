@@ -5,7 +5,9 @@
     memlab simulate --model tiny --target cpu      # bytes as this CPU holds them
     memlab measure  --model tiny --budget 120MiB
     memlab measure  --model tiny --zero 2 --world-size 2 --json
+    memlab measure  --model tiny --fsdp --world-size 2         # FSDP2 on 2 ranks (gloo; NCCL with --device cuda)
     memlab presets
+    memlab oom < traceback.txt                     # an OOM message read and explained
 
 Exit status: 0 for a result (a step that does not fit its budget is a result: ``fits:
 false``); 2 for bad input, a flag the command cannot honour, or a real measurement this
@@ -26,13 +28,14 @@ from . import classroom, doctor, hf
 from .advisor import Advice, advise
 from .cards import detect_card
 from .distributed.deepspeed_zero import measure_distributed
-from .distributed.fsdp import simulate_sharded
+from .distributed.fsdp import measure_sharded, simulate_sharded
 from .errors import InputError
 from .estimate import estimate_step
 from .guard import HostMemoryError
 from .hardware import GPU_PRESETS, resolve_budget
 from .measure import measure_step
 from .models import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
+from .oom import OOMExplanation, explain_oom
 from .policy import emulate, get_target, resolve_target
 from .simulate import simulate_step
 from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
@@ -133,7 +136,57 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("class", help="class tools: `class collect DIR --out results.csv`")
     p.add_argument("action", choices=["collect"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="DIR [--out results.csv] [--timeout S]")
+    _add_oom_args(sub.add_parser("oom", help="read an out-of-memory message and say what it means"))
+    _add_fsdp_args(sub.choices["measure"])
     return parser
+
+
+# --- memlab measure --fsdp: FSDP2 on real ranks (memlab.distributed.fsdp) ----------------
+def _add_fsdp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 fully_shard (= ZeRO-3) on --world-size real ranks instead of DeepSpeed")
+    p.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                   help="with --fsdp: keep gathered parameters from forward to backward")
+    p.add_argument("--cpu-offload", action="store_true", help="with --fsdp: FSDP2's CPUOffloadPolicy")
+
+
+def _measure_fsdp(step: StepConfig, args: argparse.Namespace, budget: int | None) -> MemoryReport:
+    """``memlab measure --fsdp``: refuse what FSDP2's measurement cannot honour, then run it."""
+    if step.zero not in (0, 3):
+        raise InputError(f"--fsdp shards like ZeRO-3; got --zero {step.zero}: drop it or use --zero 3")
+    if step.offload != "none":
+        raise InputError(f"--offload {step.offload} is DeepSpeed's; with --fsdp use --cpu-offload")
+    if step.optimizer != "adamw":
+        raise InputError(f"--optimizer {step.optimizer} with --fsdp; allowed: adamw")
+    if args.snapshot is not None:
+        raise InputError("--snapshot records one process; it is not available with --fsdp")
+    if args.device not in ("cpu", "cuda"):
+        raise InputError(f"unknown device {args.device!r}; allowed: cpu, cuda")
+    return measure_sharded(step, step.world_size, reshard_after_forward=args.reshard_after_forward,
+                           cpu_offload=args.cpu_offload, backend="gloo" if args.device == "cpu" else "nccl",
+                           budget=budget)
+
+
+# --- memlab oom: an out-of-memory message read (memlab.oom) ------------------------------
+def _add_oom_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", nargs="?", default="-",
+                   help="a file holding the message, traceback or log; '-' or nothing: stdin")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _oom(args: argparse.Namespace) -> OOMExplanation:
+    """``memlab oom``: the message from a file or stdin, explained."""
+    if args.file == "-":
+        if sys.stdin.isatty():
+            raise InputError("paste the message on stdin (end with Ctrl-D) or give a file: memlab oom FILE")
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(args.file, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError as e:
+            raise InputError(f"cannot read {args.file!r}: {e.strerror}") from None
+    return explain_oom(text)
 
 
 def _headroom(text: str) -> float:
@@ -230,6 +283,8 @@ def run(args: argparse.Namespace) -> Result:
     :class:`~memlab.technique_table.Table` (report)."""
     if args.command == "advise":
         return _advise(args)
+    if args.command == "oom":
+        return _oom(args)
     if args.command == "report":
         if args.world_size < 2 and not args.no_distributed:
             raise InputError(f"world size {args.world_size} for the multi-rank rows; allowed: 2 or "
@@ -255,6 +310,10 @@ def run(args: argparse.Namespace) -> Result:
         if step.world_size > 1:
             return _simulate_sharded(step, budget, target)
         return simulate_step(step, budget=budget, target=target)
+    if args.fsdp:
+        return _measure_fsdp(step, args, budget)
+    if args.cpu_offload or not args.reshard_after_forward:
+        raise InputError("--cpu-offload and --no-reshard-after-forward are FSDP2's: add --fsdp")
     _check_measure(step, args)
     if _multi_rank(step):
         return measure_distributed(step, device=args.device, budget=budget)

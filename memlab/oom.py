@@ -10,6 +10,13 @@ but unallocated* (cached blocks too small or too split up for the request).
 allocator and once with expandable segments.
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m memlab.oom fragment
+
+:func:`parse_oom` reads every format torch has printed (before 1.5, before 2.1, after), the
+host allocator's, DeepSpeed's and NCCL's into an :class:`OOMMessage`; :func:`explain_oom` says
+what the numbers mean (``memlab oom`` on the command line, :func:`explain_last` in a notebook).
+
+Over 500 lines because the message's formats, their reading and the experiment that provokes
+the message's fragmentation case are one subject: the allocator seen from outside.
 """
 from __future__ import annotations
 
@@ -19,53 +26,254 @@ import os
 import re
 import subprocess
 import sys
+import traceback
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .errors import InputError
-from .units import MiB, parse_size
+from .units import GiB, MiB, fmt_bytes, parse_size
 
-# "2.00 GiB", "20.00 MiB", "512 bytes": c10's format_size; "0 B": memlab's fmt_bytes
-_SIZE = r"([0-9.]+ ?(?:bytes|B|KiB|MiB|GiB|TiB))"
-# the allocator's message (CUDACachingAllocator.cpp, "CUDA out of memory. Tried to allocate
-# ...") and memlab's simulated one (tracking.py), field by field; every field is optional
-_FIELDS = {
-    # CUDA's and the tracker's "Tried to allocate 2.50 GiB", the CPU allocator's "you tried
-    # to allocate 1125899906842624 bytes"
-    "requested": r"[Tt]ried to allocate " + _SIZE,
-    "total": r"total capacity of " + _SIZE,
-    "free": r"of which " + _SIZE + r" is free",
-    "process": r"this process has " + _SIZE + r" memory in use",
-    "allowed": _SIZE + r" allowed;",
-    "allocated": r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch",
-    "reserved_unallocated": r"and " + _SIZE + r" is reserved by PyTorch but unallocated",
-    # the simulated device (memlab.tracking): "X already in use; budget Y, so Z short"
-    "in_use": _SIZE + r" already in use",
-    "budget": r"budget " + _SIZE,
-    "short": r"so " + _SIZE + r" short",
-}
+# --------------------------------------------------------------------------------------
+# The message, read: every format torch (and DeepSpeed, NCCL) has printed
+# --------------------------------------------------------------------------------------
+# "2.00 GiB", "20.00 MiB", "512 bytes": c10's format_size (two decimals, GiB at most);
+# "0 B": memlab's fmt_bytes
+_SIZE = r"([0-9]+(?:\.[0-9]+)? ?(?:bytes|B|KiB|MiB|GiB|TiB))"
+# NVML's NVML_VALUE_NOT_AVAILABLE is 2^64 - 1 bytes: format_size prints it as
+# "17179869184.00 GiB" when the driver cannot say what a process uses. No card is that large.
+_NOT_AVAILABLE = 2**63
+
+#: What :func:`parse_oom` recognises, in the order a mixed log is read (the first kind present
+#: wins): memlab's simulated device, the CUDA caching allocator (both eras), the host
+#: allocator, NCCL, the CUDA runtime outside the caching allocator, DeepSpeed's launcher.
+KINDS = ("simulated", "cuda", "host", "nccl", "cuda-runtime", "deepspeed")
 
 
-def read_oom(message: str) -> dict[str, int]:
-    """The sizes in an out-of-memory message, in bytes.
+def _pattern(text: str) -> str:
+    """A literal phrase as a regex whose spaces match any run of whitespace (messages come
+    wrapped, indented, or with ``[rank0]:`` prefixes removed)."""
+    return r"\s+".join(text.split(" "))
 
-    From a real CUDA OOM: ``requested`` (the block asked for), ``total`` and ``free`` (the
-    card, as the driver sees it), ``process`` (this process, PyTorch or not), ``allowed``
-    (the cap of ``set_per_process_memory_fraction``), ``allocated`` (live tensors) and
-    ``reserved_unallocated`` (cached by the allocator, not handed out). From memlab's
-    simulated device: ``requested``, ``in_use``, ``budget`` and ``short``. Raises InputError
-    when the message is neither.
+
+def _bytes(text: str) -> int:
+    return parse_size(text.replace(" ", ""))
+
+
+@dataclass
+class OOMMessage:
+    """The numbers in one out-of-memory message, in bytes (``None``: the message has no such
+    field). ``kind`` is one of :data:`KINDS`; ``era`` the CUDA format: ``"2.1+"`` ("GPU 0 has
+    a total capacity of ..."), ``"pre-2.1"`` ("(GPU 0; T total capacity; A already allocated;
+    F free; R reserved in total by PyTorch)") or ``"pre-1.5"`` (its "C cached" field).
+
+    Both CUDA eras give the same numbers: ``allocated`` (live tensors), ``reserved`` (all that
+    PyTorch's cache holds, live or not) and ``reserved_unallocated`` (cached, not handed out);
+    the era that prints one of the last two gives the other by difference.
+    """
+
+    kind: str
+    era: str | None = None
+    device: int | None = None
+    requested: int | None = None
+    total: int | None = None
+    free: int | None = None
+    allowed: int | None = None
+    allocated: int | None = None
+    reserved: int | None = None
+    reserved_unallocated: int | None = None
+    private_pools: int | None = None
+    #: this process as the driver (NVML) sees it: PyTorch's cache plus CUDA context, cuBLAS
+    #: and NCCL buffers; ``None`` also when NVML printed "not available"
+    process: int | None = None
+    #: other processes on the card: (pid, bytes), as NVML listed them
+    other_processes: tuple[tuple[int, int], ...] = ()
+    #: the allocator's advice in the message: "expandable_segments" or "max_split_size_mb"
+    hint: str | None = None
+    # the host allocator: errno and its text
+    errno: int | None = None
+    error_text: str | None = None
+    # memlab's simulated device
+    in_use: int | None = None
+    budget: int | None = None
+    short: int | None = None
+    # DeepSpeed's see_memory_usage (GB there is 2^30 bytes) and launcher
+    ds_allocated: int | None = None
+    ds_max_allocated: int | None = None
+    ds_reserved: int | None = None
+    ds_max_reserved: int | None = None
+    host_used: int | None = None
+    host_percent: float | None = None
+    return_code: int | None = None
+    #: the traceback went through ZeRO-3's parameter gathering (DeepSpeed frames)
+    zero3_gather: bool = False
+    nccl_version: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def other_bytes(self) -> int:
+        """Bytes the driver lists for other processes on this card."""
+        return sum(b for _, b in self.other_processes)
+
+    @property
+    def non_pytorch(self) -> int | None:
+        """Bytes this process holds outside PyTorch's cache (CUDA context, cuBLAS, NCCL)."""
+        if self.process is None or self.reserved is None:
+            return None
+        return max(0, self.process - self.reserved)
+
+    def sizes(self) -> dict[str, int]:
+        """The fields that are sizes and present, as ``{name: bytes}``."""
+        names = ("requested", "total", "free", "process", "allowed", "allocated",
+                 "reserved_unallocated", "in_use", "budget", "short")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
+def _clean(text: str) -> str:
+    """One line: launchers' ``[rank0]:`` prefixes dropped, whitespace collapsed."""
+    lines = [re.sub(r"^\s*\[(?:rank|RANK)\s*\d+\]:?\s?", "", line) for line in text.splitlines()]
+    return " ".join(" ".join(lines).split())
+
+
+def _find(pattern: str, text: str, flags: int = 0) -> re.Match | None:
+    return re.search(pattern, text, flags)
+
+
+def _read_cuda(text: str, out: OOMMessage) -> None:
+    """The caching allocator's message (CUDACachingAllocator.cpp), either era; ``text`` starts
+    at its "out of memory. Tried to allocate"."""
+    if m := _find(r"Tried to allocate " + _SIZE, text):
+        out.requested = _bytes(m.group(1))
+    elif _find(r"Tried to allocate more than 1EB", text):
+        out.notes.append("the request was over 1 EiB: a shape or dtype mistake, not a full card")
+    if m := _find(r"GPU (\d+) has a total capac(?:i)?ty of " + _SIZE, text):  # 2.1 printed "capacty"
+        out.era, out.device, out.total = "2.1+", int(m.group(1)), _bytes(m.group(2))
+        if m := _find(r"of which " + _SIZE + r" is free", text):
+            out.free = _bytes(m.group(1))
+        if m := _find(_pattern("Of the allocated memory ") + _SIZE + _pattern(" is allocated by PyTorch"), text):
+            out.allocated = _bytes(m.group(1))
+        if m := _find(r"with " + _SIZE + _pattern(" allocated in private pools"), text):
+            out.private_pools = _bytes(m.group(1))
+        if m := _find(r"and " + _SIZE + _pattern(" is reserved by PyTorch but unallocated"), text):
+            out.reserved_unallocated = _bytes(m.group(1))
+        if out.allocated is not None and out.reserved_unallocated is not None:
+            out.reserved = out.allocated + out.reserved_unallocated
+    elif m := _find(r"\(GPU (\d+); " + _SIZE + r" total capacity", text):
+        out.era, out.device, out.total = "pre-2.1", int(m.group(1)), _bytes(m.group(2))
+        if m := _find(_SIZE + r" already allocated", text):
+            out.allocated = _bytes(m.group(1))
+        if m := _find(r"; " + _SIZE + r" free", text):
+            out.free = _bytes(m.group(1))
+        if m := _find(_SIZE + _pattern(" reserved in total by PyTorch"), text):
+            out.reserved = _bytes(m.group(1))
+            if out.allocated is not None:
+                out.reserved_unallocated = max(0, out.reserved - out.allocated)
+        elif m := _find(_SIZE + r" cached\)", text):
+            # torch < 1.5: "cached" was the cache's free blocks (it is below "already allocated"
+            # in messages of the time, so it cannot be the whole cache)
+            out.era, out.reserved_unallocated = "pre-1.5", _bytes(m.group(1))
+            if out.allocated is not None:
+                out.reserved = out.allocated + out.reserved_unallocated
+    if m := _find(_SIZE + r" allowed;", text):
+        out.allowed = _bytes(m.group(1))
+    if m := _find(_pattern("this process has ") + _SIZE + _pattern(" memory in use"), text):
+        size = _bytes(m.group(1))
+        if size >= _NOT_AVAILABLE:
+            out.notes.append("the driver could not report this process's memory (NVML: not available)")
+        else:
+            out.process = size
+    for m in re.finditer(r"Process (\d+) has " + _SIZE + _pattern(" memory in use"), text):
+        size = _bytes(m.group(2))
+        if size < _NOT_AVAILABLE:
+            out.other_processes += ((int(m.group(1)), size),)
+    if "expandable_segments" in text:
+        out.hint = "expandable_segments"
+    elif "max_split_size_mb" in text:
+        out.hint = "max_split_size_mb"
+
+
+def _read_deepspeed(text: str, out: OOMMessage) -> None:
+    """DeepSpeed's ``see_memory_usage`` lines (runtime/utils.py: MA/CA in GB of 2^30 bytes) and
+    its launcher's ``exits with return code = -9`` (launcher/launch.py)."""
+    found = list(re.finditer(r"MA ([0-9.]+) GB Max_MA ([0-9.]+) GB CA ([0-9.]+) GB Max_CA ([0-9.]+) GB", text))
+    if found:
+        m = found[-1]  # the last report before the failure
+        out.ds_allocated, out.ds_max_allocated, out.ds_reserved, out.ds_max_reserved = (
+            int(float(g) * GiB) for g in m.groups())
+    found = list(re.finditer(r"CPU Virtual Memory: used = ([0-9.]+) GB, percent = ([0-9.]+)%", text))
+    if found:
+        out.host_used, out.host_percent = int(float(found[-1].group(1)) * GiB), float(found[-1].group(2))
+    if m := _find(r"exits with return code = (-?\d+)", text):
+        out.return_code = int(m.group(1))
+    if _find(r"partitioned_param_coordinator|fetch_sub_module|__all_gather_params|"
+             r"_all_gather_params|allgather_fn", text):
+        out.zero3_gather = True
+
+
+def parse_oom(message: str) -> OOMMessage:
+    """Read an out-of-memory message, or a whole traceback or log containing one, into an
+    :class:`OOMMessage`. The last CUDA allocator message counts when a log repeats one per
+    rank. Raises :class:`~memlab.errors.InputError` when no format of :data:`KINDS` is in it.
+
+    Args:
+        message: the text as printed (``str(error)``, a pasted traceback, a launcher's log).
+    Returns:
+        the message's numbers, in bytes.
     """
     if not isinstance(message, str):
         raise InputError(f"message must be a string, got {type(message).__name__}")
-    out = {}
-    for key, pattern in _FIELDS.items():
-        m = re.search(pattern, message)
-        if m:
-            out[key] = parse_size(m.group(1))
-    if "requested" not in out:
-        raise InputError(f"not an out-of-memory message (no 'Tried to allocate'): {message[:120]!r}")
+    text = _clean(message)
+    cuda = list(re.finditer(r"(?i:out of memory)\. Tried to allocate", text))
+    if "Simulated device out of memory" in text:
+        out = OOMMessage("simulated")
+        if m := _find(r"Tried to allocate " + _SIZE, text):
+            out.requested = _bytes(m.group(1))
+        for name, pattern in (("in_use", _SIZE + r" already in use"), ("budget", r"budget " + _SIZE),
+                              ("short", r"so " + _SIZE + r" short")):
+            if m := _find(pattern, text):
+                setattr(out, name, _bytes(m.group(1)))
+    elif cuda:
+        out = OOMMessage("cuda")
+        _read_cuda(text[cuda[-1].start():], out)
+    elif m := _find(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory): you tried to "
+                    r"allocate (\d+) ?(bytes|GB)", text):
+        # "you tried to allocate %dGB. Buy new RAM!" (whole GiB) before pytorch/pytorch#20618
+        out = OOMMessage("host", requested=int(m.group(1)) * (GiB if m.group(2) == "GB" else 1))
+        if e := _find(r"Error code (\d+) \(([^)]*)\)", text):
+            out.errno, out.error_text = int(e.group(1)), e.group(2)
+    elif _find(r"NCCL", text) and _find(r"Cuda failure (?:\d+ )?'out of memory'", text):
+        out = OOMMessage("nccl")
+        if m := _find(r"NCCL version ([0-9][0-9.]*[0-9])", text):
+            out.nccl_version = m.group(1)
+    elif _find(r"CUDA error: out of memory", text):
+        out = OOMMessage("cuda-runtime")
+    elif _find(r"exits with return code = -9|MA [0-9.]+ GB Max_MA", text):
+        out = OOMMessage("deepspeed")
+    else:
+        raise InputError(f"not an out-of-memory message (none of: CUDA's 'out of memory. Tried "
+                         f"to allocate', 'DefaultCPUAllocator', NCCL's 'Cuda failure 'out of "
+                         f"memory'', 'CUDA error: out of memory', DeepSpeed's 'exits with return "
+                         f"code = -9'): {message[:120]!r}")
+    _read_deepspeed(text, out)
     return out
+
+
+def read_oom(message: str) -> dict[str, int]:
+    """The sizes in an out-of-memory message, in bytes: :meth:`OOMMessage.sizes` of
+    :func:`parse_oom`, for a message that asked for a size.
+
+    From a real CUDA OOM (either era): ``requested`` (the block asked for), ``total`` and
+    ``free`` (the card, as the driver sees it), ``process`` (this process, PyTorch or not),
+    ``allowed`` (the cap of ``set_per_process_memory_fraction``), ``allocated`` (live tensors)
+    and ``reserved_unallocated`` (cached by the allocator, not handed out). From memlab's
+    simulated device: ``requested``, ``in_use``, ``budget`` and ``short``. From the host
+    allocator: ``requested``. Raises InputError when the message is none of these.
+    """
+    parsed = parse_oom(message)
+    if parsed.requested is None:
+        raise InputError(f"not an out-of-memory message with a size (no 'Tried to allocate'): "
+                         f"{message[:120]!r}")
+    return parsed.sizes()
 
 
 def requested_bytes(message: str) -> int:
@@ -74,7 +282,211 @@ def requested_bytes(message: str) -> int:
     try:
         return read_oom(message)["requested"]
     except InputError:
-        return 0
+        # a fragment of a message ("Tried to allocate 20.00 MiB (GPU 0)") still names its size
+        m = re.search(r"[Tt]ried to allocate " + _SIZE, message) if isinstance(message, str) else None
+        return _bytes(m.group(1)) if m else 0
+
+
+# --------------------------------------------------------------------------------------
+# What the numbers mean
+# --------------------------------------------------------------------------------------
+#: The causes :func:`explain_oom` names, most specific first.
+CAUSES = ("memory fraction", "other processes", "fragmentation", "live tensors", "host memory",
+          "host killed", "nccl buffers", "outside the allocator", "simulated budget")
+
+
+@dataclass
+class OOMExplanation:
+    """What an out-of-memory message means: ``cause`` (one of :data:`CAUSES`), the reading
+    of each number (``lines``) and what to try (``advice``)."""
+
+    message: OOMMessage
+    cause: str
+    lines: list[str]
+    advice: list[str]
+
+    def table(self) -> str:
+        """The explanation as text, for a terminal or a notebook."""
+        m = self.message
+        head = f"out of memory ({m.kind}{', torch ' + m.era + ' format' if m.era else ''}): {self.cause}"
+        out = [head] + [f"  {line}" for line in self.lines]
+        if self.advice:
+            out += ["what to try:"] + [f"  - {a}" for a in self.advice]
+        out += [f"note: {n}" for n in m.notes]
+        return "\n".join(out)
+
+    def to_dict(self) -> dict:
+        return {"cause": self.cause, "lines": list(self.lines), "advice": list(self.advice),
+                "message": asdict(self.message)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _fb(n: int | None) -> str:
+    return "?" if n is None else fmt_bytes(n)
+
+
+def _explain_cuda(m: OOMMessage, lines: list[str], advice: list[str]) -> str:
+    req = m.requested or 0
+    if m.total is not None:
+        lines.append(f"GPU {m.device}: {_fb(m.total)} in all, {_fb(m.free)} free as the driver saw it")
+    if m.allocated is not None:
+        lines.append(f"live tensors (allocated by PyTorch): {_fb(m.allocated)}")
+    if m.reserved_unallocated is not None:
+        lines.append(f"cached by PyTorch but not in use (reserved, unallocated): "
+                     f"{_fb(m.reserved_unallocated)}, of {_fb(m.reserved)} reserved")
+    if m.non_pytorch:
+        lines.append(f"this process outside PyTorch's cache (CUDA context, cuBLAS, NCCL): {_fb(m.non_pytorch)}")
+    if m.other_processes:
+        own = [b for _, b in m.other_processes if m.reserved is not None and b >= m.reserved]
+        lines.append(f"other processes: {_fb(m.other_bytes)} in {len(m.other_processes)} process(es)"
+                     + (" (one of them may be this one, seen under another pid in a container)"
+                        if own and m.process is None else ""))
+    lines.append(f"the request: {_fb(req)}")
+    # The allocator has already returned every wholly free cached segment to the driver and
+    # retried (CUDACachingAllocator.cpp, before the message): what it still caches sits in
+    # segments that also hold live tensors.
+    cache = m.reserved_unallocated or 0
+    if m.allowed is not None and m.reserved is not None:
+        lines.append(f"the memory fraction allows this process {_fb(m.allowed)}; PyTorch holds "
+                     f"{_fb(m.reserved)}, the request would make {_fb(m.reserved + req)}")
+        if m.free is not None and m.free >= req:
+            advice.append(f"the card had {_fb(m.free)} free: the cap of "
+                          f"set_per_process_memory_fraction refused the request; raise the fraction "
+                          f"or fit the step under {_fb(m.allowed)}")
+            if m.allocated + req <= m.allowed and cache >= req:
+                advice.append("within the cap the request fits the cached bytes: "
+                              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+            return "memory fraction"
+    others = [(pid, b) for pid, b in m.other_processes]
+    if m.process is None and m.reserved and any(b >= m.reserved for _, b in others):
+        # NVML lists host pids; in a container this process is listed under one it does not
+        # know as its own. The entry that holds at least PyTorch's cache is taken to be it.
+        own = max(others, key=lambda e: e[1])
+        others.remove(own)
+        lines.append(f"process {own[0]} ({_fb(own[1])}) is taken to be this one: it holds at least "
+                     f"PyTorch's {_fb(m.reserved)}")
+    held = sum(b for _, b in others)
+    if others and m.total and held >= max(req, m.total // 10):
+        sizes = {b for _, b in others}
+        advice.append(f"{len(others)} other process(es) hold {_fb(held)} of this card: stop them or "
+                      f"use another GPU (CUDA_VISIBLE_DEVICES)")
+        if len(others) > 1 and len(sizes) <= 2 and max(sizes) < GiB * 3 // 2:
+            advice.append("many processes with the same small amount look like CUDA contexts: every "
+                          "rank started CUDA on this GPU; call torch.cuda.set_device(local_rank) "
+                          "before any CUDA work")
+        return "other processes"
+    if m.free is not None and m.free >= req and m.allowed is None:
+        advice.append(f"the driver reported {_fb(m.free)} free, more than the request: it was taken "
+                      f"between the failed cudaMalloc and the report (another process), or it cannot "
+                      f"be allocated (Windows WDDM, MIG): check nvidia-smi")
+        return "outside the allocator"
+    # "If reserved but unallocated memory is large" (the message's own words): large enough
+    # to hold the request, and a tenth of the cache or more. A sliver that happens to exceed
+    # a small request is not why a card full of live tensors failed.
+    if cache >= req and cache * 10 >= (m.reserved or 0):
+        advice.append(f"{_fb(cache)} is cached but split between live tensors, no piece large enough "
+                      f"for {_fb(req)}: fragmentation. Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                      f"(before CUDA starts) so the cache's free pages can be remapped")
+        if m.hint == "max_split_size_mb":
+            advice.append("this torch predates expandable segments (its message suggests max_split_size_mb): "
+                          "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 keeps large blocks unsplit")
+        return "fragmentation"
+    if cache >= req:
+        advice.append(f"expandable_segments:True would serve this request from the {_fb(cache)} cached, "
+                      f"but live tensors fill {100 * (m.allocated or 0) / (m.total or 1):.0f}% of the card: "
+                      f"the next request would fail")
+    advice.append(f"live tensors and the request need {_fb((m.allocated or 0) + req)} where the card gives "
+                  f"PyTorch at most {_fb((m.reserved or 0) + (m.free or 0))}: make the step smaller "
+                  f"(batch, sequence, activation checkpointing, bf16, a sharded or 8-bit optimizer); "
+                  f"`memlab estimate` says by how much")
+    if m.zero3_gather:
+        advice.append("the failure is in ZeRO-3 gathering parameters: lower stage3_max_live_parameters "
+                      "and stage3_prefetch_bucket_size, or offload parameters (offload_param)")
+    return "live tensors"
+
+
+def explain_oom(message: str | OOMMessage) -> OOMExplanation:
+    """What an out-of-memory message means, number by number.
+
+    Reads the message (:func:`parse_oom`) and names the cause: a memory fraction's cap that
+    refused a request the card had room for; other processes on the card; a cache too
+    fragmented to serve the request although it holds enough bytes (the ``expandable_segments``
+    hint); live tensors that need more than the card; the host's RAM; the host's OOM killer
+    (DeepSpeed's return code -9); NCCL's buffers, allocated outside PyTorch's cache.
+
+    Args:
+        message: the message or traceback text, or an already parsed :class:`OOMMessage`.
+    Returns:
+        an :class:`OOMExplanation`; ``str()`` of it prints it.
+    """
+    m = message if isinstance(message, OOMMessage) else parse_oom(message)
+    lines: list[str] = []
+    advice: list[str] = []
+    if m.kind == "cuda":
+        cause = _explain_cuda(m, lines, advice)
+    elif m.kind == "simulated":
+        lines.append(f"memlab's simulated device: {_fb(m.in_use)} in use, budget {_fb(m.budget)}, "
+                     f"the request {_fb(m.requested)} left it {_fb(m.short)} short")
+        cause = "simulated budget"
+        advice.append("the report's oom.by_category names what held the budget")
+    elif m.kind == "host":
+        lines.append(f"the host allocator (DefaultCPUAllocator) could not get {_fb(m.requested)}"
+                     + (f": errno {m.errno} ({m.error_text})" if m.errno is not None else ""))
+        cause = "host memory"
+        if m.requested is not None and m.requested >= 2**50:
+            advice.append("over a PiB: a shape or dtype mistake, not a small machine")
+        else:
+            advice.append("host RAM (or the job's cgroup or ulimit) ran out: CPU offload, pinned "
+                          "buffers, data-loader workers and a full model loaded on every rank all live here")
+    elif m.kind == "nccl":
+        lines.append("NCCL asked CUDA for its buffers and CUDA had none: NCCL allocates outside "
+                     "PyTorch's caching allocator, so memory PyTorch caches is not free for it")
+        cause = "nccl buffers"
+        advice.append("leave headroom for NCCL (its buffers are per peer and channel: NCCL_BUFFSIZE, "
+                      "NCCL_MAX_NCHANNELS), call torch.cuda.empty_cache() before the first collective, "
+                      "or make the step smaller")
+    elif m.kind == "cuda-runtime":
+        lines.append("CUDA itself refused memory outside PyTorch's caching allocator (the CUDA context, "
+                     "cuBLAS/cuDNN workspaces, a library's own cudaMalloc)")
+        cause = "outside the allocator"
+        advice.append("check nvidia-smi for other processes; set CUDA_LAUNCH_BLOCKING=1 to see the call")
+    else:
+        cause = "host killed"
+    if m.ds_allocated is not None:
+        lines.append(f"DeepSpeed's last see_memory_usage: {_fb(m.ds_allocated)} allocated "
+                     f"(max {_fb(m.ds_max_allocated)}), {_fb(m.ds_reserved)} reserved (max {_fb(m.ds_max_reserved)})")
+    if m.host_used is not None:
+        lines.append(f"host memory in use then: {_fb(m.host_used)} ({m.host_percent:g}% of the machine)")
+    if m.return_code is not None:
+        lines.append(f"the launcher saw a rank exit with return code {m.return_code}"
+                     + (" (SIGKILL: the kernel's OOM killer, when host RAM runs out)" if m.return_code == -9 else ""))
+        if m.return_code == -9 and m.kind == "deepspeed":
+            advice.append("host RAM ran out, not GPU memory: every rank loading the whole model, "
+                          "offload_optimizer/offload_param to the CPU and pinned memory all count; "
+                          "check `dmesg | grep -i oom`, load with low_cpu_mem_usage, offload less, or "
+                          "use offload to NVMe")
+    return OOMExplanation(m, cause, lines, advice)
+
+
+def last_exception_text() -> str:
+    """The last uncaught exception of this interpreter, with its traceback, as text: what a
+    notebook or REPL just printed (``sys.last_exc``, or ``sys.last_value`` before Python 3.12;
+    IPython sets both). Raises InputError when nothing has failed yet."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if exc is None:
+        raise InputError("no exception has reached the top level of this interpreter yet: "
+                         "run the failing cell first, or pass the message")
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def explain_last() -> OOMExplanation:
+    """:func:`explain_oom` of the last traceback of this notebook or REPL."""
+    return explain_oom(last_exception_text())
 
 
 # --------------------------------------------------------------------------------------
@@ -155,4 +567,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["read_oom", "requested_bytes", "fragment_once", "fragmentation"]
+__all__ = ["CAUSES", "KINDS", "OOMExplanation", "OOMMessage", "explain_last", "explain_oom", "fragment_once",
+           "fragmentation", "last_exception_text", "parse_oom", "read_oom", "requested_bytes"]

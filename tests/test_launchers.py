@@ -1,3 +1,87 @@
+"""Workers as launchers start them: torchrun's, deepspeed's (its launcher and OpenMPI),
+accelerate launch's and Slurm's variables, set by hand."""
+import json
+
+import pytest
+
+from memlab.distributed import zero_worker
+from memlab.distributed.ranks import DEFAULT_MASTER_PORT, LaunchEnv, first_host, launcher_env
+from memlab.errors import InputError
+
+# what each launcher sets in rank 3's environment, 2 nodes x 2 ranks
+TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "29511",
+            "TORCHELASTIC_RUN_ID": "none"}
+# deepspeed/launcher/launch.py: LOCAL_SIZE, not LOCAL_WORLD_SIZE
+DEEPSPEED = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_SIZE": "2",
+             "MASTER_ADDR": "node0", "MASTER_PORT": "29500", "CROSS_RANK": "1", "CROSS_SIZE": "2"}
+OPENMPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "node0"}
+SLURM = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NODEID": "1",
+         "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NODELIST": "gpu[07-08]",
+         "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7"}
+
+
+@pytest.mark.parametrize("env, launcher, addr, port", [
+    (TORCHRUN, "torchrun", "node0", 29511),
+    (DEEPSPEED, "deepspeed", "node0", 29500),
+    (OPENMPI, "mpi", "node0", DEFAULT_MASTER_PORT),
+    (SLURM, "slurm", "10.0.0.7", DEFAULT_MASTER_PORT),
+])
+def test_every_launcher_gives_rank_3_of_4_on_node_1(env, launcher, addr, port):
+    assert launcher_env(env) == LaunchEnv(launcher, 3, 1, 4, 2, 1, addr, port)
+
+
+def test_slurm_without_the_launch_node_address_uses_the_first_host():
+    env = {k: v for k, v in SLURM.items() if k != "SLURM_LAUNCH_NODE_IPADDR"}
+    env.pop("SLURM_TASKS_PER_NODE")
+    env["SLURM_NTASKS_PER_NODE"] = "2"
+    assert launcher_env(env).master_addr == "gpu07" and launcher_env(env).local_world_size == 2
+    assert first_host("gpu[03-05,9],cpu1") == "gpu03"
+    assert first_host("login2") == "login2"
+    assert first_host("a100-[1,4]") == "a100-1"
+
+
+def test_srun_torchrun_is_torchruns_job():
+    assert launcher_env({**SLURM, **TORCHRUN, "RANK": "2", "LOCAL_RANK": "0"}).rank == 2
+
+
+def test_no_launcher_is_rank_0_of_1_and_bad_values_are_named():
+    assert launcher_env({}) == LaunchEnv("none", 0, 0, 1, 1, 0, "127.0.0.1", DEFAULT_MASTER_PORT)
+    with pytest.raises(InputError, match="SLURM_NTASKS='four'"):
+        launcher_env({**SLURM, "SLURM_NTASKS": "four"})
+    with pytest.raises(InputError, match="rank 5"):
+        launcher_env({**SLURM, "SLURM_PROCID": "5"})
+
+
+def test_apply_exports_what_init_process_group_reads():
+    env = dict(SLURM)
+    launcher_env(env).apply(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"],
+            env["MASTER_ADDR"], env["MASTER_PORT"]) == ("3", "4", "1", "2", "10.0.0.7", "29500")
+
+
+def test_zero_worker_under_srun_reads_slurm_not_rank(monkeypatch, capsys):
+    """``srun python -m memlab.distributed.zero_worker`` sets no RANK: it used to KeyError."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "LOCAL_SIZE", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {**SLURM, "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2",
+                       "SLURM_TASKS_PER_NODE": "2", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    seen = {}
+    deepspeed = pytest.importorskip("deepspeed")
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda dist_backend: seen.setdefault("backend", dist_backend))
+
+    def rank_step(rank, world, step):
+        seen.update(rank=rank, world=world, zero=step.zero, world_size=step.world_size)
+        return {"rank": rank, "host_accounts": ()}
+
+    monkeypatch.setattr(zero_worker, "zero_rank_step", rank_step)
+    zero_worker.main(["--zero", "2"])
+    assert seen == {"backend": "gloo", "rank": 1, "world": 2, "zero": 2, "world_size": 2}
+    last = capsys.readouterr().out.strip().splitlines()[-1]  # DeepSpeed may log before it
+    assert json.loads(last) == {"world_size": 2, "rank": 1, "host_accounts": []}
 
 
 # --------------------------------------------------------------------------------------

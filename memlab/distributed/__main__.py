@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..hardware import place_ranks
 from .parallel_formulas import SCHEDULES
 from .pipeline_parallel import pp_worker
+from .ranks import launcher_env
 from .tensor_parallel import tp_worker
 
 
@@ -31,11 +32,14 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
                     help="skip the single-process reference (needed when the whole model "
                          "does not fit one rank)")
     args = ap.parse_args(argv)
-    # torchrun started LOCAL_WORLD_SIZE ranks on this machine: they share its GPUs
-    placement = place_ranks(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    # torchrun's (or deepspeed's, Slurm's) variables, exported for init_process_group
+    job = launcher_env()
+    job.apply()
+    # the launcher started local_world_size ranks on this machine: they share its GPUs
+    placement = place_ranks(job.local_world_size)
     os.environ.update(placement.rank_env())
     if placement.backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(job.local_rank)
     dist.init_process_group(placement.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:

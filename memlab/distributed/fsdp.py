@@ -3,7 +3,9 @@ group and fake tensors.
 
 :func:`simulate_sharded` runs rank 0 of a ``world_size``-rank FSDP2 step in this process
 (:func:`memlab.distributed.ranks.fake_process_group`) under ``FakeTensorMode``, tracked exactly;
-:func:`fsdp_worker` runs the same tracked step on real ranks, for comparison.
+:func:`measure_sharded` runs the same tracked step on real ranks (:func:`fsdp_worker` on each,
+gloo on the CPU or NCCL with a GPU per rank), with ``reshard_after_forward`` on or off and
+FSDP2's ``CPUOffloadPolicy``: ``memlab measure --fsdp --world-size 2``.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -20,7 +23,7 @@ from ..hardware import resolve_budget
 from ..models import GPTConfig, build_model
 from ..step import MemoryReport, StepConfig, make_batch
 from ..tracking import CATEGORIES, MemoryTracker
-from .ranks import fake_process_group
+from .ranks import fake_process_group, resolve_placement, run_ranks
 
 SHARDED_PRECISIONS = ("fp32", "bf16")
 
@@ -41,7 +44,8 @@ def _fsdp_kwargs(step) -> dict:
                                               reduce_dtype=torch.float32)}
 
 
-def _fsdp_tracked_step(step, mesh, mode=None) -> "MemoryTracker":
+def _fsdp_tracked_step(step, mesh, mode=None, *, reshard_after_forward: bool = True,
+                       cpu_offload: bool = False, device: str = "cpu") -> "MemoryTracker":
     """Shard each block and the root with FSDP2 ``fully_shard`` (= ZeRO-3: parameters,
     gradients and optimizer state sharded), warm up, then track one step.
 
@@ -56,9 +60,14 @@ def _fsdp_tracked_step(step, mesh, mode=None) -> "MemoryTracker":
 
     cfg = step.model_config
     kw = _fsdp_kwargs(step)
-    real_batch = make_batch(step, "cpu")
+    kw["reshard_after_forward"] = reshard_after_forward
+    if cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        # sharded parameters, gradients and the optimizer step on the host; pinning needs CUDA
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device == "cuda")
+    real_batch = make_batch(step, device)
     torch.manual_seed(0)
-    with torch.device("meta" if mode is not None else "cpu"):
+    with torch.device("meta" if mode is not None else device):
         model = build_model(cfg)
     if isinstance(cfg, GPTConfig) and not cfg.tie_embeddings:
         fully_shard(model.wte, mesh=mesh, **kw)
@@ -79,7 +88,7 @@ def _fsdp_tracked_step(step, mesh, mode=None) -> "MemoryTracker":
             model(*(t[:1, :1] for t in batch))
 
         def one_step() -> None:
-            for micro in zip(*(t.chunk(step.micro_batches) for t in batch)):
+            for micro in zip(*(t.chunk(step.micro_batches) for t in batch), strict=True):
                 loss = model(*micro) / step.micro_batches
                 loss.backward()
                 del loss
@@ -144,14 +153,64 @@ class _FSDPTracker:
         return dict(self._cats)
 
 
-def fsdp_worker(rank: int, world_size: int, step) -> dict:
-    """A real FSDP2 step on this rank (the check for :func:`simulate_sharded`)."""
-    mesh = init_device_mesh("cpu", (world_size,))
-    t = _fsdp_tracked_step(step, mesh)
-    return {"rank": rank, "peak_bytes": t.peak_bytes, "by_category": t.peak_by_category()}
+def fsdp_worker(rank: int, world_size: int, step, reshard_after_forward: bool = True,
+                cpu_offload: bool = False) -> dict:
+    """A real FSDP2 step on this rank (the check for :func:`simulate_sharded`): on its GPU
+    when the group is NCCL's, else on the CPU."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (world_size,))
+    t = _fsdp_tracked_step(step, mesh, reshard_after_forward=reshard_after_forward,
+                           cpu_offload=cpu_offload, device=device)
+    return {"rank": rank, "device": device, "peak_bytes": t.peak_bytes,
+            "by_category": t.peak_by_category()}
 
 
-def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, **overrides):
+def measure_sharded(step=None, world_size: int | None = None, *, reshard_after_forward: bool = True,
+                    cpu_offload: bool = False, backend: str | None = None, budget=None,
+                    timeout: float = 600.0, **overrides) -> MemoryReport:
+    """FSDP2 (``fully_shard``, = ZeRO-3) measured on ``world_size`` real ranks: one tracked
+    step per rank (FSDPMemTracker, as :func:`simulate_sharded` tracks it), beside
+    :func:`memlab.distributed.deepspeed_zero.measure_distributed`'s DeepSpeed.
+
+    Args:
+        step: the step (``zero`` becomes 3: FSDP2 shards all three model states).
+        world_size: ranks (default ``step.world_size``).
+        reshard_after_forward: free gathered parameters after each unit's forward (FSDP2's
+            default, ZeRO-3) or keep them to the backward (ZeRO-2-like parameters).
+        cpu_offload: FSDP2's ``CPUOffloadPolicy`` (sharded states and the optimizer step on
+            the host; on a CPU-only run host and device are one memory).
+        backend: "gloo" (CPU ranks) or "nccl" (a GPU per rank); default what the machine has.
+        budget: each rank's budget, for ``fits``.
+        timeout: seconds for the ranks.
+    Returns:
+        a :class:`MemoryReport` (lens "measure") of the largest rank, ``per_rank`` one per rank.
+    """
+    step = step or StepConfig()
+    world_size = world_size or step.world_size
+    step = replace(step, world_size=world_size, zero=3, **overrides)
+    _fsdp_kwargs(step)  # validates the precision
+    budget_bytes = resolve_budget(budget)
+    placement = resolve_placement(world_size, backend=backend)
+    results = run_ranks(fsdp_worker, world_size, backend=placement.backend, placement=placement,
+                        timeout=timeout, kwargs={"step": step, "reshard_after_forward": reshard_after_forward,
+                                                 "cpu_offload": cpu_offload})
+    per = [MemoryReport("measure", step, r["device"], r["peak_bytes"], dict(r["by_category"]),
+                        budget_bytes) for r in results]
+    top = max(per, key=lambda r: r.peak_bytes)
+    # no step time: the tracked step is not timed apart from the build and warm-up around it
+    rep = MemoryReport("measure", step, top.device, top.peak_bytes, dict(top.by_category), budget_bytes,
+                       None, per_rank=per)
+    rep.notes.append(f"FSDP2 fully_shard (= ZeRO-3) on {world_size} {placement.backend} ranks; "
+                     f"reshard_after_forward={reshard_after_forward}"
+                     + ("; CPUOffloadPolicy" if cpu_offload else ""))
+    if cpu_offload and top.device == "cpu":
+        rep.notes.append("CPUOffloadPolicy on CPU ranks: host and device are one memory, so the "
+                         "offload moves nothing; on GPUs the sharded states leave the device")
+    return rep
+
+
+def simulate_sharded(step=None, world_size: int | None = None, *, budget=None,
+                     reshard_after_forward: bool = True, **overrides):
     """Per-rank memory of a fully sharded step on ``world_size`` ranks, in this process.
 
     A fake process group (backend ``"fake"``: collectives return at once) and fake tensors
@@ -165,7 +224,8 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, *
     and the checkpointed bf16 steps agree to the byte; a bf16 step without checkpointing ran
     5% higher on real ranks (a 2-layer toy: one block's fp32 reduce-scatter input lived
     longer there), a difference in collective timing the fake group does not have. Returns a
-    :class:`MemoryReport` (lens "simulate") with ``per_rank``.
+    :class:`MemoryReport` (lens "simulate") with ``per_rank``. ``reshard_after_forward=False``
+    keeps each unit's gathered parameters from its forward to its backward, as FSDP2 does.
     """
 
     step = step or StepConfig()
@@ -177,7 +237,8 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, *
         mesh = init_device_mesh("cpu", (world_size,))  # outside fake mode: it reads ranks
         start = time.perf_counter()
         # real inputs: to_empty (meta -> fake) and the batch meet the mode from outside
-        tracker = _fsdp_tracked_step(step, mesh, FakeTensorMode(allow_non_fake_inputs=True))
+        tracker = _fsdp_tracked_step(step, mesh, FakeTensorMode(allow_non_fake_inputs=True),
+                                     reshard_after_forward=reshard_after_forward)
         seconds = time.perf_counter() - start
     one = MemoryReport("simulate", step, "cpu", tracker.peak_bytes, tracker.peak_by_category(),
                        budget_bytes, seconds)
@@ -191,4 +252,4 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, *
     return rep
 
 
-__all__ = ["SHARDED_PRECISIONS", "fsdp_worker", "simulate_sharded"]
+__all__ = ["SHARDED_PRECISIONS", "fsdp_worker", "measure_sharded", "simulate_sharded"]

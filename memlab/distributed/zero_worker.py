@@ -4,6 +4,9 @@ One machine or many, the same file::
 
     torchrun --nproc-per-node 2 -m memlab.distributed.zero_worker --zero 2
     deepspeed --hostfile hostfile -m memlab.distributed.zero_worker --zero 3 --offload optimizer
+    srun --ntasks 2 python -m memlab.distributed.zero_worker --zero 2
+
+(every launcher's variables: :func:`memlab.distributed.ranks.launcher_env`)
 
 Each rank prints one JSON line: its exact ZeRO accounting and tracked peak (bytes).
 """
@@ -19,7 +22,7 @@ import torch
 from ..hardware import place_ranks
 from ..step import StepConfig
 from .deepspeed_zero import zero_rank_step
-from .ranks import set_cache_env
+from .ranks import launcher_env, set_cache_env
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,13 +35,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--offload", default="none", choices=("none", "optimizer", "all"))
     ap.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     args = ap.parse_args(argv)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # the launcher started LOCAL_WORLD_SIZE ranks on this machine: they share its GPUs
-    placement = place_ranks(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    # torchrun's, deepspeed's, accelerate's or Slurm's variables (ranks.launcher_env), exported
+    # as the RANK/WORLD_SIZE/MASTER_* that DeepSpeed's init_distributed reads
+    job = launcher_env()
+    job.apply()
+    rank, world = job.rank, job.world_size
+    # the launcher started local_world_size ranks on this machine: they share its GPUs
+    placement = place_ranks(job.local_world_size)
     os.environ.update(placement.rank_env())
     set_cache_env()
     if placement.backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(job.local_rank)
     import deepspeed  # optional and heavy; after rank_env(), which it reads at import
     deepspeed.init_distributed(dist_backend=placement.backend)
     step = StepConfig(model=args.model, seq=args.seq, batch=args.batch, precision=args.precision,
