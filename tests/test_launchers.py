@@ -73,15 +73,19 @@ def test_zero_worker_under_srun_reads_slurm_not_rank(monkeypatch, capsys):
     deepspeed = pytest.importorskip("deepspeed")
     monkeypatch.setattr(deepspeed, "init_distributed", lambda dist_backend: seen.setdefault("backend", dist_backend))
 
+    from memlab.distributed.deepspeed_zero import RankResult
+
     def rank_step(rank, world, step):
         seen.update(rank=rank, world=world, zero=step.zero, world_size=step.world_size)
-        return {"rank": rank, "host_accounts": ()}
+        return RankResult(rank=rank, device="cpu", optimizer="AdamW", host_accounts=())
 
     monkeypatch.setattr(zero_worker, "zero_rank_step", rank_step)
     zero_worker.main(["--zero", "2"])
     assert seen == {"backend": "gloo", "rank": 1, "world": 2, "zero": 2, "world_size": 2}
     last = capsys.readouterr().out.strip().splitlines()[-1]  # DeepSpeed may log before it
-    assert json.loads(last) == {"world_size": 2, "rank": 1, "host_accounts": []}
+    line = json.loads(last)
+    assert (line["world_size"], line["rank"], line["host_accounts"]) == (2, 1, [])
+    assert RankResult.from_dict(line).rank == 1
 
 
 # --------------------------------------------------------------------------------------
