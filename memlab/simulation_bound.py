@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from tqdm import tqdm
 
 from .cards import CARDS
 from .errors import InputError
@@ -176,7 +177,6 @@ def progress(layers: int, enabled: bool = True, stream=None) -> Iterator[object 
     if not enabled:
         yield None
         return
-    from tqdm import tqdm
     bar = tqdm(total=2 * layers, desc="simulate (layers forward, then backward)", unit="layer",
                file=sys.stderr if stream is None else stream, leave=False)
     seen = {"forward": 0, "backward": 0}
