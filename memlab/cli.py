@@ -17,6 +17,7 @@ what is available and what to run instead); 1 for an internal error, with its tr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -24,7 +25,7 @@ import traceback
 from dataclasses import replace
 from typing import Union
 
-from . import classroom, doctor, hf
+from . import classroom, doctor, hf, simulation_bound
 from .advisor import Advice, advise
 from .cards import detect_card
 from .distributed.deepspeed_zero import measure_distributed
@@ -33,6 +34,7 @@ from .errors import InputError
 from .estimate import estimate_step
 from .guard import HostMemoryError
 from .hardware import GPU_PRESETS, resolve_budget
+from .hf_config_check import check_config
 from .measure import measure_step
 from .models import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
 from .oom import OOMExplanation, explain_oom
@@ -115,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="memlab", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_step_args(sub.add_parser("estimate", help="closed-form formulas"), device=False, target=True)
-    _add_step_args(sub.add_parser("simulate", help="the step on fake tensors"), device=False, target=True)
+    p = sub.add_parser("simulate", help="the step on fake tensors")
+    _add_step_args(p, device=False, target=True)
+    _add_bound_args(p)
     _add_step_args(sub.add_parser("measure", help="a real step, tracked"), device=True)
     p = sub.add_parser("presets", help="list model and GPU presets")
     p.add_argument("--json", action="store_true")
@@ -187,6 +191,15 @@ def _oom(args: argparse.Namespace) -> OOMExplanation:
         except OSError as e:
             raise InputError(f"cannot read {args.file!r}: {e.strerror}") from None
     return explain_oom(text)
+
+
+def _add_bound_args(p: argparse.ArgumentParser) -> None:
+    """simulate's bound before a long simulation (memlab.simulation_bound)."""
+    p.add_argument(simulation_bound.ALLOW_FLAG, action="store_true",
+                   help=f"--hf-config: simulate even past the bound ({simulation_bound.MAX_SECONDS:.0f} s "
+                        f"predicted, or {simulation_bound.PARAM_LIMIT:.0e} parameters)")
+    p.add_argument("--progress", action="store_true",
+                   help="--hf-config: a progress bar on stderr (shown on a terminal for a long simulation)")
 
 
 def _headroom(text: str) -> float:
@@ -302,7 +315,7 @@ def run(args: argparse.Namespace) -> Result:
         target = get_target(args.target, args.gpu, card)
         budget = args.gpu if args.gpu is not None else budget
         if args.hf_config is not None:
-            return _hf_step(args, budget, target)
+            return _hf_checked(args, budget, target)
     if args.command == "estimate":
         return estimate_step(step, budget=budget, target=target)
     if args.command == "simulate":
@@ -334,6 +347,29 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
         raise InputError("simulate --hf-config runs one AdamW step on one device; allowed: no "
                          "--micro-batches/--zero/--world-size/--offload/--optimizer (use estimate)")
     return hf.simulate_hf(args.hf_config, target=target, budget=budget, **kw)
+
+
+def _hf_checked(args: argparse.Namespace, budget: int | str | None, target) -> MemoryReport:
+    """:func:`_hf_step` after the config is checked (memlab.hf_config_check) and, for simulate,
+    the bound (memlab.simulation_bound); the report notes the fields left to transformers'
+    defaults, and a peak more than any card holds."""
+    simulate = args.command == "simulate"
+    checked = check_config(hf.load_config(args.hf_config, checked=False), construct=True if simulate else None)
+    bar = None
+    if simulate:
+        bound = simulation_bound.simulation_bound(args.hf_config, seq=args.seq, batch=args.batch,
+                                                  precision=args.precision, checkpointing=args.checkpointing,
+                                                  attention=args.attention, target=target)
+        simulation_bound.check_bound(bound, allow_long=args.allow_long)
+        bar = simulation_bound.progress(bound.layers, simulation_bound.wants_progress(bound, args.progress))
+    with bar or contextlib.nullcontext():
+        report = _hf_step(args, budget, target)
+    if checked.note:
+        report.notes.append(checked.note)
+    beyond = simulation_bound.beyond_cards(report.peak_bytes)
+    if beyond:
+        report.notes.append(f"peak {fmt_bytes(report.peak_bytes)}{beyond}")
+    return report
 
 
 def _simulate_sharded(step: StepConfig, budget: int | str | None, target) -> MemoryReport:

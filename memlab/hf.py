@@ -30,6 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import InputError
+from .hf_config_check import check_config
 from .models import GPTConfig
 from .step import PRECISIONS, MemoryReport, StepConfig, autocast_for
 from .your_model import simulate_model
@@ -50,9 +51,11 @@ def shipped_config(name: str) -> dict:
     return json.loads(text)
 
 
-def load_config(path: str | pathlib.Path | dict) -> dict:
+def load_config(path: str | pathlib.Path | dict, *, checked: bool = True) -> dict:
     """A ``config.json`` as a dict: ``path`` is the file, a folder holding it, the name of a
-    shipped config (``"llama-3-8b"``), or already a dict."""
+    shipped config (``"llama-3-8b"``), or already a dict. ``checked``: every field memlab reads
+    checked and transformers' fixed defaults of left-out ones written in
+    (:func:`memlab.hf_config_check.check_config`); False: as read."""
     if isinstance(path, dict):
         cfg = dict(path)
     elif str(path) in SHIPPED:
@@ -66,12 +69,12 @@ def load_config(path: str | pathlib.Path | dict) -> dict:
                              f"config.json file, a folder holding one, or {', '.join(SHIPPED)}")
         try:
             cfg = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise InputError(f"--hf-config {str(p)!r} is not valid JSON ({e})") from None
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise InputError(f"--hf-config {str(path)!r} has no model_type; allowed: a Hugging Face "
                          f"config.json")
-    return cfg
+    return check_config(cfg).config if checked else cfg
 
 
 def _get(cfg: dict, *names: str):
@@ -123,6 +126,7 @@ def hf_config(cfg: dict | str | pathlib.Path):
     """The ``transformers`` config object (no network: built from the dict)."""
     from transformers import AutoConfig
     d = load_config(cfg)
+    check_config(d, construct=True)  # transformers' own refusals as InputError, before building
     d.pop("transformers_version", None)
     kind = d.pop("model_type")
     try:

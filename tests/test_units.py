@@ -8,7 +8,7 @@ import pytest
 import memlab
 from memlab.errors import InputError
 from memlab.oom import read_oom, requested_bytes
-from memlab.units import GiB, KiB, MiB, binary_unit, fmt_bytes, parse_size
+from memlab.units import EiB, GiB, KiB, MiB, PiB, TiB, YiB, ZiB, binary_unit, fmt_bytes, parse_size
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -19,14 +19,16 @@ def test_parse_size_units(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("n", [0, 1, 1023, 1024, 1536, 2**20, 5 * 2**30 + 123, 3 * 2**40])
+@pytest.mark.parametrize("n", [0, 1, 1023, 1024, 1536, 2**20, 5 * 2**30 + 123, 3 * 2**40, 7 * 2**50 + 9,
+                               23844841218 * 2**30, 3 * 2**70, 5 * 2**80, 2**90])
 def test_fmt_bytes_parses_back_within_its_rounding(n):
     """fmt_bytes keeps two decimals: parsing its text gives n back to within half a unit of
     the last place (0.005 of the unit it chose)."""
     text = fmt_bytes(n)
     value, unit = text.split()
     back = parse_size(value + unit)
-    size = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    size = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "PiB": 2**50,
+            "EiB": 2**60, "ZiB": 2**70, "YiB": 2**80}[unit]
     assert abs(back - n) <= 0.005 * size + 1
 
 
@@ -35,7 +37,12 @@ def test_fmt_bytes_picks_the_largest_unit_below_the_value():
     assert fmt_bytes(1024) == "1.00 KiB"
     assert fmt_bytes(14.26 * 2**20) == "14.26 MiB"
     assert fmt_bytes(-3 * 2**30) == "-3.00 GiB"
-    assert fmt_bytes(5 * 2**40) == "5120.00 GiB"  # GiB is the largest unit
+    assert fmt_bytes(5 * 2**40) == "5.00 TiB"
+    assert fmt_bytes(2**50) == "1.00 PiB"
+    # the issue's absurd config: 23844841218.55 GiB is 22.21 EiB (2^60 B = 2^30 GiB)
+    assert fmt_bytes(23844841218.55 * 2**30) == f"{23844841218.55 / 2**30:.2f} EiB" == "22.21 EiB"
+    assert fmt_bytes(-3 * 2**70) == "-3.00 ZiB"
+    assert fmt_bytes(2**90) == "1024.00 YiB"  # YiB is the largest unit
 
 
 @pytest.mark.parametrize("bad, needle", [
@@ -69,7 +76,9 @@ def test_both_oom_readers_read_a_size_as_parse_size_does(text):
 
 @pytest.mark.parametrize("n, expected", [(0, (1, "B")), (1023, (1, "B")), (KiB, (KiB, "KiB")),
                                          (MiB - 1, (KiB, "KiB")), (3 * GiB, (GiB, "GiB")),
-                                         (-2 * MiB, (MiB, "MiB"))])
+                                         (-2 * MiB, (MiB, "MiB")), (TiB, (TiB, "TiB")),
+                                         (PiB + 1, (PiB, "PiB")), (EiB, (EiB, "EiB")),
+                                         (ZiB, (ZiB, "ZiB")), (YiB * 10, (YiB, "YiB"))])
 def test_binary_unit_is_the_largest_unit_not_above_the_value(n, expected):
     assert binary_unit(n) == expected
 

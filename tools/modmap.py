@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "tracking": "`MemoryTracker`: live bytes by category, device and host, the simulated budget and its OOM",
         "chunked_loss": "the language-model head and cross-entropy over chunks of tokens (the loss spike's fix)",
         "models": "GPT (MHA/GQA) and UNet, their configs and presets with published shapes",
+        "hf_config_check": "an HF config.json checked field by field before any build; transformers' defaults said",
         "states": "model states per rank and where they live: plain PyTorch or DeepSpeed's layout per ZeRO stage and offload",
         "distributed.deepspeed_config": "the DeepSpeed config a step describes (`deepspeed_config`), with memlab's bucket sizes",
         "policy": "a target device's rules (autocast op lists, kernels, workspaces, allocator blocks) applied to a CPU step",
@@ -69,6 +70,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "simulate": "the simulate lens: the same step on fake tensors",
         "your_model": "any model: `track_step`, `tracking()`, `simulate_model`",
         "hf": "Hugging Face `config.json`: mapped to a `GPTConfig`, or the real class on fake tensors",
+        "simulation_bound": "the bound before a long HF simulation (seconds, parameters, 64-bit bytes), its progress bar",
         "calculator": "the real-scale calculator: `estimate_step` per rank for a card",
     }),
     ("the techniques", {
