@@ -57,7 +57,7 @@ def _positive_int(name: str):
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {value}")
         return value
@@ -157,15 +157,35 @@ def _add_advise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--headroom", type=_headroom, default=0.1, help="fraction of the card kept free")
     p.add_argument("--no-simulate", action="store_true", help="estimate only, never simulate")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_advise_finetune_args(p)
+
+
+def _add_advise_finetune_args(p: argparse.ArgumentParser) -> None:
+    """advise's Hugging Face config and the fine-tuner's ladder."""
+    p.add_argument("--hf-config", default=None, metavar="PATH",
+                   help="a Hugging Face config.json (or its folder, or a shipped name: "
+                        "llama-3-8b, qwen2.5-7b, mistral-7b, gpt2) instead of --model")
+    p.add_argument("--finetune", action="store_true",
+                   help="also the fine-tuner's ladder: 8-bit AdamW, LoRA, QLoRA")
+    p.add_argument("--lora-rank", type=_positive_int("lora-rank"), default=16,
+                   help="LoRA rank of the ladder's LoRA and QLoRA rungs")
+    p.add_argument("--lora-targets", default=None,
+                   help="comma-separated module names (default: every attention and MLP projection)")
 
 
 def _advise(args: argparse.Namespace) -> Advice:
     budget = _budget(args)
     if budget is None:
         raise InputError(f"give --gpu ({', '.join(GPU_PRESETS)}) or --budget SIZE")
-    return advise(args.model, budget, args.world_size, args.seq, args.batch,
+    if args.hf_config is not None and args.model != "tiny":
+        raise InputError("--hf-config describes the model: drop --model")
+    # the card itself, not its byte count: the plan follows that card's rules (advisor.advise)
+    gpu = args.gpu if args.gpu is not None else budget
+    targets = tuple(args.lora_targets.split(",")) if args.lora_targets else None
+    return advise(args.model, gpu, args.world_size, args.seq, args.batch,
                   attention=args.attention, headroom=args.headroom,
-                  simulate=False if args.no_simulate else None)
+                  simulate=False if args.no_simulate else None, hf_config=args.hf_config,
+                  finetune=args.finetune, lora_rank=args.lora_rank, lora_targets=targets)
 
 
 def step_from_args(args: argparse.Namespace) -> StepConfig:
@@ -237,7 +257,8 @@ def run(args: argparse.Namespace) -> Result:
         table, _ = write_report(args.out, StepConfig(model=args.model, seq=args.seq, batch=args.batch),
                                 world_size=args.world_size, distributed=not args.no_distributed)
         return table
-    step = step_from_args(args)
+    # with --hf-config the config describes the model (and bounds --seq): no preset step
+    step = step_from_args(args) if getattr(args, "hf_config", None) is None else None
     budget = _budget(args)
     if args.command in ("estimate", "simulate"):
         get_target(args.target)  # a bad --target is a usage error before any work

@@ -99,8 +99,8 @@ def test_param_shapes_equal_the_model(name):
     with torch.device("meta"):
         model = GPT(PRESETS[name])
     assert sorted(p.numel() for p in model.parameters()) == sorted(
-        finetune.gpt_param_shapes(PRESETS[name]))
-    assert finetune.adam_state_bytes(finetune.gpt_param_shapes(PRESETS[name])) == \
+        PRESETS[name].param_numels())
+    assert finetune.adam_state_bytes(PRESETS[name].param_numels()) == \
         8 * PRESETS[name].num_params()
 
 
