@@ -22,7 +22,7 @@ import traceback
 from dataclasses import replace
 from typing import Union
 
-from . import classroom, doctor, hf
+from . import classroom, doctor, finetune, hf, run_config
 from .advisor import Advice, advise
 from .cards import detect_card
 from .distributed.deepspeed_zero import measure_distributed
@@ -38,6 +38,141 @@ from .simulate import simulate_step
 from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
 from .technique_table import Table, write_report
 from .units import fmt_bytes
+
+# -- a run as its configs write it (memlab.run_config, memlab.finetune) ---------------------
+#: --optimizer: the step's own optimizers, the fine-tuner's states, and HF's optim names
+OPTIMIZER_CHOICES = tuple(dict.fromkeys([*OPTIMIZERS, *finetune.OPTIMIZER_STATES,
+                                         *finetune.HF_OPTIMIZERS]))
+
+
+def _add_run_config_args(p: argparse.ArgumentParser) -> None:
+    """--deepspeed FILE and the fine-tuning flags of estimate, simulate and measure."""
+    p.add_argument("--deepspeed", default=None, metavar="FILE",
+                   help="a DeepSpeed config (JSON): stage, offload, precision, batch keys and "
+                        "bucket sizes; \"auto\" values filled as HF's Trainer fills them")
+    p.add_argument("--lora-rank", type=_positive_int("lora-rank"), default=None,
+                   help="LoRA adapters of this rank (with --lora-targets, default: every projection)")
+    p.add_argument("--lora-targets", default=None, help="comma-separated LoRA target modules")
+    p.add_argument("--lora-config", default=None, metavar="FILE", help="peft's adapter_config.json")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="bitsandbytes NF4 base weights (blocks of 64, double quantization): QLoRA")
+    p.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes int8 base weights")
+
+
+def _fine_tune(args: argparse.Namespace, cfg) -> tuple[dict | None, list[str]]:
+    """``estimate_finetune``'s keywords from the flags (None: a plain step) and the notes of
+    what a --lora-config does not model."""
+    kind = finetune.HF_OPTIMIZERS.get(args.optimizer, args.optimizer)
+    lora, notes = None, []
+    if args.lora_config is not None:
+        if args.lora_rank is not None or args.lora_targets is not None:
+            raise InputError("give --lora-config or --lora-rank/--lora-targets, not both")
+        spec = run_config.read_lora_config(args.lora_config, cfg)
+        lora, notes = (spec.rank, spec.targets), list(spec.notes)
+    elif args.lora_rank is not None or args.lora_targets is not None:
+        targets = (tuple(args.lora_targets.split(",")) if args.lora_targets
+                   else run_config.lora_targets_for(cfg))
+        lora = (args.lora_rank or 8, targets)  # 8: peft's default r
+    if args.load_in_4bit and args.load_in_8bit:
+        raise InputError("give --load-in-4bit or --load-in-8bit, not both")
+    quant = "4bit" if args.load_in_4bit else "8bit" if args.load_in_8bit else "none"
+    if lora is None and quant == "none" and kind in OPTIMIZERS:
+        return None, notes
+    return {"lora": lora, "optimizer": kind, "quantization": quant}, notes
+
+
+def _step_optimizer(name: str) -> str:
+    """The StepConfig optimizer of an --optimizer name: SGD, else AdamW (8-bit, paged and
+    Adafactor state replace AdamW's in memlab.finetune.estimate_finetune)."""
+    return "sgd" if finetune.HF_OPTIMIZERS.get(name, name) == "sgd" else "adamw"
+
+
+def _configured(args: argparse.Namespace) -> bool:
+    """Whether a run config or a fine-tuning flag is given (the step is then read from them)."""
+    return (getattr(args, "deepspeed", None) is not None or args.lora_rank is not None
+            or args.lora_targets is not None or args.lora_config is not None
+            or args.load_in_4bit or args.load_in_8bit or args.optimizer not in OPTIMIZERS)
+
+
+def _configured_step(args: argparse.Namespace):
+    """The step, the DeepSpeed run (or None) and its notes: --deepspeed decides the stage,
+    offload, precision and batch keys (the flags fill only its "auto" values)."""
+    if getattr(args, "hf_config", None) is not None:
+        if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
+            raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
+        step = hf.step_config(args.hf_config, seq=args.seq, batch=args.batch, precision=args.precision,
+                              checkpointing=args.checkpointing, attention=args.attention,
+                              micro_batches=args.micro_batches, zero=args.zero,
+                              world_size=args.world_size, offload=args.offload)
+    else:
+        step = step_from_args(args)
+    step = replace(step, optimizer=_step_optimizer(args.optimizer))
+    if args.deepspeed is None:
+        return step, None, []
+    if args.zero != 0 or args.offload != "none":
+        raise InputError("--deepspeed gives the ZeRO stage and the offload: drop --zero/--offload")
+    ds = run_config.read_deepspeed(args.deepspeed, world_size=args.world_size,
+                                   hidden_size=step.model_config.d_model, batch=args.batch,
+                                   micro_batches=args.micro_batches, precision=args.precision)
+    return replace(step, **ds.step_fields()), ds, list(ds.notes)
+
+
+def _run_configured(args: argparse.Namespace, budget, target) -> MemoryReport:
+    """estimate, simulate or measure of a step read from --deepspeed and the fine-tuning flags."""
+    step, ds, notes = _configured_step(args)
+    tune, lora_notes = _fine_tune(args, step.model_config)
+    notes += lora_notes
+    if args.command == "estimate":
+        if tune is None:
+            report = estimate_step(step, budget=budget, target=target,
+                                   buckets=ds.buckets if ds else None)
+        else:
+            if ds is not None and (ds.zero or ds.offload != "none") and \
+                    (tune["optimizer"] != "adamw" or tune["quantization"] != "none"):
+                raise InputError("bitsandbytes' 8-bit, paged and 4-bit state are estimated without "
+                                 "ZeRO; drop them or the DeepSpeed config's stage")
+            report = finetune.estimate_finetune(step, budget=budget, target=target, **tune)
+    elif args.command == "simulate":
+        report = _simulate_configured(args, step, tune, budget, target)
+        if ds is not None and ds.zero:
+            notes.append("simulate: DeepSpeed's bucket sizes are not simulated (estimate honours them)")
+    else:
+        if tune is not None:
+            raise InputError("measure runs full AdamW or SGD steps; for LoRA, quantised weights and "
+                             "8-bit, paged or Adafactor state use estimate or simulate")
+        _check_measure(step, args)
+        if _multi_rank(step):
+            report = measure_distributed(step, device=args.device, budget=budget,
+                                         ds_config=ds.config if ds else None)
+        else:
+            report = measure_step(step, device=args.device, budget=budget, snapshot_path=args.snapshot)
+    if ds is not None:
+        notes.insert(0, f"--deepspeed: ZeRO-{ds.zero}, offload {ds.offload}, {ds.precision}, micro-batch "
+                        f"{ds.micro_batch} x {ds.accumulation} accumulation x {ds.world_size} rank(s) "
+                        f"= train_batch_size {ds.train_batch}; buckets reduce {ds.buckets.reduce:,}, "
+                        f"prefetch {ds.buckets.prefetch:,}, persistence {ds.buckets.persistence:,} elements")
+    report.notes.extend(notes)
+    return report
+
+
+def _simulate_configured(args, step, tune, budget, target) -> MemoryReport:
+    """simulate of a configured step: LoRA on a Hugging Face model through peft
+    (:func:`memlab.hf.simulate_hf`); no quantised weights or bitsandbytes state on fake tensors."""
+    if tune is not None and (tune["optimizer"] != "adamw" or tune["quantization"] != "none"):
+        raise InputError("simulate runs AdamW on real layers; for quantised weights and 8-bit, paged "
+                         "or Adafactor state use estimate")
+    if tune is not None:
+        if args.hf_config is None:
+            raise InputError("simulate with LoRA builds the model with peft: give --hf-config")
+        rank, targets = tune["lora"]
+        lora = {"r": rank, "target_modules": list(targets), "lora_alpha": 2 * rank, "lora_dropout": 0.0}
+        return hf.simulate_hf(args.hf_config, seq=step.seq, batch=step.batch, precision=step.precision,
+                              checkpointing=step.checkpointing, attention=step.attention,
+                              target=target, budget=budget, lora=lora)
+    _check_simulate(step)
+    if step.world_size > 1:
+        return _simulate_sharded(step, budget, target)
+    return simulate_step(step, budget=budget, target=target)
 
 #: What a subcommand computes: each prints itself with ``table()`` or ``to_json()``.
 Result = Union[MemoryReport, Advice, Table]
@@ -88,7 +223,8 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = F
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--checkpointing", choices=CHECKPOINTINGS, default=None)
     p.add_argument("--attention", choices=ATTENTIONS, default=None)
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--optimizer", choices=OPTIMIZER_CHOICES, default="adamw",
+                   help="adamw, sgd; 8-bit, paged and Adafactor state (memlab names or HF's optim names)")
     p.add_argument("--zero", type=_zero_stage, default=0, help="ZeRO stage 0-3")
     p.add_argument("--world-size", type=_positive_int("world size"), default=1)
     p.add_argument("--offload", choices=OFFLOADS, default="none")
@@ -106,6 +242,7 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = F
         p.add_argument("--snapshot", default=None,
                        help="CUDA only: write the allocator history (.pickle) for pytorch.org/memory_viz")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_run_config_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,7 +336,7 @@ def step_from_args(args: argparse.Namespace) -> StepConfig:
         model = replace(model, name="custom", **custom)
     return StepConfig(model=model, seq=args.seq, batch=args.batch, precision=args.precision,
                       checkpointing=args.checkpointing, attention=args.attention,
-                      optimizer=args.optimizer, micro_batches=args.micro_batches, zero=args.zero,
+                      optimizer=_step_optimizer(args.optimizer), micro_batches=args.micro_batches, zero=args.zero,
                       world_size=args.world_size, offload=args.offload)
 
 
@@ -267,6 +404,8 @@ def run(args: argparse.Namespace) -> Result:
         card = None if args.gpu is not None or args.target != "cuda" else detect_card()
         target = get_target(args.target, args.gpu, card)
         budget = args.gpu if args.gpu is not None else budget
+        if _configured(args):
+            return _run_configured(args, budget, target)
         if args.hf_config is not None:
             return _hf_step(args, budget, target)
     if args.command == "estimate":
@@ -276,6 +415,8 @@ def run(args: argparse.Namespace) -> Result:
         if step.world_size > 1:
             return _simulate_sharded(step, budget, target)
         return simulate_step(step, budget=budget, target=target)
+    if _configured(args):
+        return _run_configured(args, budget, None)
     _check_measure(step, args)
     if _multi_rank(step):
         return measure_distributed(step, device=args.device, budget=budget)

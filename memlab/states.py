@@ -210,6 +210,10 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     params = split["parameters"] + (e * small if zero >= 3 else 0)
     grads, opt = split["gradients"], split["optimizer"]
     grads_from = {0: "backward", 1: "backward", 2: "first bucket", 3: "always"}[zero]
+    if zero == 2 and psi and buckets.reduce >= psi:
+        # the partition is allocated when the first bucket is flushed: a bucket as large as
+        # the model fills only with the last gradient, at the end of backward
+        grads_from = "backward"
     # the reduce bucket, doubled at stages 1-2 under overlap_comm (stage 3 keeps one)
     copies = 2 if buckets.overlap_comm and zero in (1, 2) else 1
     bucket = copies * e * buckets.reduce if zero >= 1 else 0

@@ -115,7 +115,7 @@ def _rss_bytes() -> int:
 
 def zero_rank_step(rank: int, world_size: int, step, steps: int = 2,
                    budget: int | str | None = None, *, torch_adam: bool = True,
-                   track: bool = True) -> dict:
+                   track: bool = True, ds_config: dict | None = None) -> dict:
     """Build a DeepSpeed engine for ``step`` on this rank's device, warm up, then one timed
     step and, with ``track``, one tracked step (peak by category, device and host).
 
@@ -127,7 +127,9 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2,
     ``budget`` (bytes, a size or a GPU preset) is this rank's: the warm-up and the tracked
     step then run under a budgeted tracker (which also gives the time and the accounting),
     and an OOM comes back as the result's ``oom`` (an :class:`~memlab.tracking.OOMInfo`)
-    with the step abandoned."""
+    with the step abandoned. ``ds_config``: a run's own DeepSpeed config (memlab.run_config)
+    instead of memlab's; without an optimizer section torch's AdamW is added, as the Trainer
+    passes one."""
     import deepspeed
 
     device = rank_device()
@@ -140,7 +142,7 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2,
     model = trainer.model
     del trainer
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=deepspeed_config(step, torch_adam=torch_adam))
+                                      config=_run_config(step, ds_config, torch_adam))
     batch = make_batch(step, engine.device, seed=rank)
     micro = list(zip(*(t.chunk(step.micro_batches) for t in batch)))
 
@@ -232,9 +234,18 @@ def zero_rank_step(rank: int, world_size: int, step, steps: int = 2,
     return out
 
 
+def _run_config(step, ds_config: dict | None, torch_adam: bool) -> dict:
+    """memlab's config of ``step``, or a run's own with an optimizer section."""
+    if ds_config is None:
+        return deepspeed_config(step, torch_adam=torch_adam)
+    default = deepspeed_config(step, torch_adam=torch_adam)["optimizer"]
+    return {"optimizer": default, "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9, **ds_config}
+
+
 def zero_worker(rank: int, world_size: int, steps: list, budget: int | None = None, *,
                 torch_adam: bool = True, track: bool = True,
-                threads: int | None = None) -> list[dict]:
+                threads: int | None = None, ds_config: dict | None = None) -> list[dict]:
     """Run each :class:`StepConfig` in ``steps`` with DeepSpeed on this rank, one after
     another in one process group (one launch for several stages saves start-up time);
     ``budget`` is each rank's (see :func:`zero_rank_step`). ``threads``: torch's CPU threads
@@ -247,8 +258,8 @@ def zero_worker(rank: int, world_size: int, steps: list, budget: int | None = No
     import deepspeed
     deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized()
                                else default_backend(world_size))
-    return [zero_rank_step(rank, world_size, s, budget=budget, torch_adam=torch_adam, track=track)
-            for s in steps]
+    return [zero_rank_step(rank, world_size, s, budget=budget, torch_adam=torch_adam, track=track,
+                           ds_config=ds_config) for s in steps]
 
 
 def _rank_report(step, res: dict, device: str, budget_bytes: int | None = None):
@@ -301,7 +312,8 @@ def _oom_after_failure(error: RankError, step, device: str, budget_bytes: int | 
 
 
 def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placement | None = None,
-                 timeout: float = 600.0, budget: int | str | None = None) -> list:
+                 timeout: float = 600.0, budget: int | str | None = None,
+                 ds_config: dict | None = None) -> list:
     """Measure several ZeRO configurations in one multi-rank launch.
 
     All ``steps`` must share ``world_size``. The ranks run where ``placement`` says, else on
@@ -330,7 +342,8 @@ def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placemen
     ranks = []
     if todo:
         try:
-            ranks = run_ranks(zero_worker, world, kwargs={"steps": todo, "budget": budget_bytes},
+            ranks = run_ranks(zero_worker, world, kwargs={"steps": todo, "budget": budget_bytes,
+                                                          "ds_config": ds_config},
                               timeout=timeout, placement=placement)
         except RankError as e:
             if len(todo) > 1:
@@ -358,14 +371,15 @@ def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placemen
 
 
 def measure_distributed(step=None, *, device: str | None = "cpu", placement: Placement | None = None,
-                        timeout: float = 600.0, budget: int | str | None = None, **overrides):
+                        timeout: float = 600.0, budget: int | str | None = None,
+                        ds_config: dict | None = None, **overrides):
     """One ZeRO step on ``step.world_size`` ranks with DeepSpeed: a :class:`MemoryReport`
     whose ``per_rank`` holds one report per rank (``to_dict()["per_rank"]``). ``budget`` is
     each rank's, enforced in the ranks; ranks are placed as in :func:`measure_zero`."""
     step = step or StepConfig()
     step = replace(step, **overrides) if overrides else step
     return measure_zero([step], device=device, placement=placement, timeout=timeout,
-                        budget=budget)[0]
+                        budget=budget, ds_config=ds_config)[0]
 
 
 # --------------------------------------------------------------------------------------
