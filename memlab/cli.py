@@ -57,6 +57,37 @@ def _add_run_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-in-4bit", action="store_true",
                    help="bitsandbytes NF4 base weights (blocks of 64, double quantization): QLoRA")
     p.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes int8 base weights")
+    p.add_argument("--training-args", default=None, metavar="FILE",
+                   help="a TrainingArguments / TRL SFTConfig (JSON or YAML, as to_json_string writes "
+                        "it): batch, accumulation, precision, checkpointing, optim, deepspeed, fsdp, max length")
+
+
+def _with_training_args(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of ``args`` with what --training-args decides (memlab.run_config.read_training_args):
+    batch = per-device batch x accumulation, precision, checkpointing, --optimizer, --seq from
+    max_length, its deepspeed config; fsdp full_shard as ZeRO-3, shard_grad_op as ZeRO-2."""
+    tr = run_config.read_training_args(args.training_args)
+    new = argparse.Namespace(**vars(args))
+    new.batch, new.micro_batches = tr.micro_batch * tr.accumulation, tr.accumulation
+    new.precision, new.checkpointing = tr.precision, tr.checkpointing or args.checkpointing
+    new.optimizer = tr.optimizer
+    new.seq = tr.seq or args.seq
+    new.trainer_args, new.run_notes = tr.args, list(tr.notes)
+    if tr.deepspeed is not None:
+        if args.deepspeed is not None:
+            raise InputError("--training-args names a deepspeed config: drop --deepspeed")
+        new.deepspeed = tr.deepspeed
+    if tr.fsdp:
+        if new.deepspeed is not None:
+            raise InputError("--training-args sets fsdp and deepspeed; allowed: one of them")
+        stage = 3 if "full_shard" in tr.fsdp else 2 if "shard_grad_op" in tr.fsdp else 0
+        if stage:
+            new.zero = stage
+            new.run_notes.append(f"fsdp {' '.join(tr.fsdp)} estimated as ZeRO-{stage} (DeepSpeed's "
+                                 f"2 + 2 + 12 bytes layout; simulate --world-size N runs FSDP2 itself)")
+        if "offload" in tr.fsdp:
+            new.run_notes.append("fsdp offload is not modelled")
+    return new
 
 
 def _fine_tune(args: argparse.Namespace, cfg) -> tuple[dict | None, list[str]]:
@@ -90,6 +121,7 @@ def _step_optimizer(name: str) -> str:
 def _configured(args: argparse.Namespace) -> bool:
     """Whether a run config or a fine-tuning flag is given (the step is then read from them)."""
     return (getattr(args, "deepspeed", None) is not None or args.lora_rank is not None
+            or getattr(args, "training_args", None) is not None
             or args.lora_targets is not None or args.lora_config is not None
             or args.load_in_4bit or args.load_in_8bit or args.optimizer not in OPTIMIZERS)
 
@@ -113,13 +145,18 @@ def _configured_step(args: argparse.Namespace):
         raise InputError("--deepspeed gives the ZeRO stage and the offload: drop --zero/--offload")
     ds = run_config.read_deepspeed(args.deepspeed, world_size=args.world_size,
                                    hidden_size=step.model_config.d_model, batch=args.batch,
-                                   micro_batches=args.micro_batches, precision=args.precision)
+                                   micro_batches=args.micro_batches, precision=args.precision,
+                                   trainer_args=getattr(args, "trainer_args", None))
     return replace(step, **ds.step_fields()), ds, list(ds.notes)
 
 
 def _run_configured(args: argparse.Namespace, budget, target) -> MemoryReport:
-    """estimate, simulate or measure of a step read from --deepspeed and the fine-tuning flags."""
+    """estimate, simulate or measure of a step read from --training-args, --deepspeed and the
+    fine-tuning flags."""
+    if getattr(args, "training_args", None) is not None:
+        args = _with_training_args(args)
     step, ds, notes = _configured_step(args)
+    notes = getattr(args, "run_notes", []) + notes
     tune, lora_notes = _fine_tune(args, step.model_config)
     notes += lora_notes
     if args.command == "estimate":

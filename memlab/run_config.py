@@ -198,10 +198,13 @@ def _deepspeed_reading(config: dict, world_size: int):
 
 def read_deepspeed(path: str | pathlib.Path | dict, *, world_size: int = 1, hidden_size: int,
                    batch: int | None = None, micro_batches: int | None = None,
-                   precision: str | None = None) -> DeepSpeedRun:
+                   precision: str | None = None,
+                   trainer_args: SimpleNamespace | None = None) -> DeepSpeedRun:
     """Read a DeepSpeed config for ``world_size`` data-parallel ranks of a model of width
     ``hidden_size`` (module doc). ``batch`` (per rank), ``micro_batches`` and ``precision``
-    fill what the config leaves to the Trainer (``"auto"``), as TrainingArguments would.
+    fill what the config leaves to the Trainer (``"auto"``), as TrainingArguments would;
+    ``trainer_args`` (:attr:`TrainingRun.args`: a run's own TrainingArguments) fill them
+    instead, and a config value that contradicts them is HF's mismatch error, as in the Trainer.
 
     Returns: a :class:`DeepSpeedRun`. Raises :class:`InputError` with DeepSpeed's (or HF's)
     reason for a config they would reject, or for what memlab cannot estimate (NVMe offload).
@@ -211,8 +214,12 @@ def read_deepspeed(path: str | pathlib.Path | dict, *, world_size: int = 1, hidd
     raw = load_file(path, "--deepspeed")
     # only "auto" needs the Trainer: an explicit config goes to DeepSpeed as it is, so that a
     # config DeepSpeed would reject gets DeepSpeed's reason
-    config = (resolve_auto(raw, _trainer_args(raw, world_size, batch, micro_batches, precision),
-                           hidden_size) if _has_auto(raw) else raw)
+    if trainer_args is not None:
+        base = _trainer_args({}, world_size, None, None, None)
+        config = resolve_auto(raw, SimpleNamespace(**{**vars(base), **vars(trainer_args)}), hidden_size)
+    else:
+        config = (resolve_auto(raw, _trainer_args(raw, world_size, batch, micro_batches, precision),
+                               hidden_size) if _has_auto(raw) else raw)
     ds = _deepspeed_reading(config, world_size)
     z = ds.zero_config
     stage = int(z.stage)
@@ -302,5 +309,117 @@ def read_lora_config(path: str | pathlib.Path | dict, cfg: GPTConfig) -> LoraSpe
     return LoraSpec(rank=rank, targets=targets, notes=tuple(notes))
 
 
-__all__ = ["DeepSpeedRun", "LoraSpec", "HIDDEN_AUTO", "DS_PRECISIONS", "load_file", "resolve_auto",
-           "read_deepspeed", "read_lora_config", "lora_targets_for"]
+#: TrainingArguments (and TRL SFTConfig) fields the step is read from
+MODELLED = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16",
+            "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_checkpointing",
+            "activation_checkpointing_kwargs", "optim", "deepspeed", "fsdp", "fsdp_config",
+            "max_length", "max_seq_length", "packing")
+#: fields that decide nothing a training step holds (logging, saving, evaluation, schedules,
+#: the hub, data loading on the host); every other field set away from its default is named
+_NO_MEMORY = ("output_dir", "logging_", "log_", "save_", "eval_", "per_device_eval_batch_size",
+              "push_to_hub", "hub_", "report_to", "run_name", "project", "trackio_", "learning_rate",
+              "lr_scheduler", "warmup", "weight_decay", "adam_", "max_grad_norm", "num_train_epochs",
+              "max_steps", "seed", "data_seed", "disable_tqdm", "dataloader_", "label_names",
+              "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
+              "ignore_data_skip", "resume_from_checkpoint", "do_", "prediction_loss_only",
+              "remove_unused_columns", "local_rank", "debug", "full_determinism", "include_",
+              "restore_callback_states_from_checkpoint", "length_column_name", "skip_memory_metrics",
+              "label_smoothing_factor", "bf16_full_eval", "fp16_full_eval", "batch_eval_metrics",
+              "enable_jit_checkpoint", "ddp_timeout", "ddp_backend", "train_sampling_strategy",
+              "average_tokens_across_devices", "use_cache", "_n_gpu", "dataset_", "use_cpu",
+              "overwrite_output_dir", "logging_dir")
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """A ``TrainingArguments``/``SFTConfig`` mapped onto the step: ``micro_batch`` and
+    ``accumulation`` (the step's batch is their product), ``precision``, ``checkpointing``
+    (``"full"`` or ``None``), ``optimizer`` (memlab's name, :data:`memlab.finetune.HF_OPTIMIZERS`),
+    ``deepspeed`` (a path or a dict) and ``fsdp`` as given, ``seq`` the maximum length (or
+    ``None``), and ``notes`` naming what is not modelled."""
+
+    micro_batch: int
+    accumulation: int
+    precision: str
+    checkpointing: str | None
+    optimizer: str
+    deepspeed: str | dict | None = None
+    fsdp: tuple[str, ...] = ()
+    seq: int | None = None
+    args: SimpleNamespace | None = None
+    notes: tuple[str, ...] = ()
+
+
+def _defaults() -> dict:
+    """TrainingArguments' field defaults (no instance is built: that would probe devices)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+    out = {}
+    for f in dataclasses.fields(TrainingArguments):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def read_training_args(path: str | pathlib.Path | dict) -> TrainingRun:
+    """A ``TrainingArguments`` (or TRL ``SFTConfig``) as ``args.to_json_string()`` writes it,
+    JSON or YAML. Returns a :class:`TrainingRun`; an ``optim`` memlab does not count is bad
+    input naming those it does."""
+    from .finetune import HF_OPTIMIZERS
+    d = load_file(path, "--training-args")
+    defaults = _defaults()
+
+    def get(key: str):
+        return d.get(key, defaults.get(key))
+
+    micro, accumulation = int(get("per_device_train_batch_size") or 8), int(get("gradient_accumulation_steps") or 1)
+    if micro < 1 or accumulation < 1:
+        raise InputError(f"--training-args per_device_train_batch_size={micro}, gradient_accumulation_steps="
+                         f"{accumulation}; allowed: positive integers")
+    if get("bf16") and get("fp16"):
+        raise InputError("--training-args sets bf16 and fp16; allowed: one of them")
+    precision = "bf16" if get("bf16") else "fp16" if get("fp16") else "fp32"
+    ckpt = bool(get("gradient_checkpointing") or get("activation_checkpointing"))
+    notes = []
+    kw = get("gradient_checkpointing_kwargs") or get("activation_checkpointing_kwargs") or {}
+    if ckpt:
+        reentrant = kw.get("use_reentrant", True)  # torch.utils.checkpoint's default in HF's call
+        notes.append(f"gradient_checkpointing (use_reentrant={reentrant}): every decoder layer "
+                     f"checkpointed; reentrant and non-reentrant keep the same layer inputs")
+    optim = get("optim") or "adamw_torch"
+    optim = str(getattr(optim, "value", optim))  # the dataclass default is an OptimizerNames enum
+    if optim not in HF_OPTIMIZERS:
+        raise InputError(f"--training-args optim={optim!r} is not counted; allowed: {', '.join(HF_OPTIMIZERS)}")
+    fsdp = get("fsdp") or ()
+    fsdp = tuple(fsdp.split()) if isinstance(fsdp, str) else tuple(fsdp)
+    seq = d.get("max_length") or d.get("max_seq_length")  # TRL's SFTConfig (both spellings)
+    if d.get("packing"):
+        notes.append("packing: every sequence is filled to max_length, so the step holds max_length "
+                     "tokens per sequence")
+    elif seq:
+        notes.append("max_length bounds each batch; without packing a batch pads to its longest "
+                     "sequence: the estimate at max_length is the worst case")
+    unmodelled = sorted(k for k, v in d.items()
+                        if k not in MODELLED and not k.startswith(_NO_MEMORY)
+                        and k in defaults and v != defaults[k] and v not in (None, "", [], {}))
+    if unmodelled:
+        notes.append(f"--training-args: not modelled: {', '.join(unmodelled)}")
+    unknown = sorted(k for k in d if k not in defaults and k not in MODELLED
+                     and not k.startswith(_NO_MEMORY))
+    if unknown:
+        notes.append(f"--training-args: fields TrainingArguments does not have (TRL's?) not modelled: "
+                     f"{', '.join(unknown[:12])}{' ...' if len(unknown) > 12 else ''}")
+    args = SimpleNamespace(per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+                           bf16=precision == "bf16", fp16=precision == "fp16")
+    return TrainingRun(micro_batch=micro, accumulation=accumulation, precision=precision,
+                       checkpointing="full" if ckpt else None, optimizer=HF_OPTIMIZERS[optim],
+                       deepspeed=get("deepspeed") or None, fsdp=fsdp,
+                       seq=int(seq) if seq else None, args=args, notes=tuple(notes))
+
+
+__all__ = ["DeepSpeedRun", "LoraSpec", "TrainingRun", "HIDDEN_AUTO", "DS_PRECISIONS", "MODELLED",
+           "load_file", "resolve_auto", "read_deepspeed", "read_lora_config", "lora_targets_for",
+           "read_training_args"]

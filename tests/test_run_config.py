@@ -125,3 +125,51 @@ def test_lora_config_is_read_as_peft_writes_it(tmp_path):
         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     with pytest.raises(InputError, match="names"):
         run_config.read_lora_config({"r": 4, "target_modules": ["c_attn"]}, cfg)
+
+
+def _training_args(tmp_path, **kw) -> str:
+    """A real TrainingArguments, written as the Trainer's to_json_string() writes it."""
+    from transformers import TrainingArguments
+    path = tmp_path / "args.json"
+    path.write_text(TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, **kw).to_json_string())
+    return str(path)
+
+
+def test_training_args_are_the_step_they_describe(tmp_path, capsys):
+    """per-device batch 2 x accumulation 4, bf16, gradient checkpointing (non-reentrant), 8-bit
+    AdamW by its HF name: the estimate of the flags that say the same; a field memlab does not
+    model (torch_compile, neftune) is named, not dropped."""
+    path = _training_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                          bf16=True, gradient_checkpointing=True, optim="adamw_bnb_8bit",
+                          gradient_checkpointing_kwargs={"use_reentrant": False},
+                          torch_compile=True, neftune_noise_alpha=5.0)
+    common = ["estimate", "--hf-config", "gpt2", "--seq", "256", "--target", "cpu", "--json"]
+    via = _json(capsys, [*common, "--training-args", path])
+    flags = _json(capsys, [*common, "--batch", "8", "--micro-batches", "4", "--precision", "bf16",
+                           "--checkpointing", "full", "--optimizer", "adamw-8bit"])
+    assert via["peak_bytes"] == flags["peak_bytes"] and via["config"]["micro_batches"] == 4
+    note = next(n for n in via["notes"] if "not modelled" in n)
+    assert "torch_compile" in note and "neftune_noise_alpha" in note
+    assert any("use_reentrant=False" in n for n in via["notes"])
+
+
+def test_sft_config_yaml_max_length_and_packing(tmp_path, capsys):
+    """TRL's SFTConfig fields: max_length sets the sequence, packing is explained."""
+    path = tmp_path / "sft.yaml"
+    path.write_text("per_device_train_batch_size: 1\nmax_length: 512\npacking: true\nbf16: true\n"
+                    "dataset_text_field: text\n")
+    out = _json(capsys, ["estimate", "--hf-config", "gpt2", "--target", "cpu", "--training-args",
+                         str(path), "--json"])
+    assert out["seq"] == 512 and out["batch"] == 1 and out["config"]["precision"] == "bf16"
+    assert any("packing" in n for n in out["notes"])
+
+
+def test_training_args_deepspeed_mismatch_is_hfs_error(tmp_path, capsys):
+    """The Trainer refuses a DeepSpeed config whose batch keys contradict TrainingArguments."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}))
+    path = _training_args(tmp_path, per_device_train_batch_size=2, deepspeed=str(ds))
+    assert main(["estimate", "--model", "tiny", "--seq", "64", "--world-size", "2",
+                 "--training-args", path]) == 2
+    err = capsys.readouterr().err
+    assert "mismatch TrainingArguments" in err and err.count("\n") == 1
