@@ -42,9 +42,11 @@ import math
 from dataclasses import replace
 from typing import Iterable
 
+import torch
+
 from .errors import InputError
 from .estimate import dtypes, estimate_step
-from .models import GPTConfig
+from .models import GPT, GPTConfig
 from .step import MemoryReport, StepConfig, resolve_step
 
 #: LoRA target module names per family: name -> (in_features, out_features) of one layer.
@@ -188,9 +190,6 @@ def adafactor_state_bytes(shapes: Iterable[tuple[int, ...]]) -> int:
 def param_shapes(cfg: GPTConfig) -> list[tuple[int, ...]]:
     """Shapes of every parameter of memlab's GPT of ``cfg``, read off the model built on the
     ``meta`` device (nothing is allocated)."""
-    import torch
-
-    from .models import GPT
     with torch.device("meta"):
         return [tuple(p.shape) for p in GPT(cfg).parameters()]
 

@@ -25,14 +25,19 @@ data parallelism there are none, so it divides nothing. Both are said in a note.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
 import pathlib
 import re
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from unittest import mock
 
+from .distributed.ranks import set_cache_env
 from .errors import InputError
-from .finetune import GPT2_TARGETS, LLAMA_TARGETS
+from .finetune import GPT2_TARGETS, HF_OPTIMIZERS, LLAMA_TARGETS
 from .models import GPTConfig
 from .states import ZeroBuckets
 
@@ -139,10 +144,6 @@ def resolve_auto(config: dict, args: SimpleNamespace, hidden_size: int) -> dict:
     """``config`` with its ``"auto"`` values filled by transformers' ``HfTrainerDeepSpeedConfig``
     from ``args`` (TrainingArguments' fields) and the model's ``hidden_size``, as the Trainer
     does; a value that contradicts the arguments is HF's mismatch error, as bad input."""
-    import contextlib
-    import io
-
-    from .distributed.ranks import set_cache_env
     set_cache_env()
     with contextlib.redirect_stdout(io.StringIO()):  # deepspeed's import logs to stdout
         from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
@@ -176,11 +177,6 @@ def _deepspeed_reading(config: dict, world_size: int):
     answers; no process group exists here, so for this call that answers rank 0 (a fake process
     group, :func:`memlab.distributed.deepspeed_rank0.fake_ranks`, would also start DeepSpeed's
     communication backend, which waits on a TCP port)."""
-    import contextlib
-    import io
-    from unittest import mock
-
-    from .distributed.ranks import set_cache_env
     set_cache_env()  # DS_ACCELERATOR=cpu without a GPU: DeepSpeed then prints no detection warning
     with contextlib.redirect_stdout(io.StringIO()):  # its logger writes to stdout (the CLI's JSON)
         import deepspeed.comm as ds_comm
@@ -352,8 +348,6 @@ class TrainingRun:
 
 def _defaults() -> dict:
     """TrainingArguments' field defaults (no instance is built: that would probe devices)."""
-    import dataclasses
-
     from transformers import TrainingArguments
     out = {}
     for f in dataclasses.fields(TrainingArguments):
@@ -368,7 +362,6 @@ def read_training_args(path: str | pathlib.Path | dict) -> TrainingRun:
     """A ``TrainingArguments`` (or TRL ``SFTConfig``) as ``args.to_json_string()`` writes it,
     JSON or YAML. Returns a :class:`TrainingRun`; an ``optim`` memlab does not count is bad
     input naming those it does."""
-    from .finetune import HF_OPTIMIZERS
     d = load_file(path, "--training-args")
     defaults = _defaults()
 
