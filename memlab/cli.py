@@ -6,11 +6,19 @@
     memlab measure  --model tiny --budget 120MiB
     memlab measure  --model tiny --zero 2 --world-size 2 --json
     memlab presets
+    memlab estimate --hf-config gpt2 --world-size 2 --deepspeed ds_config.json --checkpointing full
+    memlab estimate --hf-config llama-3-8b --training-args args.json      # TrainingArguments / SFTConfig
+    memlab estimate --hf-config llama-3-8b --lora-rank 16 --load-in-4bit  # QLoRA
+    memlab advise --hf-config llama-3-8b --gpu A100-80GB --world-size 8 --seq 4096 --batch 1 --finetune
 
 Exit status: 0 for a result (a step that does not fit its budget is a result: ``fits:
 false``); 2 for bad input, a flag the command cannot honour, or a real measurement this
 machine cannot hold (one line naming the value and what is allowed, or the memory needed,
 what is available and what to run instead); 1 for an internal error, with its traceback.
+
+Over 500 lines because every subcommand's flags and their refusals live here, each family in
+its own block (the step, advise, a run's configs: --deepspeed, --training-args, LoRA and
+quantisation); the readers themselves are in memlab.run_config and memlab.finetune.
 """
 from __future__ import annotations
 
