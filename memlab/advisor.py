@@ -28,7 +28,8 @@ micro-batches of ``L/p`` layers, the activations of one rank without it (sec. 4.
 ZeRO-3 already divided the model states.
 
 A technique that raises the peak (bf16 autocast on a model whose activations are
-small keeps fp32 weights *and* adds bf16 copies) is tried, reported, and left out of the plan; one that leaves it equal (ZeRO-2 when the peak
+small keeps fp32 weights *and* adds bf16 copies) is tried, reported, and left out of the
+plan; one that leaves it equal (ZeRO-2 when the peak
 sits where gradients do not exist yet) is kept, as later stages build on it; tensor parallelism
 is kept only when it lowers the peak by at least 1% (``TP_MIN_SAVING``).
 
@@ -49,7 +50,9 @@ from .distributed.deepspeed_config import deepspeed_config
 from .distributed.deepspeed_zero import measure_distributed
 from .errors import InputError
 from .estimate import estimate_step
+from .finetune import GPT2_TARGETS, LLAMA_TARGETS, estimate_finetune
 from .hardware import GPU_PRESETS, resolve_budget
+from .hf import gpt_config
 from .measure import measure_step
 from .models import GPTConfig, get_config
 from .policy import resolve_target
@@ -61,6 +64,7 @@ from .units import fmt_bytes
 SIMULATE_MAX_PARAMS = 2_000_000_000  # gpt2-xl (1.6B) simulates in ~4 s on 2 cores
 TP_MAX = 8  # tensor parallelism all-reduces twice per layer each way: keep it inside a node
 TP_MIN_SAVING = 0.01  # ... and is worth that only if it lowers the peak by 1% or more
+MIXED = ("bf16", "fp16")  # the flowchart's mixed precision: the card's (Card.precision)
 
 
 @dataclass
@@ -80,6 +84,7 @@ class Advice:
     message: str = ""
     host_bytes: int = 0  # host memory the plan's offloaded model states take, per rank
     target: object = None  # the policy.Target the plan was estimated for (its card)
+    ladder: list[dict] = field(default_factory=list)  # the fine-tuner's ladder (finetune_ladder)
 
     @property
     def short_bytes(self) -> int:
@@ -94,7 +99,8 @@ class Advice:
                 "fits": self.fits, "short_bytes": self.short_bytes,
                 "tensor_parallel": self.tensor_parallel, "message": self.message,
                 "host_bytes": self.host_bytes,
-                "config": self.step.describe(), "deepspeed_config": self.deepspeed_config}
+                "config": self.step.describe(), "deepspeed_config": self.deepspeed_config,
+                "ladder": [dict(r) for r in self.ladder]}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -110,6 +116,11 @@ class Advice:
             lines.append(f"  + {s['technique']:<22} {fmt_bytes(s['peak_bytes']):>12}  {mark}{sim}")
         lines.append(f"  plan: {' + '.join(self.plan) or 'nothing to add'}")
         lines.append(f"  {self.message}")
+        if self.ladder:
+            lines.append("  fine-tuner's ladder (from the plan's step, plain PyTorch):")
+            for r in self.ladder:
+                lines.append(f"  + {r['technique']:<22} {fmt_bytes(r['peak_bytes']):>12}  "
+                             f"{'fits' if r['fits'] else 'does not fit'}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -131,15 +142,21 @@ def tensor_parallel_degree(cfg: GPTConfig, world_size: int, limit: int = TP_MAX)
     return max(t for t in range(1, min(limit, world_size) + 1) if allowed(t))
 
 
-def flowchart(world_size: int) -> list[tuple[str, dict]]:
+def flowchart(world_size: int, mixed: str = "bf16") -> list[tuple[str, dict]]:
     """The curriculum's flowchart as ``(technique, StepConfig overrides)``, in order.
+
+    ``mixed`` is the card's 16-bit mixed precision (:attr:`memlab.cards.Card.precision`):
+    ``bf16`` where the card runs it natively, else ``fp16`` (autocast with a ``GradScaler``;
+    its scale and growth tracker are two scalars, nothing per parameter).
 
     ZeRO sharding and tensor parallelism need several ranks. Offload runs under DeepSpeed's
     ZeRO optimizer on any number of ranks: stage 2 for the optimizer state (ZeRO-Offload, Ren
     et al. 2021, sec. 4), stage 3 to move the parameters too (ZeRO-Infinity, Rajbhandari et
     al. 2021, sec. 5); on one rank those stages shard nothing.
     """
-    chain = [("bf16", {"precision": "bf16"}), ("checkpointing", {"checkpointing": "full"})]
+    if mixed not in MIXED:
+        raise InputError(f"mixed precision {mixed!r}; allowed: {', '.join(MIXED)}")
+    chain = [(mixed, {"precision": mixed}), ("checkpointing", {"checkpointing": "full"})]
     if world_size > 1:
         chain += [("zero-1", {"zero": 1}), ("zero-2", {"zero": 2}), ("zero-3", {"zero": 3}),
                   ("tensor-parallel", {})]
@@ -161,11 +178,21 @@ def _model(model: str | GPTConfig) -> GPTConfig:
     return cfg
 
 
+def mixed_precision_for(target) -> str:
+    """The 16-bit mixed precision the plan uses on ``target`` (a :class:`memlab.policy.Target`):
+    its card's (:attr:`memlab.cards.Card.precision`: ``fp16`` with a ``GradScaler`` below sm80,
+    where bf16 is emulated), ``bf16`` on the CPU and on a CUDA target without a card."""
+    card = getattr(target, "card", None)
+    return card.precision if card is not None else "bf16"
+
+
 def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_size: int = 1,
            seq: int = 256, batch: int = 8, *, attention: str | None = None,
            optimizer: str = "adamw", headroom: float = 0.10, simulate: bool | None = None,
            simulate_seconds: float = 30.0, target: str | None = None,
-           card: "Card | str | None" = None) -> Advice:
+           card: "Card | str | None" = None, hf_config: str | dict | None = None,
+           finetune: bool = False, lora_rank: int = 16,
+           lora_targets: tuple[str, ...] | None = None) -> Advice:
     """Walk the flowchart for ``model`` on ``world_size`` cards of ``gpu`` (a preset name or
     a size such as ``"150MiB"``), ``batch`` sequences of ``seq`` tokens per rank.
 
@@ -175,8 +202,14 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     The plan follows the card's rules (:func:`memlab.policy.resolve_target`): a GPU preset
     ``gpu`` (or ``card``) plans with that card's kernels and workspaces, exactly as
     ``estimate_step(advice.step, tensor_parallel=advice.tensor_parallel, target=advice.target)``
-    estimates the config it emits; a size plans for the GPU present, else the CPU
+    estimates the config it emits, and with its mixed precision (:func:`mixed_precision_for`:
+    fp16 where bf16 is not native); a size plans for the GPU present, else the CPU
     (``target`` names one outright).
+
+    ``hf_config``: a Hugging Face ``config.json`` (a path or a shipped name,
+    :func:`memlab.hf.gpt_config`) instead of ``model``. ``finetune``: also walk the
+    fine-tuner's ladder (:func:`finetune_ladder`: 8-bit AdamW, LoRA of ``lora_rank`` on
+    ``lora_targets``, QLoRA) from the flowchart's plan; its rows are ``Advice.ladder``.
     """
     if not 0 <= headroom < 1:
         raise InputError(f"headroom {headroom!r} is outside [0, 1): give a fraction such as 0.1")
@@ -186,7 +219,7 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     if budget is None:
         raise InputError(f"gpu {gpu!r}: give a GPU preset ({', '.join(GPU_PRESETS)}) or a size")
     tgt = resolve_target(target, gpu if isinstance(gpu, str) else None, card)
-    cfg = _model(model)
+    cfg = _model(model) if hf_config is None else gpt_config(hf_config, seq)
     step = StepConfig(model=cfg, seq=seq, batch=batch, attention=attention, optimizer=optimizer,
                       world_size=world_size)
     usable = int(budget * (1 - headroom))
@@ -211,7 +244,7 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     steps = [record("baseline", step, 1, True)]
     plan: list[str] = []
     current, t_now = step, 1
-    for technique, over in flowchart(world_size):
+    for technique, over in flowchart(world_size, mixed_precision_for(tgt)):
         if _best(steps)["fits"]:
             break
         if "zero" in over and technique.startswith("offload"):
@@ -238,29 +271,59 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
         else:
             row["kept"] = False
         steps.append(row)
-    best = _best(steps)
-    advice = Advice(steps, plan, current, best["peak_bytes"], budget, usable, headroom,
-                    best["peak_bytes"] <= usable, t_now)
-    advice.target = tgt
-    advice.deepspeed_config = _ds_config(current, t_now)
-    advice.host_bytes = estimate_host_bytes(current)
-    if advice.fits:
-        advice.message = (f"fits: {fmt_bytes(advice.peak_bytes)} of {fmt_bytes(usable)} usable "
-                          f"({fmt_bytes(usable - advice.peak_bytes)} to spare)")
+    peak = _best(steps)["peak_bytes"]
+    host = estimate_host_bytes(current)
+    ladder = (finetune_ladder(current, usable, tgt, rank=lora_rank, targets=lora_targets)
+              if finetune else [])
+    return Advice(steps=steps, plan=plan, step=current, peak_bytes=peak, budget_bytes=budget,
+                  usable_bytes=usable, headroom=headroom, fits=peak <= usable,
+                  tensor_parallel=t_now, deepspeed_config=_ds_config(current, t_now),
+                  message=_message(current, t_now, tgt, plan, peak, budget, usable, headroom, host),
+                  host_bytes=host, target=tgt, ladder=ladder)
+
+
+def _message(step: StepConfig, tp: int, tgt, plan: list[str], peak: int, budget: int,
+             usable: int, headroom: float, host_bytes: int) -> str:
+    """The verdict: what fits with how much to spare, or by how much it is short and what is
+    largest; then how the plan runs (:func:`_runs_as`)."""
+    if peak <= usable:
+        text = f"fits: {fmt_bytes(peak)} of {fmt_bytes(usable)} usable ({fmt_bytes(usable - peak)} to spare)"
     else:
-        advice.message = (f"does NOT fit: even with {' + '.join(plan) or 'every technique'} the "
-                          f"peak is {fmt_bytes(advice.peak_bytes)} against {fmt_bytes(usable)} "
-                          f"usable ({fmt_bytes(budget)} less {headroom:.0%} headroom): short by "
-                          f"{fmt_bytes(advice.short_bytes)}; use more ranks, a shorter sequence "
-                          f"or a smaller batch (with gradient accumulation)")
-        cats = estimate_step(current, tensor_parallel=t_now, target=tgt).by_category
+        text = (f"does NOT fit: even with {' + '.join(plan) or 'every technique'} the "
+                f"peak is {fmt_bytes(peak)} against {fmt_bytes(usable)} "
+                f"usable ({fmt_bytes(budget)} less {headroom:.0%} headroom): short by "
+                f"{fmt_bytes(peak - usable)}; use more ranks, a shorter sequence "
+                f"or a smaller batch (with gradient accumulation)")
+        cats = estimate_step(step, tensor_parallel=tp, target=tgt).by_category
         if max(cats, key=cats.get) == "activations":
-            advice.message += (
-                "; the activations are the largest part: sequence parallelism (Korthikanti et "
-                "al. 2022, sec. 4.2.2) would split the block inputs tensor parallelism keeps "
-                "whole, context parallelism the sequence itself (neither is planned here)")
-    advice.message += "; " + _runs_as(current, t_now, advice.host_bytes)
-    return advice
+            text += ("; the activations are the largest part: sequence parallelism (Korthikanti et "
+                     "al. 2022, sec. 4.2.2) would split the block inputs tensor parallelism keeps "
+                     "whole, context parallelism the sequence itself (neither is planned here)")
+    if step.precision == "fp16":
+        text += "; fp16 autocast with a torch.amp.GradScaler (this card has no native bf16)"
+    return text + "; " + _runs_as(step, tp, host_bytes)
+
+
+def finetune_ladder(step: StepConfig, usable: int, target, *, rank: int = 16,
+                    targets: tuple[str, ...] | None = None) -> list[dict]:
+    """The fine-tuner's ladder beside the flowchart, each rung on top of the last, from
+    ``step`` run as plain PyTorch (no ZeRO, no offload: bitsandbytes' optimizers and weights
+    are not DeepSpeed's): 8-bit AdamW over every parameter, LoRA of ``rank`` on ``targets``
+    (all the attention and MLP projections by default) with 8-bit AdamW, QLoRA (NF4 base
+    with double quantization). Each row: technique, peak_bytes, fits
+    (:func:`memlab.finetune.estimate_finetune`)."""
+    plain = replace(step, zero=0, offload="none")
+    cfg = plain.model_config
+    targets = tuple(targets or (GPT2_TARGETS if cfg.mlp == "gelu" else LLAMA_TARGETS))
+    rungs = [("8-bit AdamW", dict(optimizer="adamw-8bit")),
+             (f"LoRA r={rank}", dict(optimizer="adamw-8bit", lora=(rank, targets))),
+             (f"QLoRA r={rank} (NF4)", dict(optimizer="adamw-8bit", lora=(rank, targets),
+                                           quantization="4bit"))]
+    rows = []
+    for name, kw in rungs:
+        peak = estimate_finetune(plain, target=target, **kw).peak_bytes
+        rows.append({"technique": name, "peak_bytes": peak, "fits": peak <= usable})
+    return rows
 
 
 def estimate_host_bytes(step: StepConfig) -> int:
@@ -273,7 +336,9 @@ def _runs_as(step: StepConfig, tp: int, host_bytes: int) -> str:
     if not under_deepspeed(step.zero, step.offload):
         ranks = " with DDP" if step.world_size > 1 else ""
         return f"runs as plain PyTorch{ranks} (autocast, checkpointing): no DeepSpeed config needed"
-    text = f"runs under DeepSpeed ZeRO-{step.zero} (bf16 mode: 16-bit weights and gradients, fp32 master and moments)"
+    text = (f"runs under DeepSpeed ZeRO-{step.zero} ({step.precision} mode: 16-bit weights and "
+            f"gradients, fp32 master and moments)" if step.precision != "fp32" else
+            f"runs under DeepSpeed ZeRO-{step.zero} (fp32)")
     if step.offload != "none":
         what = "optimizer state and parameters" if step.offload == "all" else "optimizer state"
         text += (f"; offloads the {what} to {fmt_bytes(host_bytes)} of host memory per rank")
@@ -295,7 +360,14 @@ def _ds_config(step: StepConfig, tp: int) -> dict:
     empty for a plan that runs as plain PyTorch (its peak is estimated as such)."""
     if not under_deepspeed(step.zero, step.offload):
         return {}
-    cfg = deepspeed_config(step)
+    if step.precision == "fp16":
+        # the writer's fp16 refusal is about DeepSpeed's CPU accelerator; a card runs fp16 with
+        # DeepSpeed's dynamic loss scaling (loss_scale 0), the same 2 + 2 + 12 bytes as bf16
+        cfg = deepspeed_config(replace(step, precision="bf16"))
+        cfg["bf16"] = {"enabled": False}
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0}
+    else:
+        cfg = deepspeed_config(step)
     if tp > 1:
         # AutoTP (DeepSpeed >= 0.16.4) splits the Linear layers; the data-parallel degree is N/t
         cfg["tensor_parallel"] = {"autotp_size": tp}
@@ -329,4 +401,4 @@ def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,
 
 
 __all__ = ["Advice", "advise", "check_plan", "flowchart", "tensor_parallel_degree",
-           "estimate_host_bytes"]
+           "estimate_host_bytes", "finetune_ladder", "mixed_precision_for", "MIXED"]

@@ -8,11 +8,19 @@
     memlab measure  --model tiny --fsdp --world-size 2         # FSDP2 on 2 ranks (gloo; NCCL with --device cuda)
     memlab presets
     memlab oom < traceback.txt                     # an OOM message read and explained
+    memlab estimate --hf-config gpt2 --world-size 2 --deepspeed ds_config.json --checkpointing full
+    memlab estimate --hf-config llama-3-8b --training-args args.json      # TrainingArguments / SFTConfig
+    memlab estimate --hf-config llama-3-8b --lora-rank 16 --load-in-4bit  # QLoRA
+    memlab advise --hf-config llama-3-8b --gpu A100-80GB --world-size 8 --seq 4096 --batch 1 --finetune
 
 Exit status: 0 for a result (a step that does not fit its budget is a result: ``fits:
 false``); 2 for bad input, a flag the command cannot honour, or a real measurement this
 machine cannot hold (one line naming the value and what is allowed, or the memory needed,
 what is available and what to run instead); 1 for an internal error, with its traceback.
+
+Over 500 lines because every subcommand's flags and their refusals live here, each family in
+its own block (the step, advise, a run's configs: --deepspeed, --training-args, LoRA and
+quantisation); the readers themselves are in memlab.run_config and memlab.finetune.
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ import traceback
 from dataclasses import replace
 from typing import Union
 
-from . import classroom, doctor, hf, simulation_bound
+from . import classroom, doctor, finetune, hf, run_config, simulation_bound
 from .advisor import Advice, advise
 from .cards import detect_card
 from .distributed.deepspeed_zero import measure_distributed
@@ -43,6 +51,178 @@ from .simulate import simulate_step
 from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
 from .technique_table import Table, write_report
 from .units import fmt_bytes
+
+# -- a run as its configs write it (memlab.run_config, memlab.finetune) ---------------------
+#: --optimizer: the step's own optimizers, the fine-tuner's states, and HF's optim names
+OPTIMIZER_CHOICES = tuple(dict.fromkeys([*OPTIMIZERS, *finetune.OPTIMIZER_STATES,
+                                         *finetune.HF_OPTIMIZERS]))
+
+
+def _add_run_config_args(p: argparse.ArgumentParser) -> None:
+    """--deepspeed FILE and the fine-tuning flags of estimate, simulate and measure."""
+    p.add_argument("--deepspeed", default=None, metavar="FILE",
+                   help="a DeepSpeed config (JSON): stage, offload, precision, batch keys and "
+                        "bucket sizes; \"auto\" values filled as HF's Trainer fills them")
+    p.add_argument("--lora-rank", type=_positive_int("lora-rank"), default=None,
+                   help="LoRA adapters of this rank (with --lora-targets, default: every projection)")
+    p.add_argument("--lora-targets", default=None, help="comma-separated LoRA target modules")
+    p.add_argument("--lora-config", default=None, metavar="FILE", help="peft's adapter_config.json")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="bitsandbytes NF4 base weights (blocks of 64, double quantization): QLoRA")
+    p.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes int8 base weights")
+    p.add_argument("--training-args", default=None, metavar="FILE",
+                   help="a TrainingArguments / TRL SFTConfig (JSON or YAML, as to_json_string writes "
+                        "it): batch, accumulation, precision, checkpointing, optim, deepspeed, fsdp, max length")
+
+
+def _with_training_args(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of ``args`` with what --training-args decides (memlab.run_config.read_training_args):
+    batch = per-device batch x accumulation, precision, checkpointing, --optimizer, --seq from
+    max_length, its deepspeed config; fsdp full_shard as ZeRO-3, shard_grad_op as ZeRO-2."""
+    tr = run_config.read_training_args(args.training_args)
+    new = argparse.Namespace(**vars(args))
+    new.batch, new.micro_batches = tr.micro_batch * tr.accumulation, tr.accumulation
+    new.precision, new.checkpointing = tr.precision, tr.checkpointing or args.checkpointing
+    new.optimizer = tr.optimizer
+    new.seq = tr.seq or args.seq
+    new.trainer_args, new.run_notes = tr.args, list(tr.notes)
+    if tr.deepspeed is not None:
+        if args.deepspeed is not None:
+            raise InputError("--training-args names a deepspeed config: drop --deepspeed")
+        new.deepspeed = tr.deepspeed
+    if tr.fsdp:
+        if new.deepspeed is not None:
+            raise InputError("--training-args sets fsdp and deepspeed; allowed: one of them")
+        stage = 3 if "full_shard" in tr.fsdp else 2 if "shard_grad_op" in tr.fsdp else 0
+        if stage:
+            new.zero = stage
+            new.run_notes.append(f"fsdp {' '.join(tr.fsdp)} estimated as ZeRO-{stage} (DeepSpeed's "
+                                 f"2 + 2 + 12 bytes layout; simulate --world-size N runs FSDP2 itself)")
+        if "offload" in tr.fsdp:
+            new.run_notes.append("fsdp offload is not modelled")
+    return new
+
+
+def _fine_tune(args: argparse.Namespace, cfg) -> tuple[dict | None, list[str]]:
+    """``estimate_finetune``'s keywords from the flags (None: a plain step) and the notes of
+    what a --lora-config does not model."""
+    kind = finetune.HF_OPTIMIZERS.get(args.optimizer, args.optimizer)
+    lora, notes = None, []
+    if args.lora_config is not None:
+        if args.lora_rank is not None or args.lora_targets is not None:
+            raise InputError("give --lora-config or --lora-rank/--lora-targets, not both")
+        spec = run_config.read_lora_config(args.lora_config, cfg)
+        lora, notes = (spec.rank, spec.targets), list(spec.notes)
+    elif args.lora_rank is not None or args.lora_targets is not None:
+        targets = (tuple(args.lora_targets.split(",")) if args.lora_targets
+                   else run_config.lora_targets_for(cfg))
+        lora = (args.lora_rank or 8, targets)  # 8: peft's default r
+    if args.load_in_4bit and args.load_in_8bit:
+        raise InputError("give --load-in-4bit or --load-in-8bit, not both")
+    quant = "4bit" if args.load_in_4bit else "8bit" if args.load_in_8bit else "none"
+    if lora is None and quant == "none" and kind in OPTIMIZERS:
+        return None, notes
+    return {"lora": lora, "optimizer": kind, "quantization": quant}, notes
+
+
+def _step_optimizer(name: str) -> str:
+    """The StepConfig optimizer of an --optimizer name: SGD, else AdamW (8-bit, paged and
+    Adafactor state replace AdamW's in memlab.finetune.estimate_finetune)."""
+    return "sgd" if finetune.HF_OPTIMIZERS.get(name, name) == "sgd" else "adamw"
+
+
+def _configured(args: argparse.Namespace) -> bool:
+    """Whether a run config or a fine-tuning flag is given (the step is then read from them)."""
+    return (getattr(args, "deepspeed", None) is not None or args.lora_rank is not None
+            or getattr(args, "training_args", None) is not None
+            or args.lora_targets is not None or args.lora_config is not None
+            or args.load_in_4bit or args.load_in_8bit or args.optimizer not in OPTIMIZERS)
+
+
+def _configured_step(args: argparse.Namespace):
+    """The step, the DeepSpeed run (or None) and its notes: --deepspeed decides the stage,
+    offload, precision and batch keys (the flags fill only its "auto" values)."""
+    if getattr(args, "hf_config", None) is not None:
+        if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
+            raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
+        step = hf.step_config(args.hf_config, seq=args.seq, batch=args.batch, precision=args.precision,
+                              checkpointing=args.checkpointing, attention=args.attention,
+                              micro_batches=args.micro_batches, zero=args.zero,
+                              world_size=args.world_size, offload=args.offload)
+    else:
+        step = step_from_args(args)
+    step = replace(step, optimizer=_step_optimizer(args.optimizer))
+    if args.deepspeed is None:
+        return step, None, []
+    if args.zero != 0 or args.offload != "none":
+        raise InputError("--deepspeed gives the ZeRO stage and the offload: drop --zero/--offload")
+    ds = run_config.read_deepspeed(args.deepspeed, world_size=args.world_size,
+                                   hidden_size=step.model_config.d_model, batch=args.batch,
+                                   micro_batches=args.micro_batches, precision=args.precision,
+                                   trainer_args=getattr(args, "trainer_args", None))
+    return replace(step, **ds.step_fields()), ds, list(ds.notes)
+
+
+def _run_configured(args: argparse.Namespace, budget, target) -> MemoryReport:
+    """estimate, simulate or measure of a step read from --training-args, --deepspeed and the
+    fine-tuning flags."""
+    if getattr(args, "training_args", None) is not None:
+        args = _with_training_args(args)
+    step, ds, notes = _configured_step(args)
+    notes = getattr(args, "run_notes", []) + notes
+    tune, lora_notes = _fine_tune(args, step.model_config)
+    notes += lora_notes
+    if args.command == "estimate":
+        if tune is None:
+            report = estimate_step(step, budget=budget, target=target,
+                                   buckets=ds.buckets if ds else None)
+        else:
+            if ds is not None and (ds.zero or ds.offload != "none") and \
+                    (tune["optimizer"] != "adamw" or tune["quantization"] != "none"):
+                raise InputError("bitsandbytes' 8-bit, paged and 4-bit state are estimated without "
+                                 "ZeRO; drop them or the DeepSpeed config's stage")
+            report = finetune.estimate_finetune(step, budget=budget, target=target, **tune)
+    elif args.command == "simulate":
+        report = _simulate_configured(args, step, tune, budget, target)
+        if ds is not None and ds.zero:
+            notes.append("simulate: DeepSpeed's bucket sizes are not simulated (estimate honours them)")
+    else:
+        if tune is not None:
+            raise InputError("measure runs full AdamW or SGD steps; for LoRA, quantised weights and "
+                             "8-bit, paged or Adafactor state use estimate or simulate")
+        _check_measure(step, args)
+        if _multi_rank(step):
+            report = measure_distributed(step, device=args.device, budget=budget,
+                                         ds_config=ds.config if ds else None)
+        else:
+            report = measure_step(step, device=args.device, budget=budget, snapshot_path=args.snapshot)
+    if ds is not None:
+        notes.insert(0, f"--deepspeed: ZeRO-{ds.zero}, offload {ds.offload}, {ds.precision}, micro-batch "
+                        f"{ds.micro_batch} x {ds.accumulation} accumulation x {ds.world_size} rank(s) "
+                        f"= train_batch_size {ds.train_batch}; buckets reduce {ds.buckets.reduce:,}, "
+                        f"prefetch {ds.buckets.prefetch:,}, persistence {ds.buckets.persistence:,} elements")
+    report.notes.extend(notes)
+    return report
+
+
+def _simulate_configured(args, step, tune, budget, target) -> MemoryReport:
+    """simulate of a configured step: LoRA on a Hugging Face model through peft
+    (:func:`memlab.hf.simulate_hf`); no quantised weights or bitsandbytes state on fake tensors."""
+    if tune is not None and (tune["optimizer"] != "adamw" or tune["quantization"] != "none"):
+        raise InputError("simulate runs AdamW on real layers; for quantised weights and 8-bit, paged "
+                         "or Adafactor state use estimate")
+    if tune is not None:
+        if args.hf_config is None:
+            raise InputError("simulate with LoRA builds the model with peft: give --hf-config")
+        rank, targets = tune["lora"]
+        lora = {"r": rank, "target_modules": list(targets), "lora_alpha": 2 * rank, "lora_dropout": 0.0}
+        return hf.simulate_hf(args.hf_config, seq=step.seq, batch=step.batch, precision=step.precision,
+                              checkpointing=step.checkpointing, attention=step.attention,
+                              target=target, budget=budget, lora=lora)
+    _check_simulate(step)
+    if step.world_size > 1:
+        return _simulate_sharded(step, budget, target)
+    return simulate_step(step, budget=budget, target=target)
 
 #: What a subcommand computes: each prints itself with ``table()`` or ``to_json()``.
 Result = Union[MemoryReport, Advice, Table]
@@ -62,7 +242,7 @@ def _positive_int(name: str):
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {value}")
         return value
@@ -93,7 +273,8 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = F
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--checkpointing", choices=CHECKPOINTINGS, default=None)
     p.add_argument("--attention", choices=ATTENTIONS, default=None)
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--optimizer", choices=OPTIMIZER_CHOICES, default="adamw",
+                   help="adamw, sgd; 8-bit, paged and Adafactor state (memlab names or HF's optim names)")
     p.add_argument("--zero", type=_zero_stage, default=0, help="ZeRO stage 0-3")
     p.add_argument("--world-size", type=_positive_int("world size"), default=1)
     p.add_argument("--offload", choices=OFFLOADS, default="none")
@@ -111,6 +292,7 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = F
         p.add_argument("--snapshot", default=None,
                        help="CUDA only: write the allocator history (.pickle) for pytorch.org/memory_viz")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_run_config_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,15 +405,35 @@ def _add_advise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--headroom", type=_headroom, default=0.1, help="fraction of the card kept free")
     p.add_argument("--no-simulate", action="store_true", help="estimate only, never simulate")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_advise_finetune_args(p)
+
+
+def _add_advise_finetune_args(p: argparse.ArgumentParser) -> None:
+    """advise's Hugging Face config and the fine-tuner's ladder."""
+    p.add_argument("--hf-config", default=None, metavar="PATH",
+                   help="a Hugging Face config.json (or its folder, or a shipped name: "
+                        "llama-3-8b, qwen2.5-7b, mistral-7b, gpt2) instead of --model")
+    p.add_argument("--finetune", action="store_true",
+                   help="also the fine-tuner's ladder: 8-bit AdamW, LoRA, QLoRA")
+    p.add_argument("--lora-rank", type=_positive_int("lora-rank"), default=16,
+                   help="LoRA rank of the ladder's LoRA and QLoRA rungs")
+    p.add_argument("--lora-targets", default=None,
+                   help="comma-separated module names (default: every attention and MLP projection)")
 
 
 def _advise(args: argparse.Namespace) -> Advice:
     budget = _budget(args)
     if budget is None:
         raise InputError(f"give --gpu ({', '.join(GPU_PRESETS)}) or --budget SIZE")
-    return advise(args.model, budget, args.world_size, args.seq, args.batch,
+    if args.hf_config is not None and args.model != "tiny":
+        raise InputError("--hf-config describes the model: drop --model")
+    # the card itself, not its byte count: the plan follows that card's rules (advisor.advise)
+    gpu = args.gpu if args.gpu is not None else budget
+    targets = tuple(args.lora_targets.split(",")) if args.lora_targets else None
+    return advise(args.model, gpu, args.world_size, args.seq, args.batch,
                   attention=args.attention, headroom=args.headroom,
-                  simulate=False if args.no_simulate else None)
+                  simulate=False if args.no_simulate else None, hf_config=args.hf_config,
+                  finetune=args.finetune, lora_rank=args.lora_rank, lora_targets=targets)
 
 
 def step_from_args(args: argparse.Namespace) -> StepConfig:
@@ -245,7 +447,7 @@ def step_from_args(args: argparse.Namespace) -> StepConfig:
         model = replace(model, name="custom", **custom)
     return StepConfig(model=model, seq=args.seq, batch=args.batch, precision=args.precision,
                       checkpointing=args.checkpointing, attention=args.attention,
-                      optimizer=args.optimizer, micro_batches=args.micro_batches, zero=args.zero,
+                      optimizer=_step_optimizer(args.optimizer), micro_batches=args.micro_batches, zero=args.zero,
                       world_size=args.world_size, offload=args.offload)
 
 
@@ -305,7 +507,8 @@ def run(args: argparse.Namespace) -> Result:
         table, _ = write_report(args.out, StepConfig(model=args.model, seq=args.seq, batch=args.batch),
                                 world_size=args.world_size, distributed=not args.no_distributed)
         return table
-    step = step_from_args(args)
+    # with --hf-config the config describes the model (and bounds --seq): no preset step
+    step = step_from_args(args) if getattr(args, "hf_config", None) is None else None
     budget = _budget(args)
     if args.command in ("estimate", "simulate"):
         get_target(args.target)  # a bad --target is a usage error before any work
@@ -314,6 +517,8 @@ def run(args: argparse.Namespace) -> Result:
         card = None if args.gpu is not None or args.target != "cuda" else detect_card()
         target = get_target(args.target, args.gpu, card)
         budget = args.gpu if args.gpu is not None else budget
+        if _configured(args):
+            return _run_configured(args, budget, target)
         if args.hf_config is not None:
             return _hf_checked(args, budget, target)
     if args.command == "estimate":
@@ -327,6 +532,8 @@ def run(args: argparse.Namespace) -> Result:
         return _measure_fsdp(step, args, budget)
     if args.cpu_offload or not args.reshard_after_forward:
         raise InputError("--cpu-offload and --no-reshard-after-forward are FSDP2's: add --fsdp")
+    if _configured(args):
+        return _run_configured(args, budget, None)
     _check_measure(step, args)
     if _multi_rank(step):
         return measure_distributed(step, device=args.device, budget=budget)

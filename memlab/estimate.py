@@ -50,7 +50,7 @@ from .policy import (
     sdpa_lse_bytes,
     sdpa_math_extra_bytes,
 )
-from .states import step_model_states
+from .states import ZeroBuckets, step_model_states
 from .step import MemoryReport, StepConfig, autocast_for, resolve_step
 from .tracking import CATEGORIES, MemoryTracker
 
@@ -372,7 +372,8 @@ ALLOCATOR_NOTE = ("the CUDA caching allocator's block choices are not in this fo
 def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
                   target: str | None = None, card: "Card | str | None" = None,
                   tensor_parallel: int = 1, trainable_params: int | None = None,
-                  frozen_activation_bytes: float = 0.0, **overrides) -> MemoryReport:
+                  frozen_activation_bytes: float = 0.0, buckets: ZeroBuckets | None = None,
+                  **overrides) -> MemoryReport:
     """Closed-form peak bytes of one steady-state training step, by category, per rank.
 
     ``batch`` is per rank; ``zero``, ``world_size`` and ``offload`` shard and move the model
@@ -396,6 +397,9 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     the parameters grow by them, gradients and optimizer state are theirs alone, and autocast
     caches no weight copies (it caches casts of leaves that require grad only);
     ``frozen_activation_bytes`` are the activations the frozen layers do not keep.
+
+    ``buckets``: DeepSpeed's bucket sizes as a run's config sets them
+    (:class:`memlab.states.ZeroBuckets`, read by :mod:`memlab.run_config`) instead of memlab's.
     """
     tgt = resolve_target(target, budget, card)
     step = resolve_step(step, **overrides)
@@ -408,7 +412,7 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
         if step.world_size % tp:
             raise InputError(f"tensor_parallel={tp} must divide world_size={step.world_size}; "
                              f"allowed: {', '.join(str(k) for k in range(1, step.world_size + 1) if step.world_size % k == 0)}")
-    ms = step_model_states(replace(step, world_size=step.world_size // tp))
+    ms = step_model_states(replace(step, world_size=step.world_size // tp), buckets)
     states = {k: x / tp for k, x in ms.peak_inputs().items()}
     if trainable_params is not None:  # bytes per parameter are uniform: scale by the count
         share = trainable_params / cfg.num_params()

@@ -16,6 +16,25 @@ quantisation map per state. The paper uses blocks of 2048; bitsandbytes 0.50's `
 uses 256 (``blocksize = 256`` in its ``Optimizer2State``), and keeps tensors under
 ``min_8bit_size = 4096`` elements in fp32 (its documentation). :func:`adam_state_bytes` is
 that layout, byte for byte (the tests compare it with bitsandbytes where it runs).
+Its *paged* variants (``PagedAdamW8bit``, ``PagedAdamW``) allocate the same state with
+``bitsandbytes.functional.get_paged`` (``cget_managed_ptr``: CUDA unified memory, outside
+torch's caching allocator), which the driver pages out to host memory when the device is
+full: the estimate counts it as host bytes, never as the device peak. **Adafactor**
+(Shazeer and Stern 2018, sec. 3; ``transformers.optimization.Adafactor`` with its defaults,
+``beta1=None``) keeps a row and a column second-moment vector (fp32) per matrix and a full
+one per vector: ``4 (r + c)`` and ``4 n`` bytes.
+
+**Quantised base weights** (QLoRA, Dettmers et al. 2023, sec. 3; bitsandbytes 0.50
+``functional.quantize_4bit``): every ``Linear`` of the decoder is stored as NF4, two values
+per byte (``ceil(n / 2)`` bytes), with one absolute maximum per block of 64: fp32, or with
+double quantization (``compress_statistics=True``) the maxima less their mean quantised to
+uint8 by ``quantize_blockwise(blocksize=256)``, one fp32 maximum per 256 blocks and the fp32
+offset. transformers converts no embedding and keeps the head (``lm_head``) in 16 bits
+(``modules_to_not_convert``); norms too stay in the compute dtype. The backward of each
+4-bit matmul (``autograd/_functions.py``, ``MatMul4Bit.backward``) dequantises the whole
+weight to the compute dtype: one such weight is a temporary. ``load_in_8bit``
+(``Linear8bitLt``, ``Int8Params``): one int8 per element and one fp32 scale per output row
+(``SCB``). :func:`quantized_weight_bytes` is that layout (tests compare it with bitsandbytes).
 """
 from __future__ import annotations
 
@@ -23,9 +42,11 @@ import math
 from dataclasses import replace
 from typing import Iterable
 
+import torch
+
 from .errors import InputError
 from .estimate import dtypes, estimate_step
-from .models import GPTConfig
+from .models import GPT, GPTConfig
 from .step import MemoryReport, StepConfig, resolve_step
 
 #: LoRA target module names per family: name -> (in_features, out_features) of one layer.
@@ -35,7 +56,18 @@ GPT2_TARGETS = ("c_attn", "c_proj", "c_fc")
 BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 QMAP_ENTRIES = 256
-OPTIMIZER_STATES = ("adamw", "adamw-8bit")
+OPTIMIZER_STATES = ("adamw", "adamw-8bit", "paged-adamw-8bit", "paged-adamw", "adafactor", "sgd")
+PAGED = ("paged-adamw-8bit", "paged-adamw")  # state in CUDA unified memory (host bytes here)
+#: Hugging Face ``TrainingArguments.optim`` names -> the state memlab counts
+HF_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+                 "adamw_apex_fused": "adamw", "adamw_torch_xla": "adamw",
+                 "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit",
+                 "paged_adamw_8bit": "paged-adamw-8bit", "paged_adamw_32bit": "paged-adamw",
+                 "paged_adamw": "paged-adamw", "adafactor": "adafactor", "sgd": "sgd"}
+#: bitsandbytes 4-bit layout (module doc)
+NF4_BLOCK = 64
+NESTED_BLOCK = 256
+QUANTIZATIONS = ("none", "4bit", "8bit")
 
 
 def _shapes(cfg: GPTConfig) -> dict[str, list[tuple[int, int]]]:
@@ -121,80 +153,186 @@ def estimate_lora(step: StepConfig | None = None, *, rank: int, targets: Iterabl
 
 def adam_state_bytes(shapes: Iterable[int], kind: str = "adamw") -> int:
     """Optimizer state bytes of Adam/AdamW over tensors of ``shapes`` (element counts):
-    ``"adamw"`` two fp32 moments (8 B per parameter); ``"adamw-8bit"`` bitsandbytes' layout
-    (module doc): per tensor of n >= 4096 elements ``2 n`` bytes of moments, ``2 * 4 *
-    ceil(n / 256)`` of block maxima and ``2 * 256 * 4`` of quantisation maps, else fp32.
-    The step counters (a few bytes per tensor, or none) are not counted."""
-    if kind not in OPTIMIZER_STATES:
-        raise InputError(f"optimizer state {kind!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
+    ``"adamw"`` (and ``"paged-adamw"``) two fp32 moments (8 B per parameter); ``"adamw-8bit"``
+    (and ``"paged-adamw-8bit"``) bitsandbytes' layout (module doc): per tensor of n >= 4096
+    elements ``2 n`` bytes of moments, ``2 * 4 * ceil(n / 256)`` of block maxima and
+    ``2 * 256 * 4`` of quantisation maps, else fp32; ``"sgd"`` one fp32 momentum. The step
+    counters (a few bytes per tensor, or none) are not counted. Adafactor needs the matrix
+    shapes: :func:`optimizer_state_of`."""
+    if kind not in OPTIMIZER_STATES or kind == "adafactor":
+        allowed = ", ".join(k for k in OPTIMIZER_STATES if k != "adafactor")
+        raise InputError(f"optimizer state {kind!r} from element counts; allowed: {allowed}")
     total = 0
     for n in shapes:
-        if kind == "adamw" or n < BNB_MIN_8BIT_SIZE:
+        if kind == "sgd":
+            total += 4 * n
+        elif kind in ("adamw", "paged-adamw") or n < BNB_MIN_8BIT_SIZE:
             total += 8 * n
         else:
             total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK) + 2 * 4 * QMAP_ENTRIES
     return total
 
 
-def gpt_param_shapes(cfg: GPTConfig) -> list[int]:
-    """Element counts of the parameter tensors of memlab's GPT of ``cfg`` (closed form,
-    matching ``[p.numel() for p in GPT(cfg).parameters()]`` as a multiset)."""
-    d, f, v = cfg.d_model, cfg.hidden, cfg.vocab_size
-    q, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    norm = [d, d] if cfg.norm == "layernorm" and cfg.bias else [d]
-    layer = [d * (q + 2 * kv), d * q] + ([q + 2 * kv] if cfg.has_qkv_bias else []) \
-        + ([d] if cfg.bias else []) + 2 * norm
-    layer += ([d * f] * 3 if cfg.mlp == "swiglu" else [d * f] * 2)
-    layer += ([f, f, d] if cfg.mlp == "swiglu" else [f, d]) if cfg.bias else []
-    shapes = cfg.n_layer * layer + [v * d] + norm
-    shapes += [cfg.block_size * d] if cfg.position == "learned" else []
-    return shapes + ([] if cfg.tie_embeddings else [v * d])
+def adafactor_state_bytes(shapes: Iterable[tuple[int, ...]]) -> int:
+    """Adafactor's state (module doc) over parameters of ``shapes``: a matrix (the last two
+    dimensions factored, as transformers' ``_get_options`` decides for ``len(shape) >= 2``)
+    keeps ``4 (rows + cols)`` bytes per leading index, a vector ``4 n``."""
+    total = 0
+    for shape in shapes:
+        if len(shape) >= 2:
+            lead = math.prod(shape[:-2])
+            total += 4 * lead * (shape[-2] + shape[-1])
+        else:
+            total += 4 * math.prod(shape)
+    return total
+
+
+def param_shapes(cfg: GPTConfig) -> list[tuple[int, ...]]:
+    """Shapes of every parameter of memlab's GPT of ``cfg``, read off the model built on the
+    ``meta`` device (nothing is allocated)."""
+    with torch.device("meta"):
+        return [tuple(p.shape) for p in GPT(cfg).parameters()]
+
+
+def optimizer_state_of(cfg: GPTConfig, kind: str = "adamw") -> int:
+    """State bytes of optimizer ``kind`` (:data:`OPTIMIZER_STATES`) over every parameter of
+    ``cfg`` (:meth:`memlab.models.GPTConfig.param_numels`; Adafactor over the shapes)."""
+    if kind == "adafactor":
+        return adafactor_state_bytes(param_shapes(cfg))
+    return adam_state_bytes(cfg.param_numels(), kind)
+
+
+def quantized_weight_bytes(out_features: int, in_features: int, quantization: str = "4bit", *,
+                           double_quant: bool = True, blocksize: int = NF4_BLOCK) -> int:
+    """Bytes of one ``Linear(in, out)`` weight as bitsandbytes stores it (module doc):
+    ``"4bit"`` NF4 packed two per byte plus the block maxima (double quantised or fp32) and
+    the offset; ``"8bit"`` int8 plus one fp32 scale per row. The 16-entry NF4 code and the
+    256-entry map of the nested maxima are shared by every weight and not counted."""
+    n = out_features * in_features
+    if quantization == "8bit":
+        return n + 4 * out_features
+    if quantization != "4bit":
+        raise InputError(f"quantization {quantization!r}; allowed: 4bit, 8bit")
+    blocks = math.ceil(n / blocksize)
+    if not double_quant:
+        return math.ceil(n / 2) + 4 * blocks
+    return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4
+
+
+def quantized_model_bytes(cfg: GPTConfig, quantization: str, *, compute_bytes: int = 2,
+                          double_quant: bool = True) -> tuple[int, int]:
+    """``(parameter bytes, largest dequantised weight)`` of ``cfg`` loaded with
+    ``load_in_4bit``/``load_in_8bit``: every decoder ``Linear`` quantised
+    (:func:`quantized_weight_bytes`), the embedding, the head and the norms (and biases) in
+    ``compute_bytes``; the second number is the largest quantised weight in the compute dtype
+    (what a 4-bit matmul's backward dequantises)."""
+    linears = [(o, i) for ios in _shapes(cfg).values() for i, o in ios]
+    quant = cfg.n_layer * sum(quantized_weight_bytes(o, i, quantization, double_quant=double_quant)
+                              for o, i in linears)
+    rest = cfg.num_params() - cfg.n_layer * sum(o * i for o, i in linears)
+    largest = max(o * i for o, i in linears) * compute_bytes
+    return quant + rest * compute_bytes, largest
 
 
 def optimizer_state_bytes(step: StepConfig, kind: str = "adamw") -> int:
-    """AdamW state bytes of a memlab step's model with fp32 or 8-bit moments (the estimate
-    lens of an 8-bit optimizer; compare ``estimate_step(step).by_category["optimizer"]``)."""
+    """Optimizer state bytes of a memlab step's model (:func:`optimizer_state_of`; compare
+    ``estimate_step(step).by_category["optimizer"]``)."""
     cfg = step.model_config
     if not isinstance(cfg, GPTConfig):
-        raise InputError(f"8-bit optimizer state is counted for GPT-shaped models, not {cfg.name!r}")
-    return adam_state_bytes(gpt_param_shapes(cfg), kind)
+        raise InputError(f"optimizer state is counted for GPT-shaped models, not {cfg.name!r}")
+    return optimizer_state_of(cfg, kind)
 
 
 def estimate_8bit(step: StepConfig | None = None, *, budget: int | str | None = None,
                   target: str = "cpu", **overrides) -> MemoryReport:
-    """The estimate of a step whose AdamW keeps 8-bit moments: the optimizer category
-    becomes :func:`optimizer_state_bytes` with ``"adamw-8bit"``, the rest as estimated."""
-    step = resolve_step(step, **overrides)
-    if step.optimizer != "adamw" or step.zero or step.offload != "none":
-        raise InputError("an 8-bit optimizer is estimated for plain AdamW on one device; "
-                         "allowed: optimizer='adamw', zero=0, offload='none'")
-    report = estimate_step(step, budget=budget, target=target)
-    eight = optimizer_state_bytes(step, "adamw-8bit")
-    cats = dict(report.by_category, optimizer=eight)
-    out = replace(report, by_category=cats, peak_bytes=sum(cats.values()), notes=list(report.notes))
-    out.notes.append(f"AdamW 8-bit (bitsandbytes layout, Dettmers et al. 2022 sec. 2.1): "
-                     f"{eight / step.model_config.num_params():.3f} B per parameter instead of 8")
-    return out
+    """The estimate of a step whose AdamW keeps 8-bit moments (:func:`estimate_finetune`
+    with ``optimizer="adamw-8bit"``)."""
+    return estimate_finetune(resolve_step(step, **overrides), optimizer="adamw-8bit",
+                             budget=budget, target=target)
 
 
 def estimate_finetune(step: StepConfig, *, lora: tuple[int, Iterable[str]] | None = None,
-                      eight_bit: bool = False, budget: int | str | None = None,
-                      target: str = "cuda") -> MemoryReport:
-    """The estimate of a fine-tuning step with the knobs a fine-tuner turns: ``lora`` as
-    ``(rank, target modules)`` (:func:`estimate_lora`), ``eight_bit`` AdamW moments in
-    bitsandbytes' layout (over the adapters when LoRA is on). The "will it fit?" panel draws it."""
+                      eight_bit: bool = False, optimizer: str = "adamw",
+                      quantization: str = "none", double_quant: bool = True,
+                      budget: int | str | None = None, target: str = "cuda") -> MemoryReport:
+    """The estimate of a fine-tuning step with the knobs a fine-tuner turns.
+
+    ``lora`` as ``(rank, target modules)`` (:func:`estimate_lora`); ``optimizer`` one of
+    :data:`OPTIMIZER_STATES` (``eight_bit=True``: ``"adamw-8bit"``), its state counted over
+    the trainable tensors (the adapters under LoRA), a paged one in host memory;
+    ``quantization`` ``"4bit"`` (QLoRA) or ``"8bit"``: the frozen base as bitsandbytes holds
+    it (:func:`quantized_model_bytes`), needing ``lora``, plus the dequantised weight of the
+    largest matmul as a temporary (4-bit). Optimizer state and weights are held all step, so
+    replacing them moves every moment of the step alike: the peak moment stays the estimate's.
+    """
+    kind = "adamw-8bit" if eight_bit else optimizer
+    if kind not in OPTIMIZER_STATES:
+        raise InputError(f"optimizer {kind!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
+    if quantization not in QUANTIZATIONS:
+        raise InputError(f"quantization {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}")
+    if quantization != "none" and lora is None:
+        raise InputError(f"a {quantization} base model is frozen: give LoRA adapters to train "
+                         f"(--lora-rank/--lora-targets or --lora-config)")
+    if (kind != "adamw" or quantization != "none") and (step.zero or step.offload != "none"):
+        raise InputError("8-bit, paged and Adafactor state and quantised weights are estimated "
+                         "for plain PyTorch; allowed: zero=0, offload='none'")
+    cfg = step.model_config
+    if not isinstance(cfg, GPTConfig):
+        raise InputError(f"fine-tuning is counted for GPT-shaped models, not {cfg.name!r}")
+    base = replace(step, optimizer="sgd" if kind == "sgd" else "adamw")
     if lora is None:
-        return (estimate_8bit if eight_bit else estimate_step)(step, budget=budget, target=target)
-    rank, targets = lora
-    report = estimate_lora(step, rank=rank, targets=targets, budget=budget, target=target)
-    if eight_bit:
-        shapes = lora_shapes(step.model_config, rank, targets)
-        report.by_category["optimizer"] = adam_state_bytes(shapes, "adamw-8bit")
-        report.peak_bytes = sum(report.by_category.values())
-        report.notes.append("AdamW 8-bit on the adapters (bitsandbytes layout)")
-    return report
+        report = estimate_step(base, budget=budget, target=target)
+        trainable: list = cfg.param_numels()
+    else:
+        rank, targets = lora
+        report = estimate_lora(base, rank=rank, targets=targets, budget=budget, target=target)
+        trainable = lora_shapes(cfg, rank, targets)
+    cats, host = dict(report.by_category), dict(report.host_by_category)
+    notes = list(report.notes)
+    if kind not in ("adamw", "sgd"):
+        w = dtypes(step.precision, target).param
+        if kind == "adafactor":
+            shapes = param_shapes(cfg) if lora is None else _lora_matrix_shapes(cfg, *lora)
+            state = adafactor_state_bytes(shapes)
+        else:
+            state = adam_state_bytes(trainable, kind)
+            if w == 2 and kind == "paged-adamw":  # pure-bf16: torch's moments follow the weights
+                state //= 2
+        if kind in PAGED:
+            cats["optimizer"] = 0
+            host["optimizer"] = host.get("optimizer", 0) + state
+            notes.append(f"{kind}: {state / 2**20:.1f} MiB of state in CUDA unified memory "
+                         f"(bitsandbytes get_paged), paged to host memory when the device is full: "
+                         f"counted as host bytes")
+        else:
+            cats["optimizer"] = state
+            notes.append(f"{kind} state: {state / sum(trainable):.3f} B per trainable parameter")
+    if quantization != "none":
+        compute = dtypes(step.precision, target).compute
+        frozen, largest = quantized_model_bytes(cfg, quantization, compute_bytes=compute,
+                                                double_quant=double_quant)
+        adapters = sum(trainable) * dtypes(step.precision, target).param
+        cats["parameters"] = frozen + adapters
+        if quantization == "4bit":
+            cats["temporaries"] = cats.get("temporaries", 0) + largest
+        notes.append(f"load_in_{quantization}: base weights {frozen / cfg.num_params():.3f} B per "
+                     f"parameter (bitsandbytes layout"
+                     f"{', NF4 blocks of 64, double quantization' if quantization == '4bit' else ''}"
+                     f"), embeddings, head and norms in {compute} bytes"
+                     + (f"; the dequantised weight of the largest matmul ({largest / 2**20:.1f} "
+                        f"MiB) as a temporary" if quantization == "4bit" else ""))
+    return replace(report, by_category=cats, peak_bytes=sum(cats.values()), notes=notes,
+                   host_by_category=host, host_bytes=sum(host.values()))
+
+
+def _lora_matrix_shapes(cfg: GPTConfig, rank: int, targets: Iterable[str]) -> list[tuple[int, int]]:
+    """``A`` (r x in) and ``B`` (out x r) of every adapter, as matrices (for Adafactor)."""
+    shapes = _shapes(cfg)
+    return cfg.n_layer * [m for t in set(targets) for i, o in shapes[t] for m in ((rank, i), (o, rank))]
 
 
 __all__ = ["LLAMA_TARGETS", "GPT2_TARGETS", "BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "OPTIMIZER_STATES",
-           "lora_shapes", "lora_params", "frozen_saved_bytes", "estimate_lora", "adam_state_bytes",
-           "gpt_param_shapes", "optimizer_state_bytes", "estimate_8bit", "estimate_finetune"]
+           "PAGED", "HF_OPTIMIZERS", "NF4_BLOCK", "QUANTIZATIONS", "lora_shapes", "lora_params",
+           "frozen_saved_bytes", "estimate_lora", "adam_state_bytes", "adafactor_state_bytes",
+           "param_shapes", "optimizer_state_of", "quantized_weight_bytes", "quantized_model_bytes",
+           "optimizer_state_bytes", "estimate_8bit", "estimate_finetune"]

@@ -129,11 +129,32 @@ class ModelStates:
                 "step": self.step_scratch, "gathered": self.gathered}
 
 
-def _count(model) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class ZeroBuckets:
+    """DeepSpeed's ``zero_optimization`` sizes that decide its buffers (elements), as a run's
+    config sets them (:mod:`memlab.run_config`); the defaults are memlab's own config's
+    (:func:`memlab.distributed.deepspeed_config.deepspeed_config`).
+
+    ``reduce``: ``reduce_bucket_size``, the contiguous gradient bucket (stages 1-3; two of
+    them at stages 1-2 with ``overlap_comm``, ``setup_buckets`` in ``stage_1_and_2.py``);
+    ``prefetch``: ``stage3_prefetch_bucket_size``, parameters gathered ahead of the running
+    module, capped by ``max_live`` (``stage3_max_live_parameters``); ``persistence``:
+    ``stage3_param_persistence_threshold``; ``pinned``: ``pin_memory`` of the offload.
+    """
+
+    reduce: int = BUCKET_ELEMENTS
+    prefetch: int = BUCKET_ELEMENTS
+    max_live: int = 4 * BUCKET_ELEMENTS
+    persistence: int = PERSISTENCE_THRESHOLD
+    overlap_comm: bool = False
+    pinned: bool = True
+
+
+def _count(model, persistence: int = PERSISTENCE_THRESHOLD) -> tuple[int, int, int]:
     """(parameters, largest parameter, elements in ZeRO-3's persistent small parameters)."""
     if isinstance(model, bool) or not isinstance(model, int):
         sizes = param_numels(model)
-        return sum(sizes), max(sizes), sum(s for s in sizes if s < PERSISTENCE_THRESHOLD)
+        return sum(sizes), max(sizes), sum(s for s in sizes if s < persistence)
     if model < 0:
         raise InputError(f"num_params must be >= 0, got {model}")
     return model, 0, 0
@@ -141,15 +162,20 @@ def _count(model) -> tuple[int, int, int]:
 
 def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", zero: int = 0,
                  world_size: int = 1, offload: str = "none", deepspeed: bool | None = None,
-                 pinned: bool = True, bucket_elements: int = BUCKET_ELEMENTS) -> ModelStates:
+                 pinned: bool = True, bucket_elements: int = BUCKET_ELEMENTS,
+                 buckets: ZeroBuckets | None = None) -> ModelStates:
     """Per-rank model states of a step (see the module docstring for the layouts).
 
     ``model`` is a model config (exact largest and small parameters for DeepSpeed's buffers)
     or a parameter count (buffers then left out). ``deepspeed=None`` decides by
     :func:`under_deepspeed`; ``True`` gives DeepSpeed's layout at stage 0 too (what a
     DeepSpeed config with stage 0 runs). ``pinned=False`` counts host buffers at their own
-    size (DeepSpeed's CPU accelerator does not pin).
+    size (DeepSpeed's CPU accelerator does not pin). ``buckets`` (a :class:`ZeroBuckets`)
+    replaces ``bucket_elements`` and ``pinned`` with a run config's sizes.
     """
+    if buckets is None:
+        buckets = ZeroBuckets(reduce=bucket_elements, prefetch=bucket_elements,
+                              max_live=4 * bucket_elements, pinned=pinned)
     if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
         raise InputError(f"ZeRO stage {zero!r} is outside 0-3")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -164,7 +190,7 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     if offload == "optimizer" and zero == 0:
         raise InputError("offload='optimizer' needs ZeRO stage 1-3 (DeepSpeed's ZeRO optimizer), "
                          "got stage 0")
-    psi, largest, small = _count(model)
+    psi, largest, small = _count(model, buckets.persistence)
     moments = MOMENTS[optimizer]
     ds = under_deepspeed(zero, offload) if deepspeed is None else deepspeed
     if not ds:
@@ -184,15 +210,22 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     params = split["parameters"] + (e * small if zero >= 3 else 0)
     grads, opt = split["gradients"], split["optimizer"]
     grads_from = {0: "backward", 1: "backward", 2: "first bucket", 3: "always"}[zero]
-    bucket = e * bucket_elements if zero >= 1 else 0
+    if zero == 2 and psi and buckets.reduce >= psi:
+        # the partition is allocated when the first bucket is flushed: a bucket as large as
+        # the model fills only with the last gradient, at the end of backward
+        grads_from = "backward"
+    # the reduce bucket, doubled at stages 1-2 under overlap_comm (stage 3 keeps one)
+    copies = 2 if buckets.overlap_comm and zero in (1, 2) else 1
+    bucket = copies * e * buckets.reduce if zero >= 1 else 0
     buffers = bucket
-    gathered = e * (largest + bucket_elements) if zero >= 3 else 0.0
+    ahead = min(buckets.prefetch, buckets.max_live, psi) if psi else buckets.prefetch
+    gathered = e * (largest + ahead) if zero >= 3 else 0.0
     # step(): stage 1 (and stage 0's 16-bit optimizer) flattens the gradient partition, the
     # 16-bit modes convert it to fp32; fp32 stage 0 is torch's own optimizer, no copy
     flat = zero == 1 or (zero == 0 and e != 4)
     scratch = (e * psi / shard if flat else 0.0) + (4 * psi / shard if e != 4 else 0.0)
     host: dict[str, float] = {}
-    pin = pinned_bytes if pinned else (lambda b: int(b))
+    pin = pinned_bytes if buckets.pinned else (lambda b: int(b))
 
     def add(category: str, nbytes: float) -> None:
         host[category] = host.get(category, 0.0) + nbytes
@@ -224,11 +257,12 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
                        host, tuple(notes))
 
 
-def step_model_states(step) -> ModelStates:
+def step_model_states(step, buckets: ZeroBuckets | None = None) -> ModelStates:
     """The model states of a :class:`memlab.step.StepConfig` (its model, precision,
-    optimizer, ZeRO stage, world size and offload)."""
+    optimizer, ZeRO stage, world size and offload), with a run config's ``buckets``."""
     return model_states(step.model_config, precision=step.precision, optimizer=step.optimizer,
-                        zero=step.zero, world_size=step.world_size, offload=step.offload)
+                        zero=step.zero, world_size=step.world_size, offload=step.offload,
+                        buckets=buckets)
 
 
 def model_state_bytes(num_params: int, *, precision: str = "fp32", optimizer: str = "adamw",
@@ -251,4 +285,4 @@ def bytes_per_param(precision: str, stage: int, world_size: int, *, optimizer: s
 
 __all__ = ["ModelStates", "model_states", "model_state_bytes", "zero_formula", "zero_saving",
            "under_deepspeed", "step_model_states", "bytes_per_param", "param_numels", "pinned_bytes",
-           "BUCKET_ELEMENTS", "PERSISTENCE_THRESHOLD", "SUB_GROUP_SIZE"]
+           "BUCKET_ELEMENTS", "PERSISTENCE_THRESHOLD", "SUB_GROUP_SIZE", "ZeroBuckets"]

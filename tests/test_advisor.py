@@ -34,7 +34,7 @@ def test_tiny_plan_is_what_a_real_step_needs():
     assert a.step.model_config == both.model_config
     real = [measure_step(s).peak_bytes for s in (base, bf16, both)]
     assert real[0] > real[1] > usable >= real[2]
-    for planned, measured in zip((s["peak_bytes"] for s in a.steps), real):
+    for planned, measured in zip((s["peak_bytes"] for s in a.steps), real, strict=True):
         assert measured <= planned <= 1.02 * measured
     assert [s["fits"] for s in a.steps] == [False, False, True]
     assert all(s["simulated_bytes"] is not None for s in a.steps)  # one rank, small: simulated
@@ -247,3 +247,61 @@ def test_cli_and_python_agree_for_the_same_card(capsys):
         out = _json.loads(capsys.readouterr().out)
         assert out["peak_bytes"] == estimate_step(step, budget=card).peak_bytes \
             == estimate_step(step, card=card).peak_bytes
+
+
+def _emitted_estimate(out: dict, card: str, extra: list[str]) -> dict:
+    """``memlab estimate --gpu CARD`` of the config an advice emitted (its flags)."""
+    cfg = out["config"]
+    argv = ["estimate", "--seq", str(cfg["seq"]), "--batch", str(cfg["batch"]),
+            "--precision", cfg["precision"], "--world-size", str(cfg["world_size"]),
+            "--zero", str(cfg["zero"]), "--offload", cfg["offload"], "--gpu", card, "--json",
+            *(["--checkpointing", cfg["checkpointing"]] if cfg["checkpointing"] != "none" else []),
+            *extra]
+    return argv
+
+
+@pytest.mark.parametrize("card", ["RTX4090-24GB", "T4-16GB", "A100-80GB", "H200-141GB"])
+def test_cli_plan_is_estimate_gpu_of_the_config_it_emits(card, capsys):
+    """The issue's case from the command line: before, the CLI handed advise a byte count and
+    the plan followed the CPU's rules (14.86 GiB planned where estimate --gpu said 13.34).
+    A plan a card cannot run natively is never bf16 (the T4 plans fp16)."""
+    argv = ["advise", "--model", "gpt2-medium", "--seq", "1024", "--batch", "16", "--gpu", card,
+            "--no-simulate", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert main(_emitted_estimate(out, card, ["--model", "gpt2-medium"])) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert out["peak_bytes"] == pytest.approx(est["peak_bytes"], rel=0.005)
+    bf16 = get_card(card).bf16_native
+    assert (out["config"]["precision"] in ("bf16", "fp32")) if bf16 else out["config"]["precision"] != "bf16"
+    if card == "T4-16GB":
+        assert out["plan"][0] == "fp16" and "GradScaler" in out["message"]
+
+
+def test_t4_plan_never_bf16_and_its_deepspeed_config_is_fp16():
+    a = advise("llama-3-8b", "T4-16GB", world_size=8, seq=1024, batch=1, simulate=False)
+    assert "bf16" not in a.plan and a.step.precision == "fp16"
+    assert a.deepspeed_config["fp16"]["enabled"] and not a.deepspeed_config["bf16"]["enabled"]
+
+
+def test_hf_config_on_8_a100_80gb_answers_and_equals_estimate(capsys):
+    """The issue's command: answers, and its peak is the estimate of the config it emits."""
+    argv = ["advise", "--hf-config", "llama-3-8b", "--gpu", "A100-80GB", "--world-size", "8",
+            "--seq", "4096", "--batch", "1", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["plan"]
+    assert main(_emitted_estimate(out, "A100-80GB", ["--hf-config", "llama-3-8b"])) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert out["peak_bytes"] == pytest.approx(est["peak_bytes"], rel=0.005)
+
+
+def test_finetune_ladder_goes_down_each_rung():
+    """8-bit AdamW, then LoRA, then QLoRA: each holds less than the rung before, and LoRA less
+    than half of the full fine-tune it starts from (the plan's step)."""
+    a = advise("llama-3-8b", "A100-80GB", seq=2048, batch=1, simulate=False, finetune=True)
+    full = estimate_step(replace(a.step, zero=0, offload="none"), target=a.target).peak_bytes
+    peaks = [r["peak_bytes"] for r in a.ladder]
+    assert [r["technique"] for r in a.ladder] == ["8-bit AdamW", "LoRA r=16", "QLoRA r=16 (NF4)"]
+    assert full > peaks[0] > peaks[1] > peaks[2] and peaks[1] < full / 2
+    assert a.to_dict()["ladder"] == a.ladder

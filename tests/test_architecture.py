@@ -186,10 +186,11 @@ def test_every_table_starts_with_its_header(page):
 #: What a function may import: optional dependencies, the UI edge, torch submodules that
 #: ``import memlab`` does not load and that cost seconds (timed on this repo's CPU machine:
 #: pipelining +6.3 s, fsdp +2.9 s, tensor +2.2 s, cpp_extension +1.0 s), POSIX-only
-#: ``resource``, and nbformat/nbclient (the lab extra, for ``memlab class`` only); memlab's ``plots`` is matplotlib. Everything else is imported at the top,
-#: where a reader sees it.
+#: ``resource``, nbformat/nbclient (the lab extra, for ``memlab class`` only), PyYAML (comes with
+#: the hf extra's transformers; --training-args YAML only); memlab's ``plots`` is matplotlib.
+#: Everything else is imported at the top, where a reader sees it.
 LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "matplotlib", "tqdm.auto",
-           "nbformat", "nbclient",
+           "nbformat", "nbclient", "yaml",
            ".plots",
            "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining",
            "torch.distributed._tools", "torch.utils.cpp_extension", "resource")

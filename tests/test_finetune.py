@@ -99,8 +99,8 @@ def test_param_shapes_equal_the_model(name):
     with torch.device("meta"):
         model = GPT(PRESETS[name])
     assert sorted(p.numel() for p in model.parameters()) == sorted(
-        finetune.gpt_param_shapes(PRESETS[name]))
-    assert finetune.adam_state_bytes(finetune.gpt_param_shapes(PRESETS[name])) == \
+        PRESETS[name].param_numels())
+    assert finetune.adam_state_bytes(PRESETS[name].param_numels()) == \
         8 * PRESETS[name].num_params()
 
 
@@ -143,3 +143,84 @@ def test_will_it_fit_panel_redraws_with_the_estimate():
     assert panel.data["peak_bytes"] == finetune.estimate_lora(
         hf.step_config("llama-3-8b", seq=4096, batch=1, precision="bf16", checkpointing="none"),
         rank=16, targets=finetune.LLAMA_TARGETS, budget="A100-80GB", target="cuda").peak_bytes
+
+
+def _cli_json(capsys, argv):
+    import json
+
+    from memlab.cli import main
+    assert main(argv) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def test_real_peft_lora_step_from_the_cli(tmp_path, capsys):
+    """A real peft LoRA step on this CPU (q/v adapters, r=8) against the CLI: estimate within 5%,
+    simulate (peft on fake tensors) within 1%."""
+    import json
+    _, _, real = _measure(SMALL, lora=_lora(["q_proj", "v_proj"]))
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SMALL))
+    argv = ["--hf-config", str(cfg), "--seq", str(SEQ), "--batch", str(BATCH), "--target", "cpu",
+            "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", "--json"]
+    est = _cli_json(capsys, ["estimate", *argv])
+    sim = _cli_json(capsys, ["simulate", *argv])
+    assert est["peak_bytes"] == pytest.approx(real.peak_bytes, rel=0.05)
+    assert sim["peak_bytes"] == pytest.approx(real.peak_bytes, rel=0.01)
+
+
+def test_lora_and_qlora_of_an_8b_from_the_cli(capsys):
+    """Llama-3-8B (shipped config), bf16, checkpointing: LoRA holds less than half of full
+    fine-tuning; QLoRA less than LoRA, its parameters 0.6-0.8 bytes per parameter of the model
+    (NF4's half byte and the 16-bit embedding and head)."""
+    argv = ["estimate", "--hf-config", "llama-3-8b", "--seq", "2048", "--batch", "1",
+            "--precision", "bf16", "--checkpointing", "full", "--gpu", "A100-80GB", "--json"]
+    full = _cli_json(capsys, argv)
+    lora = _cli_json(capsys, [*argv, "--lora-rank", "16"])
+    qlora = _cli_json(capsys, [*argv, "--lora-rank", "16", "--load-in-4bit"])
+    n = full["config"]["num_params"]
+    assert lora["peak_bytes"] < full["peak_bytes"] / 2
+    assert qlora["peak_bytes"] < lora["peak_bytes"]
+    assert 0.6 <= qlora["by_category"]["parameters"] / n <= 0.8
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 64), (688, 256)])
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_4bit_layout_equals_bitsandbytes(shape, double_quant):
+    """bitsandbytes' own quantize_4bit on this CPU: the packed NF4 bytes, the block maxima and,
+    with double quantization, the nested maxima and offset (the shared code tables aside)."""
+    F = pytest.importorskip("bitsandbytes.functional")
+    q, s = F.quantize_4bit(torch.randn(*shape, dtype=torch.bfloat16), blocksize=64,
+                           compress_statistics=double_quant, quant_type="nf4")
+    held = [q, s.absmax] + ([s.offset, s.state2.absmax] if double_quant else [])
+    nbytes = sum(t.numel() * t.element_size() for t in held)
+    assert nbytes == finetune.quantized_weight_bytes(*shape, "4bit", double_quant=double_quant)
+
+
+def test_8bit_weight_layout_equals_bitsandbytes():
+    F = pytest.importorskip("bitsandbytes.functional")
+    cb, scb, _ = F.int8_vectorwise_quant(torch.randn(688, 256, dtype=torch.float16))
+    assert cb.numel() * cb.element_size() + scb.numel() * scb.element_size() == \
+        finetune.quantized_weight_bytes(688, 256, "8bit")
+
+
+def test_adafactor_state_equals_transformers():
+    """transformers' Adafactor (defaults: factored second moment, no first moment) after one step."""
+    from transformers.optimization import Adafactor
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 10))
+    opt = Adafactor(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+               if torch.is_tensor(t) and t.dim() > 0)
+    assert held == finetune.adafactor_state_bytes([tuple(p.shape) for p in model.parameters()])
+
+
+def test_paged_state_is_host_memory(capsys):
+    """paged_adamw_8bit: the same bytes as adamw_bnb_8bit, in unified memory (host bytes)."""
+    argv = ["estimate", "--hf-config", "gpt2", "--seq", "128", "--batch", "2", "--target", "cpu", "--json"]
+    eight = _cli_json(capsys, [*argv, "--optimizer", "adamw_bnb_8bit"])
+    paged = _cli_json(capsys, [*argv, "--optimizer", "paged_adamw_8bit"])
+    assert paged["by_category"]["optimizer"] == 0
+    assert paged["host_by_category"]["optimizer"] == eight["by_category"]["optimizer"] > 0
+    assert paged["peak_bytes"] == eight["peak_bytes"] - eight["by_category"]["optimizer"]

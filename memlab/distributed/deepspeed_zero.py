@@ -183,16 +183,16 @@ class RankResult:
         return cls(**kw)
 
 
-def _build_engine(step: StepConfig, rank: int, torch_adam: bool):
-    """DeepSpeed's engine for ``step`` on this rank's device, this rank's batch (seeded by the
-    rank) and its micro-batches."""
+def _build_engine(step: StepConfig, rank: int, torch_adam: bool, ds_config: dict | None = None):
+    """DeepSpeed's engine for ``step`` on this rank's device (with a run's own ``ds_config``,
+    else memlab's), this rank's batch (seeded by the rank) and its micro-batches."""
     import deepspeed
 
     trainer = build_trainer(step, rank_device())
     model = trainer.model
     del trainer
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=deepspeed_config(step, torch_adam=torch_adam))
+                                      config=_run_config(step, ds_config, torch_adam))
     batch = make_batch(step, engine.device, seed=rank)
     micro = list(zip(*(t.chunk(step.micro_batches) for t in batch), strict=True))  # one batch dim
     return engine, batch, micro
@@ -270,7 +270,7 @@ def _record_peaks(res: RankResult, tracker: MemoryTracker) -> None:
 
 def zero_rank_step(rank: int, world_size: int, step: StepConfig, steps: int = 2,
                    budget: int | str | None = None, *, torch_adam: bool = True,
-                   track: bool = True) -> RankResult:
+                   track: bool = True, ds_config: dict | None = None) -> RankResult:
     """Build a DeepSpeed engine for ``step`` on this rank's device, warm up, then one timed
     step and, with ``track``, one tracked step (peak by category, device and host).
 
@@ -288,6 +288,9 @@ def zero_rank_step(rank: int, world_size: int, step: StepConfig, steps: int = 2,
             and an OOM comes back as the result's ``oom`` with the step abandoned.
         torch_adam: torch's AdamW rather than DeepSpeed's compiled CPU Adam.
         track: run the tracked step even without a budget.
+        ds_config: a run's own DeepSpeed config (:mod:`memlab.run_config`) instead of
+            memlab's; without an optimizer section torch's AdamW is added, as the Trainer
+            passes one.
 
     Returns:
         The rank's :class:`RankResult`.
@@ -298,7 +301,7 @@ def zero_rank_step(rank: int, world_size: int, step: StepConfig, steps: int = 2,
     if device.type == "cuda":  # what an earlier engine of this launch left behind is not this step's
         torch.cuda.synchronize(device)
         held_before = torch.cuda.memory_allocated(device)
-    engine, batch, micro = _build_engine(step, rank, torch_adam)
+    engine, batch, micro = _build_engine(step, rank, torch_adam, ds_config)
     budget_bytes = resolve_budget(budget)
     on_cuda = held_before is not None
     # host memory is whatever is not on the engine's device (offloaded master, moments, grads)
@@ -330,9 +333,18 @@ def zero_rank_step(rank: int, world_size: int, step: StepConfig, steps: int = 2,
     return res
 
 
+def _run_config(step, ds_config: dict | None, torch_adam: bool) -> dict:
+    """memlab's config of ``step``, or a run's own with an optimizer section."""
+    if ds_config is None:
+        return deepspeed_config(step, torch_adam=torch_adam)
+    default = deepspeed_config(step, torch_adam=torch_adam)["optimizer"]
+    return {"optimizer": default, "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9, **ds_config}
+
+
 def zero_worker(rank: int, world_size: int, steps: list, budget: int | None = None, *,
                 torch_adam: bool = True, track: bool = True,
-                threads: int | None = None) -> list[RankResult]:
+                threads: int | None = None, ds_config: dict | None = None) -> list[RankResult]:
     """Run each :class:`StepConfig` in ``steps`` with DeepSpeed on this rank, one after
     another in one process group (one launch for several stages saves start-up time);
     ``budget`` is each rank's (see :func:`zero_rank_step`). ``threads``: torch's CPU threads
@@ -345,8 +357,8 @@ def zero_worker(rank: int, world_size: int, steps: list, budget: int | None = No
     import deepspeed
     deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized()
                                else default_backend(world_size))
-    return [zero_rank_step(rank, world_size, s, budget=budget, torch_adam=torch_adam, track=track)
-            for s in steps]
+    return [zero_rank_step(rank, world_size, s, budget=budget, torch_adam=torch_adam, track=track,
+                           ds_config=ds_config) for s in steps]
 
 
 def _rank_report(step: StepConfig, res: RankResult, budget_bytes: int | None = None) -> MemoryReport:
@@ -397,7 +409,8 @@ def _oom_after_failure(error: RankError, step, device: str, budget_bytes: int | 
 
 
 def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placement | None = None,
-                 timeout: float = 600.0, budget: int | str | None = None) -> list:
+                 timeout: float = 600.0, budget: int | str | None = None,
+                 ds_config: dict | None = None) -> list:
     """Measure several ZeRO configurations in one multi-rank launch.
 
     All ``steps`` must share ``world_size``. The ranks run where ``placement`` says, else on
@@ -426,7 +439,8 @@ def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placemen
     ranks = []
     if todo:
         try:
-            ranks = run_ranks(zero_worker, world, kwargs={"steps": todo, "budget": budget_bytes},
+            ranks = run_ranks(zero_worker, world, kwargs={"steps": todo, "budget": budget_bytes,
+                                                          "ds_config": ds_config},
                               timeout=timeout, placement=placement)
         except RankError as e:
             if len(todo) > 1:
@@ -454,14 +468,15 @@ def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placemen
 
 
 def measure_distributed(step=None, *, device: str | None = "cpu", placement: Placement | None = None,
-                        timeout: float = 600.0, budget: int | str | None = None, **overrides):
+                        timeout: float = 600.0, budget: int | str | None = None,
+                        ds_config: dict | None = None, **overrides):
     """One ZeRO step on ``step.world_size`` ranks with DeepSpeed: a :class:`MemoryReport`
     whose ``per_rank`` holds one report per rank (``to_dict()["per_rank"]``). ``budget`` is
     each rank's, enforced in the ranks; ranks are placed as in :func:`measure_zero`."""
     step = step or StepConfig()
     step = replace(step, **overrides) if overrides else step
     return measure_zero([step], device=device, placement=placement, timeout=timeout,
-                        budget=budget)[0]
+                        budget=budget, ds_config=ds_config)[0]
 
 
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,199 @@
+"""A run as its configs write it: a DeepSpeed JSON through --deepspeed (its "auto" values as HF's
+Trainer fills them, DeepSpeed's own reading and refusals, its bucket sizes in the estimate) and
+peft's adapter_config.json."""
+import json
+from importlib import resources
+
+import pytest
+
+from memlab import hf, run_config
+from memlab.cli import main
+from memlab.distributed.deepspeed_config import deepspeed_config
+from memlab.errors import InputError
+from memlab.step import StepConfig
+
+CURRICULUM = str(resources.files("memlab").joinpath("data", "deepspeed", "curriculum.json"))
+HF = ["--hf-config", "gpt2", "--seq", "256", "--checkpointing", "full", "--gpu", "A100-80GB"]
+
+
+def _json(capsys, argv: list[str]) -> dict:
+    assert main(argv) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def test_shipped_config_is_the_curriculums():
+    """course/curriculum.md sec. 5: train_batch_size 8, accumulation 4, fp16, ZeRO-3 with the
+    optimizer offloaded to the CPU, activation checkpointing partitioned and contiguous."""
+    cfg = json.loads(open(CURRICULUM).read())
+    assert cfg["train_batch_size"] == 8 and cfg["gradient_accumulation_steps"] == 4
+    assert cfg["fp16"]["enabled"] and cfg["zero_optimization"]["stage"] == 3
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert cfg["activation_checkpointing"] == {"partition_activations": True,
+                                               "contiguous_memory_optimization": True}
+
+
+def test_curriculum_config_as_lesson_10_runs_it_equals_the_flags(tmp_path, capsys):
+    """Lesson 10 runs the curriculum's config with memlab's bucket sizes merged in; through
+    --deepspeed on 2 ranks of GPT-2 it is the estimate of the equivalent flags: DeepSpeed derives
+    the micro-batch 8 / (4 x 2) = 1, so 4 sequences per rank in 4 micro-batches."""
+    cfg = json.loads(open(CURRICULUM).read())
+    step = StepConfig(zero=3, world_size=2)
+    cfg["zero_optimization"] = {**deepspeed_config(step)["zero_optimization"], **cfg["zero_optimization"]}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    via = _json(capsys, ["estimate", *HF, "--world-size", "2", "--deepspeed", str(path), "--json"])
+    flags = _json(capsys, ["estimate", *HF, "--world-size", "2", "--zero", "3", "--offload", "optimizer",
+                           "--precision", "fp16", "--batch", "4", "--micro-batches", "4", "--json"])
+    assert via["config"]["batch"] == 4 and via["config"]["micro_batches"] == 4
+    assert via["peak_bytes"] == pytest.approx(flags["peak_bytes"], rel=0.001)
+    assert via["host_bytes"] == pytest.approx(flags["host_bytes"], rel=0.001)
+    assert any("partition_activations" in n for n in via["notes"])
+
+
+def test_curriculum_config_as_written_has_deepspeeds_default_buckets(capsys):
+    """Without bucket keys DeepSpeed's defaults hold: its config class says reduce_bucket_size
+    5e8 elements. The reduce bucket is held all step (16-bit: 2 bytes an element), so against
+    the flags (memlab's 2**20) the held gradients grow by exactly that difference."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    default = int(DeepSpeedZeroConfig().reduce_bucket_size)
+    via = _json(capsys, ["estimate", *HF, "--world-size", "2", "--deepspeed", CURRICULUM, "--json"])
+    flags = _json(capsys, ["estimate", *HF, "--world-size", "2", "--zero", "3", "--offload", "optimizer",
+                           "--precision", "fp16", "--batch", "4", "--micro-batches", "4", "--json"])
+    grown = via["by_category"]["gradients"] - flags["by_category"]["gradients"]
+    assert grown == 2 * (default - 2**20)
+
+
+def test_auto_values_are_filled_as_the_trainer_fills_them():
+    """HF's rules (transformers/integrations/deepspeed.py): the micro-batch from the per-device
+    batch, train_batch_size = ranks x micro x accumulation, bf16 from the precision,
+    reduce_bucket_size = hidden^2, stage3_prefetch_bucket_size = 0.9 hidden^2,
+    stage3_param_persistence_threshold = 10 hidden."""
+    auto = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                  "stage3_prefetch_bucket_size": "auto",
+                                  "stage3_param_persistence_threshold": "auto"}}
+    h = 768
+    run = run_config.read_deepspeed(auto, world_size=2, hidden_size=h, batch=8, micro_batches=2,
+                                    precision="bf16")
+    assert (run.micro_batch, run.accumulation, run.train_batch) == (4, 2, 2 * 4 * 2)
+    assert run.precision == "bf16" and run.zero == 3 and run.batch == 8
+    assert (run.buckets.reduce, run.buckets.prefetch, run.buckets.persistence) == (h * h, int(0.9 * h * h), 10 * h)
+
+
+@pytest.mark.parametrize("config, needle", [
+    ({"train_batch_size": 8, "gradient_accumulation_steps": 3}, "train_batch_size is not equal"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 5}}, "Input should be 0, 1, 2, 3"),
+    ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}},
+     "bfloat16 and fp16 modes cannot be simultaneously enabled"),
+])
+def test_a_config_deepspeed_rejects_exits_2_with_its_reason(config, needle, tmp_path, capsys):
+    """The reasons are DeepSpeed's own (runtime/config.py and its pydantic ZeRO config)."""
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(config))
+    assert main(["estimate", "--model", "tiny", "--world-size", "2", "--deepspeed", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_bucket_sizes_change_the_estimate_by_deepspeeds_accounting():
+    """The fast sibling of the measured check below: DeepSpeed's accounting of the comm bucket
+    is reduce_bucket_size elements of the model's dtype (deepspeed_zero.zero_accounting); two
+    buckets at stages 1-2 under overlap_comm (stage_1_and_2.py setup_buckets)."""
+    from memlab.estimate import estimate_step
+    step = StepConfig(model="tiny", seq=64, batch=4, zero=2, world_size=2)
+    base = deepspeed_config(step)
+    peaks = {}
+    for n, overlap in ((2**20, False), (2**21, False), (2**21, True)):
+        cfg = json.loads(json.dumps(base))
+        cfg["zero_optimization"].update(reduce_bucket_size=n, overlap_comm=overlap)
+        run = run_config.read_deepspeed(cfg, world_size=2, hidden_size=128)
+        peaks[n, overlap] = estimate_step(step, buckets=run.buckets, target="cpu").peak_bytes
+    assert peaks[2**21, False] - peaks[2**20, False] == 4 * (2**21 - 2**20)
+    assert peaks[2**21, True] - peaks[2**21, False] == 4 * 2**21
+
+
+def test_lora_config_is_read_as_peft_writes_it(tmp_path):
+    cfg = hf.gpt_config("llama-3-8b")
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({"peft_type": "LORA", "r": 16, "target_modules": ["q_proj", "v_proj"],
+                                "lora_alpha": 32, "modules_to_save": ["lm_head"]}))
+    spec = run_config.read_lora_config(path, cfg)
+    assert spec.rank == 16 and set(spec.targets) == {"q_proj", "v_proj"}
+    assert any("modules_to_save" in n for n in spec.notes)
+    assert run_config.read_lora_config({"r": 4, "target_modules": "all-linear"}, cfg).targets == \
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    with pytest.raises(InputError, match="names"):
+        run_config.read_lora_config({"r": 4, "target_modules": ["c_attn"]}, cfg)
+
+
+def _training_args(tmp_path, **kw) -> str:
+    """A real TrainingArguments, written as the Trainer's to_json_string() writes it."""
+    from transformers import TrainingArguments
+    path = tmp_path / "args.json"
+    path.write_text(TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, **kw).to_json_string())
+    return str(path)
+
+
+def test_training_args_are_the_step_they_describe(tmp_path, capsys):
+    """per-device batch 2 x accumulation 4, bf16, gradient checkpointing (non-reentrant), 8-bit
+    AdamW by its HF name: the estimate of the flags that say the same; a field memlab does not
+    model (torch_compile, neftune) is named, not dropped."""
+    path = _training_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                          bf16=True, gradient_checkpointing=True, optim="adamw_bnb_8bit",
+                          gradient_checkpointing_kwargs={"use_reentrant": False},
+                          torch_compile=True, neftune_noise_alpha=5.0)
+    common = ["estimate", "--hf-config", "gpt2", "--seq", "256", "--target", "cpu", "--json"]
+    via = _json(capsys, [*common, "--training-args", path])
+    flags = _json(capsys, [*common, "--batch", "8", "--micro-batches", "4", "--precision", "bf16",
+                           "--checkpointing", "full", "--optimizer", "adamw-8bit"])
+    assert via["peak_bytes"] == flags["peak_bytes"] and via["config"]["micro_batches"] == 4
+    note = next(n for n in via["notes"] if "not modelled" in n)
+    assert "torch_compile" in note and "neftune_noise_alpha" in note
+    assert any("use_reentrant=False" in n for n in via["notes"])
+
+
+def test_sft_config_yaml_max_length_and_packing(tmp_path, capsys):
+    """TRL's SFTConfig fields: max_length sets the sequence, packing is explained."""
+    path = tmp_path / "sft.yaml"
+    path.write_text("per_device_train_batch_size: 1\nmax_length: 512\npacking: true\nbf16: true\n"
+                    "dataset_text_field: text\n")
+    out = _json(capsys, ["estimate", "--hf-config", "gpt2", "--target", "cpu", "--training-args",
+                         str(path), "--json"])
+    assert out["seq"] == 512 and out["batch"] == 1 and out["config"]["precision"] == "bf16"
+    assert any("packing" in n for n in out["notes"])
+
+
+def test_training_args_deepspeed_mismatch_is_hfs_error(tmp_path, capsys):
+    """The Trainer refuses a DeepSpeed config whose batch keys contradict TrainingArguments."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}))
+    path = _training_args(tmp_path, per_device_train_batch_size=2, deepspeed=str(ds))
+    assert main(["estimate", "--model", "tiny", "--seq", "64", "--world-size", "2",
+                 "--training-args", path]) == 2
+    err = capsys.readouterr().err
+    assert "mismatch TrainingArguments" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_bucket_sizes_change_a_real_deepspeed_run_as_the_estimate_says(tmp_path, capsys):
+    """Two real DeepSpeed ZeRO-1 runs of the tiny GPT on 2 CPU ranks with the user's
+    reduce_bucket_size at 2**20 and 2**22 elements: the measured peak moves by what the
+    estimate moves and by what DeepSpeed's own accounting of its comm bucket moves, within 5%
+    (achieved: all three 12,582,912 bytes). Fast sibling:
+    test_bucket_sizes_change_the_estimate_by_deepspeeds_accounting."""
+    base = deepspeed_config(StepConfig(model="tiny", seq=64, batch=4, zero=1, world_size=2))
+    out = {}
+    for n in (2**20, 2**22):
+        cfg = json.loads(json.dumps(base))
+        cfg["zero_optimization"]["reduce_bucket_size"] = n
+        path = tmp_path / f"ds_{n}.json"
+        path.write_text(json.dumps(cfg))
+        argv = ["--model", "tiny", "--seq", "64", "--batch", "4", "--world-size", "2",
+                "--deepspeed", str(path), "--json"]
+        out[n] = (_json(capsys, ["estimate", *argv, "--target", "cpu"]), _json(capsys, ["measure", *argv]))
+    est = out[2**22][0]["peak_bytes"] - out[2**20][0]["peak_bytes"]
+    real = out[2**22][1]["peak_bytes"] - out[2**20][1]["peak_bytes"]
+    accounted = out[2**22][1]["allocator"]["comm_buffers"] - out[2**20][1]["allocator"]["comm_buffers"]
+    assert est == accounted == 4 * (2**22 - 2**20)
+    assert real == pytest.approx(est, rel=0.05)
