@@ -45,11 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="rows whose label contains this text")
     p.add_argument("--no-simulate", action="store_true", help="estimates only (seconds)")
     args = p.parse_args(argv)
-    lenses = [l for l in LENSES if not (args.no_simulate and l.startswith("sim"))]
+    lenses = [lens for lens in LENSES if not (args.no_simulate and lens.startswith("sim"))]
     rows = reference_steps(args.gpu)
     processes: dict[str, CachingAllocator] = {}
-    print(f"{'row':<22} {'step':<48} {'allocator MiB':>13} " + " ".join(f"{l:>9}" for l in lenses))
-    worst: dict[str, tuple[float, str]] = {l: (0.0, "") for l in lenses}
+    print(f"{'row':<22} {'step':<48} {'allocator MiB':>13} " + " ".join(f"{lens:>9}" for lens in lenses))
+    worst: dict[str, tuple[float, str]] = {lens: (0.0, "") for lens in lenses}
     start = time.perf_counter()
     shown = 0
     for ref in rows:
@@ -61,13 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         shown += 1
         err = errors(ref, process)
         print(f"{ref.source.split('/', 1)[1]:<22} {ref.label:<48} {ref.allocator_peak / 2**20:>13.1f} "
-              + " ".join(f"{err[l]:>+9.2%}" for l in lenses), flush=True)
-        for l in lenses:
-            if abs(err[l]) > abs(worst[l][0]):
-                worst[l] = (err[l], ref.label)
+              + " ".join(f"{err[lens]:>+9.2%}" for lens in lenses), flush=True)
+        for lens in lenses:
+            if abs(err[lens]) > abs(worst[lens][0]):
+                worst[lens] = (err[lens], ref.label)
     print(f"\nworst case per lens over {shown} rows ({time.perf_counter() - start:.0f} s):")
-    for l in lenses:
-        print(f"  {l:<9} {worst[l][0]:+7.2%}  {worst[l][1]}")
+    for lens in lenses:
+        print(f"  {lens:<9} {worst[lens][0]:+7.2%}  {worst[lens][1]}")
     return 0
 
 

@@ -27,10 +27,10 @@ Pipeline parallelism adds nothing here: with 1F1B the first of ``p`` stages keep
 micro-batches of ``L/p`` layers, the activations of one rank without it (sec. 4.2.3), and
 ZeRO-3 already divided the model states.
 
-A technique that raises the peak (bf16 autocast on a model whose activations are
-small keeps fp32 weights *and* adds bf16 copies) is tried, reported, and left out of the plan; one that leaves it equal (ZeRO-2 when the peak
-sits where gradients do not exist yet) is kept, as later stages build on it; tensor parallelism
-is kept only when it lowers the peak by at least 1% (``TP_MIN_SAVING``).
+A technique that raises the peak (bf16 autocast on a model whose activations are small keeps fp32
+weights *and* adds bf16 copies) is tried, reported, and left out of the plan; one that leaves it
+equal (ZeRO-2 when the peak sits where gradients do not exist yet) is kept, as later stages build on
+it; tensor parallelism is kept only when it lowers the peak by at least 1% (``TP_MIN_SAVING``).
 
 >>> a = advise("llama-7b", "A100-40GB", world_size=8, seq=4096, batch=1)
 >>> a.plan, a.fits

@@ -57,7 +57,7 @@ def _positive_int(name: str):
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {value}")
         return value

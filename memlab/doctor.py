@@ -159,9 +159,10 @@ def collect(build: bool = True) -> tuple[list[Check], dict[str, str]]:
     checks.append(Check("cpu cores", "ok" if cores >= 2 else "warn",
                         f"{cores}" + ("" if cores >= 2 else ": the two ranks of 09-13, 15 share one core (slow)")))
     ram = _ram_bytes()
-    checks.append(Check("ram", "ok" if ram and ram >= MIN_RAM else "warn",
+    ram_ok = ram and ram >= MIN_RAM
+    checks.append(Check("ram", "ok" if ram_ok else "warn",
                         (fmt_bytes(ram) if ram else "unknown")
-                        + ("" if ram and ram >= MIN_RAM else f"; keep {fmt_bytes(MIN_RAM)} free for a kernel and two ranks")))
+                        + ("" if ram_ok else f"; keep {fmt_bytes(MIN_RAM)} free for a kernel and two ranks")))
     gpus = 0
     try:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .cards import CARDS, Card, detect_card  # noqa: F401  (re-exported: the hardware layer)
+from .cards import CARDS
 from .errors import InputError
 from .units import parse_size
 

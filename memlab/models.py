@@ -559,12 +559,12 @@ class UNet(nn.Module):
         temb = self.time(_time_embedding(t, self.cfg.base))
         h = self.inp(x)
         skips = []
-        for block, pool in zip(self.down, self.pool):
+        for block, pool in zip(self.down, self.pool, strict=True):
             h = self._res(block, h, temb)
             skips.append(h)
             h = pool(h)
         h = self.mid_attn(self._res(self.mid, h, temb))
-        for block, up in zip(self.up, self.upsample):
+        for block, up in zip(self.up, self.upsample, strict=True):
             h = self._res(block, torch.cat([h, skips.pop()], dim=1), temb)
             h = up(h)
         return F.mse_loss(self.out(h), noise)

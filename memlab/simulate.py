@@ -41,9 +41,8 @@ import time
 from dataclasses import replace
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .cards import Card  # noqa: F401  (a type in a signature)
+from .cards import Card
 from .hardware import resolve_budget
 from .measure import run_tracked_step
 from .models import UNetConfig
@@ -51,6 +50,7 @@ from .policy import emulate, resolve_target
 from .policy.caching_allocator import CachingAllocator, replay_steady_step
 from .states import ModelStates, model_states
 from .step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
+from .torch_private import FakeTensorMode
 from .tracking import CATEGORIES, Event
 from .units import fmt_bytes
 
@@ -170,7 +170,7 @@ def _deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float) 
         top = max(events, key=lambda e: e.total)
         report.timeline = events
         report.peak_bytes = top.total
-        report.by_category = dict(zip(CATEGORIES, top.by_category))
+        report.by_category = dict(zip(CATEGORIES, top.by_category, strict=True))
     host = {c: int(round(ms.host.get(c, 0.0))) for c in CATEGORIES}
     report.host_bytes, report.host_by_category = sum(host.values()), host
     report.notes.append(f"DeepSpeed step: simulated in {ms.compute_precision} without autocast, "

@@ -208,7 +208,7 @@ class MemoryReport:
         report without a timeline (the estimate, a rank's summary) has only the peak's split."""
         peaks = {c: int(self.by_category.get(c, 0)) for c in CATEGORIES}
         for e in self.timeline:
-            for c, b in zip(CATEGORIES, e.by_category):
+            for c, b in zip(CATEGORIES, e.by_category, strict=True):
                 peaks[c] = max(peaks[c], int(b))
         return peaks
 
@@ -379,7 +379,7 @@ class Trainer:
         """One optimizer step over ``micro_batches`` slices; returns the detached loss."""
         k = self.step_config.micro_batches
         total = None
-        for micro in zip(*(t.chunk(k) for t in batch)):
+        for micro in zip(*(t.chunk(k) for t in batch), strict=True):
             with autocast_for(self.step_config.precision, self.device):
                 loss = self.model(*micro) / k
             (self.scaler.scale(loss) if self.scaler else loss).backward()

@@ -210,7 +210,7 @@ def multi_rank(step: StepConfig, world_size: int = 2, placement: Placement | Non
     # the launch's first engine is slow to start: time the second
     reps = measure_zero(zs, placement=placement)[1:]
     out = {f"zero{z}": {"peak_bytes": r.peak_bytes, "seconds": r.step_seconds,
-                        "allocator": dict(r.allocator)} for z, r in zip((0, 1, 2, 3), reps)}
+                        "allocator": dict(r.allocator)} for z, r in zip((0, 1, 2, 3), reps[:4], strict=True)}
     off = reps[-1]
     out["offload"] = {"peak_bytes": off.peak_bytes, "seconds": off.step_seconds,
                       "allocator": dict(off.allocator)}

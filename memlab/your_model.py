@@ -18,19 +18,20 @@ device from the model (``next(model.parameters()).device.type``), not a hard-cod
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .errors import InputError
 from .hardware import resolve_budget
 from .measure import add_workspace, run_tracked_step
 from .policy import emulate, resolve_target
 from .step import MemoryReport
+from .torch_private import FakeTensorMode
 from .tracking import CATEGORIES, MemoryTracker, OOMInfo
 from .units import fmt_bytes
 
@@ -256,7 +257,8 @@ def simulate_model(build_fn: Callable[[], tuple[nn.Module, object]],
                    if budget_bytes is not None else None)
         if refused is not None:
             return refused
-        trainer = _FnTrainer(model, optimizer, torch.device("cpu"), lambda: step_fn(model, optimizer))
+        # bound now: the closure's names are deleted below
+        trainer = _FnTrainer(model, optimizer, torch.device("cpu"), functools.partial(step_fn, model, optimizer))
         tracker, _, before, after = run_tracked_step(trainer, (), budget_bytes, warmup="optimizer",
                                                      accounting=tgt.accounting())
         report = _report("simulate", info, f"{tgt.name} (fake)", tracker, budget_bytes, None,

@@ -34,7 +34,7 @@ def test_tiny_plan_is_what_a_real_step_needs():
     assert a.step.model_config == both.model_config
     real = [measure_step(s).peak_bytes for s in (base, bf16, both)]
     assert real[0] > real[1] > usable >= real[2]
-    for planned, measured in zip((s["peak_bytes"] for s in a.steps), real):
+    for planned, measured in zip((s["peak_bytes"] for s in a.steps), real, strict=True):
         assert measured <= planned <= 1.02 * measured
     assert [s["fits"] for s in a.steps] == [False, False, True]
     assert all(s["simulated_bytes"] is not None for s in a.steps)  # one rank, small: simulated
@@ -151,7 +151,8 @@ def test_techniques_that_lower_memory_never_raise_the_estimate(model, world):
     activations its bf16 weight copies can cost more than it saves (the advisor skips it)."""
     seq = 256 if model == "tiny" else 1024
     base = StepConfig(model=model, seq=seq, batch=2, precision="bf16", world_size=world)
-    peak = lambda s: estimate_step(s).peak_bytes  # noqa: E731
+    def peak(s):
+        return estimate_step(s).peak_bytes
     assert peak(replace(base, checkpointing="full")) <= peak(base)
     ck = replace(base, checkpointing="full")
     for stage in (1, 2, 3):

@@ -122,7 +122,7 @@ def _replay_recording_process(rows) -> list[tuple[str, float]]:
 @pytest.mark.parametrize("name", ["devset.json", "gpu_check.json"])
 def test_simulate_in_the_recording_process_matches_the_allocator(name):
     rows = [r for r in STEPS if r.file == name]
-    for ref, (label, err) in zip(rows, _replay_recording_process(rows)):
+    for ref, (label, err) in zip(rows, _replay_recording_process(rows), strict=True):
         low, high = IN_PROCESS_BOUNDS[_family(ref)]
         assert low < err < high, f"{label}: simulate in the recording process {err:+.2%}"
 

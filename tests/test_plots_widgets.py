@@ -2,13 +2,13 @@
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
 
-from memlab import CATEGORIES, StepConfig, measure_step  # noqa: E402
-from memlab.plots import plot_curve, plot_grad_histogram, plot_lenses, plot_timeline, plot_tradeoff, timeline_array  # noqa: E402
-from memlab.widgets import StepPanel  # noqa: E402
+from memlab import CATEGORIES, StepConfig, measure_step
+from memlab.plots import plot_curve, plot_grad_histogram, plot_lenses, plot_timeline, plot_tradeoff, timeline_array
+from memlab.widgets import StepPanel
 
 MiB = 2**20
 

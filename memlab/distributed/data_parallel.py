@@ -76,7 +76,7 @@ def ddp_worker(rank: int, world_size: int, step: StepConfig) -> dict:
     grads = [p.grad.detach().clone() for p in model.parameters()]
     opt.step()
     ref(inputs, targets).backward()                            # one process, the whole batch
-    diff = max((g - p.grad).abs().max().item() for g, p in zip(grads, ref.parameters()))
+    diff = max((g - p.grad).abs().max().item() for g, p in zip(grads, ref.parameters(), strict=True))
     scale = max(p.grad.abs().max().item() for p in ref.parameters())
     params = list(model.parameters())
     nbytes = {"parameters": sum(p.nbytes for p in params),

@@ -1,11 +1,11 @@
 """ZeRO with real DeepSpeed: its per-rank accounting, and ranks that measure it.
 
 :func:`memlab.distributed.deepspeed_config.deepspeed_config` writes the config a
-:class:`~memlab.step.StepConfig` describes; :func:`zero_rank_step` runs one rank's engine under the tracker (or, on CUDA, the caching
-allocator) and :func:`zero_accounting` reads what DeepSpeed's ZeRO optimizer holds, by
-account; :func:`measure_zero` and :func:`measure_distributed` start the ranks
-(:func:`memlab.distributed.ranks.run_ranks`) and return a :class:`~memlab.step.MemoryReport` per step
-with ``per_rank``. The per-rank formula is :func:`memlab.distributed.zero.zero_formula`.
+:class:`~memlab.step.StepConfig` describes; :func:`zero_rank_step` runs one rank's engine under the
+tracker (or, on CUDA, the caching allocator) and :func:`zero_accounting` reads what DeepSpeed's ZeRO
+optimizer holds, by account; :func:`measure_zero` and :func:`measure_distributed` start the ranks
+(:func:`memlab.distributed.ranks.run_ranks`) and return a :class:`~memlab.step.MemoryReport` per
+step with ``per_rank``. The per-rank formula is :func:`memlab.distributed.zero.zero_formula`.
 """
 from __future__ import annotations
 

@@ -12,13 +12,13 @@ import time
 from dataclasses import replace
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..errors import InputError
 from ..hardware import resolve_budget
 from ..models import GPTConfig, build_model
 from ..step import MemoryReport, StepConfig, make_batch
+from ..torch_private import FakeTensorMode, fsdp2_mem_tracker
 from ..tracking import CATEGORIES, MemoryTracker
 from .ranks import fake_process_group
 
@@ -79,7 +79,7 @@ def _fsdp_tracked_step(step, mesh, mode=None) -> "MemoryTracker":
             model(*(t[:1, :1] for t in batch))
 
         def one_step() -> None:
-            for micro in zip(*(t.chunk(step.micro_batches) for t in batch)):
+            for micro in zip(*(t.chunk(step.micro_batches) for t in batch), strict=True):
                 loss = model(*micro) / step.micro_batches
                 loss.backward()
                 del loss
@@ -104,7 +104,7 @@ _FSDP_CATEGORIES = {"Sharded Param": "parameters", "Sharded Grad": "gradients",
 def _fast_fsdp_tracker() -> type:
     """FSDPMemTracker without its bookkeeping on ``prim.device``: a device query allocates
     nothing, and under fake tensors it is half of all dispatched calls."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    FSDPMemTracker = fsdp2_mem_tracker()
     device_query = torch.ops.prim.device.default
 
     class Tracker(FSDPMemTracker):

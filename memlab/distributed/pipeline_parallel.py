@@ -2,6 +2,7 @@
 measured per stage: GPipe and 1F1B schedules, their bubbles and the activations in flight."""
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -100,7 +101,7 @@ def stage_bounds(n_layer: int, stages: int) -> list[tuple[int, int]]:
     if stages > n_layer:
         raise InputError(f"stages={stages} exceeds n_layer={n_layer}: each stage needs a block")
     cuts = [round(i * n_layer / stages) for i in range(stages + 1)]
-    return list(zip(cuts, cuts[1:]))
+    return list(itertools.pairwise(cuts))
 
 
 def in_flight(events: list[tuple[str, int, float, float]]) -> int:
@@ -155,7 +156,7 @@ def pp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256
             stage = PipelineStage(mod, rank, world_size, dev)
             sched = kinds[name](stage, m, loss_fn=_loss_fn(mod))  # every rank: it enables backward
 
-            def run():
+            def run(sched=sched):  # this iteration's schedule, bound at definition
                 losses: list = []
                 dist.barrier()
                 mod.clock.reset()

@@ -21,10 +21,10 @@ Megatron-Core's ``divide`` does.
 from __future__ import annotations
 
 import copy
+import itertools
 import types
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
@@ -32,6 +32,7 @@ from ..errors import InputError
 from ..hardware import Placement
 from ..models import GPT, GPTConfig
 from ..step import StepConfig, make_batch
+from ..torch_private import FakeTensorMode
 from ..tracking import MemoryTracker
 from .parallel_common import ParallelResult, is_sharded, local_bytes, rank_device, set_rank_threads, worker_step
 from .parallel_formulas import tp_activation_bytes
@@ -173,8 +174,8 @@ def tp_tracked_step(tp: GPT, opt: torch.optim.Optimizer, idx: torch.Tensor,
         opt.zero_grad(set_to_none=True)
         for hk in hooks:
             hk.remove()
-    per_layer = sorted(b - a for a, b in zip(marks, marks[1:]))
-    out["layer_activation_bytes"] = [b - a for a, b in zip(marks, marks[1:])]
+    per_layer = sorted(b - a for a, b in itertools.pairwise(marks))
+    out["layer_activation_bytes"] = [b - a for a, b in itertools.pairwise(marks)]
     # the median: gloo's thread may free an all-reduce's input after a block's hook has read
     # the live bytes (a layer late, or past the last block), so one layer can read high
     mid = len(per_layer) // 2
