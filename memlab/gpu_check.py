@@ -24,7 +24,7 @@ The reference files have the names of the shipped ``NVIDIA-H200`` folder:
                     and ZeRO-3 + parameter offload
 ``cli_measure_zero2_offload.json``  ``memlab measure`` (one DeepSpeed rank) of the offload step
 
-:func:`memlab.technique_table.load_references` reads these folders; lesson 11 and ``memlab report``
+:func:`memlab.technique_table.load_references` reads these folders; the offload lesson and ``memlab report``
 show their GPU columns.
 """
 from __future__ import annotations
@@ -240,7 +240,7 @@ def collect_deepspeed(step: StepConfig = DEEPSPEED_STEP, cases=DEEPSPEED_CASES) 
 
 
 # The cases of zero_offload_one_gpu.json a gpu-check runs (each a fresh DeepSpeed process):
-# plain ZeRO-2 and ZeRO-2 + optimizer offload, the pair lesson 11 compares.
+# plain ZeRO-2 and ZeRO-2 + optimizer offload, the pair the offload lesson compares.
 CHECK_DEEPSPEED_CASES = [(2, "none"), (2, "optimizer")]
 
 

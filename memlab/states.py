@@ -1,6 +1,6 @@
 """Model states: the bytes of parameters, gradients and optimizer state per rank, and where
 they live. The one source for the estimate, the simulation's correction, the advisor, the
-report's ZeRO savings and lesson 06.
+report's ZeRO savings and lesson 10.
 
 Two layouts, decided by :func:`under_deepspeed`:
 

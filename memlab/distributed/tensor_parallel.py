@@ -234,7 +234,7 @@ def simulate_tensor_parallel(step: StepConfig | None = None, tensor_parallel: in
     a fake process group (collectives return at once) and fake tensors, tracked exactly.
 
     Every rank holds the same shapes, so rank 0 stands for all; the numbers equal a real
-    run's (lesson 08 checks it on the tiny model), for models no laptop could hold.
+    run's (lesson 12 checks it on the tiny model), for models no laptop could hold.
     """
     tp = tensor_parallel if tp is None else tp  # ``tp=``: the old spelling lesson 12 uses
     step = step or StepConfig()
