@@ -65,7 +65,13 @@ TP_MIN_SAVING = 0.01  # ... and is worth that only if it lowers the peak by 1% o
 
 @dataclass
 class Advice:
-    """What :func:`advise` found: every step tried, the plan kept, and its DeepSpeed config."""
+    """What :func:`advise` found: every step tried, the plan kept, and its DeepSpeed config.
+
+    Args:
+        steps, plan, step: every technique tried (a row each), the ones kept, the step they make.
+        peak_bytes, budget_bytes, usable_bytes, headroom, fits: the plan's peak against the card.
+        tensor_parallel, deepspeed_config, message, host_bytes, target: the rest of the plan.
+    """
 
     steps: list[dict]
     plan: list[str]
@@ -177,6 +183,17 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     ``estimate_step(advice.step, tensor_parallel=advice.tensor_parallel, target=advice.target)``
     estimates the config it emits; a size plans for the GPU present, else the CPU
     (``target`` names one outright).
+
+    Args:
+        model, gpu, world_size, seq, batch: the run to plan.
+        attention, optimizer, headroom: the step's attention and optimizer; the share of the card kept free.
+        simulate, simulate_seconds, target, card: as above.
+
+    Returns:
+        An :class:`Advice`: every step tried, the plan kept, its DeepSpeed config.
+
+    Raises:
+        InputError: a model, card or size that is not allowed.
     """
     if not 0 <= headroom < 1:
         raise InputError(f"headroom {headroom!r} is outside [0, 1): give a fraction such as 0.1")

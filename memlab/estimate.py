@@ -396,6 +396,17 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     the parameters grow by them, gradients and optimizer state are theirs alone, and autocast
     caches no weight copies (it caches casts of leaves that require grad only);
     ``frozen_activation_bytes`` are the activations the frozen layers do not keep.
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); ``overrides`` replace its fields.
+        budget: bytes, a size string or a GPU preset; the report says whether the step fits.
+        target, card, tensor_parallel, trainable_params, frozen_activation_bytes: as above.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``"estimate"``) of one rank.
+
+    Raises:
+        InputError: a field, preset, budget or ``tensor_parallel`` that is not allowed.
     """
     tgt = resolve_target(target, budget, card)
     step = resolve_step(step, **overrides)

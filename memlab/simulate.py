@@ -84,6 +84,16 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     fresh process. A warm cache can hand out larger blocks: on the H200 reference rows
     recorded after others, a fresh process reads up to 0.62% under the allocator, the
     process they were recorded in from 0.01% under to 0.31% over.
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); ``overrides`` replace its fields.
+        budget, target, card, allocator: as above.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``"simulate"``); ``oom`` says where a step over budget ran out.
+
+    Raises:
+        InputError: a field, preset, budget or target that is not allowed.
     """
     tgt = resolve_target(target, budget, card)
     step = resolve_step(step, **overrides)

@@ -195,6 +195,14 @@ class MemoryTracker(TorchDispatchMode):
     type are host memory. ``None`` takes the device of the first model tracked (or of the
     first tensor seen). ``accounting`` counts the device's bytes as another device would
     (default: exact bytes).
+
+    Args:
+        budget, cuda_history, device, accounting: as above.
+        cuda: also read CUDA's allocator statistics (``None``: when the device is CUDA).
+        max_history_entries: the CUDA history's length.
+
+    Raises:
+        InputError: a budget that is not a size or a GPU preset.
     """
 
     def __init__(self, budget: int | str | None = None, *, cuda: bool | None = None,

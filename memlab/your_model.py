@@ -156,6 +156,17 @@ def track_step(step_fn: Callable[[], object], *, model: nn.Module, optimizer=Non
     states alone exceed the budget the step is not run (a ``build``-phase OOM).
     ``snapshot_path`` (CUDA) writes the allocator history for pytorch.org/memory_viz.
     ``known`` (``seq``, ``batch``, ``precision``, ``checkpointing``) labels the report.
+
+    Args:
+        step_fn: one training step of your code, called with no arguments.
+        model, optimizer: what ``step_fn`` trains (their bytes are parameters, gradients, optimizer).
+        budget, device, warmup, snapshot_path, known: as above.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``"measure"``).
+
+    Raises:
+        InputError: a budget or device that is not allowed.
     """
     if not callable(step_fn):
         raise InputError(f"step_fn must be a function running one training step, got {type(step_fn).__name__}")
@@ -242,6 +253,17 @@ def simulate_model(build_fn: Callable[[], tuple[nn.Module, object]],
     The optimizer state is created first (zero gradients, one step), then one step is
     tracked. ``known`` labels the report (``seq``, ``batch``, ``precision``, ...). Under a
     ``budget`` that the model states alone exceed, the step is not run (a ``build`` OOM).
+
+    Args:
+        build_fn: returns ``(model, optimizer)``, called under fake tensors.
+        step_fn: ``step_fn(model, optimizer)`` runs one training step.
+        target, budget, known: as above.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``"simulate"``).
+
+    Raises:
+        InputError: ``build_fn`` returned something else, or a target or budget not allowed.
     """
     tgt = resolve_target(target, budget)
     budget_bytes = resolve_budget(budget)

@@ -166,6 +166,17 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None, *
     5% higher on real ranks (a 2-layer toy: one block's fp32 reduce-scatter input lived
     longer there), a difference in collective timing the fake group does not have. Returns a
     :class:`MemoryReport` (lens "simulate") with ``per_rank``.
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); ``overrides`` replace its fields.
+        world_size: ranks to shard over (``None``: ``step.world_size``).
+        budget: each rank's, as in :func:`memlab.simulate.simulate_step`.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``"simulate"``) with ``per_rank``.
+
+    Raises:
+        InputError: a field, ``world_size`` or budget that is not allowed.
     """
 
     step = step or StepConfig()

@@ -207,7 +207,21 @@ def measure_pipeline(step: StepConfig | None = None, stages: int = 2, *,
                      placement: Placement | None = None) -> ParallelResult:
     """Run ``step``'s GPT as a ``stages``-rank pipeline for each schedule and micro-batch
     count; per stage: wall and busy time, bubble, micro-batches in flight, peak bytes.
-    Ranks are placed as in :func:`~memlab.distributed.tensor_parallel.measure_tensor_parallel`."""
+    Ranks are placed as in :func:`~memlab.distributed.tensor_parallel.measure_tensor_parallel`.
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); its model must be a GPT.
+        stages: ranks, one pipeline stage each.
+        micro_batches, schedules: what to run (``"gpipe"``, ``"1f1b"``); each count must divide the batch.
+        repeats, track, timeout, backend, placement: timed runs, tracking and where the ranks run.
+
+    Returns:
+        A :class:`~memlab.distributed.parallel_common.ParallelResult`, one entry per stage.
+
+    Raises:
+        InputError: a model, schedule or micro-batch count that is not allowed.
+        RankError: a rank failed (:mod:`memlab.distributed.ranks`).
+    """
     step = step or StepConfig()
     if isinstance(micro_batches, int):
         micro_batches = (micro_batches,)

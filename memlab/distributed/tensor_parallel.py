@@ -265,7 +265,20 @@ def measure_tensor_parallel(step: StepConfig | None = None, tensor_parallel: int
     """Run one TP step of ``step``'s GPT on ``tp`` spawned ranks: loss and gradients against
     one process (``check``), parameter bytes, activations per layer and the tracked peak.
     The ranks run where ``placement`` says (default :func:`~memlab.hardware.place_ranks`:
-    NCCL with one GPU per rank, else gloo on the CPU); ``backend="gloo"`` asks for the CPU."""
+    NCCL with one GPU per rank, else gloo on the CPU); ``backend="gloo"`` asks for the CPU.
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); its model must be a GPT.
+        tensor_parallel: ranks (``tp`` is the old spelling); it must divide the heads.
+        check, timeout, backend, placement: as above.
+
+    Returns:
+        A :class:`~memlab.distributed.parallel_common.ParallelResult`, one entry per rank.
+
+    Raises:
+        InputError: a model or ``tensor_parallel`` that is not allowed.
+        RankError: a rank failed (:mod:`memlab.distributed.ranks`).
+    """
     tp = tensor_parallel if tp is None else tp  # ``tp=``: the old spelling lesson 12 uses
     step = step or StepConfig()
     cfg = step.model_config
