@@ -17,13 +17,14 @@ NBVAL_CELL_TIMEOUT ?= 300
 # jupyter refuses to start as root unless told
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: help venv lab test test-fast test-slow test-notebooks bench gpu-check strip student clean
+.PHONY: help venv lab lint test test-fast test-slow test-notebooks bench gpu-check strip student clean
 .PHONY: instructor doctor site wheelhouse
 
 help:
 	@echo "make lab         open the workbook in JupyterLab (installs on first run)"
-	@echo "make test        package tests, then every notebook under nbval"
-	@echo "make test-fast   package tests only"
+	@echo "make lint        ruff over memlab, tests, tools and benchmarks (pyproject.toml's config)"
+	@echo "make test        lint, package tests, then every notebook under nbval"
+	@echo "make test-fast   lint, package tests only"
 	@echo "make test-slow   the slow tests make test leaves out: H200 replays, every notebook as a class, the site"
 	@echo "make test-notebooks  notebooks under nbval only"
 	@echo "make bench       run benchmarks/*.py"
@@ -59,11 +60,15 @@ LAB_DIR = $(if $(filter student,$(EDITION)),$(STUDENT_DIR),$(if $(filter instruc
 lab: venv $(if $(filter student,$(EDITION)),student) $(if $(filter instructor,$(EDITION)),instructor)
 	$(PY) -m jupyter lab $(LAB_ARGS) $(LAB_DIR)
 
-test: venv
+# seconds, and a lint error fails before the minutes of tests start
+lint: venv
+	$(PY) -m ruff check memlab tests tools benchmarks
+
+test: lint
 	$(run-tests)
 	$(run-notebooks)
 
-test-fast: venv
+test-fast: lint
 	$(run-tests)
 
 # The replays and whole-workbook runs (every notebook collected as a class, the whole site:

@@ -37,12 +37,14 @@ def child(name: str) -> None:
     import memlab as ml
     if name == "llama-3-8b":
         from memlab.simulate import simulate_step
-        run = lambda: simulate_step(ml.StepConfig(model="llama-3-8b", seq=8192, batch=1,  # noqa: E731
-                                                  precision="bf16", checkpointing="full"))
+        def run():
+            return simulate_step(ml.StepConfig(model="llama-3-8b", seq=8192, batch=1,
+                                               precision="bf16", checkpointing="full"))
     else:
         from memlab.distributed.fsdp import simulate_sharded
-        run = lambda: simulate_sharded(ml.StepConfig(model="llama-3-70b", seq=8192, batch=1,  # noqa: E731
-                                                     precision="bf16", checkpointing="full"), 64)
+        def run():
+            return simulate_sharded(ml.StepConfig(model="llama-3-70b", seq=8192, batch=1,
+                                                  precision="bf16", checkpointing="full"), 64)
     sim_wall, sim_cpu = time.perf_counter(), time.process_time()
     report = run()
     now_wall, now_cpu = time.perf_counter(), time.process_time()

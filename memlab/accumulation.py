@@ -24,7 +24,7 @@ class AccumulationCheck:
 def _grads(step: StepConfig, k: int, seed: int, device: str = "cpu") -> list[torch.Tensor]:
     trainer = build_trainer(replace(step, micro_batches=k), device, seed=seed)
     batch = make_batch(step, device, seed=seed)
-    for micro in zip(*(t.chunk(k) for t in batch)):
+    for micro in zip(*(t.chunk(k) for t in batch), strict=True):
         (trainer.model(*micro) / k).backward()  # mean over micro-batches = mean over batch
     return [p.grad.detach().clone() for p in trainer.model.parameters()]
 
@@ -37,8 +37,8 @@ def accumulation_check(step: StepConfig, k: int, *, seed: int = 0, rtol: float =
         raise InputError(f"k={k} must be a positive divisor of batch {step.batch}")
     one = _grads(replace(step, precision="fp32"), 1, seed, device)
     acc = _grads(replace(step, precision="fp32"), k, seed, device)
-    diff = max((a - b).abs().max().item() for a, b in zip(one, acc))
-    same = all(torch.allclose(a, b, rtol=rtol, atol=atol) for a, b in zip(one, acc))
+    diff = max((a - b).abs().max().item() for a, b in zip(one, acc, strict=True))
+    same = all(torch.allclose(a, b, rtol=rtol, atol=atol) for a, b in zip(one, acc, strict=True))
     return AccumulationCheck(k, diff, max(a.abs().max().item() for a in one), same)
 
 

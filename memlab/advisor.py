@@ -27,11 +27,10 @@ Pipeline parallelism adds nothing here: with 1F1B the first of ``p`` stages keep
 micro-batches of ``L/p`` layers, the activations of one rank without it (sec. 4.2.3), and
 ZeRO-3 already divided the model states.
 
-A technique that raises the peak (bf16 autocast on a model whose activations are
-small keeps fp32 weights *and* adds bf16 copies) is tried, reported, and left out of the
-plan; one that leaves it equal (ZeRO-2 when the peak
-sits where gradients do not exist yet) is kept, as later stages build on it; tensor parallelism
-is kept only when it lowers the peak by at least 1% (``TP_MIN_SAVING``).
+A technique that raises the peak (bf16 autocast on a model whose activations are small keeps fp32
+weights *and* adds bf16 copies) is tried, reported, and left out of the plan; one that leaves it
+equal (ZeRO-2 when the peak sits where gradients do not exist yet) is kept, as later stages build on
+it; tensor parallelism is kept only when it lowers the peak by at least 1% (``TP_MIN_SAVING``).
 
 >>> a = advise("llama-7b", "A100-40GB", world_size=8, seq=4096, batch=1)
 >>> a.plan, a.fits
@@ -69,7 +68,13 @@ MIXED = ("bf16", "fp16")  # the flowchart's mixed precision: the card's (Card.pr
 
 @dataclass
 class Advice:
-    """What :func:`advise` found: every step tried, the plan kept, and its DeepSpeed config."""
+    """What :func:`advise` found: every step tried, the plan kept, and its DeepSpeed config.
+
+    Args:
+        steps, plan, step: every technique tried (a row each), the ones kept, the step they make.
+        peak_bytes, budget_bytes, usable_bytes, headroom, fits: the plan's peak against the card.
+        tensor_parallel, deepspeed_config, message, host_bytes, target: the rest of the plan.
+    """
 
     steps: list[dict]
     plan: list[str]
@@ -210,6 +215,17 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     :func:`memlab.hf.gpt_config`) instead of ``model``. ``finetune``: also walk the
     fine-tuner's ladder (:func:`finetune_ladder`: 8-bit AdamW, LoRA of ``lora_rank`` on
     ``lora_targets``, QLoRA) from the flowchart's plan; its rows are ``Advice.ladder``.
+
+    Args:
+        model, gpu, world_size, seq, batch: the run to plan.
+        attention, optimizer, headroom: the step's attention and optimizer; the share of the card kept free.
+        simulate, simulate_seconds, target, card, hf_config, finetune, lora_rank, lora_targets: as above.
+
+    Returns:
+        An :class:`Advice`: every step tried, the plan kept, its DeepSpeed config.
+
+    Raises:
+        InputError: a model, card or size that is not allowed.
     """
     if not 0 <= headroom < 1:
         raise InputError(f"headroom {headroom!r} is outside [0, 1): give a fraction such as 0.1")

@@ -1,6 +1,6 @@
 """Dynamic batching for variable-length text: token budgets, length buckets and packing.
 
-Lesson 05's max-batch search answers "how many samples of length ``L`` fit"; real data has
+Lesson 06's max-batch search answers "how many samples of length ``L`` fit"; real data has
 lengths that vary tenfold. Activation memory follows the *padded slots* of a batch (rows x
 padded length), so a batch is bounded by a **token budget** on its slots, and the question
 becomes how many of those slots carry real tokens. Three ways to fill them:

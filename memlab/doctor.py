@@ -111,7 +111,7 @@ def check_cpu_adam(timeout: float = 900.0) -> Check:
     cache = os.environ["TORCH_EXTENSIONS_DIR"]
     ok, why = cpu_adam_buildable()
     if not ok:
-        return Check("deepspeed cpu_adam", "warn", f"cannot build ({why}); lesson 11's CPU Adam "
+        return Check("deepspeed cpu_adam", "warn", f"cannot build ({why}); the offload lesson's CPU Adam "
                      f"part is skipped, the rest runs. cache: {cache}")
     env = dict(os.environ)
     if not torch.cuda.is_available():
@@ -157,11 +157,13 @@ def collect(build: bool = True) -> tuple[list[Check], dict[str, str]]:
         checks.append(Check(pkg, "ok" if v else need, v or f"not installed: {why}"))
     cores = os.cpu_count() or 1
     checks.append(Check("cpu cores", "ok" if cores >= 2 else "warn",
-                        f"{cores}" + ("" if cores >= 2 else ": the two ranks of 09-13, 15 share one core (slow)")))
+                        f"{cores}" + ("" if cores >= 2
+                                      else ": the two ranks of the multi-rank lessons share one core (slow)")))
     ram = _ram_bytes()
-    checks.append(Check("ram", "ok" if ram and ram >= MIN_RAM else "warn",
+    ram_ok = ram and ram >= MIN_RAM
+    checks.append(Check("ram", "ok" if ram_ok else "warn",
                         (fmt_bytes(ram) if ram else "unknown")
-                        + ("" if ram and ram >= MIN_RAM else f"; keep {fmt_bytes(MIN_RAM)} free for a kernel and two ranks")))
+                        + ("" if ram_ok else f"; keep {fmt_bytes(MIN_RAM)} free for a kernel and two ranks")))
     gpus = 0
     try:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

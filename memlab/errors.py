@@ -12,7 +12,11 @@ from __future__ import annotations
 
 
 class InputError(ValueError):
-    """Bad user input; the message names the value and what is allowed."""
+    """Bad user input; the message names the value and what is allowed.
+
+    Args:
+        message: the value given and what is allowed.
+    """
 
 
 __all__ = ["InputError"]

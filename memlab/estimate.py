@@ -29,9 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .cards import Card  # noqa: F401  (a type in a signature)
+from .cards import Card
 from .errors import InputError
 from .hardware import resolve_budget
 from .models import GPTConfig, UNet, UNetConfig
@@ -52,6 +51,7 @@ from .policy import (
 )
 from .states import ZeroBuckets, step_model_states
 from .step import MemoryReport, StepConfig, autocast_for, resolve_step
+from .torch_private import FakeTensorMode
 from .tracking import CATEGORIES, MemoryTracker
 
 
@@ -257,7 +257,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     k = step.micro_batches
     seq, batch = step.seq, step.batch // k
     t, h, f, v, L = seq * batch, cfg.d_model, cfg.hidden, cfg.vocab_size, cfg.n_layer
-    P, G, O = states["parameters"], states["gradients"], states["optimizer"]
+    P, G, Opt = states["parameters"], states["gradients"], states["optimizer"]
     # DeepSpeed's own buffers (memlab.states.ModelStates.peak_inputs; zero for plain PyTorch):
     # gradient bytes held all step, a gradient partition allocated at the first reduce bucket
     # (ZeRO-2), the optimizer step's scratch, ZeRO-3's gathered parameters
@@ -317,7 +317,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     m["optimizer step"] = dict(gradients=G + held, temporaries=scratch)
     name, best = max(m.items(), key=lambda kv: sum(kv[1].values()))
     out = dict.fromkeys(CATEGORIES, 0.0)
-    out.update(parameters=P, optimizer=O, other=_gpt_other(cfg, step),
+    out.update(parameters=P, optimizer=Opt, other=_gpt_other(cfg, step),
                workspace=target.resident_workspace(), **best)
     return out, name
 
@@ -400,6 +400,17 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
 
     ``buckets``: DeepSpeed's bucket sizes as a run's config sets them
     (:class:`memlab.states.ZeroBuckets`, read by :mod:`memlab.run_config`) instead of memlab's.
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); ``overrides`` replace its fields.
+        budget: bytes, a size string or a GPU preset; the report says whether the step fits.
+        target, card, tensor_parallel, trainable_params, frozen_activation_bytes, buckets: as above.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``"estimate"``) of one rank.
+
+    Raises:
+        InputError: a field, preset, budget or ``tensor_parallel`` that is not allowed.
     """
     tgt = resolve_target(target, budget, card)
     step = resolve_step(step, **overrides)
@@ -410,8 +421,9 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
             raise InputError(f"tensor_parallel={tp!r} needs a GPT model, got {cfg.name!r}")
         cfg.check_tensor_parallel(tp)
         if step.world_size % tp:
+            divisors = (str(k) for k in range(1, step.world_size + 1) if step.world_size % k == 0)
             raise InputError(f"tensor_parallel={tp} must divide world_size={step.world_size}; "
-                             f"allowed: {', '.join(str(k) for k in range(1, step.world_size + 1) if step.world_size % k == 0)}")
+                             f"allowed: {', '.join(divisors)}")
     ms = step_model_states(replace(step, world_size=step.world_size // tp), buckets)
     states = {k: x / tp for k, x in ms.peak_inputs().items()}
     if trainable_params is not None:  # bytes per parameter are uniform: scale by the count

@@ -44,6 +44,10 @@ class HostMemoryError(InputError):
     ``need_bytes`` is what the step needs by :mod:`memlab.guard`'s rule, ``available_bytes``
     what ``resource`` (``"host RAM"``, ``"free memory on cuda:0"``) has now; ``way_out`` says
     what to run instead. ``str()`` is one line.
+
+    Args:
+        need_bytes, available_bytes, resource, way_out: as above.
+        rule: the guard's rule the step broke.
     """
 
     def __init__(self, need_bytes: int, available_bytes: int, resource: str, rule: str,

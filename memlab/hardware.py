@@ -20,7 +20,17 @@ GPU_PRESETS: dict[str, int] = {name: card.memory for name, card in CARDS.items()
 
 
 def resolve_budget(budget: int | str | None) -> int | None:
-    """A device budget in bytes from bytes, a size string or a GPU preset name."""
+    """A device budget in bytes from bytes, a size string or a GPU preset name.
+
+    Args:
+        budget: bytes, a size string (``"512MiB"``), a GPU preset (``"A100-40GB"``) or ``None``.
+
+    Returns:
+        Bytes, or ``None`` for no budget.
+
+    Raises:
+        InputError: an unknown preset or a malformed or negative size.
+    """
     if budget is None:
         return None
     if isinstance(budget, str) and budget in GPU_PRESETS:
@@ -92,6 +102,15 @@ def place_ranks(world_size: int, gpus: int | None = None, *, shrink: bool = Fals
     fewer, NCCL cannot run (two ranks cannot share a GPU) and the ranks run on the CPU with
     gloo and DeepSpeed's CPU accelerator. ``shrink=True`` instead runs as many ranks as there
     are GPUs (at least one), for lessons whose point is the GPU itself (offload).
+
+    Args:
+        world_size: ranks to place; gpus, shrink: as above.
+
+    Returns:
+        A :class:`~memlab.hardware.Placement` (backend, device per rank, world size).
+
+    Raises:
+        InputError: ``world_size`` below 1 or ``gpus`` below 0.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world_size must be a positive integer, got {world_size!r}")

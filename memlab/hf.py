@@ -27,12 +27,12 @@ from importlib import resources
 from typing import Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import InputError
 from .hf_config_check import check_config
 from .models import GPTConfig
 from .step import PRECISIONS, MemoryReport, StepConfig, autocast_for
+from .torch_private import FakeTensor, parse_to
 from .your_model import simulate_model
 
 #: model_type -> what memlab's GPT calls it; the estimate covers these.
@@ -164,7 +164,7 @@ def add_lora(model, lora: dict):
 
 def _replacing_to(module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
     """``Module.to`` that replaces parameters and buffers rather than swapping them."""
-    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    device, dtype = parse_to(*args, **kwargs)
     for m in module.modules():
         for table in (m._parameters, m._buffers):
             for k, t in table.items():
@@ -242,4 +242,5 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
 
 
 __all__ = ["SUPPORTED", "SHIPPED", "HF_CHECKPOINTING", "shipped_config", "load_config",
-           "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "add_lora", "build_fn", "causal_lm_step", "simulate_hf"]
+           "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "add_lora", "build_fn",
+           "causal_lm_step", "simulate_hf"]

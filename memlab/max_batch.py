@@ -106,7 +106,7 @@ def predict_max_batch(step: StepConfig, budget: int | str, *, calibrate: tuple[i
     r1, r2 = (measure_step(replace(step, batch=b, micro_batches=1), **kwargs) for b in (b1, b2))
     if len(r1.timeline) == len(r2.timeline) and r1.timeline:
         pairs = [(e1.total, e2.total, f"{e1.op} ({e1.phase})")
-                 for e1, e2 in zip(r1.timeline, r2.timeline)]
+                 for e1, e2 in zip(r1.timeline, r2.timeline, strict=True)]
     else:  # the step ran different ops (should not happen): fall back to the peaks
         pairs = [(r1.peak_bytes, r2.peak_bytes, "peak")]
     lines, best, where = [], None, "none"

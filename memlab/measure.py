@@ -157,6 +157,19 @@ def measure_step(step: StepConfig | None = None, *, device: str | None = "cpu",
     model and optimizer state alone exceed the budget, at phase ``build`` without building.
     A step this machine cannot hold raises :class:`HostMemoryError` before anything is
     allocated (:mod:`memlab.guard` states the rule).
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); ``overrides`` replace its fields.
+        device: ``"cpu"``, ``"cuda"`` or ``None`` (the GPU if there is one).
+        budget: as above.
+        cuda_history, snapshot_path: record the CUDA allocator's history (and write it there).
+
+    Returns:
+        A :class:`MemoryReport` (lens ``"measure"``).
+
+    Raises:
+        InputError: a field, preset, device or budget that is not allowed.
+        HostMemoryError: the step does not fit this machine.
     """
     step = resolve_step(step, **overrides)
     dev = pick_device(device)
@@ -218,7 +231,20 @@ def add_workspace(report: MemoryReport) -> MemoryReport:
 
 def time_step(step: StepConfig | None = None, *, device: str | None = "cpu", repeats: int = 3,
               **overrides) -> float:
-    """Median seconds of an untracked steady-state step (for compute-cost ratios)."""
+    """Median seconds of an untracked steady-state step (for compute-cost ratios).
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); ``overrides`` replace its fields.
+        device: as in :func:`measure_step`.
+        repeats: timed steps after one warm-up.
+
+    Returns:
+        The median step time in seconds.
+
+    Raises:
+        InputError: a field or device that is not allowed.
+        HostMemoryError: the step does not fit this machine.
+    """
     step = resolve_step(step, **overrides)
     dev = pick_device(device)
     preflight(step, dev)

@@ -96,7 +96,7 @@ def master_weight_states(step: StepConfig | None = None, *, device: str = "cpu")
     model(*batch_to(make_batch(step, device), step)).backward()
     grads = sum(p.grad.nbytes for p in params)
     with torch.no_grad():
-        for p, m, opt in zip(params, master, opts):
+        for p, m, opt in zip(params, master, opts, strict=True):
             m.grad = p.grad.float()
             p.grad = None
             opt.step()

@@ -93,6 +93,9 @@ class GPTConfig:
         ``"plain"``: ``F.cross_entropy`` on the full ``[tokens, vocab]`` logits.
         ``"chunked"``: :func:`memlab.chunked_loss.linear_cross_entropy` over ``loss_chunk``
         tokens at a time; the same loss and gradients, without the logits.
+
+    Raises:
+        InputError: a field value that is not allowed (checked when the config is made).
     """
 
     n_layer: int = 4
@@ -289,7 +292,18 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 def get_config(preset: str, **overrides) -> "GPTConfig | UNetConfig":
-    """Look up a preset by name (``tiny``, ``gpt2-xl``, ``unet-small``, ...) with overrides."""
+    """Look up a preset by name (``tiny``, ``gpt2-xl``, ``unet-small``, ...) with overrides.
+
+    Args:
+        preset: a name of :data:`PRESETS` or :data:`UNET_PRESETS`.
+        overrides: fields replaced in the preset.
+
+    Returns:
+        The :class:`GPTConfig` or :class:`UNetConfig`.
+
+    Raises:
+        InputError: an unknown preset or field value.
+    """
     table = {**PRESETS, **UNET_PRESETS}
     if preset not in table:
         raise InputError(f"unknown model preset {preset!r}; allowed: {', '.join(table)}")
@@ -412,6 +426,9 @@ class GPT(nn.Module):
     values alive until the end of the step, which a training loop never needs. With
     ``cfg.loss == "chunked"`` they are never made whole at all
     (:func:`memlab.chunked_loss.linear_cross_entropy`).
+
+    Args:
+        cfg: the :class:`GPTConfig` to build.
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -460,7 +477,11 @@ class GPT(nn.Module):
 @dataclass(frozen=True)
 class UNetConfig:
     """A DDPM-style UNet (Ho et al. 2020): ResBlocks with a time embedding, skip connections,
-    self-attention at the lowest resolution. ``image_size`` plays the role of sequence length."""
+    self-attention at the lowest resolution. ``image_size`` plays the role of sequence length.
+
+    Raises:
+        InputError: a field value that is not allowed (checked when the config is made).
+    """
 
     channels: int = 3
     base: int = 32
@@ -524,7 +545,11 @@ class AttnBlock(nn.Module):
 
 
 class UNet(nn.Module):
-    """Predicts the noise added to an image; ``forward(x, t, noise)`` returns the MSE loss."""
+    """Predicts the noise added to an image; ``forward(x, t, noise)`` returns the MSE loss.
+
+    Args:
+        cfg: the :class:`UNetConfig` to build.
+    """
 
     def __init__(self, cfg: UNetConfig):
         super().__init__()
@@ -572,5 +597,12 @@ class UNet(nn.Module):
 
 
 def build_model(cfg: GPTConfig | UNetConfig) -> nn.Module:
-    """Instantiate the model a config describes, on the current default device."""
+    """Instantiate the model a config describes, on the current default device.
+
+    Args:
+        cfg: a :class:`GPTConfig` or :class:`UNetConfig`.
+
+    Returns:
+        The :class:`GPT` or :class:`UNet` (use ``torch.device("meta")`` to allocate nothing).
+    """
     return UNet(cfg) if isinstance(cfg, UNetConfig) else GPT(cfg)

@@ -239,7 +239,7 @@ def plot_advice(advice: Advice, ax=None):
     peaks = [s["peak_bytes"] / GiB for s in advice.steps]
     colors = ["#55a868" if s["fits"] else ("#c44e52" if s["kept"] else "#dddddd") for s in advice.steps]
     bars = ax.bar(range(len(names)), peaks, color=colors, edgecolor="k", lw=0.5)
-    for b, s in zip(bars, advice.steps):
+    for b, s in zip(bars, advice.steps, strict=True):
         if not s["kept"]:
             b.set_hatch("//")
         if s["simulated_bytes"] is not None:
@@ -290,7 +290,7 @@ def plot_bubble(result: ParallelResult, ax=None, *, highlight: tuple[str, int] |
     for sched, mark in (("gpipe", "o"), ("1f1b", "s")):
         pts = [(m, pipeline_bubble(result, sched, m)) for m in ms if pipeline_run(result, sched, m)]
         if pts:
-            ax.plot(*zip(*pts), mark, label=f"{sched} measured")
+            ax.plot(*zip(*pts, strict=True), mark, label=f"{sched} measured")
     if highlight and pipeline_run(result, *highlight):
         ax.plot(highlight[1], pipeline_bubble(result, *highlight), "r*", ms=14)
     ax.set_xlabel("micro-batches m")
@@ -307,7 +307,7 @@ def plot_stage_memory(result: ParallelResult, ax=None, *, rank: int = 0):
         pts = [(r["m"], r["peak_bytes"] / MiB) for r in result.per_rank[rank]["runs"]
                if r["schedule"] == sched and "peak_bytes" in r]
         if pts:
-            ax.plot(*zip(*pts), mark, label=sched)
+            ax.plot(*zip(*pts, strict=True), mark, label=sched)
     ax.set_xlabel("micro-batches m (same batch)")
     ax.set_ylabel(f"stage {rank} peak (MiB)")
     ax.set_ylim(0, None)

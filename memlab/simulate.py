@@ -40,9 +40,8 @@ import time
 from dataclasses import replace
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .cards import Card  # noqa: F401  (a type in a signature)
+from .cards import Card
 from .hardware import resolve_budget
 from .measure import run_tracked_step
 from .models import UNetConfig
@@ -50,6 +49,7 @@ from .policy import emulate, resolve_target
 from .policy.caching_allocator import CachingAllocator, replay_steady_step
 from .states import ModelStates, model_states
 from .step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
+from .torch_private import FakeTensorMode
 from .tracking import CATEGORIES, Event
 from .units import fmt_bytes
 
@@ -82,6 +82,16 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     pass the same one to each step a process runs, in order). Left out, the step runs in a
     fresh process. A warm cache can hand out larger blocks, so a row recorded after others
     lands closer replayed in its recording process than alone (``docs/accuracy.md``).
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); ``overrides`` replace its fields.
+        budget, target, card, allocator: as above.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``"simulate"``); ``oom`` says where a step over budget ran out.
+
+    Raises:
+        InputError: a field, preset, budget or target that is not allowed.
     """
     tgt = resolve_target(target, budget, card)
     step = resolve_step(step, **overrides)
@@ -168,7 +178,7 @@ def _deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float) 
         top = max(events, key=lambda e: e.total)
         report.timeline = events
         report.peak_bytes = top.total
-        report.by_category = dict(zip(CATEGORIES, top.by_category))
+        report.by_category = dict(zip(CATEGORIES, top.by_category, strict=True))
     host = {c: int(round(ms.host.get(c, 0.0))) for c in CATEGORIES}
     report.host_bytes, report.host_by_category = sum(host.values()), host
     report.notes.append(f"DeepSpeed step: simulated in {ms.compute_precision} without autocast, "

@@ -132,4 +132,5 @@ def live_timeline(snapshot: dict, device: int = 0) -> SnapshotTimeline:
                             peak_index, [i for i, e in enumerate(trace) if e["action"] == "oom"])
 
 
-__all__ = ["PLAIN_GLOBALS", "PlainUnpickler", "REFERENCE_SNAPSHOT", "SnapshotTimeline", "load_snapshot", "live_timeline"]
+__all__ = ["PLAIN_GLOBALS", "PlainUnpickler", "REFERENCE_SNAPSHOT", "SnapshotTimeline", "load_snapshot",
+           "live_timeline"]

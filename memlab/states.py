@@ -1,6 +1,6 @@
 """Model states: the bytes of parameters, gradients and optimizer state per rank, and where
 they live. The one source for the estimate, the simulation's correction, the advisor, the
-report's ZeRO savings and lesson 06.
+report's ZeRO savings and lesson 10.
 
 Two layouts, decided by :func:`under_deepspeed`:
 
@@ -283,6 +283,6 @@ def bytes_per_param(precision: str, stage: int, world_size: int, *, optimizer: s
     return {"parameters": s.parameters, "gradients": s.gradients, "optimizer": s.optimizer}
 
 
-__all__ = ["ModelStates", "model_states", "model_state_bytes", "zero_formula", "zero_saving",
+__all__ = ["ModelStates", "model_states", "model_state_bytes",
            "under_deepspeed", "step_model_states", "bytes_per_param", "param_numels", "pinned_bytes",
            "BUCKET_ELEMENTS", "PERSISTENCE_THRESHOLD", "SUB_GROUP_SIZE", "ZeroBuckets"]

@@ -43,6 +43,9 @@ class StepConfig:
     where the two meet, and the one to read: ``step.model_config.checkpointing`` is what is
     built and estimated. A UNet has no ``attention`` switch (SDPA at its lowest resolution):
     ``attention`` must stay ``None``.
+
+    Raises:
+        InputError: a field value that is not allowed (checked when the step is made).
     """
 
     model: str | GPTConfig | UNetConfig = "tiny"
@@ -115,6 +118,11 @@ class MemoryReport:
     adds the allocator's growth over the step that no tensor accounts for as ``workspace``
     (:func:`memlab.measure.add_workspace`); ``tracked_peak_bytes`` keeps the tracker's exact
     tensor bytes.
+
+    Args:
+        lens: ``"estimate"``, ``"simulate"`` or ``"measure"``; step: the step measured.
+        device, peak_bytes, by_category: where, and the peak's bytes by category.
+        budget_bytes, oom, timeline, allocator, per_rank, ...: as above; filled by the lenses.
     """
 
     lens: str
@@ -301,7 +309,14 @@ def _corpus_tokens() -> torch.Tensor:
 
 def make_batch(step: StepConfig, device: torch.device | str = "cpu", seed: int = 0) -> tuple:
     """Inputs for one step: token windows from the package's ``data/corpus.txt`` for the GPT, noisy images
-    and timesteps for the UNet. Contents do not change memory; shapes do."""
+    and timesteps for the UNet. Contents do not change memory; shapes do.
+
+    Args:
+        step: the step (its model, seq and batch); device: where the tensors go; seed: which windows.
+
+    Returns:
+        GPT: ``(idx, targets)``, each ``batch x seq`` token ids; UNet: its images, timesteps and noise.
+    """
     cfg = step.model_config
     g = torch.Generator().manual_seed(seed)
     if isinstance(cfg, UNetConfig):
@@ -386,7 +401,15 @@ class Trainer:
 
 def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: int = 0,
                   fake: bool = False) -> Trainer:
-    """Model + optimizer for ``step`` on ``device``; ``fake=True`` under FakeTensorMode."""
+    """Model + optimizer for ``step`` on ``device``; ``fake=True`` under FakeTensorMode.
+
+    Args:
+        step: the step; device: where the model lives; seed: weight initialisation.
+        fake: build under ``FakeTensorMode`` (allocates nothing).
+
+    Returns:
+        A :class:`~memlab.step.Trainer` whose ``step(batch)`` runs one optimizer step.
+    """
     device = torch.device(device)
     torch.manual_seed(seed)
     # Build in the target dtype rather than calling model.to(): that fails under fake mode.

@@ -112,7 +112,7 @@ def step_flops(step: StepConfig, *, device: str = "cpu") -> int:
 
 def relative_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     """``||got - ref|| / ||ref||`` over all tensors together (the norm of the flattened lists)."""
-    num = sum(((g - r).float() ** 2).sum() for g, r in zip(got, ref))
+    num = sum(((g - r).float() ** 2).sum() for g, r in zip(got, ref, strict=True))
     den = sum((r.float() ** 2).sum() for r in ref)
     return float((num / den).sqrt())
 

@@ -286,6 +286,14 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
     """Measure every row of the curriculum's table for ``step`` (default tiny, seq 256, batch 8).
 
     ``distributed=False`` skips the multi-rank rows (they spawn ranks: the slow part).
+
+    Args:
+        step: the base step (``None``: tiny, seq 256, batch 8).
+        world_size, distributed, repeats: the multi-rank rows' ranks, whether to run them, timed runs.
+        reference_dir: the folders of GPU reference measurements shown beside the CPU's.
+
+    Returns:
+        A :class:`~memlab.technique_table.Table` of the rows, measured.
     """
     start = time.perf_counter()
     step = step or StepConfig()

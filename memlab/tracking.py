@@ -47,12 +47,20 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
 from .errors import InputError
 from .hardware import resolve_budget
 from .oom import requested_bytes
+from .torch_private import (
+    TorchDispatchMode,
+    current_autograd_node,
+    in_backward,
+    is_traceable_wrapper_subclass,
+    memory_snapshot,
+    record_memory_history,
+    stop_memory_history,
+    tree_flatten,
+)
 from .units import fmt_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other",
@@ -187,6 +195,14 @@ class MemoryTracker(TorchDispatchMode):
     type are host memory. ``None`` takes the device of the first model tracked (or of the
     first tensor seen). ``accounting`` counts the device's bytes as another device would
     (default: exact bytes).
+
+    Args:
+        budget, cuda_history, device, accounting: as above.
+        cuda: also read CUDA's allocator statistics (``None``: when the device is CUDA).
+        max_history_entries: the CUDA history's length.
+
+    Raises:
+        InputError: a budget that is not a size or a GPU preset.
     """
 
     def __init__(self, budget: int | str | None = None, *, cuda: bool | None = None,
@@ -362,7 +378,7 @@ class MemoryTracker(TorchDispatchMode):
         the autograd node running backward."""
         if self._module_stack:
             return self._module_stack[-1]
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         return node.name() if node is not None else "Global"
 
     def _push_module(self, module, args) -> None:
@@ -378,7 +394,7 @@ class MemoryTracker(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         if self._in_optimizer:
             phase = "optimizer"
-        elif torch._C._current_graph_task_id() != -1:
+        elif in_backward():
             phase = "backward"
         else:
             phase = "forward"
@@ -493,7 +509,7 @@ class MemoryTracker(TorchDispatchMode):
         torch.cuda.reset_peak_memory_stats()
         self._cuda_base = torch.cuda.memory_allocated()
         if self.cuda_history:
-            torch.cuda.memory._record_memory_history(max_entries=self.max_history_entries)
+            record_memory_history(self.max_history_entries)
 
     def _cuda_stop(self) -> None:
         if not self.cuda:
@@ -507,10 +523,10 @@ class MemoryTracker(TorchDispatchMode):
                 "memory_allocated_at_end": torch.cuda.memory_allocated(),
             }
             if self.cuda_history:
-                self.snapshot = torch.cuda.memory._snapshot()
+                self.snapshot = memory_snapshot()
         finally:
             if self.cuda_history:
-                torch.cuda.memory._record_memory_history(enabled=None)
+                stop_memory_history()
 
     def dump_snapshot(self, path: str) -> str:
         """Write the CUDA allocator snapshot as a ``.pickle`` for pytorch.org/memory_viz."""
@@ -564,14 +580,14 @@ class MemoryTracker(TorchDispatchMode):
         if self._peak_op < 0:
             return self.by_category()
         ev = self.timeline[self._peak_op]
-        return dict(zip(CATEGORIES, ev.by_category))
+        return dict(zip(CATEGORIES, ev.by_category, strict=True))
 
     def host_peak_by_category(self) -> dict[str, int]:
         """Host bytes by category at the op where the host total peaked."""
         if self._host_peak_op < 0:
             return self.host_by_category()
         ev = self.timeline[self._host_peak_op]
-        return dict(zip(CATEGORIES, ev.host_by_category))
+        return dict(zip(CATEGORIES, ev.host_by_category, strict=True))
 
     def allocation_log(self) -> tuple[list[tuple[int, int, str]], list[tuple[str, int, int]]]:
         """The device allocations in the order the allocator saw them, for replaying them

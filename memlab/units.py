@@ -34,7 +34,17 @@ _BINARY = (("YiB", YiB), ("ZiB", ZiB), ("EiB", EiB), ("PiB", PiB), ("TiB", TiB),
 
 def parse_size(value: int | float | str) -> int:
     """Bytes from ``1073741824``, ``"512MiB"``, ``"1.5GiB"``, ``"40GB"`` (GB = 10^9 B) or
-    ``"512 bytes"``; case and a space before the unit do not matter."""
+    ``"512 bytes"``; case and a space before the unit do not matter.
+
+    Args:
+        value: bytes, or a number with a unit.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        InputError: a negative or malformed size.
+    """
     if isinstance(value, bool):
         raise InputError(f"budget {value!r} is not a size")
     if isinstance(value, (int, float)):
@@ -65,6 +75,14 @@ def binary_unit(nbytes: float, smallest: str = "B") -> tuple[int, str]:
 def fmt_bytes(n: float) -> str:
     """Human-readable bytes in the largest binary unit not above them: ``14.26 MiB``,
     ``5.00 TiB``, ``13.23 EiB``."""
+    """Human-readable bytes in binary units: ``14.26 MiB``.
+
+    Args:
+        n: bytes.
+
+    Returns:
+        The size with its unit, e.g. ``"14.26 MiB"``.
+    """
     size, unit = binary_unit(n)
     if size == 1:
         return f"{'-' if n < 0 else ''}{int(abs(n))} B"

@@ -273,9 +273,9 @@ class CalculatorPanel(Panel):
                  precision: str = "bf16", checkpointing: str = "none", zero: int = 0,
                  ranks: int = 1, tensor_parallel: int = 1, pipeline: int = 1,
                  gpu: str = "A100-80GB", draw: bool = True):
-        slider = lambda options, value, name: W.SelectionSlider(  # noqa: E731
-            options=list(options), value=_pick(options, value), description=name,
-            continuous_update=False)
+        def slider(options, value, name):
+            return W.SelectionSlider(options=list(options), value=_pick(options, value), description=name,
+                                     continuous_update=False)
         self.model = W.Dropdown(options=list(MODELS), value=model, description="model")
         self.seq = slider((128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072), seq, "seq")
         self.batch = slider((1, 2, 4, 8, 16, 32, 64), batch, "batch")
@@ -589,8 +589,9 @@ class FinetunePanel(Panel):
                  seqs: Sequence[int] = (512, 1024, 2048, 4096), batches: Sequence[int] = (1, 2, 4, 8),
                  draw: bool = True):
         self.hf_config, self._estimate, self._step = hf_config, estimate_finetune, step_config
-        slider = lambda opts, name: W.SelectionSlider(options=list(opts), value=opts[0],  # noqa: E731
-                                                      description=name, continuous_update=False)
+        def slider(opts, name):
+            return W.SelectionSlider(options=list(opts), value=opts[0], description=name,
+                                     continuous_update=False)
         self.seq, self.batch = slider(seqs, "seq"), slider(batches, "batch")
         self.gpu = W.Dropdown(options=list(GPU_PRESETS), value=gpu, description="GPU")
         self.precision = W.Dropdown(options=["fp32", "bf16", "pure-bf16"], value="bf16",

@@ -18,19 +18,20 @@ device from the model (``next(model.parameters()).device.type``), not a hard-cod
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .errors import InputError
 from .hardware import resolve_budget
 from .measure import add_workspace, run_tracked_step
 from .policy import emulate, resolve_target
 from .step import MemoryReport
+from .torch_private import FakeTensorMode
 from .tracking import CATEGORIES, MemoryTracker, OOMInfo
 from .units import fmt_bytes
 
@@ -155,6 +156,17 @@ def track_step(step_fn: Callable[[], object], *, model: nn.Module, optimizer=Non
     states alone exceed the budget the step is not run (a ``build``-phase OOM).
     ``snapshot_path`` (CUDA) writes the allocator history for pytorch.org/memory_viz.
     ``known`` (``seq``, ``batch``, ``precision``, ``checkpointing``) labels the report.
+
+    Args:
+        step_fn: one training step of your code, called with no arguments.
+        model, optimizer: what ``step_fn`` trains (their bytes are parameters, gradients, optimizer).
+        budget, device, warmup, snapshot_path, known: as above.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``"measure"``).
+
+    Raises:
+        InputError: a budget or device that is not allowed.
     """
     if not callable(step_fn):
         raise InputError(f"step_fn must be a function running one training step, got {type(step_fn).__name__}")
@@ -241,6 +253,17 @@ def simulate_model(build_fn: Callable[[], tuple[nn.Module, object]],
     The optimizer state is created first (zero gradients, one step), then one step is
     tracked. ``known`` labels the report (``seq``, ``batch``, ``precision``, ...). Under a
     ``budget`` that the model states alone exceed, the step is not run (a ``build`` OOM).
+
+    Args:
+        build_fn: returns ``(model, optimizer)``, called under fake tensors.
+        step_fn: ``step_fn(model, optimizer)`` runs one training step.
+        target, budget, known: as above.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``"simulate"``).
+
+    Raises:
+        InputError: ``build_fn`` returned something else, or a target or budget not allowed.
     """
     tgt = resolve_target(target, budget)
     budget_bytes = resolve_budget(budget)
@@ -256,7 +279,8 @@ def simulate_model(build_fn: Callable[[], tuple[nn.Module, object]],
                    if budget_bytes is not None else None)
         if refused is not None:
             return refused
-        trainer = _FnTrainer(model, optimizer, torch.device("cpu"), lambda: step_fn(model, optimizer))
+        # bound now: the closure's names are deleted below
+        trainer = _FnTrainer(model, optimizer, torch.device("cpu"), functools.partial(step_fn, model, optimizer))
         tracker, _, before, after = run_tracked_step(trainer, (), budget_bytes, warmup="optimizer",
                                                      accounting=tgt.accounting())
         report = _report("simulate", info, f"{tgt.name} (fake)", tracker, budget_bytes, None,

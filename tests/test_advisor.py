@@ -151,7 +151,8 @@ def test_techniques_that_lower_memory_never_raise_the_estimate(model, world):
     activations its bf16 weight copies can cost more than it saves (the advisor skips it)."""
     seq = 256 if model == "tiny" else 1024
     base = StepConfig(model=model, seq=seq, batch=2, precision="bf16", world_size=world)
-    peak = lambda s: estimate_step(s).peak_bytes  # noqa: E731
+    def peak(s):
+        return estimate_step(s).peak_bytes
     assert peak(replace(base, checkpointing="full")) <= peak(base)
     ck = replace(base, checkpointing="full")
     for stage in (1, 2, 3):

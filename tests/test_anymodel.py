@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from memlab import estimate_step, hf  # noqa: E402
-from memlab.cli import main  # noqa: E402
-from memlab.your_model import simulate_model, track_step, tracking  # noqa: E402
+from memlab import estimate_step, hf
+from memlab.cli import main
+from memlab.your_model import simulate_model, track_step, tracking
 
 SMALL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
          "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,

@@ -12,7 +12,7 @@ import pytest
 import memlab
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-import modmap  # noqa: E402  (tools/ is not a package)
+import modmap
 
 PACKAGE = pathlib.Path(memlab.__file__).parent
 UI = {"widgets"}  # the only modules allowed to import ipywidgets / IPython
@@ -194,9 +194,6 @@ LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "matplo
            ".plots",
            "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining",
            "torch.distributed._tools", "torch.utils.cpp_extension", "resource")
-#: Modules other branches of issue 16 rewrite (splits, the fake process group in one place);
-#: each goes once its function-level imports do (the test below says when).
-PENDING: set[str] = set()
 
 
 def _late_imports() -> dict[str, list[str]]:
@@ -221,16 +218,12 @@ def _late_imports() -> dict[str, list[str]]:
 
 def test_function_level_imports_are_only_optional_or_heavy_dependencies():
     late = _late_imports()
-    offences = [line for name, lines in late.items() if name not in PENDING for line in lines]
+    offences = [line for lines in late.values() for line in lines]
     assert offences == [], "import these at the top of the module"
-    stale = sorted(PENDING - set(late))
-    assert stale == [], f"no function-level imports left in {stale}: remove them from PENDING"
 
 
 # -- one job per module ------------------------------------------------------------------------
 LONG = 500
-#: Modules other issue-16 branches split; each goes once it is short or says why it is not.
-LONG_PENDING: set[str] = set()
 
 
 def test_a_module_over_500_lines_says_why_in_its_docstring():
@@ -241,6 +234,4 @@ def test_a_module_over_500_lines_says_why_in_its_docstring():
         doc = ast.get_docstring(ast.parse(text)) or ""
         if len(text.splitlines()) > LONG and f"Over {LONG} lines because" not in doc:
             long[name] = len(text.splitlines())
-    assert {m: n for m, n in long.items() if m not in LONG_PENDING} == {}, \
-        f"split it, or say why not in its docstring ('Over {LONG} lines because ...')"
-    assert sorted(LONG_PENDING - set(long)) == [], "short now (or explained): remove from LONG_PENDING"
+    assert long == {}, f"split it, or say why not in its docstring ('Over {LONG} lines because ...')"

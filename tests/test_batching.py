@@ -119,7 +119,7 @@ def test_packed_samples_do_not_attend_to_each_other():
         alone = [gpt(s[None]) for s in samples]
         mixed = bt.PackedGPT(gpt)(c.idx, None, torch.arange(16)[None],
                                   torch.zeros_like(c.doc_ids))  # one document: cross-talk
-    for k, s in enumerate(samples):
+    for k in range(len(samples)):
         got = packed[0, c.cu_seqlens[k]:c.cu_seqlens[k + 1]]
         torch.testing.assert_close(got, alone[k][0], rtol=1e-5, atol=1e-5)
     second = slice(c.cu_seqlens[1], c.cu_seqlens[2])

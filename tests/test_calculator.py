@@ -3,12 +3,12 @@ redraws when a control moves."""
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
+import matplotlib.pyplot as plt
+import pytest
 
-from memlab import GPU_PRESETS, GiB, InputError, StepConfig, estimate_step  # noqa: E402
-from memlab.calculator import MODELS, calculator, register_model  # noqa: E402
-from memlab.models import get_config  # noqa: E402
+from memlab import GPU_PRESETS, GiB, InputError, StepConfig, estimate_step
+from memlab.calculator import MODELS, calculator, register_model
+from memlab.models import get_config
 
 
 @pytest.mark.parametrize("kw", [

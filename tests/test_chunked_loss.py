@@ -36,7 +36,7 @@ def test_ignored_targets_are_left_out_of_the_mean_as_in_cross_entropy():
     got = linear_cross_entropy(h, w, t, chunk_size=9)
     want = plain_linear_cross_entropy(h, w, t)
     torch.testing.assert_close(got, want)
-    for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(want, (h, w))):
+    for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(want, (h, w)), strict=True):
         torch.testing.assert_close(a, b)
 
 

@@ -114,7 +114,7 @@ def test_parameters_are_skipped_and_a_storage_is_packed_once():
     # packed: x (the Linear's input) and the fc output (once, for both views); not the weight
     assert comp.n_packed == 2 and comp.n_views == 1
     assert comp.saved_bytes == (32 * 64 + 32 * 128) * 4
-    for got, want in zip([model.fc.weight.grad, x.grad], ref):
+    for got, want in zip([model.fc.weight.grad, x.grad], ref, strict=True):
         assert ((got - want).norm() / want.norm()).item() < 1e-2  # bf16: ~3 significant digits
     comp.remove()
     model.zero_grad(set_to_none=True)

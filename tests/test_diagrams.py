@@ -1,17 +1,19 @@
 """The lessons' diagrams: each drawn bar means what its formula or measurement says."""
+import itertools
+
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
 
-import memlab as ml  # noqa: E402
-from memlab import batching as bt  # noqa: E402
+import memlab as ml
+from memlab import batching as bt
 from memlab import plots, sweeps
 from memlab.distributed.parallel_formulas import bubble_fraction, pipeline_schedule
-from memlab.distributed.pipeline_parallel import in_flight  # noqa: E402
-from memlab.tracking import CATEGORIES  # noqa: E402
+from memlab.distributed.pipeline_parallel import in_flight
+from memlab.tracking import CATEGORIES
 
 MiB, GiB = 2**20, 2**30
 
@@ -74,7 +76,7 @@ def test_schedule_bubble_and_dependencies(schedule, p, m, f, b):
         busy = sum(e - a for _, _, a, e in stage)
         assert 1 - busy / wall == pytest.approx((p - 1) / (m + p - 1))
         intervals = sorted((a, e) for _, _, a, e in stage)  # one op at a time per stage
-        assert all(e0 <= a1 for (_, e0), (a1, _) in zip(intervals, intervals[1:]))
+        assert all(e0 <= a1 for (_, e0), (a1, _) in itertools.pairwise(intervals))
         for j in range(m):
             if s:
                 assert start[("F", s, j)] >= end[("F", s - 1, j)]

@@ -3,14 +3,14 @@ lowest resolution, checkpointing, and the H200 reference gap."""
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import pytest
+import torch
 
-import memlab as ml  # noqa: E402
-from memlab import diffusion as dif  # noqa: E402
+import memlab as ml
+from memlab import diffusion as dif
 from memlab import sweeps
-from memlab.step import build_trainer, make_batch  # noqa: E402
+from memlab.step import build_trainer, make_batch
 
 CFG = ml.get_config("unet-small")  # base 32, mults (1, 2, 2): channels 32, 64, 64
 IMAGE, BATCH = 32, 2
@@ -68,7 +68,7 @@ def test_unet_checkpointing_same_gradients_fewer_activations(reports):
         loss = trainer.model(*make_batch(step))
         loss.backward()
         grads[c] = [p.grad.clone() for p in trainer.model.parameters()]
-    for a, b in zip(grads["none"], grads["full"]):
+    for a, b in zip(grads["none"], grads["full"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 

@@ -4,7 +4,12 @@ import time
 
 import pytest
 
+from memlab.distributed.deepspeed_config import deepspeed_config
+from memlab.distributed.deepspeed_zero import measure_zero
+from memlab.distributed.fsdp import fsdp_worker, simulate_sharded
+from memlab.distributed.offload import measure_offload
 from memlab.distributed.ranks import RankError, allreduce_worker, run_ranks
+from memlab.step import StepConfig
 
 pytestmark = pytest.mark.distributed
 
@@ -79,12 +84,6 @@ def test_unimportable_worker_is_refused():
 
 
 # --- ZeRO with DeepSpeed: one 2-rank launch serves all the assertions below -------------
-from memlab.distributed.deepspeed_config import deepspeed_config
-from memlab.distributed.deepspeed_zero import measure_zero  # noqa: E402
-from memlab.distributed.fsdp import fsdp_worker, simulate_sharded  # noqa: E402
-from memlab.distributed.offload import measure_offload  # noqa: E402
-from memlab.step import StepConfig  # noqa: E402
-
 SMALL = dict(seq=128, batch=4, world_size=2)
 
 

@@ -65,7 +65,7 @@ def test_make_student_empties_every_solution(tmp_path):
         placeholders = [c for c in student if c["cell_type"] == "code"
                         and _src(c).startswith("# your code here")]  # and its stubs (student_stub)
         assert len(placeholders) == sum(map(_is_solution, original)), path.name
-        for o, s in zip(original, student):  # everything else as it was
+        for o, s in zip(original, student, strict=True):  # everything else as it was
             if not _is_solution(o):
                 assert _src(o) == _src(s) and o["cell_type"] == s["cell_type"]
 
@@ -197,35 +197,35 @@ def test_checkpoint_checker_names_the_mistake(wrong, says):
 
 
 def accumulate(model, optimizer, batch, k):
-    for idx, tgt in zip(batch[0].chunk(k), batch[1].chunk(k)):
+    for idx, tgt in zip(batch[0].chunk(k), batch[1].chunk(k), strict=True):
         (model(idx, tgt) / k).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
 def accumulate_no_division(model, optimizer, batch, k):
-    for idx, tgt in zip(batch[0].chunk(k), batch[1].chunk(k)):
+    for idx, tgt in zip(batch[0].chunk(k), batch[1].chunk(k), strict=True):
         model(idx, tgt).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
 def accumulate_one_graph(model, optimizer, batch, k):
-    losses = [model(idx, tgt) / k for idx, tgt in zip(batch[0].chunk(k), batch[1].chunk(k))]
+    losses = [model(idx, tgt) / k for idx, tgt in zip(batch[0].chunk(k), batch[1].chunk(k), strict=True)]
     sum(losses).backward()  # all k graphs alive at once
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
 def accumulate_step_each(model, optimizer, batch, k):
-    for idx, tgt in zip(batch[0].chunk(k), batch[1].chunk(k)):
+    for idx, tgt in zip(batch[0].chunk(k), batch[1].chunk(k), strict=True):
         (model(idx, tgt) / k).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
 
 def accumulate_never_zeroed(model, optimizer, batch, k):
-    for idx, tgt in zip(batch[0].chunk(k), batch[1].chunk(k)):
+    for idx, tgt in zip(batch[0].chunk(k), batch[1].chunk(k), strict=True):
         (model(idx, tgt) / k).backward()
     optimizer.step()
 
@@ -307,7 +307,8 @@ def test_zero_checker_passes_the_reference(ds):
 
 @pytest.mark.parametrize("change, says", [
     ({"train_batch_size": 8}, "4 x accumulation 2 x ranks 2 = 16"),
-    ({"zero_optimization": {"stage": 1, "reduce_bucket_size": 2**20, "allgather_bucket_size": 2**20}}, "asks for stage 2"),
+    ({"zero_optimization": {"stage": 1, "reduce_bucket_size": 2**20, "allgather_bucket_size": 2**20}},
+     "asks for stage 2"),
     ({"zero_optimization": {"stage": 2}}, "set it to about 2**20"),
     ({"zero_optimization": {**ZERO2["zero_optimization"], "overlap_com": True}}, "DeepSpeed rejected the config"),
 ])
@@ -356,7 +357,8 @@ def test_tensor_parallel_checker_passes_the_reference():
 
 @pytest.mark.parametrize("shards, forward, says", [
     (make_shards, lambda s, x: s[0][1](F.gelu(s[0][0](x), approximate="tanh")), "rank 0's partial sum"),
-    (make_shards, lambda s, x: torch.cat([r(F.gelu(c(x), approximate="tanh")) for c, r in s], -1), "not pieces to concatenate"),
+    (make_shards, lambda s, x: torch.cat([r(F.gelu(c(x), approximate="tanh")) for c, r in s], -1),
+     "not pieces to concatenate"),
     (lambda fc, out, t: make_shards(fc, out, t, clone=False), tp_forward, "is a view"),
     (lambda fc, out, t: make_shards(fc, out, t, bias_everywhere=True), tp_forward, "added 2 times"),
 ])
@@ -380,7 +382,8 @@ def make_hooks(model):
 
 def test_pack_hooks_checker_passes_the_reference():
     r = ex.check_pack_hooks(make_hooks)
-    assert 0.4 * r.measured["block_activation_bytes"] <= r.measured["saved_bytes"] <= 0.5 * r.measured["block_activation_bytes"]
+    block = r.measured["block_activation_bytes"]
+    assert 0.4 * block <= r.measured["saved_bytes"] <= 0.5 * block
     assert 0 < r.measured["grad_error"] <= ex.PACK_TOLERANCE
 
 

@@ -8,10 +8,10 @@ import torch
 
 pytest.importorskip("peft")
 
-from memlab import finetune, hf, measure_step  # noqa: E402
-from memlab.models import GPT, PRESETS  # noqa: E402
-from memlab.tracking import CATEGORIES  # noqa: E402
-from memlab.your_model import track_step  # noqa: E402
+from memlab import finetune, hf, measure_step
+from memlab.models import GPT, PRESETS
+from memlab.tracking import CATEGORIES
+from memlab.your_model import track_step
 
 SMALL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
          "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,

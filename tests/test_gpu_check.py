@@ -26,11 +26,11 @@ def test_dry_run_prints_the_plan_per_notebook_per_card():
     out = done.stdout
     for card in CARDS.values():
         assert f"== {card.describe()}" in out
-    lines = [l for l in out.splitlines() if ".ipynb" in l]
+    lines = [line for line in out.splitlines() if ".ipynb" in line]
     assert len(lines) == len(CARDS) * len(NOTEBOOKS)
-    for l in lines:
-        rank = Path(l.split()[0]).name.split("_")[0] in gpu_check.RANK_LESSONS
-        assert ("[one at a time]" in l) == rank, l
+    for line in lines:
+        rank = Path(line.split()[0]).name.split("_")[0] in gpu_check.RANK_LESSONS
+        assert ("[one at a time]" in line) == rank, line
     assert "NCCL, one GPU per rank" in out          # 2 x T4: the rank lessons on both GPUs
     assert _listing(shipped) == before              # nothing written into the references
 

@@ -18,7 +18,10 @@ def sum_leak(fixed=False):
     model, opt, batch_at = tiny_setup()
     total_val = 0
     for i in range(STEPS):
-        loss = model(*batch_at(i)); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        loss = model(*batch_at(i))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         val = model(*batch_at(10_000))
         total_val += val.item() if fixed else val
 
@@ -27,7 +30,10 @@ def eval_leak(fixed=False):
     model, opt, batch_at = tiny_setup()
     history = []
     for i in range(STEPS):
-        loss = model(*batch_at(i)); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        loss = model(*batch_at(i))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         with torch.no_grad() if fixed else torch.enable_grad():
             history.append(model(*batch_at(10_000)))
 
@@ -39,7 +45,9 @@ def list_leak(fixed=False):
         x, y = batch_at(i)
         logits = model(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         outputs.append((logits.argmax(-1) == y).float().mean().item() if fixed else logits)
 
 
@@ -80,7 +88,10 @@ def test_summed_loss_after_backward_keeps_no_tensor():
         model, opt, batch_at = tiny_setup()
         total = 0
         for i in range(STEPS):
-            loss = model(*batch_at(i)); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+            loss = model(*batch_at(i))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
             total += loss
         assert total.grad_fn is not None
     growth = watch_steps(loop)
@@ -100,7 +111,10 @@ from memlab.leaks import tiny_setup
 model, opt, batch_at = tiny_setup()
 total_val = 0
 for i in range({steps}):
-    loss = model(*batch_at(i)); loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    loss = model(*batch_at(i))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     total_val += model(*batch_at(10_000)){fix}
 """
 

@@ -33,7 +33,8 @@ def _rest(rep) -> int:
     return rep.peak_bytes - sum(rep.by_category[c] for c in STATES)
 
 
-@pytest.mark.parametrize("step", GRID, ids=lambda s: f"{s.precision}-{s.checkpointing}-{s.attention}-s{s.seq}b{s.batch}")
+@pytest.mark.parametrize("step", GRID,
+                         ids=lambda s: f"{s.precision}-{s.checkpointing}-{s.attention}-s{s.seq}b{s.batch}")
 def test_estimate_matches_simulate_per_category(step):
     """The formula against the tracked fake step, category by category. Without full
     checkpointing both peak at the same moment and agree to 256 bytes in every category

@@ -25,8 +25,8 @@ GRID = [dict(SMALL, n_kv_head=kv, bias=bias, qkv_bias=qkv_bias, mlp=mlp, norm=no
             [True, False])]
 
 
-@pytest.mark.parametrize("kw", GRID, ids=lambda kw: "-".join(f"{k}={kw[k]}" for k in
-                                                           ("n_kv_head", "bias", "qkv_bias", "mlp", "norm", "tie_embeddings")))
+@pytest.mark.parametrize("kw", GRID, ids=lambda kw: "-".join(
+    f"{k}={kw[k]}" for k in ("n_kv_head", "bias", "qkv_bias", "mlp", "norm", "tie_embeddings")))
 def test_num_params_equals_the_parameters_the_model_builds(kw):
     cfg = GPTConfig(**kw)
     assert cfg.num_params() == sum(p.numel() for p in GPT(cfg).parameters())

@@ -167,8 +167,13 @@ def test_gqa_permutation_gives_each_rank_whole_groups(kv, t):
     h, hd = cfg.n_head, cfg.head_dim
     perm = qkv_head_permutation(cfg, t)
     assert sorted(perm.tolist()) == list(range((h + 2 * kv) * hd))
-    head = lambda row: ("q", row // hd) if row < h * hd else \
-        ("k", (row - h * hd) // hd) if row < (h + kv) * hd else ("v", (row - (h + kv) * hd) // hd)
+    def head(row: int) -> tuple[str, int]:
+        if row < h * hd:
+            return "q", row // hd
+        if row < (h + kv) * hd:
+            return "k", (row - h * hd) // hd
+        return "v", (row - (h + kv) * hd) // hd
+
     chunks = perm.view(t, -1)
     if kv % t == 0:
         for r, rows in enumerate(chunks):

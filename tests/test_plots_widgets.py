@@ -2,13 +2,13 @@
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
 
-from memlab import CATEGORIES, StepConfig, measure_step  # noqa: E402
-from memlab.plots import plot_curve, plot_grad_histogram, plot_lenses, plot_timeline, plot_tradeoff, timeline_array  # noqa: E402
-from memlab.widgets import StepPanel  # noqa: E402
+from memlab import CATEGORIES, StepConfig, measure_step
+from memlab.plots import plot_curve, plot_grad_histogram, plot_lenses, plot_timeline, plot_tradeoff, timeline_array
+from memlab.widgets import StepPanel
 
 MiB = 2**20
 
@@ -57,9 +57,25 @@ def test_plot_curve_tradeoff_histogram():
     assert len(ax.lines) == 2
     np.testing.assert_allclose(ax.lines[0].get_ydata(), [1, 2, 4])
     ax = plot_tradeoff({"full": (0.5, 1.3)})
-    assert ax.lines[0].get_xdata()[0] == 0.5
-    ax = plot_grad_histogram({"g": np.array([1e-9, 1e-3, 0.0])})
-    assert len(ax.patches) > 0
+    assert (ax.lines[0].get_xdata()[0], ax.lines[0].get_ydata()[0]) == (0.5, 1.3)
+    plt.close("all")
+
+
+def test_grad_histogram_counts_every_nonzero_gradient_at_its_log2():
+    """One bar per bin of log2 |g| (60 bins per series): the heights add up to the nonzero
+    gradients of each series (a zero has no log2 and is left out), every value sits in a bar
+    whose edges bracket its log2, and fp16's smallest number is the line at -24."""
+    small = -(2.0 ** np.arange(-40, -20))          # 20 values, below fp16's 2^-24 and not
+    large = np.concatenate([2.0 ** np.arange(-12, -2), np.zeros(5)])  # 10 nonzero, 5 zeros
+    ax = plot_grad_histogram({"small": small, "large": large})
+    bars = ax.patches
+    assert len(bars) == 2 * 60
+    assert [sum(b.get_height() for b in bars[:60]), sum(b.get_height() for b in bars[60:])] == [20, 10]
+    for series, values in ((bars[:60], small), (bars[60:], large[large != 0])):
+        for x in np.log2(np.abs(values)):
+            assert any(b.get_x() <= x <= b.get_x() + b.get_width() and b.get_height() >= 1 for b in series), x
+    fp16 = [line for line in ax.lines if "fp16" in line.get_label()]
+    assert len(fp16) == 1 and list(fp16[0].get_xdata()) == [-24, -24]
     plt.close("all")
 
 

@@ -1,9 +1,10 @@
 """memlab.states: one model-state formula for every lens, in plain PyTorch's and DeepSpeed's
 layouts."""
 import pytest
+import torch
 
 from memlab.distributed.zero import zero_formula
-from memlab.models import PRESETS, UNET_PRESETS, build_model, get_config
+from memlab.models import UNET_PRESETS, build_model, get_config
 from memlab.states import bytes_per_param, model_state_bytes, model_states, param_numels, pinned_bytes, under_deepspeed
 
 PSI = 10**9
@@ -18,10 +19,17 @@ def test_deepspeed_layout_reproduces_the_papers_figure_1(stage, gb):
     assert (s.parameters + s.gradients + s.optimizer) / 1e9 == pytest.approx(gb, abs=0.05)
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
-def test_param_numels_add_up_to_the_closed_form(name):
+@pytest.mark.parametrize("name, published", [("gpt2-small", 124_439_808), ("mistral-7b", 7_241_732_096)])
+def test_param_numels_are_the_tensors_the_model_builds(name, published):
+    """The closed form, tensor by tensor (ZeRO-3's persistence threshold and the largest
+    parameter read single tensors), against the model built on the meta device: GPT-2 small
+    (tied embedding, learned positions, biases) and Mistral-7B (GQA, SwiGLU, untied head),
+    whose totals are their published counts (Hugging Face ``num_parameters()``)."""
     cfg = get_config(name)
-    assert sum(param_numels(cfg)) == cfg.num_params()
+    with torch.device("meta"):
+        built = sorted(p.numel() for p in build_model(cfg).parameters())
+    assert sorted(param_numels(cfg)) == built
+    assert sum(built) == published
 
 
 def test_param_numels_of_the_unet_are_its_parameters():
@@ -29,13 +37,20 @@ def test_param_numels_of_the_unet_are_its_parameters():
     assert sorted(param_numels(cfg)) == sorted(p.numel() for p in build_model(cfg).parameters())
 
 
+#: Rajbhandari et al. 2020 (ZeRO), sec. 5.1 and figure 1, bytes per parameter on one of N_d ranks:
+#: 2 (fp16 parameters) + 2 (fp16 gradients) + K = 12 (fp32 master, momentum, variance);
+#: P_os divides the 12, P_os+g also the gradients' 2, P_os+g+p also the parameters' 2.
+PAPER = {0: lambda n: (2, 2, 12), 1: lambda n: (2, 2, 12 / n), 2: lambda n: (2, 2 / n, 12 / n),
+         3: lambda n: (2 / n, 2 / n, 12 / n)}
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("n", [1, 2, 8, 64])
 def test_deepspeed_bf16_is_the_papers_2_2_12(stage, n):
-    """Rajbhandari et al. 2020, sec. 5.1: (2 + 2 + 12) psi, partitioned by stage."""
-    ours = bytes_per_param("bf16", stage, n)
-    paper = zero_formula(1, stage, n)
-    assert ours == pytest.approx(paper)
+    """DeepSpeed's bf16 layout and the paper's formula, each against the paper's literal bytes."""
+    want = dict(zip(("parameters", "gradients", "optimizer"), PAPER[stage](n), strict=True))
+    assert bytes_per_param("bf16", stage, n) == pytest.approx(want, rel=1e-12)
+    assert zero_formula(1, stage, n) == pytest.approx(want, rel=1e-12)
 
 
 def test_deepspeed_fp32_keeps_a_master_copy_from_stage_1():

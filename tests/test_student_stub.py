@@ -13,7 +13,7 @@ from memlab.exercises import CheckFailed
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
-from student_stub import defined_names, student_source  # noqa: E402
+from student_stub import defined_names, student_source  # noqa: E402  (tools/ is on sys.path only from the line above)
 
 
 def test_defined_names_are_the_top_level_answers():

@@ -20,7 +20,8 @@ def cell_source(source: str) -> str:
     return ("# Colab, or any Python without memlab: install it (does nothing where memlab is installed)\n"
             "import importlib.util, subprocess, sys\n"
             "if importlib.util.find_spec(\"memlab\") is None:\n"
-            f"    subprocess.check_call([sys.executable, \"-m\", \"pip\", \"install\", \"-q\", \"memlab[dist] @ {source}\"])\n")
+            "    subprocess.check_call([sys.executable, \"-m\", \"pip\", \"install\", \"-q\", "
+            f"\"memlab[dist] @ {source}\"])\n")
 
 
 def install_cell(nb: dict, source: str) -> tuple[dict, str]:

@@ -30,6 +30,7 @@ START, END = "<!-- modmap:start -->", "<!-- modmap:end -->"
 LAYERS: list[tuple[str, dict[str, str]]] = [
     ("base: errors, units, devices", {
         "errors": "`InputError`: bad user input (exit 2 in the CLI); imports nothing from memlab",
+        "torch_private": "PyTorch's private APIs (fake tensors, dispatch keys, the fake process group, ...) behind one module, each with the torch versions it was checked on",
         "units": "bytes and their units: `KiB`..`TiB`, the one size parser `parse_size`, `fmt_bytes`",
         "cards": "card profiles (memory, capability, native bf16, attention kernels, cuBLAS workspace), `detect_card`",
         "predictions": "the learner's written guesses scored against the measurement",

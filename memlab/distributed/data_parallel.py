@@ -4,7 +4,7 @@ Lesson 09's primer before ZeRO. Every rank holds a full replica of the model and
 slice of the batch; after backward the ranks all-reduce their gradients (sum, then divide by
 the number of ranks), so every replica takes the same optimizer step as one process on the
 whole batch would (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data
-Parallel Training", sec. 3). ZeRO (lesson 10) is built from the same collectives:
+Parallel Training", sec. 3). ZeRO (:mod:`memlab.distributed.zero`) is built from the same collectives:
 reduce-scatter leaves each rank one shard of the sum, all-gather puts the shards back together.
 
 >>> coll = measure_collectives(world_size=2)      # what each rank holds before and after
@@ -76,7 +76,7 @@ def ddp_worker(rank: int, world_size: int, step: StepConfig) -> dict:
     grads = [p.grad.detach().clone() for p in model.parameters()]
     opt.step()
     ref(inputs, targets).backward()                            # one process, the whole batch
-    diff = max((g - p.grad).abs().max().item() for g, p in zip(grads, ref.parameters()))
+    diff = max((g - p.grad).abs().max().item() for g, p in zip(grads, ref.parameters(), strict=True))
     scale = max(p.grad.abs().max().item() for p in ref.parameters())
     params = list(model.parameters())
     nbytes = {"parameters": sum(p.nbytes for p in params),

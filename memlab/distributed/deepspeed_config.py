@@ -17,11 +17,12 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
                      torch_adam: bool = True) -> dict:
     """The DeepSpeed config for ``step`` (a :class:`~memlab.step.StepConfig`).
 
-    Modelled on the curriculum's config (course/curriculum.md, section 5) (train_batch_size, gradient_accumulation_steps, fp16/bf16,
-    zero_optimization with offload, activation_checkpointing). ``step.batch`` is the batch of
-    one rank, so train_batch_size = batch x world_size. Adam runs as ``torch.optim.AdamW``
-    (``torch_adam``): no op is compiled, and the state lives where ZeRO puts it.
-    ``torch_adam=False`` (offload only) lets DeepSpeed run its compiled ``DeepSpeedCPUAdam``.
+    Modelled on the curriculum's config (course/curriculum.md, section 5) (train_batch_size,
+    gradient_accumulation_steps, fp16/bf16, zero_optimization with offload,
+    activation_checkpointing). ``step.batch`` is the batch of one rank, so train_batch_size = batch
+    x world_size. Adam runs as ``torch.optim.AdamW`` (``torch_adam``): no op is compiled, and the
+    state lives where ZeRO puts it. ``torch_adam=False`` (offload only) lets DeepSpeed run its
+    compiled ``DeepSpeedCPUAdam``.
     """
     if step.precision not in ("fp32", "bf16"):
         raise InputError(f"precision={step.precision!r} for DeepSpeed here; allowed: fp32, bf16 "

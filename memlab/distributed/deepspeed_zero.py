@@ -421,6 +421,17 @@ def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placemen
     against this host (:func:`memlab.guard.preflight`, all ranks together): one it cannot hold
     raises :class:`~memlab.errors.HostMemoryError`; one whose model states exceed the budget
     comes back ``fits: false`` at phase ``build`` without being run.
+
+    Args:
+        steps: the ZeRO configurations, one ``StepConfig`` each, all with one ``world_size``.
+        device, placement, timeout, budget: as above.
+
+    Returns:
+        One :class:`MemoryReport` per step, in order.
+
+    Raises:
+        InputError: steps of different ``world_size``, or a device or budget not allowed.
+        HostMemoryError: a step the ranks on this machine cannot hold.
     """
     steps = list(steps)
     if not steps:
@@ -472,7 +483,19 @@ def measure_distributed(step=None, *, device: str | None = "cpu", placement: Pla
                         ds_config: dict | None = None, **overrides):
     """One ZeRO step on ``step.world_size`` ranks with DeepSpeed: a :class:`MemoryReport`
     whose ``per_rank`` holds one report per rank (``to_dict()["per_rank"]``). ``budget`` is
-    each rank's, enforced in the ranks; ranks are placed as in :func:`measure_zero`."""
+    each rank's, enforced in the ranks; ranks are placed as in :func:`measure_zero`.
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); ``overrides`` replace its fields.
+        device, placement, timeout, budget: as in :func:`measure_zero`.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``"measure"``, rank 0's peak) with ``per_rank``.
+
+    Raises:
+        InputError: a field, device or budget that is not allowed.
+        HostMemoryError: the ranks do not fit this machine.
+    """
     step = step or StepConfig()
     step = replace(step, **overrides) if overrides else step
     return measure_zero([step], device=device, placement=placement, timeout=timeout,

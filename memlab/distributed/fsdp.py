@@ -15,13 +15,13 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..errors import InputError
 from ..hardware import resolve_budget
 from ..models import GPTConfig, build_model
 from ..step import MemoryReport, StepConfig, make_batch
+from ..torch_private import FakeTensorMode, fsdp2_mem_tracker
 from ..tracking import CATEGORIES, MemoryTracker
 from .ranks import fake_process_group, resolve_placement, run_ranks
 
@@ -113,7 +113,7 @@ _FSDP_CATEGORIES = {"Sharded Param": "parameters", "Sharded Grad": "gradients",
 def _fast_fsdp_tracker() -> type:
     """FSDPMemTracker without its bookkeeping on ``prim.device``: a device query allocates
     nothing, and under fake tensors it is half of all dispatched calls."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    FSDPMemTracker = fsdp2_mem_tracker()
     device_query = torch.ops.prim.device.default
 
     class Tracker(FSDPMemTracker):
@@ -226,6 +226,17 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None,
     longer there), a difference in collective timing the fake group does not have. Returns a
     :class:`MemoryReport` (lens "simulate") with ``per_rank``. ``reshard_after_forward=False``
     keeps each unit's gathered parameters from its forward to its backward, as FSDP2 does.
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); ``overrides`` replace its fields.
+        world_size: ranks to shard over (``None``: ``step.world_size``).
+        budget: each rank's, as in :func:`memlab.simulate.simulate_step`.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``"simulate"``) with ``per_rank``.
+
+    Raises:
+        InputError: a field, ``world_size`` or budget that is not allowed.
     """
 
     step = step or StepConfig()

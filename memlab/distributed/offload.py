@@ -40,11 +40,11 @@ def measure_offload(step, *, cases=OFFLOAD_CASES, placement: Placement | None = 
     ``device_base_bytes`` what the engine held before it. On CPU ranks host and device are
     one memory: the device peak is the tracked peak less what ZeRO-Offload keeps on the host,
     the base the model states DeepSpeed keeps on the device (``source`` says which). Both
-    give ``host_bytes`` (DeepSpeed's accounting of the offloaded fp32 master, Adam's state,
-    the fp32 gradient partition and, with ``"all"``, the parameters), how much the process's
-    resident memory grew while the engine was built and run (``rss_growth_bytes``, psutil) and
-    the step time. ``cpu_adam`` runs the offloaded optimizer as DeepSpeed's compiled ``DeepSpeedCPUAdam`` instead of
-    torch's AdamW (offload cases only). Rows are rank 0's.
+    give ``host_bytes`` (DeepSpeed's accounting of the offloaded fp32 master, Adam's state, the fp32
+    gradient partition and, with ``"all"``, the parameters), how much the process's resident memory
+    grew while the engine was built and run (``rss_growth_bytes``, psutil) and the step time.
+    ``cpu_adam`` runs the offloaded optimizer as DeepSpeed's compiled ``DeepSpeedCPUAdam`` instead
+    of torch's AdamW (offload cases only). Rows are rank 0's.
     """
     placement = placement or place_ranks(step.world_size)
     steps = []

@@ -11,7 +11,6 @@ from ..errors import InputError
 from ..hardware import rank_device
 from ..models import GPTConfig
 from ..step import MemoryReport, StepConfig
-from .ranks import default_backend  # noqa: F401 (re-exported)
 
 
 def is_sharded(p: torch.Tensor) -> bool:

@@ -2,6 +2,7 @@
 measured per stage: GPipe and 1F1B schedules, their bubbles and the activations in flight."""
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -100,7 +101,7 @@ def stage_bounds(n_layer: int, stages: int) -> list[tuple[int, int]]:
     if stages > n_layer:
         raise InputError(f"stages={stages} exceeds n_layer={n_layer}: each stage needs a block")
     cuts = [round(i * n_layer / stages) for i in range(stages + 1)]
-    return list(zip(cuts, cuts[1:]))
+    return list(itertools.pairwise(cuts))
 
 
 def in_flight(events: list[tuple[str, int, float, float]]) -> int:
@@ -155,7 +156,7 @@ def pp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256
             stage = PipelineStage(mod, rank, world_size, dev)
             sched = kinds[name](stage, m, loss_fn=_loss_fn(mod))  # every rank: it enables backward
 
-            def run():
+            def run(sched=sched):  # this iteration's schedule, bound at definition
                 losses: list = []
                 dist.barrier()
                 mod.clock.reset()
@@ -206,7 +207,21 @@ def measure_pipeline(step: StepConfig | None = None, stages: int = 2, *,
                      placement: Placement | None = None) -> ParallelResult:
     """Run ``step``'s GPT as a ``stages``-rank pipeline for each schedule and micro-batch
     count; per stage: wall and busy time, bubble, micro-batches in flight, peak bytes.
-    Ranks are placed as in :func:`~memlab.distributed.tensor_parallel.measure_tensor_parallel`."""
+    Ranks are placed as in :func:`~memlab.distributed.tensor_parallel.measure_tensor_parallel`.
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); its model must be a GPT.
+        stages: ranks, one pipeline stage each.
+        micro_batches, schedules: what to run (``"gpipe"``, ``"1f1b"``); each count must divide the batch.
+        repeats, track, timeout, backend, placement: timed runs, tracking and where the ranks run.
+
+    Returns:
+        A :class:`~memlab.distributed.parallel_common.ParallelResult`, one entry per stage.
+
+    Raises:
+        InputError: a model, schedule or micro-batch count that is not allowed.
+        RankError: a rank failed (:mod:`memlab.distributed.ranks`).
+    """
     step = step or StepConfig()
     if isinstance(micro_batches, int):
         micro_batches = (micro_batches,)

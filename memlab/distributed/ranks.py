@@ -54,10 +54,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ..errors import InputError
 from ..hardware import Placement, place_ranks, visible_gpus
+from ..torch_private import FakeStore
 
 REPO = Path(__file__).resolve().parents[2]  # memlab/distributed/ranks.py -> the checkout
 

@@ -21,10 +21,10 @@ Megatron-Core's ``divide`` does.
 from __future__ import annotations
 
 import copy
+import itertools
 import types
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
@@ -32,6 +32,7 @@ from ..errors import InputError
 from ..hardware import Placement
 from ..models import GPT, GPTConfig
 from ..step import StepConfig, make_batch
+from ..torch_private import FakeTensorMode
 from ..tracking import MemoryTracker
 from .parallel_common import ParallelResult, is_sharded, local_bytes, rank_device, set_rank_threads, worker_step
 from .parallel_formulas import tp_activation_bytes
@@ -173,8 +174,8 @@ def tp_tracked_step(tp: GPT, opt: torch.optim.Optimizer, idx: torch.Tensor,
         opt.zero_grad(set_to_none=True)
         for hk in hooks:
             hk.remove()
-    per_layer = sorted(b - a for a, b in zip(marks, marks[1:]))
-    out["layer_activation_bytes"] = [b - a for a, b in zip(marks, marks[1:])]
+    per_layer = sorted(b - a for a, b in itertools.pairwise(marks))
+    out["layer_activation_bytes"] = [b - a for a, b in itertools.pairwise(marks)]
     # the median: gloo's thread may free an all-reduce's input after a block's hook has read
     # the live bytes (a layer late, or past the last block), so one layer can read high
     mid = len(per_layer) // 2
@@ -233,7 +234,7 @@ def simulate_tensor_parallel(step: StepConfig | None = None, tensor_parallel: in
     a fake process group (collectives return at once) and fake tensors, tracked exactly.
 
     Every rank holds the same shapes, so rank 0 stands for all; the numbers equal a real
-    run's (lesson 08 checks it on the tiny model), for models no laptop could hold.
+    run's (lesson 12 checks it on the tiny model), for models no laptop could hold.
     """
     tp = tensor_parallel if tp is None else tp  # ``tp=``: the old spelling lesson 12 uses
     step = step or StepConfig()
@@ -264,7 +265,20 @@ def measure_tensor_parallel(step: StepConfig | None = None, tensor_parallel: int
     """Run one TP step of ``step``'s GPT on ``tp`` spawned ranks: loss and gradients against
     one process (``check``), parameter bytes, activations per layer and the tracked peak.
     The ranks run where ``placement`` says (default :func:`~memlab.hardware.place_ranks`:
-    NCCL with one GPU per rank, else gloo on the CPU); ``backend="gloo"`` asks for the CPU."""
+    NCCL with one GPU per rank, else gloo on the CPU); ``backend="gloo"`` asks for the CPU.
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); its model must be a GPT.
+        tensor_parallel: ranks (``tp`` is the old spelling); it must divide the heads.
+        check, timeout, backend, placement: as above.
+
+    Returns:
+        A :class:`~memlab.distributed.parallel_common.ParallelResult`, one entry per rank.
+
+    Raises:
+        InputError: a model or ``tensor_parallel`` that is not allowed.
+        RankError: a rank failed (:mod:`memlab.distributed.ranks`).
+    """
     tp = tensor_parallel if tp is None else tp  # ``tp=``: the old spelling lesson 12 uses
     step = step or StepConfig()
     cfg = step.model_config

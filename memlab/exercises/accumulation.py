@@ -57,7 +57,8 @@ def check_accumulation(accumulate: Callable, *, k: int = 4, seq: int = 32,
     the activations alive at once are at most 1.5/k of the big batch's.
     """
     name = "gradient accumulation"
-    require(name, "accumulate", accumulate, "def accumulate(model, optimizer, batch, k): one optimizer step over k micro-batches")
+    require(name, "accumulate", accumulate,
+            "def accumulate(model, optimizer, batch, k): one optimizer step over k micro-batches")
     if batch % k:
         raise InputError(f"batch {batch} is not divisible by k={k}; choose a divisor")
     step = StepConfig(model="tiny", seq=seq, batch=batch)
@@ -87,7 +88,7 @@ def check_accumulation(accumulate: Callable, *, k: int = 4, seq: int = 32,
         msg = f"gradients differ from one batch of {batch} by {diff:.1e} (allowed {ACC_TOLERANCE:g})"
         if rel_diff(opt.grads, [g * k for g in ref]) <= ACC_TOLERANCE:
             fail(name, f"{msg}: they are {k} times too large; did you divide the loss by k?")
-        if i == 1 and rel_diff(opt.grads, [a + b for a, b in zip(ref, refs[0][0])]) <= ACC_TOLERANCE:
+        if i == 1 and rel_diff(opt.grads, [a + b for a, b in zip(ref, refs[0][0], strict=True)]) <= ACC_TOLERANCE:
             fail(name, f"{msg}: the previous step's gradients were still there; zero them "
                         f"(optimizer.zero_grad(set_to_none=True)) once per optimizer step")
         fail(name, f"{msg}: the loss of each micro-batch is a mean over batch/k samples; divide "

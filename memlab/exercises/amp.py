@@ -55,7 +55,8 @@ def check_amp_step(amp_step: Callable, *, device: str = "cpu") -> CheckResult:
     halved (what ``scaler.step`` and ``scaler.update`` do).
     """
     name = "autocast + GradScaler"
-    require(name, "amp_step", amp_step, "def amp_step(model, optimizer, scaler, batch): one fp16 autocast step with loss scaling")
+    require(name, "amp_step", amp_step,
+            "def amp_step(model, optimizer, scaler, batch): one fp16 autocast step with loss scaling")
     dev = torch.device(device)
     step = StepConfig(model="tiny", seq=16, batch=2)
     batches = [make_batch(step, dev, seed=s) for s in (0, 1)]
@@ -86,8 +87,8 @@ def check_amp_step(amp_step: Callable, *, device: str = "cpu") -> CheckResult:
                     f"inside torch.amp.autocast(device_type, dtype=torch.float16).{hint}")
     diffs = []
     for k in (1, 2):
-        upd = [a - b for a, b in zip(got[k], got[k - 1])]
-        ref_upd = [a - b for a, b in zip(ref[k], ref[k - 1])]
+        upd = [a - b for a, b in zip(got[k], got[k - 1], strict=True)]
+        ref_upd = [a - b for a, b in zip(ref[k], ref[k - 1], strict=True)]
         ratio = grad_norm(upd) / grad_norm(ref_upd)
         diff = relative_error(upd, ref_upd)
         diffs.append(diff)
@@ -106,7 +107,7 @@ def check_amp_step(amp_step: Callable, *, device: str = "cpu") -> CheckResult:
             fail(name, f"{msg}, the first one matched: zero the gradients once per step "
                         f"(optimizer.zero_grad(set_to_none=True))")
         fail(name, f"{msg} (update x{ratio:.3g})")
-    moved = max((a - b).abs().max().item() for a, b in zip(got[3], got[2]))
+    moved = max((a - b).abs().max().item() for a, b in zip(got[3], got[2], strict=True))
     if not math.isfinite(moved) or moved > 0:
         fail(name, f"after an fp16 overflow (inf gradients) your step still changed the weights "
                     f"(by {moved}): scaler.step(optimizer) skips such a step, optimizer.step() does not")

@@ -30,7 +30,8 @@ def check_checkpointed_block(block_cls: type, *, seq: int = 64, batch: int = 2) 
     minus their inputs (``n_layer * (layer_activation_bytes - 4 b s d)``); non-reentrant.
     """
     name = "checkpointed block"
-    require(name, "CheckpointedBlock", block_cls, "class CheckpointedBlock(ml.models.Block) whose forward runs under checkpoint(..., use_reentrant=False)")
+    require(name, "CheckpointedBlock", block_cls,
+            "class CheckpointedBlock(ml.models.Block) whose forward runs under checkpoint(..., use_reentrant=False)")
     cfg = get_config("tiny", attention="naive")
     data = make_batch(StepConfig(model=cfg, seq=seq, batch=batch))
     ref = tiny_model(attention="naive")

@@ -45,7 +45,7 @@ def require(exercise: str, name: str, value, what: str, *, call: bool = True) ->
 
 def rel_diff(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
     """Largest absolute difference over all tensors, relative to the reference's largest value."""
-    diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, ref))
+    diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, ref, strict=True))
     return diff / max(r.abs().max().item() for r in ref)
 
 

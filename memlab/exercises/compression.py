@@ -40,7 +40,8 @@ def check_pack_hooks(make_hooks: Callable, *, seq: int = 64, batch: int = 2) -> 
     the unhooked model is at most :data:`PACK_TOLERANCE`.
     """
     name = "pack/unpack hooks"
-    require(name, "make_hooks", make_hooks, "def make_hooks(model) returning (pack, unpack) that keep activations in bf16")
+    require(name, "make_hooks", make_hooks,
+            "def make_hooks(model) returning (pack, unpack) that keep activations in bf16")
     cfg = get_config("tiny")
     data = make_batch(StepConfig(model=cfg, seq=seq, batch=batch))
     ref, model = tiny_model(), tiny_model()

@@ -34,7 +34,7 @@ def check_oom_fix(fixed: StepConfig, original: StepConfig, budget: int | str, *,
     samples = fixed.batch
     if samples < original.batch:
         lines.append(f"note: each optimizer step now sees {samples} samples instead of "
-                     f"{original.batch}; micro_batches keeps the batch (lesson 06)")
+                     f"{original.batch}; micro_batches keeps the batch (gradient accumulation)")
     return CheckResult(name, {"peak_bytes": rep.peak_bytes, "budget_bytes": rep.budget_bytes,
                               "batch": samples}, lines)
 

@@ -26,10 +26,11 @@ def reference_min_ranks(num_params: float, stage: int, card_bytes: float,
 
 
 def check_min_ranks(min_ranks: Callable, *, headroom: float = HEADROOM) -> CheckResult:
-    """``min_ranks(num_params, stage, card_bytes)`` returns the smallest number of ranks at which
-    the model states of mixed-precision Adam (2 + 2 + 12 bytes per parameter, sharded by
-    ``stage`` as in lesson 10) fit the card less 10% headroom, or None when no number of ranks
-    up to 1024 does. Checked on LLaMA-7B, -13B and -70B shapes at stages 1-3."""
+    """``min_ranks(num_params, stage, card_bytes)`` returns the smallest number of ranks at
+    which the model states of mixed-precision Adam (2 + 2 + 12 bytes per parameter, sharded by
+    ``stage`` as in :func:`memlab.distributed.zero.zero_formula`) fit the card less 10%
+    headroom, or None when no number of ranks up to 1024 does. Checked on LLaMA-7B, -13B and
+    -70B shapes at stages 1-3."""
     name = "ranks for a ZeRO stage"
     require(name, "min_ranks", min_ranks,
             "a function (num_params, stage, card_bytes) returning an int (or None)")

@@ -29,7 +29,7 @@ def check_first_step(my_step: StepConfig, largest: str, *, device: str = "cpu") 
         fail(name, f"my_step should be an ml.StepConfig, got {type(my_step).__name__}")
     if device == "cpu" and my_step.seq * my_step.batch > MAX_TOKENS:
         fail(name, f"seq x batch = {my_step.seq * my_step.batch} tokens; keep it at most "
-                   f"{MAX_TOKENS} on a CPU (the calculator of lesson 01 takes any size)")
+                   f"{MAX_TOKENS} on a CPU (ml.estimate_step takes any size)")
     rep = measure_step(my_step, device=device)
     est = estimate_step(my_step, target="cuda" if device == "cuda" else "cpu")
     cats = {c: v for c, v in rep.by_category.items() if v}

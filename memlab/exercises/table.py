@@ -1,6 +1,7 @@
 """Lesson 15: a row of the table, measured by the learner: the saving on the step's peak."""
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from ..step import StepConfig
@@ -26,7 +27,7 @@ def check_peak_saving(peak_saving: Callable) -> CheckResult:
         for key, row in TECHNIQUES.items():
             value = SINGLE[row][0][key]
             ref = measure_saving(step, row)
-            have = call_learner(name, "peak_saving", lambda s: peak_saving(s, **{key: value}), step)
+            have = call_learner(name, "peak_saving", functools.partial(peak_saving, **{key: value}), step)
             got[f"{key}={value} seq {step.seq} batch {step.batch}"] = have
             want = ref["saving"]
             if abs(have - want) <= SAVING_TOLERANCE:

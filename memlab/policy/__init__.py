@@ -29,7 +29,8 @@ dispatcher overrides and tracker accounting) and by :mod:`memlab.estimate` (as e
    ``half_to_float`` kernel on CUDA (``aten/src/ATen/native/SoftMax.cpp``). Scaled dot-product
    attention picks the first kernel the card has (:class:`memlab.cards.Card`): FlashAttention-2
    for 16-bit inputs from sm80, the memory-efficient kernel for fp32 (and fp16 below sm80),
-   else the ``math`` composite (bf16 below sm80) (``priority_order`` in ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: flash,
+   else the ``math`` composite (bf16 below sm80) (``priority_order`` in
+   ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: flash,
    efficient, math; recent builds put cuDNN attention first on sm90 with a new cuDNN, which
    saves the same ``(b, h, s)`` statistics): flash saves an
    fp32 log-sum-exp of ``(b, h, s)``, the efficient kernel pads its last dim to a multiple of

@@ -4,7 +4,7 @@ its kernels, :mod:`.kernels`). ``target`` is ``"cuda"``/``"cpu"`` or a
 :class:`~memlab.policy.Target`."""
 from __future__ import annotations
 
-from ..precision import precision_bytes  # noqa: F401 (re-exported: the one table)
+from ..precision import precision_bytes
 from .autocast import AUTOCAST
 from .kernels import layer_norm_stat_bytes, rms_norm_fused, target_name
 

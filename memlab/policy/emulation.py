@@ -16,16 +16,21 @@ import weakref
 from typing import Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_map_only
 
+from ..torch_private import (
+    AUTOCAST_CPU_KEYS,
+    FakeTensor,
+    aten_ops_with_kernel,
+    exclude_dispatch_keys,
+    tree_leaves,
+    tree_map_only,
+)
 from .kernels import DTYPE_NAMES, rms_norm_fused, sdpa_backend
 from .target import Target, get_target
 
 _aten = torch.ops.aten
 
 
-_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 _lock = threading.Lock()
 _active = 0
 _library: torch.library.Library | None = None
@@ -80,7 +85,7 @@ def _clear_autocast_cache() -> None:
 def _lower_kernel(op):
     def kernel(*args, **kwargs):
         dtype = torch.get_autocast_dtype("cpu")
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+        with exclude_dispatch_keys(AUTOCAST_CPU_KEYS):
             args, kwargs = tree_map_only(torch.Tensor, lambda t: _cache.cast(t, dtype), (args, kwargs))
             return op(*args, **kwargs)
     return kernel
@@ -88,7 +93,7 @@ def _lower_kernel(op):
 
 def _fp32_kernel(op):
     def kernel(*args, **kwargs):
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+        with exclude_dispatch_keys(AUTOCAST_CPU_KEYS):
             args, kwargs = tree_map_only(torch.Tensor, lambda t: _cache.cast(t, torch.float32),
                                          (args, kwargs))
             return op(*args, **kwargs)
@@ -99,13 +104,13 @@ def _promote_kernel(op):
     def kernel(*args, **kwargs):
         lower = torch.get_autocast_dtype("cpu")
         widest = lower
-        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+        for t in tree_leaves((args, kwargs)):
             if _eligible(t):
                 if widest == torch.float32 or t.dtype == torch.float32:
                     widest = torch.float32
                 elif t.dtype != lower:
                     raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+        with exclude_dispatch_keys(AUTOCAST_CPU_KEYS):
             args, kwargs = tree_map_only(torch.Tensor, lambda t: _cache.cast(t, widest), (args, kwargs))
             return op(*args, **kwargs)
     return kernel
@@ -121,7 +126,7 @@ def _set_opt_dtype_kernel(op, name: str):
     softmax = name in ("softmax.int", "log_softmax.int")
 
     def kernel(*args, **kwargs):
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+        with exclude_dispatch_keys(AUTOCAST_CPU_KEYS):
             if not _eligible(args[0]):
                 return op(*args, **kwargs)
             given = kwargs.get("dtype") if (kw_only or len(args) <= index) else args[index]
@@ -145,7 +150,7 @@ def _append_dtype_kernel(target_name: str):
     target = _op(target_name)
 
     def kernel(*args, **kwargs):
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+        with exclude_dispatch_keys(AUTOCAST_CPU_KEYS):
             out_type = torch.float32 if _eligible(args[0]) else args[0].dtype
             return target(*args, **kwargs, dtype=out_type)
     return kernel
@@ -218,11 +223,6 @@ def _sdpa_kernel(target: Target):
     return kernel
 
 
-def _registered(key: str) -> set[str]:
-    return {n[len("aten::"):] for n in torch._C._dispatch_get_all_op_names()
-            if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, key)}
-
-
 def _install(target: Target) -> torch.library.Library:
     lib = torch.library.Library("aten", "IMPL")
     policy = target.autocast
@@ -242,7 +242,7 @@ def _install(target: Target) -> torch.library.Library:
                 kernel = make(_op(name))
             lib.impl(name, kernel, "AutocastCPU")
         # ops CPU autocast casts and the target does not: no cast at all
-        for name in sorted(_registered("AutocastCPU") - policy.ops):
+        for name in sorted(aten_ops_with_kernel("AutocastCPU") - policy.ops):
             lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
         if rms_norm_fused(target.name):
             lib.impl("rms_norm", _rms_norm_kernel, "AutogradCPU")

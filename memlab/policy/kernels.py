@@ -124,4 +124,5 @@ def rms_norm_fused(target) -> bool:
 
 
 __all__ = ["DTYPE_NAMES", "layer_norm_stat_bytes", "rms_norm_fused", "sdpa_backend",
-           "sdpa_backward_workspace", "sdpa_dtype", "sdpa_lse_bytes", "sdpa_math_extra_bytes", "target_card", "target_name"]
+           "sdpa_backward_workspace", "sdpa_dtype", "sdpa_lse_bytes", "sdpa_math_extra_bytes", "target_card",
+           "target_name"]

@@ -1,5 +1,6 @@
-"""The arc-A lessons' checkers (00, 01, 07): each passes its reference and fails a named wrong
-answer with the message that names the mistake."""
+"""The checkers of a first step, the model states of any model and the peak estimator
+(lessons 00, 01, 07): each passes its reference and fails a named wrong answer with the
+message that names the mistake."""
 import pytest
 
 import memlab as ml

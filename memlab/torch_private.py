@@ -1,0 +1,118 @@
+"""PyTorch's private APIs that memlab uses, in one place.
+
+Every name below lives under an underscored module or attribute (``torch._C``,
+``torch._subclasses``, ``torch.utils._pytree``, ``torch.testing._internal``, ...): PyTorch
+promises nothing about them between releases. memlab's modules import them from here, so a
+torch upgrade that moves one breaks this file, not ten.
+
+Each entry says which torch versions it was checked on: **2.13** is this repository's CPU
+test run (tests/test_torch_private.py exercises every wrapper); **2.11** (2.11.0+cu130) is
+the H200 reference run in ``memlab/data/reference/NVIDIA-H200/`` where that run used the
+code path (its simulate and measure lenses, its memory snapshot).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+# Fake tensors: the simulate lens, FSDP2 and tensor parallelism on fake tensors, HF models on
+# fake tensors. Checked: 2.11 (H200 simulate rows), 2.13.
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+# The fake process group: importing fake_pg registers the "fake" backend for
+# ``dist.init_process_group("fake", store=FakeStore(), ...)`` (rank 0 of N alone).
+# Checked: 2.13.
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+# The tracker is a dispatch mode; tensor subclasses (DTensor) are unwrapped to what they hold.
+# Checked: 2.11 (H200 measure rows), 2.13.
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+# Pytree over (args, kwargs) of a dispatched op. Checked: 2.11 (H200 simulate rows), 2.13.
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only
+
+#: The CPU autocast dispatch key, which the emulation's own kernels step past.
+#: Checked: 2.11 (H200 simulate rows), 2.13.
+AUTOCAST_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
+def exclude_dispatch_keys(keys: torch._C.DispatchKeySet) -> contextlib.AbstractContextManager:
+    """A guard under which ops skip ``keys`` (``torch._C._ExcludeDispatchKeyGuard``).
+
+    Checked: 2.11 (H200 simulate rows), 2.13.
+    """
+    return torch._C._ExcludeDispatchKeyGuard(keys)
+
+
+def aten_ops_with_kernel(key: str) -> set[str]:
+    """The aten op names (without ``aten::``) that register a kernel for dispatch key ``key``
+    (``torch._C._dispatch_get_all_op_names``, ``_dispatch_has_kernel_for_dispatch_key``).
+
+    Checked: 2.11 (H200 simulate rows), 2.13.
+    """
+    return {n[len("aten::"):] for n in torch._C._dispatch_get_all_op_names()
+            if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, key)}
+
+
+def current_autograd_node() -> torch.autograd.graph.Node | None:
+    """The autograd node running now, or None outside backward (``torch._C._current_autograd_node``).
+
+    Checked: 2.11 (H200 measure rows), 2.13.
+    """
+    return torch._C._current_autograd_node()
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a graph task now (``torch._C._current_graph_task_id``).
+
+    Checked: 2.11 (H200 measure rows), 2.13.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def parse_to(*args, **kwargs) -> tuple[torch.device | None, torch.dtype | None]:
+    """The device and dtype a ``Module.to(*args, **kwargs)`` call asks for (``torch._C._nn._parse_to``).
+
+    Checked: 2.13.
+    """
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype
+
+
+def record_memory_history(max_entries: int) -> None:
+    """Start recording CUDA allocator events (``torch.cuda.memory._record_memory_history``).
+
+    Checked: 2.11 (the H200 snapshot ``gpt2-small-step.pickle.gz``); on CPU-only 2.13 it is
+    never called.
+    """
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def stop_memory_history() -> None:
+    """Stop recording CUDA allocator events. Checked: as :func:`record_memory_history`."""
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def memory_snapshot() -> dict:
+    """The CUDA allocator's snapshot (``torch.cuda.memory._snapshot``): segments and traces.
+
+    Checked: as :func:`record_memory_history`.
+    """
+    return torch.cuda.memory._snapshot()
+
+
+def fsdp2_mem_tracker() -> type:
+    """``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``), imported on first
+    use: its module loads FSDP (seconds) and ``import memlab`` does not need it.
+
+    Checked: 2.13.
+    """
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    return FSDPMemTracker
+
+
+__all__ = ["AUTOCAST_CPU_KEYS", "FakeStore", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
+           "aten_ops_with_kernel", "current_autograd_node", "exclude_dispatch_keys", "fsdp2_mem_tracker",
+           "in_backward", "is_traceable_wrapper_subclass", "memory_snapshot", "parse_to",
+           "record_memory_history", "stop_memory_history", "tree_flatten", "tree_leaves", "tree_map_only"]
