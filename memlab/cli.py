@@ -237,7 +237,9 @@ def run(args: argparse.Namespace) -> Result:
         table, _ = write_report(args.out, StepConfig(model=args.model, seq=args.seq, batch=args.batch),
                                 world_size=args.world_size, distributed=not args.no_distributed)
         return table
-    step = step_from_args(args)
+    # --hf-config: the config.json describes the model, so memlab's preset is not built (its
+    # block size would bound --seq); the context is the HF model's own (memlab.hf.check_seq)
+    step = step_from_args(args) if getattr(args, "hf_config", None) is None else None
     budget = _budget(args)
     if args.command in ("estimate", "simulate"):
         get_target(args.target)  # a bad --target is a usage error before any work
