@@ -38,8 +38,11 @@ from .your_model import simulate_model
 #: model_type -> what memlab's GPT calls it; the estimate covers these.
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
 #: Shipped configs: name -> file in memlab/data/hf_configs.
-SHIPPED = {"llama-3-8b": "llama-3-8b.json", "qwen2.5-7b": "qwen2.5-7b.json",
-           "mistral-7b": "mistral-7b.json", "gpt2": "gpt2.json"}
+SHIPPED = {name: f"{name}.json" for name in (
+    "llama-3-8b", "qwen2.5-7b", "mistral-7b", "gpt2",
+    # today's models: published config.json files (Gemma 3: the text model of gemma-3-12b-pt)
+    "llama-3.1-8b", "llama-3.1-70b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b",
+    "mistral-nemo-12b", "phi-3-mini", "deepseek-v3", "gpt-oss-20b")}
 HF_CHECKPOINTING = ("none", "full")  # HF checkpoints whole decoder layers (or nothing)
 
 
