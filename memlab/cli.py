@@ -31,6 +31,8 @@ from .errors import InputError
 from .estimate import estimate_step
 from .guard import HostMemoryError
 from .hardware import GPU_PRESETS, resolve_budget
+from .hf_estimate import estimate_hf
+from .hf_measure import measure_hf
 from .measure import measure_step
 from .models import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
 from .policy import emulate, get_target, resolve_target
@@ -133,7 +135,39 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("class", help="class tools: `class collect DIR --out results.csv`")
     p.add_argument("action", choices=["collect"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="DIR [--out results.csv] [--timeout S]")
+    _add_hf_flags(sub.choices)
     return parser
+
+
+def _add_hf_flags(commands: dict) -> None:
+    """Flags of the Hugging Face lenses (:mod:`memlab.hf`, :mod:`memlab.hf_estimate`):
+    ``measure --hf-config`` and the estimate's expert parallelism."""
+    commands["measure"].add_argument("--hf-config", default=None, metavar="PATH",
+                                     help="a Hugging Face config.json (or its folder, or a shipped "
+                                          "name): its real step, random weights, under the guard")
+    p = commands["estimate"]
+    p.add_argument("--expert-parallel", type=_positive_int("expert-parallel"), default=1, metavar="E",
+                   help="--hf-config MoE: divide the routed experts across E ranks (all-to-all buffers counted)")
+    p.add_argument("--expert-imbalance", type=float, default=1.0, metavar="F",
+                   help="--hf-config MoE with --expert-parallel: the busiest rank gets F x the balanced "
+                        "share of tokens (default 1: balanced routing)")
+
+
+def _hf_plain(args: argparse.Namespace) -> bool:
+    """Whether the step is one AdamW step on one device (what memlab.hf_estimate counts)."""
+    return (args.micro_batches, args.zero, args.world_size, args.offload, args.optimizer) == (1, 0, 1, "none", "adamw")
+
+
+def _hf_measure(args: argparse.Namespace, budget: int | None) -> MemoryReport:
+    """``measure --hf-config``: the HF model's real step (:func:`memlab.hf_measure.measure_hf`)."""
+    if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
+        raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
+    if not _hf_plain(args) or args.snapshot is not None:
+        raise InputError("measure --hf-config runs one AdamW step in this process; allowed: no "
+                         "--micro-batches/--zero/--world-size/--offload/--optimizer/--snapshot")
+    return measure_hf(args.hf_config, seq=args.seq, batch=args.batch, precision=args.precision,
+                         checkpointing=args.checkpointing, attention=args.attention, device=args.device,
+                         budget=args.gpu if args.gpu is not None else budget)
 
 
 def _headroom(text: str) -> float:
@@ -257,6 +291,8 @@ def run(args: argparse.Namespace) -> Result:
         if step.world_size > 1:
             return _simulate_sharded(step, budget, target)
         return simulate_step(step, budget=budget, target=target)
+    if getattr(args, "hf_config", None) is not None:
+        return _hf_measure(args, budget)
     _check_measure(step, args)
     if _multi_rank(step):
         return measure_distributed(step, device=args.device, budget=budget)
@@ -269,6 +305,12 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
         raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
     kw = dict(seq=args.seq, batch=args.batch, precision=args.precision,
               checkpointing=args.checkpointing, attention=args.attention)
+    if args.command == "estimate" and _hf_plain(args):
+        return estimate_hf(args.hf_config, budget=budget, target=target, expert_parallel=args.expert_parallel,
+                           imbalance=args.expert_imbalance, **kw)
+    if args.command == "estimate" and (args.expert_parallel, args.expert_imbalance) != (1, 1.0):
+        raise InputError("--expert-parallel/--expert-imbalance count one AdamW step per rank; drop "
+                         "--micro-batches/--zero/--world-size/--offload/--optimizer")
     if args.command == "estimate":
         step = hf.step_config(args.hf_config, optimizer=args.optimizer, micro_batches=args.micro_batches,
                               zero=args.zero, world_size=args.world_size, offload=args.offload, **kw)

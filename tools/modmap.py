@@ -68,6 +68,9 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "simulate": "the simulate lens: the same step on fake tensors",
         "your_model": "any model: `track_step`, `tracking()`, `simulate_model`",
         "hf": "Hugging Face `config.json`: mapped to a `GPTConfig`, or the real class on fake tensors",
+        "hf_shape": "an HF decoder config read into what memory depends on; its parameter counts",
+        "hf_estimate": "the estimate of any HF decoder config in closed form: dense, MLA, mixtures of experts",
+        "hf_measure": "the measure lens of an HF config: its real step under the guard",
         "calculator": "the real-scale calculator: `estimate_step` per rank for a card",
     }),
     ("the techniques", {
