@@ -29,9 +29,10 @@ family's ``modeling_*.py`` (transformers 5) and named where they are counted:
   and receive the tokens routed to them through an all-to-all (``imbalance`` scales the
   busiest rank's share).
 
-Parameter counts are the real class's (:meth:`memlab.hf_shape.DecoderShape.num_params`, checked against the model built on
-the meta device). A config this module cannot count in closed form is refused with the field
-named and :func:`memlab.hf.simulate_hf` (``memlab simulate --hf-config``) pointed at.
+Parameter counts are the real class's (:meth:`memlab.hf_shape.DecoderShape.num_params`,
+checked against the model built on the meta device). A config this module cannot count in
+closed form is refused with the field named and :func:`memlab.hf.simulate_hf`
+(``memlab simulate --hf-config``) pointed at.
 """
 from __future__ import annotations
 
@@ -226,6 +227,49 @@ def moe_activations(s: DecoderShape, z: Sizes, t: int, normed: int, ep: int = 1,
     return n
 
 
+def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool, params: float,
+          ep: int = 1, imbalance: float = 1.0) -> tuple[float, list[float], float, float]:
+    """Activations alive when the forward reaches the loss (before its log-softmax), each
+    layer's, the embedding's, and the weights autocast casts (per rank of ``ep``)."""
+    t, V, D, L = seq * batch, s.vocab, s.d, s.n_layer
+    layers = [layer_activations(s, z, i, batch, seq, path, ep, imbalance) for i in range(L)]
+    # autocast's weight casts (saved by each linear; the experts' grouped GEMMs are not cast)
+    dense_w = params - s.vocab * D * (1 + (not s.tied)) - s.positions * D - (s.expert_total() / ep)
+    head_copy = V * D * z.c if z.auto else 0
+    copies = (dense_w * z.c if z.auto and not full else 0) + head_copy
+    embed = t * D * s.embd_dropout and t * D * _mask_bytes(z, z.r)
+    final = _norm(z, s, t, D, z.r) + t * D * z.r
+    head_in = _linear_inputs(z, t, D, 1, z.r) or t * D * z.r
+    # the token ids the embedding keeps; the rotary table the first layer's rope keeps
+    rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
+    head_in += 8 * t + 4 * t * rope
+    kept = sum(layers) if not full else L * t * D * z.r
+    A = embed + kept + final + head_in + copies
+    if s.final_softcap:
+        A += t * V * z.c  # tanh's output of the logits' softcap
+    return A, layers, embed, dense_w
+
+
+def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
+                        checkpointing: str | None = None, attention: str | None = None,
+                        target: str | None = None) -> int:
+    """Bytes of activations the step keeps when its forward reaches the loss (the logits'
+    log-softmax not included), by the same terms as :func:`estimate_hf`.
+
+    Args:
+        cfg, seq, batch, precision, checkpointing, attention, target: as :func:`estimate_hf`.
+
+    Returns:
+        The bytes, an int.
+    """
+    s = decoder_shape(cfg)
+    param, compute, lower = precision_bytes(precision)
+    z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=resolve_target(target),
+              precision=precision)
+    path = attention_path(s, z, batch, seq, attention)
+    return int(round(_kept(s, z, batch, seq, path, checkpointing == "full", s.num_params())[0]))
+
+
 def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
                 checkpointing: str | None = None, attention: str | None = None,
                 target: str | None = None, budget: int | str | None = None, card=None,
@@ -276,23 +320,9 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     P, G, opt = states["parameters"], states["gradients"], states["optimizer"]
     scratch = states.get("step", 0.0)
     full = checkpointing == "full"
-    layers = [layer_activations(s, z, i, batch, seq, path, ep, imbalance) for i in range(L)]
-    # autocast's weight casts (saved by each linear; the experts' grouped GEMMs are not cast)
-    dense_w = params - s.vocab * D * (1 + (not s.tied)) - s.positions * D - (s.expert_total() / ep)
-    head_copy = V * D * z.c if z.auto else 0
-    copies = (dense_w * z.c if z.auto and not full else 0) + head_copy
-    embed = t * D * s.embd_dropout and t * D * _mask_bytes(z, z.r)
-    final = _norm(z, s, t, D, z.r) + t * D * z.r
-    head_in = _linear_inputs(z, t, D, 1, z.r) or t * D * z.r
-    # the token ids the embedding keeps; the rotary table the first layer's rope keeps
-    rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
-    head_in += 8 * t + 4 * t * rope
-    kept = sum(layers) if not full else L * t * D * z.r
-    A = embed + kept + final + head_in + copies
+    A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance)
     # the loss (HF's ForCausalLMLoss: logits.float(), then cross-entropy in fp32)
     lsm = t * V * 4
-    if s.final_softcap:
-        A += t * V * z.c  # tanh's output of the logits' softcap
     cast = t * V * 4 if z.c != 4 else 0
     m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast),
          "log-softmax backward": dict(activations=A + lsm, temporaries=2 * t * V * 4 + (t * V * z.c if cast else 0)),
@@ -327,5 +357,5 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     return report
 
 
-__all__ = ["HF_CHECKPOINTING", "Sizes", "attention_path", "layer_activations",
+__all__ = ["HF_CHECKPOINTING", "Sizes", "attention_path", "forward_activations", "layer_activations",
            "moe_activations", "estimate_hf"]

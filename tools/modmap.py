@@ -105,6 +105,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "exercises.data_parallel": "the data parallel exercise's checker",
         "exercises.diffusion": "the diffusion exercise's checker",
         "exercises.gqa": "the gqa exercise's checker",
+        "exercises.experts": "the expert-parallel model states exercise's checker",
         "exercises.leaks": "the leak exercise's checker",
         "exercises.logits": "the logits exercise's checker",
         "exercises.oom": "the oom exercise's checker",
