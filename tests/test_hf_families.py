@@ -75,16 +75,26 @@ def test_parameter_count_equals_the_meta_model(name):
     assert decoder_shape(FAMILIES[name]).num_params() == sum(p.numel() for p in model.parameters())
 
 
-def test_other_shapes_agree_too():
-    """Shapes not among the fixtures: MQA with a longer sequence than the sliding window,
-    Qwen3-MoE with a dense layer (mlp_only_layers) and GPT-2 without dropout."""
-    cases = [(dict(FAMILIES["gemma3"], num_key_value_heads=1, num_hidden_layers=3), 192, 1, "bf16"),
-             (dict(FAMILIES["qwen3_moe"], mlp_only_layers=[0], num_experts=16, num_experts_per_tok=4), 64, 3, "fp32"),
-             (dict(FAMILIES["gpt2"], attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0), 96, 2, "fp32")]
-    for cfg, seq, batch, prec in cases:
-        sim = hf.simulate_hf(cfg, seq=seq, batch=batch, precision=prec, target="cpu")
-        est = estimate_hf(cfg, seq=seq, batch=batch, precision=prec, target="cpu")
-        assert est.peak_bytes == pytest.approx(sim.peak_bytes, rel=0.05), cfg["model_type"]
+_BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024)
+OTHERS = {  # shapes not among the fixtures, with their own seq, batch and precision
+    "gemma3 MQA, 3 layers": (dict(FAMILIES["gemma3"], num_key_value_heads=1, num_hidden_layers=3), 192, 1, "bf16"),
+    "qwen3_moe dense layer 0": (dict(FAMILIES["qwen3_moe"], mlp_only_layers=[0], num_experts=16,
+                                     num_experts_per_tok=4), 64, 3, "fp32"),
+    "gpt2 no dropout": (dict(FAMILIES["gpt2"], attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0), 96, 2, "fp32"),
+    "mistral sliding window": (dict(_BASE, model_type="mistral", sliding_window=64), 128, 2, "fp32"),
+    "qwen2 biases": (dict(_BASE, model_type="qwen2"), 128, 2, "bf16"),
+    "gemma": (dict(_BASE, model_type="gemma", head_dim=48), 128, 2, "bf16"),
+}
+
+
+@pytest.mark.parametrize("label", OTHERS)
+def test_other_shapes_agree_too(label):
+    cfg, seq, batch, prec = OTHERS[label]
+    sim = hf.simulate_hf(cfg, seq=seq, batch=batch, precision=prec, target="cpu")
+    est = estimate_hf(cfg, seq=seq, batch=batch, precision=prec, target="cpu")
+    assert est.peak_bytes == pytest.approx(sim.peak_bytes, rel=0.05)
+    assert est.by_category["parameters"] == sim.by_category["parameters"]
 
 
 def test_dropout_keeps_masks_and_forces_the_math_path():
@@ -206,3 +216,10 @@ def test_llama_3_8b_at_8k_estimate_and_simulate_within_3_percent():
     est = estimate_hf("llama-3-8b", target="cuda", **kw)
     sim = hf.simulate_hf("llama-3-8b", target="cuda", **kw)
     assert est.peak_bytes == pytest.approx(sim.peak_bytes, rel=0.03)
+
+
+def test_expert_states_checker_passes_the_formula_and_names_the_mistake():
+    from memlab import exercises
+    exercises.check_expert_states(lambda s, ep: 16 * (s.num_params() - s.expert_total() * (1 - 1 / ep)))
+    with pytest.raises(AssertionError, match="divided every parameter"):
+        exercises.check_expert_states(lambda s, ep: 16 * s.num_params() / ep)
