@@ -99,7 +99,7 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = F
     if target:
         p.add_argument("--hf-config", default=None, metavar="PATH",
                        help="a Hugging Face config.json (or its folder, or a shipped name: "
-                            "llama-3-8b, qwen2.5-7b, mistral-7b, gpt2) instead of --model")
+                            f"{', '.join(hf.SHIPPED)}) instead of --model")
         p.add_argument("--target", default="cuda",
                        help="device whose autocast policy, kernels and workspaces are counted: "
                             "cuda (default) or cpu")
