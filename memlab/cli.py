@@ -43,6 +43,8 @@ from .estimate import estimate_step
 from .guard import HostMemoryError
 from .hardware import GPU_PRESETS, resolve_budget
 from .hf_config_check import check_config
+from .hf_estimate import estimate_hf
+from .hf_measure import measure_hf
 from .measure import measure_step
 from .models import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
 from .oom import OOMExplanation, explain_oom
@@ -283,7 +285,7 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = F
     if target:
         p.add_argument("--hf-config", default=None, metavar="PATH",
                        help="a Hugging Face config.json (or its folder, or a shipped name: "
-                            "llama-3-8b, qwen2.5-7b, mistral-7b, gpt2) instead of --model")
+                            f"{', '.join(hf.SHIPPED)}) instead of --model")
         p.add_argument("--target", default="cuda",
                        help="device whose autocast policy, kernels and workspaces are counted: "
                             "cuda (default) or cpu")
@@ -324,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="DIR [--out results.csv] [--timeout S]")
     _add_oom_args(sub.add_parser("oom", help="read an out-of-memory message and say what it means"))
     _add_fsdp_args(sub.choices["measure"])
+    _add_hf_flags(sub.choices)
     return parser
 
 
@@ -382,6 +385,37 @@ def _add_bound_args(p: argparse.ArgumentParser) -> None:
                         f"predicted, or {simulation_bound.PARAM_LIMIT:.0e} parameters)")
     p.add_argument("--progress", action="store_true",
                    help="--hf-config: a progress bar on stderr (shown on a terminal for a long simulation)")
+
+
+def _add_hf_flags(commands: dict) -> None:
+    """Flags of the Hugging Face lenses (:mod:`memlab.hf`, :mod:`memlab.hf_estimate`):
+    ``measure --hf-config`` and the estimate's expert parallelism."""
+    commands["measure"].add_argument("--hf-config", default=None, metavar="PATH",
+                                     help="a Hugging Face config.json (or its folder, or a shipped "
+                                          "name): its real step, random weights, under the guard")
+    p = commands["estimate"]
+    p.add_argument("--expert-parallel", type=_positive_int("expert-parallel"), default=1, metavar="E",
+                   help="--hf-config MoE: divide the routed experts across E ranks (all-to-all buffers counted)")
+    p.add_argument("--expert-imbalance", type=float, default=1.0, metavar="F",
+                   help="--hf-config MoE with --expert-parallel: the busiest rank gets F x the balanced "
+                        "share of tokens (default 1: balanced routing)")
+
+
+def _hf_plain(args: argparse.Namespace) -> bool:
+    """Whether the step is one AdamW step on one device (what memlab.hf_estimate counts)."""
+    return (args.micro_batches, args.zero, args.world_size, args.offload, args.optimizer) == (1, 0, 1, "none", "adamw")
+
+
+def _hf_measure(args: argparse.Namespace, budget: int | None) -> MemoryReport:
+    """``measure --hf-config``: the HF model's real step (:func:`memlab.hf_measure.measure_hf`)."""
+    if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
+        raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
+    if not _hf_plain(args) or args.snapshot is not None:
+        raise InputError("measure --hf-config runs one AdamW step in this process; allowed: no "
+                         "--micro-batches/--zero/--world-size/--offload/--optimizer/--snapshot")
+    return measure_hf(args.hf_config, seq=args.seq, batch=args.batch, precision=args.precision,
+                         checkpointing=args.checkpointing, attention=args.attention, device=args.device,
+                         budget=args.gpu if args.gpu is not None else budget)
 
 
 def _headroom(text: str) -> float:
@@ -507,7 +541,8 @@ def run(args: argparse.Namespace) -> Result:
         table, _ = write_report(args.out, StepConfig(model=args.model, seq=args.seq, batch=args.batch),
                                 world_size=args.world_size, distributed=not args.no_distributed)
         return table
-    # with --hf-config the config describes the model (and bounds --seq): no preset step
+    # --hf-config: the config.json describes the model, so memlab's preset is not built (its
+    # block size would bound --seq); the context is the HF model's own (memlab.hf.check_seq)
     step = step_from_args(args) if getattr(args, "hf_config", None) is None else None
     budget = _budget(args)
     if args.command in ("estimate", "simulate"):
@@ -534,6 +569,8 @@ def run(args: argparse.Namespace) -> Result:
         raise InputError("--cpu-offload and --no-reshard-after-forward are FSDP2's: add --fsdp")
     if _configured(args):
         return _run_configured(args, budget, None)
+    if getattr(args, "hf_config", None) is not None:
+        return _hf_measure(args, budget)
     _check_measure(step, args)
     if _multi_rank(step):
         return measure_distributed(step, device=args.device, budget=budget)
@@ -546,6 +583,12 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
         raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
     kw = dict(seq=args.seq, batch=args.batch, precision=args.precision,
               checkpointing=args.checkpointing, attention=args.attention)
+    if args.command == "estimate" and _hf_plain(args):
+        return estimate_hf(args.hf_config, budget=budget, target=target, expert_parallel=args.expert_parallel,
+                           imbalance=args.expert_imbalance, **kw)
+    if args.command == "estimate" and (args.expert_parallel, args.expert_imbalance) != (1, 1.0):
+        raise InputError("--expert-parallel/--expert-imbalance count one AdamW step per rank; drop "
+                         "--micro-batches/--zero/--world-size/--offload/--optimizer")
     if args.command == "estimate":
         step = hf.step_config(args.hf_config, optimizer=args.optimizer, micro_batches=args.micro_batches,
                               zero=args.zero, world_size=args.world_size, offload=args.offload, **kw)

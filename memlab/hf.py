@@ -20,11 +20,12 @@ GPT-2 ship in ``memlab/data/hf_configs`` (:data:`SHIPPED`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 from dataclasses import replace
 from importlib import resources
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -38,8 +39,11 @@ from .your_model import simulate_model
 #: model_type -> what memlab's GPT calls it; the estimate covers these.
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
 #: Shipped configs: name -> file in memlab/data/hf_configs.
-SHIPPED = {"llama-3-8b": "llama-3-8b.json", "qwen2.5-7b": "qwen2.5-7b.json",
-           "mistral-7b": "mistral-7b.json", "gpt2": "gpt2.json"}
+SHIPPED = {name: f"{name}.json" for name in (
+    "llama-3-8b", "qwen2.5-7b", "mistral-7b", "gpt2",
+    # today's models: published config.json files (Gemma 3: the text model of gemma-3-12b-pt)
+    "llama-3.1-8b", "llama-3.1-70b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b",
+    "mistral-nemo-12b", "phi-3-mini", "deepseek-v3", "gpt-oss-20b")}
 HF_CHECKPOINTING = ("none", "full")  # HF checkpoints whole decoder layers (or nothing)
 
 
@@ -77,6 +81,93 @@ def load_config(path: str | pathlib.Path | dict, *, checked: bool = True) -> dic
     return check_config(cfg).config if checked else cfg
 
 
+def rope_parameters(cfg: dict) -> dict:
+    """The config's rope scaling (``rope_scaling``, which transformers 5 calls
+    ``rope_parameters``), or an empty dict."""
+    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+
+def context_length(cfg: dict | str | pathlib.Path) -> int:
+    """The longest sequence the model is configured for: ``max_position_embeddings``
+    (GPT-2: ``n_positions``), or, where the rope scaling names the context it stretches
+    (``original_max_position_embeddings``, as YaRN and Llama 3's scaling do), ``factor``
+    times that context if larger (Qwen3's card: YaRN factor 4 on 32,768 tokens gives 131,072).
+    A factor without the original context is not applied: Gemma 3 and Llama 3.1 already give
+    the stretched length as ``max_position_embeddings``."""
+    cfg = load_config(cfg)
+    context = int(_get(cfg, "max_position_embeddings", "n_positions"))
+    rope = rope_parameters(cfg)
+    if rope.get("original_max_position_embeddings") and rope.get("factor"):
+        context = max(context, int(rope["factor"] * rope["original_max_position_embeddings"]))
+    return context
+
+
+def check_seq(cfg: dict, seq: int | None) -> None:
+    """Refuse a sequence longer than the model's context (:func:`context_length`)."""
+    context = context_length(cfg)
+    if seq is not None and not 1 <= seq <= context:
+        raise InputError(f"seq {seq} exceeds the model's context of {context} tokens "
+                         f"(max_position_embeddings, rope-scaled where the config says so); "
+                         f"allowed: 1-{context}")
+
+
+def is_moe(cfg: dict) -> bool:
+    """Whether the config routes tokens to experts (any of the fields transformers' mixtures
+    of experts use for the number of routed experts)."""
+    return any((cfg.get(k) or 0) > 1 for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+#: How the simulation routes tokens, said in every mixture-of-experts report.
+ROUTING_NOTE = ("experts: transformers' grouped_mm implementation, one grouped GEMM over all "
+                "tokens x top-k (token, expert) pairs, so the bytes do not depend on which experts "
+                "the router picks; on fake tensors in fp32 the GEMM runs through transformers' own "
+                "grouped_mm fallback op (same saved input, weight and offsets), since "
+                "torch._grouped_mm's meta kernel accepts bf16 only")
+
+
+@contextlib.contextmanager
+def fake_grouped_mm() -> Iterator[None]:
+    """While open, transformers' experts send a grouped GEMM that is not bf16 x bf16 to its
+    own fallback op (``torch.ops.transformers.grouped_mm_fallback``, which has a fake kernel
+    and saves what ``torch._grouped_mm`` saves) rather than to ``torch._grouped_mm``, whose
+    meta kernel refuses anything but bf16 ("Expected inputs of BF16 type"), so fake fp32
+    experts run. Nothing changes for bf16 experts, or where transformers has no experts."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    check = moe._can_use_grouped_mm
+
+    def bf16_only(input, weight, offs):
+        return check(input, weight, offs) and input.dtype == weight.dtype == torch.bfloat16
+    moe._can_use_grouped_mm = bf16_only
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = check
+
+
+def attn_implementation(conf, attention: str | None) -> str:
+    """HF's attention implementation for memlab's ``attention`` (``naive`` -> ``eager``,
+    ``sdpa``), asked of the model class: left out, SDPA where the class supports it, else
+    eager (Gemma 2: SDPA has no logit softcapping); ``sdpa`` on a class without it is refused."""
+    from transformers import AutoModelForCausalLM
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(conf)]
+    except KeyError:
+        raise InputError(f"model_type {conf.model_type!r} has no causal LM class in transformers") from None
+    sdpa = bool(getattr(cls, "_supports_sdpa", False))
+    if attention == "naive" or (attention is None and not sdpa):
+        return "eager"
+    if attention not in (None, "sdpa"):
+        raise InputError(f"attention={attention!r} for a Hugging Face model; allowed: naive, sdpa")
+    if not sdpa:
+        raise InputError(f"attention='sdpa': {cls.__name__} does not support SDPA in transformers; "
+                         f"allowed: naive (eager)")
+    return "sdpa"
+
+
 def _get(cfg: dict, *names: str):
     for n in names:
         if cfg.get(n) is not None:
@@ -93,10 +184,8 @@ def gpt_config(cfg: dict | str | pathlib.Path, seq: int | None = None) -> GPTCon
         raise InputError(f"model_type {kind!r} has no memlab GPT equivalent for the estimate; "
                          f"supported: {', '.join(SUPPORTED)} (memlab simulate --hf-config "
                          f"builds any causal LM)")
-    context = int(_get(cfg, "max_position_embeddings", "n_positions"))
-    if seq is not None and seq > context:
-        raise InputError(f"seq {seq} exceeds the model's context of {context} tokens; "
-                         f"allowed: 1-{context}")
+    context = context_length(cfg)
+    check_seq(cfg, seq)
     name = cfg.get("_name_or_path") or (cfg.get("architectures") or [kind])[0]
     if kind == "gpt2":
         return GPTConfig(n_layer=_get(cfg, "n_layer"), n_head=_get(cfg, "n_head"),
@@ -187,7 +276,7 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
         raise InputError(f"checkpointing={checkpointing!r} for a Hugging Face model; allowed: "
                          f"{', '.join(HF_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
     conf = hf_config(cfg)
-    attn = {"naive": "eager", "sdpa": "sdpa", None: "sdpa"}[attention]  # memlab's names -> HF's
+    attn = attn_implementation(conf, attention)
 
     def build():
         from transformers import AutoModelForCausalLM
@@ -228,19 +317,20 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
         raise InputError(f"precision={precision!r} for a Hugging Face step; allowed: fp32, bf16, "
                          f"pure-bf16")
     d = load_config(cfg)
-    context = d.get("max_position_embeddings") or d.get("n_positions")
-    if context and seq > context:
-        raise InputError(f"seq {seq} exceeds the model's context of {context} tokens; "
-                         f"allowed: 1-{context}")
-    report = simulate_model(build_fn(d, precision=precision, checkpointing=checkpointing,
-                                     attention=attention, lora=lora),
-                            causal_lm_step(seq, batch, precision), target=target, budget=budget,
-                            seq=seq, batch=batch, precision=precision,
-                            checkpointing=checkpointing or "none")
+    check_seq(d, seq)
+    with fake_grouped_mm():
+        report = simulate_model(build_fn(d, precision=precision, checkpointing=checkpointing,
+                                         attention=attention, lora=lora),
+                                causal_lm_step(seq, batch, precision), target=target, budget=budget,
+                                seq=seq, batch=batch, precision=precision,
+                                checkpointing=checkpointing or "none")
+    if is_moe(d):
+        report.notes.append(ROUTING_NOTE)
     report.step = replace(report.step, name=(d.get("architectures") or [d["model_type"]])[0])
     return report
 
 
-__all__ = ["SUPPORTED", "SHIPPED", "HF_CHECKPOINTING", "shipped_config", "load_config",
-           "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "add_lora", "build_fn",
-           "causal_lm_step", "simulate_hf"]
+__all__ = ["SUPPORTED", "SHIPPED", "HF_CHECKPOINTING", "ROUTING_NOTE", "shipped_config", "load_config",
+           "rope_parameters", "context_length", "check_seq", "is_moe", "fake_grouped_mm", "attn_implementation",
+           "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "add_lora",
+           "build_fn", "causal_lm_step", "simulate_hf"]

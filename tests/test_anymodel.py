@@ -114,7 +114,7 @@ def test_unsupported_architecture_is_refused(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 512}))
     assert main(["estimate", "--hf-config", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "'t5'" in err and "llama, mistral, qwen2, gpt2" in err
+    assert "'t5'" in err and "llama, mistral, qwen2, qwen3" in err
     assert main(["estimate", "--hf-config", str(tmp_path / "nothing.json")]) == 2
     assert main(["simulate", "--hf-config", "gpt2", "--seq", "2048"]) == 2
     assert "1-1024" in capsys.readouterr().err

@@ -72,6 +72,9 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "your_model": "any model: `track_step`, `tracking()`, `simulate_model`",
         "hf": "Hugging Face `config.json`: mapped to a `GPTConfig`, or the real class on fake tensors",
         "simulation_bound": "the bound before a long HF simulation (seconds, parameters, 64-bit bytes), its progress bar",
+        "hf_shape": "an HF decoder config read into what memory depends on; its parameter counts",
+        "hf_estimate": "the estimate of any HF decoder config in closed form: dense, MLA, mixtures of experts",
+        "hf_measure": "the measure lens of an HF config: its real step under the guard",
         "calculator": "the real-scale calculator: `estimate_step` per rank for a card",
     }),
     ("the techniques", {
@@ -108,6 +111,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "exercises.data_parallel": "the data parallel exercise's checker",
         "exercises.diffusion": "the diffusion exercise's checker",
         "exercises.gqa": "the gqa exercise's checker",
+        "exercises.experts": "the expert-parallel model states exercise's checker",
         "exercises.leaks": "the leak exercise's checker",
         "exercises.logits": "the logits exercise's checker",
         "exercises.oom": "the oom exercise's checker",

@@ -22,6 +22,7 @@ from .common import CheckFailed, CheckResult
 from .compression import PACK_TOLERANCE, check_pack_hooks
 from .data_parallel import DP_TOLERANCE, check_gradient_average
 from .diffusion import check_skip_bytes
+from .experts import check_expert_states
 from .gqa import check_kv_cache
 from .leaks import check_leak_fixed
 from .logits import ESTIMATOR_TOLERANCE, check_estimator
@@ -39,6 +40,6 @@ __all__ = ["CheckResult", "CheckFailed", "check_first_step", "check_state_bytes"
            "check_zero_config",
            "check_offload_config", "check_tensor_parallel", "check_pack_hooks",
            "check_gradient_average", "DP_TOLERANCE", "check_min_ranks", "reference_min_ranks",
-           "check_kv_cache", "check_skip_bytes", "check_in_flight", "check_peak_saving",
+           "check_kv_cache", "check_expert_states", "check_skip_bytes", "check_in_flight", "check_peak_saving",
            "SAVING_TOLERANCE",
            "AMP_TOLERANCE", "CKPT_TOLERANCE", "ACC_TOLERANCE", "TP_TOLERANCE", "PACK_TOLERANCE"]

@@ -1,0 +1,361 @@
+"""The estimate of a Hugging Face decoder, in closed form, from its ``config.json``.
+
+:func:`decoder_shape` reads any config of the decoder families below into what memory
+depends on (:class:`DecoderShape`), and :func:`estimate_hf` turns that into the bytes of one
+training step, by category, as :func:`memlab.estimate_step` does for memlab's own GPT. The
+terms are the tensors ``transformers``' code saves for backward, op by op, read off each
+family's ``modeling_*.py`` (transformers 5) and named where they are counted:
+
+* **norms**: HF's RMSNorms are Python (``x.float()``, ``pow``, ``rsqrt``, ``weight * x``):
+  they save their input in fp32 (a copy when it is 16-bit), an fp32 ``rsqrt`` per row and the
+  normalised rows (Llama-style in the input's dtype; Gemma-style, ``x * (1 + w)``, in fp32).
+  GPT-2's LayerNorm is the kernel: its input and two statistics per row.
+* **attention**: projections (separate or fused q/k/v, biases, q/k norms on each head,
+  DeepSeek's multi-head latent attention with its compressed q and kv and their norms), then
+  one of three paths. SDPA's fused kernels keep q, k, v, the output and a log-sum-exp; the
+  ``math`` composite (taken on CPU when dropout is on or when q/k and v head dims differ, as
+  in MLA) keeps fp32 scaled q and k, v, and the ``(b, a, s, s)`` probabilities, plus the
+  dropout mask and the dropped probabilities; HF's eager path (Gemma 2's logit softcapping,
+  which SDPA cannot do, gpt-oss's attention sinks) keeps q, k and v repeated to every head,
+  the softcap's ``tanh``, the fp32 softmax and its cast copy, and the dropout mask.
+* **MLP**: gated (SwiGLU/GeGLU: four hidden-size tensors a token) or GPT-2's ``gelu_new``
+  (five); dropout masks on the residual branches and the embeddings.
+* **mixtures of experts** (transformers' ``grouped_mm`` experts, :data:`memlab.hf.ROUTING_NOTE`):
+  the router's scores (softmax or DeepSeek's sigmoid with group top-k), top-k indices and
+  weights; the ``tokens x top_k`` gathered rows, their expert hidden states (in the experts'
+  weight dtype: the grouped GEMM is not autocast) and the sort and inverse-sort indices;
+  shared experts as a dense MLP. With balanced routing (the default) this does not depend on
+  which experts are picked; ``expert_parallel`` ranks each hold ``1/E`` of the experts' states
+  and receive the tokens routed to them through an all-to-all (``imbalance`` scales the
+  busiest rank's share).
+
+Parameter counts are the real class's (:meth:`memlab.hf_shape.DecoderShape.num_params`,
+checked against the model built on the meta device). A config this module cannot count in
+closed form is refused with the field named and :func:`memlab.hf.simulate_hf`
+(``memlab simulate --hf-config``) pointed at.
+"""
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+from .errors import InputError
+from .hardware import resolve_budget
+from .hf import check_seq, load_config
+from .hf_shape import DecoderShape, decoder_shape
+from .policy import op_bytes, precision_bytes, resolve_target, sdpa_backend, sdpa_dtype, sdpa_lse_bytes
+from .policy.kernels import layer_norm_stat_bytes, sdpa_backward_workspace
+from .states import model_states
+from .step import PRECISIONS, MemoryReport
+from .tracking import CATEGORIES
+from .your_model import ModelStep
+
+HF_CHECKPOINTING = ("none", "full")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Bytes per element of a step's tensors (from :mod:`memlab.policy` via :func:`memlab.estimate.dtypes`)."""
+
+    w: int          # weights (and the experts' grouped GEMMs, which autocast leaves alone)
+    c: int          # matmul outputs
+    r: int          # the residual stream
+    auto: bool      # under autocast: matmul inputs are cast copies, weights cast once
+    target: object
+    precision: str
+
+
+def _rms(z: Sizes, rows: int, width: int, in_bytes: int, style: str, input_counted: bool) -> float:
+    """Bytes an HF RMSNorm over ``rows x width`` saves: its input in fp32 (the input itself
+    when it is fp32 and counted elsewhere, else a new fp32 tensor), an fp32 rsqrt per row,
+    the normalised rows (Llama-style in the input's dtype, Gemma-style in fp32 with the
+    ``1 + w`` vector)."""
+    upcast = 0 if in_bytes == 4 and input_counted else rows * width * 4
+    normed = rows * width * (4 if style == "gemma" else in_bytes)
+    return upcast + 4 * rows + normed + (4 * width if style == "gemma" else 0)
+
+
+def _norm(z: Sizes, s: DecoderShape, rows: int, width: int, in_bytes: int, input_counted: bool = True) -> float:
+    if s.norm == "layer":  # the LayerNorm kernel: input and mean/rstd per row
+        return (0 if input_counted else rows * width * in_bytes) + 2 * rows * layer_norm_stat_bytes(z.target, in_bytes)
+    return _rms(z, rows, width, in_bytes, s.norm, input_counted)
+
+
+def _mask_bytes(z: Sizes, elem: int) -> int:
+    """A dropout mask per element: the CUDA kernel's bool mask, CPU's mask in the input's dtype
+    (``input * noise / (1 - p)``, ``Dropout.cpp``)."""
+    return 1 if getattr(z.target, "is_cuda", False) else elem
+
+
+def _linear_inputs(z: Sizes, t: int, width: int, consumers: int, in_bytes: int) -> float:
+    """What the linears reading one tensor save of it: under autocast a cast copy each when it
+    is fp32 (``cached_cast`` caches leaves only); else the tensor itself, counted by its maker."""
+    if z.auto and in_bytes != z.c:
+        return consumers * t * width * z.c
+    return 0
+
+
+def attention_path(s: DecoderShape, z: Sizes, batch: int, seq: int, attention: str | None) -> str:
+    """Which attention code runs: ``eager`` (HF's own matmul-softmax: asked for, or the class
+    has no SDPA path, as Gemma 2 with its softcapping and gpt-oss with its sinks), or SDPA's
+    backend on the target: a fused kernel, or ``math`` where the target's kernels refuse the
+    inputs (CPU's flash kernel with dropout or unequal q/k and v head dims)."""
+    if attention == "naive" or s.eager_only:
+        return "eager"
+    if getattr(z.target, "is_cuda", False):
+        backend = sdpa_backend(z.target, z.c, max(s.head_dim, s.v_head_dim), dtype=sdpa_dtype(z.precision))
+        if backend == "flash" and s.head_dim != s.v_head_dim:
+            backend = "efficient"
+        return backend
+    if s.attn_dropout > 0 or s.head_dim != s.v_head_dim:
+        return "math"
+    return "cpu_flash"
+
+
+def layer_activations(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int, path: str,
+                      ep: int = 1, imbalance: float = 1.0) -> float:
+    """Bytes one decoder layer keeps for backward (see the module doc), ``i`` its index."""
+    t, d, c, r = batch * seq, s.d, z.c, z.r
+    a, hd, vd = s.heads, s.head_dim, s.v_head_dim
+    q, kv = s.q_dim, s.kv_dim
+    n = t * d * r                                     # the layer's input, saved by its norm
+    n += _norm(z, s, t, d, r)
+    normed = r  # the norm's output is in the residual's dtype (Gemma's: cast back by type_as)
+    # ---- attention projections
+    mla = s.kv_lora_rank is not None
+    if mla:
+        ql, kl, rope = s.q_lora_rank, s.kv_lora_rank, s.qk_rope_dim
+        n += _linear_inputs(z, t, d, 1 + (ql is not None), r) or t * d * r   # q_a / kv_a inputs
+        if ql is not None:
+            n += _rms(z, t, ql, c, "rms", False)                             # q_a's output, its norm
+            n += _linear_inputs(z, t, ql, 1, c) or t * ql * c                # q_b's input
+        # kv_a's output (t x (kl + rope)) in fp32 for the norm of its kl columns, rsqrt, normed
+        n += t * (kl + rope) * 4 + 4 * t + t * kl * c
+        n += _linear_inputs(z, t, kl, 1, c)                                  # kv_b's input
+    else:
+        consumers = 1 if s.fused_qkv else 3
+        n += _linear_inputs(z, t, d, consumers, r) or t * d * normed
+        if s.qk_norm:
+            for heads in (a, s.kv_heads):  # each head's q and k normed over head_dim
+                n += _rms(z, t * heads, hd, c, s.norm, False)
+    # ---- the attention core
+    hs = batch * a * seq * seq                      # scores per layer
+    rep_kv = t * a * hd * c                         # k or v repeated to every query head
+    if path == "eager":
+        n += t * q * c + rep_kv + t * a * vd * c    # q, k and v repeated (matmul inputs)
+        if s.attn_softcap:
+            n += hs * c                             # tanh's output
+        cols = seq + 1 if s.sinks else seq
+        if s.sinks:
+            n += 8 * batch * a * seq                # the row max's indices (stabilised sinks)
+        n += batch * a * seq * cols * 4             # fp32 softmax
+        if s.attn_dropout > 0:
+            n += hs * _mask_bytes(z, c) + hs * c    # mask, dropped probabilities (matmul input)
+        elif c != 4:
+            n += hs * c                             # the probabilities cast for the matmul
+        n += t * a * vd * c                         # the transposed output, o_proj's input
+    elif path == "math":
+        # the composite in fp32: scaled q and k (k repeated for GQA), v, probabilities
+        n += t * a * hd * 4 * 2 + t * a * vd * 4 + hs * 4
+        if s.attn_dropout > 0:
+            n += hs * 4 + hs * 4                    # the mask (CPU: fp32) and dropped probabilities
+        n += t * a * vd * c                         # o_proj's input (a contiguous copy)
+    else:
+        n += t * q * c + 2 * t * kv * c + t * q * c  # q, k, v and the output (o_proj's input)
+        if s.fused_qkv:
+            n += t * q * c  # q sliced from the fused output: the output is copied for o_proj
+        n += sdpa_lse_bytes(path if path != "cpu_flash" else "flash", batch, a, seq)
+    if path != "eager" and i in s.sliding_layers and seq > s.window:
+        n += batch * seq * seq * c  # the sliding window's mask, a tensor SDPA keeps (not is_causal)
+    n += _linear_inputs(z, t, a * vd, 1, c)
+    # ---- residual branch after attention
+    if s.resid_dropout > 0:
+        n += t * d * _mask_bytes(z, c)
+    if s.norms_per_layer == 4:
+        n += _norm(z, s, t, d, c, input_counted=c == 4) + (t * d * c if c == 4 else 0)  # post-attention norm
+        n += t * d * r + _norm(z, s, t, d, r)        # the residual sum and the pre-MLP norm
+    else:
+        n += t * d * r + _norm(z, s, t, d, r)        # the residual sum, the post-attention norm
+    # ---- MLP or experts
+    if i in s.moe_layers:
+        n += moe_activations(s, z, t, normed, ep, imbalance)
+    else:
+        n += _mlp(s, z, t, s.ffn, normed)
+    if s.resid_dropout > 0:
+        n += t * d * _mask_bytes(z, c)
+    if s.norms_per_layer == 4:
+        n += _norm(z, s, t, d, c, input_counted=c == 4) + (t * d * c if c == 4 else 0)  # post-MLP norm
+    return n
+
+
+def _mlp(s: DecoderShape, z: Sizes, t: int, f: int, normed: int) -> float:
+    """A dense MLP of hidden size ``f``: its input as the linears save it, then four hidden
+    tensors (gated: gate, up, act(gate), the product) or GPT-2's ``gelu_new`` five
+    (input, tanh, ``0.5 x``, ``1 + tanh``, the output), the ones CUDA's autocast runs in fp32
+    (``pow``'s consumers) at 4 bytes."""
+    c = z.c
+    if s.mlp == "gelu_new":
+        n = _linear_inputs(z, t, s.d, 1, normed) or t * s.d * normed
+        p = op_bytes(z.target, "pow", c, z.precision)
+        return n + t * f * (3 * c + 2 * p if p != c else 5 * c)
+    fused = s.model_type == "phi3"
+    n = _linear_inputs(z, t, s.d, 1 if fused else 2, normed) or t * s.d * normed  # the norm's output
+    return n + 4 * t * f * c
+
+
+def moe_activations(s: DecoderShape, z: Sizes, t: int, normed: int, ep: int = 1,
+                    imbalance: float = 1.0) -> float:
+    """An MoE block: the router (see the module doc), the grouped experts over ``t x top_k``
+    (token, expert) rows in the experts' weight dtype (``w``; on ``ep`` ranks a rank's rows
+    are ``imbalance / ep`` of all rows of the world, i.e. ``t k imbalance`` per rank when every
+    rank sends as many as it receives), and shared experts as a dense MLP."""
+    E, k, f, d, w, c = s.experts, s.top_k, s.moe_ffn, s.d, z.w, z.c
+    n = _linear_inputs(z, t, d, 1 + (s.shared_ffn > 0) * 2, normed) or t * d * normed  # router, shared experts
+    if s.router == "softmax":
+        n += t * E * 4 + t * k * 8 + t * 4 + t * k * 4    # fp32 softmax, top-k indices, sum, weights
+    elif s.router == "sigmoid_group":
+        g, tg = s.router_groups, s.router_topk_groups
+        n += t * E * 4 + t * g * 2 * 8 + t * tg * 8 + t * E + t * k * 8 + t * 4 + t * k * 4
+    else:  # gpt-oss: top-k of the logits, softmax over the k
+        n += t * k * 8 + t * k * 4
+    rows = t * k * imbalance if ep > 1 else t * k
+    idx = 4 if s.expert_bias else 3               # sort/gather/inverse-sort indices (+ bias gather)
+    hidden = 7 * f if s.gate == "clamped_glu" else 4 * f   # gate_up out, then act and product
+    n += rows * (8 * idx + d * w + hidden * w + d * w + (4 if w == 4 or not z.auto else c))
+    if s.shared_ffn:
+        n += 4 * t * s.shared_ffn * c
+    return n
+
+
+def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool, params: float,
+          ep: int = 1, imbalance: float = 1.0) -> tuple[float, list[float], float, float]:
+    """Activations alive when the forward reaches the loss (before its log-softmax), each
+    layer's, the embedding's, and the weights autocast casts (per rank of ``ep``)."""
+    t, V, D, L = seq * batch, s.vocab, s.d, s.n_layer
+    layers = [layer_activations(s, z, i, batch, seq, path, ep, imbalance) for i in range(L)]
+    # autocast's weight casts (saved by each linear; the experts' grouped GEMMs are not cast)
+    dense_w = params - s.vocab * D * (1 + (not s.tied)) - s.positions * D - (s.expert_total() / ep)
+    head_copy = V * D * z.c if z.auto else 0
+    copies = (dense_w * z.c if z.auto and not full else 0) + head_copy
+    embed = t * D * s.embd_dropout and t * D * _mask_bytes(z, z.r)
+    final = _norm(z, s, t, D, z.r) + t * D * z.r
+    head_in = _linear_inputs(z, t, D, 1, z.r) or t * D * z.r
+    # the token ids the embedding keeps; the rotary table the first layer's rope keeps
+    rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
+    head_in += 8 * t + 4 * t * rope
+    kept = sum(layers) if not full else L * t * D * z.r
+    A = embed + kept + final + head_in + copies
+    if s.final_softcap:
+        A += t * V * z.c  # tanh's output of the logits' softcap
+    return A, layers, embed, dense_w
+
+
+def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
+                        checkpointing: str | None = None, attention: str | None = None,
+                        target: str | None = None) -> int:
+    """Bytes of activations the step keeps when its forward reaches the loss (the logits'
+    log-softmax not included), by the same terms as :func:`estimate_hf`.
+
+    Args:
+        cfg, seq, batch, precision, checkpointing, attention, target: as :func:`estimate_hf`.
+
+    Returns:
+        The bytes, an int.
+    """
+    s = decoder_shape(cfg)
+    param, compute, lower = precision_bytes(precision)
+    z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=resolve_target(target),
+              precision=precision)
+    path = attention_path(s, z, batch, seq, attention)
+    return int(round(_kept(s, z, batch, seq, path, checkpointing == "full", s.num_params())[0]))
+
+
+def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
+                checkpointing: str | None = None, attention: str | None = None,
+                target: str | None = None, budget: int | str | None = None, card=None,
+                expert_parallel: int = 1, imbalance: float = 1.0) -> MemoryReport:
+    """Closed-form peak bytes of one AdamW training step of the HF decoder of ``cfg``.
+
+    Args:
+        cfg: a config dict, config.json, its folder or a shipped name (:data:`memlab.hf.SHIPPED`).
+        seq, batch: tokens per sequence (up to the model's context) and sequences per rank.
+        precision: ``fp32``, ``bf16`` (autocast on fp32 weights) or ``pure-bf16``.
+        checkpointing: ``none`` or ``full`` (HF checkpoints each decoder layer).
+        attention: ``None`` (the class's SDPA where it has one), ``naive`` (eager) or ``sdpa``.
+        target: ``cpu`` or ``cuda`` (:func:`memlab.policy.resolve_target`).
+        expert_parallel: ranks the routed experts are divided across (an MoE config only).
+        imbalance: the busiest rank's tokens over the balanced share (>= 1).
+
+    Returns:
+        A :class:`MemoryReport` (lens ``estimate``) per rank.
+    """
+    d = load_config(cfg)
+    s = decoder_shape(d)
+    check_seq(d, seq)
+    if precision not in PRECISIONS or precision == "fp16":
+        raise InputError(f"precision={precision!r} for a Hugging Face step; allowed: fp32, bf16, pure-bf16")
+    if (checkpointing or "none") not in HF_CHECKPOINTING:
+        raise InputError(f"checkpointing={checkpointing!r} for a Hugging Face model; allowed: "
+                         f"{', '.join(HF_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
+    if attention not in (None, "naive", "sdpa"):
+        raise InputError(f"attention={attention!r}; allowed: naive, sdpa")
+    if attention == "sdpa" and s.eager_only:
+        raise InputError(f"attention='sdpa': {s.model_type} has no SDPA path in transformers; allowed: naive")
+    ep = expert_parallel
+    if not isinstance(ep, int) or ep < 1 or (ep > 1 and (not s.experts or s.experts % ep)):
+        allowed = [e for e in range(1, s.experts + 1) if s.experts % e == 0] if s.experts else [1]
+        raise InputError(f"expert_parallel={ep!r} for {s.experts} experts; allowed: "
+                         f"{', '.join(map(str, allowed))}")
+    if not imbalance >= 1.0:
+        raise InputError(f"imbalance={imbalance!r}; allowed: >= 1 (1 = balanced routing)")
+    tgt = resolve_target(target, budget, card)
+    param, compute, lower = precision_bytes(precision)
+    z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=tgt, precision=precision)
+    t, V, D, L = seq * batch, s.vocab, s.d, s.n_layer
+    path = attention_path(s, z, batch, seq, attention)
+    # model states per rank: the experts divided over ep ranks, the rest replicated
+    params = s.num_params() - s.expert_total() * (1 - 1 / ep)
+    ms = model_states(int(round(params)), precision=precision)
+    states = ms.peak_inputs()
+    P, G, opt = states["parameters"], states["gradients"], states["optimizer"]
+    scratch = states.get("step", 0.0)
+    full = checkpointing == "full"
+    A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance)
+    # the loss (HF's ForCausalLMLoss: logits.float(), then cross-entropy in fp32)
+    lsm = t * V * 4
+    cast = t * V * 4 if z.c != 4 else 0
+    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast),
+         "log-softmax backward": dict(activations=A + lsm, temporaries=2 * t * V * 4 + (t * V * z.c if cast else 0)),
+         "head backward": dict(activations=A, temporaries=t * V * z.c + t * D * z.c,
+                               gradients=V * D * z.w * (not s.tied)),
+         "end of backward": dict(gradients=G, temporaries=(2 * V * D * z.w if s.tied else 0) + t * D * z.r),
+         "optimizer step": dict(gradients=G, temporaries=scratch)}
+    if full:  # the last recomputed layer (layer 0) holds its activations with nearly all gradients
+        m["recomputed layer"] = dict(activations=embed + t * D * z.r + layers[0] + dense_w / L * z.c * z.auto,
+                                     gradients=G * (1 - 1 / max(L, 1)),
+                                     temporaries=t * max(s.ffn, s.moe_ffn * s.top_k) * z.c)
+    moment, best = max(m.items(), key=lambda kv: sum(kv[1].values()))
+    cats = dict.fromkeys(CATEGORIES, 0.0)
+    cats.update(parameters=P, optimizer=opt, other=16 * t, workspace=tgt.resident_workspace(), **best)
+    if tgt.is_cuda and not moment.startswith(("end", "optimizer")):
+        cats["workspace"] += sdpa_backward_workspace(path, batch, s.heads, seq, s.head_dim, s.kv_heads, z.c)
+    if ep > 1:  # the all-to-all's send and receive buffers of one MoE layer's rows
+        cats["temporaries"] += 2 * t * s.top_k * imbalance * D * z.c
+    cats = {k: int(round(v)) for k, v in cats.items()}
+    info = ModelStep(s.name, s.num_params(), s.num_params(), seq=seq, batch=batch, precision=precision,
+                     checkpointing=checkpointing or "none")
+    report = MemoryReport("estimate", info, f"formula ({tgt.name})", sum(cats.values()), cats,
+                          resolve_budget(budget), None)
+    report.notes.append(f"peak moment: {moment}; attention: {path}")
+    if s.experts:
+        report.notes.append(f"experts: {s.experts} routed, top-{s.top_k}; parameters "
+                            f"{s.num_params() / 1e9:.2f}B total, {s.active_params() / 1e9:.2f}B active; "
+                            f"routing balanced" + (f" x{imbalance} on the busiest rank" if imbalance != 1 else ""))
+    if ep > 1:
+        report.notes.append(f"expert parallel E={ep}: each rank holds {s.experts // ep} experts per layer "
+                            f"and the all-to-all's send and receive buffers")
+    return report
+
+
+__all__ = ["HF_CHECKPOINTING", "Sizes", "attention_path", "forward_activations", "layer_activations",
+           "moe_activations", "estimate_hf"]

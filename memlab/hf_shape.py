@@ -1,0 +1,245 @@
+"""A Hugging Face decoder's config read into what its memory depends on.
+
+:func:`decoder_shape` turns the ``config.json`` of any of :data:`FAMILIES` (with the family's
+config class filling in its defaults) into a :class:`DecoderShape`: widths, heads and head
+dims, norms, biases, fused projections, tied head, dropout, sliding windows and softcaps,
+multi-head latent attention (DeepSeek) and mixtures of experts (routed and shared experts,
+top-k, the dense first layers, the router). :meth:`DecoderShape.num_params` is the real
+class's parameter count; a field the closed form cannot count is refused, named, with
+``memlab simulate --hf-config`` pointed at. :mod:`memlab.hf_estimate` counts the bytes.
+"""
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+from .errors import InputError
+from .hf import attn_implementation, hf_config, load_config
+
+#: model_type -> the family's layout; these are what the closed form counts.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2",
+            "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What a decoder's memory depends on, read from its config (see the module doc)."""
+
+    model_type: str
+    name: str
+    n_layer: int
+    d: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int           # q/k head dim (MLA: nope + rope)
+    v_head_dim: int
+    ffn: int                # the dense MLP's hidden size
+    tied: bool
+    norm: str = "rms"       # "rms" (Llama-style), "gemma" (x * (1 + w) in fp32) or "layer"
+    norms_per_layer: int = 2
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    fused_qkv: bool = False
+    mlp: str = "gated"      # "gated" or "gelu_new" (GPT-2)
+    mlp_bias: bool = False
+    positions: int = 0      # learned position rows (GPT-2)
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+    embd_dropout: float = 0.0
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    window: int | None = None            # the sliding window's width, on the layers in sliding_layers
+    sliding_layers: tuple[int, ...] = ()
+    sinks: bool = False
+    eager_only: bool = False  # the class has no SDPA path
+    # multi-head latent attention (DeepSeek)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_dim: int = 0
+    # mixture of experts
+    experts: int = 0
+    top_k: int = 0
+    moe_ffn: int = 0
+    shared_ffn: int = 0     # shared experts' total hidden size (DeepSeek: n_shared * moe_ffn)
+    moe_layers: tuple[int, ...] = ()
+    router: str = "softmax"  # "softmax", "sigmoid_group" (DeepSeek) or "topk_softmax" (gpt-oss)
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    expert_bias: bool = False
+    gate: str = "glu"       # "glu" (act(gate) * up) or "clamped_glu" (gpt-oss)
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def attention_params(self) -> int:
+        """Weights of one layer's attention (projections, biases, q/k norms, sinks)."""
+        d, q, kv = self.d, self.q_dim, self.kv_dim
+        if self.q_lora_rank is not None or self.kv_lora_rank is not None:
+            ql, kl, rope = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_dim
+            nope = self.head_dim - rope
+            qp = d * q if ql is None else d * ql + ql + ql * q   # q_a_proj, its norm, q_b_proj
+            return (qp + d * (kl + rope) + kl + kl * self.heads * (nope + self.v_head_dim)
+                    + self.heads * self.v_head_dim * d)
+        n = d * (q + 2 * kv) + q * d
+        n += (q + 2 * kv) * self.qkv_bias + d * self.o_bias
+        n += 2 * self.head_dim * self.qk_norm + self.heads * self.sinks
+        return n
+
+    def dense_mlp_params(self, ffn: int | None = None) -> int:
+        f = self.ffn if ffn is None else ffn
+        if self.mlp == "gelu_new":
+            return 2 * self.d * f + f + self.d
+        return 3 * self.d * f + (2 * f + self.d) * self.mlp_bias
+
+    def expert_params(self) -> int:
+        """All routed experts of one MoE layer (gate_up and down, and their biases)."""
+        f, d = self.moe_ffn, self.d
+        return self.experts * (3 * d * f + (2 * f + d) * self.expert_bias)
+
+    def router_params(self) -> int:
+        bias = self.experts if self.router == "topk_softmax" else 0  # DeepSeek's score bias is a buffer
+        return self.experts * self.d + bias
+
+    def layer_params(self, i: int) -> int:
+        norms = self.norms_per_layer * self.d * (2 if self.norm == "layer" else 1)
+        if i in self.moe_layers:
+            mlp = self.router_params() + self.expert_params() + (
+                self.dense_mlp_params(self.shared_ffn) if self.shared_ffn else 0)
+        else:
+            mlp = self.dense_mlp_params()
+        return self.attention_params() + mlp + norms
+
+    def num_params(self) -> int:
+        """Parameters of the ``...ForCausalLM`` class built from the config."""
+        embed = self.vocab * self.d + self.positions * self.d
+        head = 0 if self.tied else self.vocab * self.d
+        final = self.d * (2 if self.norm == "layer" else 1)
+        return embed + head + final + sum(self.layer_params(i) for i in range(self.n_layer))
+
+    def active_params(self, embedding: bool = True) -> int:
+        """Parameters one token's forward uses: the routed experts' ``top_k / experts`` share.
+        Model cards differ on the input embedding (a lookup, not a matmul): Qwen and DeepSeek
+        count it, gpt-oss's card does not (``embedding=False``); the output head counts always."""
+        idle = sum(self.expert_params() * (1 - self.top_k / self.experts) for _ in self.moe_layers)
+        lookup = 0 if embedding or self.tied else self.vocab * self.d
+        return int(round(self.num_params() - idle - lookup))
+
+    def expert_total(self) -> int:
+        """Parameters of all routed experts (what expert parallelism divides)."""
+        return len(self.moe_layers) * self.expert_params()
+
+
+def _need(cfg: dict, *names: str):
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    raise InputError(f"config.json of model_type {cfg['model_type']!r} lacks {names[0]!r}; the "
+                     f"estimate needs it (memlab simulate --hf-config builds the model itself)")
+
+
+def _refuse(cfg: dict, field: str, why: str) -> InputError:
+    return InputError(f"{field}={cfg.get(field)!r} ({cfg['model_type']}): {why}; the closed form "
+                      f"does not count it (use memlab simulate --hf-config, which runs the model)")
+
+
+def decoder_shape(cfg: dict | str | pathlib.Path) -> DecoderShape:
+    """The :class:`DecoderShape` of a config (a dict, a config.json, its folder or a shipped
+    name); model types outside :data:`FAMILIES` and fields the closed form cannot count are
+    refused with the field named."""
+    given = load_config(cfg)
+    kind = given["model_type"]
+    if kind not in FAMILIES:
+        raise InputError(f"model_type {kind!r}: the estimate counts {', '.join(FAMILIES)} "
+                         f"(memlab simulate --hf-config builds any causal LM transformers has)")
+    # the family's config class fills in its defaults (gpt-oss: attention biases; Gemma 2: softcaps)
+    cfg = {**hf_config(given).to_dict(), **{k: v for k, v in given.items() if v is not None}}
+    cfg["model_type"] = kind
+    name = cfg.get("_name_or_path") or (cfg.get("architectures") or [kind])[0]
+    if kind == "gpt2":
+        d, heads = _need(cfg, "n_embd"), _need(cfg, "n_head")
+        if cfg.get("activation_function", "gelu_new") != "gelu_new":
+            raise _refuse(cfg, "activation_function", "only GPT-2's gelu_new is counted")
+        return DecoderShape(kind, name, _need(cfg, "n_layer"), d, _need(cfg, "vocab_size"), heads,
+                            heads, d // heads, d // heads, cfg.get("n_inner") or 4 * d,
+                            cfg.get("tie_word_embeddings", True), norm="layer", qkv_bias=True,
+                            o_bias=True, fused_qkv=True, mlp="gelu_new", mlp_bias=True,
+                            positions=_need(cfg, "n_positions"),
+                            attn_dropout=cfg.get("attn_pdrop", 0.1), resid_dropout=cfg.get("resid_pdrop", 0.1),
+                            embd_dropout=cfg.get("embd_pdrop", 0.1))
+    d, heads = _need(cfg, "hidden_size"), _need(cfg, "num_attention_heads")
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or d // heads
+    L = _need(cfg, "num_hidden_layers")
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+    if act not in ("silu", "gelu_pytorch_tanh", "gelu"):
+        raise _refuse(cfg, "hidden_act", "only SiLU and GELU gated MLPs are counted")
+    for field in ("attention_dropout", "resid_pdrop", "embd_pdrop"):
+        if field in ("resid_pdrop", "embd_pdrop") and kind != "phi3":
+            continue
+        if (cfg.get(field) or 0) > 0 and not (kind == "phi3" or field == "attention_dropout"):
+            raise _refuse(cfg, field, "dropout is counted for GPT-2 and Phi-3")
+    gemma = kind.startswith("gemma")
+    common = dict(norm="gemma" if gemma else "rms", norms_per_layer=4 if kind in ("gemma2", "gemma3_text") else 2,
+                  qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
+                  qkv_bias=bool(cfg.get("attention_bias", kind == "qwen2")) or kind == "qwen2",
+                  o_bias=bool(cfg.get("attention_bias", False)) and kind not in ("qwen2",),
+                  mlp_bias=bool(cfg.get("mlp_bias", False)),
+                  fused_qkv=kind == "phi3", attn_dropout=cfg.get("attention_dropout") or 0.0,
+                  resid_dropout=cfg.get("resid_pdrop") or 0.0 if kind == "phi3" else 0.0,
+                  embd_dropout=cfg.get("embd_pdrop") or 0.0 if kind == "phi3" else 0.0,
+                  attn_softcap=cfg.get("attn_logit_softcapping", 50.0 if kind == "gemma2" else None),
+                  eager_only=attn_implementation(hf_config(given), None) == "eager", sinks=kind == "gpt_oss")
+    if kind == "gemma3_text":
+        common["attn_softcap"] = cfg.get("attn_logit_softcapping")
+    common["final_softcap"] = cfg.get("final_logit_softcapping") if gemma else None
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if window:
+        types = cfg.get("layer_types") or ["sliding_attention"] * L
+        common.update(window=window, sliding_layers=tuple(i for i, k in enumerate(types)
+                                                          if k == "sliding_attention"))
+    if common["attn_softcap"] and kind != "gemma2":
+        raise _refuse(cfg, "attn_logit_softcapping", "softcapping is counted for Gemma 2")
+    ffn = cfg.get("intermediate_size") or 0
+    tied = bool(cfg.get("tie_word_embeddings", gemma))
+    moe = {}
+    experts = max((cfg.get(k) or 0) for k in _MOE_FIELDS)
+    if experts > 1:
+        top_k = _need(cfg, "num_experts_per_tok", "experts_per_token")
+        moe_ffn = cfg.get("moe_intermediate_size") or ffn
+        if kind == "qwen3_moe":
+            step = cfg.get("decoder_sparse_step") or 1
+            only = set(cfg.get("mlp_only_layers") or ())
+            layers = tuple(i for i in range(L) if i not in only and (i + 1) % step == 0)
+        elif kind == "deepseek_v3":
+            first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+            layers = tuple(i for i in range(L) if i >= first and i % freq == 0)
+        else:
+            layers = tuple(range(L))
+        moe = dict(experts=experts, top_k=top_k, moe_ffn=moe_ffn, moe_layers=layers,
+                   shared_ffn=(cfg.get("n_shared_experts") or 0) * moe_ffn,
+                   router={"deepseek_v3": "sigmoid_group", "gpt_oss": "topk_softmax"}.get(kind, "softmax"),
+                   router_groups=cfg.get("n_group") or 1, router_topk_groups=cfg.get("topk_group") or 1,
+                   expert_bias=kind == "gpt_oss", gate="clamped_glu" if kind == "gpt_oss" else "glu")
+    elif kind in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"):
+        raise _refuse(cfg, "num_experts", f"a {kind} config without experts")
+    mla = {}
+    if kind == "deepseek_v3":
+        rope, nope = _need(cfg, "qk_rope_head_dim"), _need(cfg, "qk_nope_head_dim")
+        hd = rope + nope
+        mla = dict(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=_need(cfg, "kv_lora_rank"),
+                   qk_rope_dim=rope)
+        kv = heads
+    v_hd = cfg.get("v_head_dim") or hd
+    return DecoderShape(kind, name, L, d, _need(cfg, "vocab_size"), heads, kv, hd, v_hd, ffn, tied,
+                        **common, **moe, **mla)
+
+
+__all__ = ["FAMILIES", "DecoderShape", "decoder_shape"]
