@@ -42,6 +42,7 @@ from .hardware import resolve_budget
 from .measure import add_workspace
 from .oom import OOMExplanation, explain_oom
 from .step import MemoryReport
+from .torch_private import dump_memory_snapshot, record_memory_history, stop_memory_history
 from .tracking import MemoryTracker, is_host_oom
 from .units import fmt_bytes
 from .your_model import model_step
@@ -88,14 +89,14 @@ class StepWatch:
         """Begin recording the CUDA allocator's history (CUDA and a ``snapshot_path`` only)."""
         self._model = model if model is not None else self._model
         if self.snapshot_path and torch.cuda.is_available() and not self._recording:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            record_memory_history(max_entries=100_000)
             self._recording = True
 
     def dump(self) -> str | None:
         """Write the allocator history recorded so far to ``snapshot_path``; its path, or None."""
         if not self._recording:
             return None
-        torch.cuda.memory._dump_snapshot(self.snapshot_path)
+        dump_memory_snapshot(self.snapshot_path)
         return self.snapshot_path
 
     def close(self) -> None:
@@ -104,7 +105,7 @@ class StepWatch:
             tracker, self._tracker = self._tracker, None
             tracker.__exit__(None, None, None)
         if self._recording:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            stop_memory_history()
             self._recording = False
 
     # -- one step ------------------------------------------------------------------------

@@ -94,6 +94,15 @@ def stop_memory_history() -> None:
     torch.cuda.memory._record_memory_history(enabled=None)
 
 
+def dump_memory_snapshot(path: str) -> None:
+    """Write the CUDA allocator's snapshot to ``path`` as a pickle
+    (``torch.cuda.memory._dump_snapshot``, what ``memory_viz`` reads).
+
+    Checked: as :func:`record_memory_history`.
+    """
+    torch.cuda.memory._dump_snapshot(path)
+
+
 def memory_snapshot() -> dict:
     """The CUDA allocator's snapshot (``torch.cuda.memory._snapshot``): segments and traces.
 
@@ -112,7 +121,7 @@ def fsdp2_mem_tracker() -> type:
     return FSDPMemTracker
 
 
-__all__ = ["AUTOCAST_CPU_KEYS", "FakeStore", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
+__all__ = ["AUTOCAST_CPU_KEYS", "dump_memory_snapshot", "FakeStore", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
            "aten_ops_with_kernel", "current_autograd_node", "exclude_dispatch_keys", "fsdp2_mem_tracker",
            "in_backward", "is_traceable_wrapper_subclass", "memory_snapshot", "parse_to",
            "record_memory_history", "stop_memory_history", "tree_flatten", "tree_leaves", "tree_map_only"]
