@@ -121,7 +121,7 @@ def fsdp2_mem_tracker() -> type:
     return FSDPMemTracker
 
 
-__all__ = ["AUTOCAST_CPU_KEYS", "dump_memory_snapshot", "FakeStore", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
+__all__ = ["AUTOCAST_CPU_KEYS", "FakeStore", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
            "aten_ops_with_kernel", "current_autograd_node", "exclude_dispatch_keys", "fsdp2_mem_tracker",
-           "in_backward", "is_traceable_wrapper_subclass", "memory_snapshot", "parse_to",
+           "dump_memory_snapshot", "in_backward", "is_traceable_wrapper_subclass", "memory_snapshot", "parse_to",
            "record_memory_history", "stop_memory_history", "tree_flatten", "tree_leaves", "tree_map_only"]
