@@ -59,6 +59,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
     ("the step and its report", {
         "step": "`StepConfig` (owns checkpointing and attention), `MemoryReport`, `Trainer`, `build_trainer`, `make_batch`",
         "reference": "the H200 reference rows (`data/reference/`) as steps and figures",
+        "flops": "FLOPs of a step by part (forward, backward, recompute): counted by phase, and in closed form",
     }),
     ("the lenses", {
         "estimate": "the estimate lens: closed-form bytes, activations and the peak moment",
