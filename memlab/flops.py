@@ -50,11 +50,13 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import InputError
-from .models import GPTConfig
+from .models import GPTConfig, UNetConfig
+from .step import batch_to, build_trainer, make_batch
 
 PARTS = ("forward", "backward", "recompute")
 
@@ -160,9 +162,6 @@ def count_step_flops(step, *, fake: bool = True, device: str = "cpu") -> StepFlo
     Returns:
         :class:`StepFlops` with ``source="counted"``.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .step import batch_to, build_trainer, make_batch
     if fake:
         with FakeTensorMode():
             trainer = build_trainer(step, "cpu", fake=True)
@@ -181,7 +180,6 @@ def count_step_flops(step, *, fake: bool = True, device: str = "cpu") -> StepFlo
 
 def _random_batch(step) -> tuple:
     """Inputs of the step's shapes made inside the fake mode (the corpus is a real tensor)."""
-    from .models import UNetConfig
     cfg = step.model_config
     if isinstance(cfg, UNetConfig):
         x = torch.randn(step.batch, cfg.channels, step.seq, step.seq)
