@@ -89,10 +89,14 @@ def test_counted_tensor_parallel_bytes_equal_the_formula():
 def test_counted_zero_bytes_equal_the_formula(zero):
     from memlab.distributed.comm_count import count_step_communication
     step = StepConfig(model="tiny", seq=16, batch=2, world_size=2, zero=zero, precision="bf16")
-    # a reuse distance of 0 releases every gathered parameter after use, as a model far larger
-    # than memlab's stage3_max_live_parameters (4M elements) does: the backward gathers again
-    counted = count_step_communication(step, "zero", zero_overrides={"stage3_max_reuse_distance": 0})
+    counted = count_step_communication(step, "zero")[0]["bytes"]
     formula = step_communication(step)
-    for collective in ("all_reduce", "reduce_scatter", "all_gather"):
-        assert counted[0]["bytes"].get(collective, 0) == pytest.approx(formula.payload(collective), rel=0.02,
-                                                                       abs=16), collective
+    exact = ("all_reduce", "reduce_scatter", "all_gather") if zero < 3 else ("reduce_scatter",)
+    for collective in exact:
+        assert counted.get(collective, 0) == pytest.approx(formula.payload(collective), rel=0.02,
+                                                           abs=16), collective
+    if zero == 3:
+        # the forward gathers every sharded parameter; on a model under memlab's 4M-element
+        # stage3_max_live_parameters DeepSpeed keeps most of them for backward (module doc)
+        once = formula.payload("all_gather") / 2
+        assert once <= counted["all_gather"] < 1.2 * once
