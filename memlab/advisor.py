@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .cards import Card, detect_card
+from .cards import SPEEDS, Card, detect_card
 from .distributed.deepspeed_config import deepspeed_config
 from .distributed.deepspeed_zero import measure_distributed
 from .errors import InputError
@@ -52,6 +52,7 @@ from .estimate import estimate_step
 from .hardware import GPU_PRESETS, resolve_budget
 from .measure import measure_step
 from .models import GPTConfig, get_config
+from .plan_search import search_plans
 from .policy import resolve_target
 from .simulate import simulate_step
 from .states import under_deepspeed
@@ -80,6 +81,7 @@ class Advice:
     message: str = ""
     host_bytes: int = 0  # host memory the plan's offloaded model states take, per rank
     target: object = None  # the policy.Target the plan was estimated for (its card)
+    search: object = None  # memlab.plan_search.PlanSearch: every candidate, the fastest fit
 
     @property
     def short_bytes(self) -> int:
@@ -94,7 +96,8 @@ class Advice:
                 "fits": self.fits, "short_bytes": self.short_bytes,
                 "tensor_parallel": self.tensor_parallel, "message": self.message,
                 "host_bytes": self.host_bytes,
-                "config": self.step.describe(), "deepspeed_config": self.deepspeed_config}
+                "config": self.step.describe(), "deepspeed_config": self.deepspeed_config,
+                **(self.search.to_dict() if self.search is not None else {})}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -110,6 +113,8 @@ class Advice:
             lines.append(f"  + {s['technique']:<22} {fmt_bytes(s['peak_bytes']):>12}  {mark}{sim}")
         lines.append(f"  plan: {' + '.join(self.plan) or 'nothing to add'}")
         lines.append(f"  {self.message}")
+        if self.search is not None:
+            lines.append(f"  fastest that fits: {self.search.why}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -260,7 +265,19 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
                 "al. 2022, sec. 4.2.2) would split the block inputs tensor parallelism keeps "
                 "whole, context parallelism the sequence itself (neither is planned here)")
     advice.message += "; " + _runs_as(current, t_now, advice.host_bytes)
+    advice.search = _fastest_fit(cfg, gpu, tgt, world_size, seq, batch, usable, attention, optimizer)
     return advice
+
+
+def _fastest_fit(cfg, gpu, tgt, world_size: int, seq: int, batch: int, usable: int,
+                 attention: str | None, optimizer: str):
+    """The fastest plan that fits (:mod:`memlab.plan_search`), on a card with datasheet
+    figures (the GPU preset named, else the target's card); ``None`` on a bare size."""
+    name = gpu if isinstance(gpu, str) and gpu in SPEEDS else getattr(getattr(tgt, "card", None), "name", None)
+    if name not in SPEEDS:
+        return None
+    return search_plans(cfg, name, world_size, seq, batch, usable_bytes=usable, attention=attention,
+                        optimizer=optimizer, target=tgt)
 
 
 def estimate_host_bytes(step: StepConfig) -> int:

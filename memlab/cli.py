@@ -24,7 +24,7 @@ from typing import Union
 
 from . import classroom, doctor, hf
 from .advisor import Advice, advise
-from .cards import detect_card
+from .cards import SPEEDS, detect_card
 from .distributed.deepspeed_zero import measure_distributed
 from .distributed.fsdp import simulate_sharded
 from .errors import InputError
@@ -33,6 +33,7 @@ from .guard import HostMemoryError
 from .hardware import GPU_PRESETS, resolve_budget
 from .measure import measure_step
 from .models import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
+from .plan_search import search_plans
 from .policy import emulate, get_target, resolve_target
 from .simulate import simulate_step
 from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
@@ -165,9 +166,20 @@ def _advise(args: argparse.Namespace) -> Advice:
     budget = _budget(args)
     if budget is None:
         raise InputError(f"give --gpu ({', '.join(GPU_PRESETS)}) or --budget SIZE")
-    return advise(args.model, budget, args.world_size, args.seq, args.batch,
-                  attention=args.attention, headroom=args.headroom,
-                  simulate=False if args.no_simulate else None)
+    advice = advise(args.model, budget, args.world_size, args.seq, args.batch,
+                    attention=args.attention, headroom=args.headroom,
+                    simulate=False if args.no_simulate else None)
+    return _with_fastest_fit(advice, args)
+
+
+def _with_fastest_fit(advice: Advice, args: argparse.Namespace) -> Advice:
+    """``--gpu`` names a card: time every candidate on it (memlab.plan_search), as the Python
+    ``advise`` does when given the preset's name (the CLI passes its budget in bytes)."""
+    if advice.search is None and args.gpu in SPEEDS:
+        advice.search = search_plans(args.model, args.gpu, args.world_size, args.seq, args.batch,
+                                     usable_bytes=advice.usable_bytes, attention=args.attention,
+                                     target=advice.target)
+    return advice
 
 
 def step_from_args(args: argparse.Namespace) -> StepConfig:

@@ -44,10 +44,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .cards import Card  # noqa: F401  (a type in a signature)
+from .flops import PhaseFlopCounter
 from .hardware import resolve_budget
 from .measure import run_tracked_step
 from .models import UNetConfig
-from .flops import PhaseFlopCounter
 from .policy import emulate, resolve_target
 from .policy.caching_allocator import CachingAllocator, replay_steady_step
 from .states import ModelStates, model_states

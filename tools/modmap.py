@@ -87,6 +87,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "distributed.parallel_common": "what the tensor- and pipeline-parallel workers share: results, rank threads, one step",
         "distributed.tensor_parallel": "tensor parallelism: the Megatron split, its workers and simulation",
         "distributed.pipeline_parallel": "pipeline parallelism: stages, GPipe and 1F1B, their workers",
+        "plan_search": "the fastest plan that fits: every candidate estimated and timed on a card",
         "advisor": "the curriculum's flowchart as a plan (in DeepSpeed's accounting) and its DeepSpeed config",
         "finetune": "LoRA counted from rank and targets; 8-bit AdamW state",
         "distributed.deepspeed_rank0": "DeepSpeed as rank 0 of N: fake ranks, batch keys, two engine steps",
