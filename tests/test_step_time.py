@@ -12,11 +12,11 @@ from memlab.estimate import estimate_step
 from memlab.flops import step_flops_formula
 from memlab.simulate import simulate_step
 from memlab.step import StepConfig
-from memlab.step_time import Calibration, calibrated_rate, load_calibration, step_time
+from memlab.step_time import CPU_ADAM_PARAMS_PER_S, Calibration, calibrated_rate, load_calibration, step_time
 
 LLAMA = StepConfig(model="llama-7b", seq=4096, batch=2, precision="bf16", checkpointing="full",
                    zero=3, world_size=8)
-NONE = Calibration("none", {}, 1.0)  # no calibration: the datasheet and the published fraction
+NONE = Calibration("none", {}, CPU_ADAM_PARAMS_PER_S)  # the datasheet, published fraction, default Adam
 
 
 def test_compute_is_flops_over_the_datasheet_peak_times_the_published_fraction():
