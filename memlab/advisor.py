@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .cards import Card, detect_card
+from .cards import SPEEDS, Card, detect_card
 from .distributed.deepspeed_config import deepspeed_config
 from .distributed.deepspeed_zero import measure_distributed
 from .errors import InputError
@@ -54,6 +54,7 @@ from .hardware import GPU_PRESETS, resolve_budget
 from .hf import gpt_config
 from .measure import measure_step
 from .models import GPTConfig, get_config
+from .plan_search import search_plans
 from .policy import resolve_target
 from .simulate import simulate_step
 from .states import under_deepspeed
@@ -90,6 +91,7 @@ class Advice:
     host_bytes: int = 0  # host memory the plan's offloaded model states take, per rank
     target: object = None  # the policy.Target the plan was estimated for (its card)
     ladder: list[dict] = field(default_factory=list)  # the fine-tuner's ladder (finetune_ladder)
+    search: object = None  # memlab.plan_search.PlanSearch: every candidate, the fastest fit
 
     @property
     def short_bytes(self) -> int:
@@ -105,7 +107,8 @@ class Advice:
                 "tensor_parallel": self.tensor_parallel, "message": self.message,
                 "host_bytes": self.host_bytes,
                 "config": self.step.describe(), "deepspeed_config": self.deepspeed_config,
-                "ladder": [dict(r) for r in self.ladder]}
+                "ladder": [dict(r) for r in self.ladder],
+                **(self.search.to_dict() if self.search is not None else {})}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -126,6 +129,8 @@ class Advice:
             for r in self.ladder:
                 lines.append(f"  + {r['technique']:<22} {fmt_bytes(r['peak_bytes']):>12}  "
                              f"{'fits' if r['fits'] else 'does not fit'}")
+        if self.search is not None:
+            lines.append(f"  fastest that fits: {self.search.why}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -295,7 +300,19 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
                   usable_bytes=usable, headroom=headroom, fits=peak <= usable,
                   tensor_parallel=t_now, deepspeed_config=_ds_config(current, t_now),
                   message=_message(current, t_now, tgt, plan, peak, budget, usable, headroom, host),
-                  host_bytes=host, target=tgt, ladder=ladder)
+                  host_bytes=host, target=tgt, ladder=ladder,
+                  search=_fastest_fit(cfg, gpu, tgt, world_size, seq, batch, usable, attention, optimizer))
+
+
+def _fastest_fit(cfg, gpu, tgt, world_size: int, seq: int, batch: int, usable: int,
+                 attention: str | None, optimizer: str):
+    """The fastest plan that fits (:mod:`memlab.plan_search`), on a card with datasheet
+    figures (the GPU preset named, else the target's card); ``None`` on a bare size."""
+    name = gpu if isinstance(gpu, str) and gpu in SPEEDS else getattr(getattr(tgt, "card", None), "name", None)
+    if name not in SPEEDS:
+        return None
+    return search_plans(cfg, name, world_size, seq, batch, usable_bytes=usable, attention=attention,
+                        optimizer=optimizer, target=tgt)
 
 
 def _message(step: StepConfig, tp: int, tgt, plan: list[str], peak: int, budget: int,
@@ -340,6 +357,17 @@ def finetune_ladder(step: StepConfig, usable: int, target, *, rank: int = 16,
         peak = estimate_finetune(plain, target=target, **kw).peak_bytes
         rows.append({"technique": name, "peak_bytes": peak, "fits": peak <= usable})
     return rows
+
+
+def _fastest_fit(cfg, gpu, tgt, world_size: int, seq: int, batch: int, usable: int,
+                 attention: str | None, optimizer: str):
+    """The fastest plan that fits (:mod:`memlab.plan_search`), on a card with datasheet
+    figures (the GPU preset named, else the target's card); ``None`` on a bare size."""
+    name = gpu if isinstance(gpu, str) and gpu in SPEEDS else getattr(getattr(tgt, "card", None), "name", None)
+    if name not in SPEEDS:
+        return None
+    return search_plans(cfg, name, world_size, seq, batch, usable_bytes=usable, attention=attention,
+                        optimizer=optimizer, target=tgt)
 
 
 def estimate_host_bytes(step: StepConfig) -> int:

@@ -153,6 +153,111 @@ CARDS: dict[str, Card] = {c.name: c for c in (
 REFERENCE_CARD = "H200-141GB"  # the GPU of memlab/data/reference/NVIDIA-H200
 
 
+# --------------------------------------------------------------------------------------
+# What time needs: throughput and bandwidths (memlab.step_time)
+# --------------------------------------------------------------------------------------
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """A card's datasheet figures for the step-time model, dense (no structured sparsity).
+
+    ``tflops``: peak TFLOP/s per dtype (fp32 on the CUDA cores; tf32, bf16, fp16 and fp8 on
+    the tensor cores, with fp32 accumulation where the datasheet says so), only the dtypes the
+    card has. ``hbm``: memory bandwidth, bytes/s. ``nvlink``, ``pcie``: bytes/s in *one*
+    direction (the datasheets give both directions together: half of that; 0: no NVLink).
+    ``achievable``: the fraction of the peak a training step reaches (its source in
+    ``achievable_source``), used until ``memlab doctor --calibrate`` measures one.
+    """
+
+    tflops: tuple[tuple[str, float], ...]
+    hbm: float
+    nvlink: float
+    pcie: float
+    achievable: float
+    achievable_source: str
+    datasheet: str
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (bf16 on a card without it: fp32's, as it is emulated)."""
+        table = dict(self.tflops)
+        if dtype not in DTYPES:
+            raise InputError(f"dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
+        if dtype not in table:
+            return table["fp32"] * 1e12
+        return table[dtype] * 1e12
+
+
+_GB = 1e9
+#: achievable fraction of peak a training step reaches, from published runs:
+#: Megatron-LM on A100: 163 TFLOP/s of 312 per GPU with recomputation counted, 52%
+#: (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters",
+#: sec. 5.1, Table 1); Llama 3 405B on H100: 38-43% BF16 MFU (Dubey et al. 2024, "The Llama 3
+#: Herd of Models", sec. 3.3.2, Table 4); Megatron-LM on V100: 39 TFLOP/s, 30% of peak
+#: (Shoeybi et al. 2019, sec. 1), used for the cards no published run covers.
+_A100_RUN = (0.52, "Narayanan et al. 2021, sec. 5.1: 163 of 312 TFLOP/s on A100")
+_H100_RUN = (0.40, "Dubey et al. 2024 (Llama 3), Table 4: 38-43% BF16 MFU on H100")
+_V100_RUN = (0.30, "Shoeybi et al. 2019 (Megatron-LM), sec. 1: 30% of peak on V100")
+
+
+def _speeds(tflops: dict[str, float], hbm_gb: float, nvlink_gb: float, pcie_gb: float,
+            run: tuple[float, str], datasheet: str) -> Speeds:
+    return Speeds(tuple(tflops.items()), hbm_gb * _GB, nvlink_gb / 2 * _GB, pcie_gb / 2 * _GB,
+                  run[0], run[1], datasheet)
+
+
+#: datasheet figures per profile (bandwidths as printed: both directions; halved above)
+SPEEDS: dict[str, Speeds] = {
+    # NVIDIA T4 Tensor Core GPU datasheet: FP32 8.1, mixed FP16/FP32 65 TFLOPS; 320 GB/s; PCIe Gen3 x16 32 GB/s
+    "T4-16GB": _speeds({"fp32": 8.1, "fp16": 65}, 320, 0, 32, _V100_RUN, "NVIDIA T4 datasheet"),
+    # NVIDIA V100 Tensor Core GPU datasheet (SXM2): FP32 15.7, tensor 125 TFLOPS; 900 GB/s; NVLink 300 GB/s;
+    # PCIe Gen3 32 GB/s
+    "V100-16GB": _speeds({"fp32": 15.7, "fp16": 125}, 900, 300, 32, _V100_RUN, "NVIDIA V100 datasheet"),
+    "V100-32GB": _speeds({"fp32": 15.7, "fp16": 125}, 900, 300, 32, _V100_RUN, "NVIDIA V100 datasheet"),
+    # NVIDIA Ampere GA102 GPU Architecture whitepaper, Table 9 (RTX 3090): FP32 35.6, TF32 35.6,
+    # FP16/BF16 tensor with FP32 accumulate 71 TFLOPS; 936 GB/s; NVLink bridge 112.5 GB/s; PCIe Gen4 64 GB/s
+    "RTX3090-24GB": _speeds({"fp32": 35.6, "tf32": 35.6, "bf16": 71, "fp16": 71}, 936, 112.5, 64,
+                            _V100_RUN, "NVIDIA Ampere GA102 whitepaper"),
+    # NVIDIA Ada GPU Architecture whitepaper, Table 2 (RTX 4090): FP32 82.6, TF32 82.6, FP16/BF16 with
+    # FP32 accumulate 165.2, FP8 330.3 TFLOPS; 1008 GB/s; no NVLink; PCIe Gen4 64 GB/s
+    "RTX4090-24GB": _speeds({"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3},
+                            1008, 0, 64, _V100_RUN, "NVIDIA Ada Lovelace whitepaper"),
+    # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3, TF32 60, FP16/BF16 121, FP8 242.5 TFLOPS (dense:
+    # half the printed sparse figures); 300 GB/s; PCIe Gen4 x16 64 GB/s
+    "L4-24GB": _speeds({"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121, "fp8": 242.5}, 300, 0, 64,
+                       _V100_RUN, "NVIDIA L4 datasheet"),
+    # NVIDIA A10 Tensor Core GPU datasheet (AWS's A10G is an A10 variant; NVIDIA publishes no A10G sheet):
+    # FP32 31.2, TF32 62.5, FP16/BF16 125 TFLOPS; 600 GB/s; PCIe Gen4 64 GB/s
+    "A10G-24GB": _speeds({"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125}, 600, 0, 64,
+                         _V100_RUN, "NVIDIA A10 datasheet"),
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM): FP32 19.5, TF32 156, FP16/BF16 312 TFLOPS;
+    # 40GB HBM2 1555 GB/s, 80GB HBM2e 2039 GB/s; NVLink 600 GB/s; PCIe Gen4 64 GB/s
+    "A100-40GB": _speeds({"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, 1555, 600, 64,
+                         _A100_RUN, "NVIDIA A100 datasheet"),
+    "A100-80GB": _speeds({"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, 2039, 600, 64,
+                         _A100_RUN, "NVIDIA A100 datasheet"),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67, TF32 494.5, BF16/FP16 989.5, FP8 1979 TFLOPS
+    # (dense); HBM3 3.35 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s
+    "H100-80GB": _speeds({"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979}, 3350, 900,
+                         128, _H100_RUN, "NVIDIA H100 datasheet"),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's compute; HBM3e 4.8 TB/s; NVLink 900 GB/s;
+    # PCIe Gen5 128 GB/s
+    "H200-141GB": _speeds({"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979}, 4800, 900,
+                          128, _H100_RUN, "NVIDIA H200 datasheet"),
+}
+SPEEDS["2xT4-16GB"] = SPEEDS["T4-16GB"]
+
+
+def card_speeds(card: "Card | str") -> Speeds:
+    """The datasheet figures of a profile (or its name); a card memlab has no figures for is
+    bad input, naming the profiles it has."""
+    name = card if isinstance(card, str) else card.name
+    if name not in SPEEDS:
+        raise InputError(f"no throughput figures for card {name!r}; allowed: {', '.join(SPEEDS)}")
+    return SPEEDS[name]
+
+
 def get_card(name: str) -> Card:
     """The profile named ``name`` (``"T4-16GB"``); an unknown name is bad input."""
     if name not in CARDS:
@@ -232,5 +337,6 @@ def detect_card(props=None, gpus: int | None = None, env: dict[str, str] | None 
     return replace(card, rehearsal=props.name, flash=flash)
 
 
-__all__ = ["CARD_ENV", "CARDS", "Card", "REFERENCE_CARD", "SDPA_KERNELS", "card_from_properties",
+__all__ = ["CARD_ENV", "CARDS", "Card", "DTYPES", "REFERENCE_CARD", "SDPA_KERNELS", "SPEEDS", "Speeds",
+           "card_from_properties", "card_speeds",
            "cublas_workspace_bytes", "cublaslt_workspace_bytes", "detect_card", "get_card"]

@@ -321,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="pre-flight check for a class: versions, GPU, DeepSpeed op, two ranks")
     p.add_argument("--no-build", action="store_true", help="do not build DeepSpeed's CPU Adam op")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure one matmul and the host's Adam for the step-time model (memlab.step_time)")
     p = sub.add_parser("class", help="class tools: `class collect DIR --out results.csv`")
     p.add_argument("action", choices=["collect"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="DIR [--out results.csv] [--timeout S]")
@@ -686,7 +688,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_presets(args.json))
             return 0
         if args.command == "doctor":
-            return doctor.main(["--no-build"] * args.no_build + ["--json"] * args.json)
+            return doctor.main(["--no-build"] * args.no_build + ["--json"] * args.json
+                               + ["--calibrate"] * args.calibrate)
         if args.command == "class":
             return classroom.main(args.rest)
         result = run(args)

@@ -18,16 +18,24 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 
+from .cards import detect_card
 from .distributed.offload import cpu_adam_buildable
 from .distributed.ranks import RankError, allreduce_worker, run_ranks, set_cache_env
+from .errors import InputError
 from .hardware import place_ranks
+from .step_time import Calibration, calibration_path
 from .units import fmt_bytes
+
+if TYPE_CHECKING:
+    import pathlib
 
 MIN_PYTHON = (3, 10)
 # one-process lessons, and the lessons that start two ranks (the Makefile runs those alone)
@@ -184,9 +192,67 @@ def collect(build: bool = True) -> tuple[list[Check], dict[str, str]]:
     return checks, lesson_places(gpus)
 
 
+def measure_matmul_flops(dtype: str = "fp32", device: str = "cpu", n: int | None = None,
+                         repeats: int = 3) -> float:
+    """FLOP/s of one ``n x n`` matmul in ``dtype`` on ``device`` (``2 n^3`` FLOPs, the best of
+    ``repeats`` after a warm-up; n: 4096 on a GPU, 1024 on the CPU)."""
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype not in dtypes:
+        raise InputError(f"dtype={dtype!r}; allowed: {', '.join(dtypes)}")
+    dev = torch.device(device)
+    n = n or (4096 if dev.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=dev, dtype=dtypes[dtype])
+    b = torch.randn(n, n, device=dev, dtype=dtypes[dtype])
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        a @ b
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def measure_cpu_adam(params: int = 2**24, repeats: int = 3) -> float:
+    """Parameters per second of one ``torch.optim.AdamW`` step on the host (what ZeRO-Offload
+    runs there in memlab's config, ``torch_adam``), over ``params`` fp32 parameters."""
+    p = torch.nn.Parameter(torch.zeros(params))
+    p.grad = torch.ones(params)
+    opt = torch.optim.AdamW([p], lr=1e-4)
+    opt.step()  # the moments exist from here on
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        opt.step()
+        best = min(best, time.perf_counter() - start)
+    return params / best
+
+
+def calibrate(path: "pathlib.Path | None" = None) -> Calibration:
+    """``memlab doctor --calibrate``: one matmul per dtype on this machine's GPU (its card
+    profile's name) or CPU (``"cpu"``), and the host's AdamW throughput; written to
+    :func:`memlab.step_time.calibration_path` (or ``path``) for the step-time model."""
+    card = detect_card()
+    device, name = ("cuda", card.name) if card is not None else ("cpu", "cpu")
+    dtypes = ("fp32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
+    cal = Calibration(name, {d: measure_matmul_flops(d, device) for d in dtypes}, measure_cpu_adam())
+    target = path or calibration_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(asdict(cal), indent=1))
+    return cal
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``memlab doctor``: print the checks and the verdict; 1 when something blocks the workbook."""
+    """``memlab doctor``: print the checks and the verdict; 1 when something blocks the workbook.
+    ``--calibrate`` also measures a matmul and the host's Adam for the step-time model."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--calibrate" in argv:
+        cal = calibrate()
+        rates = ", ".join(f"{d} {f / 1e12:.3g} TFLOP/s" for d, f in cal.matmul_flops.items())
+        print(f"calibrated {cal.device}: matmul {rates}; host AdamW {cal.cpu_adam_params_per_s / 1e6:.0f}M "
+              f"params/s")
     checks, places = collect(build="--no-build" not in argv)
     blocked = [f"{c.name}: {c.detail}" for c in checks if c.status == "FAIL"]
     line = verdict(places, blocked)

@@ -51,6 +51,7 @@ from .policy import (
 )
 from .states import ZeroBuckets, step_model_states
 from .step import MemoryReport, StepConfig, autocast_for, resolve_step
+from .step_time import report_time
 from .torch_private import FakeTensorMode
 from .tracking import CATEGORIES, MemoryTracker
 
@@ -453,6 +454,7 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
         report.notes.append("host_bytes: the model states in host memory (pinned buffers at the "
                             "CUDA host allocator's power-of-two sizes); the CPU optimizer's "
                             "scratch during its step is not counted")
+    report.time = report_time(step, tgt.card, tensor_parallel=tp)
     if step.world_size > 1:
         report.per_rank = [replace(report, per_rank=None, notes=list(report.notes))
                            for _ in range(step.world_size)]

@@ -21,11 +21,13 @@ import traceback
 
 import torch
 
+from .cards import detect_card
 from .errors import InputError
 from .guard import HostMemoryError, preflight
 from .hardware import pick_device, resolve_budget
 from .oom import requested_bytes
 from .step import MemoryReport, StepConfig, Trainer, batch_to, build_trainer, make_batch, resolve_step
+from .step_time import report_time
 from .tracking import CATEGORIES, DeviceAccounting, MemoryTracker, OOMInfo, is_host_oom
 from .units import fmt_bytes
 
@@ -198,6 +200,8 @@ def measure_trainer(trainer: Trainer, batch: tuple, *, budget: int | str | None 
                           tracker.timeline, tracker.cuda_stats, before, after,
                           host_bytes=tracker.host_peak_bytes,
                           host_by_category=tracker.host_peak_by_category())
+    card = detect_card() if trainer.device.type == "cuda" else None
+    report.time = report_time(trainer.step_config, card)  # the prediction beside step_seconds
     return add_workspace(report)
 
 

@@ -42,6 +42,7 @@ from dataclasses import replace
 import torch
 
 from .cards import Card
+from .flops import PhaseFlopCounter
 from .hardware import resolve_budget
 from .measure import run_tracked_step
 from .models import UNetConfig
@@ -49,6 +50,7 @@ from .policy import emulate, resolve_target
 from .policy.caching_allocator import CachingAllocator, replay_steady_step
 from .states import ModelStates, model_states
 from .step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
+from .step_time import report_time
 from .torch_private import FakeTensorMode
 from .tracking import CATEGORIES, Event
 from .units import fmt_bytes
@@ -106,9 +108,10 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     with FakeTensorMode(allow_non_fake_inputs=False), emulate(tgt):
         trainer = build_trainer(run, "cpu", fake=True)
         batch = batch_to(_fake_batch(run), run)
-        tracker, _, before, after = run_tracked_step(
-            trainer, batch, None if ms.deepspeed else budget_bytes, warmup="optimizer",
-            accounting=tgt.accounting())
+        with PhaseFlopCounter() as flops:  # the step's FLOPs, op by op (memlab.flops)
+            tracker, _, before, after = run_tracked_step(
+                trainer, batch, None if ms.deepspeed else budget_bytes, warmup="optimizer",
+                accounting=tgt.accounting())
         report = MemoryReport("simulate", step, f"{tgt.name} (fake)", tracker.peak_bytes,
                               tracker.peak_by_category(), budget_bytes, None, tracker.oom,
                               tracker.timeline, {}, before, after,
@@ -120,6 +123,7 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     if ms.deepspeed:
         _deepspeed_layout(report, ms, model_states(run.model_config, precision=run.precision,
                                                    optimizer=run.optimizer).gradients)
+    report.time = report_time(step, tgt.card, flops=flops.flops())
     report.step_seconds = time.perf_counter() - start
     report.notes.append("step_seconds is the wall time of the whole simulation")
     return report

@@ -142,6 +142,8 @@ class MemoryReport:
     host_bytes: int = 0
     host_by_category: dict[str, int] = field(default_factory=dict)
     tracked_peak_bytes: int | None = None
+    #: the time lens (:class:`memlab.step_time.StepTime`): FLOPs, and seconds on a card
+    time: object | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -186,6 +188,8 @@ class MemoryReport:
             d["per_rank"] = [r.to_dict() for r in self.per_rank]
         if self.notes:
             d["notes"] = list(self.notes)
+        if self.time is not None:
+            d["time"] = self.time.to_dict()
         return d
 
     def to_json(self) -> str:
@@ -252,6 +256,10 @@ class MemoryReport:
             lines.append(f"  {name:<24} {fmt_bytes(value):>12}")
         if self.step_seconds is not None:
             lines.append(f"  step time   {self.step_seconds * 1e3:10.1f} ms")
+        if self.time is not None:
+            t = self.time
+            on = (f", predicted {t.seconds * 1e3:.1f} ms on {t.card}" if t.seconds is not None else "")
+            lines.append(f"  {'FLOPs':<12} {t.flops.total:>12.4g}{on}")
         for i, r in enumerate(self.per_rank or []):
             lines.append(f"  rank {i:<7} {fmt_bytes(r.peak_bytes):>12}")
         lines += [f"  note: {n}" for n in self.notes]

@@ -10,14 +10,14 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from .errors import InputError
 from .estimate import estimate_step
+from .flops import count_step_flops
 from .guard import preflight
 from .measure import measure_step
 from .simulate import simulate_step
-from .step import MemoryReport, StepConfig, batch_to, build_trainer, make_batch
+from .step import MemoryReport, StepConfig
 from .tracking import CATEGORIES, Event
 
 LENSES = ("estimate", "simulate", "measure")
@@ -99,15 +99,12 @@ def _direct_child(event: Event) -> str:
 
 def step_flops(step: StepConfig, *, device: str = "cpu") -> int:
     """Floating-point operations of one steady-state training step (forward, backward and
-    any recomputation), counted with ``torch.utils.flop_counter.FlopCounterMode``: a compute
-    cost that, unlike wall-clock time, does not depend on what else the machine is doing."""
+    any recomputation), counted on a real step on ``device`` by
+    :func:`memlab.flops.count_step_flops` (``FlopCounterMode``'s formulas, the CPU's fused
+    attention included): a compute cost that, unlike wall-clock time, does not depend on
+    what else the machine is doing. The parts and the closed form: :mod:`memlab.flops`."""
     preflight(step, device)
-    trainer = build_trainer(step, device)
-    batch = batch_to(make_batch(step, device), step)
-    trainer.step(batch)
-    with FlopCounterMode(display=False) as counter:
-        trainer.step(batch)
-    return int(counter.get_total_flops())
+    return count_step_flops(step, fake=False, device=device).total
 
 
 def relative_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:

@@ -1,0 +1,150 @@
+"""Communication bytes counted on real ranks, to check :mod:`memlab.communication`'s formula.
+
+:class:`CollectiveCounter` is a dispatch mode that sees every collective a rank issues: the
+``c10d`` ops behind ``torch.distributed``'s functions and DDP's reducer, and the functional
+collectives DTensor uses (``_c10d_functional``), as ``torch.distributed.tensor.debug.
+CommDebugMode`` does; it adds up the bytes of the tensors each works on, by collective
+(an all-gather by its output, everything else by its input). The workers run one step of
+DDP, of DeepSpeed's ZeRO-1/2/3, or of tensor parallelism under it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..errors import InputError
+from ..hardware import Placement
+from ..models import GPT
+from ..step import build_trainer, make_batch
+from .deepspeed_config import deepspeed_config
+from .parallel_common import rank_device, set_rank_threads
+from .ranks import run_ranks
+from .tensor_parallel import apply_tensor_parallel
+
+#: dispatcher op name -> the collective of :data:`memlab.communication.COLLECTIVES`
+OPS = {"allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+       "allreduce_coalesced_": "all_reduce",
+       "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+       "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+       "reduce_": "reduce",
+       "allgather_": "all_gather", "_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather",
+       "all_gather_into_tensor_coalesced": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+       "broadcast_": "broadcast", "send": "send", "recv_": "recv"}
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(tensors) -> int:
+    return sum(math.prod(t.shape) * t.element_size() for t in tensors)
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Bytes per collective over what runs under it (module doc); ``calls`` keeps each op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace in ("c10d", "_c10d_functional"):
+            name = func._overloadpacket.__name__
+            kind = OPS.get(name)
+            if kind is not None:
+                functional = func.namespace == "_c10d_functional"
+                # schemas: c10d ops take (tensors, ...) or (outputs, inputs, ...) and return
+                # (outputs, work); functional ones take the input and return the output
+                if kind == "all_gather":  # by its output: what every rank ends up holding
+                    tensors = _tensors(out if functional else args[0])
+                elif kind == "reduce_scatter":  # by its input: the whole tensor
+                    tensors = _tensors(args[0] if functional else args[1])
+                else:
+                    tensors = _tensors(args[0])
+                n = _nbytes(tensors)
+                self.bytes[kind] = self.bytes.get(kind, 0) + n
+                self.calls.append((name, n))
+        return out
+
+
+def ddp_count_worker(rank: int, world_size: int, step) -> dict:
+    """One DDP step (forward and backward; the optimizer moves nothing) under the counter."""
+    trainer = build_trainer(step)
+    ddp = DDP(trainer.model)
+    batch = make_batch(step, seed=rank)
+    ddp(*batch).backward()  # warm-up: DDP rebuilds its buckets after the first step
+    with CollectiveCounter() as counter:
+        for micro in zip(*(t.chunk(step.micro_batches) for t in batch), strict=True):
+            ddp(*micro).backward()
+    return {"rank": rank, "bytes": counter.bytes, "calls": counter.calls}
+
+
+def zero_count_worker(rank: int, world_size: int, step, zero_overrides: dict | None = None) -> dict:
+    """One DeepSpeed ZeRO step (after a warm-up step) under the counter; ``zero_overrides``
+    change keys of the config's ``zero_optimization``."""
+    import deepspeed
+
+    model = build_trainer(step).model
+    config = deepspeed_config(step)
+    config["zero_optimization"].update(zero_overrides or {})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    batch = make_batch(step, engine.device, seed=rank)
+    micro = list(zip(*(t.chunk(step.micro_batches) for t in batch), strict=True))
+
+    def one_step() -> None:
+        for mb in micro:
+            engine.backward(engine(*mb))
+            engine.step()
+
+    one_step()
+    with CollectiveCounter() as counter:
+        one_step()
+    return {"rank": rank, "bytes": counter.bytes, "calls": counter.calls}
+
+
+def tp_count_worker(rank: int, world_size: int, step) -> dict:
+    """One tensor-parallel forward and backward over all ranks (Megatron layout,
+    :func:`memlab.distributed.tensor_parallel.apply_tensor_parallel`) under the counter."""
+    set_rank_threads(world_size)
+    dev = rank_device()
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = GPT(step.model_config)
+    tp = apply_tensor_parallel(model, init_device_mesh(dev.type, (world_size,)))
+    idx, tgt = make_batch(step, dev)
+    tp(idx, tgt).backward()  # warm-up
+    with CollectiveCounter() as counter:
+        tp(idx, tgt).backward()
+    return {"rank": rank, "bytes": counter.bytes, "calls": counter.calls}
+
+
+WORKERS = {"ddp": ddp_count_worker, "zero": zero_count_worker, "tp": tp_count_worker}
+
+
+def count_step_communication(step, kind: str, world_size: int = 2, *,
+                             placement: Placement | None = None, timeout: float = 600.0,
+                             zero_overrides: dict | None = None) -> list[dict]:
+    """Run one step of ``kind`` (``ddp``, ``zero`` at ``step.zero``, ``tp``) on ``world_size``
+    ranks (gloo CPU ranks unless ``placement`` says otherwise) and return each rank's counted
+    bytes by collective (``bytes``) and its calls. ``zero_overrides``: DeepSpeed
+    ``zero_optimization`` keys for ``kind="zero"``."""
+    if kind not in WORKERS:
+        raise InputError(f"kind={kind!r}; allowed: {', '.join(WORKERS)}")
+    backend = None if placement is not None else "gloo"
+    kwargs = {"step": step}
+    if kind == "zero" and zero_overrides:
+        kwargs["zero_overrides"] = zero_overrides
+    return run_ranks(WORKERS[kind], world_size, kwargs=kwargs, placement=placement,
+                     backend=backend, timeout=timeout)
+
+
+__all__ = ["OPS", "CollectiveCounter", "count_step_communication", "ddp_count_worker",
+           "tp_count_worker", "zero_count_worker"]

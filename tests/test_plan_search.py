@@ -1,0 +1,35 @@
+"""The advisor's fastest fit (memlab.plan_search): candidates listed with seconds, the fastest
+that fits recommended, no offload where a plan without it fits."""
+from __future__ import annotations
+
+import json
+
+from memlab.advisor import advise
+from memlab.cli import main
+
+
+def test_llama_7b_on_8_a100_does_not_offload(capsys):
+    assert main(["advise", "--model", "llama-7b", "--gpu", "A100-80GB", "--world-size", "8", "--seq", "4096",
+                 "--batch", "2", "--no-simulate", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    fits = [c for c in d["candidates"] if c["fits"]]
+    assert any(c["plan"]["offload"] == "none" for c in fits)
+    best = d["recommendation"]
+    assert best["plan"]["offload"] == "none" and best["fits"]
+    assert best["seconds"] == min(c["seconds"] for c in fits)  # the fastest that fits
+    assert {"plan", "peak_bytes", "fits", "seconds"} <= set(d["candidates"][0])
+    assert "fits at" in d["why"]
+    degrees = {(c["plan"]["tensor_parallel"], c["plan"]["pipeline_parallel"]) for c in d["candidates"]}
+    assert all(8 % (t * p) == 0 for t, p in degrees) and (8, 1) in degrees and (1, 2) in degrees
+
+
+def test_one_small_card_must_offload_and_says_so():
+    a = advise("gpt2-xl", "T4-16GB", seq=1024, batch=1, simulate=False)
+    best = a.search.best
+    assert best is not None and best.fits
+    no_offload = [c for c in a.search.candidates if c.fits and c.plan["offload"] == "none"]
+    assert (best.plan["offload"] != "none") == (not no_offload)
+
+
+def test_a_bare_size_has_no_search():
+    assert advise("tiny", "200MiB", seq=64, batch=2, simulate=False, target="cpu").search is None

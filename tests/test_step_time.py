@@ -1,0 +1,100 @@
+"""The time lens (memlab.step_time): each part of its rule against the datasheet figures and
+formulas it states, and the `time` every report carries."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memlab import doctor
+from memlab.cards import card_speeds
+from memlab.estimate import estimate_step
+from memlab.flops import step_flops_formula
+from memlab.simulate import simulate_step
+from memlab.step import StepConfig
+from memlab.step_time import CPU_ADAM_PARAMS_PER_S, Calibration, calibrated_rate, load_calibration, step_time
+
+LLAMA = StepConfig(model="llama-7b", seq=4096, batch=2, precision="bf16", checkpointing="full",
+                   zero=3, world_size=8)
+NONE = Calibration("none", {}, CPU_ADAM_PARAMS_PER_S)  # the datasheet, published fraction, default Adam
+
+
+def test_compute_is_flops_over_the_datasheet_peak_times_the_published_fraction():
+    t = step_time(LLAMA, "A100-80GB", calibration=NONE)
+    rate = 312e12 * 0.52  # A100 datasheet bf16; Narayanan et al. 2021: 52% of peak
+    assert t.by_part.compute == pytest.approx(t.flops.model / rate)
+    assert t.by_part.recompute == pytest.approx(t.flops.recompute / rate)
+    # ZeRO-3's 3 psi (DeepSpeed: 2 gathers + a reduce-scatter, 2 bytes, 7/8 on a ring) at 300 GB/s
+    psi = LLAMA.model_config.num_params()
+    assert t.by_part.communication == pytest.approx(3 * 2 * psi * 7 / 8 / 300e9, rel=1e-3)
+    assert t.seconds == pytest.approx(t.by_part.total)
+    assert t.mfu == pytest.approx(t.flops.model / (t.seconds * 312e12))
+    assert t.tokens_per_second == pytest.approx(4096 * 2 * 8 / t.seconds)
+
+
+def test_ddp_hides_its_all_reduce_behind_backward():
+    step = StepConfig(model="gpt2-large", seq=1024, batch=4, precision="bf16", world_size=8)
+    t = step_time(step, "A100-80GB", calibration=NONE)
+    assert t.by_part.communication == 0.0  # 1.5 GB at 300 GB/s < backward's compute
+    short = StepConfig(model="gpt2-large", seq=256, batch=1, precision="fp16", world_size=8)
+    slow = step_time(short, "T4-16GB", calibration=NONE)  # PCIe 16 GB/s one way, no NVLink
+    dp = 2 * 7 / 8 * 4 * step.model_config.num_params() / 16e9  # fp32 gradients under autocast
+    backward = slow.flops.backward / (65e12 * 0.30)
+    assert slow.by_part.communication == pytest.approx(dp - backward, rel=1e-6)
+
+
+def test_offload_is_the_slowest_of_gpu_pcie_and_cpu_adam():
+    step = StepConfig(model="gpt2-large", seq=1024, batch=4, precision="bf16", zero=2, offload="optimizer")
+    gpu = step_time(StepConfig(model="gpt2-large", seq=1024, batch=4, precision="bf16", zero=2),
+                    "H200-141GB", calibration=NONE)
+    slow_cpu = step_time(step, "H200-141GB", calibration=NONE, cpu_adam_params_per_s=1e8)
+    assert slow_cpu.bound == "cpu adam"
+    assert slow_cpu.seconds == pytest.approx(step.model_config.num_params() / 1e8)
+    fast_cpu = step_time(step, "H200-141GB", calibration=NONE, cpu_adam_params_per_s=1e12)
+    psi = step.model_config.num_params()
+    pcie = (4 + 2) * psi / 64e9  # fp32 gradients down, bf16 weights up, Gen5 one way
+    assert fast_cpu.seconds == pytest.approx(max(gpu.seconds, pcie))
+    assert fast_cpu.bound == ("pcie" if pcie > gpu.seconds else "gpu")
+
+
+def test_pipeline_bubble_is_p_minus_1_over_m():
+    step = StepConfig(model="gpt2-large", seq=1024, batch=8, micro_batches=4, precision="bf16", world_size=4)
+    t = step_time(step, "H100-80GB", pipeline_parallel=4, calibration=NONE)
+    assert t.by_part.bubble == pytest.approx(3 / 4 * (t.by_part.compute + t.by_part.recompute))
+
+
+def test_calibration_replaces_the_peak(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"device": "A100-80GB", "matmul_flops": {"bf16": 250e12},
+                                "cpu_adam_params_per_s": 5e8}))
+    cal = load_calibration(path)
+    assert calibrated_rate("A100-80GB", "bf16", cal) == pytest.approx(250e12 * 0.52)
+    assert calibrated_rate("H100-80GB", "bf16", cal) is None  # measured on another card
+    t = step_time(LLAMA, "A100-80GB", calibration=cal)
+    assert t.by_part.compute == pytest.approx(t.flops.model / (250e12 * 0.52))
+    assert load_calibration(tmp_path / "missing.json") is None
+
+
+def test_doctor_measures_a_matmul_and_adam():
+    assert doctor.measure_matmul_flops("fp32", n=64, repeats=1) > 1e6
+    assert doctor.measure_cpu_adam(params=4096, repeats=1) > 1e3
+
+
+def test_every_lens_reports_time_flops():
+    step = StepConfig(model="tiny", seq=32, batch=2, checkpointing="full")
+    formula = step_flops_formula(step)
+    est = estimate_step(step, target="cpu")
+    assert est.time.flops == formula and est.time.seconds is None  # no card: FLOPs only
+    sim = simulate_step(step, target="cpu")
+    assert sim.time.flops.source == "counted"
+    assert sim.time.flops.total == pytest.approx(formula.total, rel=1e-3)
+    on_card = estimate_step(step, card="A100-80GB")
+    assert on_card.time.seconds > 0 and on_card.to_dict()["time"]["flops"]["total"] == formula.total
+
+
+def test_every_profile_has_its_datasheet():
+    from memlab.cards import CARDS
+    for name in CARDS:
+        sp = card_speeds(name)
+        assert sp.peak("fp32") > 0 and sp.hbm > 0 and sp.pcie > 0 and 0 < sp.achievable < 1
+        assert sp.peak("bf16") >= sp.peak("fp32")
