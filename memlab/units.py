@@ -74,8 +74,7 @@ def binary_unit(nbytes: float, smallest: str = "B") -> tuple[int, str]:
 
 def fmt_bytes(n: float) -> str:
     """Human-readable bytes in the largest binary unit not above them: ``14.26 MiB``,
-    ``5.00 TiB``, ``13.23 EiB``."""
-    """Human-readable bytes in binary units: ``14.26 MiB``.
+    ``5.00 TiB``, ``13.23 EiB``.
 
     Args:
         n: bytes.

@@ -7,6 +7,10 @@ the tracker (or, on CUDA, the caching allocator) and returns its :class:`RankRes
 :func:`measure_zero` and :func:`measure_distributed` start the ranks
 (:func:`memlab.distributed.ranks.run_ranks`) and return a :class:`~memlab.step.MemoryReport`
 per step with ``per_rank``. The per-rank formula is :func:`memlab.distributed.zero.zero_formula`.
+
+Over 500 lines because one rank's step (engine, accounting, tracked and timed steps, its
+:class:`RankResult`) and the launch that gathers the ranks' reports are read together: the
+report is built from exactly the fields the rank step fills.
 """
 from __future__ import annotations
 
@@ -500,11 +504,6 @@ def measure_distributed(step=None, *, device: str | None = "cpu", placement: Pla
     step = replace(step, **overrides) if overrides else step
     return measure_zero([step], device=device, placement=placement, timeout=timeout,
                         budget=budget, ds_config=ds_config)[0]
-
-
-# --------------------------------------------------------------------------------------
-# Offload: what leaves the device, and what it costs
-# --------------------------------------------------------------------------------------
 
 
 __all__ = ["ACCOUNTS", "RankResult", "measure_distributed", "measure_zero", "zero_accounting", "zero_rank_step",
