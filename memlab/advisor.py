@@ -359,17 +359,6 @@ def finetune_ladder(step: StepConfig, usable: int, target, *, rank: int = 16,
     return rows
 
 
-def _fastest_fit(cfg, gpu, tgt, world_size: int, seq: int, batch: int, usable: int,
-                 attention: str | None, optimizer: str):
-    """The fastest plan that fits (:mod:`memlab.plan_search`), on a card with datasheet
-    figures (the GPU preset named, else the target's card); ``None`` on a bare size."""
-    name = gpu if isinstance(gpu, str) and gpu in SPEEDS else getattr(getattr(tgt, "card", None), "name", None)
-    if name not in SPEEDS:
-        return None
-    return search_plans(cfg, name, world_size, seq, batch, usable_bytes=usable, attention=attention,
-                        optimizer=optimizer, target=tgt)
-
-
 def estimate_host_bytes(step: StepConfig) -> int:
     """Host bytes per rank of the model states ``step`` offloads (0 without offload)."""
     return estimate_step(step, target="cpu").host_bytes  # host bytes: the same on any target

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from torch_reference import memtracker_peak
 
 pytest.importorskip("transformers")
 
@@ -35,14 +36,8 @@ def measured():
 
 
 def test_track_step_equals_torch_memtracker_to_the_byte(measured):
-    from torch.distributed._tools.mem_tracker import MemTracker
     model, opt, step = _real()
-    step()  # steady state, as track_step's warm-up
-    mt = MemTracker()
-    mt.track_external(model, opt)
-    with mt:
-        step()
-    theirs = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    theirs = memtracker_peak(model, opt, step)
     ours = track_step(step, model=model, optimizer=opt, warmup=False)
     assert ours.peak_bytes == theirs
     assert measured.peak_bytes == theirs  # a fresh model: the same step, the same bytes

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from hf_families import BATCH, FAMILIES, SEQ  # noqa: E402
+from torch_reference import memtracker_peak  # noqa: E402
 
 from memlab import hf  # noqa: E402
 from memlab.cli import main  # noqa: E402
@@ -40,14 +41,8 @@ def _measured(name, prec):
 
 @pytest.mark.parametrize("name,prec", CASES)
 def test_track_step_equals_torch_memtracker(name, prec):
-    from torch.distributed._tools.mem_tracker import MemTracker
     model, opt, step = _real(name, prec)
-    step()  # steady state, as track_step's warm-up
-    mt = MemTracker()
-    mt.track_external(model, opt)
-    with mt:
-        step()
-    theirs = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    theirs = memtracker_peak(model, opt, step)
     assert track_step(step, model=model, optimizer=opt, warmup=False).peak_bytes == theirs
 
 
