@@ -28,7 +28,7 @@ def rows() -> list[dict[str, str]]:
     for line in lines[2:]:  # after the header and its --- row
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
         assert len(cells) == len(head), f"a row with {len(cells)} columns, not {len(head)}: {line[:80]}"
-        out.append(dict(zip(head, cells)))
+        out.append(dict(zip(head, cells, strict=True)))
     return out
 
 
@@ -101,7 +101,8 @@ def _text(rel: str) -> str:
 
 def test_llama3_8b_model_states():
     psi = ml.get_config("llama-3-8b").num_params()
-    assert f"{psi / 1e9:.2f} B parameters x 16 = {16 * psi / GiB:.1f} GiB" in _text("notebooks/01_where_memory_goes.ipynb")
+    lesson = _text("notebooks/01_where_memory_goes.ipynb")
+    assert f"{psi / 1e9:.2f} B parameters x 16 = {16 * psi / GiB:.1f} GiB" in lesson
 
 
 def test_logits_of_llama3_8b():
