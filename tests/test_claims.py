@@ -177,3 +177,18 @@ def test_answer_14_headroom():
     for h in (0.1, 0.3):
         none = advise("llama-13b", "T4-16GB", seq=4096, batch=8, simulate=False, headroom=h)
         assert not none.fits and f"{none.short_bytes / GiB:.2f} GiB at {h:.0%}" in text
+
+
+def test_answer_05_calculator():
+    """answers/05, exercise 3: GPT-2 XL, fp32, batch 8 on an A100-40GB, each checkpointing mode,
+    as the lesson's calculator (the estimate against the card) gives it."""
+    text = _text("course/answers/05_checkpointing.md").split("## Exercise 3", 1)[1].split("## Exercise 4")[0]
+    peaks = {}
+    for mode in ("none", "selective", "full"):
+        e = ml.estimate_step(ml.StepConfig(model="gpt2-xl", seq=1024, batch=8, precision="fp32",
+                                           checkpointing=mode), budget="A100-40GB")
+        peaks[mode] = e
+    assert f"without checkpointing {peaks['none'].peak_bytes / GiB:.2f} GiB, does not fit" in text
+    assert f"selective {peaks['selective'].peak_bytes / GiB:.2f} GiB" in text
+    assert f"full {peaks['full'].peak_bytes / GiB:.2f} GiB, fits" in text
+    assert not peaks["none"].fits and not peaks["selective"].fits and peaks["full"].fits
