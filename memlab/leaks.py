@@ -3,7 +3,8 @@
 A training loop in steady state holds the same bytes after every optimizer step: parameters,
 gradients, optimizer state. Memory that is still there one step later and was not before is
 a leak, and the classic three are one line each: ``total_loss += loss`` (the sum keeps every
-step's graph, and with it every step's activations), an evaluation without
+step's graph: its nodes and the loss tensors, though ``backward()`` has already freed each step's
+saved activations, so the growth is small: lesson 03 measures it), an evaluation without
 ``torch.no_grad()`` whose result is kept (its graph too), a list that keeps each step's
 outputs. :func:`watch_steps` runs a loop of the learner's under
 :class:`~memlab.tracking.MemoryTracker` and reads the live bytes, by category, right after

@@ -29,13 +29,18 @@ is the master and K = 8. What DeepSpeed 0.19 (``runtime/zero/stage_1_and_2.py``,
   and during forward/backward the gathered parameters of the running module;
 * stages 1-3: the gradient reduce bucket (``reduce_bucket_size`` elements).
 
-**Offload** (ZeRO-Offload, Ren et al. 2021, sec. 4.1): optimizer offload moves the fp32
-master, the moments *and the fp32 gradients* to host memory; the device keeps the 16-bit
+**Offload** (ZeRO-Offload, Ren et al. 2021, sec. 3.5 and 4.1, which offload the fp32 states and
+the fp16 gradients: 12 + 2 bytes per parameter): DeepSpeed's optimizer offload moves the fp32
+master, the moments *and an fp32 gradient partition* to host memory, 16 bytes per parameter / N
+(0.19.8 ``stage_1_and_2.py``: ``initialize_optimizer_states`` allocates the fp32 partition's
+``.grad`` on ``self.device``, ``'cpu'`` with offload; the gradient is cast to fp32 on the GPU
+before its copy down, ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``); the device keeps the 16-bit
 parameters and the 16-bit gradients in flight (the reduce bucket, and at stages 1-2 a
 staging buffer the size of the largest parameter). Parameter offload (stage 3 only;
 ZeRO-Infinity, Rajbhandari et al. 2021, sec. 5) also moves the 16-bit parameter partition to
 the host: the device keeps the small persistent parameters and the parameters gathered for
-the module that runs. DeepSpeed pins its host buffers (``pin_memory`` defaults to true), and
+the module that runs. DeepSpeed pins its host buffers (``pin_memory: bool = True`` in 0.19.8's
+``runtime/zero/offload_config.py``, for both offload configs; memlab's config leaves it unset), and
 the CUDA host allocator rounds each pinned block up to a power of two
 (``ATen/core/CachingHostAllocator.h``): host bytes count each pinned buffer at that size.
 """

@@ -1,0 +1,194 @@
+"""The claims register (course/claims.md): every row names a cell or a test that exists (or
+says why nothing here measures it), every paper a notebook cites has a row for that lesson,
+and the numbers the answer keys and notes state are what memlab's code computes now."""
+import ast
+import importlib.util
+import json
+import pathlib
+import re
+
+import pytest
+
+import memlab as ml
+from memlab import GiB
+from memlab.advisor import advise
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+REGISTER = ROOT / "course" / "claims.md"
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+# Author et al. Year, or Author & Author Year / Author and Author Year
+CITATION = re.compile(r"([A-Z][a-zA-Z]+) et al\.?,? (\d{4})|([A-Z][a-zA-Z]+) (?:and|&) [A-Z][a-zA-Z]+,? (\d{4})")
+
+
+def rows() -> list[dict[str, str]]:
+    """The register's table rows as dicts of its columns."""
+    lines = [line for line in REGISTER.read_text().splitlines() if line.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    out = []
+    for line in lines[2:]:  # after the header and its --- row
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        assert len(cells) == len(head), f"a row with {len(cells)} columns, not {len(head)}: {line[:80]}"
+        out.append(dict(zip(head, cells, strict=True)))
+    return out
+
+
+def cell_ids(path: pathlib.Path) -> set[str]:
+    return {c.get("id") for c in json.loads(path.read_text())["cells"]}
+
+
+def test_the_register_parses_and_ids_are_unique():
+    r = rows()
+    ids = [row["id"] for row in r]
+    assert len(ids) == len(set(ids)), [i for i in ids if ids.count(i) > 1]
+    assert all(re.match(r"(checked|corrected|unread|open)\b", row["status"]) for row in r), \
+        [row["id"] for row in r if not re.match(r"(checked|corrected|unread|open)\b", row["status"])]
+    # the closing note's count is the table's
+    note = REGISTER.read_text().split("## Closing note", 1)[1]
+    assert f"holds {len(r)} rows" in note, len(r)
+    corrected = sum(row["status"].startswith("corrected") for row in r)
+    assert f"{corrected} were corrected" in note, corrected
+
+
+@pytest.mark.parametrize("row", rows(), ids=lambda row: row["id"])
+def test_every_row_names_a_cell_or_test_that_exists(row):
+    where = row["measured by"]
+    if where.startswith("not measurable here:"):
+        assert len(where.split()) > 4, f"{row['id']}: say why it is not measurable"
+        return
+    nb = re.match(r"(notebooks/[\w]+\.ipynb)#([\w-]+)", where)
+    if nb:
+        path = ROOT / nb.group(1)
+        assert path.exists(), where
+        assert nb.group(2) in cell_ids(path), f"{row['id']}: no cell {nb.group(2)} in {nb.group(1)}"
+        return
+    test = re.match(r"(tests/[\w]+\.py)(?:::(\w+))?", where)
+    assert test, f"{row['id']}: 'measured by' is neither a cell, a test nor 'not measurable here': {where}"
+    path = ROOT / test.group(1)
+    assert path.exists(), where
+    if test.group(2):
+        assert re.search(rf"^def {test.group(2)}\(", path.read_text(), re.M), f"{row['id']}: no {where}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_citation_of_a_notebook_is_in_the_register(path):
+    lesson = path.stem[:2]
+    text = " ".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"])
+    cited = {(m.group(1) or m.group(3), m.group(2) or m.group(4)) for m in CITATION.finditer(text)}
+    mine = " ".join(row["source"] + " " + row["claim"] for row in rows() if row["id"].startswith(lesson + "-"))
+    missing = [f"{a} {y}" for a, y in sorted(cited) if not re.search(rf"{a}\b[^|]*?{y}", mine)]
+    assert missing == [], f"{path.stem} cites {missing} with no row {lesson}-n giving the source"
+
+
+def test_the_citation_check_can_fail():
+    text = "as Nobody et al. 2031 showed, and Smith & Jones 1999"
+    assert {(m.group(1) or m.group(3)) for m in CITATION.finditer(text)} == {"Nobody", "Smith"}
+
+
+def test_cited_package_paths_exist():
+    """Every memlab/....py a lesson, an answer or a course page names is a file."""
+    texts = [p.read_text() for p in (ROOT / "course").rglob("*.md") if p != REGISTER]
+    texts += [p.read_text() for p in NOTEBOOKS]
+    named = {m for t in texts for m in re.findall(r"memlab/[\w/]+\.py", t)}
+    assert named and [n for n in sorted(named) if not (ROOT / n).exists()] == []
+
+
+# --------------------------------------------------------------------------------------
+# Numbers the answer keys and the notes state, recomputed from memlab and its sources
+# --------------------------------------------------------------------------------------
+def _text(rel: str) -> str:
+    return " ".join((ROOT / rel).read_text().split())  # line breaks as spaces
+
+
+def test_llama3_8b_model_states():
+    psi = ml.get_config("llama-3-8b").num_params()
+    lesson = _text("notebooks/01_where_memory_goes.ipynb")
+    assert f"{psi / 1e9:.2f} B parameters x 16 = {16 * psi / GiB:.1f} GiB" in lesson
+
+
+def test_logits_of_llama3_8b():
+    vocab, tokens = ml.get_config("llama-3-8b").vocab_size, 8192
+    notes, lesson = _text("course/instructor-notes.md"), _text("notebooks/07_logits_spike.ipynb")
+    assert f"the bf16 logits are {2 * tokens * vocab / 1e9:.1f} GB" in notes
+    assert f"fp32 log-softmax {4 * tokens * vocab / 1e9:.1f} GB" in notes
+    assert f"{4 * tokens * vocab / 1e9:.1f} GB ({4 * tokens * vocab / GiB:.1f} GiB) per fp32" in lesson
+    assert 3 * 4 * tokens * vocab / 1e9 > 10 > (2 + 4) * tokens * vocab / 1e9   # "over 10 GB" needs the backward's
+
+
+def test_offload_traffic_answer():
+    """answers/11 and /15, exercise 3: DeepSpeed's 4 + 2 bytes per parameter over PCIe, on the
+    H200 reference's ZeRO-2 rows."""
+    ref = json.loads((ROOT / "memlab/data/reference/NVIDIA-H200/zero_offload_one_gpu.json").read_text())
+    z2 = next(r for r in ref if (r["zero"], r["offload"]) == (2, "none"))
+    off = next(r for r in ref if (r["zero"], r["offload"]) == (2, "optimizer"))
+    psi, secs = off["num_params"], off["step_seconds"]
+    a11, a15 = _text("course/answers/11_offload.md"), _text("course/answers/15_the_table.md")
+    assert f"**{secs:.3f} s**" in a11 and f"{z2['step_seconds']:.3f} s" in a11
+    assert f"6 x {psi / 1e6:.0f}M = **{6 * psi / 1e9:.1f} GB per step**" in a11
+    assert f"**{6 * psi / 1e9 / secs:.1f} GB/s**" in a11
+    assert f"about {6 * psi / 1e9 / secs / 64:.0%} of a PCIe" in a11
+    assert f"**{secs / z2['step_seconds']:.1f}x**, for {6 * psi / 1e9:.1f} GB" in a15
+
+
+def _offload_default(cls_name: str) -> bool:
+    """``pin_memory``'s default in DeepSpeed's offload config class, read from its source
+    (no import of deepspeed: seconds)."""
+    spec = importlib.util.find_spec("deepspeed")
+    src = pathlib.Path(spec.submodule_search_locations[0]) / "runtime" / "zero" / "offload_config.py"
+    tree = ast.parse(src.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    field = next(n for n in cls.body if isinstance(n, ast.AnnAssign) and n.target.id == "pin_memory")
+    return ast.literal_eval(field.value)
+
+
+def test_deepspeed_pins_by_default():
+    """states.py counts DeepSpeed's host buffers as pinned: the installed DeepSpeed's default,
+    which memlab's config leaves in force."""
+    pytest.importorskip("deepspeed")
+    from memlab.distributed.deepspeed_config import deepspeed_config
+    assert _offload_default("DeepSpeedZeroOffloadOptimizerConfig") is True
+    assert _offload_default("DeepSpeedZeroOffloadParamConfig") is True
+    zo = deepspeed_config(ml.StepConfig(zero=3, offload="all"))["zero_optimization"]
+    assert "pin_memory" not in zo["offload_optimizer"] and "pin_memory" not in zo["offload_param"]
+
+
+def test_answer_14_t4_plan():
+    """answers/14, exercise 3: the plan lesson 14 prints for GPT-2 medium on a T4, and its
+    estimate without offload."""
+    from dataclasses import replace
+    one = advise("gpt2-medium", "T4-16GB", seq=1024, batch=16, simulate=False)
+    text = _text("course/answers/14_plan_your_run.md").split("## Exercise 3", 1)[1].split("## Exercise 4")[0]
+    assert one.plan == ["checkpointing", "offload-optimizer"], one.plan
+    assert f"{one.peak_bytes / GiB:.2f} GiB" in text
+    bare = ml.estimate_step(replace(one.step, offload="none", zero=0))
+    assert f"**{bare.peak_bytes / GiB:.2f} GiB**" in text
+
+
+def test_answer_14_headroom():
+    """answers/14, exercise 2: the five plans of lesson 14 at 10% and 30% headroom."""
+    text = _text("course/answers/14_plan_your_run.md").split("## Exercise 2", 1)[1].split("## Exercise 3")[0]
+    t4 = advise("gpt2-medium", "T4-16GB", seq=1024, batch=16, simulate=False, headroom=0.3)
+    assert not t4.fits and f"short, by {t4.short_bytes / GiB:.2f} GiB ({t4.peak_bytes / GiB:.2f} GiB)" in text
+    big = advise("llama-7b", "A100-40GB", world_size=8, seq=4096, batch=1, simulate=False, headroom=0.3)
+    assert big.fits and f"needs {big.peak_bytes / GiB:.2f} GiB" in text
+    inf = advise("llama-13b", "T4-16GB", seq=4096, batch=1, simulate=False, headroom=0.3)
+    assert inf.fits and f"{inf.peak_bytes / GiB:.2f} of 10.5" in text
+    large = advise("gpt2-large", "RTX4090-24GB", seq=1024, batch=8, simulate=False, headroom=0.3)
+    assert large.fits and f"{large.peak_bytes / GiB:.2f} of 16.8" in text
+    for h in (0.1, 0.3):
+        none = advise("llama-13b", "T4-16GB", seq=4096, batch=8, simulate=False, headroom=h)
+        assert not none.fits and f"{none.short_bytes / GiB:.2f} GiB at {h:.0%}" in text
+
+
+def test_answer_05_calculator():
+    """answers/05, exercise 3: GPT-2 XL, fp32, batch 8 on an A100-40GB, each checkpointing mode,
+    as the lesson's calculator (the estimate against the card) gives it."""
+    text = _text("course/answers/05_checkpointing.md").split("## Exercise 3", 1)[1].split("## Exercise 4")[0]
+    peaks = {}
+    for mode in ("none", "selective", "full"):
+        e = ml.estimate_step(ml.StepConfig(model="gpt2-xl", seq=1024, batch=8, precision="fp32",
+                                           checkpointing=mode), budget="A100-40GB")
+        peaks[mode] = e
+    assert f"without checkpointing {peaks['none'].peak_bytes / GiB:.2f} GiB, does not fit" in text
+    assert f"selective {peaks['selective'].peak_bytes / GiB:.2f} GiB" in text
+    assert f"full {peaks['full'].peak_bytes / GiB:.2f} GiB, fits" in text
+    assert not peaks["none"].fits and not peaks["selective"].fits and peaks["full"].fits
