@@ -99,6 +99,9 @@ def _fsdp_pair(**kw):
     return measure_sharded(step, 2, backend="gloo", **kw), simulate_sharded(step, 2, **kw)
 
 
+# slow: under a loaded 2-core run (make test, two workers) its ranks once timed out at the
+# rendezvous and once read rank 0 1.5% above rank 1; alone it passes in about 16 s
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp2_on_two_gloo_ranks_equals_its_simulation():
     """FSDP2's default (reshard_after_forward): the real ranks and the fake group run the same
