@@ -1,6 +1,7 @@
 """Workers as launchers start them: torchrun's, deepspeed's (its launcher and OpenMPI),
 accelerate launch's and Slurm's variables, set by hand."""
 import json
+import os
 
 import pytest
 
@@ -19,14 +20,14 @@ OPENMPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
            "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "node0"}
 SLURM = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NODEID": "1",
          "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NODELIST": "gpu[07-08]",
-         "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7"}
+         "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.7"}
 
 
 @pytest.mark.parametrize("env, launcher, addr, port", [
     (TORCHRUN, "torchrun", "node0", 29511),
     (DEEPSPEED, "deepspeed", "node0", 29500),
     (OPENMPI, "mpi", "node0", DEFAULT_MASTER_PORT),
-    (SLURM, "slurm", "10.0.0.7", DEFAULT_MASTER_PORT),
+    (SLURM, "slurm", "127.0.0.7", DEFAULT_MASTER_PORT),
 ])
 def test_every_launcher_gives_rank_3_of_4_on_node_1(env, launcher, addr, port):
     assert launcher_env(env) == LaunchEnv(launcher, 3, 1, 4, 2, 1, addr, port)
@@ -58,7 +59,7 @@ def test_apply_exports_what_init_process_group_reads():
     env = dict(SLURM)
     launcher_env(env).apply(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"],
-            env["MASTER_ADDR"], env["MASTER_PORT"]) == ("3", "4", "1", "2", "10.0.0.7", "29500")
+            env["MASTER_ADDR"], env["MASTER_PORT"]) == ("3", "4", "1", "2", "127.0.0.7", "29500")
 
 
 def test_zero_worker_under_srun_reads_slurm_not_rank(monkeypatch, capsys):
@@ -80,7 +81,12 @@ def test_zero_worker_under_srun_reads_slurm_not_rank(monkeypatch, capsys):
         return RankResult(rank=rank, device="cpu", optimizer="AdamW", host_accounts=())
 
     monkeypatch.setattr(zero_worker, "zero_rank_step", rank_step)
-    zero_worker.main(["--zero", "2"])
+    saved = dict(os.environ)
+    try:
+        zero_worker.main(["--zero", "2"])  # exports RANK, MASTER_ADDR, ... into os.environ
+    finally:  # monkeypatch restores only what it set: the exports must not reach later tests' ranks
+        os.environ.clear()
+        os.environ.update(saved)
     assert seen == {"backend": "gloo", "rank": 1, "world": 2, "zero": 2, "world_size": 2}
     last = capsys.readouterr().out.strip().splitlines()[-1]  # DeepSpeed may log before it
     line = json.loads(last)

@@ -81,8 +81,10 @@ def _free_port() -> int:
 
 
 def set_dist_env(rank: int, world_size: int, port: int | None = None) -> None:
-    """The environment torch.distributed and DeepSpeed read; launchers set it themselves."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    """The environment torch.distributed and DeepSpeed read, for ranks :func:`run_ranks`
+    starts on this machine (launchers set it themselves): the rendezvous is always this
+    machine's loopback, whatever an earlier launcher left in the environment."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
     if port is not None:
         os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
