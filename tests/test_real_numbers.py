@@ -87,3 +87,26 @@ def test_no_balance_from_a_format_without_this_process():
            "already allocated; 3.03 GiB free; 1.24 GiB reserved in total by PyTorch)")
     with pytest.raises(InputError, match="process"):
         oom_balance(parse_oom(old))
+
+
+def _lesson(name: str) -> str:
+    from pathlib import Path
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / name).read_text())
+    return "".join("".join(c["source"]) for c in nb["cells"])
+
+
+def test_lesson_11_states_the_h200_figures_of_the_reference():
+    """Lesson 11's prose and summary, against the file: the peaks, the host growth, the 16
+    B/param, the time ratio; the estimate's errors (within 1% on the device, 3% on the host)."""
+    from memlab.estimate import estimate_step
+    by = {(r.zero, r.offload): r for r in offload_reference()}
+    z2, off = by[2, "none"], by[2, "optimizer"]
+    text = " ".join(_lesson("11_offload.ipynb").split())
+    grown = off.rss_before_bytes - z2.rss_before_bytes
+    assert (f"from {z2.device_peak_bytes / GiB:.2f} to {off.device_peak_bytes / GiB:.2f} GiB" in text)
+    assert f"grows by {grown / GiB:.1f} GiB" in text and f"({16 * off.num_params / GiB:.1f} GiB:" in text
+    assert f"takes {off.step_seconds / z2.step_seconds:.1f}x as long" in text
+    assert f"{off.num_params / 1e6:.0f}M fp32" in text
+    est = estimate_step(off.step(), target="cuda")
+    assert abs(est.host_bytes / grown - 1) < 0.03 and "host bytes within 3% of the growth" in text
+    assert "within 1% of the allocator's on every DeepSpeed row" in text  # the check cell asserts it per row
