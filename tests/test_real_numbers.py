@@ -110,3 +110,17 @@ def test_lesson_11_states_the_h200_figures_of_the_reference():
     est = estimate_step(off.step(), target="cuda")
     assert abs(est.host_bytes / grown - 1) < 0.03 and "host bytes within 3% of the growth" in text
     assert "within 1% of the allocator's on every DeepSpeed row" in text  # the check cell asserts it per row
+
+
+def test_lesson_02_states_the_a100_messages_arithmetic():
+    """Lesson 02's reading of the shipped message: the request twice the card, 912 MiB of cache,
+    53.87 GiB short even with it; answers/02 exercise 4 says the same."""
+    from pathlib import Path
+    b, m = oom_balance(recorded_oom().text), recorded_oom().message
+    text = " ".join(_lesson("02_baseline_oom.ipynb").split())
+    assert round(m.requested / m.total, 1) == 2.0 and "the request alone is twice the card" in text
+    assert f"The {m.reserved_unallocated / MiB:.0f} MiB of cache" in text
+    still = b.requested - b.free - b.reserved_unallocated
+    assert f"the request is {still / GiB:.2f} GiB short" in text
+    answer = " ".join((Path(__file__).resolve().parents[1] / "course/answers/02_baseline_oom.md").read_text().split())
+    assert f"**{still / GiB:.2f} GiB short**" in answer and f"{b.short / GiB:.2f} GiB" in answer
