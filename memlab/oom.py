@@ -28,6 +28,7 @@ import subprocess
 import sys
 import traceback
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 
 import torch
 
@@ -285,6 +286,129 @@ def requested_bytes(message: str) -> int:
         # a fragment of a message ("Tried to allocate 20.00 MiB (GPU 0)") still names its size
         m = re.search(r"[Tt]ried to allocate " + _SIZE, message) if isinstance(message, str) else None
         return _bytes(m.group(1)) if m else 0
+
+
+# --------------------------------------------------------------------------------------
+# Real messages shipped as package data (data/oom_messages/), and their arithmetic
+# --------------------------------------------------------------------------------------
+OOM_MESSAGE_DIR = ("data", "oom_messages")  # under the package: <name>.txt, "# key: value" header lines
+
+
+@dataclass(frozen=True)
+class RecordedOOM:
+    """A real out-of-memory message copied verbatim from a public thread: ``text`` as printed,
+    ``source`` (the thread's address), ``card`` (the GPU it ran on, as the thread names it)."""
+
+    name: str
+    source: str
+    card: str
+    text: str
+
+    @property
+    def message(self) -> OOMMessage:
+        """The message's numbers (:func:`parse_oom`)."""
+        return parse_oom(self.text)
+
+
+def recorded_oom_names() -> list[str]:
+    """The names of the shipped messages (``data/oom_messages/<name>.txt``), sorted."""
+    folder = resources.files("memlab").joinpath(*OOM_MESSAGE_DIR)
+    return sorted(f.name[:-4] for f in folder.iterdir() if f.name.endswith(".txt"))
+
+
+def recorded_oom(name: str = "a100-40gb-inference") -> RecordedOOM:
+    """A shipped real OOM message: its header lines (``# source: ...``, ``# card: ...``) and
+    the message below them, verbatim.
+
+    Args:
+        name: one of :func:`recorded_oom_names`.
+
+    Returns:
+        The message and where it comes from.
+
+    Raises:
+        InputError: an unknown name (the message lists the shipped ones).
+    """
+    names = recorded_oom_names()
+    if name not in names:
+        raise InputError(f"no recorded OOM message {name!r}; shipped: {', '.join(names)}")
+    raw = resources.files("memlab").joinpath(*OOM_MESSAGE_DIR, f"{name}.txt").read_text()
+    header, body = {}, []
+    for line in raw.splitlines():
+        if not body and line.startswith("#"):
+            key, _, value = line[1:].partition(":")
+            header[key.strip()] = value.strip()
+        else:
+            body.append(line)
+    return RecordedOOM(name, header.get("source", ""), header.get("card", ""), "\n".join(body).strip())
+
+
+#: c10's format_size prints two decimals in B, KiB, MiB or GiB (never above GiB): a printed
+#: size is off by at most half a hundredth of a GiB
+ROUNDING_BYTES = GiB // 200
+
+
+@dataclass(frozen=True)
+class OOMBalance:
+    """The arithmetic of a 2.1+ CUDA message: why the request did not fit, and where the
+    card's memory was.
+
+    ``used`` is the card's memory in use as the driver saw it (``total - free``); ``accounted``
+    what the message attributes: this process (PyTorch's ``allocated`` and
+    ``reserved_unallocated``, and ``non_pytorch``: CUDA context, cuBLAS, NCCL) plus the other
+    processes it lists. The two agree to within ``rounding``, the most the printed figures'
+    rounding can move their difference. ``short`` is how much more than ``free`` was asked for.
+    """
+
+    requested: int
+    free: int
+    used: int
+    allocated: int
+    reserved_unallocated: int
+    non_pytorch: int
+    other_processes: int
+    rounding: int
+
+    @property
+    def accounted(self) -> int:
+        return self.allocated + self.reserved_unallocated + self.non_pytorch + self.other_processes
+
+    @property
+    def short(self) -> int:
+        return self.requested - self.free
+
+    @property
+    def fits_with_cache(self) -> bool:
+        """Whether the request fits the free memory plus PyTorch's unused cache: what
+        ``expandable_segments:True`` could at best add (it remaps the cache's free pages)."""
+        return self.requested <= self.free + self.reserved_unallocated
+
+
+def oom_balance(message: str | OOMMessage) -> OOMBalance:
+    """The arithmetic of a CUDA OOM message of torch 2.1 or later ("GPU 0 has a total capacity
+    of ... of which ... is free. Including non-PyTorch memory, this process has ...").
+
+    Args:
+        message: the text, or :func:`parse_oom`'s reading of it.
+
+    Returns:
+        The balance of the card's memory at the failure.
+
+    Raises:
+        InputError: the message lacks a figure the balance needs (older formats print no
+            per-process figure, some builds no "this process").
+    """
+    m = message if isinstance(message, OOMMessage) else parse_oom(message)
+    need = ("requested", "total", "free", "allocated", "reserved_unallocated", "process")
+    missing = [n for n in need if getattr(m, n) is None]
+    if m.kind != "cuda" or missing:
+        raise InputError(f"a balance needs a CUDA message of torch 2.1+ with {', '.join(need)}; "
+                         f"this {m.kind} message lacks {', '.join(missing) or 'the CUDA format'}")
+    # printed: total, free, this process and each other process; allocated and the cache are
+    # inside this process's figure
+    rounding = ROUNDING_BYTES * (3 + len(m.other_processes))
+    return OOMBalance(m.requested, m.free, m.total - m.free, m.allocated, m.reserved_unallocated,
+                      m.process - m.reserved, m.other_bytes, rounding)
 
 
 # --------------------------------------------------------------------------------------
@@ -567,5 +691,6 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["CAUSES", "KINDS", "OOMExplanation", "OOMMessage", "explain_last", "explain_oom", "fragment_once",
-           "fragmentation", "last_exception_text", "parse_oom", "read_oom", "requested_bytes"]
+__all__ = ["CAUSES", "KINDS", "OOMBalance", "OOMExplanation", "OOMMessage", "OOM_MESSAGE_DIR", "ROUNDING_BYTES",
+           "RecordedOOM", "explain_last", "explain_oom", "fragment_once", "fragmentation", "last_exception_text",
+           "oom_balance", "parse_oom", "read_oom", "recorded_oom", "recorded_oom_names", "requested_bytes"]

@@ -19,6 +19,7 @@ from .step import StepConfig
 
 REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
 REFERENCE_FILES = ("devset.json", "gpu_check.json")  # the files whose rows replay as steps
+OFFLOAD_FILE = "zero_offload_one_gpu.json"  # real DeepSpeed on one GPU: ZeRO 0-3 and optimizer offload
 
 
 @dataclass(frozen=True)
@@ -180,5 +181,70 @@ def reference_steps(gpu: str = "NVIDIA-H200", names: tuple[str, ...] = REFERENCE
     return out
 
 
-__all__ = ["REFERENCE_DIR", "REFERENCE_FILES", "ReferenceStep", "load_references", "reference_steps",
-           "step_from_description"]
+@dataclass(frozen=True)
+class OffloadReference:
+    """One row of a GPU's ``zero_offload_one_gpu.json``: a steady-state DeepSpeed step on ONE
+    GPU (world size 1), with memlab's DeepSpeed config, measured by the CUDA allocator and psutil.
+
+    ``device_base_bytes``: what the allocator held after warm-up, before the timed step (the
+    model states DeepSpeed keeps on the device, its buffers, the cuBLAS workspace);
+    ``device_peak_bytes``: ``max_memory_allocated`` over the step; ``device_reserved_bytes``:
+    ``max_memory_reserved``; ``rss_before_bytes``/``rss_after_bytes``: the process's resident
+    host memory after warm-up and after the step; ``step_seconds``: the timed step.
+    """
+
+    gpu: str
+    zero: int
+    offload: str
+    model: str
+    seq: int
+    batch: int
+    num_params: int
+    device_base_bytes: int
+    device_peak_bytes: int
+    device_reserved_bytes: int
+    rss_before_bytes: int
+    rss_after_bytes: int
+    step_seconds: float
+
+    @property
+    def label(self) -> str:
+        """``"ZeRO-2 + offload optimizer"``, ``"ZeRO-3"``."""
+        return f"ZeRO-{self.zero}" + ("" if self.offload == "none" else f" + offload {self.offload}")
+
+    def step(self) -> StepConfig:
+        """The step as memlab describes it. The file records no precision: every row ran bf16
+        (the folder's README). ``zero=0`` is plain PyTorch in :class:`StepConfig` (autocast),
+        while this row ran DeepSpeed's stage 0, which no step config expresses."""
+        return StepConfig(model=self.model, seq=self.seq, batch=self.batch, precision="bf16",
+                          zero=self.zero, offload=self.offload)
+
+
+def offload_reference(gpu: str = "NVIDIA-H200") -> list[OffloadReference]:
+    """The rows of a GPU's ``zero_offload_one_gpu.json`` (package data), in the file's order.
+
+    Args:
+        gpu: the GPU's folder under ``memlab/data/reference/``.
+
+    Returns:
+        One :class:`OffloadReference` per measured ``(zero, offload)`` case.
+
+    Raises:
+        InputError: no such file for ``gpu`` (the message lists the GPUs that have one).
+    """
+    root = resources.files("memlab").joinpath("data", "reference")
+    path = root.joinpath(gpu, OFFLOAD_FILE)
+    if not path.is_file():
+        have = sorted(d.name for d in root.iterdir() if d.joinpath(OFFLOAD_FILE).is_file())
+        raise InputError(f"no {OFFLOAD_FILE} for GPU {gpu!r}; recorded for: {', '.join(have) or 'none'}")
+    return [OffloadReference(gpu=gpu, zero=int(r["zero"]), offload=str(r["offload"]), model=str(r["model"]),
+                             seq=int(r["seq"]), batch=int(r["batch"]), num_params=int(r["num_params"]),
+                             device_base_bytes=int(r["device_base"]), device_peak_bytes=int(r["device_peak"]),
+                             device_reserved_bytes=int(r["device_reserved"]),
+                             rss_before_bytes=int(r["rss_before"]), rss_after_bytes=int(r["rss_after"]),
+                             step_seconds=float(r["step_seconds"]))
+            for r in json.loads(path.read_text())]
+
+
+__all__ = ["OFFLOAD_FILE", "REFERENCE_DIR", "REFERENCE_FILES", "OffloadReference", "ReferenceStep",
+           "load_references", "offload_reference", "reference_steps", "step_from_description"]
