@@ -216,10 +216,25 @@ def _train_step(engine, micro: list, stage: int, account: bool = False) -> dict[
     return acc
 
 
-def _register(tracker: MemoryTracker, engine, stage: int, batch) -> None:
-    """Tell ``tracker`` which tensors are parameters, optimizer state and the batch."""
+def track_engine(tracker: MemoryTracker, engine, stage: int, batch) -> None:
+    """Tell ``tracker`` which of a DeepSpeed engine's tensors are parameters, optimizer state
+    and the batch, then start its peak from what is live now.
+
+    Stages 1-3 wrap torch's optimizer in DeepSpeed's ZeRO optimizer (its ``.optimizer``); at
+    stage 0 in fp32 DeepSpeed steps torch's optimizer itself (0.19.8 ``runtime/engine.py``,
+    ``_configure_optimizer``: ``self.optimizer = basic_optimizer``), whose moments must be
+    registered too: a storage made before tracking is counted only once it is registered, and
+    the optimizer step's hook would register them only after forward and backward (stage 0's
+    peak then missed Adam's moments, and landed in the step, with no activations).
+
+    Args:
+        tracker: the tracker the step will run under.
+        engine: the DeepSpeed engine (``.module``, ``.optimizer``).
+        stage: the engine's ZeRO stage (3: the parameters' ``ds_tensor`` shards).
+        batch: the step's input tensors (category ``other``).
+    """
     opt = engine.optimizer
-    inner = getattr(opt, "optimizer", None)
+    inner = getattr(opt, "optimizer", opt)
     tracker.track_model(engine.module)
     if stage == 3:
         tracker.track_tensors((p.ds_tensor for p in engine.module.parameters()), "parameters")
@@ -238,7 +253,7 @@ def _tracked_steps(tracker: MemoryTracker, engine, batch, micro: list, stage: in
     acc = None
     try:
         with tracker:
-            _register(tracker, engine, stage, batch)
+            track_engine(tracker, engine, stage, batch)
             for _ in range(n):
                 acc = _train_step(engine, micro, stage, account=account)
     except torch.OutOfMemoryError as e:
@@ -506,5 +521,5 @@ def measure_distributed(step=None, *, device: str | None = "cpu", placement: Pla
                         budget=budget, ds_config=ds_config)[0]
 
 
-__all__ = ["ACCOUNTS", "RankResult", "measure_distributed", "measure_zero", "zero_accounting", "zero_rank_step",
-           "zero_worker"]
+__all__ = ["ACCOUNTS", "RankResult", "measure_distributed", "measure_zero", "track_engine", "zero_accounting",
+           "zero_rank_step", "zero_worker"]
