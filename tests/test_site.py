@@ -314,3 +314,21 @@ def test_whole_site_loads_offline(tmp_path):
     site = tmp_path / "site"
     assert make_site.main(["--out", str(site)]) == 0
     check_site(site, tmp_path, sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb")))
+
+
+ESTIMATE_PANELS = ["TensorParallelPanel('gpt2-medium', seq=1024, batch=1)", "CalculatorPanel('gpt2-xl')",
+                   "FinetunePanel('llama-3-8b', 'RTX4090-24GB')", "AdvisorPanel('gpt2-xl', 'A100-40GB')"]
+
+
+@pytest.mark.parametrize("make", ESTIMATE_PANELS)
+def test_each_estimate_panel_shows_its_figure_on_construction(make, monkeypatch):
+    """What the site keeps of a panel is what its Output holds: each panel displays one figure
+    there when built (TensorParallelPanel drew one and never showed it)."""
+    import matplotlib.figure
+
+    from memlab import widgets
+    shown = []
+    monkeypatch.setattr(widgets, "display", shown.append)
+    panel = eval(make, vars(widgets))
+    assert [type(f) for f in shown] == [matplotlib.figure.Figure]
+    assert panel.refresh() is panel.data and len(shown) == 2
