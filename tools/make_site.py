@@ -46,8 +46,8 @@ CDN_INLINE = re.compile(r"<script\b[^>]*>(?:(?!</script>).)*?(?:https?://cdn|Mat
                         re.S)
 NAV_STYLE = ("<style>nav.memlab{font:14px sans-serif;padding:8px 16px;background:#f3f3f3;"
              "border-bottom:1px solid #ddd}nav.memlab a{margin-right:16px}"
-             "details>summary{cursor:pointer;font-weight:600}"
-             "details.memlab-solution{width:100%}details.memlab-solution>summary{padding:4px 0 4px 72px}"
+             "details>summary{cursor:pointer}details.memlab-solution{width:100%}"
+             "details.memlab-solution>summary{font:600 13px sans-serif;color:#555;padding:4px 0 4px 72px}"
              "p.memlab-controls{font-size:90%;color:#555;margin:2px 0}</style>")
 SOLUTION_TAG = "solution"   # tools/make_student.py's mark on a "Your turn" solution cell
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
