@@ -205,7 +205,8 @@ def freeze_widgets(cell, models: dict) -> int:
         outputs += static_panel(view.get("model_id", ""), models) or [nbformat.v4.new_output(
             "display_data", data={"text/html": '<p class="memlab-controls">an interactive panel '
                                                '&mdash; open the notebook to use it</p>'})]
-    cell.outputs = outputs
+    if frozen:   # (a cell without a panel keeps its outputs list as nbclient holds it)
+        cell.outputs = outputs
     return frozen
 
 
