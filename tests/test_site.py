@@ -28,7 +28,8 @@ PROBE = r"""<script>window.addEventListener("load", function () {
     links: Array.from(document.links).map(function (a) { return a.getAttribute("href"); }),
     fetched: performance.getEntriesByType("resource").map(function (r) { return r.name; }),
     alts: Array.from(document.images).map(function (i) { return i.getAttribute("alt"); }),
-    widgetText: /children=\(|SelectionSlider\(|IntSlider\(/.test(document.body.innerText),
+    widgetText: Array.from(document.querySelectorAll(".jp-OutputArea-output")).some(function (o) {
+      return /children=\(|Slider\(|Dropdown\(/.test(o.innerText); }),   // a widget's text form as output
     details: Array.from(document.querySelectorAll("details")).map(function (d) {
       var body = Array.from(d.children).filter(function (c) { return c.tagName !== "SUMMARY"; });
       var seen = function () { return body.filter(function (c) { return c.checkVisibility(); }).length; };
