@@ -23,6 +23,7 @@ import pathlib
 import re
 import sys
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from .errors import InputError
 
@@ -75,8 +76,12 @@ def cell_outcome(cell) -> tuple[str, str]:
     return "pass", next((line for line in lines if line.startswith("PASSED")), lines[0] if lines else "passed")
 
 
-def run_notebook(path: pathlib.Path, cell_timeout: float = 600.0) -> dict:
-    """Execute ``path`` in a fresh kernel, cell by cell; returns the executed notebook."""
+def run_notebook(path: pathlib.Path, cell_timeout: float = 600.0,
+                 after_cell: Callable[[Any, Any], None] | None = None) -> dict:
+    """Execute ``path`` in a fresh kernel, cell by cell; returns the executed notebook.
+
+    ``after_cell(client, cell)``, if given, runs after each code cell with the nbclient
+    ``NotebookClient`` (the site reads each panel's widget state there, as the cell left it)."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
@@ -99,6 +104,8 @@ def run_notebook(path: pathlib.Path, cell_timeout: float = 600.0) -> dict:
                         later.outputs = [nbformat.v4.new_output("error", ename="DeadKernel",
                                                                 evalue=str(e).splitlines()[0], traceback=[])]
                 break
+            if after_cell is not None:
+                after_cell(client, cell)
     return nb
 
 

@@ -575,6 +575,11 @@ class TensorParallelPanel(Panel):
                title=f"{cfg.name}, seq {seq}, batch {self.batch}: t={t} keeps "
                      f"{f['total'] / 2**20:.0f} MiB per layer")
         ax.legend(fontsize=8)
+        fig.tight_layout()
+        self.show(fig)
+        return self.data
+
+
 class FinetunePanel(Panel):
     """"Will my fine-tune fit?": a Hugging Face config (:mod:`memlab.hf`) on a GPU, with
     sequence and batch sliders and knobs for precision, checkpointing, LoRA and 8-bit AdamW.
