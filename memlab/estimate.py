@@ -237,7 +237,8 @@ def chunked_loss_moments(cfg: GPTConfig, tokens: int, precision: str,
     exist: the saving is the loss spike, at the price of the head matmul run twice.
 
     ``head_grad=False`` (a frozen head, as under LoRA): backward makes no weight gradient and
-    no ``V x d`` product (``needs_input_grad[1]`` is false), only the chunk's logits.
+    no ``V x d`` product (``needs_input_grad[1]`` is false); a chunk's logits and their
+    ``n x d`` product with the weight remain.
     """
     d = dtypes(precision, target)
     v, dm = cfg.vocab_size, cfg.d_model
@@ -246,8 +247,8 @@ def chunked_loss_moments(cfg: GPTConfig, tokens: int, precision: str,
     hidden = tokens * dm * hid if hid != c else 0
     weight = v * dm * c if w != c else 0
     logits = n * v * (c + 4) if c != 4 else 4 * n * v
-    if not head_grad:
-        back = logits if c != 4 else 4 * n * v
+    if not head_grad:  # a chunk's logits turned into their gradient, then its product with the weight
+        back = max(logits, n * v * c + n * dm * c) if c != 4 else 4 * n * v + 4 * n * dm
     else:
         back = max(logits, n * v * c + v * dm * c) if c != 4 else 4 * n * v + 4 * v * dm
     return {"chunked loss forward": dict(temporaries=hidden + weight + logits + 4 * tokens),

@@ -270,8 +270,8 @@ def _card_ladder(cfg: str, card: Card, seq: int, batch: int, rank: int, gain: Pa
     zs = replace(s7, zero=3, world_size=n)
     ranks = ", ".join(map(str, shard_ranks))
     out.append(result(rungs["zero-3"], z3, zs, real_tokens=packed,
-                      note=f"the fewest of {ranks} ranks that fit" if z3.fits is not False
-                      and z3.peak_bytes <= card.memory else f"none of {ranks} ranks fit"))
+                      note=f"the fewest of {ranks} ranks that fit" if z3.peak_bytes <= card.memory
+                      else f"none of {ranks} ranks fit"))
     # offload: for whoever has fewer cards than that, the fewest ranks (one first) that fit
     tried = [(n, estimate_step(replace(s7, zero=3, world_size=n, offload="all"), **est))
              for n in (1, *shard_ranks)]
