@@ -156,3 +156,14 @@ def test_the_table_has_a_row_per_rung_and_a_column_per_card(ladder):
     assert len(lines) == 2 + len(RUNGS) + 1
     assert all(c in lines[0] for c in CARDS)
     assert math.isclose(float(lines[2].split("|")[2].split()[0]), ladder.cards[0].results[0].peak_gib, abs_tol=0.05)
+
+
+def test_lora_with_the_chunked_loss_holds_only_the_adapters_gradients():
+    """The head is frozen under LoRA: at the chunked loss's backward the gradients are the
+    adapters' alone (2 bytes each in pure bf16, all there: accumulation), no V x d head gradient."""
+    from memlab.finetune import LLAMA_TARGETS, estimate_finetune
+    step = replace(hf.step_config(CONFIG, seq=4096, batch=4, precision="pure-bf16", checkpointing="full"),
+                   micro_batches=4)
+    step = replace(step, model=replace(step.model_config, loss="chunked"))
+    rep = estimate_finetune(step, lora=(16, LLAMA_TARGETS), budget="RTX4090-24GB", target="cuda")
+    assert rep.by_category["gradients"] == 2 * 41_943_040
