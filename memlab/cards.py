@@ -145,6 +145,7 @@ CARDS: dict[str, Card] = {c.name: c for c in (
     _card("RTX4090-24GB", 24564, (8, 9), device="NVIDIA GeForce RTX 4090"),
     _card("L4-24GB", 23034, (8, 9), device="NVIDIA L4"),
     _card("A10G-24GB", 23028, (8, 6), device="NVIDIA A10G"),
+    _card("L40S-48GB", 46068, (8, 9), device="NVIDIA L40S"),
     _card("A100-40GB", 40960, (8, 0), device="NVIDIA A100-SXM4-40GB"),
     _card("A100-80GB", 81920, (8, 0), device="NVIDIA A100-SXM4-80GB"),
     _card("H100-80GB", 81559, (9, 0), device="NVIDIA H100 80GB HBM3"),
@@ -231,6 +232,10 @@ SPEEDS: dict[str, Speeds] = {
     # FP32 31.2, TF32 62.5, FP16/BF16 125 TFLOPS; 600 GB/s; PCIe Gen4 64 GB/s
     "A10G-24GB": _speeds({"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125}, 600, 0, 64,
                          _V100_RUN, "NVIDIA A10 datasheet"),
+    # NVIDIA L40S datasheet: FP32 91.6, TF32 183, FP16/BF16 362.05, FP8 733 TFLOPS (dense: half the
+    # printed sparse figures); 864 GB/s; no NVLink; PCIe Gen4 x16 64 GB/s
+    "L40S-48GB": _speeds({"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05, "fp8": 733}, 864, 0, 64,
+                         _V100_RUN, "NVIDIA L40S datasheet"),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM): FP32 19.5, TF32 156, FP16/BF16 312 TFLOPS;
     # 40GB HBM2 1555 GB/s, 80GB HBM2e 2039 GB/s; NVLink 600 GB/s; PCIe Gen4 64 GB/s
     "A100-40GB": _speeds({"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, 1555, 600, 64,
@@ -273,6 +278,7 @@ _NAMES = (
     (r"RTX 4090", "RTX4090-24GB"),
     (r"\bL4\b", "L4-24GB"),
     (r"A10G", "A10G-24GB"),
+    (r"L40S", "L40S-48GB"),
     (r"A100", ("A100-40GB", "A100-80GB")),
     (r"H100", "H100-80GB"),
     (r"H200", "H200-141GB"),

@@ -219,7 +219,7 @@ def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
 
 
 def chunked_loss_moments(cfg: GPTConfig, tokens: int, precision: str,
-                         target: str = "cpu") -> dict[str, dict[str, float]]:
+                         target: str = "cpu", head_grad: bool = True) -> dict[str, dict[str, float]]:
     """Bytes :func:`memlab.chunked_loss.linear_cross_entropy` holds beyond the activations
     at its two largest moments, by category, read off its code: with ``c`` the head matmul's
     element size (the autocast dtype, else the hidden states'), ``H`` the hidden states',
@@ -235,6 +235,10 @@ def chunked_loss_moments(cfg: GPTConfig, tokens: int, precision: str,
 
     The plain loss's ``t x V`` tensors (:func:`memlab.policy.cross_entropy_moments`) never
     exist: the saving is the loss spike, at the price of the head matmul run twice.
+
+    ``head_grad=False`` (a frozen head, as under LoRA): backward makes no weight gradient and
+    no ``V x d`` product (``needs_input_grad[1]`` is false); a chunk's logits and their
+    ``n x d`` product with the weight remain.
     """
     d = dtypes(precision, target)
     v, dm = cfg.vocab_size, cfg.d_model
@@ -243,9 +247,12 @@ def chunked_loss_moments(cfg: GPTConfig, tokens: int, precision: str,
     hidden = tokens * dm * hid if hid != c else 0
     weight = v * dm * c if w != c else 0
     logits = n * v * (c + 4) if c != 4 else 4 * n * v
-    back = max(logits, n * v * c + v * dm * c) if c != 4 else 4 * n * v + 4 * v * dm
+    if not head_grad:  # a chunk's logits turned into their gradient, then its product with the weight
+        back = max(logits, n * v * c + n * dm * c) if c != 4 else 4 * n * v + 4 * n * dm
+    else:
+        back = max(logits, n * v * c + v * dm * c) if c != 4 else 4 * n * v + 4 * v * dm
     return {"chunked loss forward": dict(temporaries=hidden + weight + logits + 4 * tokens),
-            "chunked loss backward": dict(gradients=v * dm * w,
+            "chunked loss backward": dict(gradients=v * dm * w if head_grad else 0,
                                           temporaries=weight + tokens * dm * hid + back
                                           + 12 * tokens)}
 
@@ -279,8 +286,9 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     cached = 0 if "frozen" in states else cached
     m = {}
     if cfg.loss == "chunked":
+        # under LoRA ("frozen" states) the head is frozen: no head-weight gradient in the loss
         for moment, cats in chunked_loss_moments(replace(cfg, vocab_size=v), t, step.precision,
-                                                 target).items():
+                                                 target, head_grad="frozen" not in states).items():
             forward = moment.endswith("forward")
             m[moment] = dict(activations=A, gradients=G_prev + held + cats.get("gradients", 0),
                              temporaries=cats["temporaries"] + gathered

@@ -97,6 +97,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "plan_search": "the fastest plan that fits: every candidate estimated and timed on a card",
         "advisor": "the curriculum's flowchart as a plan (in DeepSpeed's accounting) and its DeepSpeed config",
         "finetune": "LoRA counted from rank and targets; 8-bit, paged and Adafactor state; bitsandbytes 4-/8-bit weights (QLoRA)",
+        "oom_ladder": "OOM now: an HF fine-tune's ladder of fixes (accumulation .. offload), each rung estimated and timed on a card",
         "run_config": "a run as its configs write it: a DeepSpeed JSON (auto values, DeepSpeed's reading, buckets), peft's adapter_config.json",
         "distributed.deepspeed_rank0": "DeepSpeed as rank 0 of N: fake ranks, batch keys, two engine steps",
         "distributed.data_parallel": "collectives and one DDP step measured on ranks",

@@ -1,0 +1,320 @@
+"""OOM now: the ladder a practitioner climbs for a fine-tune that does not fit, rung by rung.
+
+Each rung adds one fix to the rung before it and is measured by the estimate lens on a
+shipped Hugging Face config and a card profile (:mod:`memlab.cards`): the config is mapped
+onto memlab's GPT (:func:`memlab.hf.step_config`), as ``memlab estimate --hf-config`` does for
+every flag past a plain step, and estimated by :func:`memlab.estimate_step` or, for the
+optimizer, LoRA and QLoRA rungs, :func:`memlab.finetune.estimate_finetune`. The rungs, in the
+order :data:`RUNGS` gives with the lesson that explains each:
+
+0. the baseline: ``batch`` sequences in one micro-batch, bf16 autocast on fp32 weights, AdamW;
+1. micro-batch 1 and ``batch`` accumulation steps (06): the same tokens per optimizer step;
+2. full activation checkpointing (05): one block's activations at a time, its forward re-run;
+3. pure bf16 weights (04): 2 + 2 + 4 bytes per parameter instead of 4 + 4 + 8;
+4. 8-bit AdamW (bitsandbytes ``AdamW8bit``, 03): one byte per moment;
+5. LoRA on every projection (03): gradients and optimizer state for the adapters only;
+6. QLoRA (03): the frozen base in NF4 (about half a byte per weight);
+7. the chunked loss (07): no ``tokens x vocab`` logits;
+8. packing (06): the same peak; more real tokens per step (:class:`PackingGain`);
+9. ZeRO-3 over N ranks (10: the fewest of :data:`SHARD_RANKS` that fit), and 10. offload to
+   the host (11: the fewest ranks, one first, that fit), on the *full fine-tune*:
+   memlab's estimate does not combine ZeRO with bitsandbytes' 8-bit state or 4-bit weights
+   (:func:`memlab.finetune.estimate_finetune` refuses), so these two rungs keep every weight
+   trainable: rungs 1-3, 7 and 8 under DeepSpeed's 2 + 2 + 12 bytes divided over N.
+
+Time is the step-time lens (:func:`memlab.step_time.step_time`) on the card: seconds of one
+rank's optimizer step, LoRA's FLOPs counted by :func:`memlab.flops.gpt_step_flops` with the
+adapters. Not in that lens: QLoRA's dequantisation of each weight in forward and backward,
+and the chunked loss's recomputed logits under LoRA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from .batching import fixed_batches, packed_batches, sample_lengths
+from .cards import Card, get_card
+from .errors import InputError
+from .estimate import estimate_step
+from .finetune import estimate_finetune, lora_params
+from .flops import gpt_step_flops
+from .hf import load_config, step_config
+from .hf_estimate import estimate_hf
+from .run_config import lora_targets_for
+from .step import MemoryReport, StepConfig
+from .step_time import report_time, step_time
+
+#: the cards of issue 28's "OOM now": a 24 GB, a 48 GB and an 80 GB card
+DEFAULT_CARDS = ("RTX4090-24GB", "L40S-48GB", "A100-80GB")
+#: the ranks the sharding rung tries, smallest first (one node)
+SHARD_RANKS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One fix: ``key``, what it adds (``title``), the lesson that explains it, what it costs,
+    and the ``track`` it belongs to (``"adapters"``: rungs 0-8, each on the one before;
+    ``"full"``: the full fine-tune's sharding and offload)."""
+
+    key: str
+    title: str
+    lesson: str
+    cost: str
+    track: str = "adapters"
+
+
+RUNGS: tuple[Rung, ...] = (
+    Rung("baseline", "micro-batch = batch, bf16 autocast, AdamW", "03", "-"),
+    Rung("accumulation", "micro-batch 1 + accumulation", "06", "the same tokens per update in smaller matmuls"),
+    Rung("checkpointing", "+ full activation checkpointing", "05", "time: each block's forward re-run"),
+    Rung("pure-bf16", "+ pure bf16 weights", "04", "quality: bf16 updates round small steps away"),
+    Rung("adamw-8bit", "+ 8-bit AdamW", "03", "moments kept in 8 bits, blockwise (bitsandbytes, CUDA)"),
+    Rung("lora", "+ LoRA on every projection", "03", "quality: a low-rank update of a frozen model"),
+    Rung("qlora", "+ QLoRA (NF4 base)", "03", "quality: base rounded to 4 bits; time: dequantised per matmul"),
+    Rung("chunked-loss", "+ chunked loss", "07", "time: the head matmul run twice"),
+    Rung("packing", "+ packing", "06", "samples must not attend to each other: block-diagonal mask or varlen"),
+    Rung("zero-3", "full fine-tune: ZeRO-3 / FSDP over N", "10", "N cards; time: all-gathers each step", "full"),
+    Rung("offload", "full fine-tune: ZeRO-3 + offload to host", "11", "host memory; time: PCIe and the host's Adam",
+         "full"),
+)
+
+
+@dataclass(frozen=True)
+class PackingGain:
+    """Real tokens per micro-step without and with packing, from a padded and a packed plan
+    of the same lengths (:mod:`memlab.batching`): ``rows_padded`` rows (one sample each, each
+    padded to ``seq``) against ``rows_packed`` rows filled first-fit. The peak is the same
+    (both hold ``seq`` slots a row); ``gain`` is how many more real tokens a step carries."""
+
+    samples: int
+    tokens: int
+    seq: int
+    rows_padded: int
+    rows_packed: int
+
+    @property
+    def tokens_per_row_padded(self) -> float:
+        return self.tokens / self.rows_padded
+
+    @property
+    def tokens_per_row_packed(self) -> float:
+        return self.tokens / self.rows_packed
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the padded plan's slots that hold padding."""
+        return 1 - self.tokens / (self.rows_padded * self.seq)
+
+    @property
+    def gain(self) -> float:
+        return self.rows_padded / self.rows_packed
+
+
+def packing_gain(lengths: Sequence[int], seq: int) -> PackingGain:
+    """:class:`PackingGain` of samples of ``lengths`` tokens at ``seq`` tokens a row.
+
+    Args:
+        lengths: tokens per sample, each at most ``seq``.
+        seq: the row length (``max_length``).
+
+    Returns:
+        :class:`PackingGain`.
+    """
+    padded, packed = fixed_batches(lengths, seq, seq), packed_batches(lengths, seq, seq)
+    return PackingGain(len(padded.lengths), padded.tokens, seq,
+                       sum(len(b.rows) for b in padded.batches), sum(len(b.rows) for b in packed.batches))
+
+
+@dataclass(frozen=True)
+class RungResult:
+    """One rung on one card: ``peak_bytes`` per rank (the device's), ``fits`` the card,
+    ``host_bytes`` kept in host memory, ``seconds`` of one rank's optimizer step by the time
+    lens (``None`` where the card has no speeds), ``world_size`` the ranks, ``tokens`` the real
+    tokens one rank's step carries, ``trainable`` the parameters trained, and ``note`` what
+    the estimate says about this rung."""
+
+    rung: Rung
+    card: str
+    peak_bytes: int
+    fits: bool
+    host_bytes: int
+    seconds: float | None
+    world_size: int
+    tokens: float
+    trainable: int
+    note: str = ""
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / 2**30
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Real tokens per second of one rank (``None`` without a time)."""
+        return self.tokens / self.seconds if self.seconds else None
+
+
+@dataclass(frozen=True)
+class CardLadder:
+    """Every rung on one card, and the HF lens's (:func:`memlab.hf_estimate.estimate_hf`)
+    reading of the baseline beside the mapped GPT's."""
+
+    card: Card
+    results: tuple[RungResult, ...]
+    hf_baseline_bytes: int
+
+    def first_fit(self, track: str = "adapters") -> RungResult | None:
+        """The first rung of ``track`` whose peak fits the card (``None``: none does)."""
+        return next((r for r in self.results if r.rung.track == track and r.fits), None)
+
+    def result(self, key: str) -> RungResult:
+        return next(r for r in self.results if r.rung.key == key)
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """The ladder of ``config`` at ``seq`` x ``batch`` (sequences per optimizer step per
+    rank) on each card, with the packing gain the packing rung is read from."""
+
+    config: str
+    seq: int
+    batch: int
+    lora_rank: int
+    cards: tuple[CardLadder, ...]
+    packing: PackingGain
+
+    def table(self) -> str:
+        """The ladder as Markdown: a row per rung, peak GiB per card (``*`` where it fits,
+        ``N=`` the ranks of the sharding rungs), the lesson and the cost."""
+        head = "| rung | " + " | ".join(c.card.name for c in self.cards) + " | lesson | what it costs |"
+        lines = [head, "|" + " --- |" * (len(self.cards) + 3)]
+        for i, rung in enumerate(RUNGS):
+            cells = []
+            for c in self.cards:
+                r = c.results[i]
+                ranks = f" (N={r.world_size})" if r.world_size > 1 else ""
+                cells.append(f"{r.peak_gib:.1f}{' *' if r.fits else ''}{ranks}")
+            lines.append(f"| {i}. {rung.title} | " + " | ".join(cells) + f" | {rung.lesson} | {rung.cost} |")
+        firsts = []
+        for c in self.cards:
+            r = c.first_fit()
+            firsts.append(f"{RUNGS.index(r.rung)}. {r.rung.key}" if r else "none")
+        lines.append("| first rung that fits | " + " | ".join(firsts) + " | | |")
+        return "\n".join(lines)
+
+    def time_table(self) -> str:
+        """Seconds of one rank's optimizer step and real tokens per second, per rung and card
+        (the step-time lens; ``-`` where the card has no speeds)."""
+        lines = ["| rung | " + " | ".join(f"{c.card.name} s | tok/s" for c in self.cards) + " |",
+                 "|" + " --- |" * (2 * len(self.cards) + 1)]
+        for i, rung in enumerate(RUNGS):
+            cells = []
+            for c in self.cards:
+                r = c.results[i]
+                cells.append(f"{r.seconds:.2f} | {r.tokens_per_second:,.0f}" if r.seconds else "- | -")
+            lines.append(f"| {i}. {rung.key} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+def _card_ladder(cfg: str, card: Card, seq: int, batch: int, rank: int, gain: PackingGain,
+                 shard_ranks: Sequence[int]) -> CardLadder:
+    """Every rung of :data:`RUNGS` on ``card`` (module doc)."""
+    name = card.name
+    base = step_config(cfg, seq=seq, batch=batch, precision="bf16")
+    targets = lora_targets_for(base.model_config)
+    unpacked, packed = batch * gain.tokens_per_row_padded, batch * gain.tokens_per_row_packed
+
+    def seconds(step: StepConfig, lora: bool) -> float | None:
+        if not lora:
+            return report_time(step, card).seconds
+        flops = gpt_step_flops(step.model_config, step.seq, step.batch, lora_rank=rank, lora_targets=targets)
+        try:
+            return step_time(step, card, flops=flops).seconds
+        except InputError:  # a card without speeds
+            return None
+
+    full, adapters = base.model_config.num_params(), lora_params(base.model_config, rank, targets)
+
+    def result(rung: Rung, rep: MemoryReport, step: StepConfig, lora: bool = False, note: str = "",
+               real_tokens: float = unpacked) -> RungResult:
+        return RungResult(rung, name, rep.peak_bytes, rep.peak_bytes <= card.memory, rep.host_bytes,
+                          seconds(step, lora), step.world_size, real_tokens,
+                          adapters if lora else full, note)
+
+    out = []
+    rungs = {r.key: r for r in RUNGS}
+    est = dict(budget=name, target="cuda")
+    out.append(result(rungs["baseline"], estimate_step(base, **est), base))
+    s1 = replace(base, micro_batches=batch)
+    out.append(result(rungs["accumulation"], estimate_step(s1, **est), s1))
+    s2 = replace(s1, checkpointing="full")
+    out.append(result(rungs["checkpointing"], estimate_step(s2, **est), s2))
+    s3 = replace(s2, precision="pure-bf16")
+    out.append(result(rungs["pure-bf16"], estimate_step(s3, **est), s3))
+    paged = estimate_finetune(s3, optimizer="paged-adamw-8bit", **est)
+    out.append(result(rungs["adamw-8bit"], estimate_finetune(s3, optimizer="adamw-8bit", **est), s3,
+                      note=f"paged 8-bit: {paged.peak_bytes / 2**30:.1f} GiB on the device, the state "
+                           f"in unified memory the driver pages out when the card is full"))
+    lora = dict(optimizer="adamw-8bit", lora=(rank, targets))
+    out.append(result(rungs["lora"], estimate_finetune(s3, **lora, **est), s3, lora=True))
+    out.append(result(rungs["qlora"], estimate_finetune(s3, **lora, quantization="4bit", **est), s3, lora=True))
+    s7 = replace(s3, model=replace(s3.model_config, loss="chunked"))
+    q7 = estimate_finetune(s7, **lora, quantization="4bit", **est)
+    out.append(result(rungs["chunked-loss"], q7, s7, lora=True))
+    out.append(result(rungs["packing"], q7, s7, lora=True, real_tokens=packed,
+                      note=f"real tokens per row {gain.tokens_per_row_padded:.0f} -> "
+                           f"{gain.tokens_per_row_packed:.0f} (x{gain.gain:.2f}) at the same peak"))
+    # the full fine-tune: rungs 1-3, 7 and 8 (no bitsandbytes, no adapters), sharded, then offloaded
+    tried = [(n, estimate_step(replace(s7, zero=3, world_size=n), **est)) for n in shard_ranks]
+    n, z3 = next(((n, r) for n, r in tried if r.peak_bytes <= card.memory), tried[-1])
+    zs = replace(s7, zero=3, world_size=n)
+    ranks = ", ".join(map(str, shard_ranks))
+    out.append(result(rungs["zero-3"], z3, zs, real_tokens=packed,
+                      note=f"the fewest of {ranks} ranks that fit" if z3.peak_bytes <= card.memory
+                      else f"none of {ranks} ranks fit"))
+    # offload: for whoever has fewer cards than that, the fewest ranks (one first) that fit
+    tried = [(n, estimate_step(replace(s7, zero=3, world_size=n, offload="all"), **est))
+             for n in (1, *shard_ranks)]
+    n, off = next(((n, r) for n, r in tried if r.peak_bytes <= card.memory), tried[-1])
+    zo = replace(s7, zero=3, world_size=n, offload="all")
+    out.append(result(rungs["offload"], off, zo, real_tokens=packed,
+                      note=f"parameters and optimizer state on the host (offload_param and "
+                           f"offload_optimizer to cpu): {off.host_bytes / 2**30:.0f} GiB of host memory "
+                           f"per rank"))
+    hf_base = estimate_hf(cfg, seq=seq, batch=batch, precision="bf16", card=name, target="cuda")
+    return CardLadder(card, tuple(out), hf_base.peak_bytes)
+
+
+def oom_ladder(config: str = "llama-3.1-8b", cards: Sequence[str] = DEFAULT_CARDS, *, seq: int = 4096,
+               batch: int = 4, lora_rank: int = 16, lengths: Sequence[int] | None = None,
+               shard_ranks: Sequence[int] = SHARD_RANKS) -> Ladder:
+    """The OOM ladder of a Hugging Face ``config`` on ``cards`` (module doc).
+
+    Args:
+        config: a shipped config name (:data:`memlab.hf.SHIPPED`) or a config.json path.
+        cards: card profile names (:data:`memlab.cards.CARDS`).
+        seq: tokens per sequence; batch: sequences per optimizer step per rank.
+        lora_rank: the LoRA and QLoRA rungs' rank (every projection targeted).
+        lengths: the dataset's sample lengths in tokens for the packing rung (default: 2000
+            lognormal lengths, median ``seq / 8``, the log's standard deviation 0.91, the
+            package corpus's own spread, :func:`memlab.batching.sample_lengths`).
+        shard_ranks: the ranks the sharding rung tries, smallest first.
+
+    Returns:
+        :class:`Ladder`.
+    """
+    load_config(config)  # a bad name is refused before any estimate
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InputError(f"batch={batch!r}; allowed: a positive integer")
+    if not shard_ranks or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in shard_ranks):
+        raise InputError(f"shard_ranks={tuple(shard_ranks)!r}; allowed: integers >= 2")
+    if lengths is None:
+        lengths = sample_lengths(2000, median=seq / 8, sigma=0.91, min_len=8, max_len=seq, seed=0)
+    gain = packing_gain(lengths, seq)
+    profiles = tuple(get_card(c) for c in cards)
+    ladders = tuple(_card_ladder(config, c, seq, batch, lora_rank, gain, tuple(shard_ranks)) for c in profiles)
+    return Ladder(str(config), seq, batch, lora_rank, ladders, gain)
+
+
+__all__ = ["DEFAULT_CARDS", "SHARD_RANKS", "Rung", "RUNGS", "PackingGain", "packing_gain", "RungResult",
+           "CardLadder", "Ladder", "oom_ladder"]

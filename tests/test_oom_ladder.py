@@ -1,0 +1,169 @@
+"""The OOM-now ladder of Llama-3.1-8B on a 24, a 48 and an 80 GB card.
+
+Expected numbers: the parameters of the real class counted on the meta device, LoRA's
+``r (in + out)`` per adapted Linear (Hu et al. 2021, sec. 4.1; peft's count) from the
+config's own fields, a packing worked by hand, and the chunked loss's bytes measured by
+memlab's tracker with the head frozen and trainable.
+"""
+import gc
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from memlab import hf
+from memlab.chunked_loss import linear_cross_entropy
+from memlab.errors import InputError
+from memlab.estimate import chunked_loss_moments, estimate_step
+from memlab.models import GPTConfig
+from memlab.oom_ladder import RUNGS, oom_ladder, packing_gain
+from memlab.step_time import CPU_ADAM_PARAMS_PER_S
+from memlab.tracking import MemoryTracker
+
+CONFIG = "llama-3.1-8b"
+CARDS = ("RTX4090-24GB", "L40S-48GB", "A100-80GB")
+ADAPTERS = [r.key for r in RUNGS if r.track == "adapters"]
+
+
+@pytest.fixture(scope="module")
+def ladder():
+    return oom_ladder(CONFIG, CARDS, seq=4096, batch=4, lora_rank=16)
+
+
+def _fields() -> dict:
+    from importlib import resources
+    return json.loads(resources.files("memlab").joinpath("data", "hf_configs", f"{CONFIG}.json").read_text())
+
+
+def test_pure_bf16_rung_holds_8_bytes_per_parameter_of_the_real_model(ladder):
+    """Pure bf16 with AdamW: 2 (weights) + 2 (gradients, all there: accumulation) + 2 + 2
+    (moments in the weights' dtype) bytes per parameter of LlamaForCausalLM on the meta device."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf.hf_config(CONFIG))
+    n = sum(p.numel() for p in model.parameters())
+    for card in ladder.cards:
+        r = card.result("pure-bf16")
+        assert r.trainable == n
+    step = replace(hf.step_config(CONFIG, seq=4096, batch=4, precision="pure-bf16", checkpointing="full"),
+                   micro_batches=4)
+    cats = estimate_step(step, budget="A100-80GB", target="cuda").by_category
+    assert cats["parameters"] + cats["gradients"] + cats["optimizer"] == 8 * n
+    assert ladder.cards[2].result("pure-bf16").peak_bytes == estimate_step(step, budget="A100-80GB",
+                                                                           target="cuda").peak_bytes
+
+
+def test_lora_rung_trains_r_times_in_plus_out_of_every_projection(ladder):
+    f = _fields()
+    d, L, r = f["hidden_size"], f["num_hidden_layers"], 16
+    hd = d // f["num_attention_heads"]
+    q, kv, ffn = d, f["num_key_value_heads"] * hd, f["intermediate_size"]
+    per_layer = (d + q) + 2 * (d + kv) + (q + d) + 2 * (d + ffn) + (ffn + d)
+    assert r * per_layer * L == 41_943_040  # peft's "trainable params" for r=16 on all projections
+    for card in ladder.cards:
+        for key in ("lora", "qlora", "chunked-loss", "packing"):
+            assert card.result(key).trainable == r * per_layer * L
+
+
+def test_each_rung_lowers_the_peak_and_the_bigger_card_fits_sooner(ladder):
+    for card in ladder.cards:
+        peaks = [card.result(k).peak_bytes for k in ADAPTERS]
+        assert all(b <= a for a, b in zip(peaks, peaks[1:], strict=False)), peaks
+        assert peaks[-1] < peaks[0] / 20
+        assert card.result("offload").peak_bytes <= card.result("zero-3").peak_bytes
+        for r in card.results:
+            assert r.fits == (r.peak_bytes <= card.card.memory)
+    first = {c.card.name: RUNGS.index(c.first_fit().rung) for c in ladder.cards}
+    assert first["A100-80GB"] < first["RTX4090-24GB"]
+    assert first["A100-80GB"] <= first["L40S-48GB"] <= first["RTX4090-24GB"]
+    # sharding the full fine-tune needs more ranks on the smaller card
+    ranks = [c.result("zero-3").world_size for c in ladder.cards]
+    assert ranks == sorted(ranks, reverse=True) and ranks[0] > ranks[-1]
+    assert "first rung that fits" in ladder.table()
+
+
+def test_packing_gain_worked_by_hand():
+    # rows of 4096: padded, one sample a row (7 rows); packed first-fit decreasing:
+    # [4096], [2048, 2048], [1024 x 4] (3 rows)
+    g = packing_gain([4096, 2048, 2048, 1024, 1024, 1024, 1024], 4096)
+    assert (g.rows_padded, g.rows_packed, g.tokens) == (7, 3, 12288)
+    assert g.gain == pytest.approx(7 / 3)
+    assert g.padding_fraction == pytest.approx(1 - 12288 / (7 * 4096))
+
+
+def test_packing_keeps_the_peak_and_carries_more_tokens(ladder):
+    g = ladder.packing
+    for card in ladder.cards:
+        chunked, packed = card.result("chunked-loss"), card.result("packing")
+        assert packed.peak_bytes == chunked.peak_bytes
+        assert packed.tokens / chunked.tokens == pytest.approx(g.gain)
+        assert packed.tokens <= ladder.batch * ladder.seq  # never more real tokens than slots
+
+
+def test_time_costs_checkpointing_and_offload(ladder):
+    for card in ladder.cards:
+        acc, ckpt = card.result("accumulation"), card.result("checkpointing")
+        assert acc.seconds == card.result("baseline").seconds  # the same FLOPs in smaller pieces
+        assert ckpt.seconds > acc.seconds                      # the forward re-run
+        off = card.result("offload")
+        # the host's Adam steps this rank's share of the parameters
+        assert off.seconds >= off.trainable / off.world_size / CPU_ADAM_PARAMS_PER_S
+        assert off.host_bytes > 0
+
+
+def _loss_backward_peak(head_grad: bool) -> int:
+    """The tracker's peak over the chunked loss's backward, less what was live before it."""
+    torch.manual_seed(0)
+    t, d, v = 256, 64, 4000
+    h = torch.randn(t, d, requires_grad=True)
+    w = torch.randn(v, d, requires_grad=head_grad)
+    y = torch.randint(0, v, (t,))
+    with MemoryTracker() as mt:
+        loss = linear_cross_entropy(h, w, y, chunk_size=64)
+        gc.collect()
+        before = mt.live_bytes
+        mt.reset_peak()
+        loss.backward()
+        peak = mt.peak_bytes
+    return peak - before
+
+
+@pytest.mark.parametrize("head_grad", [True, False])
+def test_chunked_loss_backward_estimate_equals_the_measured_bytes(head_grad):
+    """Measured by the tracker over the loss's backward: with a frozen head (LoRA) no V x d
+    gradient and no V x d product exist; the estimate's moment holds what was measured (up to
+    the loss's 8-byte scalars)."""
+    t, d, v = 256, 64, 4000
+    cfg = GPTConfig(n_layer=1, n_head=4, d_model=d, vocab_size=v, block_size=t, loss="chunked", loss_chunk=64)
+    est = chunked_loss_moments(cfg, t, "fp32", "cpu", head_grad=head_grad)["chunked loss backward"]
+    assert abs(sum(est.values()) - _loss_backward_peak(head_grad)) <= 16
+    assert (est["gradients"] == 0) == (not head_grad)
+
+
+@pytest.mark.parametrize("kw, needle", [(dict(cards=("RTX5090-32GB",)), "unknown GPU preset"),
+                                        (dict(shard_ranks=(1,)), "shard_ranks"),
+                                        (dict(batch=0), "batch=0"),
+                                        (dict(config="no-such-model"), "no-such-model")])
+def test_bad_input_names_the_value(kw, needle):
+    with pytest.raises(InputError, match=needle):
+        oom_ladder(**kw)
+
+
+def test_the_table_has_a_row_per_rung_and_a_column_per_card(ladder):
+    lines = ladder.table().splitlines()
+    assert len(lines) == 2 + len(RUNGS) + 1
+    assert all(c in lines[0] for c in CARDS)
+    assert math.isclose(float(lines[2].split("|")[2].split()[0]), ladder.cards[0].results[0].peak_gib, abs_tol=0.05)
+
+
+def test_lora_with_the_chunked_loss_holds_only_the_adapters_gradients():
+    """The head is frozen under LoRA: at the chunked loss's backward the gradients are the
+    adapters' alone (2 bytes each in pure bf16, all there: accumulation), no V x d head gradient."""
+    from memlab.finetune import LLAMA_TARGETS, estimate_finetune
+    step = replace(hf.step_config(CONFIG, seq=4096, batch=4, precision="pure-bf16", checkpointing="full"),
+                   micro_batches=4)
+    step = replace(step, model=replace(step.model_config, loss="chunked"))
+    rep = estimate_finetune(step, lora=(16, LLAMA_TARGETS), budget="RTX4090-24GB", target="cuda")
+    assert rep.by_category["gradients"] == 2 * 41_943_040
