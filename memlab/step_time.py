@@ -108,6 +108,7 @@ class EnginePasses:
 
 
 #: counted by :func:`memlab.distributed.comm_count.count_deepspeed_passes` (bf16, torch AdamW,
+#: used for fp32 runs too: the same loops without the casts,
 #: memlab's :func:`~memlab.distributed.deepspeed_config.deepspeed_config`, one rank); the
 #: per-tensor counts are those of GPT-2's block (12 tensors), the byte counts per element hold
 #: for any model (elementwise passes over the parameters)
@@ -170,8 +171,38 @@ def parameter_tensors(cfg) -> int | None:
     return cfg.n_layer * block + top
 
 
+@dataclass(frozen=True)
+class OptimizerPass:
+    """A plain-torch optimizer step other than fp32 AdamW's foreach pass: the ``elements`` it
+    updates, the HBM ``bytes`` per element it reads and writes, the kernel ``launches``."""
+
+    elements: float
+    bytes: float
+    launches: float
+    name: str = ""
+
+
+def optimizer_pass(kind: str, elements: float, tensors: int) -> OptimizerPass:
+    """The optimizer step's pass over ``elements`` in ``tensors`` tensors.
+
+    ``"adamw"``: :data:`ADAMW_BYTES` (fp32 state); ``"adamw-bf16"``: the same passes over bf16
+    weights and state (half the bytes: pure bf16); ``"adamw-8bit"``: bitsandbytes' blockwise
+    8-bit Adam, one fused kernel per tensor that reads the fp32 weight and gradient and the two
+    1-byte states and writes the weight and states back: 4 + 4 + 2 + 4 + 2 = 16 bytes.
+    """
+    if kind == "adamw":
+        return OptimizerPass(elements, ADAMW_BYTES, ADAMW_FOREACH_OPS * max(1, -(-int(elements) // FOREACH_ELEMENTS)),
+                             kind)
+    if kind == "adamw-bf16":
+        return OptimizerPass(elements, ADAMW_BYTES / 2,
+                             ADAMW_FOREACH_OPS * max(1, -(-int(elements) // FOREACH_ELEMENTS)), kind)
+    if kind == "adamw-8bit":
+        return OptimizerPass(elements, 16, tensors, kind)
+    raise InputError(f"optimizer pass {kind!r}; allowed: adamw, adamw-bf16, adamw-8bit")
+
+
 def engine_time(step, hbm: float, *, deepspeed: bool, hidden: float, tensors: int | None = None,
-                launch_seconds: float = LAUNCH_SECONDS) -> EngineTime:
+                launch_seconds: float = LAUNCH_SECONDS, optimizer: OptimizerPass | None = None) -> EngineTime:
     """The engine part of ``step`` per the module doc.
 
     Args:
@@ -180,6 +211,7 @@ def engine_time(step, hbm: float, *, deepspeed: bool, hidden: float, tensors: in
         hidden: seconds of GPU work (forward + backward) the host's un-synced launches overlap.
         tensors: parameter tensors (default :func:`parameter_tensors`).
         launch_seconds: host seconds per launch (default :data:`LAUNCH_SECONDS`).
+        optimizer: plain torch's optimizer pass (default fp32 AdamW over every parameter).
 
     Returns:
         :class:`EngineTime` (all zero for a model memlab cannot count).
@@ -198,7 +230,8 @@ def engine_time(step, hbm: float, *, deepspeed: bool, hidden: float, tensors: in
     adam_launches = ADAMW_FOREACH_OPS * max(1, -(-int(shard) // FOREACH_ELEMENTS))
     offloaded = step.offload != "none"
     if passes is None:
-        launches, syncs, hbm_bytes = adam_launches, 0.0, ADAMW_BYTES * shard
+        opt = optimizer or optimizer_pass("adamw", shard, tensors)
+        launches, syncs, hbm_bytes = opt.launches, 0.0, opt.bytes * opt.elements
         extra = 0.0
     else:
         launches = passes.step_ops * tensors + (0 if offloaded else adam_launches)
@@ -312,7 +345,8 @@ def calibrated_rate(card_name: str, dtype: str, calibration: Calibration | None)
 def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None = None,
               tensor_parallel: int = 1, pipeline_parallel: int = 1,
               speeds: Speeds | None = None, calibration: Calibration | None = None,
-              cpu_adam_params_per_s: float | None = None, engine: str | None = None) -> StepTime:
+              cpu_adam_params_per_s: float | None = None, engine: str | None = None,
+              optimizer: OptimizerPass | None = None) -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
 
@@ -327,6 +361,7 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
             :data:`CPU_ADAM_PARAMS_PER_S`).
         engine: ``"deepspeed"`` or ``"torch"`` (default: DeepSpeed where ZeRO or offload is on);
             ``"deepspeed"`` with ZeRO 0 is DeepSpeed's engine without partitioning.
+        optimizer: plain torch's optimizer pass (:func:`optimizer_pass`; default fp32 AdamW).
 
     Returns:
         :class:`StepTime`.
@@ -360,9 +395,7 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     if engine not in (None, "deepspeed", "torch"):
         raise InputError(f"engine={engine!r}; allowed: deepspeed, torch")
     on_ds = under_deepspeed(step.zero, step.offload) if engine is None else engine == "deepspeed"
-    if on_ds and step.precision != "bf16":
-        on_ds = False  # the passes were counted in bf16, DeepSpeed's 16-bit mode here
-    eng = engine_time(step, sp.hbm, deepspeed=on_ds, hidden=compute + recompute)
+    eng = engine_time(step, sp.hbm, deepspeed=on_ds, hidden=compute + recompute, optimizer=optimizer)
     gpu = compute + recompute + comm_s + bubble + eng.seconds
     offload, bound = 0.0, "gpu"
     if step.offload != "none":
@@ -404,7 +437,8 @@ def report_time(step, card: Card | None, *, flops: StepFlops | None = None,
 
 
 __all__ = ["report_time", "ADAMW_BYTES", "ADAMW_FOREACH_OPS", "DEEPSPEED_PASSES", "EnginePasses", "EngineTime",
-           "FOREACH_ELEMENTS", "LAUNCH_SECONDS", "SYNC_SECONDS", "engine_time", "parameter_tensors",
+           "FOREACH_ELEMENTS", "LAUNCH_SECONDS", "OptimizerPass", "optimizer_pass",
+           "SYNC_SECONDS", "engine_time", "parameter_tensors",
            "CALIBRATION_ENV", "CPU_ADAM_PARAMS_PER_S", "Calibration", "NODE_GPUS",
            "PARTS", "StepTime", "TimeParts", "calibrated_rate", "calibration_path", "compute_dtype",
            "load_calibration", "step_time"]
