@@ -9,6 +9,7 @@ DDP, of DeepSpeed's ZeRO-1/2/3, or of tensor parallelism under it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -19,9 +20,10 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import InputError
 from ..hardware import Placement
-from ..models import GPT
-from ..step import build_trainer, make_batch
+from ..models import GPT, get_config
+from ..step import StepConfig, build_trainer, make_batch
 from .deepspeed_config import deepspeed_config
+from .deepspeed_rank0 import fake_ranks
 from .parallel_common import rank_device, set_rank_threads
 from .ranks import run_ranks
 from .tensor_parallel import apply_tensor_parallel
@@ -199,13 +201,8 @@ def count_deepspeed_passes(zero: int, offload: str = "none", n_layer: int = 36) 
         ``{"optimizer", "tensors", "elements", "step_ops", "step_syncs", "step_bytes", "adam_ops",
         "adam_bytes", "backward_extra_ops", "backward_syncs"}``, per tensor / per element.
     """
-    import dataclasses
+    import deepspeed  # optional and heavy: only this count needs it
 
-    import deepspeed
-
-    from ..models import get_config
-    from ..step import StepConfig
-    from .deepspeed_rank0 import fake_ranks
     cfg = dataclasses.replace(get_config("gpt2-large"), n_layer=n_layer, d_model=64, n_head=1, vocab_size=256,
                               block_size=64)
     step = StepConfig(model=cfg, seq=8, batch=1, precision="bf16", zero=zero, offload=offload)
