@@ -6,8 +6,9 @@
    to the plain fp32 step are printed beside the measured ones (target: within 15%).
 2. The H200 reference: gpt2-large bf16 seq 1024 batch 4 under DeepSpeed on one GPU
    (``memlab/data/reference/NVIDIA-H200/zero_offload_one_gpu.json``), predicted with the
-   H200's datasheet figures and Llama 3's published fraction, against the recorded seconds
-   (target: within 25%; offload: the bound the model names).
+   H200's datasheet figures and Llama 3's published fraction, DeepSpeed's counted passes
+   (``memlab.step_time.DEEPSPEED_PASSES``), against the recorded seconds (target: within 25%;
+   offload: the bound the model names).
 
 Prints, asserts nothing: timings on a shared 2-core machine are noisy (fastest of repeats).
 """
@@ -17,6 +18,8 @@ import json
 import time
 from dataclasses import replace
 from importlib import resources
+
+import torch
 
 from memlab.cards import Speeds
 from memlab.doctor import measure_matmul_flops
@@ -40,10 +43,21 @@ def measured_seconds(step: StepConfig, repeats: int = 3) -> float:
     return best
 
 
+def copy_bandwidth(elements: int = 2**24, repeats: int = 3) -> float:
+    """Bytes/s a large fp32 copy reads and writes on this host (the engine part's 'HBM')."""
+    src, dst = torch.ones(elements), torch.empty(elements)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 8 * elements / best
+
+
 def cpu_ratios() -> None:
     base = StepConfig(model="tiny", seq=256, batch=8, attention="sdpa")
     rates = {d: measure_matmul_flops(d, "cpu", n=512) for d in ("fp32", "bf16")}
-    cpu = Speeds(tuple((d, r / 1e12) for d, r in rates.items()), 1.0, 0.0, 1.0, 1.0,
+    cpu = Speeds(tuple((d, r / 1e12) for d, r in rates.items()), copy_bandwidth(), 0.0, 1.0, 1.0,
                  "measured matmul on this CPU", "this CPU")
     print("CPU matmul: " + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in rates.items()))
     variants = {"full checkpointing": replace(base, checkpointing="full"),
@@ -65,7 +79,7 @@ def h200_ratios() -> None:
     for r in rows:
         step = StepConfig(model=r["model"], seq=r["seq"], batch=r["batch"], precision="bf16", zero=r["zero"],
                           offload=r["offload"])
-        t = step_time(step, "H200-141GB", calibration=NO_CALIBRATION)
+        t = step_time(step, "H200-141GB", calibration=NO_CALIBRATION, engine="deepspeed")
         name = f"ZeRO-{r['zero']}" + ("" if r["offload"] == "none" else f" + offload {r['offload']}")
         print(f"{name:<24}{t.seconds:>12.3f}{r['step_seconds']:>11.3f}{t.seconds / r['step_seconds']:>11.2f}"
               f"  {t.bound}")

@@ -4,10 +4,13 @@
 that fits: the teaching walk. This module answers the learner's other question, *which plan
 should I run?*: it enumerates the candidates (precision x checkpointing x accumulation x
 ZeRO stage x offload x tensor- and pipeline-parallel degrees whose product divides the world
-size), estimates each one's peak (:func:`memlab.estimate.estimate_step`) and its step time
-on the card (:func:`memlab.step_time.step_time`), and recommends the fastest that fits,
-ties going to the simpler plan (no offload, then the lower ZeRO stage, then fewer
-parallel degrees).
+size, each with the plain or the chunked loss), estimates each one's peak
+(:func:`memlab.estimate.estimate_step`) and its step time on the card
+(:func:`memlab.step_time.step_time`), and recommends the fastest that fits, ties going to the
+simpler plan (no offload, then the lower ZeRO stage, then fewer parallel degrees). It also
+lists the plans that fit by training differently (pure bf16, 8-bit AdamW, LoRA: each flagged
+``changes_training`` with what it gives up); the recommendation is the fastest *exact* plan
+that fits, and one of those only when none does.
 
 Pipeline parallelism's memory is the estimate's with the model states divided by ``p``:
 under 1F1B the first of ``p`` stages keeps ``p`` micro-batches of ``L/p`` layers, the
@@ -22,9 +25,11 @@ from itertools import product
 from .cards import SPEEDS, Card, get_card
 from .errors import InputError
 from .estimate import estimate_step
+from .finetune import GPT2_TARGETS, LLAMA_TARGETS, estimate_finetune, lora_shapes
+from .flops import gpt_step_flops
 from .models import GPTConfig
 from .step import StepConfig
-from .step_time import step_time
+from .step_time import optimizer_pass, parameter_tensors, step_time
 from .units import fmt_bytes
 
 #: (zero, offload) pairs DeepSpeed runs (offload from its ZeRO optimizer; parameters at stage 3)
@@ -42,10 +47,18 @@ class Candidate:
     fits: bool
     seconds: float | None
     bound: str = "gpu"
+    changes_training: bool = False
+    gives_up: str = ""
 
     def describe(self) -> str:
         p = self.plan
         parts = [p["precision"]]
+        if p.get("loss", "plain") == "chunked":
+            parts.append("chunked loss")
+        if p.get("optimizer_state", "adamw") != "adamw":
+            parts.append(f"{p['optimizer_state']} state")
+        if p.get("lora"):
+            parts.append(f"LoRA r={p['lora']}")
         if p["checkpointing"] != "none":
             parts.append(f"{p['checkpointing']} checkpointing")
         if p["micro_batches"] > 1:
@@ -62,7 +75,8 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return {"plan": dict(self.plan), "peak_bytes": self.peak_bytes, "fits": self.fits,
-                "seconds": self.seconds, "bound": self.bound, "describe": self.describe()}
+                "seconds": self.seconds, "bound": self.bound, "changes_training": self.changes_training,
+                "gives_up": self.gives_up, "describe": self.describe()}
 
 
 @dataclass
@@ -76,6 +90,10 @@ class PlanSearch:
     def to_dict(self) -> dict:
         return {"candidates": [c.to_dict() for c in self.candidates],
                 "recommendation": None if self.best is None else self.best.to_dict(), "why": self.why}
+
+
+def _fastest(c: Candidate) -> tuple:
+    return (round(c.seconds, 6), _simplicity(c))
 
 
 def _simplicity(c: Candidate) -> tuple:
@@ -132,22 +150,85 @@ def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq:
         timed = step_time(replace(step, world_size=world_size), name, tensor_parallel=t, pipeline_parallel=p,
                           flops=report.time.flops if report.time is not None else None)
         plan = {"precision": prec, "checkpointing": ckpt, "micro_batches": m, "zero": zero, "offload": off,
-                "tensor_parallel": t, "pipeline_parallel": p}
+                "tensor_parallel": t, "pipeline_parallel": p, "loss": cfg.loss, "optimizer_state": "adamw",
+                "lora": None}
         out.candidates.append(Candidate(plan, int(peak), peak <= usable_bytes, timed.seconds, timed.bound))
+        if t == 1 and p == 1 and cfg.loss != "chunked":
+            out.candidates.append(_chunked(step, plan, name, usable_bytes, target))
+    if profile.bf16_native and optimizer == "adamw":
+        for ckpt, m in product(ckpts, micro):
+            step = replace(base, checkpointing=ckpt, micro_batches=m)
+            out.candidates += _changed_training(step, name, usable_bytes, target)
     fitting = [c for c in out.candidates if c.fits]
     if not fitting:
         out.why = "no candidate fits: use more ranks, a shorter sequence or a smaller batch"
         return out
-    out.best = min(fitting, key=lambda c: (round(c.seconds, 6), _simplicity(c)))
+    exact = [c for c in fitting if not c.changes_training]
+    out.best = min(exact or fitting, key=_fastest)
     b = out.best
     line = f"{b.describe()} over {world_size} GPU(s) fits at {b.seconds:.3g} s a step"
+    if b.changes_training:
+        line += f" (no exact-training plan fits; this one gives up {b.gives_up})"
+    changed = [c for c in fitting if c.changes_training and c.seconds < b.seconds]
     offloading = [c for c in fitting if c.plan["offload"] != "none"]
     if b.plan["offload"] == "none" and offloading:
         o = min(offloading, key=lambda c: c.seconds)
         line += f"; offloading ({o.describe()}) would take {o.seconds:.3g} s"
     elif b.plan["offload"] != "none":
         line += f" ({fmt_bytes(b.peak_bytes)} per GPU): no plan without offload fits"
+    if changed and not b.changes_training:
+        c = min(changed, key=_fastest)
+        line += f"; changing the training, {c.describe()} would take {c.seconds:.3g} s (gives up {c.gives_up})"
     out.why = line
+    return out
+
+
+def _chunked(step: StepConfig, plan: dict, card: str, usable: int, target) -> Candidate:
+    """``plan`` with the chunked loss (:mod:`memlab.chunked_loss`): the same gradients, no
+    logits held; its FLOPs and time are the plain loss's."""
+    s = replace(step, model=replace(step.model_config, loss="chunked"))
+    peak = estimate_step(s, target=target).peak_bytes
+    timed = step_time(s, card)
+    return Candidate({**plan, "loss": "chunked"}, int(peak), peak <= usable, timed.seconds, timed.bound)
+
+
+#: LoRA's rank in the plan search (peft's examples use 8-64; 16 is the middle of that range)
+LORA_RANK = 16
+
+
+def _changed_training(step: StepConfig, card: str, usable: int, target) -> list[Candidate]:
+    """The plans that fit by training differently, one GPU's view (no ZeRO: memlab estimates
+    them for plain PyTorch): pure bf16 (weights and Adam state in bf16, no fp32 master),
+    bitsandbytes' 8-bit AdamW, LoRA of :data:`LORA_RANK` on every projection."""
+    cfg = step.model_config
+    tensors = parameter_tensors(cfg) or 1
+    n = cfg.num_params()
+    base = {"checkpointing": step.model_config.checkpointing if step.checkpointing is None else step.checkpointing,
+            "micro_batches": step.micro_batches, "zero": 0, "offload": "none", "tensor_parallel": 1,
+            "pipeline_parallel": 1, "loss": cfg.loss}
+    out = []
+    pure = replace(step, precision="pure-bf16")
+    peak = estimate_step(pure, target=target).peak_bytes
+    t = step_time(pure, card, optimizer=optimizer_pass("adamw-bf16", n, tensors))
+    out.append(Candidate({**base, "precision": "pure-bf16", "optimizer_state": "adamw", "lora": None}, int(peak),
+                         peak <= usable, t.seconds, t.bound, True,
+                         "fp32 master weights: updates below bf16's resolution round away"))
+    mixed = replace(step, precision="bf16")
+    peak = estimate_finetune(mixed, optimizer="adamw-8bit", target=target or "cuda").peak_bytes
+    t = step_time(mixed, card, optimizer=optimizer_pass("adamw-8bit", n, tensors))
+    out.append(Candidate({**base, "precision": "bf16", "optimizer_state": "adamw-8bit", "lora": None}, int(peak),
+                         peak <= usable, t.seconds, t.bound, True,
+                         "exact Adam moments: they are quantised to 8 bits per block"))
+    targets = LLAMA_TARGETS if cfg.mlp == "swiglu" else GPT2_TARGETS
+    peak = estimate_finetune(mixed, lora=(LORA_RANK, targets), target=target or "cuda").peak_bytes
+    flops = gpt_step_flops(cfg, step.seq, step.batch, checkpointing=base["checkpointing"], attention=cfg.attention,
+                           lora_rank=LORA_RANK, lora_targets=targets)
+    adapters = sum(lora_shapes(cfg, LORA_RANK, targets))
+    t = step_time(mixed, card, flops=flops,
+                  optimizer=optimizer_pass("adamw", adapters, len(lora_shapes(cfg, LORA_RANK, targets))))
+    out.append(Candidate({**base, "precision": "bf16", "optimizer_state": "adamw", "lora": LORA_RANK}, int(peak),
+                         peak <= usable, t.seconds, t.bound, True,
+                         "full fine-tuning: only low-rank adapters train, the base stays frozen"))
     return out
 
 
@@ -159,4 +240,4 @@ def _tp_ok(cfg: GPTConfig, t: int) -> bool:
     return True
 
 
-__all__ = ["Candidate", "PlanSearch", "TP_MAX", "ZERO_OFFLOAD", "search_plans"]
+__all__ = ["Candidate", "LORA_RANK", "PlanSearch", "TP_MAX", "ZERO_OFFLOAD", "search_plans"]

@@ -17,16 +17,31 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
   config sets ``overlap_comm: false`` (:func:`memlab.distributed.deepspeed_config.deepspeed_config`),
   so ZeRO's collectives are all exposed; tensor parallelism's all-reduces sit between a
   layer's matmuls (Megatron-LM sec. 3): exposed; pipeline sends: exposed.
-* **offload**: the step is the slowest of the GPU's work (compute, recompute, communication),
-  the PCIe transfers and the host's Adam over its parameter shard (``cpu_adam_params_per_s``,
-  measured by ``memlab doctor --calibrate``, else :data:`CPU_ADAM_PARAMS_PER_S`); the
-  ``offload`` part is what the slowest exceeds the GPU's work by.
+* **offload**: the PCIe transfers and the host's Adam over its parameter shard
+  (``cpu_adam_params_per_s``, measured by ``memlab doctor --calibrate``, else
+  :data:`CPU_ADAM_PARAMS_PER_S`). DeepSpeed runs them in series after backward (its
+  ``step()`` runs the host's Adam, then copies the weights up: stage_1_and_2.py:3078-3097,
+  no delayed parameter update), so ``offload`` = PCIe + CPU Adam; an engine that overlaps
+  them (ZeRO-Offload's delayed update) takes the slowest of the GPU's work, PCIe and CPU Adam.
 * **bubble** (pipeline, ``p`` stages, ``m`` micro-batches): ``(p - 1) / m`` of the compute
   (Narayanan et al. 2021, sec. 2.2.1).
 
-Left out: elementwise ops, norms and the optimizer on the GPU (memory-bound, a few percent of
-a large model's step), kernel launch latency (it dominates tiny models on a GPU), the data
-loader, and the network between nodes (a group over 8 GPUs uses PCIe's figure).
+* **engine**: the per-step work around the matmuls that the engine does over the parameters:
+  every kernel-launching op is a host launch (:data:`LAUNCH_SECONDS`), every ``.item()`` a
+  host sync (:data:`SYNC_SECONDS`), and the bytes those passes read and write cross HBM at the
+  card's bandwidth. Plain torch: AdamW's foreach step over fp32 state (:data:`ADAMW_BYTES`,
+  :data:`ADAMW_FOREACH_OPS` foreach ops of ``ceil(elements / FOREACH_ELEMENTS)`` launches).
+  Under DeepSpeed 0.19.8 the passes of its optimizer wrapper, counted on its code path
+  (:data:`DEEPSPEED_PASSES`, recounted by :func:`memlab.distributed.comm_count.count_deepspeed_passes`):
+  per parameter tensor the ops and syncs ``engine.step()`` launches outside torch's AdamW and
+  the ops it adds to forward and backward (hidden behind the GPU's compute unless they sync),
+  per element the bytes of its flat-buffer casts and copies plus AdamW's. Offloaded, the flat
+  buffers and Adam live on the host: their passes are the host's, timed with CPU Adam.
+
+Left out: elementwise ops and norms of forward and backward (memory-bound, a few percent of a
+large model's step), the Python of DeepSpeed's hooks beyond the ops they launch (ZeRO-3's
+parameter coordinator above all), the data loader, and the network between nodes (a group
+over 8 GPUs uses PCIe's figure).
 """
 from __future__ import annotations
 
@@ -37,7 +52,9 @@ from dataclasses import dataclass, field
 
 from .cards import SPEEDS, Card, Speeds, card_speeds, get_card
 from .communication import StepComm, step_communication
+from .errors import InputError
 from .flops import StepFlops, step_flops_formula
+from .models import GPTConfig
 from .states import under_deepspeed
 
 #: torch.optim.AdamW on the host, parameters per second, used when ``memlab doctor
@@ -47,8 +64,189 @@ from .states import under_deepspeed
 CPU_ADAM_PARAMS_PER_S = 774_030_080 / (1.65 - 0.22)
 #: where ``memlab doctor --calibrate`` keeps what it measured (``MEMLAB_CALIBRATION`` overrides)
 CALIBRATION_ENV = "MEMLAB_CALIBRATION"
-PARTS = ("compute", "recompute", "communication", "offload", "bubble")
+PARTS = ("compute", "recompute", "communication", "engine", "offload", "bubble")
 NODE_GPUS = 8  # GPUs one NVLink domain joins in the DGX/HGX boards the datasheets describe
+
+#: host seconds per kernel-launching op: CUDA's own launch, 4-6 us of driver and runtime calls
+#: per kernel (measured with CUDA 13: susun-blog.com/blog/pegainfer-3-cuda-graph, "From Launch
+#: Overhead to CUDA Graph"), taken at 5 us, plus PyTorch's dispatch of the op from Python, of
+#: the same order (``memlab doctor --calibrate`` measures it on this host): 10 us
+LAUNCH_SECONDS = 10e-6
+#: a host sync (``.item()``): its launch, a device-to-host copy and the wait for the stream to
+#: drain, so the host and the GPU stop overlapping: counted as two launches
+SYNC_SECONDS = 2 * LAUNCH_SECONDS
+#: elements one foreach kernel covers: 320 blocks of 65536 (``depth_to_max_blocks``,
+#: ``kChunkSize`` in aten/src/ATen/native/cuda/MultiTensorApply.cuh)
+FOREACH_ELEMENTS = 320 * 65536
+#: torch.optim.AdamW's foreach step on CUDA (torch/optim/adam.py ``_multi_tensor_adam``, not
+#: capturable): step += 1 on the host, then 8 passes over the fp32 elements: params *= 1 - lr wd
+#: (4 B read, 4 written), exp_avg.lerp_(grad) (8 + 4), exp_avg_sq *= beta2 (4 + 4),
+#: exp_avg_sq.addcmul_(grad, grad) (8 + 4), sqrt (4 + 4), / bias correction (4 + 4), + eps
+#: (4 + 4), params.addcdiv_(exp_avg, denom) (12 + 4)
+ADAMW_FOREACH_OPS = 8
+ADAMW_BYTES = 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16
+
+
+@dataclass(frozen=True)
+class EnginePasses:
+    """DeepSpeed's work per step beyond the module's forward and backward, on one code path.
+
+    ``step_ops``/``step_syncs``: kernel-launching ops and ``.item()`` syncs ``engine.step()``
+    runs outside torch's AdamW, per parameter tensor; ``step_bytes``: the bytes those ops read
+    and write, per parameter element (they run over the flat buffers); ``extra_ops``/
+    ``extra_syncs``: what DeepSpeed adds to forward + backward per tensor (gradient hooks,
+    bucket copies); ``where``: the lines of DeepSpeed 0.19.8 that run them.
+    """
+
+    optimizer: str
+    step_ops: float
+    step_syncs: float
+    step_bytes: float
+    extra_ops: float
+    extra_syncs: float
+    where: str
+
+
+#: counted by :func:`memlab.distributed.comm_count.count_deepspeed_passes` (bf16, torch AdamW,
+#: used for fp32 runs too: the same loops without the casts,
+#: memlab's :func:`~memlab.distributed.deepspeed_config.deepspeed_config`, one rank); the
+#: per-tensor counts are those of GPT-2's block (12 tensors), the byte counts per element hold
+#: for any model (elementwise passes over the parameters)
+DEEPSPEED_PASSES: dict[tuple[int, str], EnginePasses] = {
+    # ZeRO 0 in bf16 with torch AdamW: engine.py:2294-2323 picks DDP_BFLOAT16, engine.py:2560-2600
+    # FP16_UnfusedOptimizer (AdamW is no FusedAdam); its step (fp16/unfused_optimizer.py:197-240)
+    # checks each gradient for inf/nan with an .item(), takes each norm, unscales and copies each
+    # fp32 master into its 16-bit weight (239); backward all-reduces a flattened copy
+    # (engine.py:3921 buffered_allreduce_fallback -> 3823 allreduce_and_copy)
+    (0, "none"): EnginePasses("FP16_UnfusedOptimizer", 20.007, 1.007, 36.0, 1.011, 0.0,
+                              "engine.py:2294-2323, 2560-2600, 3823-3935; fp16/unfused_optimizer.py:197-240"),
+    # ZeRO 1 and 2 (bf16 gradients accumulate in bf16: engine.py:1806, so not BF16_Optimizer):
+    # stage_1_and_2.py:3013 step: check_overflow per tensor (3030), the scaled global norm per
+    # tensor (3039), the bf16 gradients flattened and cast to the fp32 partition (3114-3118),
+    # unscale and clip (3133), AdamW (3139), the fp32 partition copied into the bf16 one (3145)
+    # and all-gathered (3155); backward hooks copy each gradient into the reduce bucket
+    # (2293 reduce_ready_partitions_and_remove_grads, 1590 average_tensor)
+    (1, "none"): EnginePasses("DeepSpeedZeroOptimizer", 15.131, 0.007, 48.0, 2.023, 0.0,
+                              "zero/stage_1_and_2.py:1590, 2293, 3013-3160"),
+    (2, "none"): EnginePasses("DeepSpeedZeroOptimizer", 15.131, 0.007, 48.0, 2.023, 0.0,
+                              "zero/stage_1_and_2.py:1590, 2293, 3013-3160"),
+    # ZeRO 3: stage3.py:2873 step over flat fp32 sub-groups (2683 fp32 gradients, 2979 unscale,
+    # 1235 AdamW, 2854 the 16-bit partition rewritten); backward reduce hooks (1509, 1648)
+    (3, "none"): EnginePasses("DeepSpeedZeroOptimizer_Stage3", 2.096, 0.002, 44.0, 2.353, 0.0,
+                              "zero/stage3.py:1235, 1509, 1648, 2683-2873, 2979"),
+    # ZeRO 2 + optimizer offload: backward copies each gradient to the host through the GPU with an
+    # overflow check that syncs per tensor (stage_1_and_2.py:1791-1830); step() unscales on the
+    # host, runs AdamW there and copies the fp32 partition into a bf16 buffer sent up (3078-3097)
+    (2, "optimizer"): EnginePasses("DeepSpeedZeroOptimizer", 1.103, 1.009, 22.0, 18.023, 1.0,
+                                   "zero/stage_1_and_2.py:1791-1830, 3078-3097"),
+}
+DEEPSPEED_PASSES[(1, "optimizer")] = DEEPSPEED_PASSES[(3, "optimizer")] = DEEPSPEED_PASSES[(2, "optimizer")]
+
+
+@dataclass(frozen=True)
+class EngineTime:
+    """The engine part of a step: host launches and syncs, HBM passes, host passes (offload)."""
+
+    seconds: float
+    launches: float
+    syncs: float
+    hbm_bytes: float
+    host_bytes: float = 0.0
+    rule: str = ""
+
+
+def parameter_tensors(cfg) -> int | None:
+    """How many parameter tensors a model has (a launch per tensor per per-tensor pass), read
+    off memlab's GPT modules (:class:`memlab.models.GPT`): per block the fused qkv and output
+    projections, the MLP's two (three with SwiGLU) Linears, each with a bias where the config
+    has one, and two norms (LayerNorm's bias too); then the token (and learned position)
+    embedding, the final norm and an untied head. ``None`` for other models."""
+    if not isinstance(cfg, GPTConfig):
+        return None
+    bias = int(cfg.bias)
+    norm = 1 + (bias if cfg.norm == "layernorm" else 0)
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * (1 + bias)
+    block = (1 + int(cfg.has_qkv_bias)) + (1 + bias) + mlp + 2 * norm
+    top = 1 + int(cfg.position == "learned") + norm + int(not cfg.tie_embeddings)
+    return cfg.n_layer * block + top
+
+
+@dataclass(frozen=True)
+class OptimizerPass:
+    """A plain-torch optimizer step other than fp32 AdamW's foreach pass: the ``elements`` it
+    updates, the HBM ``bytes`` per element it reads and writes, the kernel ``launches``."""
+
+    elements: float
+    bytes: float
+    launches: float
+    name: str = ""
+
+
+def optimizer_pass(kind: str, elements: float, tensors: int) -> OptimizerPass:
+    """The optimizer step's pass over ``elements`` in ``tensors`` tensors.
+
+    ``"adamw"``: :data:`ADAMW_BYTES` (fp32 state); ``"adamw-bf16"``: the same passes over bf16
+    weights and state (half the bytes: pure bf16); ``"adamw-8bit"``: bitsandbytes' blockwise
+    8-bit Adam, one fused kernel per tensor that reads the fp32 weight and gradient and the two
+    1-byte states and writes the weight and states back: 4 + 4 + 2 + 4 + 2 = 16 bytes.
+    """
+    if kind == "adamw":
+        return OptimizerPass(elements, ADAMW_BYTES, ADAMW_FOREACH_OPS * max(1, -(-int(elements) // FOREACH_ELEMENTS)),
+                             kind)
+    if kind == "adamw-bf16":
+        return OptimizerPass(elements, ADAMW_BYTES / 2,
+                             ADAMW_FOREACH_OPS * max(1, -(-int(elements) // FOREACH_ELEMENTS)), kind)
+    if kind == "adamw-8bit":
+        return OptimizerPass(elements, 16, tensors, kind)
+    raise InputError(f"optimizer pass {kind!r}; allowed: adamw, adamw-bf16, adamw-8bit")
+
+
+def engine_time(step, hbm: float, *, deepspeed: bool, hidden: float, tensors: int | None = None,
+                launch_seconds: float = LAUNCH_SECONDS, optimizer: OptimizerPass | None = None) -> EngineTime:
+    """The engine part of ``step`` per the module doc.
+
+    Args:
+        step: the step (``batch`` per rank). hbm: the card's HBM bytes/s.
+        deepspeed: the step runs under DeepSpeed (ZeRO 0 included) rather than plain torch.
+        hidden: seconds of GPU work (forward + backward) the host's un-synced launches overlap.
+        tensors: parameter tensors (default :func:`parameter_tensors`).
+        launch_seconds: host seconds per launch (default :data:`LAUNCH_SECONDS`).
+        optimizer: plain torch's optimizer pass (default fp32 AdamW over every parameter).
+
+    Returns:
+        :class:`EngineTime` (all zero for a model memlab cannot count).
+    """
+    cfg = step.model_config
+    tensors = parameter_tensors(cfg) if tensors is None else tensors
+    if tensors is None:
+        return EngineTime(0.0, 0, 0, 0, rule="engine: model not countable, left out")
+    n = cfg.num_params()
+    if deepspeed:
+        shard = n if step.zero == 0 else n / step.world_size
+        passes = DEEPSPEED_PASSES[(step.zero, "none" if step.offload == "none" else "optimizer")]
+        # ZeRO-3's offload runs stage3.py's own loops: the stage-2 offload passes stand in
+    else:
+        shard, passes = n, None
+    adam_launches = ADAMW_FOREACH_OPS * max(1, -(-int(shard) // FOREACH_ELEMENTS))
+    offloaded = step.offload != "none"
+    if passes is None:
+        opt = optimizer or optimizer_pass("adamw", shard, tensors)
+        launches, syncs, hbm_bytes = opt.launches, 0.0, opt.bytes * opt.elements
+        extra = 0.0
+    else:
+        launches = passes.step_ops * tensors + (0 if offloaded else adam_launches)
+        syncs = (passes.step_syncs + passes.extra_syncs) * tensors
+        hbm_bytes = 0.0 if offloaded else (passes.step_bytes + ADAMW_BYTES) * shard
+        extra_host = passes.extra_ops * tensors * launch_seconds
+        # launches in forward/backward overlap the GPU's work unless a sync makes the host wait
+        extra = extra_host if passes.extra_syncs else max(0.0, extra_host - hidden)
+    host_bytes = (passes.step_bytes + ADAMW_BYTES) * shard if passes is not None and offloaded else 0.0
+    seconds = launches * launch_seconds + syncs * launch_seconds * (SYNC_SECONDS / LAUNCH_SECONDS) \
+        + hbm_bytes / hbm + (extra if passes is not None else 0.0)
+    where = passes.where if passes is not None else "torch/optim/adam.py _multi_tensor_adam"
+    rule = (f"engine: {launches:.0f} launches x {launch_seconds * 1e6:g} us + {syncs:.0f} syncs + "
+            f"{hbm_bytes / 1e9:.3g} GB / {hbm / 1e12:g} TB/s HBM ({where})")
+    return EngineTime(seconds, launches, syncs, hbm_bytes, host_bytes, rule)
 
 
 @dataclass(frozen=True)
@@ -63,10 +261,11 @@ class TimeParts:
     bubble: float
     communication_bytes: float = 0.0
     pcie_bytes: float = 0.0
+    engine: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.communication + self.offload + self.bubble
+        return self.compute + self.recompute + self.communication + self.engine + self.offload + self.bubble
 
 
 @dataclass(frozen=True)
@@ -146,7 +345,8 @@ def calibrated_rate(card_name: str, dtype: str, calibration: Calibration | None)
 def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None = None,
               tensor_parallel: int = 1, pipeline_parallel: int = 1,
               speeds: Speeds | None = None, calibration: Calibration | None = None,
-              cpu_adam_params_per_s: float | None = None) -> StepTime:
+              cpu_adam_params_per_s: float | None = None, engine: str | None = None,
+              optimizer: OptimizerPass | None = None) -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
 
@@ -159,6 +359,9 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         calibration: ``memlab doctor --calibrate``'s figures (default: the stored ones).
         cpu_adam_params_per_s: the host's AdamW throughput (default: calibrated, else
             :data:`CPU_ADAM_PARAMS_PER_S`).
+        engine: ``"deepspeed"`` or ``"torch"`` (default: DeepSpeed where ZeRO or offload is on);
+            ``"deepspeed"`` with ZeRO 0 is DeepSpeed's engine without partitioning.
+        optimizer: plain torch's optimizer pass (:func:`optimizer_pass`; default fp32 AdamW).
 
     Returns:
         :class:`StepTime`.
@@ -189,7 +392,11 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         overlap = "DDP overlaps its all-reduce with backward"
     m = step.micro_batches
     bubble = (p - 1) / m * (compute + recompute) if p > 1 else 0.0
-    gpu = compute + recompute + comm_s + bubble
+    if engine not in (None, "deepspeed", "torch"):
+        raise InputError(f"engine={engine!r}; allowed: deepspeed, torch")
+    on_ds = under_deepspeed(step.zero, step.offload) if engine is None else engine == "deepspeed"
+    eng = engine_time(step, sp.hbm, deepspeed=on_ds, hidden=compute + recompute, optimizer=optimizer)
+    gpu = compute + recompute + comm_s + bubble + eng.seconds
     offload, bound = 0.0, "gpu"
     if step.offload != "none":
         cal_adam = calibration.cpu_adam_params_per_s if calibration is not None else None
@@ -198,17 +405,23 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         shard = step.model_config.num_params() / share / n
         pcie_s = comm.pcie_bytes / sp.pcie
         adam_s = shard / adam_rate
-        slowest = max(gpu, pcie_s, adam_s)
-        bound = "gpu" if slowest == gpu else ("pcie" if slowest == pcie_s else "cpu adam")
-        offload = slowest - gpu
+        if on_ds:
+            # DeepSpeed's step() runs the host's Adam, then sends the weights up, after backward
+            # (stage_1_and_2.py:3078-3097; no delayed parameter update configured): in series
+            offload = pcie_s + adam_s
+            bound = "cpu adam" if adam_s >= max(gpu, pcie_s) else ("pcie" if pcie_s >= gpu else "gpu")
+        else:
+            slowest = max(gpu, pcie_s, adam_s)
+            bound = "gpu" if slowest == gpu else ("pcie" if slowest == pcie_s else "cpu adam")
+            offload = slowest - gpu
     seconds = gpu + offload
     tokens = step.seq * step.batch * (step.world_size // share)  # the data-parallel replicas' tokens
     peak_all = sp.peak(dtype) * step.world_size
     mfu = flops.model * (step.world_size // share) / (seconds * peak_all) if seconds > 0 else None
-    parts = TimeParts(compute, recompute, comm_s, offload, bubble, comm.gpu_bytes, comm.pcie_bytes)
+    parts = TimeParts(compute, recompute, comm_s, offload, bubble, comm.gpu_bytes, comm.pcie_bytes, eng.seconds)
     rule = (f"compute = FLOPs / ({dtype} peak {sp.peak(dtype) / 1e12:g} TFLOP/s x "
             f"{rate / sp.peak(dtype):.2f} achievable); communication = {comm.gpu_bytes / 1e9:.3g} GB / "
-            f"{gpu_link / 1e9:g} GB/s ({overlap}); offload: slowest of GPU, PCIe, CPU Adam; "
+            f"{gpu_link / 1e9:g} GB/s ({overlap}); {eng.rule}; offload: slowest of GPU, PCIe, CPU Adam; "
             f"bubble (p-1)/m")
     return StepTime(flops, seconds, parts, tokens / seconds if seconds > 0 else None, mfu, name, bound,
                     comm, rule)
@@ -223,6 +436,9 @@ def report_time(step, card: Card | None, *, flops: StepFlops | None = None,
     return step_time(step, card, flops=flops, tensor_parallel=tensor_parallel)
 
 
-__all__ = ["report_time", "CALIBRATION_ENV", "CPU_ADAM_PARAMS_PER_S", "Calibration", "NODE_GPUS",
+__all__ = ["report_time", "ADAMW_BYTES", "ADAMW_FOREACH_OPS", "DEEPSPEED_PASSES", "EnginePasses", "EngineTime",
+           "FOREACH_ELEMENTS", "LAUNCH_SECONDS", "OptimizerPass", "optimizer_pass",
+           "SYNC_SECONDS", "engine_time", "parameter_tensors",
+           "CALIBRATION_ENV", "CPU_ADAM_PARAMS_PER_S", "Calibration", "NODE_GPUS",
            "PARTS", "StepTime", "TimeParts", "calibrated_rate", "calibration_path", "compute_dtype",
            "load_calibration", "step_time"]

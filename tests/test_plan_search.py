@@ -33,3 +33,18 @@ def test_one_small_card_must_offload_and_says_so():
 
 def test_a_bare_size_has_no_search():
     assert advise("tiny", "200MiB", seq=64, batch=2, simulate=False, target="cpu").search is None
+
+
+def test_plans_that_change_the_training_are_listed_and_flagged():
+    from memlab.plan_search import search_plans
+    from memlab.units import GiB
+    s = search_plans("llama-3-8b", "H100-80GB", 1, 4096, 1, usable_bytes=76 * GiB)
+    kinds = {(c.plan["precision"], c.plan["optimizer_state"], c.plan["lora"]): c for c in s.candidates}
+    changed = [kinds[("pure-bf16", "adamw", None)], kinds[("bf16", "adamw-8bit", None)], kinds[("bf16", "adamw", 16)]]
+    assert all(c.changes_training and c.gives_up for c in changed)
+    assert any(c.plan["loss"] == "chunked" and not c.changes_training for c in s.candidates)
+    # one H100 holds no exact full fine-tuning of 8B without the host (16 bytes a parameter
+    # = 128 GB of states): the recommendation offloads, and says what LoRA would cost instead
+    assert not s.best.changes_training and s.best.plan["offload"] != "none"
+    lora = min((c for c in s.candidates if c.plan["lora"] and c.fits), key=lambda c: c.seconds)
+    assert lora.seconds < s.best.seconds and "changing the training" in s.why

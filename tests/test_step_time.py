@@ -3,6 +3,8 @@ formulas it states, and the `time` every report carries."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from importlib import resources
 
 import pytest
 
@@ -10,9 +12,18 @@ from memlab import doctor
 from memlab.cards import card_speeds
 from memlab.estimate import estimate_step
 from memlab.flops import step_flops_formula
+from memlab.models import build_model, get_config, tiny_llama
 from memlab.simulate import simulate_step
 from memlab.step import StepConfig
-from memlab.step_time import CPU_ADAM_PARAMS_PER_S, Calibration, calibrated_rate, load_calibration, step_time
+from memlab.step_time import (
+    CPU_ADAM_PARAMS_PER_S,
+    DEEPSPEED_PASSES,
+    Calibration,
+    calibrated_rate,
+    load_calibration,
+    parameter_tensors,
+    step_time,
+)
 
 LLAMA = StepConfig(model="llama-7b", seq=4096, batch=2, precision="bf16", checkpointing="full",
                    zero=3, world_size=8)
@@ -43,18 +54,58 @@ def test_ddp_hides_its_all_reduce_behind_backward():
     assert slow.by_part.communication == pytest.approx(dp - backward, rel=1e-6)
 
 
-def test_offload_is_the_slowest_of_gpu_pcie_and_cpu_adam():
+def test_offload_under_deepspeed_is_pcie_then_cpu_adam_in_series():
     step = StepConfig(model="gpt2-large", seq=1024, batch=4, precision="bf16", zero=2, offload="optimizer")
-    gpu = step_time(StepConfig(model="gpt2-large", seq=1024, batch=4, precision="bf16", zero=2),
-                    "H200-141GB", calibration=NONE)
-    slow_cpu = step_time(step, "H200-141GB", calibration=NONE, cpu_adam_params_per_s=1e8)
-    assert slow_cpu.bound == "cpu adam"
-    assert slow_cpu.seconds == pytest.approx(step.model_config.num_params() / 1e8)
-    fast_cpu = step_time(step, "H200-141GB", calibration=NONE, cpu_adam_params_per_s=1e12)
     psi = step.model_config.num_params()
     pcie = (4 + 2) * psi / 64e9  # fp32 gradients down, bf16 weights up, Gen5 one way
-    assert fast_cpu.seconds == pytest.approx(max(gpu.seconds, pcie))
-    assert fast_cpu.bound == ("pcie" if pcie > gpu.seconds else "gpu")
+    slow_cpu = step_time(step, "H200-141GB", calibration=NONE, cpu_adam_params_per_s=1e8)
+    assert slow_cpu.bound == "cpu adam"
+    assert slow_cpu.by_part.offload == pytest.approx(psi / 1e8 + pcie)  # stage_1_and_2.py:3078-3097
+    # an engine that overlaps them (ZeRO-Offload's delayed update): the slowest of the three
+    gpu = step_time(replace(step, offload="none"), "H200-141GB", calibration=NONE, engine="torch")
+    fast = step_time(step, "H200-141GB", calibration=NONE, cpu_adam_params_per_s=1e12, engine="torch")
+    assert fast.seconds == pytest.approx(max(gpu.seconds, pcie))
+    assert fast.bound == ("pcie" if pcie > gpu.seconds else "gpu")
+
+
+def test_engine_part_is_launches_syncs_and_hbm_bytes():
+    step = StepConfig(model="gpt2-large", seq=1024, batch=4, precision="bf16", zero=2)
+    tensors = 36 * 12 + 4  # GPT-2: 12 tensors a block, embeddings and the final norm
+    assert parameter_tensors(step.model_config) == tensors
+    for cfg in (get_config("tiny"), tiny_llama()):  # the closed form against the built module
+        assert parameter_tensors(cfg) == len(list(build_model(cfg).parameters()))
+    psi = step.model_config.num_params()
+    ds = DEEPSPEED_PASSES[(2, "none")]
+    adam = 8 * -(-psi // (320 * 65536))  # 8 foreach passes, 320 x 65536 elements a launch
+    launches = ds.step_ops * tensors + adam
+    t = step_time(step, "H200-141GB", calibration=NONE)
+    want = (launches * 10e-6 + ds.step_syncs * tensors * 20e-6 + (ds.step_bytes + 80) * psi / 4.8e12
+            + max(0.0, ds.extra_ops * tensors * 10e-6 - t.by_part.compute))  # backward's launches hide
+    assert t.by_part.engine == pytest.approx(want, rel=1e-6)
+    plain = step_time(replace(step, zero=0), "H200-141GB", calibration=NONE)  # torch: AdamW's 80 B/param
+    assert plain.by_part.engine == pytest.approx(8 * -(-psi // (320 * 65536)) * 10e-6 + 80 * psi / 4.8e12)
+
+
+H200_ROWS = json.loads((resources.files("memlab") / "data" / "reference" / "NVIDIA-H200" /
+                        "zero_offload_one_gpu.json").read_text())
+
+
+@pytest.mark.parametrize("row", H200_ROWS, ids=lambda r: f"zero{r['zero']}-{r['offload']}")
+def test_h200_one_gpu_deepspeed_rows(row):
+    step = StepConfig(model=row["model"], seq=row["seq"], batch=row["batch"], precision="bf16", zero=row["zero"],
+                      offload=row["offload"])
+    t = step_time(step, "H200-141GB", calibration=NONE, engine="deepspeed")
+    ratio = t.seconds / row["step_seconds"]
+    # every row: the counted passes leave out DeepSpeed's Python between its ops, so the model is
+    # a lower bound; ZeRO 0 (launch- and sync-bound) lands within the issue's 25%
+    assert ratio < 1.25 if row["offload"] != "none" else ratio < 1.0
+    if row["zero"] == 0:
+        assert ratio == pytest.approx(1.0, abs=0.25)
+    if row["offload"] != "none":
+        # the GPU's work and PCIe alone are a true lower bound; with the stated host-Adam default
+        # (taken from this row, so not an independent check) the serial rule lands within 25%
+        assert t.seconds - t.by_part.offload + t.by_part.pcie_bytes / 64e9 < row["step_seconds"]
+        assert ratio == pytest.approx(1.0, abs=0.25)
 
 
 def test_pipeline_bubble_is_p_minus_1_over_m():
@@ -98,3 +149,16 @@ def test_every_profile_has_its_datasheet():
         sp = card_speeds(name)
         assert sp.peak("fp32") > 0 and sp.hbm > 0 and sp.pcie > 0 and 0 < sp.achievable < 1
         assert sp.peak("bf16") >= sp.peak("fp32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero,offload", [(0, "none"), (2, "none"), (3, "none"), (2, "optimizer")])
+def test_deepspeed_passes_are_counted_on_its_code_path(zero, offload):
+    from memlab.distributed.comm_count import count_deepspeed_passes
+    counted = count_deepspeed_passes(zero, offload)  # GPT-2 large's 36 blocks, narrow
+    table = DEEPSPEED_PASSES[(zero, offload)]
+    assert counted["optimizer"] == table.optimizer
+    for key, field in (("step_ops", "step_ops"), ("step_syncs", "step_syncs"), ("step_bytes", "step_bytes"),
+                       ("backward_extra_ops", "extra_ops"), ("backward_syncs", "extra_syncs")):
+        assert counted[key] == pytest.approx(getattr(table, field), rel=0.01, abs=0.001), key
+    assert counted["adam_bytes"] == pytest.approx(84, rel=0.01)  # the host's single-tensor AdamW

@@ -64,7 +64,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "reference": "the H200 reference rows (`data/reference/`) as steps and figures",
         "flops": "FLOPs of a step by part (forward, backward, recompute): counted by phase, and in closed form",
         "communication": "bytes a rank moves per step by kind: DP, ZeRO 1/2/3, TP, pipeline sends, offload over PCIe",
-        "step_time": "the time lens: compute, recompute, communication, offload, bubble on a card; `StepTime`",
+        "step_time": "the time lens: compute, recompute, communication, engine passes, offload, bubble on a card; `StepTime`",
     }),
     ("the lenses", {
         "estimate": "the estimate lens: closed-form bytes, activations and the peak moment",
@@ -87,7 +87,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "max_batch": "the largest batch under a budget: searched and predicted",
         "compression": "activation compression with saved-tensor hooks (bf16, int8) and its gradient error",
         "batching": "token-budget batching of variable-length text: fixed, bucketed, packed",
-        "distributed.comm_count": "collective bytes counted on real ranks (DDP, DeepSpeed ZeRO, TP), to check the formula",
+        "distributed.comm_count": "collective bytes counted on real ranks (DDP, DeepSpeed ZeRO, TP), to check the formula; DeepSpeed's per-step ops counted",
         "distributed.deepspeed_zero": "ZeRO with real DeepSpeed: its config, its per-rank accounting, ranks that measure it",
         "distributed.offload": "ZeRO-Offload measured on ranks: device peak, host bytes, RSS growth",
         "distributed.fsdp": "FSDP2 (= ZeRO-3) on a fake process group and fake tensors: `simulate_sharded`",

@@ -9,6 +9,7 @@ DDP, of DeepSpeed's ZeRO-1/2/3, or of tensor parallelism under it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -19,9 +20,10 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import InputError
 from ..hardware import Placement
-from ..models import GPT
-from ..step import build_trainer, make_batch
+from ..models import GPT, get_config
+from ..step import StepConfig, build_trainer, make_batch
 from .deepspeed_config import deepspeed_config
+from .deepspeed_rank0 import fake_ranks
 from .parallel_common import rank_device, set_rank_threads
 from .ranks import run_ranks
 from .tensor_parallel import apply_tensor_parallel
@@ -146,5 +148,98 @@ def count_step_communication(step, kind: str, world_size: int = 2, *,
                      backend=backend, timeout=timeout)
 
 
-__all__ = ["OPS", "CollectiveCounter", "count_step_communication", "ddp_count_worker",
+__all__ = ["OPS", "CollectiveCounter", "OpCounter", "count_deepspeed_passes", "count_step_communication",
+           "ddp_count_worker",
            "tp_count_worker", "zero_count_worker"]
+
+
+# ---- DeepSpeed's per-step work, counted (memlab.step_time.DEEPSPEED_PASSES) ------------------
+#: ops that launch no kernel: views, metadata, allocation
+NO_KERNEL = frozenset({"view", "_unsafe_view", "as_strided", "detach", "t", "alias", "slice", "select", "split",
+                       "unbind", "expand", "transpose", "permute", "_reshape_alias", "split_with_sizes", "empty",
+                       "empty_strided", "set_"})
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the kernel-launching ops a block dispatches (:data:`NO_KERNEL` left out), the host
+    syncs among them (``.item()``: ``_local_scalar_dense``) and the bytes their tensors hold
+    (inputs and outputs: what an elementwise kernel reads and writes). ``paused`` leaves a
+    nested block (the inner optimizer) out of the counts, into ``inner``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.syncs = self.bytes = 0
+        self.inner_ops = self.inner_bytes = 0
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if func.is_view or name in NO_KERNEL:
+            return out
+        nbytes = _nbytes(_tensors((args, kwargs, out)))
+        if self.paused:
+            self.inner_ops += 1
+            self.inner_bytes += nbytes
+            return out
+        self.ops += 1
+        self.bytes += nbytes
+        self.syncs += name == "_local_scalar_dense"
+        return out
+
+
+def count_deepspeed_passes(zero: int, offload: str = "none", n_layer: int = 36) -> dict:
+    """DeepSpeed's own work in one step, counted on this CPU: a bf16 GPT of ``n_layer`` blocks
+    (GPT-2's block, 12 parameter tensors each) made narrow (d_model 64) so that counting is
+    quick, as rank 0 of one (:func:`memlab.distributed.deepspeed_rank0.fake_ranks`), the third
+    step (Adam's state exists). Per parameter tensor: the ops ``engine.step()`` launches outside
+    the inner torch optimizer, its host syncs, and the ops ``engine.backward`` adds over the
+    plain module's backward; per parameter element: the bytes of the step's ops (elementwise
+    over the flat buffers, so they scale with the elements) and of the inner optimizer's.
+
+    Returns:
+        ``{"optimizer", "tensors", "elements", "step_ops", "step_syncs", "step_bytes", "adam_ops",
+        "adam_bytes", "backward_extra_ops", "backward_syncs"}``, per tensor / per element.
+    """
+    import deepspeed  # optional and heavy: only this count needs it
+
+    cfg = dataclasses.replace(get_config("gpt2-large"), n_layer=n_layer, d_model=64, n_head=1, vocab_size=256,
+                              block_size=64)
+    step = StepConfig(model=cfg, seq=8, batch=1, precision="bf16", zero=zero, offload=offload)
+    torch.manual_seed(0)
+    plain = GPT(cfg).to(torch.bfloat16)
+    batch = make_batch(step)
+    with OpCounter() as c:
+        plain(*batch).backward()
+    plain_ops = c.ops  # forward + backward of the module alone
+    with fake_ranks(1):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        tensors = len(list(model.parameters()))
+        elements = sum(p.numel() for p in model.parameters())
+        engine = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=deepspeed_config(step))[0]
+        for _ in range(2):
+            engine.backward(engine(*batch))
+            engine.step()
+        with OpCounter() as fb:
+            engine.backward(engine(*batch))
+        inner = engine.basic_optimizer
+        original = inner.step
+        counter = OpCounter()
+
+        def counted_step(*a, **k):
+            counter.paused = True
+            try:
+                return original(*a, **k)
+            finally:
+                counter.paused = False
+        inner.step = counted_step
+        with counter:
+            engine.step()
+        inner.step = original
+    return {"optimizer": type(engine.optimizer).__name__, "tensors": tensors, "elements": elements,
+            "step_ops": counter.ops / tensors, "step_syncs": counter.syncs / tensors,
+            "step_bytes": counter.bytes / elements, "adam_ops": counter.inner_ops / tensors,
+            "adam_bytes": counter.inner_bytes / elements, "backward_extra_ops": (fb.ops - plain_ops) / tensors,
+            "backward_syncs": fb.syncs / tensors}
