@@ -9,9 +9,15 @@ ninja, compiler and linker lines. Two helpers keep them out:
   on; unset, a bar shows in a live Jupyter kernel or on a terminal, nowhere else.
 - :func:`quiet_build`: runs a block with the process's stdout and stderr *file descriptors*
   sent to a file (the build's output comes from ninja and the compiler, subprocesses that
-  write to the descriptors, past ``sys.stdout``), then prints one line:
+  write to the descriptors, past ``sys.stdout``), then prints one line when it built an op:
   ``DeepSpeed op cpu_adam: built in 41 s (cached under .cache/torch_extensions)``; the whole
-  log is printed only when the block fails.
+  log is printed only when the block fails. :func:`build_line` gives the same line for ranks
+  (:func:`memlab.distributed.ranks.run_ranks` keeps their output in a log).
+
+And one for results: :class:`OneLine`, a mixin for the dataclasses a lesson prints or ends a
+cell with. Their ``__str__`` is one readable line of what matters (sizes in MiB/GiB, floats
+cut to their meaningful digits); the mixin makes IPython show that line too, where it would
+print the dataclass's whole ``repr``. ``repr``, the fields and equality stay the dataclass's.
 """
 from __future__ import annotations
 
@@ -53,18 +59,24 @@ def progress_wanted(asked: bool | None = None) -> bool:
     return in_kernel() or bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 
-def quiet_libraries() -> None:
-    """Turn off the progress bars ``transformers`` and ``huggingface_hub`` draw (loading
-    weights, downloads) when :func:`progress_wanted` says nobody watches them."""
-    if progress_wanted():
-        return
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if "transformers" in sys.modules:
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
+def _pretty_str(self, p, cycle: bool) -> None:
+    p.text(repr(self) if cycle else str(self))
 
 
-def _cache_dir() -> str:
+class OneLine:
+    """Mixin: IPython's display of the object is ``str(self)`` (the class's one readable line),
+    not its ``repr`` (every field, every digit), which stays for debugging."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # IPython takes the first class in the MRO with _repr_pretty_ or __repr__ in its own
+        # __dict__, and @dataclass writes __repr__ into the subclass's: so it goes there too
+        cls._repr_pretty_ = _pretty_str
+
+
+def extensions_dir() -> str:
+    """Where torch (and DeepSpeed) cache JIT-built ops: ``TORCH_EXTENSIONS_DIR`` or torch's
+    default, relative to the working directory when it is under it."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
     try:
         rel = os.path.relpath(root)
@@ -73,12 +85,38 @@ def _cache_dir() -> str:
     return rel if not rel.startswith("..") else root
 
 
+def built_ops() -> dict[str, float]:
+    """Each op cached in :func:`extensions_dir` (the folder of its ``.so``) and when it was built."""
+    found: dict[str, float] = {}
+    root = extensions_dir()
+    if not os.path.isdir(root):
+        return found
+    for folder, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".so"):
+                found[os.path.basename(folder)] = max(found.get(os.path.basename(folder), 0.0),
+                                                      os.path.getmtime(os.path.join(folder, f)))
+    return found
+
+
+def build_line(before: dict[str, float], start: float, what: str = "DeepSpeed op") -> str | None:
+    """One line for the ops built since ``before`` (:func:`built_ops`) was taken at ``start``
+    (``time.time()``), or None when none was (each was loaded from the cache)."""
+    new = {op: t for op, t in built_ops().items() if t > before.get(op, 0.0)}
+    if not new:
+        return None
+    seconds = max(new.values()) - start
+    return f"{what} {', '.join(sorted(new))}: built in {max(seconds, 0):.0f} s (cached under {extensions_dir()})"
+
+
 @contextlib.contextmanager
-def quiet_build(what: str, *, stream=None) -> Iterator[None]:
-    """Run the block with file descriptors 1 and 2 sent to a log, then print one line.
+def quiet_build(what: str = "DeepSpeed op", *, stream=None) -> Iterator[None]:
+    """Run the block with its output, to ``sys.stdout``/``sys.stderr`` and to file descriptors
+    1 and 2 (the compiler and linker, subprocesses), sent to a log; then print one line when
+    it built an op (:func:`build_line`), nothing when every op came from the cache.
 
     Args:
-        what: what is built, for the line (``"DeepSpeed op cpu_adam"``).
+        what: what is built, for the line (``"DeepSpeed op"``).
         stream: where the line goes (``sys.stdout``).
     Yields:
         Nothing; on an exception the log is printed to ``sys.stderr`` and the exception raised.
@@ -87,30 +125,30 @@ def quiet_build(what: str, *, stream=None) -> Iterator[None]:
     for s in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             s.flush()
+    before, start = built_ops(), time.time()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
-    start = time.perf_counter()
     with tempfile.TemporaryFile(mode="w+b") as log:
         ok = False
+        text = open(log.fileno(), "w", buffering=1, closefd=False, errors="replace")
         try:
             for fd in (1, 2):
                 os.dup2(log.fileno(), fd)
-            yield
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                yield
             ok = True
         finally:
-            for s in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    s.flush()
+            text.flush()
             for fd, keep in saved.items():
                 os.dup2(keep, fd)
                 os.close(keep)
-            seconds = time.perf_counter() - start
-            log.seek(0)
-            text = log.read().decode("utf-8", "replace")
             if ok:
-                built = "built" if ("Building extension" in text or "ninja" in text) else "loaded"
-                print(f"{what}: {built} in {seconds:.0f} s (cached under {_cache_dir()})", file=out)
+                line = build_line(before, start, what)
+                if line:
+                    print(line, file=out)
             else:
-                print(f"{what}: failed after {seconds:.0f} s; its build log:\n{text}", file=sys.stderr)
+                log.seek(0)
+                print(f"{what}: failed; its output:\n{log.read().decode('utf-8', 'replace')}", file=sys.stderr)
 
 
-__all__ = ["PROGRESS_ENV", "in_kernel", "progress_wanted", "quiet_libraries", "quiet_build"]
+__all__ = ["OneLine", "PROGRESS_ENV", "in_kernel", "progress_wanted", "extensions_dir",
+           "built_ops", "build_line", "quiet_build"]

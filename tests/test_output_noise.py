@@ -66,6 +66,7 @@ NOISY = {
     ],
     "progress": [
         result("measure seq:   0%|          | 0/4 [00:00<?, ?it/s]", widget=True),
+        result("batch search: 0it [00:00, ?it/s]", widget=True),
         stream("\rbatch search: 0it [00:00, ?it/s]\r 50%|#####     | 1/2 [00:01<00:01,  1.0s/it]", "stderr"),
     ],
     "build": [

@@ -31,7 +31,8 @@ KINDS = ("error", "warning", "progress", "build", "repr")
 REPR_WIDTH = 120
 
 #: tqdm's bar: "measure seq:   0%|          | 0/4 [00:00<?, ?it/s]"
-PROGRESS = re.compile(r"\d{1,3}%\|[^|\n]*\|\s*\d+(\.\d+)?[kMG]?/")
+#: and without a total: "batch search: 0it [00:00, ?it/s]"
+PROGRESS = re.compile(r"\d{1,3}%\|[^|\n]*\|\s*\d+(\.\d+)?[kMG]?/|\b\d+(\.\d+)?[kMG]?(it|B) \[\d+:\d\d")
 #: Python's warnings ("FutureWarning: ..."), loggers' levels ("[WARNING]", "WARNING:")
 WARNING = re.compile(r"\b\w+Warning: |\[WARNING\]|^\s*WARNING[:\s]|\bwarnings\.warn\(", re.M)
 TRACEBACK = re.compile(r"Traceback \(most recent call last\)")

@@ -4,17 +4,31 @@ exact bytes. The ZeRO lessons use these as tools; the ZeRO exercise checkers bui
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
+import sys
 from typing import Callable
 
 import torch
 
 from ..models import GPT, get_config
+from ..quiet import quiet_build
 from ..step import StepConfig, make_batch
 from .deepspeed_zero import zero_accounting
 from .ranks import fake_process_group, set_cache_env
+
+
+def import_deepspeed():
+    """``import deepspeed``, quietly: at its first import it probes every op it could build
+    by compiling and linking a test program (``/usr/bin/ld: cannot find -laio`` where libaio
+    is missing), output that reaches a notebook through the file descriptors
+    (:func:`memlab.quiet.quiet_build` keeps it). ``DS_ACCELERATOR=cpu`` without a GPU, which
+    it reads at import (:func:`~memlab.distributed.ranks.set_cache_env`)."""
+    set_cache_env()
+    if "deepspeed" not in sys.modules:
+        with quiet_build():
+            import deepspeed  # noqa: F401
+    return sys.modules["deepspeed"]
 
 
 @contextlib.contextmanager
@@ -27,8 +41,7 @@ def fake_ranks(world_size: int = 2):
     weights are wrong, so use it for configs and bytes, not for losses. The group, DeepSpeed's
     handle on it and the environment it reads are undone on exit.
     """
-    set_cache_env()  # DS_ACCELERATOR=cpu without a GPU (read when deepspeed is imported)
-    import deepspeed
+    deepspeed = import_deepspeed()
     import deepspeed.comm.comm as ds_comm
     import deepspeed.utils.groups as ds_groups
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
@@ -40,7 +53,7 @@ def fake_ranks(world_size: int = 2):
         os.environ.update(env)
         with fake_process_group(world_size):  # validates world_size, refuses a second group
             log.setLevel(logging.ERROR)
-            with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its op builds
+            with quiet_build():  # DeepSpeed builds its shared-memory op here (and prints it)
                 deepspeed.init_distributed(dist_backend="gloo")  # wraps the group made above
             yield
     finally:
@@ -60,6 +73,7 @@ def deepspeed_batch_sizes(config: dict, ranks: int) -> dict:
     ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
     ``gradient_accumulation_steps``, derived and checked by ``DeepSpeedConfig`` itself
     (``train_batch_size = micro-batch x accumulation x ranks``), or ``{"error": message}``."""
+    import_deepspeed()
     from deepspeed.runtime.config import DeepSpeedConfig
     with fake_ranks(ranks):
         try:
@@ -95,7 +109,7 @@ def run_deepspeed(config: dict, ranks: int = 2, make_engine: Callable | None = N
     sizes, offload, whether activation checkpointing was configured, and the rank's exact
     bytes (``memlab.distributed.deepspeed_zero.zero_accounting``). ``make_engine(model)`` replaces the
     plain ``deepspeed.initialize`` call."""
-    import deepspeed
+    deepspeed = import_deepspeed()
     with fake_ranks(ranks):
         torch.manual_seed(0)
         model = GPT(get_config("tiny"))
