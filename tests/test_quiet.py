@@ -37,24 +37,30 @@ def test_a_sweep_draws_no_bar_when_nobody_watches(monkeypatch, capfd):
     assert capfd.readouterr().err == ""
 
 
-def test_quiet_build_sums_a_subprocess_output_up_in_one_line(capfd):
+def test_quiet_build_sums_a_build_up_in_one_line(monkeypatch, tmp_path, capfd):
     import io
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     line = io.StringIO()
-    with quiet.quiet_build("DeepSpeed op demo", stream=line):
-        print("Building extension module demo...", flush=True)
-        subprocess.run([sys.executable, "-c", "import sys; print('[1/2] c++ -c demo.cpp'); "
+    with quiet.quiet_build("DeepSpeed op", stream=line):
+        print("DeepSpeed deepspeed.ops.demo built successfully", flush=True)       # sys.stdout
+        subprocess.run([sys.executable, "-c", "import sys; print('[1/2] c++ -c demo.cpp'); "  # fd 1 and 2
                         "print('/usr/bin/ld: cannot find -laio', file=sys.stderr)"], check=True)
+        (tmp_path / "demo").mkdir()
+        (tmp_path / "demo" / "demo.so").write_bytes(b"")                           # what a build leaves
     seen = capfd.readouterr()
-    assert seen.out == "" and seen.err == ""                   # the fd-level output was captured
-    assert line.getvalue().startswith("DeepSpeed op demo: built in ") and line.getvalue().count("\n") == 1
+    assert seen.out == "" and seen.err == ""
+    assert line.getvalue() == f"DeepSpeed op demo: built in 0 s (cached under {tmp_path})\n"
+    with quiet.quiet_build("DeepSpeed op", stream=line):                           # loaded from the cache
+        print("DeepSpeed deepspeed.ops.demo built successfully", flush=True)
+    assert line.getvalue().count("\n") == 1 and capfd.readouterr().out == ""
 
 
 def test_quiet_build_shows_the_log_when_the_build_fails(capfd):
-    with pytest.raises(RuntimeError), quiet.quiet_build("DeepSpeed op demo"):
+    with pytest.raises(RuntimeError), quiet.quiet_build("DeepSpeed op"):
         subprocess.run([sys.executable, "-c", "print('error: demo.cpp:1: no such file')"], check=True)
         raise RuntimeError("build failed")
     err = capfd.readouterr().err
-    assert "failed after" in err and "no such file" in err
+    assert "DeepSpeed op: failed" in err and "no such file" in err
 
 
 def test_hf_checkpointing_turns_the_cache_off_itself(capfd):
@@ -90,3 +96,28 @@ def test_a_result_prints_one_readable_line_and_keeps_its_fields():
         assert "\n" not in shown and len(shown) <= 120 and "1.8e-07" in shown and "7881393" not in shown
     assert check == AccumulationCheck(4, 1.7881393432617188e-07, 0.5202020406723022, True)
     assert "max_abs_diff=1.7881393432617188e-07" in repr(check)      # repr stays the dataclass's
+
+
+def noisy_worker(rank: int, world_size: int, fail: bool = False) -> int:
+    """What DeepSpeed does on a rank: prints, warns, and runs the linker (a subprocess)."""
+    print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully", flush=True)
+    warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning, stacklevel=1)
+    subprocess.run([sys.executable, "-c", "import sys; print('/usr/bin/ld: cannot find -laio', file=sys.stderr)"],
+                   check=True)
+    if fail and rank == 1:
+        raise ValueError("boom from the second rank")
+    return rank
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ranks_keep_their_output_unless_one_fails(capfd):
+    """Two launches (about 10 s each unloaded); quiet_build's tests are its fast siblings."""
+    from memlab.distributed.ranks import RankError, run_ranks
+    assert run_ranks(noisy_worker, 2, timeout=120) == [0, 1]
+    seen = capfd.readouterr()
+    assert "cannot find -laio" not in seen.out + seen.err and "deprecated" not in seen.err, seen
+    with pytest.raises(RankError, match="boom"):
+        run_ranks(noisy_worker, 2, kwargs={"fail": True}, timeout=120)
+    err = capfd.readouterr().err
+    assert "the ranks' output" in err and "cannot find -laio" in err   # a failure shows the log
