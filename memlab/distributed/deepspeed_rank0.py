@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import sys
+import warnings
 from typing import Callable
 
 import torch
@@ -51,7 +52,11 @@ def fake_ranks(world_size: int = 2):
     level = log.level
     try:
         os.environ.update(env)
-        with fake_process_group(world_size):  # validates world_size, refuses a second group
+        with fake_process_group(world_size), warnings.catch_warnings():  # validates world_size, refuses a second group
+            # DeepSpeed's ZeRO calls torch's all_gather_into_tensor / reduce_scatter_tensor, which
+            # torch 2.13 deprecates (for *_single): a warning per call memlab cannot avoid
+            warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
+                                    category=FutureWarning)
             log.setLevel(logging.ERROR)
             with quiet_build():  # DeepSpeed builds its shared-memory op here (and prints it)
                 deepspeed.init_distributed(dist_backend="gloo")  # wraps the group made above
