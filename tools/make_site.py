@@ -70,6 +70,8 @@ def build(paths: list[pathlib.Path], out: pathlib.Path, timeout: float, execute:
     # kernels inherit the environment: a non-interactive backend (MPLBACKEND=Agg, as the tests
     # set) would leave every lesson without `%matplotlib inline` with no figures on its page
     os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+    # nobody watches a page's progress bars: memlab draws none (memlab.quiet.progress_wanted)
+    os.environ["MEMLAB_PROGRESS"] = "0"
     rows = []
     for i, path in enumerate(paths):
         t = time.perf_counter()
