@@ -22,6 +22,7 @@ print the dataclass's whole ``repr``. ``repr``, the fields and equality stay the
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 import tempfile
@@ -109,6 +110,33 @@ def build_line(before: dict[str, float], start: float, what: str = "DeepSpeed op
     return f"{what} {', '.join(sorted(new))}: built in {max(seconds, 0):.0f} s (cached under {extensions_dir()})"
 
 
+class _Sink(io.TextIOBase):
+    """``sys.stdout``/``sys.stderr`` inside :func:`quiet_build`: keeps what is written while the
+    block runs (for the failure log) and drops what comes after. A logging handler made in the
+    block binds to it for good (DeepSpeed's, on ``sys.stdout`` at its first import): its later
+    lines stay out of a lesson and out of ``--json``'s stdout, as they did when the block
+    redirected to a ``StringIO``. ``fileno`` is the descriptor it stands for, which DeepSpeed's
+    op probes redirect around the compiler."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd, self.parts, self.active = fd, [], True
+
+    def write(self, text: str) -> int:
+        if self.active:
+            self.parts.append(text)
+        return len(text)
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.fd
+
+
 @contextlib.contextmanager
 def quiet_build(what: str = "DeepSpeed op", *, stream=None) -> Iterator[None]:
     """Run the block with its output, to ``sys.stdout``/``sys.stderr`` and to file descriptors
@@ -117,7 +145,7 @@ def quiet_build(what: str = "DeepSpeed op", *, stream=None) -> Iterator[None]:
 
     Args:
         what: what is built, for the line (``"DeepSpeed op"``).
-        stream: where the line goes (``sys.stdout``).
+        stream: where the line goes (``sys.stdout`` as it was before the block).
     Yields:
         Nothing; on an exception the log is printed to ``sys.stderr`` and the exception raised.
     """
@@ -127,17 +155,18 @@ def quiet_build(what: str = "DeepSpeed op", *, stream=None) -> Iterator[None]:
             s.flush()
     before, start = built_ops(), time.time()
     saved = {fd: os.dup(fd) for fd in (1, 2)}
+    sinks = (_Sink(1), _Sink(2))
     with tempfile.TemporaryFile(mode="w+b") as log:
         ok = False
-        text = open(log.fileno(), "w", buffering=1, closefd=False, errors="replace")
         try:
             for fd in (1, 2):
                 os.dup2(log.fileno(), fd)
-            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+            with contextlib.redirect_stdout(sinks[0]), contextlib.redirect_stderr(sinks[1]):
                 yield
             ok = True
         finally:
-            text.flush()
+            for sink in sinks:
+                sink.active = False
             for fd, keep in saved.items():
                 os.dup2(keep, fd)
                 os.close(keep)
@@ -147,7 +176,8 @@ def quiet_build(what: str = "DeepSpeed op", *, stream=None) -> Iterator[None]:
                     print(line, file=out)
             else:
                 log.seek(0)
-                print(f"{what}: failed; its output:\n{log.read().decode('utf-8', 'replace')}", file=sys.stderr)
+                text = "".join(sinks[0].parts + sinks[1].parts) + log.read().decode("utf-8", "replace")
+                print(f"{what}: failed; its output:\n{text}", file=sys.stderr)
 
 
 __all__ = ["OneLine", "PROGRESS_ENV", "in_kernel", "progress_wanted", "extensions_dir",
