@@ -8,17 +8,23 @@ from dataclasses import dataclass, replace
 import torch
 
 from .errors import InputError
+from .quiet import OneLine
 from .step import StepConfig, build_trainer, make_batch
 
 
 @dataclass
-class AccumulationCheck:
+class AccumulationCheck(OneLine):
     """One batch of ``batch`` against ``k`` micro-batches of ``batch // k``."""
 
     k: int
     max_abs_diff: float
     max_grad: float
     same: bool  # torch.allclose at fp32 tolerance
+
+    def __str__(self) -> str:
+        verdict = "the same gradients" if self.same else "DIFFERENT gradients"
+        return (f"AccumulationCheck: {self.k} micro-batches give {verdict} as one batch "
+                f"(differ by {self.max_abs_diff:.1e} at most; largest {self.max_grad:.2g})")
 
 
 def _grads(step: StepConfig, k: int, seed: int, device: str = "cpu") -> list[torch.Tensor]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import warnings
 from dataclasses import replace
 from importlib import resources
 from typing import Callable, Iterator
@@ -229,6 +230,10 @@ def enable_hf_checkpointing(model) -> None:
     """HF's own per-layer checkpointing, non-reentrant: ``activation_checkpointing_enable``
     (transformers >= 5.x), which older releases call ``gradient_checkpointing_enable``."""
     kw = {"use_reentrant": False}
+    # training keeps no KV cache; with the config's use_cache=True every forward would log
+    # "`use_cache=True` is incompatible with gradient checkpointing" and turn it off itself
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        model.config.use_cache = False
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
     else:
@@ -240,15 +245,27 @@ def add_lora(model, lora: dict):
     each new adapter to its base layer's device and dtype with ``Module.to``, which swaps
     parameters and cannot swap fake ones; there, while the adapters are made, ``Module.to``
     puts converted copies in place instead (the same tensors, the same bytes)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     if not isinstance(next(model.parameters()), FakeTensor):
-        return get_peft_model(model, LoraConfig(**lora))
+        return peft_model(model, LoraConfig(**lora))
     to = torch.nn.Module.to
     torch.nn.Module.to = _replacing_to
     try:
-        return get_peft_model(model, LoraConfig(**lora))
+        return peft_model(model, LoraConfig(**lora))
     finally:
         torch.nn.Module.to = to
+
+
+def peft_model(model, config):
+    """``peft.get_peft_model(model, config)`` without the deprecation warning peft itself
+    triggers: it reads ``model.is_gradient_checkpointing``, which transformers 5 renamed
+    ``is_activation_checkpointing`` and warns about (a FutureWarning the caller cannot avoid;
+    only that one is silenced)."""
+    from peft import get_peft_model
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def _replacing_to(module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
@@ -332,5 +349,5 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
 
 __all__ = ["SUPPORTED", "SHIPPED", "HF_CHECKPOINTING", "ROUTING_NOTE", "shipped_config", "load_config",
            "rope_parameters", "context_length", "check_seq", "is_moe", "fake_grouped_mm", "attn_implementation",
-           "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "add_lora",
+           "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "add_lora", "peft_model",
            "build_fn", "causal_lm_step", "simulate_hf"]

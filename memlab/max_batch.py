@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from .errors import InputError
 from .hardware import resolve_budget
 from .measure import measure_step
+from .quiet import progress_wanted
 from .step import StepConfig
 
 
@@ -26,11 +27,12 @@ class BatchSearch:
 
 
 def find_max_batch_search(step: StepConfig, budget: int | str, *, start: int = 1,
-                          max_batch: int = 1024, progress: bool = False, **kwargs) -> BatchSearch:
+                          max_batch: int = 1024, progress: bool | None = None, **kwargs) -> BatchSearch:
     """Grow the batch by doubling until a step runs out of memory, then bisect between the
     last size that fit and the first that did not (Lightning's ``BatchSizeFinder``,
     ``mode="binsearch"``). Every trial is a real step under the budget; OOMs are caught.
-    Returns batch 0 if even ``start`` does not fit.
+    Returns batch 0 if even ``start`` does not fit. A bar counts the trials where someone
+    watches it (``progress=None``: :func:`memlab.quiet.progress_wanted`).
     """
     budget_bytes = resolve_budget(budget)
     if budget_bytes is None:
@@ -38,7 +40,7 @@ def find_max_batch_search(step: StepConfig, budget: int | str, *, start: int = 1
     if start < 1 or max_batch < start:
         raise InputError(f"need 1 <= start <= max_batch, got start={start}, max_batch={max_batch}")
     from tqdm.auto import tqdm
-    bar = tqdm(desc="batch search", disable=not progress, leave=False)
+    bar = tqdm(desc="batch search", disable=not progress_wanted(progress), leave=False)
     trials: list[tuple[int, bool, int]] = []
 
     def fits(b: int) -> bool:

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .chunked_loss import linear_cross_entropy
 from .errors import InputError
+from .quiet import OneLine
 
 Attention = Literal["naive", "sdpa"]
 Checkpointing = Literal["none", "full", "selective"]
@@ -47,7 +48,7 @@ LOSSES = ("plain", "chunked")
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(OneLine):
     """Shape and behaviour of a decoder-only transformer.
 
     ``mlp="gelu"`` with LayerNorm and learned positions is GPT-2's block; ``mlp="swiglu"``
@@ -152,6 +153,18 @@ class GPTConfig:
         if self.position == "rope" and self.head_dim % 2:
             raise InputError(f"rotary positions need an even head_dim, got "
                              f"d_model/n_head = {self.head_dim}; choose an even head size")
+
+    def __str__(self) -> str:
+        """One line of the shape: ``GPTConfig tiny: 3.68M params, 4 layers x 256, 4 heads, ...``."""
+        n = self.num_params()
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+        kv = f" ({self.n_kv_head} k/v)" if self.n_kv_head not in (None, self.n_head) else ""
+        extra = [f"ckpt {self.checkpointing}"] if self.checkpointing != "none" else []
+        extra += [f"{self.loss} loss"] if self.loss != "plain" else []
+        return ", ".join([f"GPTConfig {self.name}: {size} params", f"{self.n_layer} layers x {self.d_model}",
+                          f"{self.n_head} heads{kv}", f"{self.mlp} {self.hidden}", self.norm,
+                          "rope" if self.position == "rope" else "learned pos", f"vocab {self.vocab_size}",
+                          self.attention, *extra])
 
     @property
     def head_dim(self) -> int:

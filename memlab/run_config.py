@@ -31,6 +31,7 @@ import io
 import json
 import pathlib
 import re
+import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from unittest import mock
@@ -39,6 +40,7 @@ from .distributed.ranks import set_cache_env
 from .errors import InputError
 from .finetune import GPT2_TARGETS, HF_OPTIMIZERS, LLAMA_TARGETS
 from .models import GPTConfig
+from .quiet import quiet_build
 from .states import ZeroBuckets
 
 #: "auto" keys a DeepSpeed config may leave to the Trainer and that memlab fills as it does
@@ -145,7 +147,7 @@ def resolve_auto(config: dict, args: SimpleNamespace, hidden_size: int) -> dict:
     from ``args`` (TrainingArguments' fields) and the model's ``hidden_size``, as the Trainer
     does; a value that contradicts the arguments is HF's mismatch error, as bad input."""
     set_cache_env()
-    with contextlib.redirect_stdout(io.StringIO()):  # deepspeed's import logs to stdout
+    with quiet_build(stream=sys.stderr):  # deepspeed's import logs to stdout and runs the linker
         from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
         hf = HfTrainerDeepSpeedConfig(config)
     try:
@@ -178,7 +180,9 @@ def _deepspeed_reading(config: dict, world_size: int):
     group, :func:`memlab.distributed.deepspeed_rank0.fake_ranks`, would also start DeepSpeed's
     communication backend, which waits on a TCP port)."""
     set_cache_env()  # DS_ACCELERATOR=cpu without a GPU: DeepSpeed then prints no detection warning
-    with contextlib.redirect_stdout(io.StringIO()):  # its logger writes to stdout (the CLI's JSON)
+    # its logger writes to stdout (the CLI's JSON), its first import's op probes run the
+    # compiler and linker (their output on the file descriptors): quiet_build keeps both
+    with quiet_build(stream=sys.stderr):
         import deepspeed.comm as ds_comm
         from deepspeed.runtime.config import DeepSpeedConfig
     try:

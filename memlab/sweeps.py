@@ -16,6 +16,7 @@ from .estimate import estimate_step
 from .flops import count_step_flops
 from .guard import preflight
 from .measure import measure_step
+from .quiet import progress_wanted
 from .simulate import simulate_step
 from .step import MemoryReport, StepConfig
 from .tracking import CATEGORIES, Event
@@ -35,11 +36,12 @@ def lens_fn(lens: str) -> Callable[..., MemoryReport]:
 
 
 def sweep(step: StepConfig, param: str, values: Sequence, lens: str = "measure", *,
-          budget: int | str | None = None, progress: bool = True, **kwargs) -> list[MemoryReport]:
+          budget: int | str | None = None, progress: bool | None = None, **kwargs) -> list[MemoryReport]:
     """One report per value of a :class:`StepConfig` field (``seq``, ``batch``, ...).
 
     ``kwargs`` go to the lens function (e.g. ``device="cuda"`` for measure); a tqdm bar shows
-    progress in notebooks.
+    progress where someone watches it (``progress=None``: :func:`memlab.quiet.progress_wanted`,
+    so not under nbval or on the site, where it would stay frozen at 0%).
     """
     if param not in StepConfig.__dataclass_fields__:
         raise InputError(f"param={param!r} is not a StepConfig field; "
@@ -47,7 +49,7 @@ def sweep(step: StepConfig, param: str, values: Sequence, lens: str = "measure",
     fn = lens_fn(lens)
     from tqdm.auto import tqdm
     out = []
-    for v in tqdm(list(values), desc=f"{lens} {param}", disable=not progress, leave=False):
+    for v in tqdm(list(values), desc=f"{lens} {param}", disable=not progress_wanted(progress), leave=False):
         out.append(fn(replace(step, **{param: v}), budget=budget, **kwargs))
     return out
 

@@ -231,9 +231,10 @@ def build(paths: list[pathlib.Path], out: pathlib.Path, timeout: float, execute:
     out.mkdir(parents=True, exist_ok=True)
     # kernels inherit the environment: a non-interactive backend (MPLBACKEND=Agg, as the tests
     # set) would leave every lesson without `%matplotlib inline` with no figures on its page;
-    # PYTHONSTARTUP gives each figure its title as alt text
+    # PYTHONSTARTUP gives each figure its title as alt text; nobody watches a page's progress
+    # bars, so memlab draws none (memlab.quiet.progress_wanted)
     kernel_env = {"MPLBACKEND": "module://matplotlib_inline.backend_inline",
-                  "PYTHONSTARTUP": str(ROOT / "tools" / "site_kernel.py")}
+                  "PYTHONSTARTUP": str(ROOT / "tools" / "site_kernel.py"), "MEMLAB_PROGRESS": "0"}
     saved_env = {k: os.environ.get(k) for k in kernel_env}
     os.environ.update(kernel_env)
     rows = []

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "errors": "`InputError`: bad user input (exit 2 in the CLI); imports nothing from memlab",
         "torch_private": "PyTorch's private APIs (fake tensors, dispatch keys, the fake process group, ...) behind one module, each with the torch versions it was checked on",
         "units": "bytes and their units: `KiB`..`TiB`, the one size parser `parse_size`, `fmt_bytes`",
+        "quiet": "quiet outputs: progress bars only where someone watches (`progress_wanted`), op builds in one line (`quiet_build`), one-line results (`OneLine`)",
         "cards": "card profiles (memory, capability, native bf16, attention kernels, cuBLAS workspace), `detect_card`",
         "predictions": "the learner's written guesses scored against the measurement",
         "hardware": "GPU presets and budgets, picking a device, placing ranks on devices (`place_ranks`)",

@@ -37,9 +37,13 @@ def collectives_worker(rank: int, world_size: int, n: int = 4) -> dict:
     summed = x.clone()
     dist.all_reduce(summed)
     shard = torch.empty(n, device=device)
-    dist.reduce_scatter_tensor(shard, x.clone())
+    # torch 2.13 renamed the tensor forms *_single and deprecates the old names (torch >= 2.6
+    # is supported: older releases have only those)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter(shard, x.clone())
     gathered = torch.empty(n * world_size, device=device)
-    dist.all_gather_into_tensor(gathered, shard)
+    all_gather(gathered, shard)
     return {"rank": rank, "backend": dist.get_backend(), "x": x.tolist(),
             "all_reduce": summed.tolist(), "reduce_scatter": shard.tolist(),
             "all_gather": gathered.tolist(),

@@ -4,17 +4,32 @@ exact bytes. The ZeRO lessons use these as tools; the ZeRO exercise checkers bui
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
+import sys
+import warnings
 from typing import Callable
 
 import torch
 
 from ..models import GPT, get_config
+from ..quiet import quiet_build
 from ..step import StepConfig, make_batch
 from .deepspeed_zero import zero_accounting
 from .ranks import fake_process_group, set_cache_env
+
+
+def import_deepspeed():
+    """``import deepspeed``, quietly: at its first import it probes every op it could build
+    by compiling and linking a test program (``/usr/bin/ld: cannot find -laio`` where libaio
+    is missing), output that reaches a notebook through the file descriptors
+    (:func:`memlab.quiet.quiet_build` keeps it). ``DS_ACCELERATOR=cpu`` without a GPU, which
+    it reads at import (:func:`~memlab.distributed.ranks.set_cache_env`)."""
+    set_cache_env()
+    if "deepspeed" not in sys.modules:
+        with quiet_build():
+            import deepspeed  # noqa: F401
+    return sys.modules["deepspeed"]
 
 
 @contextlib.contextmanager
@@ -27,8 +42,7 @@ def fake_ranks(world_size: int = 2):
     weights are wrong, so use it for configs and bytes, not for losses. The group, DeepSpeed's
     handle on it and the environment it reads are undone on exit.
     """
-    set_cache_env()  # DS_ACCELERATOR=cpu without a GPU (read when deepspeed is imported)
-    import deepspeed
+    deepspeed = import_deepspeed()
     import deepspeed.comm.comm as ds_comm
     import deepspeed.utils.groups as ds_groups
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
@@ -38,9 +52,13 @@ def fake_ranks(world_size: int = 2):
     level = log.level
     try:
         os.environ.update(env)
-        with fake_process_group(world_size):  # validates world_size, refuses a second group
+        with fake_process_group(world_size), warnings.catch_warnings():  # validates world_size, refuses a second group
+            # DeepSpeed's ZeRO calls torch's all_gather_into_tensor / reduce_scatter_tensor, which
+            # torch 2.13 deprecates (for *_single): a warning per call memlab cannot avoid
+            warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
+                                    category=FutureWarning)
             log.setLevel(logging.ERROR)
-            with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its op builds
+            with quiet_build():  # DeepSpeed builds its shared-memory op here (and prints it)
                 deepspeed.init_distributed(dist_backend="gloo")  # wraps the group made above
             yield
     finally:
@@ -60,6 +78,7 @@ def deepspeed_batch_sizes(config: dict, ranks: int) -> dict:
     ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
     ``gradient_accumulation_steps``, derived and checked by ``DeepSpeedConfig`` itself
     (``train_batch_size = micro-batch x accumulation x ranks``), or ``{"error": message}``."""
+    import_deepspeed()
     from deepspeed.runtime.config import DeepSpeedConfig
     with fake_ranks(ranks):
         try:
@@ -95,7 +114,7 @@ def run_deepspeed(config: dict, ranks: int = 2, make_engine: Callable | None = N
     sizes, offload, whether activation checkpointing was configured, and the rank's exact
     bytes (``memlab.distributed.deepspeed_zero.zero_accounting``). ``make_engine(model)`` replaces the
     plain ``deepspeed.initialize`` call."""
-    import deepspeed
+    deepspeed = import_deepspeed()
     with fake_ranks(ranks):
         torch.manual_seed(0)
         model = GPT(get_config("tiny"))

@@ -44,6 +44,7 @@ import re
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator, Mapping
@@ -57,6 +58,7 @@ import torch.multiprocessing as mp
 
 from ..errors import InputError
 from ..hardware import Placement, place_ranks, visible_gpus
+from ..quiet import build_line, built_ops, in_kernel
 from ..torch_private import FakeStore
 
 REPO = Path(__file__).resolve().parents[2]  # memlab/distributed/ranks.py -> the checkout
@@ -138,14 +140,22 @@ def _die_with_parent() -> None:
 
 
 def _entry(rank: int, world_size: int, worker, kwargs: dict, port: int, placement: Placement,
-           results) -> None:
+           results, log: str | None = None) -> None:
     """The body of one spawned rank: join the group, run, report, leave the group."""
     _die_with_parent()
     # before anything touches CUDA or imports DeepSpeed: which accelerator this rank has
     os.environ.update(placement.rank_env())
-    # Results travel back through the queue; what a rank prints (DeepSpeed's build and
-    # config logs) goes to stderr so that the parent's stdout (``memlab ... --json``) stays clean.
+    # Results travel back through the queue; what a rank prints (DeepSpeed's op builds, its
+    # config logs, the deprecation warnings its calls into torch raise) goes to the launch's
+    # log, which run_ranks shows only when a rank fails: the parent's stdout (``memlab ...
+    # --json``) and a lesson's output stay clean. File descriptors, not sys.stdout: the
+    # compiler and the linker are subprocesses.
     sys.stdout.flush()
+    sys.stderr.flush()
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, 2)
+        os.close(fd)
     os.dup2(2, 1)
     set_dist_env(rank, world_size, port)
     try:
@@ -219,11 +229,15 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
+    log_fd, log = tempfile.mkstemp(prefix="memlab-ranks-", suffix=".log")
+    os.close(log_fd)
+    built_before, started = built_ops(), time.time()
     procs = [ctx.Process(target=_entry, daemon=True,
                          args=(r, world_size, worker, dict(kwargs or {}), port, placement,
-                               results))
+                               results, log))
              for r in range(world_size)]
     out: dict[int, Any] = {}
+    ok = False
     try:
         for p in procs:
             p.start()
@@ -253,11 +267,38 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
             out[rank] = value
         for p in procs:
             p.join(timeout=30)
+        ok = True
     finally:
         _kill(procs)
         results.close()
         results.join_thread()
+        _report_log(log, ok, built_before, started)
     return [out[r] for r in range(world_size)]
+
+
+#: lines of the ranks' log shown when a launch fails (a traceback and what led to it)
+LOG_TAIL = 100
+
+
+def _report_log(log: str, ok: bool, built_before: dict[str, float], started: float) -> None:
+    """After a launch: the ranks' log in full when one failed (to stderr), else one line for
+    the ops DeepSpeed built (in a notebook on stdout, elsewhere on stderr: ``--json`` stays
+    parseable); then the log is removed."""
+    try:
+        if not ok:
+            with open(log, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+            lines = text.splitlines()
+            if lines:
+                cut = f" (its last {LOG_TAIL} lines)" if len(lines) > LOG_TAIL else ""
+                print(f"the ranks' output{cut}:\n" + "\n".join(lines[-LOG_TAIL:]), file=sys.stderr)
+        else:
+            line = build_line(built_before, started)
+            if line:
+                print(line, file=sys.stdout if in_kernel() else sys.stderr)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(log)
 
 
 def allreduce_worker(rank: int, world_size: int, value: float = 1.0) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..distributed.deepspeed_rank0 import fake_ranks, run_deepspeed
+from ..distributed.deepspeed_rank0 import fake_ranks, import_deepspeed, run_deepspeed
 from ..distributed.zero import zero_formula
 from ..errors import InputError
 from ..models import get_config
@@ -50,6 +50,7 @@ def _config_errors(config: dict, *, stage: int, ranks: int, micro_batch: int,
 
 def _check_deepspeed(name: str, config: dict, make_engine: Callable, *, stage: int, ranks: int,
                      micro_batch: int, accumulation: int, offload: bool) -> CheckResult:
+    import_deepspeed()  # its first import compiles probes: their linker output stays out of the lesson
     from deepspeed.runtime.config import DeepSpeedConfig
     require(name, "config", config, "the DeepSpeed config dict (batch keys, zero_optimization)", call=False)
     require(name, "make_engine", make_engine, "def make_engine(model): deepspeed.initialize(...)")
