@@ -585,16 +585,15 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
         raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
     kw = dict(seq=args.seq, batch=args.batch, precision=args.precision,
               checkpointing=args.checkpointing, attention=args.attention)
-    if args.command == "estimate" and _hf_plain(args):
-        return estimate_hf(args.hf_config, budget=budget, target=target, expert_parallel=args.expert_parallel,
-                           imbalance=args.expert_imbalance, **kw)
-    if args.command == "estimate" and (args.expert_parallel, args.expert_imbalance) != (1, 1.0):
+    if args.command == "estimate" and (args.expert_parallel, args.expert_imbalance) != (1, 1.0) \
+            and not _hf_plain(args):
         raise InputError("--expert-parallel/--expert-imbalance count one AdamW step per rank; drop "
                          "--micro-batches/--zero/--world-size/--offload/--optimizer")
     if args.command == "estimate":
-        step = hf.step_config(args.hf_config, optimizer=args.optimizer, micro_batches=args.micro_batches,
-                              zero=args.zero, world_size=args.world_size, offload=args.offload, **kw)
-        return estimate_step(step, budget=budget, target=target)
+        return estimate_hf(args.hf_config, budget=budget, target=target, expert_parallel=args.expert_parallel,
+                           imbalance=args.expert_imbalance, optimizer=args.optimizer,
+                           micro_batches=args.micro_batches, zero=args.zero, world_size=args.world_size,
+                           offload=args.offload, **kw)
     if (args.micro_batches, args.zero, args.world_size, args.offload, args.optimizer) != (1, 0, 1, "none", "adamw"):
         raise InputError("simulate --hf-config runs one AdamW step on one device; allowed: no "
                          "--micro-batches/--zero/--world-size/--offload/--optimizer (use estimate)")

@@ -182,9 +182,10 @@ def gpt_config(cfg: dict | str | pathlib.Path, seq: int | None = None) -> GPTCon
     cfg = load_config(cfg)
     kind = cfg["model_type"]
     if kind not in SUPPORTED:
-        raise InputError(f"model_type {kind!r} has no memlab GPT equivalent for the estimate; "
-                         f"supported: {', '.join(SUPPORTED)} (memlab simulate --hf-config "
-                         f"builds any causal LM)")
+        raise InputError(f"model_type {kind!r} has no memlab GPT equivalent, which LoRA/QLoRA, 8-bit "
+                         f"optimizers, --deepspeed/--training-args and advise estimate on; supported: "
+                         f"{', '.join(SUPPORTED)} (memlab estimate --hf-config without those flags, "
+                         f"ZeRO, offload and accumulation included, and simulate read any decoder)")
     context = context_length(cfg)
     check_seq(cfg, seq)
     name = cfg.get("_name_or_path") or (cfg.get("architectures") or [kind])[0]

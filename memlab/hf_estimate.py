@@ -273,8 +273,10 @@ def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int,
 def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
                 checkpointing: str | None = None, attention: str | None = None,
                 target: str | None = None, budget: int | str | None = None, card=None,
-                expert_parallel: int = 1, imbalance: float = 1.0) -> MemoryReport:
-    """Closed-form peak bytes of one AdamW training step of the HF decoder of ``cfg``.
+                expert_parallel: int = 1, imbalance: float = 1.0, optimizer: str = "adamw",
+                zero: int = 0, world_size: int = 1, offload: str = "none",
+                micro_batches: int = 1) -> MemoryReport:
+    """Closed-form peak bytes of one training step of the HF decoder of ``cfg``, per rank.
 
     Args:
         cfg: a config dict, config.json, its folder or a shipped name (:data:`memlab.hf.SHIPPED`).
@@ -285,6 +287,12 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
         target: ``cpu`` or ``cuda`` (:func:`memlab.policy.resolve_target`).
         expert_parallel: ranks the routed experts are divided across (an MoE config only).
         imbalance: the busiest rank's tokens over the balanced share (>= 1).
+        optimizer, zero, world_size, offload: the optimizer (``adamw``, ``sgd``) and DeepSpeed's
+            ZeRO stage over ``world_size`` data-parallel ranks with its offload, whose model
+            states and buffers :func:`memlab.states.model_states` counts from the class's
+            parameter tensors (:meth:`memlab.hf_shape.DecoderShape.param_numels`); in bf16
+            DeepSpeed runs the model cast to 16 bits, so the activations are pure bf16's.
+        micro_batches: ``batch`` split into this many accumulated micro-batches.
 
     Returns:
         A :class:`MemoryReport` (lens ``estimate``) per rank.
@@ -308,32 +316,50 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                          f"{', '.join(map(str, allowed))}")
     if not imbalance >= 1.0:
         raise InputError(f"imbalance={imbalance!r}; allowed: >= 1 (1 = balanced routing)")
+    if ep > 1 and (zero, world_size, offload, micro_batches) != (0, 1, "none", 1):
+        raise InputError("expert_parallel counts one step per expert-parallel rank; allowed with it: "
+                         "zero=0, world_size=1, offload='none', micro_batches=1")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1 \
+            or batch % micro_batches:
+        raise InputError(f"micro_batches={micro_batches!r} for batch {batch}; allowed: a divisor of the batch")
     tgt = resolve_target(target, budget, card)
-    param, compute, lower = precision_bytes(precision)
-    z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=tgt, precision=precision)
-    t, V, D, L = seq * batch, s.vocab, s.d, s.n_layer
-    path = attention_path(s, z, batch, seq, attention)
     # model states per rank: the experts divided over ep ranks, the rest replicated
     params = s.num_params() - s.expert_total() * (1 - 1 / ep)
-    ms = model_states(int(round(params)), precision=precision)
+    ms = model_states(s if ep == 1 else int(round(params)), precision=precision, optimizer=optimizer,
+                      zero=zero, world_size=world_size, offload=offload)
+    run = ms.compute_precision if ms.deepspeed else precision
+    param, compute, lower = precision_bytes(run)
+    z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=tgt, precision=run)
+    k = micro_batches
+    batch //= k
+    t, V, D, L = seq * batch, s.vocab, s.d, s.n_layer
+    path = attention_path(s, z, batch, seq, attention)
     states = ms.peak_inputs()
     P, G, opt = states["parameters"], states["gradients"], states["optimizer"]
-    scratch = states.get("step", 0.0)
+    scratch, gathered = states["step"], states["gathered"]
+    # DeepSpeed's gradient bytes held all step, and ZeRO-2's partition from the first bucket;
+    # with accumulation the earlier micro-batches' gradients are there from the start
+    held, late = states["held"], states["late"]
+    G_prev = G if k > 1 else 0.0
+    head_grad = min(G, V * D * z.w * (not s.tied) / (world_size if zero >= 2 else 1))
     full = checkpointing == "full"
     A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance)
     # the loss (HF's ForCausalLMLoss: logits.float(), then cross-entropy in fp32)
     lsm = t * V * 4
     cast = t * V * 4 if z.c != 4 else 0
-    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast),
-         "log-softmax backward": dict(activations=A + lsm, temporaries=2 * t * V * 4 + (t * V * z.c if cast else 0)),
-         "head backward": dict(activations=A, temporaries=t * V * z.c + t * D * z.c,
-                               gradients=V * D * z.w * (not s.tied)),
-         "end of backward": dict(gradients=G, temporaries=(2 * V * D * z.w if s.tied else 0) + t * D * z.r),
-         "optimizer step": dict(gradients=G, temporaries=scratch)}
+    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered,
+                              gradients=G_prev + held),
+         "log-softmax backward": dict(activations=A + lsm, gradients=G_prev + held,
+                                      temporaries=2 * t * V * 4 + (t * V * z.c if cast else 0) + gathered),
+         "head backward": dict(activations=A, temporaries=t * V * z.c + t * D * z.c + gathered,
+                               gradients=max(G_prev, head_grad + late) + held),
+         "end of backward": dict(gradients=G + held,
+                                 temporaries=(2 * V * D * z.w if s.tied else 0) + t * D * z.r),
+         "optimizer step": dict(gradients=G + held, temporaries=scratch)}
     if full:  # the last recomputed layer (layer 0) holds its activations with nearly all gradients
         m["recomputed layer"] = dict(activations=embed + t * D * z.r + layers[0] + dense_w / L * z.c * z.auto,
-                                     gradients=G * (1 - 1 / max(L, 1)),
-                                     temporaries=t * max(s.ffn, s.moe_ffn * s.top_k) * z.c)
+                                     gradients=max(G_prev, G * (1 - 1 / max(L, 1)), late) + held,
+                                     temporaries=t * max(s.ffn, s.moe_ffn * s.top_k) * z.c + gathered)
     moment, best = max(m.items(), key=lambda kv: sum(kv[1].values()))
     cats = dict.fromkeys(CATEGORIES, 0.0)
     cats.update(parameters=P, optimizer=opt, other=16 * t, workspace=tgt.resident_workspace(), **best)
@@ -342,11 +368,15 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     if ep > 1:  # the all-to-all's send and receive buffers of one MoE layer's rows
         cats["temporaries"] += 2 * t * s.top_k * imbalance * D * z.c
     cats = {k: int(round(v)) for k, v in cats.items()}
-    info = ModelStep(s.name, s.num_params(), s.num_params(), seq=seq, batch=batch, precision=precision,
+    info = ModelStep(s.name, s.num_params(), s.num_params(), seq=seq, batch=batch * k, precision=precision,
                      checkpointing=checkpointing or "none")
+    host = {c: int(round(ms.host.get(c, 0.0))) for c in CATEGORIES}
     report = MemoryReport("estimate", info, f"formula ({tgt.name})", sum(cats.values()), cats,
-                          resolve_budget(budget), None)
+                          resolve_budget(budget), None, host_bytes=sum(host.values()), host_by_category=host)
     report.notes.append(f"peak moment: {moment}; attention: {path}")
+    report.notes.extend(ms.notes)
+    if k > 1:
+        report.notes.append(f"{k} micro-batches of {batch}: activations of one, gradients held throughout")
     if s.experts:
         report.notes.append(f"experts: {s.experts} routed, top-{s.top_k}; parameters "
                             f"{s.num_params() / 1e9:.2f}B total, {s.active_params() / 1e9:.2f}B active; "

@@ -132,6 +132,41 @@ class DecoderShape:
         lookup = 0 if embedding or self.tied else self.vocab * self.d
         return int(round(self.num_params() - idle - lookup))
 
+    def param_numels(self) -> list[int]:
+        """Elements of each parameter tensor of the ``...ForCausalLM`` class, in closed form:
+        what DeepSpeed's buffers depend on (the largest tensor, the small ones ZeRO-3 keeps
+        whole on every rank). ``transformers`` 5 stores each MoE layer's routed experts as
+        two 3-d tensors (``gate_up_proj``, ``down_proj``) and fuses Phi-3's q/k/v and gate/up;
+        the sum is :meth:`num_params`."""
+        d, q, kv, hd = self.d, self.q_dim, self.kv_dim, self.head_dim
+        norm = [d, d] if self.norm == "layer" else [d]  # LayerNorm has a bias
+        out = [self.vocab * d] + ([self.positions * d] if self.positions else [])
+        for i in range(self.n_layer):
+            out += norm * self.norms_per_layer
+            if self.q_lora_rank is not None or self.kv_lora_rank is not None:
+                ql, kl, rope = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_dim
+                out += [d * q] if ql is None else [d * ql, ql, ql * q]
+                out += [d * (kl + rope), kl, kl * self.heads * (hd - rope + self.v_head_dim),
+                        self.heads * self.v_head_dim * d]
+            else:
+                out += [d * (q + 2 * kv)] if self.fused_qkv else [d * q, d * kv, d * kv]
+                out += ([q + 2 * kv] if self.fused_qkv else [q, kv, kv]) if self.qkv_bias else []
+                out += [q * d] + ([d] if self.o_bias else [])
+                out += [hd, hd] if self.qk_norm else []
+                out += [self.heads] if self.sinks else []
+            if i in self.moe_layers:
+                e, f = self.experts, self.moe_ffn
+                out += [e * d] + ([e] if self.router == "topk_softmax" else [])
+                out += [e * 2 * f * d, e * d * f] + ([e * 2 * f, e * d] if self.expert_bias else [])
+                out += [d * self.shared_ffn] * 3 if self.shared_ffn else []
+            elif self.mlp == "gelu_new":
+                out += [d * self.ffn, self.ffn, self.ffn * d, d]
+            else:
+                f = self.ffn
+                out += [2 * d * f, f * d] if self.fused_qkv else [d * f, d * f, f * d]
+                out += [f, f, d] if self.mlp_bias else []
+        return out + norm + ([] if self.tied else [self.vocab * d])
+
     def expert_total(self) -> int:
         """Parameters of all routed experts (what expert parallelism divides)."""
         return len(self.moe_layers) * self.expert_params()

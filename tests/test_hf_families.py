@@ -19,6 +19,7 @@ from torch_reference import memtracker_peak  # noqa: E402
 
 from memlab import hf  # noqa: E402
 from memlab.cli import main  # noqa: E402
+from memlab.errors import InputError  # noqa: E402
 from memlab.hf_estimate import estimate_hf
 from memlab.hf_shape import decoder_shape  # noqa: E402
 from memlab.your_model import track_step  # noqa: E402
@@ -218,3 +219,56 @@ def test_expert_states_checker_passes_the_formula_and_names_the_mistake():
     exercises.check_expert_states(lambda s, ep: 16 * (s.num_params() - s.expert_total() * (1 - 1 / ep)))
     with pytest.raises(AssertionError, match="divided every parameter"):
         exercises.check_expert_states(lambda s, ep: 16 * s.num_params() / ep)
+
+
+def _meta_numels(cfg):
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf.hf_config(cfg))
+    return sorted(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", [*FAMILIES, "qwen3-30b-a3b", "gpt-oss-20b", "phi-3-mini"])
+def test_parameter_tensors_are_the_meta_models(name):
+    # DeepSpeed's buffers follow the largest tensor and the small ones (ZeRO-3 keeps those whole)
+    cfg = FAMILIES.get(name, name)
+    assert sorted(decoder_shape(cfg).param_numels()) == _meta_numels(cfg)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_estimate_shards_every_family_as_the_zero_paper_says(name):
+    # sec. 5.1 of Rajbhandari et al. 2020: 2 + 2 + 12 bytes per parameter in mixed precision, stage 1
+    # divides the 12 by N, stage 3 also the 2 bytes of parameters (the small tensors stay whole)
+    psi, n = sum(_meta_numels(FAMILIES[name])), 4
+    small = sum(x for x in _meta_numels(FAMILIES[name]) if x < 10_000)
+    kw = dict(seq=SEQ, batch=BATCH, precision="bf16", target="cpu", world_size=n)
+    z1 = estimate_hf(FAMILIES[name], zero=1, **kw).by_category
+    z3 = estimate_hf(FAMILIES[name], zero=3, **kw).by_category
+    assert z1["optimizer"] == 12 * psi // n and z1["parameters"] == 2 * psi
+    assert z3["optimizer"] == 12 * psi // n and z3["parameters"] == pytest.approx(2 * psi / n + 2 * small, abs=1)
+    # DeepSpeed runs the bf16 model cast to 16 bits: the activations of a pure-bf16 step
+    pure = estimate_hf(FAMILIES[name], seq=SEQ, batch=BATCH, precision="pure-bf16", target="cpu")
+    assert estimate_hf(FAMILIES[name], zero=2, **kw).by_category["activations"] == pure.by_category["activations"]
+    off = estimate_hf(FAMILIES[name], zero=2, offload="optimizer", **kw)
+    assert off.by_category["optimizer"] == 0 and off.host_by_category["optimizer"] >= 12 * psi / n
+
+
+def test_estimate_accumulates_micro_batches_for_any_family():
+    cfg = FAMILIES["qwen3_moe"]
+    one = estimate_hf(cfg, seq=SEQ, batch=1, precision="fp32", target="cpu")
+    four = estimate_hf(cfg, seq=SEQ, batch=4, precision="fp32", target="cpu", micro_batches=4)
+    # each micro-batch keeps one sequence's activations; the earlier ones' gradients are held
+    assert four.by_category["activations"] == one.by_category["activations"]
+    assert four.by_category["gradients"] == 4 * sum(_meta_numels(cfg))
+    with pytest.raises(InputError, match="micro_batches=3"):
+        estimate_hf(cfg, seq=SEQ, batch=4, micro_batches=3)
+
+
+def test_cli_estimates_zero_for_families_memlab_gpt_cannot_map(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(FAMILIES["qwen3"]))
+    argv = ["estimate", "--hf-config", str(path), "--seq", str(SEQ), "--batch", "2", "--precision", "bf16",
+            "--zero", "3", "--world-size", "4", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["by_category"]["optimizer"] == 12 * sum(_meta_numels(FAMILIES["qwen3"])) // 4
