@@ -214,3 +214,22 @@ def test_readme_and_syllabus_reading_minutes_are_the_plans():
                                (ROOT / "course" / "syllabus.md").read_text(), re.M))
     assert {s: int(m) for s, m in readme.items()} == plan
     assert {s: int(m) for s, m in syllabus.items()} == plan
+
+
+def test_class_minutes_write_puts_a_lessons_new_minutes_everywhere_and_flags_a_day_over():
+    """`tools/class_minutes.py --write`: a lesson that grew by 50 minutes of reading moves every
+    row of it and every day holding it, and a day that no longer fits is reported."""
+    from dataclasses import replace
+    times = {stem: notebook_time(stem) for stem in MEASURED}
+    same, over = class_minutes.rewrite_plan(PLAN, times)
+    assert days(same).keys() == days().keys()
+    grown = dict(times, **{"01_where_memory_goes": replace(times["01_where_memory_goes"],
+                                                           reading=times["01_where_memory_goes"].reading + 50)})
+    text, over = class_minutes.rewrite_plan(same, grown)
+    before, after = days(same), days(text)
+    for key in before:
+        holds = any(r[0] == "`01_where_memory_goes`" for r in before[key][0])
+        assert after[key][1] - before[key][1] == (50 if holds else 0), key
+    assert [line.split(":")[0] for line in over] == ["### 2.5 days, day 1", "### 2 days, day 1"]
+    measured = next(line for line in text.splitlines() if line.startswith("| `01_where_memory_goes` | "))
+    assert f"| {times['01_where_memory_goes'].reading + 50} |" in measured
