@@ -89,7 +89,7 @@ def test_measured_row_within_tolerance_of_its_notebook(stem):
     assert int(row[3]) == now.exercises, f"{stem}: {now.exercises} 'Your turn' exercises now, the plan {row[3]}"
     assert abs(int(row[10]) - now.total) <= LESSON_TOLERANCE, (
         f"{stem}: the plan says {row[10]} min, the notebook now gives {now.total} ({now}); "
-        f"rerun `python tools/class_minutes.py` and update course/two-day-plan.md")
+        f"run `python tools/class_minutes.py --write`")
 
 
 def test_each_day_adds_up_fits_its_limit_and_stays_near_the_notebooks():
