@@ -12,6 +12,8 @@ a per-cell timeout; an error or a timeout in one cell does not stop the next, so
 cell (a code cell calling ``exercises.check_...``, after a "Your turn" cell) runs and is
 recorded: ``pass`` with the checker's ``PASSED`` line, or ``fail`` with its message
 (``CheckFailed``, or the error the learner's empty or broken cell left, e.g. a ``NameError``).
+Notebooks run one at a time (20-60 s each on a CPU), so a class of 30 takes hours: collect
+after the session, overnight; in class the learners self-check with the same checkers.
 
 Why not nbgrader: 0.9.6 installs beside JupyterLab 4 (``jupyterlab<5,>=4.2``), but grades only
 cells carrying its own metadata (``nbgrader.grade_id``, points) and keeps a gradebook
