@@ -21,7 +21,10 @@ LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 .PHONY: instructor doctor site wheelhouse
 
 help:
-	@echo "make lab         open the workbook in JupyterLab (installs on first run)"
+	@echo "make lab         open the learner's edition in JupyterLab: student/, exercises blank (made first,"
+	@echo "                 never over your edits; installs on first run)"
+	@echo "make lab EDITION=solutions    the same notebooks with their solutions (notebooks/);"
+	@echo "                 EDITION=instructor: with the answer keys appended (build/instructor/)"
 	@echo "make lint        ruff over memlab, tests, tools and benchmarks (pyproject.toml's config)"
 	@echo "make test        lint, package tests, then every notebook under nbval"
 	@echo "make test-fast   lint, package tests only"
@@ -32,7 +35,6 @@ help:
 	@echo "                 CARD=T4-16GB rehearses a smaller card; DRY=1 prints the plan, no GPU needed)"
 	@echo "make strip       remove outputs from notebooks/*.ipynb"
 	@echo "make student     the workbook without solutions, in student/ (never over your edits; FORCE=1)"
-	@echo "make lab EDITION=student|instructor   open that edition instead of notebooks/"
 	@echo "make instructor  notebooks with the answer keys appended, in build/instructor/"
 	@echo "make doctor      pre-flight check: versions, cores, GPU, DeepSpeed op, two ranks, verdict"
 	@echo "make site        execute every notebook, write a static HTML site to build/site/"
@@ -52,10 +54,17 @@ $(STAMP): pyproject.toml constraints.txt
 
 # Every notebook names the kernel "python3", which ipykernel provides in whatever environment
 # runs it: the venv's own Python here (tools/nbstrip.py --check enforces the name).
-# EDITION=student opens the learner's copy (made first, never over their edits),
-# EDITION=instructor the notebooks with their answer keys.
-EDITION ?= solutions
+# `make lab` opens the learner's copy, student/ (made first, never over their edits: `make
+# student`); EDITION=solutions the notebooks as committed, EDITION=instructor with the answer keys.
+EDITION ?= student
+EDITIONS := student solutions instructor
 STUDENT_DIR ?= student
+# an unknown edition stops before anything is installed or opened
+ifneq ($(filter lab,$(MAKECMDGOALS)),)
+ifneq ($(words $(filter $(EDITIONS),$(EDITION))) $(words $(EDITION)),1 1)
+$(error EDITION=$(EDITION); allowed: $(EDITIONS))
+endif
+endif
 LAB_DIR = $(if $(filter student,$(EDITION)),$(STUDENT_DIR),$(if $(filter instructor,$(EDITION)),build/instructor,notebooks))/
 lab: venv $(if $(filter student,$(EDITION)),student) $(if $(filter instructor,$(EDITION)),instructor)
 	$(PY) -m jupyter lab $(LAB_ARGS) $(LAB_DIR)

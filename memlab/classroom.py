@@ -1,7 +1,9 @@
-"""Collect a class's results: run submitted student notebooks headless, record every checker.
+"""Collect a class's results: run submitted student notebooks headless, record every checker;
+and time a lesson for a class plan (:func:`lesson_time`, ``course/two-day-plan.md``).
 
     memlab class collect SUBMITTED/ --out results.csv       # also writes results.md
     python -m memlab.classroom SUBMITTED/ --out results.csv
+    python tools/class_minutes.py                           # the plan's minutes per lesson
 
 ``SUBMITTED/<student>/.../NN_name.ipynb`` (nbgrader's ``submitted/<student>/<assignment>/``
 layout works as is); a notebook directly in ``SUBMITTED/`` is filed under student ``-``. Each
@@ -10,6 +12,8 @@ a per-cell timeout; an error or a timeout in one cell does not stop the next, so
 cell (a code cell calling ``exercises.check_...``, after a "Your turn" cell) runs and is
 recorded: ``pass`` with the checker's ``PASSED`` line, or ``fail`` with its message
 (``CheckFailed``, or the error the learner's empty or broken cell left, e.g. a ``NameError``).
+Notebooks run one at a time (20-60 s each on a CPU), so a class of 30 takes hours: collect
+after the session, overnight; in class the learners self-check with the same checkers.
 
 Why not nbgrader: 0.9.6 installs beside JupyterLab 4 (``jupyterlab<5,>=4.2``), but grades only
 cells carrying its own metadata (``nbgrader.grade_id``, points) and keeps a gradebook
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
+import math
 import pathlib
 import re
 import sys
@@ -149,6 +155,92 @@ def write_tables(results: list[Result], csv_path: str | pathlib.Path) -> tuple[p
         lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     md.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return csv_path, md
+
+
+# --- how long a lesson takes in class (course/two-day-plan.md states and justifies each figure) ---
+WORDS_PER_MINUTE = 120      # the lesson's prose, read closely (formulas, tables, predict-first prompts)
+CODE_CELL_MINUTES = 0.5     # a code cell and its output: about 55 words (the executed lessons' median)
+EXERCISE_MINUTES = 20       # a "Your turn": read the task, write the code, run the checker, fix once
+DEMO_MINUTES = 10           # the teacher: the live demo and the question of instructor-notes.md
+FENCE = re.compile(r"^```.*?^```[^\n]*$", re.M | re.S)
+DETAILS = re.compile(r"<details\b.*?</details\s*>", re.I | re.S)
+TAG = re.compile(r"<[^>]+>")
+WORD = re.compile(r"\S*\w\S*")   # a token with a letter or digit in it ("|", "---" and "-" are not words)
+LOG_LINE = re.compile(r"^(\d\d_\w+)\s+(\d+(?:\.\d+)?)\s*$")
+
+
+@dataclass(frozen=True)
+class LessonTime:
+    """One lesson's minutes in class and what they are computed from."""
+
+    lesson: str          # the notebook's stem, "05_checkpointing"
+    words: int           # prose: markdown cells without fenced code and <details> answer blocks
+    code_cells: int      # code cells a learner runs and reads, the exercises' own cells left out
+    exercises: int       # "Your turn" checker cells (what `class collect` records)
+    run_seconds: float   # the whole notebook's measured run time on a CPU
+    reading: int         # ceil(words / WORDS_PER_MINUTE)
+    code: int            # ceil(code_cells * CODE_CELL_MINUTES)
+    exercise: int        # exercises * EXERCISE_MINUTES
+    run: int             # ceil(run_seconds / 60)
+    demo: int            # DEMO_MINUTES
+    total: int           # the sum of the five
+
+
+def _source(cell: dict) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def prose_words(nb: dict) -> int:
+    """Words of a notebook's prose: its markdown cells, without fenced code blocks, ``<details>``
+    answer blocks (closed until asked) and HTML tags; a word is a token with a letter or digit."""
+    words = 0
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "markdown":
+            text = TAG.sub(" ", DETAILS.sub(" ", FENCE.sub(" ", _source(cell))))
+            words += len(WORD.findall(text))
+    return words
+
+
+def lesson_time(nb: dict, lesson: str, run_seconds: float) -> LessonTime:
+    """The minutes one lesson takes in class, from its notebook and its measured run time.
+
+    Args:
+        nb: the notebook (``json.load`` of the ``.ipynb``), as committed.
+        lesson: its stem, for the result.
+        run_seconds: its measured wall time, executed top to bottom on a CPU.
+
+    Returns:
+        The counts and the minutes: prose at :data:`WORDS_PER_MINUTE`, each code cell
+        :data:`CODE_CELL_MINUTES`, each "Your turn" :data:`EXERCISE_MINUTES`, the run time rounded
+        up to a minute and :data:`DEMO_MINUTES` of the teacher's.
+    """
+    if isinstance(run_seconds, bool) or not isinstance(run_seconds, (int, float)) or not run_seconds >= 0:
+        raise InputError(f"run_seconds={run_seconds!r} for {lesson}: a measured wall time, seconds >= 0")
+    checkers = {i for i, _ in checker_cells(nb)}
+    code_cells = sum(1 for i, c in enumerate(nb.get("cells", []))
+                     if c.get("cell_type") == "code" and i not in checkers
+                     and "solution" not in c.get("metadata", {}).get("tags", []))
+    words = prose_words(nb)
+    reading = math.ceil(words / WORDS_PER_MINUTE)
+    code = math.ceil(code_cells * CODE_CELL_MINUTES)
+    exercise = len(checkers) * EXERCISE_MINUTES
+    run = math.ceil(run_seconds / 60)
+    return LessonTime(lesson, words, code_cells, len(checkers), float(run_seconds), reading, code,
+                      exercise, run, DEMO_MINUTES, reading + code + exercise + run + DEMO_MINUTES)
+
+
+def read_run_seconds(path: str | pathlib.Path) -> dict[str, float]:
+    """Seconds per lesson stem from a run's record: ``make site``'s ``site.json`` (a list of
+    ``{"stem", "seconds"}``) or a log of ``NN_name SECONDS`` lines (other lines are skipped)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise InputError(f"run-time record {str(path)!r} does not exist: a site.json, or a log of "
+                         f"'NN_name SECONDS' lines")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        return {row["stem"]: float(row["seconds"]) for row in json.loads(text)}
+    return {m.group(1): float(m.group(2)) for m in map(LOG_LINE.match, text.splitlines()) if m}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,21 +120,31 @@ def test_student_edit_survives_make_student_and_make_clean(repo_copy):
     assert "my answer" not in target.read_text() and "# Revised" in target.read_text()
 
 
-def test_make_lab_edition_student_opens_the_students_copy(repo_copy):
+def test_make_lab_opens_the_learners_edition_and_solutions_on_request(repo_copy):
+    """Plain `make lab` makes student/ (blank exercises) and opens it; EDITION=solutions opens
+    notebooks/ as committed, EDITION=instructor the answer-key edition; any other edition stops
+    before installing anything."""
     import shutil
     import subprocess
     import sys
     for name in ("pyproject.toml", "constraints.txt"):
         shutil.copy(ROOT / name, repo_copy / name)
-    plan = {}
-    for edition in ("student", "instructor", "solutions"):
+
+    def plan(*args):
         # --no-print-directory: under `make test` the child make would add "Leaving directory"
-        out = subprocess.run(["make", "--no-print-directory", "-n", "lab", f"EDITION={edition}",
-                              f"PY={sys.executable}", f"PYTHON={sys.executable}"],
-                             cwd=repo_copy, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        plan[edition] = out.stdout
-    assert "tools/make_student.py --out student" in plan["student"]
-    assert "jupyter lab" in plan["student"].splitlines()[-1] and plan["student"].splitlines()[-1].endswith(" student/")
-    assert plan["instructor"].splitlines()[-1].endswith(" build/instructor/")
-    assert plan["solutions"].splitlines()[-1].endswith(" notebooks/") and "make_student" not in plan["solutions"]
+        return subprocess.run(["make", "--no-print-directory", "-n", "lab", *args,
+                               f"PY={sys.executable}", f"PYTHON={sys.executable}"],
+                              cwd=repo_copy, capture_output=True, text=True)
+
+    runs = {"default": plan()} | {e: plan(f"EDITION={e}") for e in ("student", "instructor", "solutions")}
+    assert all(r.returncode == 0 for r in runs.values()), {e: r.stderr for e, r in runs.items()}
+    out = {e: r.stdout for e, r in runs.items()}
+    assert out["default"] == out["student"]                       # the learner's edition by default
+    assert "tools/make_student.py --out student" in out["student"]
+    last = out["student"].splitlines()[-1]
+    assert "jupyter lab" in last and last.endswith(" student/")
+    assert out["instructor"].splitlines()[-1].endswith(" build/instructor/")
+    assert out["solutions"].splitlines()[-1].endswith(" notebooks/") and "make_student" not in out["solutions"]
+    wrong = plan("EDITION=solution")
+    assert wrong.returncode != 0 and "allowed: student solutions instructor" in wrong.stderr
+    assert "pip install" not in wrong.stdout
