@@ -186,3 +186,23 @@ def test_zero_worker_runs_as_a_script_under_torchrun(torchrun):
         assert acc["gradients"] == pytest.approx(4 * n / 2, rel=0.01)
         assert acc["optimizer_state"] == pytest.approx(8 * n / 2, rel=0.01)
         assert r["peak_bytes"] > acc["parameters"]
+
+
+def test_a_dead_builds_lock_is_cleared_and_a_live_builds_kept(tmp_path):
+    # torch's FileBaton waits as long as the lock file exists: a build killed midway (a rank past
+    # its timeout) left it behind, and every later DeepSpeed start hung on it
+    import os
+    import time
+
+    from memlab.distributed.ranks import STALE_BUILD_SECONDS, clear_stale_build_locks
+    dead, live = tmp_path / "cpu_adam", tmp_path / "deepspeed_shm_comm"
+    for op in (dead, live):
+        op.mkdir()
+        (op / "lock").touch()
+        (op / "build.ninja").touch()
+    old = time.time() - STALE_BUILD_SECONDS - 60
+    for f in (dead / "lock", dead / "build.ninja", dead):
+        os.utime(f, (old, old))
+    (live / "cpu_adam.o").touch()  # a build still compiling writes its objects
+    assert clear_stale_build_locks(tmp_path) == [str(dead / "lock")]
+    assert not (dead / "lock").exists() and (live / "lock").exists()

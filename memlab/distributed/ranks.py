@@ -39,6 +39,7 @@ import contextlib
 import ctypes
 import importlib
 import os
+import pathlib
 import queue as queue_mod
 import re
 import signal
@@ -102,6 +103,40 @@ def set_cache_env() -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
+
+
+#: An op's build directory untouched this long while its ``lock`` exists: a dead build's lock.
+STALE_BUILD_SECONDS = 600
+
+
+def clear_stale_build_locks(extensions_dir: str | os.PathLike, idle_seconds: float = STALE_BUILD_SECONDS) -> list[str]:
+    """Remove the ``lock`` files that builds killed midway (a timed-out rank, a stopped
+    kernel) left in torch's extension cache, where the next build would wait on them forever
+    (``torch.utils.file_baton.FileBaton.wait`` polls until the file goes).
+
+    A lock is stale when neither it nor any file of its op's directory changed for
+    ``idle_seconds``: a live build writes its objects as it compiles.
+
+    Args:
+        extensions_dir: ``TORCH_EXTENSIONS_DIR``.
+        idle_seconds: how long a build directory may sit still before its lock counts as dead.
+
+    Returns:
+        The paths removed.
+    """
+    removed = []
+    now = time.time()
+    for lock in pathlib.Path(extensions_dir).glob("**/lock"):
+        try:
+            newest = max(f.stat().st_mtime for f in lock.parent.rglob("*"))
+        except (OSError, ValueError):
+            continue
+        if now - newest > idle_seconds:
+            lock.unlink(missing_ok=True)
+            removed.append(str(lock))
+            print(f"memlab: removed {lock}, left by a build that stopped midway", file=sys.stderr)
+    return removed
 
 
 def _resolve(worker: str | Callable) -> Callable:
