@@ -56,6 +56,7 @@ def test_curriculum_config_as_written_has_deepspeeds_default_buckets(capsys):
     the flags (memlab's 2**20) the held gradients grow by exactly that difference."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     default = int(DeepSpeedZeroConfig().reduce_bucket_size)
+    capsys.readouterr()  # what DeepSpeed logs on stdout when this test imports it first
     via = _json(capsys, ["estimate", *HF, "--world-size", "2", "--deepspeed", CURRICULUM, "--json"])
     flags = _json(capsys, ["estimate", *HF, "--world-size", "2", "--zero", "3", "--offload", "optimizer",
                            "--precision", "fp16", "--batch", "4", "--micro-batches", "4", "--json"])
