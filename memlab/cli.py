@@ -589,11 +589,17 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
             and not _hf_plain(args):
         raise InputError("--expert-parallel/--expert-imbalance count one AdamW step per rank; drop "
                          "--micro-batches/--zero/--world-size/--offload/--optimizer")
-    if args.command == "estimate":
+    # a family memlab's GPT maps keeps that mapping under ZeRO, offload and accumulation (the one
+    # --deepspeed and --training-args estimate, so the flags and a config give the same step)
+    if args.command == "estimate" and (_hf_plain(args) or not hf.maps_to_gpt(args.hf_config)):
         return estimate_hf(args.hf_config, budget=budget, target=target, expert_parallel=args.expert_parallel,
                            imbalance=args.expert_imbalance, optimizer=args.optimizer,
                            micro_batches=args.micro_batches, zero=args.zero, world_size=args.world_size,
                            offload=args.offload, **kw)
+    if args.command == "estimate":
+        step = hf.step_config(args.hf_config, optimizer=args.optimizer, micro_batches=args.micro_batches,
+                              zero=args.zero, world_size=args.world_size, offload=args.offload, **kw)
+        return estimate_step(step, budget=budget, target=target)
     if (args.micro_batches, args.zero, args.world_size, args.offload, args.optimizer) != (1, 0, 1, "none", "adamw"):
         raise InputError("simulate --hf-config runs one AdamW step on one device; allowed: no "
                          "--micro-batches/--zero/--world-size/--offload/--optimizer (use estimate)")

@@ -176,6 +176,16 @@ def _get(cfg: dict, *names: str):
     raise InputError(f"config.json of model_type {cfg['model_type']!r} lacks {names[0]!r}")
 
 
+def maps_to_gpt(cfg: dict | str | pathlib.Path) -> bool:
+    """Whether :func:`gpt_config` maps the config to memlab's GPT (a family it knows, with
+    ``head_dim`` equal to ``hidden_size / num_attention_heads``)."""
+    cfg = load_config(cfg)
+    if cfg["model_type"] not in SUPPORTED:
+        return False
+    d, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    return cfg["model_type"] == "gpt2" or cfg.get("head_dim") in (None, d // heads if d and heads else None)
+
+
 def gpt_config(cfg: dict | str | pathlib.Path, seq: int | None = None) -> GPTConfig:
     """memlab's GPT of the same shapes as a Hugging Face config (see the module doc);
     ``seq`` sets ``block_size`` (HF's per-forward rotary tables), checked against the context."""
