@@ -332,10 +332,14 @@ def place_labels(ax, xy: np.ndarray, names: Sequence[str], *, fontsize: float = 
             b = t.get_window_extent(renderer)
             placed.append((b.x0, b.y0, b.x1, b.y1))
             dx, dy = t.xyann
-            if abs(dx) > 8 or abs(dy) > 8:  # moved away: a line says whose label it is
-                ax.annotate("", tuple(xy[i]), xytext=(dx, dy), textcoords="offset points",
-                            arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "grey", "shrinkA": 0, "shrinkB": 4},
-                            zorder=2)
+            if abs(dx) > 8 or abs(dy) > 8:  # moved away: a line back to the point says whose label it is
+                t.remove()
+                ha, va = t.get_ha(), t.get_va()
+                corner = ({"left": 0, "right": 1}.get(ha, 0.5), {"bottom": 0, "top": 1}.get(va, 0.5))
+                t = ax.annotate(name, tuple(xy[i]), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va,
+                                fontsize=fontsize, zorder=4, color=t.get_color(),
+                                arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "grey", "shrinkA": 0,
+                                            "shrinkB": 4, "relpos": corner})
         out.append(t)
     return out
 
