@@ -365,8 +365,9 @@ def plot_grad_histogram(grads: Mapping[str, np.ndarray], ax=None, *, tiny: float
     return ax
 
 
-__all__ = ["COLORS", "timeline_array", "plot_timeline", "plot_lenses", "plot_curve",
-           "plot_tradeoff", "plot_grad_histogram", "plot_snapshot"]
+__all__ = ["COLORS", "STACK_ORDER", "CURRICULUM_CHECKPOINTING", "legend_outside", "place_labels",
+           "timeline_array", "plot_timeline", "plot_lenses", "plot_curve", "plot_tradeoff",
+           "plot_grad_histogram", "plot_snapshot"]
 
 
 def plot_advice(advice: Advice, ax=None):
