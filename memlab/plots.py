@@ -37,12 +37,37 @@ COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868
           "activations": "#c44e52", "temporaries": "#8172b3", "other": "#937860",
           "workspace": "#8c8c8c"}
 PHASE_SHADE = {"forward": "#f2f2f2", "backward": "#e6eef7", "optimizer": "#eef7e6"}
+# Bottom to top of every stacked figure: the bands that keep their size through a step (model
+# states, the batch and buffers, the allocator's resident workspace) first, so each one stays
+# flat; the ones that rise and fall on top. Stacked on gradients, the constant optimizer band
+# climbed with them and read as growing.
+STACK_ORDER = ("parameters", "optimizer", "other", "workspace", "gradients", "activations",
+               "temporaries")
 
 
 def _ax(ax):
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.5))
     return ax
+
+
+def legend_outside(ax, handles=None, labels=None, **kwargs):
+    """The axes' legend to the right of its data area, top-aligned, one column: inside, it
+    covered what the figure shows (a timeline's forward ramp, a trade-off's labelled points).
+
+    Args:
+        ax: the axes.
+        handles, labels: as for :meth:`matplotlib.axes.Axes.legend` (default: the labelled artists).
+        **kwargs: more legend options (they override these).
+
+    Returns:
+        The :class:`matplotlib.legend.Legend`.
+    """
+    opts = {"fontsize": 7, "loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0,
+            "frameon": False, **kwargs}
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    return ax.legend(handles, labels, **opts)
 
 
 def timeline_array(report: MemoryReport) -> np.ndarray:
@@ -52,8 +77,19 @@ def timeline_array(report: MemoryReport) -> np.ndarray:
     return np.array([e.by_category for e in report.timeline], dtype=float) / MiB
 
 
-def plot_timeline(report: MemoryReport, ax=None, *, title: str | None = None):
-    """Stacked live MiB by category through the step, phases shaded, budget and OOM marked."""
+def plot_timeline(report: MemoryReport, ax=None, *, title: str | None = None, legend: bool = True):
+    """Stacked live MiB by category through the step, phases shaded, budget and OOM marked.
+
+    Args:
+        report: a report with a timeline (measured or simulated).
+        ax: the axes to draw on (default: a new 7 x 3.5 in figure).
+        title: the title (default: the lens, model, step and peak).
+        legend: draw the legend, right of the axes (off for all but one of side-by-side plots).
+
+    Returns:
+        The axes. Bands stack in :data:`STACK_ORDER`; the legend reads top to bottom as the
+        stack does and names only the categories that hold bytes in this step.
+    """
     ax = _ax(ax)
     data = timeline_array(report)
     if not len(data):
@@ -69,18 +105,23 @@ def plot_timeline(report: MemoryReport, ax=None, *, title: str | None = None):
                 ax.text((start + i) / 2, 1.0, phases[start], ha="center", va="bottom", fontsize=7,
                         transform=ax.get_xaxis_transform())
             start = i
-    ax.stackplot(x, data.T, labels=CATEGORIES, colors=[COLORS[c] for c in CATEGORIES], zorder=1)
+    order = [CATEGORIES.index(c) for c in STACK_ORDER]
+    bands = ax.stackplot(x, data[:, order].T, labels=STACK_ORDER, colors=[COLORS[c] for c in STACK_ORDER],
+                         zorder=1)
+    held = data[:, order].max(axis=0) > 0
+    handles = [b for b, h in zip(bands, held, strict=True) if h][::-1]  # top band first, as drawn
     if report.budget_bytes is not None:
-        ax.axhline(report.budget_bytes / MiB, color="k", ls="--", lw=1, label="budget")
+        handles.append(ax.axhline(report.budget_bytes / MiB, color="k", ls="--", lw=1, label="budget"))
     if report.oom is not None:
         # the failing op is where live bytes went over the budget: the highest point
         at = int(data.sum(axis=1).argmax())
-        ax.plot([at], [report.oom.live_bytes / MiB], "kx", ms=10, mew=2, label="OOM", zorder=3)
+        handles += ax.plot([at], [report.oom.live_bytes / MiB], "kx", ms=10, mew=2, label="OOM", zorder=3)
     ax.set_xlim(0, max(len(data) - 1, 1))
-    ax.set_xlabel("op")
+    ax.set_xlabel("op of the step (in the order run)")
     ax.set_ylabel("live MiB")
     ax.set_title(title or _title(report), fontsize=9, pad=12)
-    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    if legend:
+        legend_outside(ax, handles, [h.get_label() for h in handles])
     return ax
 
 
@@ -110,7 +151,7 @@ def plot_snapshot(timeline: "SnapshotTimeline", ax=None, *, title: str | None = 
     ax.set_ylim(0, None)
     ax.set_title(title or f"CUDA allocator, device {timeline.device}: peak "
                  f"{timeline.peak_bytes / MiB:.0f} MiB", fontsize=9)
-    ax.legend(fontsize=7, loc="center right")
+    legend_outside(ax)
     return ax
 
 
@@ -128,7 +169,7 @@ def plot_lenses(reports: Mapping[str, MemoryReport] | Sequence[MemoryReport], ax
         reports = {r.lens: r for r in reports}
     labels = list(reports)
     bottom = np.zeros(len(labels))
-    for c in CATEGORIES:
+    for c in STACK_ORDER:  # the timeline's order, so that a bar beside it reads the same way
         vals = np.array([reports[k].by_category.get(c, 0) / MiB for k in labels])
         ax.bar(labels, vals, bottom=bottom, color=COLORS[c], label=c)
         bottom += vals
@@ -140,7 +181,9 @@ def plot_lenses(reports: Mapping[str, MemoryReport] | Sequence[MemoryReport], ax
         ax.axhline(budgets.pop() / MiB, color="k", ls="--", lw=1, label="budget")
     ax.set_ylabel("MiB at the peak")
     ax.set_title(title or "peak by category", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    handles, names = ax.get_legend_handles_labels()
+    n = len(STACK_ORDER)  # the bars' entries come first: list them top of the bar first
+    legend_outside(ax, handles[:n][::-1] + handles[n:], names[:n][::-1] + names[n:])
     return ax
 
 
@@ -150,7 +193,7 @@ def plot_calculator(by_category: Mapping[str, float], card_bytes: int, ax=None, 
     (the black line): what :class:`memlab.widgets.CalculatorPanel` draws."""
     ax = _ax(ax)
     left = 0.0
-    for c in CATEGORIES:
+    for c in STACK_ORDER:
         v = by_category.get(c, 0) / 2**30
         ax.barh([0], [v], left=left, color=COLORS[c], label=c)
         left += v
@@ -184,29 +227,126 @@ def plot_curve(x: Sequence[float], measured: Mapping[str, Sequence[float]], ax=N
         ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    if title:
-        ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_title(title or f"{ylabel} against {xlabel}", fontsize=9)
+    legend_outside(ax)
     return ax
 
 
-def plot_tradeoff(points: Mapping[str, tuple[float, float]], ax=None, *,
-                  title: str | None = None):
-    """Peak memory ratio (x) against step time ratio (y), both relative to a baseline."""
+# The curriculum's claim for gradient checkpointing (course/curriculum.md, comparison table):
+# ~50-70% of the memory saved for +30-50% compute, as (memory ratio, compute ratio) ranges.
+CURRICULUM_CHECKPOINTING = ((0.3, 0.5), (1.3, 1.5))
+
+
+def plot_tradeoff(points: Mapping[str, tuple[float, float]], ax=None, *, title: str | None = None,
+                  ylabel: str = "step time / baseline (measured)"):
+    """Peak memory ratio (x) against a cost ratio (y), both relative to a baseline, with the
+    curriculum's checkpointing claim drawn as a box.
+
+    Args:
+        points: technique -> (peak memory / baseline, cost / baseline).
+        ax: the axes to draw on (default: a new 7 x 3.5 in figure).
+        title: the title (default: "memory saved against its cost").
+        ylabel: what the y ratio is: the default is a measured step time; a lesson that counts
+            FLOPs says so (e.g. "FLOPs per step / baseline").
+
+    Returns:
+        The axes. Its limits hold every point, the baseline (1, 1) and the claim's box; the
+        x axis starts at 0 so that a ratio reads as a share of the baseline. Point labels are
+        placed where they overlap no other label or point; the legend sits right of the axes.
+    """
     ax = _ax(ax)
-    for i, (name, (mem, time)) in enumerate(points.items()):
-        ax.plot(mem, time, "o", ms=9, color=f"C{i}")
-        ax.annotate(name, (mem, time), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    names = list(points)
+    xy = np.array([points[n] for n in names], dtype=float).reshape(-1, 2)
+    for i, (mem, cost) in enumerate(xy):
+        ax.plot(mem, cost, "o", ms=8, color=f"C{i % 10}", zorder=3)
     ax.axvline(1.0, color="grey", lw=0.8)
     ax.axhline(1.0, color="grey", lw=0.8)
-    # the curriculum's claim: 50-70% of the memory saved for 30-50% more compute
-    ax.add_patch(plt.Rectangle((0.3, 1.3), 0.2, 0.2, color="gold", alpha=0.3,
-                               label="curriculum: -50..70% memory, +30..50% time"))
-    ax.set_xlabel("peak memory / baseline")
-    ax.set_ylabel("step time / baseline")
-    ax.set_title(title or "memory against recompute time", fontsize=9)
-    ax.legend(fontsize=7, loc="upper right")
+    (x0, x1), (y0, y1) = CURRICULUM_CHECKPOINTING
+    ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, color="gold", alpha=0.3,
+                           label="curriculum, checkpointing:\n50-70% less memory,\n+30-50% compute"))
+    xs = np.concatenate([xy[:, 0], [0.0, 1.0, x1]])
+    ys = np.concatenate([xy[:, 1], [1.0, y0, y1]])
+    ax.set_xlim(0.0, xs.max() + 0.06 * (xs.max() - xs.min()))
+    pad = 0.08 * (ys.max() - ys.min())
+    ax.set_ylim(ys.min() - pad, ys.max() + pad)
+    ax.set_xlabel("peak memory / baseline (1 = no saving)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title or "memory saved against its cost", fontsize=9)
+    legend_outside(ax)
+    place_labels(ax, xy, names, colors=[f"C{i % 10}" for i in range(len(names))])
     return ax
+
+
+def place_labels(ax, xy: np.ndarray, names: Sequence[str], *, fontsize: float = 8,
+                 colors: Sequence[str] | None = None) -> list:
+    """Annotate each point ``xy[i]`` (data coordinates) with ``names[i]``, trying offsets around
+    it, nearest first, and keeping the first whose text stays inside the axes and overlaps no
+    label placed before nor any point (the least-overlapping one when none is free). A label
+    that had to move away from its point gets a thin line back to it.
+
+    Args:
+        ax: the axes, its limits already set (the placement is measured on its figure's canvas).
+        xy: (n, 2) array of points.
+        names: one label per point.
+        fontsize: the labels' size in points.
+        colors: the labels' colours (default black), e.g. each its point's.
+
+    Returns:
+        The annotations, in the order of ``names``.
+    """
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer() if hasattr(fig.canvas, "get_renderer") else None
+    # (dx, dy) in points and the text's anchor: right, left, above, below, then the diagonals,
+    # on rings further out
+    sides = ((1, 0.3, "left", "bottom"), (1, -0.3, "left", "top"), (-1, 0.3, "right", "bottom"),
+             (-1, -0.3, "right", "top"), (0, 1, "center", "bottom"), (0, -1, "center", "top"),
+             (0.8, 0.8, "left", "bottom"), (-0.8, 0.8, "right", "bottom"), (0.8, -0.8, "left", "top"),
+             (-0.8, -0.8, "right", "top"))
+    tries = [(dx * r, dy * r, ha, va) for r in (7, 14, 24, 36) for dx, dy, ha, va in sides]
+    at = ax.transData.transform(xy) if len(xy) else np.zeros((0, 2))
+    dots = [(px - 5, py - 5, px + 5, py + 5) for px, py in at]  # each marker's square, in pixels
+    frame = ax.get_window_extent(renderer)
+    placed, out = [], []
+    for i, name in enumerate(names):
+        best = None
+        for dx, dy, ha, va in tries:
+            t = ax.annotate(name, tuple(xy[i]), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va,
+                            fontsize=fontsize, zorder=4, color=colors[i] if colors else "k")
+            if renderer is None:  # a canvas that cannot measure text: the first offset
+                best = (0.0, t)
+                break
+            b = t.get_window_extent(renderer).padded(3)
+            box = (b.x0, b.y0, b.x1, b.y1)
+            clash = sum(_overlap(box, o) for o in placed) + sum(_overlap(box, d) for d in dots)
+            clash += (b.width * b.height) - _overlap(box, (frame.x0, frame.y0, frame.x1, frame.y1))  # outside
+            if best is None or clash < best[0]:
+                if best is not None:
+                    best[1].remove()
+                best = (clash, t)
+            else:
+                t.remove()
+            if clash == 0:
+                break
+        t = best[1]
+        if renderer is not None:
+            b = t.get_window_extent(renderer)
+            placed.append((b.x0, b.y0, b.x1, b.y1))
+            dx, dy = t.xyann
+            if abs(dx) > 8 or abs(dy) > 8:  # moved away: a line back to the point says whose label it is
+                t.remove()
+                ha, va = t.get_ha(), t.get_va()
+                corner = ({"left": 0, "right": 1}.get(ha, 0.5), {"bottom": 0, "top": 1}.get(va, 0.5))
+                t = ax.annotate(name, tuple(xy[i]), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va,
+                                fontsize=fontsize, zorder=4, color=t.get_color(),
+                                arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "grey", "shrinkA": 0,
+                                            "shrinkB": 4, "relpos": corner})
+        out.append(t)
+    return out
+
+
+def _overlap(a: tuple, b: tuple) -> float:
+    """Area shared by two (x0, y0, x1, y1) boxes."""
+    return max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
 
 
 def plot_grad_histogram(grads: Mapping[str, np.ndarray], ax=None, *, tiny: float = 2.0 ** -24,
@@ -221,12 +361,13 @@ def plot_grad_histogram(grads: Mapping[str, np.ndarray], ax=None, *, tiny: float
     ax.set_xlabel("log2 |gradient|")
     ax.set_ylabel("count")
     ax.set_title(title or "gradient magnitudes", fontsize=9)
-    ax.legend(fontsize=7)
+    legend_outside(ax)
     return ax
 
 
-__all__ = ["COLORS", "timeline_array", "plot_timeline", "plot_lenses", "plot_curve",
-           "plot_tradeoff", "plot_grad_histogram", "plot_snapshot"]
+__all__ = ["COLORS", "STACK_ORDER", "CURRICULUM_CHECKPOINTING", "legend_outside", "place_labels",
+           "timeline_array", "plot_timeline", "plot_lenses", "plot_curve", "plot_tradeoff",
+           "plot_grad_histogram", "plot_snapshot"]
 
 
 def plot_advice(advice: Advice, ax=None):
@@ -294,8 +435,9 @@ def plot_bubble(result: ParallelResult, ax=None, *, highlight: tuple[str, int] |
     if highlight and pipeline_run(result, *highlight):
         ax.plot(highlight[1], pipeline_bubble(result, *highlight), "r*", ms=14)
     ax.set_xlabel("micro-batches m")
-    ax.set_ylabel("bubble (idle share)")
+    ax.set_ylabel("bubble (idle share of the step)")
     ax.set_ylim(0, 1)
+    ax.set_title(f"pipeline bubble on {p} stages, measured and formula", fontsize=9)
     ax.legend(fontsize=8)
     return ax
 
@@ -311,6 +453,7 @@ def plot_stage_memory(result: ParallelResult, ax=None, *, rank: int = 0):
     ax.set_xlabel("micro-batches m (same batch)")
     ax.set_ylabel(f"stage {rank} peak (MiB)")
     ax.set_ylim(0, None)
+    ax.set_title(f"stage {rank}'s peak against micro-batches: GPipe and 1F1B", fontsize=9)
     ax.legend(fontsize=8)
     return ax
 
@@ -393,6 +536,7 @@ def plot_tensor_split(d_model: int, hidden: int, t: int = 2, ax=None, *,
     ax.set_ylim(below + 0.25 * max(d_model, hidden), -0.02 * hidden)  # row 0 at the top
     ax.set_aspect("equal")
     ax.axis("off")
+    ax.set_title(f"a Megatron MLP's two weights split over {t} ranks (to scale)", fontsize=9)
     return ax
 
 
@@ -459,7 +603,7 @@ def plot_activation_life(report: MemoryReport | Mapping[str, MemoryReport], ax=N
                   else "op of the step (dark: forward, saving; light: backward, freeing)")
     ax.set_ylabel("activations alive (MiB)")
     ax.set_title(title or "the life of activations through one step", fontsize=9)
-    ax.legend(fontsize=7, loc="upper right")
+    legend_outside(ax)
     return ax
 
 
@@ -477,8 +621,7 @@ def plot_module_bytes(by_module: Mapping[str, float], ax=None, *, title: str | N
     ax.set_ylim(len(names) - 0.5, -0.5)
     ax.set_xlim(0, 1.15 * max(vals) if vals and max(vals) > 0 else 1)
     ax.set_xlabel(xlabel)
-    if title:
-        ax.set_title(title, fontsize=9)
+    ax.set_title(title or "bytes per module", fontsize=9)
     return ax
 
 
@@ -502,5 +645,6 @@ def plot_padding(plans: Mapping[str, BatchPlan] | Sequence[BatchPlan], ax=None):
     ax.set_xlim(0, 1.45 * (real + pad).max() / scale)
     ax.set_ylim(len(names) - 0.5, -0.5)
     ax.set_xlabel("token slots, thousands (what the activations are sized by)")
+    ax.set_title("real tokens and padding per batching plan", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     return ax

@@ -117,9 +117,7 @@ class Table:
         from .plots import plot_tradeoff  # matplotlib: loaded only when a figure is drawn
         pts = {r.technique: (r.memory_ratio, r.time_ratio) for r in self.rows
                if r.memory_ratio is not None and r.time_ratio is not None}
-        ax = plot_tradeoff(pts, ax, title="the curriculum's table, measured: memory vs time")
-        ax.legend(fontsize=7, loc="upper left")  # the upper right holds slow, small savers
-        return ax
+        return plot_tradeoff(pts, ax, title="the curriculum's table, measured: peak memory against step time")
 
     def save(self, out: str | Path) -> dict[str, Path]:
         """Write ``table.md``, ``table.json`` and ``table.png`` into ``out``."""
