@@ -7,6 +7,7 @@ from dataclasses import replace
 from importlib import resources
 
 import pytest
+import torch
 
 from memlab import doctor
 from memlab.cards import card_speeds
@@ -128,7 +129,19 @@ def test_calibration_replaces_the_peak(tmp_path):
 
 def test_doctor_measures_a_matmul_and_adam():
     assert doctor.measure_matmul_flops("fp32", n=64, repeats=1) > 1e6
+    assert doctor.measure_matmul_flops("bf16", shape=(32, 16, 48), repeats=1) > 1e5
     assert doctor.measure_cpu_adam(params=4096, repeats=1) > 1e3
+
+
+def test_the_calibration_times_a_linears_three_training_gemms():
+    # forward x w^T, backward dy w and dy^T x: 3 x 2mkn FLOPs, counted by torch itself
+    from torch.utils.flop_counter import FlopCounterMode
+    m, k, n = 24, 40, 56
+    x, w = torch.randn(m, k, requires_grad=True), torch.randn(n, k, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        doctor.linear_training_gemms(x, w, torch.randn(m, n))
+    assert counter.get_total_flops() == 6 * m * k * n
+    assert x.grad.shape == (m, k) and w.grad.shape == (n, k)
 
 
 def test_every_lens_reports_time_flops():
