@@ -258,8 +258,8 @@ def measure_cpu_adam(params: int = 2**24, repeats: int = 3) -> float:
 
 
 def calibrate(path: "pathlib.Path | None" = None) -> Calibration:
-    """``memlab doctor --calibrate``: a Linear's training matmuls per dtype on this machine's GPU (its card
-    profile's name) or CPU (``"cpu"``), and the host's AdamW throughput; written to
+    """``memlab doctor --calibrate``: a Linear's training matmuls per dtype on this machine's GPU
+    (its card profile's name) or CPU (``"cpu"``), and the host's AdamW throughput; written to
     :func:`memlab.step_time.calibration_path` (or ``path``) for the step-time model."""
     card = detect_card()
     device, name = ("cuda", card.name) if card is not None else ("cpu", "cpu")
@@ -273,7 +273,7 @@ def calibrate(path: "pathlib.Path | None" = None) -> Calibration:
 
 def main(argv: list[str] | None = None) -> int:
     """``memlab doctor``: print the checks and the verdict; 1 when something blocks the workbook.
-    ``--calibrate`` also measures a matmul and the host's Adam for the step-time model."""
+    ``--calibrate`` also measures a Linear's training matmuls and the host's Adam for the step-time model."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--calibrate" in argv:
         cal = calibrate()

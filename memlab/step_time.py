@@ -8,8 +8,8 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
   dtype the matmuls run in (:class:`memlab.cards.Speeds`: bf16/fp16 under autocast or
   DeepSpeed's 16-bit mode, fp32 otherwise: torch leaves TF32 off for matmuls by default);
   ``achievable`` is the fraction published training runs reach on that card (cited in
-  :data:`memlab.cards.SPEEDS`), applied to the rate of one large matmul ``memlab doctor
-  --calibrate`` measured on this card in place of the datasheet's peak (:func:`calibrated_rate`).
+  :data:`memlab.cards.SPEEDS`), applied to the rate of a Linear's three training GEMMs ``memlab
+  doctor --calibrate`` measured on this card in place of the datasheet's peak (:func:`calibrated_rate`).
 * **communication** = bytes moved on the GPU links (:mod:`memlab.communication`) / the
   link's one-way bandwidth (NVLink within a node of up to 8 GPUs, where the card has it, else
   PCIe), less what the engine overlaps: DDP all-reduces its buckets while backward runs
@@ -70,7 +70,7 @@ NODE_GPUS = 8  # GPUs one NVLink domain joins in the DGX/HGX boards the datashee
 #: host seconds per kernel-launching op: CUDA's own launch, 4-6 us of driver and runtime calls
 #: per kernel (measured with CUDA 13: susun-blog.com/blog/pegainfer-3-cuda-graph, "From Launch
 #: Overhead to CUDA Graph"), taken at 5 us, plus PyTorch's dispatch of the op from Python, of
-#: the same order (``memlab doctor --calibrate`` measures it on this host): 10 us
+#: of the same order: 10 us (a stated default: nothing in memlab measures it yet)
 LAUNCH_SECONDS = 10e-6
 #: a host sync (``.item()``): its launch, a device-to-host copy and the wait for the stream to
 #: drain, so the host and the GPU stop overlapping: counted as two launches
@@ -297,7 +297,7 @@ class StepTime:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What ``memlab doctor --calibrate`` measured: one large matmul's FLOP/s per dtype on a
+    """What ``memlab doctor --calibrate`` measured: a Linear's training GEMMs' FLOP/s per dtype on a
     device, the host's AdamW parameters per second."""
 
     device: str
