@@ -1,14 +1,28 @@
 """The time lens against clocks: predicted / measured step-time ratios (memlab.step_time).
 
-1. This CPU: the matmul rate of each dtype is measured (``memlab.doctor.measure_matmul_flops``,
-   as ``memlab doctor --calibrate`` does) and stands in for a card's peak x achievable; the
-   predicted ratios of full checkpointing, accumulation (4 micro-batches) and bf16 autocast
-   to the plain fp32 step are printed beside the measured ones (target: within 15%).
+1. This CPU: the rate of each dtype's training matmuls is measured at the step's own Linear
+   shape (``memlab.doctor.measure_matmul_flops`` with ``shape``: a micro-batch's tokens through
+   ``d_model -> 4 d_model``, forward and backward, as ``memlab doctor --calibrate`` does at its
+   square shape) and stands in for a card's peak x achievable; the predicted ratios of full
+   checkpointing, accumulation (4 micro-batches) and bf16 autocast to the plain fp32 step are
+   printed beside the measured ones, timed in turn (one step of each per round, the fastest
+   of the rounds: a round another process slowed is dropped for every variant alike; target:
+   within 15%, on an otherwise idle machine).
 2. The H200 reference: gpt2-large bf16 seq 1024 batch 4 under DeepSpeed on one GPU
    (``memlab/data/reference/NVIDIA-H200/zero_offload_one_gpu.json``), predicted with the
    H200's datasheet figures and Llama 3's published fraction, DeepSpeed's counted passes
    (``memlab.step_time.DEEPSPEED_PASSES``), against the recorded seconds (target: within 25%;
-   offload: the bound the model names).
+   offload: the bound the model names). The record holds ONE timed step per row, so its
+   spread is unknown; its ZeRO-1 row (0.575 s) takes twice ZeRO-2's (0.297 s) on one GPU, where
+   memlab's count of DeepSpeed's ops finds the same work in both,
+   so no one prediction lands within 25% of both. ``make gpu-check``
+   now times five steps per row (``memlab.gpu_check.DEEPSPEED_TIMED_STEPS``) and keeps each:
+   the column ``spread`` prints their (max - min) / median where a record has them.
+3. DeepSpeed's host time on this CPU: the same engine and config on a model of gpt2-large's
+   tensors (36 blocks, 436 parameter tensors) at width 80, where the arithmetic is negligible,
+   so the step's seconds are the engine's Python and dispatch: the part of the H200 rows the
+   model leaves out (ZeRO-3's parameter coordinator above all). A GPU host's cores run it
+   faster than this shared one; ``make gpu-check`` on a card is where to compare.
 
 Prints, asserts nothing: timings on a shared 2-core machine are noisy (fastest of repeats).
 """
@@ -22,25 +36,15 @@ from importlib import resources
 import torch
 
 from memlab.cards import Speeds
+from memlab.distributed.ranks import run_ranks
 from memlab.doctor import measure_matmul_flops
+from memlab.gpu_check import DEEPSPEED_CASES, deepspeed_one_gpu_worker
+from memlab.models import get_config
 from memlab.step import StepConfig, build_trainer, make_batch
-from memlab.step_time import CPU_ADAM_PARAMS_PER_S, Calibration, step_time
+from memlab.step_time import CPU_ADAM_PARAMS_PER_S, Calibration, parameter_tensors, step_time
 
 #: the datasheet and published fractions, the stated host-Adam default
 NO_CALIBRATION = Calibration("none", {}, CPU_ADAM_PARAMS_PER_S)
-
-
-def measured_seconds(step: StepConfig, repeats: int = 3) -> float:
-    """Fastest of ``repeats`` steps after a warm-up step."""
-    trainer = build_trainer(step)
-    batch = make_batch(step)
-    trainer.step(batch)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        trainer.step(batch)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def copy_bandwidth(elements: int = 2**24, repeats: int = 3) -> float:
@@ -54,37 +58,74 @@ def copy_bandwidth(elements: int = 2**24, repeats: int = 3) -> float:
     return 8 * elements / best
 
 
-def cpu_ratios() -> None:
+def cpu_speeds(step: StepConfig, bandwidth: float) -> Speeds:
+    """This CPU's matmul rate per dtype at ``step``'s Linear shape (a micro-batch's tokens,
+    ``d_model -> 4 d_model``), in a card profile's place."""
+    cfg = step.model_config
+    shape = (step.seq * step.batch // step.micro_batches, cfg.d_model, 4 * cfg.d_model)
+    rates = {d: measure_matmul_flops(d, "cpu", shape=shape, repeats=8) for d in ("fp32", "bf16")}
+    return Speeds(tuple((d, r / 1e12) for d, r in rates.items()), bandwidth, 0.0, 1.0, 1.0,
+                  "measured training matmuls on this CPU", "this CPU")
+
+
+def cpu_ratios(rounds: int = 6) -> None:
     base = StepConfig(model="tiny", seq=256, batch=8, attention="sdpa")
-    rates = {d: measure_matmul_flops(d, "cpu", n=512) for d in ("fp32", "bf16")}
-    cpu = Speeds(tuple((d, r / 1e12) for d, r in rates.items()), copy_bandwidth(), 0.0, 1.0, 1.0,
-                 "measured matmul on this CPU", "this CPU")
-    print("CPU matmul: " + ", ".join(f"{d} {r / 1e9:.1f} GFLOP/s" for d, r in rates.items()))
-    variants = {"full checkpointing": replace(base, checkpointing="full"),
-                "4 micro-batches": replace(base, micro_batches=4),
-                "bf16 autocast": replace(base, precision="bf16")}
-    t0 = measured_seconds(base)
-    p0 = step_time(base, speeds=cpu, calibration=NO_CALIBRATION).seconds
-    print(f"{'variant':<22}{'predicted':>10}{'measured':>10}{'pred/meas':>11}")
-    for name, step in variants.items():
-        pred = step_time(step, speeds=cpu, calibration=NO_CALIBRATION).seconds / p0
-        meas = measured_seconds(step) / t0
+    steps = {"plain fp32": base, "full checkpointing": replace(base, checkpointing="full"),
+             "4 micro-batches": replace(base, micro_batches=4), "bf16 autocast": replace(base, precision="bf16")}
+    bandwidth = copy_bandwidth()
+    predicted = {name: step_time(s, speeds=cpu_speeds(s, bandwidth), calibration=NO_CALIBRATION).seconds
+                 for name, s in steps.items()}
+    sp = cpu_speeds(base, bandwidth)
+    print("CPU training matmuls at the step's shape: "
+          + ", ".join(f"{d} {r * 1e3:.1f} GFLOP/s" for d, r in sp.tflops))
+    runs = {}
+    for name, s in steps.items():
+        trainer = build_trainer(s)
+        batch = make_batch(s)
+        trainer.step(batch)  # warm-up: the optimizer's state exists from here on
+        runs[name] = (trainer, batch)
+    measured = {name: float("inf") for name in runs}
+    for _ in range(rounds):
+        for name, (trainer, batch) in runs.items():
+            start = time.perf_counter()
+            trainer.step(batch)
+            measured[name] = min(measured[name], time.perf_counter() - start)
+    print(f"{'variant':<22}{'predicted':>10}{'measured':>10}{'pred/meas':>11}   (plain fp32: predicted "
+          f"{predicted['plain fp32']:.3f} s, measured {measured['plain fp32']:.3f} s)")
+    for name in list(steps)[1:]:
+        pred = predicted[name] / predicted["plain fp32"]
+        meas = measured[name] / measured["plain fp32"]
         print(f"{name:<22}{pred:>10.2f}{meas:>10.2f}{pred / meas:>11.2f}")
 
 
 def h200_ratios() -> None:
     path = resources.files("memlab").joinpath("data", "reference", "NVIDIA-H200", "zero_offload_one_gpu.json")
     rows = json.loads(path.read_text())
-    print(f"{'H200 one GPU':<24}{'predicted s':>12}{'measured s':>11}{'pred/meas':>11}  bound")
+    print(f"{'H200 one GPU':<24}{'predicted s':>12}{'measured s':>11}{'pred/meas':>11}{'steps':>6}"
+          f"{'spread':>8}  bound")
     for r in rows:
         step = StepConfig(model=r["model"], seq=r["seq"], batch=r["batch"], precision="bf16", zero=r["zero"],
                           offload=r["offload"])
         t = step_time(step, "H200-141GB", calibration=NO_CALIBRATION, engine="deepspeed")
         name = f"ZeRO-{r['zero']}" + ("" if r["offload"] == "none" else f" + offload {r['offload']}")
+        samples = r.get("step_seconds_samples", [r["step_seconds"]])
+        spread = f"{(max(samples) - min(samples)) / r['step_seconds']:.2f}" if len(samples) > 1 else "-"
         print(f"{name:<24}{t.seconds:>12.3f}{r['step_seconds']:>11.3f}{t.seconds / r['step_seconds']:>11.2f}"
-              f"  {t.bound}")
+              f"{len(samples):>6}{spread:>8}  {t.bound}")
+
+
+def deepspeed_host_seconds(width: int = 80) -> None:
+    """Section 3 of the module doc: one DeepSpeed rank per case, each in a fresh process."""
+    shape = replace(get_config("gpt2-large"), d_model=width, vocab_size=256, name=f"gpt2-large-width-{width}")
+    print(f"DeepSpeed on this CPU, {shape.n_layer} blocks x width {width} ({parameter_tensors(shape)} tensors):")
+    for zero, offload in DEEPSPEED_CASES[:5]:
+        step = StepConfig(model=shape, seq=16, batch=1, precision="bf16", zero=zero, offload=offload)
+        row = run_ranks(deepspeed_one_gpu_worker, 1, kwargs={"step": step}, timeout=600)[0]
+        name = f"ZeRO-{zero}" + ("" if offload == "none" else f" + offload {offload}")
+        print(f"  {name:<26}{row['step_seconds']:.3f} s (median of {len(row['step_seconds_samples'])})")
 
 
 if __name__ == "__main__":
     h200_ratios()
     cpu_ratios()
+    deepspeed_host_seconds()

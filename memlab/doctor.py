@@ -192,27 +192,54 @@ def collect(build: bool = True) -> tuple[list[Check], dict[str, str]]:
     return checks, lesson_places(gpus)
 
 
+def linear_training_gemms(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> None:
+    """The three GEMMs a Linear without bias costs in a training step, in the layouts autograd
+    runs them: forward ``y = x w^T``, backward ``dx = dy w`` and ``dw = dy^T x``: ``6 m k n``
+    FLOPs for ``x`` of ``m x k`` and ``w`` of ``n x k``. ``x`` and ``w`` need ``requires_grad``."""
+    torch.nn.functional.linear(x, w).backward(grad)
+
+
 def measure_matmul_flops(dtype: str = "fp32", device: str = "cpu", n: int | None = None,
-                         repeats: int = 3) -> float:
-    """FLOP/s of one ``n x n`` matmul in ``dtype`` on ``device`` (``2 n^3`` FLOPs, the best of
-    ``repeats`` after a warm-up; n: 4096 on a GPU, 1024 on the CPU)."""
+                         repeats: int = 3, shape: tuple[int, int, int] | None = None) -> float:
+    """FLOP/s of a training step's matmuls in ``dtype`` on ``device``: a Linear's forward and
+    backward (:func:`linear_training_gemms`), the best of ``repeats`` after a warm-up.
+
+    Timed as a step runs them rather than as one square ``a @ b``: on a CPU without native
+    bf16 the backward's layouts run an order of magnitude slower than the forward's
+    (measured on an AVX2 host: a bf16 ``x w^T`` at ~16 GFLOP/s, ``dy w`` at ~1.2), so one
+    square matmul misjudges a bf16 step there several times over.
+
+    Args:
+        dtype: ``fp32``, ``bf16`` or ``fp16``.
+        device: ``cpu`` or ``cuda``.
+        n: the square shape's side (default 4096 on a GPU, 1024 on the CPU).
+        repeats: timed runs after one warm-up.
+        shape: ``(m, k, n)`` instead: ``m`` tokens through a ``k -> n`` Linear.
+
+    Returns:
+        FLOP/s (``6 m k n`` over the fastest run).
+    """
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in dtypes:
         raise InputError(f"dtype={dtype!r}; allowed: {', '.join(dtypes)}")
     dev = torch.device(device)
-    n = n or (4096 if dev.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=dev, dtype=dtypes[dtype])
-    b = torch.randn(n, n, device=dev, dtype=dtypes[dtype])
+    side = n or (4096 if dev.type == "cuda" else 1024)
+    m, k, n_out = shape or (side, side, side)
+    kw = {"device": dev, "dtype": dtypes[dtype]}
+    x = torch.randn(m, k, **kw, requires_grad=True)
+    w = torch.randn(n_out, k, **kw, requires_grad=True)
+    grad = torch.randn(m, n_out, **kw)
     best = float("inf")
     for _ in range(repeats + 1):
+        x.grad = w.grad = None
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         start = time.perf_counter()
-        a @ b
+        linear_training_gemms(x, w, grad)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+    return 6 * m * k * n_out / best
 
 
 def measure_cpu_adam(params: int = 2**24, repeats: int = 3) -> float:
@@ -231,8 +258,8 @@ def measure_cpu_adam(params: int = 2**24, repeats: int = 3) -> float:
 
 
 def calibrate(path: "pathlib.Path | None" = None) -> Calibration:
-    """``memlab doctor --calibrate``: one matmul per dtype on this machine's GPU (its card
-    profile's name) or CPU (``"cpu"``), and the host's AdamW throughput; written to
+    """``memlab doctor --calibrate``: a Linear's training matmuls per dtype on this machine's GPU
+    (its card profile's name) or CPU (``"cpu"``), and the host's AdamW throughput; written to
     :func:`memlab.step_time.calibration_path` (or ``path``) for the step-time model."""
     card = detect_card()
     device, name = ("cuda", card.name) if card is not None else ("cpu", "cpu")
@@ -246,7 +273,7 @@ def calibrate(path: "pathlib.Path | None" = None) -> Calibration:
 
 def main(argv: list[str] | None = None) -> int:
     """``memlab doctor``: print the checks and the verdict; 1 when something blocks the workbook.
-    ``--calibrate`` also measures a matmul and the host's Adam for the step-time model."""
+    ``--calibrate`` also measures a Linear's training matmuls and the host's Adam for the step-time model."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--calibrate" in argv:
         cal = calibrate()

@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -181,11 +182,21 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def deepspeed_one_gpu_worker(rank: int, world_size: int, step: StepConfig) -> dict:
-    """One DeepSpeed rank: warm up, then the allocator and host RSS around one step.
+#: timed DeepSpeed steps after the peak's step: one timed step cannot tell a row's cost from
+#: its noise (the 2025 H200 record has one: ZeRO-1 at 0.575 s against ZeRO-2's 0.297 s, for
+#: less work); the median of several, with each kept, can
+DEEPSPEED_TIMED_STEPS = 5
+
+
+def deepspeed_one_gpu_worker(rank: int, world_size: int, step: StepConfig,
+                             timed_steps: int = DEEPSPEED_TIMED_STEPS) -> dict:
+    """One DeepSpeed rank: warm up, then the allocator and host RSS around one step, then the
+    step's time.
 
     ``device_base`` is what the allocator holds after the warm-up step (model states and
     DeepSpeed's buffers), ``device_peak`` its ``max_memory_allocated`` over the next step.
+    ``step_seconds`` is the median of ``timed_steps`` more steps, each in
+    ``step_seconds_samples`` (records before these two fields' split hold the peak's step).
     """
     import deepspeed  # optional and heavy: only this rank worker needs it
     deepspeed.init_distributed(dist_backend=default_backend())
@@ -207,13 +218,19 @@ def deepspeed_one_gpu_worker(rank: int, world_size: int, step: StepConfig) -> di
     out = {"zero": step.zero, "offload": step.offload, "model": step.model_config.name,
            "seq": step.seq, "batch": step.batch, "num_params": step.model_config.num_params(),
            "device_base": torch.cuda.memory_allocated() if cuda else None, "rss_before": _rss()}
-    start = time.perf_counter()
     one_step()
     if cuda:
         torch.cuda.synchronize()
-    out.update(step_seconds=time.perf_counter() - start, rss_after=_rss(),
-               device_peak=torch.cuda.max_memory_allocated() if cuda else None,
+    out.update(rss_after=_rss(), device_peak=torch.cuda.max_memory_allocated() if cuda else None,
                device_reserved=torch.cuda.max_memory_reserved() if cuda else None)
+    samples = []
+    for _ in range(timed_steps):
+        start = time.perf_counter()
+        one_step()
+        if cuda:
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    out.update(step_seconds=statistics.median(samples), step_seconds_samples=samples)
     return out
 
 

@@ -71,7 +71,10 @@ class Candidate:
             parts.append(f"TP {p['tensor_parallel']}")
         if p["pipeline_parallel"] > 1:
             parts.append(f"PP {p['pipeline_parallel']}")
-        return " + ".join(parts)
+        text = " + ".join(parts)
+        if p["tensor_parallel"] * p["pipeline_parallel"] > 1 and "batch" in p:
+            text += f" ({p['batch']} sequences a replica)"
+        return text
 
     def to_dict(self) -> dict:
         return {"plan": dict(self.plan), "peak_bytes": self.peak_bytes, "fits": self.fits,
@@ -105,8 +108,14 @@ def _simplicity(c: Candidate) -> tuple:
 def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq: int, batch: int, *,
                  usable_bytes: int, attention: str | None = None, optimizer: str = "adamw",
                  target=None) -> PlanSearch:
-    """Every candidate plan of ``batch`` sequences of ``seq`` tokens per data-parallel rank on
-    ``world_size`` cards, and the fastest whose estimated peak is within ``usable_bytes``.
+    """Every candidate plan of the run's global batch on ``world_size`` cards, and the fastest
+    whose estimated peak is within ``usable_bytes``.
+
+    The run as given is data parallel: ``batch`` sequences of ``seq`` tokens on each card, so
+    ``batch x world_size`` a step. Every plan takes that global batch (the training's): one
+    with tensor- and pipeline-parallel degrees ``t``, ``p`` has ``world_size / (t p)``
+    replicas of ``batch x t x p`` sequences each (its plan's ``batch``), so every candidate's
+    seconds are for the same tokens and compare as they stand.
 
     Args:
         model: a preset name or a GPT config. card: a profile with datasheet figures
@@ -127,39 +136,30 @@ def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq:
     profile = get_card(name)
     precisions = ("fp32", "bf16") if profile.bf16_native else ("fp32", "fp16")
     ckpts = ("none", "full", "selective") if cfg.attention == "naive" else ("none", "full")
-    micro = sorted({1, batch} | ({2} if batch % 2 == 0 else set()))
     degrees = [d for d in range(1, world_size + 1) if world_size % d == 0]
     pairs = [(t, p) for t in degrees for p in degrees
              if world_size % (t * p) == 0 and t <= TP_MAX and p <= cfg.n_layer and _tp_ok(cfg, t)]
     out = PlanSearch()
-    for prec, ckpt, m, (zero, off), (t, p) in product(precisions, ckpts, micro, ZERO_OFFLOAD, pairs):
-        if (zero or off != "none") and prec == "fp16":
-            continue  # memlab's DeepSpeed config runs bf16 or fp32 (no fp16 loss scaling on its CPU path)
-        if p > 1 and m == 1:
-            continue  # a pipeline without micro-batches is all bubble
-        dp = world_size // (t * p)
-        if zero and dp == 1 and off == "none":
-            continue  # ZeRO over one data-parallel rank shards nothing
-        step = replace(base, precision=prec, checkpointing=ckpt, micro_batches=m, zero=zero, offload=off,
-                       world_size=world_size // p)
-        report = estimate_step(step, tensor_parallel=t, target=target)
-        peak = report.peak_bytes
-        if p > 1:
-            states = sum(report.by_category.get(c, 0) for c in ("parameters", "gradients", "optimizer"))
-            peak -= int(states * (1 - 1 / p))
-        timed = step_time(replace(step, world_size=world_size), name, tensor_parallel=t, pipeline_parallel=p,
-                          flops=report.time.flops if report.time is not None else None)
-        plan = {"precision": prec, "checkpointing": ckpt, "micro_batches": m, "zero": zero, "offload": off,
-                "tensor_parallel": t, "pipeline_parallel": p, "loss": cfg.loss, "optimizer_state": "adamw",
-                "lora": None}
-        out.candidates.append(Candidate(plan, int(peak), peak <= usable_bytes, timed.seconds, timed.bound))
-        if t == 1 and p == 1 and cfg.loss != "chunked":
-            out.candidates.append(_chunked(step, plan, name, usable_bytes, target))
+    for (t, p), prec, ckpt, (zero, off) in product(pairs, precisions, ckpts, ZERO_OFFLOAD):
+        # the run's global batch, batch x world_size sequences, is the training's: a plan over
+        # t x p GPUs per replica has world_size / (t p) replicas, each taking t p times as many
+        rank_batch = batch * t * p
+        for m in sorted({1, rank_batch} | ({2} if rank_batch % 2 == 0 else set())):
+            if (zero or off != "none") and prec == "fp16":
+                continue  # memlab's DeepSpeed config runs bf16 or fp32 (no fp16 loss scaling on its CPU path)
+            if p > 1 and m == 1:
+                continue  # a pipeline without micro-batches is all bubble
+            dp = world_size // (t * p)
+            if zero and dp == 1 and off == "none":
+                continue  # ZeRO over one data-parallel rank shards nothing
+            _add_plan(out, base, cfg, name, prec, ckpt, m, zero, off, t, p, rank_batch, world_size,
+                      usable_bytes, target)
     if profile.bf16_native and optimizer == "adamw":
-        for ckpt, m in product(ckpts, micro):
+        for ckpt, m in product(ckpts, sorted({1, batch} | ({2} if batch % 2 == 0 else set()))):
             step = replace(base, checkpointing=ckpt, micro_batches=m)
             out.candidates += _changed_training(step, name, usable_bytes, target)
     fitting = [c for c in out.candidates if c.fits]
+
     if not fitting:
         out.why = "no candidate fits: use more ranks, a shorter sequence or a smaller batch"
         return out
@@ -181,6 +181,28 @@ def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq:
         line += f"; changing the training, {c.describe()} would take {c.seconds:.3g} s (gives up {c.gives_up})"
     out.why = line
     return out
+
+
+def _add_plan(out: PlanSearch, base: StepConfig, cfg: GPTConfig, card: str, prec: str, ckpt: str, m: int,
+              zero: int, off: str, t: int, p: int, rank_batch: int, world_size: int, usable_bytes: int,
+              target) -> None:
+    """Estimate and time one plan (``rank_batch`` sequences per data-parallel replica) and
+    append it to ``out``, with its chunked-loss twin on one GPU per replica."""
+    step = replace(base, batch=rank_batch, precision=prec, checkpointing=ckpt, micro_batches=m, zero=zero,
+                   offload=off, world_size=world_size // p)
+    report = estimate_step(step, tensor_parallel=t, target=target)
+    peak = report.peak_bytes
+    if p > 1:
+        states = sum(report.by_category.get(c, 0) for c in ("parameters", "gradients", "optimizer"))
+        peak -= int(states * (1 - 1 / p))
+    timed = step_time(replace(step, world_size=world_size), card, tensor_parallel=t, pipeline_parallel=p,
+                      flops=report.time.flops if report.time is not None else None)
+    plan = {"precision": prec, "checkpointing": ckpt, "micro_batches": m, "zero": zero, "offload": off,
+            "tensor_parallel": t, "pipeline_parallel": p, "batch": rank_batch, "loss": cfg.loss,
+            "optimizer_state": "adamw", "lora": None}
+    out.candidates.append(Candidate(plan, int(peak), peak <= usable_bytes, timed.seconds, timed.bound))
+    if t == 1 and p == 1 and cfg.loss != "chunked":
+        out.candidates.append(_chunked(step, plan, card, usable_bytes, target))
 
 
 def _chunked(step: StepConfig, plan: dict, card: str, usable: int, target) -> Candidate:
@@ -205,7 +227,7 @@ def _changed_training(step: StepConfig, card: str, usable: int, target) -> list[
     n = cfg.num_params()
     base = {"checkpointing": step.model_config.checkpointing if step.checkpointing is None else step.checkpointing,
             "micro_batches": step.micro_batches, "zero": 0, "offload": "none", "tensor_parallel": 1,
-            "pipeline_parallel": 1, "loss": cfg.loss}
+            "pipeline_parallel": 1, "batch": step.batch, "loss": cfg.loss}
     out = []
     pure = replace(step, precision="pure-bf16")
     peak = estimate_step(pure, target=target).peak_bytes

@@ -190,7 +190,9 @@ class OffloadReference:
     model states DeepSpeed keeps on the device, its buffers, the cuBLAS workspace);
     ``device_peak_bytes``: ``max_memory_allocated`` over the step; ``device_reserved_bytes``:
     ``max_memory_reserved``; ``rss_before_bytes``/``rss_after_bytes``: the process's resident
-    host memory after warm-up and after the step; ``step_seconds``: the timed step.
+    host memory after warm-up and after the step; ``step_seconds``: the timed step (the median
+    of ``step_seconds_samples`` where the record keeps them; the H200's 2025 record has one
+    step per row, so no spread to judge a prediction against).
     """
 
     gpu: str
@@ -206,6 +208,7 @@ class OffloadReference:
     rss_before_bytes: int
     rss_after_bytes: int
     step_seconds: float
+    step_seconds_samples: tuple[float, ...] = ()
 
     @property
     def label(self) -> str:
@@ -242,7 +245,8 @@ def offload_reference(gpu: str = "NVIDIA-H200") -> list[OffloadReference]:
                              device_base_bytes=int(r["device_base"]), device_peak_bytes=int(r["device_peak"]),
                              device_reserved_bytes=int(r["device_reserved"]),
                              rss_before_bytes=int(r["rss_before"]), rss_after_bytes=int(r["rss_after"]),
-                             step_seconds=float(r["step_seconds"]))
+                             step_seconds=float(r["step_seconds"]),
+                             step_seconds_samples=tuple(float(x) for x in r.get("step_seconds_samples", ())))
             for r in json.loads(path.read_text())]
 
 

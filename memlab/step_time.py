@@ -8,8 +8,8 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
   dtype the matmuls run in (:class:`memlab.cards.Speeds`: bf16/fp16 under autocast or
   DeepSpeed's 16-bit mode, fp32 otherwise: torch leaves TF32 off for matmuls by default);
   ``achievable`` is the fraction published training runs reach on that card (cited in
-  :data:`memlab.cards.SPEEDS`), applied to the rate of one large matmul ``memlab doctor
-  --calibrate`` measured on this card in place of the datasheet's peak (:func:`calibrated_rate`).
+  :data:`memlab.cards.SPEEDS`), applied to the rate of a Linear's three training GEMMs ``memlab
+  doctor --calibrate`` measured on this card in place of the datasheet's peak (:func:`calibrated_rate`).
 * **communication** = bytes moved on the GPU links (:mod:`memlab.communication`) / the
   link's one-way bandwidth (NVLink within a node of up to 8 GPUs, where the card has it, else
   PCIe), less what the engine overlaps: DDP all-reduces its buckets while backward runs
@@ -70,7 +70,7 @@ NODE_GPUS = 8  # GPUs one NVLink domain joins in the DGX/HGX boards the datashee
 #: host seconds per kernel-launching op: CUDA's own launch, 4-6 us of driver and runtime calls
 #: per kernel (measured with CUDA 13: susun-blog.com/blog/pegainfer-3-cuda-graph, "From Launch
 #: Overhead to CUDA Graph"), taken at 5 us, plus PyTorch's dispatch of the op from Python, of
-#: the same order (``memlab doctor --calibrate`` measures it on this host): 10 us
+#: of the same order: 10 us (a stated default: nothing in memlab measures it yet)
 LAUNCH_SECONDS = 10e-6
 #: a host sync (``.item()``): its launch, a device-to-host copy and the wait for the stream to
 #: drain, so the host and the GPU stop overlapping: counted as two launches
@@ -108,7 +108,8 @@ class EnginePasses:
 
 
 #: counted by :func:`memlab.distributed.comm_count.count_deepspeed_passes` (bf16, torch AdamW,
-#: used for fp32 runs too: the same loops without the casts,
+#: used for fp32 runs of ZeRO 1-3 too: the same loops without the casts; fp32 at ZeRO 0 is
+#: :data:`DEEPSPEED_FP32_STAGE0`,
 #: memlab's :func:`~memlab.distributed.deepspeed_config.deepspeed_config`, one rank); the
 #: per-tensor counts are those of GPT-2's block (12 tensors), the byte counts per element hold
 #: for any model (elementwise passes over the parameters)
@@ -141,6 +142,11 @@ DEEPSPEED_PASSES: dict[tuple[int, str], EnginePasses] = {
                                    "zero/stage_1_and_2.py:1791-1830, 3078-3097"),
 }
 DEEPSPEED_PASSES[(1, "optimizer")] = DEEPSPEED_PASSES[(3, "optimizer")] = DEEPSPEED_PASSES[(2, "optimizer")]
+#: ZeRO 0 with fp32 weights and gradients: no optimizer wrapper (engine.py:2313-2314 returns
+#: None for that pair, so the client's torch AdamW steps alone, no per-tensor overflow check);
+#: the engine still flattens the gradients for its all-reduce and copies them back
+#: (engine.py:3823 allreduce_and_copy). Counted as the bf16 rows are, with fp32 weights.
+DEEPSPEED_FP32_STAGE0 = EnginePasses("AdamW", 2.023, 0.0, 12.0, 1.011, 0.0, "engine.py:2313-2314, 3823-3935")
 
 
 @dataclass(frozen=True)
@@ -224,6 +230,8 @@ def engine_time(step, hbm: float, *, deepspeed: bool, hidden: float, tensors: in
     if deepspeed:
         shard = n if step.zero == 0 else n / step.world_size
         passes = DEEPSPEED_PASSES[(step.zero, "none" if step.offload == "none" else "optimizer")]
+        if step.zero == 0 and step.offload == "none" and compute_dtype(step) == "fp32":
+            passes = DEEPSPEED_FP32_STAGE0
         # ZeRO-3's offload runs stage3.py's own loops: the stage-2 offload passes stand in
     else:
         shard, passes = n, None
@@ -297,7 +305,7 @@ class StepTime:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What ``memlab doctor --calibrate`` measured: one large matmul's FLOP/s per dtype on a
+    """What ``memlab doctor --calibrate`` measured: a Linear's training GEMMs' FLOP/s per dtype on a
     device, the host's AdamW parameters per second."""
 
     device: str
@@ -436,7 +444,8 @@ def report_time(step, card: Card | None, *, flops: StepFlops | None = None,
     return step_time(step, card, flops=flops, tensor_parallel=tensor_parallel)
 
 
-__all__ = ["report_time", "ADAMW_BYTES", "ADAMW_FOREACH_OPS", "DEEPSPEED_PASSES", "EnginePasses", "EngineTime",
+__all__ = ["report_time", "ADAMW_BYTES", "ADAMW_FOREACH_OPS", "DEEPSPEED_FP32_STAGE0",
+           "DEEPSPEED_PASSES", "EnginePasses", "EngineTime",
            "FOREACH_ELEMENTS", "LAUNCH_SECONDS", "OptimizerPass", "optimizer_pass",
            "SYNC_SECONDS", "engine_time", "parameter_tensors",
            "CALIBRATION_ENV", "CPU_ADAM_PARAMS_PER_S", "Calibration", "NODE_GPUS",

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from memlab import gpu_check
 from memlab.cards import CARDS, get_card
 
@@ -67,3 +69,19 @@ def test_rank_notebooks_first_one_at_a_time_and_a_failure_does_not_stop_the_rest
     text = gpu_check.table(runs, get_card("T4-16GB"))
     assert "| 02_baseline_oom.ipynb | FAIL | 1 |" in text and "card profile: T4-16GB" in text
     assert text.count("| pass |") == len(NOTEBOOKS) - 1
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_deepspeed_row_times_several_steps_and_keeps_each():
+    # on one CPU rank (gloo): the row's seconds are the median of the timed steps, each kept
+    import statistics
+
+    from memlab.distributed.ranks import run_ranks
+    from memlab.step import StepConfig
+    step = StepConfig(model="tiny", seq=16, batch=2, precision="bf16", zero=2)
+    row = run_ranks(gpu_check.deepspeed_one_gpu_worker, 1, kwargs={"step": step, "timed_steps": 3},
+                    timeout=600)[0]
+    samples = row["step_seconds_samples"]
+    assert len(samples) == 3 and all(s > 0 for s in samples)
+    assert row["step_seconds"] == statistics.median(samples)

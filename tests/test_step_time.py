@@ -7,6 +7,7 @@ from dataclasses import replace
 from importlib import resources
 
 import pytest
+import torch
 
 from memlab import doctor
 from memlab.cards import card_speeds
@@ -86,6 +87,19 @@ def test_engine_part_is_launches_syncs_and_hbm_bytes():
     assert plain.by_part.engine == pytest.approx(8 * -(-psi // (320 * 65536)) * 10e-6 + 80 * psi / 4.8e12)
 
 
+
+def test_deepspeed_stage_0_in_fp32_has_no_optimizer_wrapper():
+    # DeepSpeed wraps the optimizer at stage 0 only for 16-bit weights (engine.py:2313-2314):
+    # bf16's FP16_UnfusedOptimizer checks each gradient with an .item(), fp32 steps torch's AdamW
+    step = StepConfig(model="gpt2-large", seq=1024, batch=4, precision="bf16")
+    tensors = parameter_tensors(step.model_config)
+    bf16 = step_time(step, "H200-141GB", calibration=NONE, engine="deepspeed")
+    fp32 = step_time(replace(step, precision="fp32"), "H200-141GB", calibration=NONE, engine="deepspeed")
+    assert bf16.by_part.engine > fp32.by_part.engine
+    syncs = DEEPSPEED_PASSES[(0, "none")].step_syncs * tensors  # one .item() a tensor (and the global norm's)
+    assert f"+ {syncs:.0f} syncs" in bf16.rule and syncs >= tensors and "+ 0 syncs" in fp32.rule
+
+
 H200_ROWS = json.loads((resources.files("memlab") / "data" / "reference" / "NVIDIA-H200" /
                         "zero_offload_one_gpu.json").read_text())
 
@@ -128,7 +142,19 @@ def test_calibration_replaces_the_peak(tmp_path):
 
 def test_doctor_measures_a_matmul_and_adam():
     assert doctor.measure_matmul_flops("fp32", n=64, repeats=1) > 1e6
+    assert doctor.measure_matmul_flops("bf16", shape=(32, 16, 48), repeats=1) > 1e5
     assert doctor.measure_cpu_adam(params=4096, repeats=1) > 1e3
+
+
+def test_the_calibration_times_a_linears_three_training_gemms():
+    # forward x w^T, backward dy w and dy^T x: 3 x 2mkn FLOPs, counted by torch itself
+    from torch.utils.flop_counter import FlopCounterMode
+    m, k, n = 24, 40, 56
+    x, w = torch.randn(m, k, requires_grad=True), torch.randn(n, k, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        doctor.linear_training_gemms(x, w, torch.randn(m, n))
+    assert counter.get_total_flops() == 6 * m * k * n
+    assert x.grad.shape == (m, k) and w.grad.shape == (n, k)
 
 
 def test_every_lens_reports_time_flops():
