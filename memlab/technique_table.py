@@ -12,6 +12,12 @@ Single-device rows compare against the one-process step; the multi-rank rows (Ze
 tensor and pipeline parallelism) run 2 ranks on gloo and compare against stage 0 on the same
 ranks. Time ratios on a shared 2-core CPU are noisy: every single-device variant is timed
 round-robin so that background load slows all of them alike.
+
+:meth:`Table.on_card` adds the time lens's prediction on a card (:func:`predicted_times`,
+:func:`memlab.step_time.step_time`) beside each measured time ratio, against the same baseline.
+Over 500 lines because that prediction must pair each row with the baseline its measurement
+uses (ZeRO against stage 0, offload against ZeRO-2, the pipeline against its bubble-free
+stages), which :func:`measure_table` and :func:`multi_rank` define here.
 """
 from __future__ import annotations
 
