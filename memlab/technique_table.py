@@ -12,6 +12,12 @@ Single-device rows compare against the one-process step; the multi-rank rows (Ze
 tensor and pipeline parallelism) run 2 ranks on gloo and compare against stage 0 on the same
 ranks. Time ratios on a shared 2-core CPU are noisy: every single-device variant is timed
 round-robin so that background load slows all of them alike.
+
+:meth:`Table.on_card` adds the time lens's prediction on a card (:func:`predicted_times`,
+:func:`memlab.step_time.step_time`) beside each measured time ratio, against the same baseline.
+Over 500 lines because that prediction must pair each row with the baseline its measurement
+uses (ZeRO against stage 0, offload against ZeRO-2, the pipeline against its bubble-free
+stages), which :func:`measure_table` and :func:`multi_rank` define here.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from .hardware import Placement, place_ranks
 from .measure import measure_trainer, time_steps
 from .reference import REFERENCE_DIR, load_references
 from .step import StepConfig
+from .step_time import Calibration, step_time
 from .sweeps import category_max
 from .units import GiB, MiB
 
@@ -48,6 +55,8 @@ CLAIMS = {
     "activation compression": ("30-60%", "decompression", (0.30, 0.60)),
     "recomputation (selective)": ("customisable", "repeated compute", None),
 }
+#: micro-batches of the pipeline row's 1F1B run (:func:`multi_rank`) and of its prediction
+PIPELINE_MICRO_BATCHES = 4
 
 
 @dataclass
@@ -62,6 +71,8 @@ class Row:
     verdict: str                # holds | holds only when ... | does not hold
     evidence: str               # the numbers behind the verdict
     reference: str = ""         # GPU figures from data/reference, when recorded
+    predicted_ratio: float | None = None    # the time lens's ratio on ``Table.card`` (:func:`predicted_times`)
+    predicted_seconds: float | None = None  # ... and its seconds of the step with the technique
 
     @property
     def saving(self) -> float | None:
@@ -77,9 +88,27 @@ class Table:
     world_size: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    card: str | None = None  # the card of the rows' predicted times (:meth:`on_card`)
 
     def row(self, technique: str) -> Row:
         return next(r for r in self.rows if r.technique == technique)
+
+    def on_card(self, card: str, calibration: Calibration | None = None) -> "Table":
+        """This table with each row's predicted time on ``card`` beside the measured one.
+
+        Args:
+            card: a card memlab has datasheet speeds for (:data:`memlab.cards.SPEEDS`).
+            calibration: ``memlab doctor --calibrate``'s figures (default: the stored ones).
+
+        Returns:
+            A copy of the table whose rows carry ``predicted_ratio`` and ``predicted_seconds``
+            (``None`` where the time lens has no model of the technique) and whose ``card`` is set.
+        """
+        pred = predicted_times(self.step, card, max(self.world_size, 2), calibration=calibration)
+        rows = [replace(r, predicted_ratio=pred[r.technique].ratio if r.technique in pred else None,
+                        predicted_seconds=pred[r.technique].seconds if r.technique in pred else None)
+                for r in self.rows]
+        return replace(self, rows=rows, notes=list(self.notes), card=card)
 
     def to_dict(self) -> dict:
         return {"step": self.step.describe(), "world_size": self.world_size,
@@ -95,14 +124,19 @@ class Table:
                  else "single-device rows only")
         head = (f"Measured on this machine: {s.model_config.name}, seq {s.seq}, batch {s.batch}, "
                 f"AdamW, fp32 baseline; {multi}.\n\n")
+        predicted = f" predicted on {self.card} |" if self.card else ""
         lines = ["| technique | curriculum: memory | measured memory saved | curriculum: compute | "
-                 "measured time ratio | verdict | evidence | GPU reference |",
-                 "|---|---|---|---|---|---|---|---|"]
+                 f"measured time ratio |{predicted} verdict | evidence | GPU reference |",
+                 "|---|---|---|---|---|" + ("---|" if self.card else "") + "---|---|---|"]
         for r in self.rows:
             saved = "n/a" if r.saving is None else f"{r.saving:.0%}"
             tr = "n/a" if r.time_ratio is None else f"{r.time_ratio:.2f}x"
+            pr = ""
+            if self.card:
+                pr = (" n/a |" if r.predicted_ratio is None
+                      else f" {r.predicted_ratio:.2f}x ({r.predicted_seconds * 1e3:.3g} ms) |")
             lines.append(f"| {r.technique} | {r.curriculum_memory} | {saved} | {r.curriculum_compute} | {tr} "
-                         f"| {r.verdict} | {r.evidence} | {r.reference or '-'} |")
+                         f"|{pr} {r.verdict} | {r.evidence} | {r.reference or '-'} |")
         notes = "".join(f"\n- {n}" for n in self.notes)
         return head + "\n".join(lines) + ("\n" + notes if notes else "") + "\n"
 
@@ -215,11 +249,81 @@ def multi_rank(step: StepConfig, world_size: int = 2, placement: Placement | Non
     out["tp"] = {"peak_bytes": max(r["peak_bytes"] for r in tp.per_rank),
                  "param_bytes": max(r["param_bytes"] for r in tp.per_rank),
                  "full_param_bytes": tp.per_rank[0]["full_param_bytes"]}
-    pp = measure_pipeline(replace(step, world_size=1), world_size, micro_batches=(4,),
+    pp = measure_pipeline(replace(step, world_size=1), world_size,
+                          micro_batches=(PIPELINE_MICRO_BATCHES,),
                           schedules=("1f1b",), repeats=1, placement=placement)
     runs = [r["runs"][0] for r in pp.per_rank]
     out["pp"] = {"peak_bytes": max(r["peak_bytes"] for r in runs),
                  "bubble": sum(r["bubble"] for r in runs) / len(runs)}
+    return out
+
+
+@dataclass(frozen=True)
+class PredictedTime:
+    """One row's step time on a card by the time lens (:func:`memlab.step_time.step_time`):
+    ``seconds`` of the step with the technique, ``baseline_seconds`` of the step its measured
+    ratio is against, ``ratio`` = the one over the other, ``bound`` what limits the step."""
+
+    technique: str
+    seconds: float
+    baseline_seconds: float
+    ratio: float
+    against: str
+    bound: str = "gpu"
+
+
+def predicted_times(step: StepConfig, card: str, world_size: int = 2, *,
+                    calibration: Calibration | None = None) -> dict[str, PredictedTime]:
+    """The time lens's step time on ``card`` for the table's rows, each against the baseline
+    its measured time ratio has (:func:`measure_table`).
+
+    Single-device rows against ``step``; ZeRO 1-3 against DeepSpeed's stage 0 on the same
+    ``world_size`` ranks (fp32, as :func:`multi_rank` runs them); offloading (ZeRO-2 +
+    optimizer offload) against ZeRO-2; tensor parallelism (``world_size`` ways) against one
+    device; pipeline parallelism (``world_size`` stages, :data:`PIPELINE_MICRO_BATCHES`
+    micro-batches) against the same step without its bubble, as the measured row's
+    ``1 / (1 - bubble)``. Activation compression has no row: its pack/unpack is elementwise
+    work, which the time lens leaves out.
+
+    Args:
+        step: the table's base step (fp32, no checkpointing).
+        card: a card with datasheet speeds (:data:`memlab.cards.SPEEDS`).
+        world_size: ranks of the multi-rank rows.
+        calibration: ``memlab doctor --calibrate``'s figures (default: the stored ones).
+
+    Returns:
+        ``technique -> PredictedTime`` for every row the time lens models.
+
+    Raises:
+        InputError: a card memlab has no speeds for, or fewer than 2 ranks.
+    """
+    if world_size < 2:
+        raise InputError(f"world_size={world_size}; the multi-rank rows need 2 or more ranks")
+
+    def secs(s: StepConfig, **kw):
+        return step_time(s, card, calibration=calibration, **kw)
+
+    base = secs(step)
+    out: dict[str, PredictedTime] = {}
+
+    def add(tech: str, t, against_seconds: float, against: str) -> None:
+        out[tech] = PredictedTime(tech, t.seconds, against_seconds, t.seconds / against_seconds, against, t.bound)
+
+    for tech, over in (("gradient checkpointing", {"checkpointing": "full"}),
+                       ("mixed precision", {"precision": "bf16"}),
+                       ("recomputation (selective)", {"checkpointing": "selective"})):
+        add(tech, secs(replace(step, **over)), base.seconds, "baseline")
+    ranks = replace(step, world_size=world_size, precision="fp32")
+    z0 = secs(replace(ranks, zero=0), engine="deepspeed")
+    for z in (1, 2, 3):
+        add(f"ZeRO-{z}", secs(replace(ranks, zero=z)), z0.seconds, "DeepSpeed stage 0")
+    z2 = secs(replace(ranks, zero=2))
+    add("offloading", secs(replace(ranks, zero=2, offload="optimizer")), z2.seconds, "ZeRO-2")
+    add("tensor parallelism", secs(replace(step, world_size=world_size), tensor_parallel=world_size),
+        base.seconds, "one device")
+    pp = secs(replace(step, world_size=world_size, micro_batches=PIPELINE_MICRO_BATCHES),
+              pipeline_parallel=world_size)
+    add("pipeline parallelism", pp, pp.seconds - pp.by_part.bubble, "the same stages without the bubble")
     return out
 
 
@@ -365,9 +469,9 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
         m = pp["peak_bytes"] / base["peak_bytes"]
         rows.append(Row("pipeline parallelism", *CLAIMS["pipeline parallelism"][:2], m,
                         1 / (1 - pp["bubble"]), "holds" if m < 1 else "does not hold",
-                        f"1F1B, 4 micro-batches, {world_size} stages: stage peak "
+                        f"1F1B, {PIPELINE_MICRO_BATCHES} micro-batches, {world_size} stages: stage peak "
                         f"{pp['peak_bytes'] / MiB:.1f} MiB, bubble {pp['bubble']:.0%} "
-                        f"(formula {bubble_fraction(world_size, 4):.0%})"))
+                        f"(formula {bubble_fraction(world_size, PIPELINE_MICRO_BATCHES):.0%})"))
         off, z2 = multi["offload"], multi["zero2"]
         dev = off["allocator"]["device_peak_bytes"]
         m = dev / z2["peak_bytes"]
@@ -418,6 +522,7 @@ def write_report(out: str | Path, step: StepConfig | None = None, **kwargs) -> t
     return table, table.save(out)
 
 
-__all__ = ["Row", "Table", "CLAIMS", "SINGLE", "measure_saving", "measure_table", "write_report",
+__all__ = ["PIPELINE_MICRO_BATCHES", "PredictedTime", "predicted_times", "Row", "Table", "CLAIMS", "SINGLE",
+           "measure_saving", "measure_table", "write_report",
            "reference_ratios", "verdict", "zero_saving", "ranks_for", "single_device",
            "multi_rank", "table_placement"]

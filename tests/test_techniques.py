@@ -5,9 +5,13 @@ import pytest
 
 from memlab import GPTConfig, StepConfig, measure_step
 from memlab.accumulation import accumulation_check
+from memlab.cards import SPEEDS
+from memlab.errors import InputError
 from memlab.max_batch import find_max_batch_search, predict_max_batch
 from memlab.mixed_precision import FP16_TINY, fp16_underflow
+from memlab.step_time import CALIBRATION_ENV
 from memlab.sweeps import step_flops, sweep
+from memlab.technique_table import CLAIMS, PIPELINE_MICRO_BATCHES, Row, Table, predicted_times
 
 # smaller than ``tiny`` so that a batch search of ~8 real steps takes seconds
 MICRO = GPTConfig(n_layer=2, n_head=2, d_model=64, vocab_size=256, block_size=256, name="micro")
@@ -82,16 +86,17 @@ def test_sweep_grows_activations_with_seq():
         sweep(SMALL, "seq", [32], lens="guess")
 
 
-def test_full_checkpointing_recomputes_each_block_up_to_its_last_linear():
-    """FLOPs of MICRO's step from its shapes: a Linear costs 2 x tokens x in x out forward and
-    twice that backward; the fused attention core costs what torch's own ``sdpa_flop_count``
-    and ``sdpa_backward_flop_count`` give it, 4 b s^2 d forward and 10 b s^2 d backward (the
-    backward recomputes q k^T). Full checkpointing runs each block's forward again in backward,
-    but non-reentrant ``checkpoint`` stops recomputing once it has every tensor backward saved
-    (its early stop): a block's last Linear (``mlp.out``, whose output nothing saves) is not run
-    again, and the LM head is outside the blocks. So the step grows by less than one whole
-    forward more (the 1.33 of 3 -> 4 forwards)."""
-    b, s, t = SMALL.batch, SMALL.seq, SMALL.seq * SMALL.batch
+def _flops_by_shapes(step: StepConfig) -> tuple[int, int]:
+    """MICRO's step from its shapes: (forward + backward, full checkpointing's recompute).
+
+    A Linear costs 2 x tokens x in x out forward and twice that backward; the fused attention
+    core costs what torch's own ``sdpa_flop_count`` and ``sdpa_backward_flop_count`` give it,
+    4 b s^2 d forward and 10 b s^2 d backward (the backward recomputes q k^T). Full
+    checkpointing runs each block's forward again in backward, but non-reentrant ``checkpoint``
+    stops recomputing once it has every tensor backward saved (its early stop): a block's last
+    Linear (``mlp.out``, whose output nothing saves) is not run again, and the LM head is
+    outside the blocks."""
+    b, s, t = step.batch, step.seq, step.seq * step.batch
     d, v, layers = MICRO.d_model, MICRO.vocab_size, MICRO.n_layer
 
     def linear(fan_in: int, fan_out: int) -> int:
@@ -100,8 +105,75 @@ def test_full_checkpointing_recomputes_each_block_up_to_its_last_linear():
     block = linear(d, 3 * d) + linear(d, d) + linear(d, 4 * d) + linear(4 * d, d)  # qkv, proj, fc, out
     attention = 4 * b * s * s * d  # forward: q k^T and p v, the full s x s square (torch counts no mask)
     forward = layers * (block + attention) + linear(d, v)
+    model = 3 * (forward - layers * attention) + layers * (attention + 10 * b * s * s * d)
+    return model, layers * (block - linear(4 * d, d) + attention)
+
+
+def test_full_checkpointing_recomputes_each_block_up_to_its_last_linear():
+    """Counted with FlopCounterMode, the step grows by the recompute of :func:`_flops_by_shapes`:
+    less than one whole forward more (the 1.33 of 3 -> 4 forwards)."""
+    model, recompute = _flops_by_shapes(SMALL)
     base = step_flops(SMALL)
     full = step_flops(replace(SMALL, checkpointing="full"))
-    assert base == 3 * (forward - layers * attention) + layers * (attention + 10 * b * s * s * d)
-    assert full == base + layers * (block - linear(4 * d, d) + attention)
+    assert base == model
+    assert full == base + recompute
     assert 1.1 < full / base < 4 / 3
+
+
+#: A100 datasheet, fp32 on the CUDA cores (no TF32: torch leaves it off for matmuls)
+A100_FP32 = 19.5e12
+
+
+@pytest.fixture
+def no_calibration(monkeypatch, tmp_path):
+    """The datasheet's rate, whatever ``memlab doctor --calibrate`` stored on this machine."""
+    monkeypatch.setenv(CALIBRATION_ENV, str(tmp_path / "absent.json"))
+
+
+def test_predicted_checkpointing_adds_the_recompute_at_the_cards_rate(no_calibration):
+    """The table's predicted checkpointing step is the baseline's plus the recompute FLOPs
+    counted from the shapes, at the A100's fp32 peak times its achievable fraction; its
+    pipeline row adds the bubble, (p - 1) / m of each stage's share of the step's FLOPs."""
+    rate = A100_FP32 * SPEEDS["A100-80GB"].achievable
+    model, recompute = _flops_by_shapes(SMALL)
+    pred = predicted_times(SMALL, "A100-80GB", world_size=2)
+    ck = pred["gradient checkpointing"]
+    assert ck.seconds - ck.baseline_seconds == pytest.approx(recompute / rate, rel=1e-9)
+    assert ck.ratio == pytest.approx(ck.seconds / ck.baseline_seconds)
+    pp = pred["pipeline parallelism"]
+    bubble = (2 - 1) / PIPELINE_MICRO_BATCHES * (model / 2) / rate
+    assert pp.seconds - pp.baseline_seconds == pytest.approx(bubble, rel=1e-9)
+
+
+@pytest.mark.parametrize("card", sorted(SPEEDS))
+def test_predicted_column_orders_the_rows_as_lesson_15_says(card, no_calibration):
+    """On every card: checkpointing costs more than the baseline and less than a whole forward
+    more (4/3), selective less than full; bf16 is never slower ("lower or equal"); offload is
+    the slowest DeepSpeed run (the host's Adam and PCIe on top of ZeRO-2); the bubble slows."""
+    pred = predicted_times(replace(SMALL, seq=64), card)
+    r = {k: v.ratio for k, v in pred.items()}
+    assert 1 < r["recomputation (selective)"] < r["gradient checkpointing"] < 4 / 3
+    assert r["mixed precision"] <= 1 + 1e-12
+    deepspeed = [pred[f"ZeRO-{z}"].seconds for z in (1, 2, 3)] + [pred["ZeRO-1"].baseline_seconds]
+    assert pred["offloading"].seconds > max(deepspeed) and r["offloading"] > 1
+    assert r["pipeline parallelism"] > 1
+    assert "activation compression" not in pred   # elementwise work: the time lens has no model of it
+
+
+def test_table_on_card_adds_the_predicted_column(no_calibration):
+    rows = [Row(t, *CLAIMS[t][:2], 0.8, 1.3, "holds", "-")
+            for t in ("gradient checkpointing", "activation compression")]
+    table = Table(rows, SMALL, 1, 0.0).on_card("T4-16GB")
+    ck = predicted_times(SMALL, "T4-16GB")["gradient checkpointing"]
+    assert table.card == "T4-16GB" and table.row("gradient checkpointing").predicted_ratio == ck.ratio
+    md = table.to_markdown()
+    assert "| measured time ratio | predicted on T4-16GB |" in md
+    assert f"| 1.30x | {ck.ratio:.2f}x (" in md and "| 1.30x | n/a |" in md
+    assert "predicted on" not in Table(rows, SMALL, 1, 0.0).to_markdown()
+
+
+def test_predicted_times_reject_bad_input(no_calibration):
+    with pytest.raises(InputError, match="H800"):
+        predicted_times(SMALL, "H800")
+    with pytest.raises(InputError, match="world_size"):
+        predicted_times(SMALL, "T4-16GB", world_size=1)
