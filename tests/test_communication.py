@@ -166,11 +166,12 @@ def test_counted_paper_collectives_equal_the_formula(zero, tied):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_counted_zero_1_2_3_move_the_papers_2_2_3_psi():
-    # ZeRO paper sec. 7: 2 psi, 2 psi, 3 psi elements (bf16: 2 bytes), from the parameter count
-    psi_bytes = 2 * UNTIED.num_params()
-    # every one of these collectives moves (n-1)/n of its payload on a ring: payloads stand for moves
-    moved = {zero: sum(paper_count(zero).values()) for zero in (1, 2, 3)}
-    assert moved[1] == pytest.approx(2 * psi_bytes, rel=0.02)
-    assert moved[2] == pytest.approx(2 * psi_bytes, rel=0.02)
-    assert moved[3] == pytest.approx(3 * psi_bytes, rel=0.02)
+    # ZeRO paper sec. 7: 2 psi, 2 psi, 3 psi elements (bf16: 2 bytes) from the parameter count,
+    # (n-1)/n of them sent per rank on a ring; the counted payloads turned into bytes sent by
+    # their collective (an all-reduce sends twice its payload's share)
+    n, psi_bytes = 2, 2 * UNTIED.num_params()
+    moved = {zero: sum(Transfer(c, c, v, n).moved_bytes for c, v in paper_count(zero).items())
+             for zero in (1, 2, 3)}
+    for zero, elements in ((1, 2), (2, 2), (3, 3)):
+        assert moved[zero] == pytest.approx(elements * psi_bytes * (n - 1) / n, rel=0.02), zero
     assert moved[3] / moved[1] == pytest.approx(1.5, rel=0.02)
