@@ -6,7 +6,9 @@ sends on the wire (``moved_bytes``) follows from the collective, for the ring al
 NCCL and gloo use (Patarasuk and Yuan 2009; the ZeRO paper's accounting, Rajbhandari et al.
 2020, sec. 7): an all-reduce sends ``2 (n-1)/n`` of its payload per rank (a reduce-scatter
 and an all-gather), a reduce-scatter or an all-gather ``(n-1)/n``, a point-to-point send
-and a host copy all of it.
+and a host copy all of it. A ``reduce`` here is DeepSpeed's set of reduces, one per gradient
+slice to the rank owning it, over a step's slices: the same ``(n-1)/n`` as the reduce-scatter
+it adds up to (:attr:`Transfer.moved_bytes`).
 
 With ``Ψ`` the parameters of a rank's model replica (``1/t`` of the model under ``t``-way
 tensor parallelism, ``1/p`` of it per pipeline stage) on ``n`` data-parallel ranks:
@@ -20,14 +22,23 @@ tensor parallelism, ``1/p`` of it per pipeline stage) on ``n`` data-parallel ran
   instead (``use_multi_rank_bucket_allreduce``, on by default, in ``average_tensor`` of
   ``stage_1_and_2.py``; counted on gloo ranks: ``tests/test_communication.py``), so it moves
   ``2Ψ + Ψ = 3Ψ`` (``engine="deepspeed"``, the default: what runs); stage 1 reduces once per
-  step, stage 2 in every backward (its gradient partition accumulates);
+  step, stage 2 in every backward (its gradient partition accumulates). With
+  ``use_multi_rank_bucket_allreduce: false`` and ``reduce_scatter: true`` (DeepSpeed's config
+  keys, :data:`memlab.distributed.deepspeed_config.REDUCE_TO_OWNER`, written by
+  ``deepspeed_config(step, paper_collectives=True)``) each slice is reduced to its owner
+  (``dist.reduce``) instead: ``Ψ + Ψ = 2Ψ``, the paper's bytes (``engine="deepspeed-reduce-scatter"``);
 * **ZeRO-3**: the weights all-gathered in forward and again in backward, the gradients
   reduce-scattered: ``3Ψ``, 1.5 times DP (sec. 7.2.2), per micro-batch; parameters under
   DeepSpeed's persistence threshold stay whole on every rank and are never gathered
   (:data:`memlab.states.PERSISTENCE_THRESHOLD`). DeepSpeed keeps a gathered parameter that
   is used again within ``stage3_max_reuse_distance`` (memlab: 4M elements): a model of a few
   million parameters skips most of the backward gather (counted: 0.07 of it for ``tiny``);
-  at billions of parameters that is a few millionths of Ψ, left out;
+  at billions of parameters that is a few millionths of Ψ, left out.
+  ``engine="deepspeed-reduce-scatter"`` assumes DeepSpeed run with
+  :data:`memlab.distributed.deepspeed_config.GATHER_EVERY_USE` (persistence threshold,
+  reuse distance and prefetch bucket 0): every module gathers its weights in forward and in
+  backward, ``Ψ + Ψ + Ψ``, and a weight two modules share (tied embeddings) is gathered by
+  each, ``2 V d`` more per micro-batch;
 * **tensor parallelism** (Megatron-LM, Shoeybi et al. 2019, sec. 3): two all-reduces of the
   block's output (``b s h`` elements, the activations' dtype) in forward (after attention's
   and the MLP's row-parallel matmul), two in backward (before the column-parallel ones); full
@@ -48,7 +59,7 @@ from .models import GPTConfig
 from .precision import precision_bytes
 from .states import PERSISTENCE_THRESHOLD, param_numels, under_deepspeed
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "send", "copy")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce", "all_gather", "send", "copy")
 #: links a transfer runs over: between GPUs (NVLink, or the network) or host <-> device (PCIe)
 LINKS = ("gpu", "pcie")
 
@@ -71,6 +82,11 @@ class Transfer:
         if self.collective == "all_reduce":
             return 2 * (n - 1) / n * self.payload_bytes
         if self.collective in ("reduce_scatter", "all_gather"):
+            return (n - 1) / n * self.payload_bytes
+        if self.collective == "reduce":
+            # every rank reduces each slice to its owner (its payload: all n owners' slices);
+            # a ring reduce of m bytes has each rank but the root send m once, and each rank
+            # is the root of 1/n of the payload: (n-1)/n of it, a reduce-scatter's share
             return (n - 1) / n * self.payload_bytes
         return float(self.payload_bytes)
 
@@ -108,7 +124,10 @@ class StepComm:
                               for t in self.transfers]}
 
 
-ENGINES = ("deepspeed", "paper")
+#: ``deepspeed``: DeepSpeed 0.19 with memlab's default config; ``paper``: the ZeRO paper's
+#: collectives; ``deepspeed-reduce-scatter``: DeepSpeed with ``deepspeed_config(step,
+#: paper_collectives=True)``'s keys (module doc), the paper's bytes as DeepSpeed moves them
+ENGINES = ("deepspeed", "paper", "deepspeed-reduce-scatter")
 
 
 def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
@@ -119,8 +138,11 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
         step: a :class:`memlab.step.StepConfig`; ``world_size`` ranks, ``batch`` per rank.
         tensor_parallel, pipeline_parallel: degrees ``t`` and ``p``; data parallelism runs
             over the ``world_size / (t p)`` remaining ranks.
-        engine: ``"deepspeed"`` (what DeepSpeed 0.19 runs) or ``"paper"`` (the ZeRO paper's
-            collectives, sec. 7).
+        engine: ``"deepspeed"`` (what DeepSpeed 0.19 runs with memlab's default config),
+            ``"paper"`` (the ZeRO paper's collectives, sec. 7) or ``"deepspeed-reduce-scatter"``
+            (DeepSpeed with ``use_multi_rank_bucket_allreduce: false`` for ZeRO-1/2 and
+            ``stage3_param_persistence_threshold``, ``stage3_max_reuse_distance`` and
+            ``stage3_prefetch_bucket_size`` 0 for ZeRO-3: ``paper_collectives=True``).
 
     Returns:
         :class:`StepComm`; empty on one rank without offload.
@@ -146,12 +168,16 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
         out.append(Transfer("data-parallel all-reduce", "all_reduce", int(k * e * psi), n))
     elif n > 1 and step.zero in (1, 2):
         reduces = 1 if step.zero == 1 else k
-        reduce = "all_reduce" if engine == "deepspeed" else "reduce_scatter"
-        out.append(Transfer(f"ZeRO-{step.zero} gradient {reduce.replace('_', '-')}", reduce,
-                            int(reduces * e * psi), n))
+        reduce = {"deepspeed": "all_reduce", "paper": "reduce_scatter", "deepspeed-reduce-scatter": "reduce"}[engine]
+        what = "reduce to each slice's owner" if reduce == "reduce" else reduce.replace("_", "-")
+        out.append(Transfer(f"ZeRO-{step.zero} gradient {what}", reduce, int(reduces * e * psi), n))
         out.append(Transfer(f"ZeRO-{step.zero} weight all-gather", "all_gather", int(e * psi), n))
     elif n > 1 and step.zero == 3:
-        gathered = (sum(numels) - sum(x for x in numels if x < PERSISTENCE_THRESHOLD)) / (t * p)
+        if engine == "deepspeed-reduce-scatter":  # nothing persists; a tied weight: once per module
+            tied = cfg.vocab_size * cfg.d_model if isinstance(cfg, GPTConfig) and cfg.tie_embeddings else 0
+            gathered = (sum(numels) + tied) / (t * p)
+        else:
+            gathered = (sum(numels) - sum(x for x in numels if x < PERSISTENCE_THRESHOLD)) / (t * p)
         link = "pcie" if step.offload == "all" else "gpu"
         out.append(Transfer("ZeRO-3 weight all-gather (forward)", "all_gather", int(k * e * gathered), n, link))
         out.append(Transfer("ZeRO-3 weight all-gather (backward)", "all_gather", int(k * e * gathered), n, link))

@@ -4,8 +4,10 @@
 ``c10d`` ops behind ``torch.distributed``'s functions and DDP's reducer, and the functional
 collectives DTensor uses (``_c10d_functional``), as ``torch.distributed.tensor.debug.
 CommDebugMode`` does; it adds up the bytes of the tensors each works on, by collective
-(an all-gather by its output, everything else by its input). The workers run one step of
-DDP, of DeepSpeed's ZeRO-1/2/3, or of tensor parallelism under it.
+(an all-gather by its output, everything else by its input: a ``dist.reduce`` of a gradient
+slice to its owner by the slice, which every rank sends). The workers run one step of DDP, of
+DeepSpeed's ZeRO-1/2/3 (its own config, or the ZeRO paper's collectives: ``paper_collectives``),
+or of tensor parallelism under it.
 """
 from __future__ import annotations
 
@@ -89,13 +91,15 @@ def ddp_count_worker(rank: int, world_size: int, step) -> dict:
     return {"rank": rank, "bytes": counter.bytes, "calls": counter.calls}
 
 
-def zero_count_worker(rank: int, world_size: int, step, zero_overrides: dict | None = None) -> dict:
-    """One DeepSpeed ZeRO step (after a warm-up step) under the counter; ``zero_overrides``
-    change keys of the config's ``zero_optimization``."""
+def zero_count_worker(rank: int, world_size: int, step, zero_overrides: dict | None = None,
+                      paper_collectives: bool = False) -> dict:
+    """One DeepSpeed ZeRO step (after a warm-up step) under the counter; ``paper_collectives``:
+    :func:`~memlab.distributed.deepspeed_config.deepspeed_config`'s flag; ``zero_overrides``
+    change keys of the config's ``zero_optimization`` after it."""
     import deepspeed
 
     model = build_trainer(step).model
-    config = deepspeed_config(step)
+    config = deepspeed_config(step, paper_collectives=paper_collectives)
     config["zero_optimization"].update(zero_overrides or {})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     batch = make_batch(step, engine.device, seed=rank)
@@ -133,17 +137,29 @@ WORKERS = {"ddp": ddp_count_worker, "zero": zero_count_worker, "tp": tp_count_wo
 
 def count_step_communication(step, kind: str, world_size: int = 2, *,
                              placement: Placement | None = None, timeout: float = 600.0,
-                             zero_overrides: dict | None = None) -> list[dict]:
+                             zero_overrides: dict | None = None, paper_collectives: bool = False) -> list[dict]:
     """Run one step of ``kind`` (``ddp``, ``zero`` at ``step.zero``, ``tp``) on ``world_size``
     ranks (gloo CPU ranks unless ``placement`` says otherwise) and return each rank's counted
-    bytes by collective (``bytes``) and its calls. ``zero_overrides``: DeepSpeed
-    ``zero_optimization`` keys for ``kind="zero"``."""
+    bytes by collective (``bytes``) and its calls.
+
+    Args:
+        zero_overrides: DeepSpeed ``zero_optimization`` keys for ``kind="zero"``.
+        paper_collectives: ``kind="zero"`` with the ZeRO paper's collectives
+            (:data:`~memlab.distributed.deepspeed_config.REDUCE_TO_OWNER`,
+            :data:`~memlab.distributed.deepspeed_config.GATHER_EVERY_USE`), what
+            ``engine="deepspeed-reduce-scatter"`` of :mod:`memlab.communication` counts.
+    """
     if kind not in WORKERS:
         raise InputError(f"kind={kind!r}; allowed: {', '.join(WORKERS)}")
+    if kind != "zero" and (zero_overrides or paper_collectives):
+        raise InputError(f"zero_overrides and paper_collectives are DeepSpeed ZeRO's; kind={kind!r} "
+                         f"takes neither (allowed with kind='zero')")
     backend = None if placement is not None else "gloo"
     kwargs = {"step": step}
     if kind == "zero" and zero_overrides:
         kwargs["zero_overrides"] = zero_overrides
+    if kind == "zero" and paper_collectives:
+        kwargs["paper_collectives"] = True
     return run_ranks(WORKERS[kind], world_size, kwargs=kwargs, placement=placement,
                      backend=backend, timeout=timeout)
 

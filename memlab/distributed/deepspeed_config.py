@@ -3,6 +3,9 @@
 :func:`deepspeed_config` turns a :class:`~memlab.step.StepConfig` (ZeRO stage, offload,
 precision, micro-batches, checkpointing) into the JSON ``deepspeed.initialize`` takes, shaped
 like the curriculum's config, with memlab's bucket sizes (:data:`memlab.states.BUCKET_ELEMENTS`).
+``paper_collectives=True`` adds the keys under which DeepSpeed moves the ZeRO paper's bytes
+(:data:`REDUCE_TO_OWNER`, :data:`GATHER_EVERY_USE`; :mod:`memlab.communication`'s
+``engine="deepspeed-reduce-scatter"`` is their formula); the default leaves DeepSpeed's own.
 """
 from __future__ import annotations
 
@@ -11,10 +14,21 @@ from typing import Any
 from ..errors import InputError
 from ..states import BUCKET_ELEMENTS, PERSISTENCE_THRESHOLD
 
+#: ZeRO-1/2: each gradient slice is reduced to the rank that owns its partition (``dist.reduce``
+#: in ``average_tensor`` of DeepSpeed 0.19's ``stage_1_and_2.py``), which together is the
+#: paper's reduce-scatter; by default (``use_multi_rank_bucket_allreduce`` true) every bucket
+#: is all-reduced instead, twice the bytes
+REDUCE_TO_OWNER: dict[str, Any] = {"use_multi_rank_bucket_allreduce": False, "reduce_scatter": True}
+#: ZeRO-3: no parameter kept whole (persistence threshold 0), none kept gathered for its next
+#: use (reuse distance 0) nor fetched ahead (prefetch 0, whose fetched parameters are kept
+#: until their use): every module gathers its weights in forward and again in backward
+GATHER_EVERY_USE: dict[str, Any] = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                                    "stage3_prefetch_bucket_size": 0}
+
 
 def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
                      persistence_threshold: int = PERSISTENCE_THRESHOLD,
-                     torch_adam: bool = True) -> dict:
+                     torch_adam: bool = True, paper_collectives: bool = False) -> dict:
     """The DeepSpeed config for ``step`` (a :class:`~memlab.step.StepConfig`).
 
     Modelled on the curriculum's config (course/curriculum.md, section 5) (train_batch_size,
@@ -22,7 +36,9 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
     activation_checkpointing). ``step.batch`` is the batch of one rank, so train_batch_size = batch
     x world_size. Adam runs as ``torch.optim.AdamW`` (``torch_adam``): no op is compiled, and the
     state lives where ZeRO puts it. ``torch_adam=False`` (offload only) lets DeepSpeed run its
-    compiled ``DeepSpeedCPUAdam``.
+    compiled ``DeepSpeedCPUAdam``. ``paper_collectives`` adds :data:`REDUCE_TO_OWNER` (stages
+    1-2) or :data:`GATHER_EVERY_USE` (stage 3): the ZeRO paper's collectives (sec. 7), at the
+    cost of ZeRO-3 re-gathering what it could keep.
     """
     if step.precision not in ("fp32", "bf16"):
         raise InputError(f"precision={step.precision!r} for DeepSpeed here; allowed: fp32, bf16 "
@@ -46,6 +62,10 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
                     stage3_param_persistence_threshold=persistence_threshold,
                     stage3_max_live_parameters=4 * bucket_elements,
                     stage3_max_reuse_distance=4 * bucket_elements)
+    if paper_collectives and step.zero in (1, 2):
+        zero.update(REDUCE_TO_OWNER)
+    if paper_collectives and step.zero == 3:
+        zero.update(GATHER_EVERY_USE)
     if step.offload in ("optimizer", "all"):
         zero["offload_optimizer"] = {"device": "cpu"}
     if step.offload == "all":
