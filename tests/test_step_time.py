@@ -18,6 +18,7 @@ from memlab.simulate import simulate_step
 from memlab.step import StepConfig
 from memlab.step_time import (
     CPU_ADAM_PARAMS_PER_S,
+    DEEPSPEED_FP32_STAGE0,
     DEEPSPEED_PASSES,
     Calibration,
     calibrated_rate,
@@ -188,3 +189,14 @@ def test_deepspeed_passes_are_counted_on_its_code_path(zero, offload):
                        ("backward_extra_ops", "extra_ops"), ("backward_syncs", "extra_syncs")):
         assert counted[key] == pytest.approx(getattr(table, field), rel=0.01, abs=0.001), key
     assert counted["adam_bytes"] == pytest.approx(84, rel=0.01)  # the host's single-tensor AdamW
+
+
+@pytest.mark.slow
+def test_deepspeed_stage_0_in_fp32_is_counted_on_its_code_path():
+    from memlab.distributed.comm_count import count_deepspeed_passes
+    counted = count_deepspeed_passes(0, precision="fp32")
+    table = DEEPSPEED_FP32_STAGE0
+    assert counted["optimizer"] == table.optimizer == "AdamW"  # no wrapper: the client's optimizer
+    for key, field in (("step_ops", "step_ops"), ("step_syncs", "step_syncs"), ("step_bytes", "step_bytes"),
+                       ("backward_extra_ops", "extra_ops"), ("backward_syncs", "extra_syncs")):
+        assert counted[key] == pytest.approx(getattr(table, field), rel=0.01, abs=0.001), key

@@ -204,8 +204,9 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
-def count_deepspeed_passes(zero: int, offload: str = "none", n_layer: int = 36) -> dict:
-    """DeepSpeed's own work in one step, counted on this CPU: a bf16 GPT of ``n_layer`` blocks
+def count_deepspeed_passes(zero: int, offload: str = "none", n_layer: int = 36, precision: str = "bf16") -> dict:
+    """DeepSpeed's own work in one step, counted on this CPU: a ``precision`` (bf16 or fp32)
+    GPT of ``n_layer`` blocks
     (GPT-2's block, 12 parameter tensors each) made narrow (d_model 64) so that counting is
     quick, as rank 0 of one (:func:`memlab.distributed.deepspeed_rank0.fake_ranks`), the third
     step (Adam's state exists). Per parameter tensor: the ops ``engine.step()`` launches outside
@@ -221,9 +222,11 @@ def count_deepspeed_passes(zero: int, offload: str = "none", n_layer: int = 36) 
 
     cfg = dataclasses.replace(get_config("gpt2-large"), n_layer=n_layer, d_model=64, n_head=1, vocab_size=256,
                               block_size=64)
-    step = StepConfig(model=cfg, seq=8, batch=1, precision="bf16", zero=zero, offload=offload)
+    if precision not in ("bf16", "fp32"):
+        raise InputError(f"precision={precision!r}; allowed: bf16, fp32")
+    step = StepConfig(model=cfg, seq=8, batch=1, precision=precision, zero=zero, offload=offload)
     torch.manual_seed(0)
-    plain = GPT(cfg).to(torch.bfloat16)
+    plain = GPT(cfg).to(torch.bfloat16 if precision == "bf16" else torch.float32)
     batch = make_batch(step)
     with OpCounter() as c:
         plain(*batch).backward()
