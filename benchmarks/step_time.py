@@ -3,11 +3,12 @@
 1. This CPU: the rate of each dtype's training matmuls is measured at the step's own Linear
    shape (``memlab.doctor.measure_matmul_flops`` with ``shape``: a micro-batch's tokens through
    ``d_model -> 4 d_model``, forward and backward, as ``memlab doctor --calibrate`` does at its
-   square shape) and stands in for a card's peak x achievable; the predicted ratios of full
-   checkpointing, accumulation (4 micro-batches) and bf16 autocast to the plain fp32 step are
-   printed beside the measured ones, timed in turn (one step of each per round, the fastest
-   of the rounds: a round another process slowed is dropped for every variant alike; target:
-   within 15%, on an otherwise idle machine).
+   square shape), and causal attention's at the step's heads
+   (``memlab.doctor.measure_attention_flops``); they stand in for a card's peak x achievable.
+   The predicted ratios of full checkpointing, accumulation (4 micro-batches) and bf16
+   autocast to the plain fp32 step are printed beside the measured ones, timed in turn (one
+   step of each per round, the fastest of the rounds: a round another process slowed is
+   dropped for every variant alike; target: within 15%, on an otherwise idle machine).
 2. The H200 reference: gpt2-large bf16 seq 1024 batch 4 under DeepSpeed on one GPU
    (``memlab/data/reference/NVIDIA-H200/zero_offload_one_gpu.json``), predicted with the
    H200's datasheet figures and Llama 3's published fraction, DeepSpeed's counted passes
@@ -28,6 +29,7 @@ Prints, asserts nothing: timings on a shared 2-core machine are noisy (fastest o
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import replace
@@ -37,11 +39,11 @@ import torch
 
 from memlab.cards import Speeds
 from memlab.distributed.ranks import run_ranks
-from memlab.doctor import measure_matmul_flops
+from memlab.doctor import measure_attention_flops, measure_matmul_flops
 from memlab.gpu_check import DEEPSPEED_CASES, deepspeed_one_gpu_worker
 from memlab.models import get_config
 from memlab.step import StepConfig, build_trainer, make_batch
-from memlab.step_time import CPU_ADAM_PARAMS_PER_S, Calibration, parameter_tensors, step_time
+from memlab.step_time import CPU_ADAM_PARAMS_PER_S, Calibration, compute_dtype, parameter_tensors, step_time
 
 #: the datasheet and published fractions, the stated host-Adam default
 NO_CALIBRATION = Calibration("none", {}, CPU_ADAM_PARAMS_PER_S)
@@ -58,14 +60,23 @@ def copy_bandwidth(elements: int = 2**24, repeats: int = 3) -> float:
     return 8 * elements / best
 
 
-def cpu_speeds(step: StepConfig, bandwidth: float) -> Speeds:
-    """This CPU's matmul rate per dtype at ``step``'s Linear shape (a micro-batch's tokens,
-    ``d_model -> 4 d_model``), in a card profile's place."""
+@functools.cache
+def cpu_rates(shape: tuple[int, ...], measure) -> dict[str, float]:
+    """FLOP/s per dtype of ``measure`` at ``shape``, once per shape: the variants that share a
+    shape share its rates, so the calibration's own noise cancels from their ratios."""
+    return {d: measure(d, "cpu", shape=shape, repeats=12) for d in ("fp32", "bf16")}
+
+
+def cpu_speeds(step: StepConfig, bandwidth: float) -> tuple[Speeds, dict[str, float]]:
+    """This CPU's rates per dtype at ``step``'s shapes, in a card profile's place: the training
+    matmuls of a Linear (a micro-batch's tokens, ``d_model -> 4 d_model``) and causal SDPA (a
+    micro-batch's sequences and heads)."""
     cfg = step.model_config
-    shape = (step.seq * step.batch // step.micro_batches, cfg.d_model, 4 * cfg.d_model)
-    rates = {d: measure_matmul_flops(d, "cpu", shape=shape, repeats=8) for d in ("fp32", "bf16")}
-    return Speeds(tuple((d, r / 1e12) for d, r in rates.items()), bandwidth, 0.0, 1.0, 1.0,
-                  "measured training matmuls on this CPU", "this CPU")
+    rows = step.batch // step.micro_batches
+    rates = cpu_rates((step.seq * rows, cfg.d_model, 4 * cfg.d_model), measure_matmul_flops)
+    attention = cpu_rates((rows, cfg.n_head, step.seq, cfg.d_model // cfg.n_head), measure_attention_flops)
+    return (Speeds(tuple((d, r / 1e12) for d, r in rates.items()), bandwidth, 0.0, 1.0, 1.0,
+                   "measured training matmuls on this CPU", "this CPU"), attention)
 
 
 def cpu_ratios(rounds: int = 6) -> None:
@@ -73,11 +84,15 @@ def cpu_ratios(rounds: int = 6) -> None:
     steps = {"plain fp32": base, "full checkpointing": replace(base, checkpointing="full"),
              "4 micro-batches": replace(base, micro_batches=4), "bf16 autocast": replace(base, precision="bf16")}
     bandwidth = copy_bandwidth()
-    predicted = {name: step_time(s, speeds=cpu_speeds(s, bandwidth), calibration=NO_CALIBRATION).seconds
-                 for name, s in steps.items()}
-    sp = cpu_speeds(base, bandwidth)
-    print("CPU training matmuls at the step's shape: "
-          + ", ".join(f"{d} {r * 1e3:.1f} GFLOP/s" for d, r in sp.tflops))
+    predicted = {}
+    for name, s in steps.items():
+        sp, attention = cpu_speeds(s, bandwidth)
+        predicted[name] = step_time(s, speeds=sp, calibration=NO_CALIBRATION,
+                                    attention_flops_per_s=attention[compute_dtype(s)]).seconds
+        if name == "plain fp32":
+            print("CPU rates at the step's shapes: matmuls "
+                  + ", ".join(f"{d} {r * 1e3:.1f}" for d, r in sp.tflops)
+                  + "; attention " + ", ".join(f"{d} {r / 1e9:.1f}" for d, r in attention.items()) + " GFLOP/s")
     runs = {}
     for name, s in steps.items():
         trainer = build_trainer(s)

@@ -30,6 +30,7 @@ from .cards import detect_card
 from .distributed.offload import cpu_adam_buildable
 from .distributed.ranks import RankError, allreduce_worker, run_ranks, set_cache_env
 from .errors import InputError
+from .flops import CPU_SDPA
 from .hardware import place_ranks
 from .step_time import Calibration, calibration_path
 from .units import fmt_bytes
@@ -242,6 +243,49 @@ def measure_matmul_flops(dtype: str = "fp32", device: str = "cpu", n: int | None
     return 6 * m * k * n_out / best
 
 
+def measure_attention_flops(dtype: str = "fp32", device: str = "cpu",
+                            shape: tuple[int, int, int, int] | None = None, repeats: int = 3) -> float:
+    """FLOP/s of causal SDPA's forward and backward in ``dtype`` on ``device``, its FLOPs counted
+    by torch's ``FlopCounterMode`` (the full ``s x s`` square, as :mod:`memlab.flops` counts the
+    attention term, so the rate already holds what causality skips).
+
+    Args:
+        dtype: ``fp32``, ``bf16`` or ``fp16``.
+        device: ``cpu`` or ``cuda``.
+        shape: ``(batch, heads, seq, head_dim)`` (default: 4 x 16 x 2048 x 128 on a GPU,
+            8 x 4 x 256 x 64 on the CPU).
+        repeats: timed runs after one warm-up.
+
+    Returns:
+        FLOP/s over the fastest run.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype not in dtypes:
+        raise InputError(f"dtype={dtype!r}; allowed: {', '.join(dtypes)}")
+    dev = torch.device(device)
+    b, h, s, d = shape or ((4, 16, 2048, 128) if dev.type == "cuda" else (8, 4, 256, 64))
+    kw = {"device": dev, "dtype": dtypes[dtype]}
+    q, k, v = (torch.randn(b, h, s, d, **kw, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, h, s, d, **kw)
+
+    def once() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    with FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:  # the CPU's kernel too
+        once()
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        once()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        best = min(best, time.perf_counter() - start)
+    return counter.get_total_flops() / best
+
+
 def measure_cpu_adam(params: int = 2**24, repeats: int = 3) -> float:
     """Parameters per second of one ``torch.optim.AdamW`` step on the host (what ZeRO-Offload
     runs there in memlab's config, ``torch_adam``), over ``params`` fp32 parameters."""
@@ -258,13 +302,15 @@ def measure_cpu_adam(params: int = 2**24, repeats: int = 3) -> float:
 
 
 def calibrate(path: "pathlib.Path | None" = None) -> Calibration:
-    """``memlab doctor --calibrate``: a Linear's training matmuls per dtype on this machine's GPU
-    (its card profile's name) or CPU (``"cpu"``), and the host's AdamW throughput; written to
+    """``memlab doctor --calibrate``: a Linear's training matmuls and causal attention per dtype
+    on this machine's GPU (its card profile's name) or CPU (``"cpu"``), and the host's AdamW
+    throughput; written to
     :func:`memlab.step_time.calibration_path` (or ``path``) for the step-time model."""
     card = detect_card()
     device, name = ("cuda", card.name) if card is not None else ("cpu", "cpu")
     dtypes = ("fp32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
-    cal = Calibration(name, {d: measure_matmul_flops(d, device) for d in dtypes}, measure_cpu_adam())
+    cal = Calibration(name, {d: measure_matmul_flops(d, device) for d in dtypes}, measure_cpu_adam(),
+                      {d: measure_attention_flops(d, device) for d in dtypes})
     target = path or calibration_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(asdict(cal), indent=1))
@@ -273,13 +319,15 @@ def calibrate(path: "pathlib.Path | None" = None) -> Calibration:
 
 def main(argv: list[str] | None = None) -> int:
     """``memlab doctor``: print the checks and the verdict; 1 when something blocks the workbook.
-    ``--calibrate`` also measures a Linear's training matmuls and the host's Adam for the step-time model."""
+    ``--calibrate`` also measures a Linear's training matmuls, attention and the host's Adam for the
+    step-time model."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--calibrate" in argv:
         cal = calibrate()
         rates = ", ".join(f"{d} {f / 1e12:.3g} TFLOP/s" for d, f in cal.matmul_flops.items())
-        print(f"calibrated {cal.device}: matmul {rates}; host AdamW {cal.cpu_adam_params_per_s / 1e6:.0f}M "
-              f"params/s")
+        attn = ", ".join(f"{d} {f / 1e12:.3g} TFLOP/s" for d, f in cal.attention_flops.items())
+        print(f"calibrated {cal.device}: matmul {rates}; attention {attn}; host AdamW "
+              f"{cal.cpu_adam_params_per_s / 1e6:.0f}M params/s")
     checks, places = collect(build="--no-build" not in argv)
     blocked = [f"{c.name}: {c.detail}" for c in checks if c.status == "FAIL"]
     line = verdict(places, blocked)

@@ -10,6 +10,9 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
   ``achievable`` is the fraction published training runs reach on that card (cited in
   :data:`memlab.cards.SPEEDS`), applied to the rate of a Linear's three training GEMMs ``memlab
   doctor --calibrate`` measured on this card in place of the datasheet's peak (:func:`calibrated_rate`).
+  The attention term (``s^2``) runs at its fused kernel's rate where that was measured (the
+  CPU's flash attention computes bf16 in fp32 blocks: 18 GFLOP/s where this AVX2 host's bf16
+  GEMMs reach 3), else at the matmuls'.
 * **communication** = bytes moved on the GPU links (:mod:`memlab.communication`) / the
   link's one-way bandwidth (NVLink within a node of up to 8 GPUs, where the card has it, else
   PCIe), less what the engine overlaps: DDP all-reduces its buckets while backward runs
@@ -306,11 +309,14 @@ class StepTime:
 @dataclass(frozen=True)
 class Calibration:
     """What ``memlab doctor --calibrate`` measured: a Linear's training GEMMs' FLOP/s per dtype on a
-    device, the host's AdamW parameters per second."""
+    device, the host's AdamW parameters per second, and fused causal attention's FLOP/s per
+    dtype (forward and backward, counted as :mod:`memlab.flops` counts them: the full square)
+    where it was measured."""
 
     device: str
     matmul_flops: dict[str, float]
     cpu_adam_params_per_s: float
+    attention_flops: dict[str, float] = field(default_factory=dict)
 
 
 def calibration_path() -> pathlib.Path:
@@ -325,7 +331,8 @@ def load_calibration(path: pathlib.Path | None = None) -> Calibration | None:
     try:
         d = json.loads(p.read_text())
         return Calibration(d["device"], {k: float(v) for k, v in d["matmul_flops"].items()},
-                           float(d["cpu_adam_params_per_s"]))
+                           float(d["cpu_adam_params_per_s"]),
+                           {k: float(v) for k, v in d.get("attention_flops", {}).items()})
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -340,21 +347,24 @@ def compute_dtype(step) -> str:
     return "fp32"
 
 
-def calibrated_rate(card_name: str, dtype: str, calibration: Calibration | None) -> float | None:
+def calibrated_rate(card_name: str, dtype: str, calibration: Calibration | None, *,
+                    attention: bool = False) -> float | None:
     """FLOP/s a step reaches per the calibration, when it was measured on this card: the
     measured matmul rate takes the datasheet peak's place (``measured x achievable``), so a
     card whose matmuls run slower than its datasheet (clocks, power cap) is timed slower.
-    ``None`` without a calibration of this card and dtype."""
-    if calibration is None or calibration.device != card_name or dtype not in calibration.matmul_flops:
+    ``attention``: the fused attention kernel's measured rate instead. ``None`` without a
+    calibration of this card and dtype."""
+    measured = (calibration.attention_flops if attention else calibration.matmul_flops) if calibration else {}
+    if calibration is None or calibration.device != card_name or dtype not in measured:
         return None
-    return calibration.matmul_flops[dtype] * card_speeds(card_name).achievable
+    return measured[dtype] * card_speeds(card_name).achievable
 
 
 def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None = None,
               tensor_parallel: int = 1, pipeline_parallel: int = 1,
               speeds: Speeds | None = None, calibration: Calibration | None = None,
               cpu_adam_params_per_s: float | None = None, engine: str | None = None,
-              optimizer: OptimizerPass | None = None) -> StepTime:
+              optimizer: OptimizerPass | None = None, attention_flops_per_s: float | None = None) -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
 
@@ -370,6 +380,9 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         engine: ``"deepspeed"`` or ``"torch"`` (default: DeepSpeed where ZeRO or offload is on);
             ``"deepspeed"`` with ZeRO 0 is DeepSpeed's engine without partitioning.
         optimizer: plain torch's optimizer pass (:func:`optimizer_pass`; default fp32 AdamW).
+        attention_flops_per_s: the rate the attention term (``flops.attention``) runs at, a
+            fused kernel's own (default: the calibration's for this card and dtype times
+            ``achievable``, else the matmuls' rate).
 
     Returns:
         :class:`StepTime`.
@@ -385,10 +398,15 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     calibration = calibration if calibration is not None else load_calibration()
     dtype = compute_dtype(step)
     rate = calibrated_rate(name, dtype, calibration) or sp.peak(dtype) * sp.achievable
+    attn_rate = attention_flops_per_s or calibrated_rate(name, dtype, calibration, attention=True) or rate
     t, p = tensor_parallel, pipeline_parallel
     share = t * p
-    compute = flops.model / share / rate
-    recompute = flops.recompute / share / rate
+    # the attention term at its kernel's rate, the rest at the matmuls'; the seconds are split
+    # between the parts by their FLOPs (memlab.flops counts attention over all three together)
+    total = flops.total or 1
+    seconds_per_flop = ((flops.total - flops.attention) / rate + flops.attention / attn_rate) / total
+    compute = flops.model / share * seconds_per_flop
+    recompute = flops.recompute / share * seconds_per_flop
     gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else sp.pcie
     comm_s = comm.gpu_bytes / gpu_link if comm.gpu_bytes else 0.0
     overlap = "none"

@@ -144,6 +144,23 @@ def test_calibration_replaces_the_peak(tmp_path):
 def test_doctor_measures_a_matmul_and_adam():
     assert doctor.measure_matmul_flops("fp32", n=64, repeats=1) > 1e6
     assert doctor.measure_matmul_flops("bf16", shape=(32, 16, 48), repeats=1) > 1e5
+    assert doctor.measure_attention_flops("fp32", shape=(1, 2, 32, 16), repeats=1) > 1e5  # the CPU kernel counted
+
+
+def test_attention_runs_at_its_kernels_rate():
+    # the s^2 term at the fused kernel's rate, everything else at the matmuls': the seconds per
+    # FLOP are the FLOP-weighted mean of the two, shared by compute and recompute alike
+    step = StepConfig(model="llama-7b", seq=4096, batch=1, precision="bf16", checkpointing="full")
+    f = step_flops_formula(step)
+    rate = 989.5e12 * card_speeds("H200-141GB").achievable
+    same = step_time(step, "H200-141GB", calibration=NONE)
+    assert step_time(step, "H200-141GB", calibration=NONE, attention_flops_per_s=rate).seconds == \
+        pytest.approx(same.seconds, rel=1e-12)
+    slow = step_time(step, "H200-141GB", calibration=NONE, attention_flops_per_s=rate / 4)
+    per_flop = ((f.total - f.attention) / rate + f.attention / (rate / 4)) / f.total
+    assert slow.by_part.compute == pytest.approx(f.model * per_flop, rel=1e-9)
+    assert slow.by_part.recompute == pytest.approx(f.recompute * per_flop, rel=1e-9)
+    assert f.attention > 0.1 * f.total  # at 4096 tokens the square is a real share
     assert doctor.measure_cpu_adam(params=4096, repeats=1) > 1e3
 
 
