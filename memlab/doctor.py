@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from .cards import detect_card
 from .distributed.offload import cpu_adam_buildable
@@ -259,7 +260,6 @@ def measure_attention_flops(dtype: str = "fp32", device: str = "cpu",
     Returns:
         FLOP/s over the fastest run.
     """
-    from torch.utils.flop_counter import FlopCounterMode
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in dtypes:
         raise InputError(f"dtype={dtype!r}; allowed: {', '.join(dtypes)}")
