@@ -183,8 +183,8 @@ def _rss() -> int:
 
 
 #: timed DeepSpeed steps after the peak's step: one timed step cannot tell a row's cost from
-#: its noise (the 2025 H200 record has one: ZeRO-1 at 0.575 s against ZeRO-2's 0.297 s, for
-#: less work); the median of several, with each kept, can
+#: its noise (the H200 record has one a row: ZeRO-1 at 0.575 s against ZeRO-2's 0.297 s, for
+#: the same work by memlab's count of DeepSpeed's ops); the median of several, with each kept, can
 DEEPSPEED_TIMED_STEPS = 5
 
 

@@ -159,7 +159,6 @@ def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq:
             step = replace(base, checkpointing=ckpt, micro_batches=m)
             out.candidates += _changed_training(step, name, usable_bytes, target)
     fitting = [c for c in out.candidates if c.fits]
-
     if not fitting:
         out.why = "no candidate fits: use more ranks, a shorter sequence or a smaller batch"
         return out

@@ -191,7 +191,7 @@ class OffloadReference:
     ``device_peak_bytes``: ``max_memory_allocated`` over the step; ``device_reserved_bytes``:
     ``max_memory_reserved``; ``rss_before_bytes``/``rss_after_bytes``: the process's resident
     host memory after warm-up and after the step; ``step_seconds``: the timed step (the median
-    of ``step_seconds_samples`` where the record keeps them; the H200's 2025 record has one
+    of ``step_seconds_samples`` where the record keeps them; the H200's record has one
     step per row, so no spread to judge a prediction against).
     """
 
