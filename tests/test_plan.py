@@ -123,7 +123,7 @@ def test_every_course_lesson_once_per_variant_in_order_and_cuts_named():
         assert planned[:len(course)] == course and len(set(planned)) == len(planned), (variant, planned)
     cut = [r[0] for (v, _), (rows, _, _) in days().items() for r in rows if any(c.startswith("cut") for c in r)]
     assert cut, "the two-day variant names its cuts"
-    cuts = PLAN.split("## Two days: with two named cuts", 1)[1].split("###", 1)[0]
+    cuts = PLAN.split("## Two days: with three named cuts", 1)[1].split("###", 1)[0]
     for name in cut:
         assert f"Lesson {name.strip('`')[:2]}" in cuts, f"{name} is cut but not named under the cuts"
 
