@@ -11,8 +11,8 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
   :data:`memlab.cards.SPEEDS`), applied to the rate of a Linear's three training GEMMs ``memlab
   doctor --calibrate`` measured on this card in place of the datasheet's peak (:func:`calibrated_rate`).
   The attention term (``s^2``) runs at its fused kernel's rate where that was measured (the
-  CPU's flash attention computes bf16 in fp32 blocks: 18 GFLOP/s where this AVX2 host's bf16
-  GEMMs reach 3), else at the matmuls'.
+  CPU's flash attention computes bf16 in fp32 blocks: about 20 GFLOP/s on an AVX2 host whose
+  bf16 GEMMs reach 3), else at the matmuls'.
 * **communication** = bytes moved on the GPU links (:mod:`memlab.communication`) / the
   link's one-way bandwidth (NVLink within a node of up to 8 GPUs, where the card has it, else
   PCIe), less what the engine overlaps: DDP all-reduces its buckets while backward runs
@@ -73,7 +73,7 @@ NODE_GPUS = 8  # GPUs one NVLink domain joins in the DGX/HGX boards the datashee
 #: host seconds per kernel-launching op: CUDA's own launch, 4-6 us of driver and runtime calls
 #: per kernel (measured with CUDA 13: susun-blog.com/blog/pegainfer-3-cuda-graph, "From Launch
 #: Overhead to CUDA Graph"), taken at 5 us, plus PyTorch's dispatch of the op from Python, of
-#: of the same order: 10 us (a stated default: nothing in memlab measures it yet)
+#: the same order: 10 us (a stated default: nothing in memlab measures it yet)
 LAUNCH_SECONDS = 10e-6
 #: a host sync (``.item()``): its launch, a device-to-host copy and the wait for the stream to
 #: drain, so the host and the GPU stop overlapping: counted as two launches
