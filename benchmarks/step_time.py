@@ -4,7 +4,8 @@
    shape (``memlab.doctor.measure_matmul_flops`` with ``shape``: a micro-batch's tokens through
    ``d_model -> 4 d_model``, forward and backward, as ``memlab doctor --calibrate`` does at its
    square shape), and causal attention's at the step's heads
-   (``memlab.doctor.measure_attention_flops``); they stand in for a card's peak x achievable.
+   (``memlab.doctor.measure_attention_flops``), every shape in turn over rounds (this host's
+   speed drifts); they stand in for a card's peak x achievable.
    The predicted ratios of full checkpointing, accumulation (4 micro-batches) and bf16
    autocast to the plain fp32 step are printed beside the measured ones, timed in turn (one
    step of each per round, the fastest of the rounds: a round another process slowed is
@@ -15,10 +16,10 @@
    (``memlab.step_time.DEEPSPEED_PASSES``), against the recorded seconds (target: within 25%;
    offload: the bound the model names). The record holds ONE timed step per row, so its
    spread is unknown; its ZeRO-1 row (0.575 s) takes twice ZeRO-2's (0.297 s) on one GPU, where
-   memlab's count of DeepSpeed's ops finds the same work in both,
-   so no one prediction lands within 25% of both. ``make gpu-check``
-   now times five steps per row (``memlab.gpu_check.DEEPSPEED_TIMED_STEPS``) and keeps each:
-   the column ``spread`` prints their (max - min) / median where a record has them.
+   memlab's count of DeepSpeed's ops finds the same work in both, so no one prediction lands
+   within 25% of both. ``make gpu-check`` now times five steps per row
+   (``memlab.gpu_check.DEEPSPEED_TIMED_STEPS``) and keeps each: the column ``spread`` prints
+   their (max - min) / median where a record has them.
 3. DeepSpeed's host time on this CPU: the same engine and config on a model of gpt2-large's
    tensors (36 blocks, 436 parameter tensors) at width 80, where the arithmetic is negligible,
    so the step's seconds are the engine's Python and dispatch: the part of the H200 rows the
@@ -29,9 +30,7 @@ Prints, asserts nothing: timings on a shared 2-core machine are noisy (fastest o
 """
 from __future__ import annotations
 
-import functools
 import json
-import time
 from dataclasses import replace
 from importlib import resources
 
@@ -39,8 +38,9 @@ import torch
 
 from memlab.cards import Speeds
 from memlab.distributed.ranks import run_ranks
-from memlab.doctor import measure_attention_flops, measure_matmul_flops
+from memlab.doctor import fastest_seconds, measure_attention_flops, measure_matmul_flops
 from memlab.gpu_check import DEEPSPEED_CASES, deepspeed_one_gpu_worker
+from memlab.measure import time_steps
 from memlab.models import get_config
 from memlab.step import StepConfig, build_trainer, make_batch
 from memlab.step_time import CPU_ADAM_PARAMS_PER_S, Calibration, compute_dtype, parameter_tensors, step_time
@@ -52,31 +52,28 @@ NO_CALIBRATION = Calibration("none", {}, CPU_ADAM_PARAMS_PER_S)
 def copy_bandwidth(elements: int = 2**24, repeats: int = 3) -> float:
     """Bytes/s a large fp32 copy reads and writes on this host (the engine part's 'HBM')."""
     src, dst = torch.ones(elements), torch.empty(elements)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 8 * elements / best
+    return 8 * elements / fastest_seconds(lambda: dst.copy_(src), torch.device("cpu"), repeats)
 
 
-@functools.cache
-def cpu_rates(shape: tuple[int, ...], measure) -> dict[str, float]:
-    """FLOP/s per dtype of ``measure`` at ``shape``, once per shape: the variants that share a
-    shape share its rates, so the calibration's own noise cancels from their ratios."""
-    return {d: measure(d, "cpu", shape=shape, repeats=12) for d in ("fp32", "bf16")}
-
-
-def cpu_speeds(step: StepConfig, bandwidth: float) -> tuple[Speeds, dict[str, float]]:
-    """This CPU's rates per dtype at ``step``'s shapes, in a card profile's place: the training
-    matmuls of a Linear (a micro-batch's tokens, ``d_model -> 4 d_model``) and causal SDPA (a
-    micro-batch's sequences and heads)."""
+def step_shapes(step: StepConfig) -> tuple[tuple[int, int, int], tuple[int, int, int, int]]:
+    """``step``'s Linear shape (a micro-batch's tokens, ``d_model -> 4 d_model``) and its
+    attention shape (a micro-batch's sequences, heads, tokens, head dim)."""
     cfg = step.model_config
     rows = step.batch // step.micro_batches
-    rates = cpu_rates((step.seq * rows, cfg.d_model, 4 * cfg.d_model), measure_matmul_flops)
-    attention = cpu_rates((rows, cfg.n_head, step.seq, cfg.d_model // cfg.n_head), measure_attention_flops)
-    return (Speeds(tuple((d, r / 1e12) for d, r in rates.items()), bandwidth, 0.0, 1.0, 1.0,
-                   "measured training matmuls on this CPU", "this CPU"), attention)
+    return ((step.seq * rows, cfg.d_model, 4 * cfg.d_model),
+            (rows, cfg.n_head, step.seq, cfg.d_model // cfg.n_head))
+
+
+def cpu_rates(shapes: list[tuple[int, ...]], measure, rounds: int = 6) -> dict[tuple, dict[str, float]]:
+    """FLOP/s per shape and dtype of ``measure``, the fastest of ``rounds`` rounds that each
+    measure every shape in turn: this host's speed drifts (a shared VM: 65-128 GFLOP/s for the
+    same fp32 GEMM within minutes), and what drifts falls on every shape alike."""
+    best = {shape: {d: 0.0 for d in ("fp32", "bf16")} for shape in shapes}
+    for _ in range(rounds):
+        for shape in shapes:
+            for d in best[shape]:
+                best[shape][d] = max(best[shape][d], measure(d, "cpu", shape=shape, repeats=1))
+    return best
 
 
 def cpu_ratios(rounds: int = 6) -> None:
@@ -84,27 +81,25 @@ def cpu_ratios(rounds: int = 6) -> None:
     steps = {"plain fp32": base, "full checkpointing": replace(base, checkpointing="full"),
              "4 micro-batches": replace(base, micro_batches=4), "bf16 autocast": replace(base, precision="bf16")}
     bandwidth = copy_bandwidth()
+    shapes = {name: step_shapes(s) for name, s in steps.items()}
+    matmuls = cpu_rates(sorted({m for m, _ in shapes.values()}), measure_matmul_flops)
+    attention = cpu_rates(sorted({a for _, a in shapes.values()}), measure_attention_flops)
     predicted = {}
     for name, s in steps.items():
-        sp, attention = cpu_speeds(s, bandwidth)
+        mm, attn = matmuls[shapes[name][0]], attention[shapes[name][1]]
+        sp = Speeds(tuple((d, r / 1e12) for d, r in mm.items()), bandwidth, 0.0, 1.0, 1.0,
+                    "measured training matmuls on this CPU", "this CPU")
         predicted[name] = step_time(s, speeds=sp, calibration=NO_CALIBRATION,
-                                    attention_flops_per_s=attention[compute_dtype(s)]).seconds
-        if name == "plain fp32":
-            print("CPU rates at the step's shapes: matmuls "
-                  + ", ".join(f"{d} {r * 1e3:.1f}" for d, r in sp.tflops)
-                  + "; attention " + ", ".join(f"{d} {r / 1e9:.1f}" for d, r in attention.items()) + " GFLOP/s")
+                                    attention_flops_per_s=attn[compute_dtype(s)]).seconds
+        print(f"  {name}: matmuls " + ", ".join(f"{d} {r / 1e9:.1f}" for d, r in mm.items())
+              + "; attention " + ", ".join(f"{d} {r / 1e9:.1f}" for d, r in attn.items()) + " GFLOP/s")
     runs = {}
     for name, s in steps.items():
         trainer = build_trainer(s)
         batch = make_batch(s)
         trainer.step(batch)  # warm-up: the optimizer's state exists from here on
         runs[name] = (trainer, batch)
-    measured = {name: float("inf") for name in runs}
-    for _ in range(rounds):
-        for name, (trainer, batch) in runs.items():
-            start = time.perf_counter()
-            trainer.step(batch)
-            measured[name] = min(measured[name], time.perf_counter() - start)
+    measured = time_steps(runs, rounds, fastest=True)
     print(f"{'variant':<22}{'predicted':>10}{'measured':>10}{'pred/meas':>11}   (plain fp32: predicted "
           f"{predicted['plain fp32']:.3f} s, measured {measured['plain fp32']:.3f} s)")
     for name in list(steps)[1:]:

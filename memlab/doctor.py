@@ -194,6 +194,32 @@ def collect(build: bool = True) -> tuple[list[Check], dict[str, str]]:
     return checks, lesson_places(gpus)
 
 
+#: the dtypes the calibration times, by memlab's names
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of ``name`` (:data:`DTYPES`); InputError names the allowed ones."""
+    if name not in DTYPES:
+        raise InputError(f"dtype={name!r}; allowed: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def fastest_seconds(fn, device: torch.device, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats + 1`` calls of ``fn`` (the first also warms up),
+    the device's queue drained around each (a CUDA kernel's time, not its launch)."""
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def linear_training_gemms(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> None:
     """The three GEMMs a Linear without bias costs in a training step, in the layouts autograd
     runs them: forward ``y = x w^T``, backward ``dx = dy w`` and ``dw = dy^T x``: ``6 m k n``
@@ -221,27 +247,19 @@ def measure_matmul_flops(dtype: str = "fp32", device: str = "cpu", n: int | None
     Returns:
         FLOP/s (``6 m k n`` over the fastest run).
     """
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if dtype not in dtypes:
-        raise InputError(f"dtype={dtype!r}; allowed: {', '.join(dtypes)}")
     dev = torch.device(device)
     side = n or (4096 if dev.type == "cuda" else 1024)
     m, k, n_out = shape or (side, side, side)
-    kw = {"device": dev, "dtype": dtypes[dtype]}
+    kw = {"device": dev, "dtype": torch_dtype(dtype)}
     x = torch.randn(m, k, **kw, requires_grad=True)
     w = torch.randn(n_out, k, **kw, requires_grad=True)
     grad = torch.randn(m, n_out, **kw)
-    best = float("inf")
-    for _ in range(repeats + 1):
+
+    def once() -> None:
         x.grad = w.grad = None
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        start = time.perf_counter()
         linear_training_gemms(x, w, grad)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        best = min(best, time.perf_counter() - start)
-    return 6 * m * k * n_out / best
+
+    return 6 * m * k * n_out / fastest_seconds(once, dev, repeats)
 
 
 def measure_attention_flops(dtype: str = "fp32", device: str = "cpu",
@@ -260,12 +278,9 @@ def measure_attention_flops(dtype: str = "fp32", device: str = "cpu",
     Returns:
         FLOP/s over the fastest run.
     """
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if dtype not in dtypes:
-        raise InputError(f"dtype={dtype!r}; allowed: {', '.join(dtypes)}")
     dev = torch.device(device)
     b, h, s, d = shape or ((4, 16, 2048, 128) if dev.type == "cuda" else (8, 4, 256, 64))
-    kw = {"device": dev, "dtype": dtypes[dtype]}
+    kw = {"device": dev, "dtype": torch_dtype(dtype)}
     q, k, v = (torch.randn(b, h, s, d, **kw, requires_grad=True) for _ in range(3))
     grad = torch.randn(b, h, s, d, **kw)
 
@@ -274,16 +289,7 @@ def measure_attention_flops(dtype: str = "fp32", device: str = "cpu",
 
     with FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:  # the CPU's kernel too
         once()
-    best = float("inf")
-    for _ in range(repeats + 1):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        start = time.perf_counter()
-        once()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        best = min(best, time.perf_counter() - start)
-    return counter.get_total_flops() / best
+    return counter.get_total_flops() / fastest_seconds(once, dev, repeats)
 
 
 def measure_cpu_adam(params: int = 2**24, repeats: int = 3) -> float:

@@ -258,9 +258,11 @@ def time_step(step: StepConfig | None = None, *, device: str | None = "cpu", rep
     return time_steps({"step": (trainer, batch)}, repeats)["step"]
 
 
-def time_steps(runs: dict[str, tuple[Trainer, tuple]], repeats: int = 3) -> dict[str, float]:
+def time_steps(runs: dict[str, tuple[Trainer, tuple]], repeats: int = 3, *,
+               fastest: bool = False) -> dict[str, float]:
     """Median seconds of untracked steps per named (trainer, batch), one step of each in
-    turn, so that whatever else loads the machine falls on all of them alike."""
+    turn, so that whatever else loads the machine falls on all of them alike; ``fastest``:
+    the fastest step instead (a round another process slowed drops out of every run)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, (trainer, batch) in runs.items():
@@ -269,7 +271,7 @@ def time_steps(runs: dict[str, tuple[Trainer, tuple]], repeats: int = 3) -> dict
             if trainer.device.type == "cuda":
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    return {name: min(t) if fastest else sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 __all__ = ["measure_step", "measure_trainer", "time_step", "time_steps", "run_tracked_step",

@@ -156,9 +156,9 @@ def count_step_communication(step, kind: str, world_size: int = 2, *,
                          f"takes neither (allowed with kind='zero')")
     backend = None if placement is not None else "gloo"
     kwargs = {"step": step}
-    if kind == "zero" and zero_overrides:
+    if zero_overrides:
         kwargs["zero_overrides"] = zero_overrides
-    if kind == "zero" and paper_collectives:
+    if paper_collectives:
         kwargs["paper_collectives"] = True
     return run_ranks(WORKERS[kind], world_size, kwargs=kwargs, placement=placement,
                      backend=backend, timeout=timeout)
@@ -206,10 +206,10 @@ class OpCounter(TorchDispatchMode):
 
 def count_deepspeed_passes(zero: int, offload: str = "none", n_layer: int = 36, precision: str = "bf16") -> dict:
     """DeepSpeed's own work in one step, counted on this CPU: a ``precision`` (bf16 or fp32)
-    GPT of ``n_layer`` blocks
-    (GPT-2's block, 12 parameter tensors each) made narrow (d_model 64) so that counting is
-    quick, as rank 0 of one (:func:`memlab.distributed.deepspeed_rank0.fake_ranks`), the third
-    step (Adam's state exists). Per parameter tensor: the ops ``engine.step()`` launches outside
+    GPT of ``n_layer`` blocks (GPT-2's block, 12 parameter tensors each) made narrow (d_model
+    64) so that counting is quick, as rank 0 of one
+    (:func:`memlab.distributed.deepspeed_rank0.fake_ranks`), the third step (Adam's state
+    exists). Per parameter tensor: the ops ``engine.step()`` launches outside
     the inner torch optimizer, its host syncs, and the ops ``engine.backward`` adds over the
     plain module's backward; per parameter element: the bytes of the step's ops (elementwise
     over the flat buffers, so they scale with the elements) and of the inner optimizer's.
