@@ -231,6 +231,19 @@ def count_deepspeed_passes(zero: int, offload: str = "none", n_layer: int = 36, 
     with OpCounter() as c:
         plain(*batch).backward()
     plain_ops = c.ops  # forward + backward of the module alone
+    # ZeRO-3 replaces torch.nn.functional.linear with its own autograd Function for the rest of
+    # the process ("This will persist unless manually reset": partition_parameters.py,
+    # _enable_mem_efficient_linear), and a Function's forward runs with grad mode off, so a
+    # later checkpointed step would look like backward: put it back
+    linear = torch.nn.functional.linear
+    try:
+        return _count_engine(deepspeed, cfg, step, batch, plain_ops)
+    finally:
+        torch.nn.functional.linear = linear
+
+
+def _count_engine(deepspeed, cfg, step, batch, plain_ops: int) -> dict:
+    """:func:`count_deepspeed_passes`'s count on the engine, one fake rank."""
     with fake_ranks(1):
         torch.manual_seed(0)
         model = GPT(cfg)
