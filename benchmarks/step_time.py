@@ -6,6 +6,8 @@
    square shape), and causal attention's at the step's heads
    (``memlab.doctor.measure_attention_flops``), every shape in turn over rounds (this host's
    speed drifts); they stand in for a card's peak x achievable.
+   Elementwise work runs at the rates ``memlab.doctor.measure_elementwise`` measures at the
+   step's activation shapes (a streaming add; tanh-GELU at the MLP's width).
    The predicted ratios of full checkpointing, accumulation (4 micro-batches) and bf16
    autocast to the plain fp32 step are printed beside the measured ones, timed in turn (one
    step of each per round, the fastest of the rounds: a round another process slowed is
@@ -38,12 +40,19 @@ import torch
 
 from memlab.cards import Speeds
 from memlab.distributed.ranks import run_ranks
-from memlab.doctor import fastest_seconds, measure_attention_flops, measure_matmul_flops
+from memlab.doctor import fastest_seconds, measure_attention_flops, measure_elementwise, measure_matmul_flops
 from memlab.gpu_check import DEEPSPEED_CASES, deepspeed_one_gpu_worker
 from memlab.measure import time_steps
 from memlab.models import get_config
 from memlab.step import StepConfig, build_trainer, make_batch
-from memlab.step_time import CPU_ADAM_PARAMS_PER_S, Calibration, compute_dtype, parameter_tensors, step_time
+from memlab.step_time import (
+    CPU_ADAM_PARAMS_PER_S,
+    Calibration,
+    ElementwiseRates,
+    compute_dtype,
+    parameter_tensors,
+    step_time,
+)
 
 #: the datasheet and published fractions, the stated host-Adam default
 NO_CALIBRATION = Calibration("none", {}, CPU_ADAM_PARAMS_PER_S)
@@ -55,13 +64,15 @@ def copy_bandwidth(elements: int = 2**24, repeats: int = 3) -> float:
     return 8 * elements / fastest_seconds(lambda: dst.copy_(src), torch.device("cpu"), repeats)
 
 
-def step_shapes(step: StepConfig) -> tuple[tuple[int, int, int], tuple[int, int, int, int]]:
-    """``step``'s Linear shape (a micro-batch's tokens, ``d_model -> 4 d_model``) and its
-    attention shape (a micro-batch's sequences, heads, tokens, head dim)."""
+def step_shapes(step: StepConfig) -> tuple[tuple[int, int, int], tuple[int, int, int, int], tuple[int, int]]:
+    """``step``'s Linear shape (a micro-batch's tokens, ``d_model -> 4 d_model``), its
+    attention shape (a micro-batch's sequences, heads, tokens, head dim) and its activations'
+    (a micro-batch's tokens, ``d_model``)."""
     cfg = step.model_config
     rows = step.batch // step.micro_batches
     return ((step.seq * rows, cfg.d_model, 4 * cfg.d_model),
-            (rows, cfg.n_head, step.seq, cfg.d_model // cfg.n_head))
+            (rows, cfg.n_head, step.seq, cfg.d_model // cfg.n_head),
+            (step.seq * rows, cfg.d_model))
 
 
 def cpu_rates(shapes: list[tuple[int, ...]], measure, rounds: int = 6) -> dict[tuple, dict[str, float]]:
@@ -76,23 +87,42 @@ def cpu_rates(shapes: list[tuple[int, ...]], measure, rounds: int = 6) -> dict[t
     return best
 
 
+def elementwise_rates(shapes: list[tuple[int, int]], rounds: int = 6) -> dict[tuple, dict[str, ElementwiseRates]]:
+    """:func:`memlab.doctor.measure_elementwise` per activation shape ``(tokens, d_model)`` (its
+    GELU at ``(tokens, 4 d_model)``, the MLP's) and dtype, the fastest of ``rounds`` rounds."""
+    def bandwidth(d, device, shape, repeats):
+        return measure_elementwise(d, device, shape=shape, repeats=repeats).bytes_per_s
+
+    def gelu(d, device, shape, repeats):
+        rows, width = shape
+        return measure_elementwise(d, device, shape=(rows, 4 * width), repeats=repeats).activation_elements_per_s
+
+    streams, activations = cpu_rates(shapes, bandwidth, rounds), cpu_rates(shapes, gelu, rounds)
+    return {sh: {d: ElementwiseRates(streams[sh][d], activations[sh][d]) for d in streams[sh]} for sh in shapes}
+
+
 def cpu_ratios(rounds: int = 6) -> None:
     base = StepConfig(model="tiny", seq=256, batch=8, attention="sdpa")
     steps = {"plain fp32": base, "full checkpointing": replace(base, checkpointing="full"),
              "4 micro-batches": replace(base, micro_batches=4), "bf16 autocast": replace(base, precision="bf16")}
     bandwidth = copy_bandwidth()
     shapes = {name: step_shapes(s) for name, s in steps.items()}
-    matmuls = cpu_rates(sorted({m for m, _ in shapes.values()}), measure_matmul_flops)
-    attention = cpu_rates(sorted({a for _, a in shapes.values()}), measure_attention_flops)
+    matmuls = cpu_rates(sorted({m for m, _, _ in shapes.values()}), measure_matmul_flops)
+    attention = cpu_rates(sorted({a for _, a, _ in shapes.values()}), measure_attention_flops)
+    streams = elementwise_rates(sorted({e for _, _, e in shapes.values()}))
     predicted = {}
     for name, s in steps.items():
-        mm, attn = matmuls[shapes[name][0]], attention[shapes[name][1]]
+        mm, attn, ew = matmuls[shapes[name][0]], attention[shapes[name][1]], streams[shapes[name][2]]
         sp = Speeds(tuple((d, r / 1e12) for d, r in mm.items()), bandwidth, 0.0, 1.0, 1.0,
                     "measured training matmuls on this CPU", "this CPU")
-        predicted[name] = step_time(s, speeds=sp, calibration=NO_CALIBRATION,
-                                    attention_flops_per_s=attn[compute_dtype(s)]).seconds
+        dtype = compute_dtype(s)
+        t = step_time(s, speeds=sp, calibration=NO_CALIBRATION, attention_flops_per_s=attn[dtype],
+                      elementwise_rates=ew[dtype])
+        predicted[name] = t.seconds
         print(f"  {name}: matmuls " + ", ".join(f"{d} {r / 1e9:.1f}" for d, r in mm.items())
-              + "; attention " + ", ".join(f"{d} {r / 1e9:.1f}" for d, r in attn.items()) + " GFLOP/s")
+              + "; attention " + ", ".join(f"{d} {r / 1e9:.1f}" for d, r in attn.items()) + " GFLOP/s; "
+              + f"elementwise {t.elementwise.bytes / 1e6:.0f} MB at {ew[dtype].bytes_per_s / 1e9:.1f} GB/s, "
+              + f"GELU {ew[dtype].activation_elements_per_s / 1e6:.0f} M/s: {t.by_part.elementwise:.3f} s")
     runs = {}
     for name, s in steps.items():
         trainer = build_trainer(s)

@@ -322,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-build", action="store_true", help="do not build DeepSpeed's CPU Adam op")
     p.add_argument("--json", action="store_true")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure a Linear's training matmuls and the host's Adam for the step-time model")
+                   help="measure a Linear's training matmuls, attention, elementwise rates and the host's Adam "
+                        "for the step-time model")
     p = sub.add_parser("class", help="class tools: `class collect DIR --out results.csv`")
     p.add_argument("action", choices=["collect"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="DIR [--out results.csv] [--timeout S]")

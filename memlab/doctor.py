@@ -33,7 +33,7 @@ from .distributed.ranks import RankError, allreduce_worker, run_ranks, set_cache
 from .errors import InputError
 from .flops import CPU_SDPA
 from .hardware import place_ranks
-from .step_time import Calibration, calibration_path
+from .step_time import Calibration, ElementwiseRates, calibration_path
 from .units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -292,6 +292,38 @@ def measure_attention_flops(dtype: str = "fp32", device: str = "cpu",
     return counter.get_total_flops() / fastest_seconds(once, dev, repeats)
 
 
+def measure_elementwise(dtype: str = "fp32", device: str = "cpu", shape: tuple[int, int] | None = None,
+                        repeats: int = 3) -> ElementwiseRates:
+    """How fast ``device`` runs a step's elementwise work in ``dtype``: the bytes per second of
+    ``torch.add`` into a third tensor (two reads and a write per element: a streaming op), and
+    the elements per second of tanh-GELU's forward and backward (``gelu``, ``gelu_backward``),
+    which a CPU computes rather than streams (:mod:`memlab.elementwise`).
+
+    Args:
+        dtype: ``fp32``, ``bf16`` or ``fp16``.
+        device: ``cpu`` or ``cuda``.
+        shape: ``(rows, width)`` of the tensors (default 8192 x 8192 on a GPU, 2048 x 1024 on
+            the CPU); a step's own activations are ``(tokens, d_model)`` and, for GELU,
+            ``(tokens, hidden)``.
+        repeats: timed runs after one warm-up.
+
+    Returns:
+        :class:`memlab.step_time.ElementwiseRates`.
+    """
+    dev = torch.device(device)
+    rows, width = shape or ((8192, 8192) if dev.type == "cuda" else (2048, 1024))
+    kw = {"device": dev, "dtype": torch_dtype(dtype)}
+    a, b, out = torch.randn(rows, width, **kw), torch.randn(rows, width, **kw), torch.empty(rows, width, **kw)
+    size = a.numel() * a.element_size()
+    add = fastest_seconds(lambda: torch.add(a, b, out=out), dev, repeats)
+
+    def gelu() -> None:
+        torch.nn.functional.gelu(a, approximate="tanh")
+        torch.ops.aten.gelu_backward(b, a, approximate="tanh")
+
+    return ElementwiseRates(3 * size / add, 2 * a.numel() / fastest_seconds(gelu, dev, repeats))
+
+
 def measure_cpu_adam(params: int = 2**24, repeats: int = 3) -> float:
     """Parameters per second of one ``torch.optim.AdamW`` step on the host (what ZeRO-Offload
     runs there in memlab's config, ``torch_adam``), over ``params`` fp32 parameters."""
@@ -308,15 +340,18 @@ def measure_cpu_adam(params: int = 2**24, repeats: int = 3) -> float:
 
 
 def calibrate(path: "pathlib.Path | None" = None) -> Calibration:
-    """``memlab doctor --calibrate``: a Linear's training matmuls and causal attention per dtype
-    on this machine's GPU (its card profile's name) or CPU (``"cpu"``), and the host's AdamW
-    throughput; written to
+    """``memlab doctor --calibrate``: a Linear's training matmuls, causal attention and the
+    elementwise rates (:func:`measure_elementwise`) per dtype on this machine's GPU (its card
+    profile's name) or CPU (``"cpu"``), and the host's AdamW throughput; written to
     :func:`memlab.step_time.calibration_path` (or ``path``) for the step-time model."""
     card = detect_card()
     device, name = ("cuda", card.name) if card is not None else ("cpu", "cpu")
     dtypes = ("fp32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
+    elementwise = {d: measure_elementwise(d, device) for d in dtypes}
     cal = Calibration(name, {d: measure_matmul_flops(d, device) for d in dtypes}, measure_cpu_adam(),
-                      {d: measure_attention_flops(d, device) for d in dtypes})
+                      {d: measure_attention_flops(d, device) for d in dtypes},
+                      {d: r.bytes_per_s for d, r in elementwise.items()},
+                      {d: r.activation_elements_per_s for d, r in elementwise.items()})
     target = path or calibration_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(asdict(cal), indent=1))
@@ -325,14 +360,16 @@ def calibrate(path: "pathlib.Path | None" = None) -> Calibration:
 
 def main(argv: list[str] | None = None) -> int:
     """``memlab doctor``: print the checks and the verdict; 1 when something blocks the workbook.
-    ``--calibrate`` also measures a Linear's training matmuls, attention and the host's Adam for the
-    step-time model."""
+    ``--calibrate`` also measures a Linear's training matmuls, attention, elementwise rates and the
+    host's Adam for the step-time model."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--calibrate" in argv:
         cal = calibrate()
         rates = ", ".join(f"{d} {f / 1e12:.3g} TFLOP/s" for d, f in cal.matmul_flops.items())
         attn = ", ".join(f"{d} {f / 1e12:.3g} TFLOP/s" for d, f in cal.attention_flops.items())
-        print(f"calibrated {cal.device}: matmul {rates}; attention {attn}; host AdamW "
+        ew = ", ".join(f"{d} {b / 1e9:.3g} GB/s, GELU {cal.activation_elements[d] / 1e9:.3g} G elements/s"
+                       for d, b in cal.elementwise_bytes.items())
+        print(f"calibrated {cal.device}: matmul {rates}; attention {attn}; elementwise {ew}; host AdamW "
               f"{cal.cpu_adam_params_per_s / 1e6:.0f}M params/s")
     checks, places = collect(build="--no-build" not in argv)
     blocked = [f"{c.name}: {c.detail}" for c in checks if c.status == "FAIL"]

@@ -166,7 +166,7 @@ def count_step_flops(step, *, fake: bool = True, device: str = "cpu") -> StepFlo
         with FakeTensorMode():
             trainer = build_trainer(step, "cpu", fake=True)
             trainer.warm_up_optimizer()
-            batch = batch_to(_random_batch(step), step)
+            batch = batch_to(random_batch(step), step)
             with PhaseFlopCounter() as counter:
                 trainer.step(batch)
         return counter.flops()
@@ -178,8 +178,13 @@ def count_step_flops(step, *, fake: bool = True, device: str = "cpu") -> StepFlo
     return counter.flops()
 
 
-def _random_batch(step) -> tuple:
-    """Inputs of the step's shapes made inside the fake mode (the corpus is a real tensor)."""
+def random_batch(step) -> tuple:
+    """A step's inputs of its shapes, made inside a fake mode (the corpus is a real tensor), or
+    anywhere random inputs will do.
+
+    Returns:
+        ``(idx, targets)`` for a GPT, ``(x, t, noise)`` for a UNet.
+    """
     cfg = step.model_config
     if isinstance(cfg, UNetConfig):
         x = torch.randn(step.batch, cfg.channels, step.seq, step.seq)
@@ -313,4 +318,4 @@ def step_flops_formula(step) -> StepFlops:
 
 
 __all__ = ["CPU_SDPA", "PARTS", "PhaseFlopCounter", "StepFlops", "count_step_flops",
-           "gpt_step_flops", "step_flops_formula"]
+           "gpt_step_flops", "random_batch", "step_flops_formula"]

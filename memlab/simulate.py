@@ -36,16 +36,18 @@ activations, temporaries and workspaces of such a report are simulated.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 
 import torch
 
 from .cards import Card
+from .elementwise import ElementwiseCounter
 from .flops import PhaseFlopCounter
 from .hardware import resolve_budget
 from .measure import run_tracked_step
-from .models import UNetConfig
+from .models import GPTConfig, UNetConfig
 from .policy import emulate, resolve_target
 from .policy.caching_allocator import CachingAllocator, replay_steady_step
 from .states import ModelStates, model_states
@@ -108,7 +110,11 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     with FakeTensorMode(allow_non_fake_inputs=False), emulate(tgt):
         trainer = build_trainer(run, "cpu", fake=True)
         batch = batch_to(_fake_batch(run), run)
-        with PhaseFlopCounter() as flops:  # the step's FLOPs, op by op (memlab.flops)
+        # the step's FLOPs, op by op (memlab.flops), and its elementwise bytes where memlab has no
+        # closed form (memlab.elementwise; a GPT's follows the target's kernels: a CPU step runs
+        # rms_norm's composite)
+        gpt = isinstance(step.model_config, GPTConfig)
+        with PhaseFlopCounter() as flops, contextlib.nullcontext() if gpt else ElementwiseCounter() as elementwise:
             tracker, _, before, after = run_tracked_step(
                 trainer, batch, None if ms.deepspeed else budget_bytes, warmup="optimizer",
                 accounting=tgt.accounting())
@@ -123,7 +129,7 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     if ms.deepspeed:
         _deepspeed_layout(report, ms, model_states(run.model_config, precision=run.precision,
                                                    optimizer=run.optimizer).gradients)
-    report.time = report_time(step, tgt.card, flops=flops.flops())
+    report.time = report_time(step, tgt.card, flops=flops.flops(), elementwise=None if gpt else elementwise.work())
     report.step_seconds = time.perf_counter() - start
     report.notes.append("step_seconds is the wall time of the whole simulation")
     return report

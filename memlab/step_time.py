@@ -28,6 +28,15 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
   them (ZeRO-Offload's delayed update) takes the slowest of the GPU's work, PCIe and CPU Adam.
 * **bubble** (pipeline, ``p`` stages, ``m`` micro-batches): ``(p - 1) / m`` of the compute
   (Narayanan et al. 2021, sec. 2.2.1).
+* **elementwise**: the bytes forward and backward's elementwise ops read and write
+  (:mod:`memlab.elementwise`: norms, activation functions, residual adds, casts, the loss) over
+  the card's memory bandwidth (HBM's datasheet figure, or the rate ``memlab doctor
+  --calibrate`` measured of a streaming add), a roofline per op class: the activation
+  functions take the longer of their bytes at that bandwidth and their elements at the rate
+  measured of tanh-GELU forward and backward (a CPU computes each ``tanh`` or ``exp``: there
+  they are compute-bound; a card's datasheet has no such limit). What recompute re-runs is
+  filed under ``recompute``. Per rank: divided by the tensor- and pipeline-parallel degrees,
+  as sequence parallelism shards it (Korthikanti et al. 2022, sec. 4.2.2).
 
 * **engine**: the per-step work around the matmuls that the engine does over the parameters:
   every kernel-launching op is a host launch (:data:`LAUNCH_SECONDS`), every ``.item()`` a
@@ -41,20 +50,25 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
   per element the bytes of its flat-buffer casts and copies plus AdamW's. Offloaded, the flat
   buffers and Adam live on the host: their passes are the host's, timed with CPU Adam.
 
-Left out: elementwise ops and norms of forward and backward (memory-bound, a few percent of a
-large model's step), the Python of DeepSpeed's hooks beyond the ops they launch (ZeRO-3's
+Over 500 lines because each part of the rule sits beside the constants and DeepSpeed lines it
+cites, so one step's seconds can be followed, part by part, in one file.
+
+Left out: the host's launch of each elementwise op (hidden behind the GPU's work while the
+kernels outlast it), the Python of DeepSpeed's hooks beyond the ops they launch (ZeRO-3's
 parameter coordinator above all), the data loader, and the network between nodes (a group
 over 8 GPUs uses PCIe's figure).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .cards import SPEEDS, Card, Speeds, card_speeds, get_card
 from .communication import StepComm, step_communication
+from .elementwise import ElementwiseWork, count_flops_and_elementwise, deepspeed_precision, step_elementwise
 from .errors import InputError
 from .flops import StepFlops, step_flops_formula
 from .models import GPTConfig
@@ -67,7 +81,7 @@ from .states import under_deepspeed
 CPU_ADAM_PARAMS_PER_S = 774_030_080 / (1.65 - 0.22)
 #: where ``memlab doctor --calibrate`` keeps what it measured (``MEMLAB_CALIBRATION`` overrides)
 CALIBRATION_ENV = "MEMLAB_CALIBRATION"
-PARTS = ("compute", "recompute", "communication", "engine", "offload", "bubble")
+PARTS = ("compute", "recompute", "elementwise", "communication", "engine", "offload", "bubble")
 NODE_GPUS = 8  # GPUs one NVLink domain joins in the DGX/HGX boards the datasheets describe
 
 #: host seconds per kernel-launching op: CUDA's own launch, 4-6 us of driver and runtime calls
@@ -273,10 +287,12 @@ class TimeParts:
     communication_bytes: float = 0.0
     pcie_bytes: float = 0.0
     engine: float = 0.0
+    elementwise: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.communication + self.engine + self.offload + self.bubble
+        return (self.compute + self.recompute + self.elementwise + self.communication + self.engine
+                + self.offload + self.bubble)
 
 
 @dataclass(frozen=True)
@@ -294,9 +310,12 @@ class StepTime:
     bound: str = "gpu"
     communication: StepComm = field(default_factory=StepComm)
     rule: str = ""
+    elementwise: ElementwiseWork | None = None
 
     def to_dict(self) -> dict:
-        d = {"flops": self.flops.to_dict(), "seconds": self.seconds, "tokens_per_second": self.tokens_per_second,
+        d = {"flops": self.flops.to_dict(),
+             "elementwise": self.elementwise.to_dict() if self.elementwise is not None else None,
+             "seconds": self.seconds, "tokens_per_second": self.tokens_per_second,
              "mfu": self.mfu, "card": self.card, "bound": self.bound, "rule": self.rule}
         if self.by_part is not None:
             d["by_part"] = {p: getattr(self.by_part, p) for p in PARTS}
@@ -311,12 +330,42 @@ class Calibration:
     """What ``memlab doctor --calibrate`` measured: a Linear's training GEMMs' FLOP/s per dtype on a
     device, the host's AdamW parameters per second, and fused causal attention's FLOP/s per
     dtype (forward and backward, counted as :mod:`memlab.flops` counts them: the full square)
-    where it was measured."""
+    where it was measured; per dtype, the bytes per second of a streaming add and the elements
+    per second of tanh-GELU forward and backward (:class:`ElementwiseRates`)."""
 
     device: str
     matmul_flops: dict[str, float]
     cpu_adam_params_per_s: float
     attention_flops: dict[str, float] = field(default_factory=dict)
+    elementwise_bytes: dict[str, float] = field(default_factory=dict)
+    activation_elements: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ElementwiseRates:
+    """How fast a device runs elementwise work: the bytes per second a streaming op (an add)
+    reads and writes, and the elements per second tanh-GELU's forward and backward produce
+    (``inf``: no limit beyond bandwidth, a card's datasheet default)."""
+
+    bytes_per_s: float
+    activation_elements_per_s: float = math.inf
+
+
+def elementwise_seconds(work: ElementwiseWork, rates: ElementwiseRates) -> float:
+    """Seconds of ``work`` at ``rates`` (the module doc's roofline per op class)."""
+    streaming = (work.bytes - work.activation_bytes) / rates.bytes_per_s
+    activations = max(work.activation_bytes / rates.bytes_per_s,
+                      work.activation_elements / rates.activation_elements_per_s)
+    return streaming + activations
+
+
+def calibrated_elementwise(card_name: str, dtype: str, calibration: Calibration | None) -> ElementwiseRates | None:
+    """The elementwise rates ``memlab doctor --calibrate`` measured on this card in ``dtype``,
+    or ``None``."""
+    if calibration is None or calibration.device != card_name or dtype not in calibration.elementwise_bytes:
+        return None
+    return ElementwiseRates(calibration.elementwise_bytes[dtype],
+                            calibration.activation_elements.get(dtype, math.inf))
 
 
 def calibration_path() -> pathlib.Path:
@@ -332,7 +381,9 @@ def load_calibration(path: pathlib.Path | None = None) -> Calibration | None:
         d = json.loads(p.read_text())
         return Calibration(d["device"], {k: float(v) for k, v in d["matmul_flops"].items()},
                            float(d["cpu_adam_params_per_s"]),
-                           {k: float(v) for k, v in d.get("attention_flops", {}).items()})
+                           {k: float(v) for k, v in d.get("attention_flops", {}).items()},
+                           {k: float(v) for k, v in d.get("elementwise_bytes", {}).items()},
+                           {k: float(v) for k, v in d.get("activation_elements", {}).items()})
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -364,7 +415,9 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
               tensor_parallel: int = 1, pipeline_parallel: int = 1,
               speeds: Speeds | None = None, calibration: Calibration | None = None,
               cpu_adam_params_per_s: float | None = None, engine: str | None = None,
-              optimizer: OptimizerPass | None = None, attention_flops_per_s: float | None = None) -> StepTime:
+              optimizer: OptimizerPass | None = None, attention_flops_per_s: float | None = None,
+              elementwise: ElementwiseWork | None = None, elementwise_rates: ElementwiseRates | None = None,
+              target: str | None = None) -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
 
@@ -383,10 +436,24 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         attention_flops_per_s: the rate the attention term (``flops.attention``) runs at, a
             fused kernel's own (default: the calibration's for this card and dtype times
             ``achievable``, else the matmuls' rate).
+        elementwise: the step's elementwise work if already counted (default
+            :func:`memlab.elementwise.step_elementwise` on ``target``).
+        elementwise_rates: the device's (default: the calibration's for this card and dtype,
+            else the card's HBM bandwidth and no compute limit).
+        target: whose autocast lists and kernels the elementwise work follows (default
+            ``"cuda"`` on a card, ``"cpu"`` with ``speeds`` alone).
 
     Returns:
         :class:`StepTime`.
     """
+    if engine not in (None, "deepspeed", "torch"):
+        raise InputError(f"engine={engine!r}; allowed: deepspeed, torch")
+    on_ds = under_deepspeed(step.zero, step.offload) if engine is None else engine == "deepspeed"
+    if not isinstance(step.model_config, GPTConfig) and flops is None and elementwise is None and \
+            (card is not None or speeds is not None):
+        # no closed form (a UNet): both counted in one fake step
+        flops, elementwise = count_flops_and_elementwise(
+            replace(step, precision=deepspeed_precision(step)) if on_ds else step)
     flops = flops or step_flops_formula(step)
     comm = step_communication(step, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
     if card is None and speeds is None:
@@ -407,6 +474,11 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     seconds_per_flop = ((flops.total - flops.attention) / rate + flops.attention / attn_rate) / total
     compute = flops.model / share * seconds_per_flop
     recompute = flops.recompute / share * seconds_per_flop
+    ew = elementwise or step_elementwise(step, target or ("cuda" if card is not None else "cpu"), deepspeed=on_ds)
+    rates = elementwise_rates or calibrated_elementwise(name, dtype, calibration) or ElementwiseRates(sp.hbm)
+    per_byte = elementwise_seconds(ew, rates) / share / ew.bytes if ew.bytes else 0.0
+    recompute += ew.recompute * per_byte
+    elementwise_s = (ew.forward + ew.backward) * per_byte
     gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else sp.pcie
     comm_s = comm.gpu_bytes / gpu_link if comm.gpu_bytes else 0.0
     overlap = "none"
@@ -417,12 +489,10 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         comm_s = comm_s - dp_s + max(0.0, dp_s - backward)
         overlap = "DDP overlaps its all-reduce with backward"
     m = step.micro_batches
-    bubble = (p - 1) / m * (compute + recompute) if p > 1 else 0.0
-    if engine not in (None, "deepspeed", "torch"):
-        raise InputError(f"engine={engine!r}; allowed: deepspeed, torch")
-    on_ds = under_deepspeed(step.zero, step.offload) if engine is None else engine == "deepspeed"
-    eng = engine_time(step, sp.hbm, deepspeed=on_ds, hidden=compute + recompute, optimizer=optimizer)
-    gpu = compute + recompute + comm_s + bubble + eng.seconds
+    bubble = (p - 1) / m * (compute + recompute + elementwise_s) if p > 1 else 0.0
+    eng = engine_time(step, sp.hbm, deepspeed=on_ds, hidden=compute + recompute + elementwise_s,
+                      optimizer=optimizer)
+    gpu = compute + recompute + elementwise_s + comm_s + bubble + eng.seconds
     offload, bound = 0.0, "gpu"
     if step.offload != "none":
         cal_adam = calibration.cpu_adam_params_per_s if calibration is not None else None
@@ -444,28 +514,32 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     tokens = step.seq * step.batch * (step.world_size // share)  # the data-parallel replicas' tokens
     peak_all = sp.peak(dtype) * step.world_size
     mfu = flops.model * (step.world_size // share) / (seconds * peak_all) if seconds > 0 else None
-    parts = TimeParts(compute, recompute, comm_s, offload, bubble, comm.gpu_bytes, comm.pcie_bytes, eng.seconds)
+    parts = TimeParts(compute, recompute, comm_s, offload, bubble, comm.gpu_bytes, comm.pcie_bytes, eng.seconds,
+                      elementwise_s)
     rule = (f"compute = FLOPs / ({dtype} peak {sp.peak(dtype) / 1e12:g} TFLOP/s x "
-            f"{rate / sp.peak(dtype):.2f} achievable); communication = {comm.gpu_bytes / 1e9:.3g} GB / "
+            f"{rate / sp.peak(dtype):.2f} achievable); elementwise = {ew.bytes / 1e9:.3g} GB / "
+            f"{rates.bytes_per_s / 1e9:.3g} GB/s (activations: the longer of that and their elements at "
+            f"{rates.activation_elements_per_s / 1e9:.3g} G/s); communication = {comm.gpu_bytes / 1e9:.3g} GB / "
             f"{gpu_link / 1e9:g} GB/s ({overlap}); {eng.rule}; offload: slowest of GPU, PCIe, CPU Adam; "
             f"bubble (p-1)/m")
     return StepTime(flops, seconds, parts, tokens / seconds if seconds > 0 else None, mfu, name, bound,
-                    comm, rule)
+                    comm, rule, ew)
 
 
 def report_time(step, card: Card | None, *, flops: StepFlops | None = None,
-                tensor_parallel: int = 1) -> StepTime:
+                tensor_parallel: int = 1, elementwise: ElementwiseWork | None = None) -> StepTime:
     """The ``time`` of a lens's report: on ``card`` when memlab has its figures, else the
     FLOPs alone (the CPU, a card without a datasheet entry)."""
     if card is not None and card.name not in SPEEDS:
         card = None
-    return step_time(step, card, flops=flops, tensor_parallel=tensor_parallel)
+    return step_time(step, card, flops=flops, tensor_parallel=tensor_parallel, elementwise=elementwise)
 
 
 __all__ = ["report_time", "ADAMW_BYTES", "ADAMW_FOREACH_OPS", "DEEPSPEED_FP32_STAGE0",
            "DEEPSPEED_PASSES", "EnginePasses", "EngineTime",
            "FOREACH_ELEMENTS", "LAUNCH_SECONDS", "OptimizerPass", "optimizer_pass",
            "SYNC_SECONDS", "engine_time", "parameter_tensors",
-           "CALIBRATION_ENV", "CPU_ADAM_PARAMS_PER_S", "Calibration", "NODE_GPUS",
-           "PARTS", "StepTime", "TimeParts", "calibrated_rate", "calibration_path", "compute_dtype",
+           "CALIBRATION_ENV", "CPU_ADAM_PARAMS_PER_S", "Calibration", "ElementwiseRates", "NODE_GPUS",
+           "PARTS", "StepTime", "TimeParts", "calibrated_elementwise", "calibrated_rate", "calibration_path",
+           "compute_dtype", "elementwise_seconds",
            "load_calibration", "step_time"]

@@ -64,8 +64,9 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "step": "`StepConfig` (a step; its model config owns checkpointing and attention), `MemoryReport`, `Trainer`, `build_trainer`, `make_batch`",
         "reference": "the H200 reference rows (`data/reference/`) as steps and figures",
         "flops": "FLOPs of a step by part (forward, backward, recompute): counted by phase, and in closed form",
+        "elementwise": "bytes a step's elementwise ops (norms, activations, casts, the loss) read and write: counted op by op, and in closed form",
         "communication": "bytes a rank moves per step by kind: DP, ZeRO 1/2/3, TP, pipeline sends, offload over PCIe",
-        "step_time": "the time lens: compute, recompute, communication, engine passes, offload, bubble on a card; `StepTime`",
+        "step_time": "the time lens: compute, recompute, elementwise, communication, engine passes, offload, bubble on a card; `StepTime`",
     }),
     ("the lenses", {
         "estimate": "the estimate lens: closed-form bytes, activations and the peak moment",
