@@ -13,8 +13,9 @@ The rule, op by op (the optimizer and ``zero_grad`` are the engine part of
 :mod:`memlab.step_time`, not counted here):
 
 * an op reads every tensor it is given, whole, and writes every tensor it returns;
-* ops that pick (``embedding``, ``nll_loss_forward``) read only what they pick, and
-  ``nll_loss_backward`` reads its gradient and targets (its ``self`` gives a shape);
+* ops that pick (``embedding``, ``gather``, ``nll_loss_forward``) read only what they pick,
+  ``nll_loss_backward`` reads its gradient and targets (its ``self`` gives a shape), and fills
+  (``zero_``, ``zeros_like``, ...) only write;
 * views, ``empty`` allocations and the matmul and attention kernels (FLOPs) move nothing here.
 
 Two ways to the number, each checking the other (``tests/test_elementwise.py``):
@@ -48,7 +49,10 @@ aten = torch.ops.aten
 ACTIVATIONS = frozenset({
     "gelu", "gelu_backward", "silu", "silu_backward", "sigmoid", "sigmoid_backward", "tanh",
     "tanh_backward", "_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
+    "exp", "exp_",
 })
+#: ops that write their output and read nothing of their input but its shape
+WRITE_ONLY = frozenset({"zero_", "fill_", "zeros_like", "ones_like", "full_like", "zeros", "ones", "full"})
 #: ops that move nothing: allocations without a write, and aliases not flagged as views
 NO_TRAFFIC = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                         "_unsafe_view", "lift_fresh"})
@@ -90,8 +94,12 @@ def _size(t: torch.Tensor) -> int:
 def op_traffic(name: str, args: tuple, kwargs: dict, out) -> int:
     """Bytes one op reads and writes, by the module doc's rule."""
     written = sum(_size(t) for t in _tensors(out))
+    if name in WRITE_ONLY:             # fills: their input gives a shape (or is overwritten)
+        return written
     if name == "embedding":           # (weight, indices): the picked rows, as many as written
         return _size(args[1]) + 2 * written
+    if name == "gather":              # (self, dim, index): one element picked per index
+        return _size(args[2]) + 2 * written
     if name == "nll_loss_forward":    # (self, target, ...): one log-probability per target
         return _size(args[1]) + args[1].numel() * args[0].element_size() + written
     if name == "nll_loss_backward":   # (grad, self, target, weight, ..., total_weight)
@@ -103,7 +111,8 @@ class ElementwiseCounter(TorchDispatchMode):
     """Counts the elementwise bytes of the ops run inside it, by part (module doc).
 
     Use as a context manager around a whole step; read :meth:`work`. An op outside the
-    autograd engine with grad mode off is the optimizer's or ``zero_grad``'s: not counted.
+    autograd engine with grad mode off is an autograd Function's forward when more of the step
+    follows it, else the optimizer's or ``zero_grad``'s: not counted.
     """
 
     def __init__(self) -> None:
@@ -111,6 +120,7 @@ class ElementwiseCounter(TorchDispatchMode):
         self.kernels = set(flop_counter.flop_registry) | set(CPU_SDPA)
         self.counts = dict.fromkeys(PARTS, 0)
         self.activation_bytes = self.activation_elements = 0
+        self.pending = (0, 0, 0)  # grad-mode-off ops outside backward: (bytes, activation bytes, elements)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -120,14 +130,20 @@ class ElementwiseCounter(TorchDispatchMode):
                 or name in NO_TRAFFIC or not _tensors(out):
             return out
         in_backward = torch._C._current_graph_task_id() != -1
-        if not in_backward and not torch.is_grad_enabled():
-            return out
         n = op_traffic(name, args, kwargs, out)
+        act = (n, sum(t.numel() for t in _tensors(out))) if name in ACTIVATIONS else (0, 0)
+        if not in_backward and not torch.is_grad_enabled():
+            # an autograd Function's forward, or the optimizer's step: which one, the next op says
+            b, ab, ae = self.pending
+            self.pending = (b + n, ab + act[0], ae + act[1])
+            return out
+        b, ab, ae = self.pending  # more of the step follows: what was pending was a forward's
+        self.pending = (0, 0, 0)
+        self.counts["forward"] += b
         part = ("recompute" if torch.is_grad_enabled() else "backward") if in_backward else "forward"
         self.counts[part] += n
-        if name in ACTIVATIONS:
-            self.activation_bytes += n
-            self.activation_elements += sum(t.numel() for t in _tensors(out))
+        self.activation_bytes += ab + act[0]
+        self.activation_elements += ae + act[1]
         return out
 
     def work(self) -> ElementwiseWork:
@@ -372,13 +388,61 @@ def _block_backward(led: _Ledger, cfg: GPTConfig, s: int, rows: int, z: _Sizes) 
     led.op(bw, 3 * t * d * r)
 
 
+def _head_and_loss(led: _Ledger, cfg: GPTConfig, t: int, z: _Sizes) -> None:
+    """The head's casts and ``F.cross_entropy`` over the whole logits (autocast's lists decide
+    where the log-softmax runs and what is cast around it)."""
+    fw, bw, d, V, c = "forward", "backward", cfg.d_model, cfg.vocab_size, z.compute
+    if z.casts_norm:
+        led.op(fw, t * d * (z.norm + c))
+        led.op(bw, t * d * (c + z.norm))
+    _weight_casts(led, fw, z, V * d)
+    _weight_casts(led, bw, z, V * d)
+    x = op_bytes(z.target, "cross_entropy_loss", c, z.precision)
+    lsm = op_bytes(z.target, "log_softmax.int", x, z.precision, explicit_dtype_bytes=x)
+    nll = op_bytes(z.target, "nll_loss", lsm, z.precision)
+    for part in (fw, bw):
+        if x != c:
+            led.op(part, t * V * (c + x))
+        if nll != lsm:
+            led.op(part, t * V * (lsm + nll))
+    led.op(fw, t * V * (x + lsm), t * V)               # log_softmax
+    led.op(fw, 8 * t + t * nll + 2 * nll)              # nll_loss picks one log-probability a token
+    led.op(bw, 2 * nll + 8 * t + t * V * nll)          # nll_loss_backward writes every logit's
+    led.op(bw, 2 * t * V * lsm + t * V * x, t * V)     # log_softmax's backward
+
+
+def _chunked_loss(led: _Ledger, cfg: GPTConfig, t: int, z: _Sizes) -> None:
+    """:func:`memlab.chunked_loss.linear_cross_entropy`, op by op: per chunk of tokens its fp32
+    logits, their log-sum-exp in place, and in backward the logits again, their softmax from
+    the saved log-sum-exp, and both gradients (the weight's added chunk by chunk)."""
+    fw, bw, d, V, p, n = "forward", "backward", cfg.d_model, cfg.vocab_size, z.param, z.norm
+    dt = z.lower or n                                   # the chunks' matmul dtype
+    up = t * V * (dt + 4) if dt != 4 else 0             # each chunk's logits cast to fp32
+    chunks = -(-t // cfg.loss_chunk)
+    for part in (fw, bw):
+        if p != dt:
+            led.op(part, V * d * (p + dt))              # weight.to(dtype), in both passes
+    if n != dt:
+        led.op(fw, t * d * (n + dt))                    # hidden.to(dtype)
+    led.op(fw, 16 * t + up)                             # targets clamped; logits up
+    led.op(fw, (8 * t + 8 * t) + 2 * 12 * t)            # gather, and two slice copies
+    led.op(fw, (4 * t * V + 4 * t) + (8 * t * V + 4 * t) + (4 * t * V + 4 * t) + 8 * t + 12 * t)
+    led.op(fw, 8 * t * V, t * V)                        # exp_ (amax, sub_, sum, log_, add_ above)
+    led.op(fw, 9 * t + t + 12 * t + 9 * t + 4 * t)      # ne, count, lse - picked, where, sum
+    led.op(bw, 9 * t + 5 * t + 16 * t + V * d * p)      # keep, as float; clamp; grad_w zeros
+    led.op(bw, up + (8 * t * V + 4 * t) + 4 * t + 8 * t + (8 * t * V + 12 * t) + (8 * t + 4 * chunks)
+           + (8 * t * V + 4 * t))                       # sub_, ones, neg, scatter_add_, keep*scale, mul_
+    led.op(bw, 8 * t * V, t * V)                        # exp_: the softmax
+    led.op(bw, (t * V * (4 + dt) if dt != 4 else 0) + t * d * (2 * n + dt))  # g down; grad_h rows
+    led.op(bw, chunks * V * d * (2 * p + dt))           # grad_w.add_(g^T h), a chunk at a time
+
+
 def gpt_elementwise(cfg: GPTConfig, seq: int, batch: int, *, precision: str = "fp32", micro_batches: int = 1,
                     target="cpu", checkpointing: str | None = None) -> ElementwiseWork:
     """Closed-form elementwise bytes of one training step of memlab's GPT (module doc's rule).
 
     Args:
-        cfg: the model, with SDPA or naive attention; the chunked loss is counted by
-            :func:`count_elementwise` instead.
+        cfg: the model (SDPA or naive attention, the whole or the chunked loss).
         seq, batch: tokens per sequence and sequences per step (all micro-batches).
         precision: the step's (:data:`memlab.precision.PRECISIONS`).
         micro_batches: gradient accumulation's slices of ``batch``.
@@ -391,9 +455,6 @@ def gpt_elementwise(cfg: GPTConfig, seq: int, batch: int, *, precision: str = "f
     ckpt = checkpointing or cfg.checkpointing
     if ckpt not in ("none", "full", "selective"):
         raise InputError(f"checkpointing={ckpt!r}; allowed: none, full, selective")
-    if cfg.loss == "chunked":
-        raise InputError(f"the closed form covers the unchunked loss, got loss={cfg.loss!r}; "
-                         "count_elementwise counts any step")
     if micro_batches < 1 or batch % micro_batches:
         raise InputError(f"micro_batches={micro_batches!r} must divide batch={batch!r}")
     p, c, lower = precision_bytes(precision)
@@ -421,23 +482,10 @@ def gpt_elementwise(cfg: GPTConfig, seq: int, batch: int, *, precision: str = "f
     # final norm, head, loss
     _norm_forward(led, fw, cfg, t, z)
     _norm_backward(led, cfg, t, z)
-    if z.casts_norm:
-        led.op(fw, t * d * (z.norm + c))
-        led.op(bw, t * d * (c + z.norm))
-    _weight_casts(led, fw, z, V * d)
-    _weight_casts(led, bw, z, V * d)
-    x = op_bytes(target, "cross_entropy_loss", c, precision)
-    lsm = op_bytes(target, "log_softmax.int", x, precision, explicit_dtype_bytes=x)
-    nll = op_bytes(target, "nll_loss", lsm, precision)
-    for part in (fw, bw):
-        if x != c:
-            led.op(part, t * V * (c + x))
-        if nll != lsm:
-            led.op(part, t * V * (lsm + nll))
-    led.op(fw, t * V * (x + lsm), t * V)               # log_softmax
-    led.op(fw, 8 * t + t * nll + 2 * nll)              # nll_loss picks one log-probability a token
-    led.op(bw, 2 * nll + 8 * t + t * V * nll)          # nll_loss_backward writes every logit's
-    led.op(bw, 2 * t * V * lsm + t * V * x, t * V)     # log_softmax's backward
+    if cfg.loss == "chunked":
+        _chunked_loss(led, cfg, t, z)
+    else:
+        _head_and_loss(led, cfg, t, z)
     # every micro-batch does the same; from the second on, each gradient is added to .grad
     parts = {k: v * micro_batches for k, v in led.parts.items()}
     parts[bw] += (micro_batches - 1) * 3 * cfg.num_params() * p
@@ -462,7 +510,7 @@ def step_elementwise(step, target="cpu", *, deepspeed: bool = False) -> Elementw
     """
     cfg = step.model_config
     precision = deepspeed_precision(step) if deepspeed else step.precision
-    if isinstance(cfg, GPTConfig) and cfg.loss != "chunked":
+    if isinstance(cfg, GPTConfig):
         return gpt_elementwise(cfg, step.seq, step.batch, precision=precision,
                                micro_batches=step.micro_batches, target=target)
     return count_elementwise(replace(step, precision=precision))
@@ -487,6 +535,6 @@ def count_flops_and_elementwise(step) -> tuple[StepFlops, ElementwiseWork]:
     return flops.flops(), counter.work()
 
 
-__all__ = ["ACTIVATIONS", "NO_TRAFFIC", "ElementwiseCounter", "ElementwiseWork", "count_elementwise",
+__all__ = ["ACTIVATIONS", "NO_TRAFFIC", "WRITE_ONLY", "ElementwiseCounter", "ElementwiseWork", "count_elementwise",
            "count_flops_and_elementwise", "deepspeed_precision",
            "gpt_elementwise", "op_traffic", "step_elementwise"]

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from memlab import doctor
 from memlab.elementwise import ElementwiseCounter, ElementwiseWork, count_elementwise, gpt_elementwise, step_elementwise
-from memlab.errors import InputError
 from memlab.models import get_config, tiny_llama
 from memlab.step import StepConfig
 from memlab.step_time import ElementwiseRates, elementwise_seconds, step_time
@@ -79,11 +78,17 @@ def test_the_rule_on_a_norm_an_activation_and_an_add_by_hand():
 def test_deepspeed_sizes_and_the_fallback_count():
     step = StepConfig(model=GPT2, seq=16, batch=4, precision="bf16", zero=2)
     assert step_elementwise(step, deepspeed=True) == gpt_elementwise(GPT2, 16, 4, precision="pure-bf16")
-    chunked = replace(step, model=replace(GPT2, loss="chunked", loss_chunk=16))  # its own autograd Function
-    counted = step_elementwise(chunked)
-    assert counted == count_elementwise(chunked)
-    with pytest.raises(InputError, match="loss='chunked'"):
-        gpt_elementwise(chunked.model_config, 16, 4)
+    unet = StepConfig(model="unet-small", seq=16, batch=2)  # no closed form: counted
+    assert step_elementwise(unet) == count_elementwise(unet) and step_elementwise(unet).source == "counted"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "pure-bf16"])
+@pytest.mark.parametrize("cfg", [GPT2, LLAMA_GQA], ids=["gpt2", "llama-gqa"])
+def test_chunked_loss_closed_form_equals_the_count(cfg, precision):
+    # 5 tokens a chunk over 2 x 16: the last chunk short; the Function's forward runs with grad off
+    chunked = replace(cfg, loss="chunked", loss_chunk=5)
+    step = StepConfig(model=chunked, seq=16, batch=4, precision=precision, micro_batches=2)
+    close(gpt_elementwise(chunked, 16, 4, precision=precision, micro_batches=2), count_elementwise(step), 2)
 
 
 def test_roofline_streams_bytes_and_computes_activations():

@@ -6,6 +6,7 @@ import pytest
 from memlab import GPTConfig, StepConfig, measure_step
 from memlab.accumulation import accumulation_check
 from memlab.cards import SPEEDS
+from memlab.elementwise import gpt_elementwise
 from memlab.errors import InputError
 from memlab.max_batch import find_max_batch_search, predict_max_batch
 from memlab.mixed_precision import FP16_TINY, fp16_underflow
@@ -135,25 +136,34 @@ def test_predicted_checkpointing_adds_the_recompute_at_the_cards_rate(no_calibra
     counted from the shapes, at the A100's fp32 peak times its achievable fraction; its
     pipeline row adds the bubble, (p - 1) / m of each stage's share of the step's FLOPs."""
     rate = A100_FP32 * SPEEDS["A100-80GB"].achievable
+    hbm = 2.039e12  # the A100's datasheet bandwidth: elementwise bytes stream at it
     model, recompute = _flops_by_shapes(SMALL)
     pred = predicted_times(SMALL, "A100-80GB", world_size=2)
     ck = pred["gradient checkpointing"]
-    assert ck.seconds - ck.baseline_seconds == pytest.approx(recompute / rate, rel=1e-9)
+    rerun = gpt_elementwise(replace(MICRO, checkpointing="full"), SMALL.seq, SMALL.batch, target="cuda").recompute
+    assert ck.seconds - ck.baseline_seconds == pytest.approx(recompute / rate + rerun / hbm, rel=1e-9)
     assert ck.ratio == pytest.approx(ck.seconds / ck.baseline_seconds)
     pp = pred["pipeline parallelism"]
-    bubble = (2 - 1) / PIPELINE_MICRO_BATCHES * (model / 2) / rate
+    m = PIPELINE_MICRO_BATCHES
+    ew = gpt_elementwise(MICRO, SMALL.seq, SMALL.batch, micro_batches=m, target="cuda")
+    bubble = (2 - 1) / m * ((model / 2) / rate + (ew.forward + ew.backward) / 2 / hbm)
     assert pp.seconds - pp.baseline_seconds == pytest.approx(bubble, rel=1e-9)
 
 
 @pytest.mark.parametrize("card", sorted(SPEEDS))
 def test_predicted_column_orders_the_rows_as_lesson_15_says(card, no_calibration):
     """On every card: checkpointing costs more than the baseline and less than a whole forward
-    more (4/3), selective less than full; bf16 is never slower ("lower or equal"); offload is
+    more (4/3), selective less than full; bf16 is never slower ("lower or equal") where the card
+    runs bf16 matmuls faster than fp32, and only its casts slower where not; offload is
     the slowest DeepSpeed run (the host's Adam and PCIe on top of ZeRO-2); the bubble slows."""
     pred = predicted_times(replace(SMALL, seq=64), card)
     r = {k: v.ratio for k, v in pred.items()}
     assert 1 < r["recomputation (selective)"] < r["gradient checkpointing"] < 4 / 3
-    assert r["mixed precision"] <= 1 + 1e-12
+    sp = SPEEDS[card]
+    if sp.peak("bf16") > sp.peak("fp32"):
+        assert r["mixed precision"] <= 1 + 1e-12
+    else:  # no faster bf16 matmuls (T4, V100): autocast's casts of the weights cost a little
+        assert 1 < r["mixed precision"] < 1.05
     deepspeed = [pred[f"ZeRO-{z}"].seconds for z in (1, 2, 3)] + [pred["ZeRO-1"].baseline_seconds]
     assert pred["offloading"].seconds > max(deepspeed) and r["offloading"] > 1
     assert r["pipeline parallelism"] > 1
