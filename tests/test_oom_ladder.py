@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from memlab import hf
+from memlab.cards import card_speeds
 from memlab.chunked_loss import linear_cross_entropy
 from memlab.errors import InputError
 from memlab.estimate import chunked_loss_moments, estimate_step
@@ -105,7 +106,11 @@ def test_packing_keeps_the_peak_and_carries_more_tokens(ladder):
 def test_time_costs_checkpointing_and_offload(ladder):
     for card in ladder.cards:
         acc, ckpt = card.result("accumulation"), card.result("checkpointing")
-        assert acc.seconds == card.result("baseline").seconds  # the same FLOPs in smaller pieces
+        base = card.result("baseline").seconds
+        # the same FLOPs in smaller pieces; each micro-batch casts the weights to bf16 again and,
+        # from the second on, adds its gradients into .grad: 6 + 6 + 12 bytes a parameter more
+        extra = (4 - 1) * (6 + 6 + 12) * acc.trainable / card_speeds(card.card.name).hbm  # batch 4, over HBM
+        assert 0 < acc.seconds - base <= extra
         assert ckpt.seconds > acc.seconds                      # the forward re-run
         off = card.result("offload")
         # the host's Adam steps this rank's share of the parameters
