@@ -40,11 +40,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .errors import InputError
-from .flops import CPU_SDPA, PARTS, PhaseFlopCounter, StepFlops, random_batch
+from .flops import CPU_SDPA, PARTS, PhaseFlopCounter, StepFlops, run_counted_step
 from .models import GPTConfig
 from .policy import layer_norm_stat_bytes, op_bytes, precision_bytes, rms_norm_fused
-from .step import batch_to, build_trainer, make_batch
-from .torch_private import FakeTensorMode
 
 aten = torch.ops.aten
 
@@ -164,19 +162,7 @@ def count_elementwise(step, *, fake: bool = True, device: str = "cpu") -> Elemen
     Returns:
         :class:`ElementwiseWork` with ``source="counted"``.
     """
-    if fake:
-        with FakeTensorMode():
-            trainer = build_trainer(step, "cpu", fake=True)
-            trainer.warm_up_optimizer()
-            batch = batch_to(random_batch(step), step)
-            with ElementwiseCounter() as counter:
-                trainer.step(batch)
-        return counter.work()
-    trainer = build_trainer(step, device)
-    trainer.warm_up_optimizer()
-    batch = batch_to(make_batch(step, device), step)
-    with ElementwiseCounter() as counter:
-        trainer.step(batch)
+    counter, = run_counted_step(step, ElementwiseCounter(), fake=fake, device=device)
     return counter.work()
 
 
@@ -530,12 +516,7 @@ def count_flops_and_elementwise(step) -> tuple[StepFlops, ElementwiseWork]:
     """Both counts of one steady-state step on fake tensors, in one run: its FLOPs
     (:class:`memlab.flops.PhaseFlopCounter`) and its elementwise bytes (for a model without a
     closed form: a UNet, the chunked loss)."""
-    with FakeTensorMode():
-        trainer = build_trainer(step, "cpu", fake=True)
-        trainer.warm_up_optimizer()
-        batch = batch_to(random_batch(step), step)
-        with PhaseFlopCounter() as flops, ElementwiseCounter() as counter:
-            trainer.step(batch)
+    flops, counter = run_counted_step(step, PhaseFlopCounter(), ElementwiseCounter())
     return flops.flops(), counter.work()
 
 

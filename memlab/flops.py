@@ -46,6 +46,7 @@ expert matmuls are counted once per routed token.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -162,20 +163,27 @@ def count_step_flops(step, *, fake: bool = True, device: str = "cpu") -> StepFlo
     Returns:
         :class:`StepFlops` with ``source="counted"``.
     """
-    if fake:
-        with FakeTensorMode():
-            trainer = build_trainer(step, "cpu", fake=True)
-            trainer.warm_up_optimizer()
-            batch = batch_to(random_batch(step), step)
-            with PhaseFlopCounter() as counter:
-                trainer.step(batch)
-        return counter.flops()
-    trainer = build_trainer(step, device)
-    trainer.warm_up_optimizer()
-    batch = batch_to(make_batch(step, device), step)
-    with PhaseFlopCounter() as counter:
-        trainer.step(batch)
+    counter, = run_counted_step(step, PhaseFlopCounter(), fake=fake, device=device)
     return counter.flops()
+
+
+def run_counted_step(step, *modes: TorchDispatchMode, fake: bool = True, device: str = "cpu") -> tuple:
+    """Run one steady-state step of ``step`` inside ``modes`` (counters such as
+    :class:`PhaseFlopCounter`), on fake tensors (the default) or a real model on ``device``;
+    the optimizer's state is made first, so only the step runs inside them.
+
+    Returns:
+        ``modes``, having counted the step.
+    """
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        trainer = build_trainer(step, "cpu" if fake else device, fake=fake)
+        trainer.warm_up_optimizer()
+        batch = batch_to(random_batch(step) if fake else make_batch(step, device), step)
+        with contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
+            trainer.step(batch)
+    return modes
 
 
 def random_batch(step) -> tuple:
@@ -318,4 +326,4 @@ def step_flops_formula(step) -> StepFlops:
 
 
 __all__ = ["CPU_SDPA", "PARTS", "PhaseFlopCounter", "StepFlops", "count_step_flops",
-           "gpt_step_flops", "random_batch", "step_flops_formula"]
+           "gpt_step_flops", "random_batch", "run_counted_step", "step_flops_formula"]
