@@ -33,7 +33,7 @@ import traceback
 from dataclasses import replace
 from typing import Union
 
-from . import classroom, doctor, finetune, hf, run_config, simulation_bound
+from . import classroom, doctor, finetune, hf, low_bit, run_config, simulation_bound
 from .advisor import Advice, advise
 from .cards import detect_card
 from .distributed.deepspeed_zero import measure_distributed
@@ -56,8 +56,8 @@ from .units import fmt_bytes
 
 # -- a run as its configs write it (memlab.run_config, memlab.finetune) ---------------------
 #: --optimizer: the step's own optimizers, the fine-tuner's states, and HF's optim names
-OPTIMIZER_CHOICES = tuple(dict.fromkeys([*OPTIMIZERS, *finetune.OPTIMIZER_STATES,
-                                         *finetune.HF_OPTIMIZERS]))
+OPTIMIZER_CHOICES = tuple(dict.fromkeys([*OPTIMIZERS, *low_bit.OPTIMIZER_STATES,
+                                         *low_bit.HF_OPTIMIZERS]))
 
 
 def _add_run_config_args(p: argparse.ArgumentParser) -> None:
@@ -108,7 +108,7 @@ def _with_training_args(args: argparse.Namespace) -> argparse.Namespace:
 def _fine_tune(args: argparse.Namespace, cfg) -> tuple[dict | None, list[str]]:
     """``estimate_finetune``'s keywords from the flags (None: a plain step) and the notes of
     what a --lora-config does not model."""
-    kind = finetune.HF_OPTIMIZERS.get(args.optimizer, args.optimizer)
+    kind = low_bit.HF_OPTIMIZERS.get(args.optimizer, args.optimizer)
     lora, notes = None, []
     if args.lora_config is not None:
         if args.lora_rank is not None or args.lora_targets is not None:
@@ -130,7 +130,7 @@ def _fine_tune(args: argparse.Namespace, cfg) -> tuple[dict | None, list[str]]:
 def _step_optimizer(name: str) -> str:
     """The StepConfig optimizer of an --optimizer name: SGD, else AdamW (8-bit, paged and
     Adafactor state replace AdamW's in memlab.finetune.estimate_finetune)."""
-    return "sgd" if finetune.HF_OPTIMIZERS.get(name, name) == "sgd" else "adamw"
+    return "sgd" if low_bit.HF_OPTIMIZERS.get(name, name) == "sgd" else "adamw"
 
 
 def _configured(args: argparse.Namespace) -> bool:

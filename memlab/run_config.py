@@ -38,7 +38,8 @@ from unittest import mock
 
 from .distributed.ranks import set_cache_env
 from .errors import InputError
-from .finetune import GPT2_TARGETS, HF_OPTIMIZERS, LLAMA_TARGETS
+from .finetune import GPT2_TARGETS, LLAMA_TARGETS
+from .low_bit import HF_OPTIMIZERS
 from .models import GPTConfig
 from .quiet import quiet_build
 from .states import ZeroBuckets
@@ -334,7 +335,7 @@ _NO_MEMORY = ("output_dir", "logging_", "log_", "save_", "eval_", "per_device_ev
 class TrainingRun:
     """A ``TrainingArguments``/``SFTConfig`` mapped onto the step: ``micro_batch`` and
     ``accumulation`` (the step's batch is their product), ``precision``, ``checkpointing``
-    (``"full"`` or ``None``), ``optimizer`` (memlab's name, :data:`memlab.finetune.HF_OPTIMIZERS`),
+    (``"full"`` or ``None``), ``optimizer`` (memlab's name, :data:`memlab.low_bit.HF_OPTIMIZERS`),
     ``deepspeed`` (a path or a dict) and ``fsdp`` as given, ``seq`` the maximum length (or
     ``None``), and ``notes`` naming what is not modelled."""
 

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from memlab import finetune, hf, measure_step
+from memlab import finetune, hf, low_bit, measure_step
 from memlab.models import GPT, PRESETS
 from memlab.tracking import CATEGORIES
 from memlab.your_model import track_step
@@ -100,7 +100,7 @@ def test_param_shapes_equal_the_model(name):
         model = GPT(PRESETS[name])
     assert sorted(p.numel() for p in model.parameters()) == sorted(
         PRESETS[name].param_numels())
-    assert finetune.adam_state_bytes(PRESETS[name].param_numels()) == \
+    assert low_bit.adam_state_bytes(PRESETS[name].param_numels()) == \
         8 * PRESETS[name].num_params()
 
 
@@ -125,7 +125,7 @@ def test_8bit_layout_equals_bitsandbytes():
     opt.step()
     held = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                if torch.is_tensor(t) and t.dim() > 0)
-    assert held == finetune.adam_state_bytes([p.numel() for p in model.parameters()], "adamw-8bit")
+    assert held == low_bit.adam_state_bytes([p.numel() for p in model.parameters()], "adamw-8bit")
 
 
 def test_will_it_fit_panel_redraws_with_the_estimate():
@@ -193,14 +193,14 @@ def test_4bit_layout_equals_bitsandbytes(shape, double_quant):
                            compress_statistics=double_quant, quant_type="nf4")
     held = [q, s.absmax] + ([s.offset, s.state2.absmax] if double_quant else [])
     nbytes = sum(t.numel() * t.element_size() for t in held)
-    assert nbytes == finetune.quantized_weight_bytes(*shape, "4bit", double_quant=double_quant)
+    assert nbytes == low_bit.quantized_weight_bytes(*shape, "4bit", double_quant=double_quant)
 
 
 def test_8bit_weight_layout_equals_bitsandbytes():
     F = pytest.importorskip("bitsandbytes.functional")
     cb, scb, _ = F.int8_vectorwise_quant(torch.randn(688, 256, dtype=torch.float16))
     assert cb.numel() * cb.element_size() + scb.numel() * scb.element_size() == \
-        finetune.quantized_weight_bytes(688, 256, "8bit")
+        low_bit.quantized_weight_bytes(688, 256, "8bit")
 
 
 def test_adafactor_state_equals_transformers():
@@ -213,7 +213,7 @@ def test_adafactor_state_equals_transformers():
     opt.step()
     held = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                if torch.is_tensor(t) and t.dim() > 0)
-    assert held == finetune.adafactor_state_bytes([tuple(p.shape) for p in model.parameters()])
+    assert held == low_bit.adafactor_state_bytes([tuple(p.shape) for p in model.parameters()])
 
 
 def test_paged_state_is_host_memory(capsys):
