@@ -45,10 +45,12 @@ from .hardware import GPU_PRESETS, resolve_budget
 from .hf_config_check import check_config
 from .hf_estimate import estimate_hf
 from .hf_measure import measure_hf
+from .hf_shape import decoder_shape
 from .measure import measure_step
 from .models import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
 from .oom import OOMExplanation, explain_oom
 from .policy import emulate, get_target, resolve_target
+from .run import LoraConfig, QuantConfig
 from .simulate import simulate_step
 from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
 from .technique_table import Table, write_report
@@ -68,6 +70,8 @@ def _add_run_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=_positive_int("lora-rank"), default=None,
                    help="LoRA adapters of this rank (with --lora-targets, default: every projection)")
     p.add_argument("--lora-targets", default=None, help="comma-separated LoRA target modules")
+    p.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="LoRA dropout (--hf-config): each adapter keeps a mask and a dropped copy of its input")
     p.add_argument("--lora-config", default=None, metavar="FILE", help="peft's adapter_config.json")
     p.add_argument("--load-in-4bit", action="store_true",
                    help="bitsandbytes NF4 base weights (blocks of 64, double quantization): QLoRA")
@@ -555,6 +559,8 @@ def run(args: argparse.Namespace) -> Result:
         card = None if args.gpu is not None or args.target != "cuda" else detect_card()
         target = get_target(args.target, args.gpu, card)
         budget = args.gpu if args.gpu is not None else budget
+        if args.command == "estimate" and args.hf_config is not None:
+            return _hf_checked(args, budget, target)
         if _configured(args):
             return _run_configured(args, budget, target)
         if args.hf_config is not None:
@@ -586,25 +592,65 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
         raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
     kw = dict(seq=args.seq, batch=args.batch, precision=args.precision,
               checkpointing=args.checkpointing, attention=args.attention)
-    if args.command == "estimate" and (args.expert_parallel, args.expert_imbalance) != (1, 1.0) \
-            and not _hf_plain(args):
-        raise InputError("--expert-parallel/--expert-imbalance count one AdamW step per rank; drop "
-                         "--micro-batches/--zero/--world-size/--offload/--optimizer")
-    # a family memlab's GPT maps keeps that mapping under ZeRO, offload and accumulation (the one
-    # --deepspeed and --training-args estimate, so the flags and a config give the same step)
-    if args.command == "estimate" and (_hf_plain(args) or not hf.maps_to_gpt(args.hf_config)):
-        return estimate_hf(args.hf_config, budget=budget, target=target, expert_parallel=args.expert_parallel,
-                           imbalance=args.expert_imbalance, optimizer=args.optimizer,
-                           micro_batches=args.micro_batches, zero=args.zero, world_size=args.world_size,
-                           offload=args.offload, **kw)
     if args.command == "estimate":
-        step = hf.step_config(args.hf_config, optimizer=args.optimizer, micro_batches=args.micro_batches,
-                              zero=args.zero, world_size=args.world_size, offload=args.offload, **kw)
-        return estimate_step(step, budget=budget, target=target)
+        return _hf_estimate(args, budget, target, kw)
     if (args.micro_batches, args.zero, args.world_size, args.offload, args.optimizer) != (1, 0, 1, "none", "adamw"):
         raise InputError("simulate --hf-config runs one AdamW step on one device; allowed: no "
                          "--micro-batches/--zero/--world-size/--offload/--optimizer (use estimate)")
     return hf.simulate_hf(args.hf_config, target=target, budget=budget, **kw)
+
+
+def _hf_estimate(args: argparse.Namespace, budget: int | str | None, target, kw: dict) -> MemoryReport:
+    """``estimate --hf-config``: the one estimate of the run the flags, --training-args,
+    --deepspeed and the LoRA/quantisation flags describe (:func:`memlab.hf_estimate.estimate_hf`)."""
+    notes: list[str] = []
+    if getattr(args, "training_args", None) is not None:
+        args = _with_training_args(args)
+        notes += args.run_notes
+        kw = dict(kw, seq=args.seq, batch=args.batch, precision=args.precision, checkpointing=args.checkpointing)
+    run = dict(micro_batches=args.micro_batches, zero=args.zero, world_size=args.world_size, offload=args.offload)
+    shape = decoder_shape(args.hf_config)
+    buckets = None
+    if args.deepspeed is not None:
+        if args.zero != 0 or args.offload != "none":
+            raise InputError("--deepspeed gives the ZeRO stage and the offload: drop --zero/--offload")
+        ds = run_config.read_deepspeed(args.deepspeed, world_size=args.world_size, hidden_size=shape.d,
+                                       batch=kw["batch"], micro_batches=args.micro_batches,
+                                       precision=kw["precision"], trainer_args=getattr(args, "trainer_args", None))
+        fields = ds.step_fields()
+        kw = dict(kw, batch=fields.pop("batch"), precision=fields.pop("precision"))
+        run.update(fields)
+        buckets = ds.buckets
+        notes = [f"--deepspeed: ZeRO-{ds.zero}, offload {ds.offload}, {ds.precision}, micro-batch "
+                 f"{ds.micro_batch} x {ds.accumulation} accumulation x {ds.world_size} rank(s) "
+                 f"= train_batch_size {ds.train_batch}", *notes, *ds.notes]
+    lora, lora_notes = _hf_lora(args, shape)
+    if args.load_in_4bit and args.load_in_8bit:
+        raise InputError("give --load-in-4bit or --load-in-8bit, not both")
+    quant = QuantConfig(bits=4) if args.load_in_4bit else QuantConfig(bits=8) if args.load_in_8bit else None
+    optimizer = low_bit.HF_OPTIMIZERS.get(args.optimizer, args.optimizer)
+    report = estimate_hf(args.hf_config, budget=budget, target=target, expert_parallel=args.expert_parallel,
+                         imbalance=args.expert_imbalance, optimizer=optimizer,
+                         lora=lora, quantization=quant, buckets=buckets, **run, **kw)
+    report.notes.extend(notes + lora_notes)
+    return report
+
+
+def _hf_lora(args: argparse.Namespace, shape) -> tuple[LoraConfig | None, list[str]]:
+    """The LoRA of --lora-config or --lora-rank/--lora-targets/--lora-dropout on a Hugging Face
+    decoder (every ``Linear`` of its layers by default, as peft's ``all-linear``)."""
+    names = tuple(dict.fromkeys(k for i in range(shape.n_layer) for k in shape.linears(i)))
+    if args.lora_config is not None:
+        if args.lora_rank is not None or args.lora_targets is not None:
+            raise InputError("give --lora-config or --lora-rank/--lora-targets, not both")
+        spec = run_config.read_lora_config(args.lora_config, names)
+        return spec.lora_config(), list(spec.notes)
+    if args.lora_rank is None and args.lora_targets is None:
+        if args.load_in_4bit or args.load_in_8bit:
+            raise InputError("a 4-/8-bit base is frozen: give LoRA adapters to train (--lora-rank or --lora-config)")
+        return None, []
+    return LoraConfig(rank=args.lora_rank or 8, targets=args.lora_targets or "all-linear",
+                      dropout=args.lora_dropout), []
 
 
 def _hf_checked(args: argparse.Namespace, budget: int | str | None, target) -> MemoryReport:

@@ -43,12 +43,13 @@ from .errors import InputError
 from .hardware import resolve_budget
 from .hf import check_seq, load_config
 from .hf_shape import DecoderShape, decoder_shape
+from .low_bit import OPTIMIZER_STATES, PAGED, adafactor_state_bytes, adam_state_bytes, quantized_weight_bytes
 from .policy import op_bytes, precision_bytes, resolve_target, sdpa_backend, sdpa_dtype, sdpa_lse_bytes
 from .policy.kernels import layer_norm_stat_bytes, sdpa_backward_workspace
-from .states import model_states
+from .run import ALL_LINEAR, HFRun, LoraConfig, QuantConfig
+from .states import ZeroBuckets, model_states
 from .step import PRECISIONS, MemoryReport
 from .tracking import CATEGORIES
-from .your_model import ModelStep
 
 HF_CHECKPOINTING = ("none", "full")
 
@@ -65,20 +66,23 @@ class Sizes:
     precision: str
 
 
-def _rms(z: Sizes, rows: int, width: int, in_bytes: int, style: str, input_counted: bool) -> float:
+def _rms(z: Sizes, rows: int, width: int, in_bytes: int, style: str, input_counted: bool,
+         frozen: bool = False) -> float:
     """Bytes an HF RMSNorm over ``rows x width`` saves: its input in fp32 (the input itself
     when it is fp32 and counted elsewhere, else a new fp32 tensor), an fp32 rsqrt per row,
     the normalised rows (Llama-style in the input's dtype, Gemma-style in fp32 with the
-    ``1 + w`` vector)."""
+    ``1 + w`` vector). A ``frozen`` weight needs no gradient: the weight's multiply keeps
+    no normalised rows (Gemma's still keeps ``1 + w`` for its input's gradient)."""
     upcast = 0 if in_bytes == 4 and input_counted else rows * width * 4
-    normed = rows * width * (4 if style == "gemma" else in_bytes)
+    normed = 0 if frozen else rows * width * (4 if style == "gemma" else in_bytes)
     return upcast + 4 * rows + normed + (4 * width if style == "gemma" else 0)
 
 
-def _norm(z: Sizes, s: DecoderShape, rows: int, width: int, in_bytes: int, input_counted: bool = True) -> float:
-    if s.norm == "layer":  # the LayerNorm kernel: input and mean/rstd per row
+def _norm(z: Sizes, s: DecoderShape, rows: int, width: int, in_bytes: int, input_counted: bool = True,
+          frozen: bool = False) -> float:
+    if s.norm == "layer":  # the LayerNorm kernel: input and mean/rstd per row, frozen or not
         return (0 if input_counted else rows * width * in_bytes) + 2 * rows * layer_norm_stat_bytes(z.target, in_bytes)
-    return _rms(z, rows, width, in_bytes, s.norm, input_counted)
+    return _rms(z, rows, width, in_bytes, s.norm, input_counted, frozen)
 
 
 def _mask_bytes(z: Sizes, elem: int) -> int:
@@ -93,6 +97,51 @@ def _linear_inputs(z: Sizes, t: int, width: int, consumers: int, in_bytes: int) 
     if z.auto and in_bytes != z.c:
         return consumers * t * width * z.c
     return 0
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """A LoRA run as each layer sees it: every base weight frozen, adapters on ``names``.
+
+    A frozen ``Linear`` keeps no input (autograd saves it only for the weight's gradient), and
+    its weight's autocast copy is saved, uncached, wherever its input needs a gradient; a
+    4-bit base (``quantized``) saves only the packed weight (bitsandbytes' ``MatMul4Bit``
+    keeps ``ctx.tensors = (None, B)``). Each adapter keeps its input as ``lora_A`` sees it and
+    ``lora_A``'s ``t x r`` output (:func:`adapter_saved`)."""
+
+    config: LoraConfig
+    names: frozenset[str]
+    a: int                   # bytes of an adapter element (fp32 adapters: 4)
+    quantized: bool = False
+
+    def count(self, s: DecoderShape, i: int, *names: str) -> int:
+        """Adapted modules of layer ``i`` among ``names``."""
+        table = s.linears(i)
+        return sum(len(table.get(n, ())) for n in names if n in self.names)
+
+
+def adapter_saved(z: Sizes, ad: Adapters, t: int, width: int, in_bytes: int, count: int,
+                  input_saved: bool, input_grad: bool = True) -> float:
+    """Bytes ``count`` adapters reading one ``t x width`` tensor (of ``in_bytes`` elements)
+    keep: peft casts the input to the adapters' dtype (``_cast_input_dtype``), drops it when
+    ``lora_dropout > 0`` (each adapter its own mask and copy), and ``lora_A`` saves what it
+    reads (a cast copy each under autocast; the tensor itself, once, when nothing changed
+    it and nothing else saves it); ``lora_B`` saves ``lora_A``'s output. Dropout keeps its mask
+    only for its input's gradient: not where the input needs none (``input_grad``)."""
+    if not count:
+        return 0.0
+    src, c = ad.a, (z.c if z.auto else ad.a)
+    n = count * t * ad.config.rank * c
+    if ad.config.dropout > 0:
+        mask = _mask_bytes(z, src) if input_grad else 0
+        n += count * t * width * (mask + (z.c if z.auto and z.c != src else src))
+    elif z.auto and z.c != src:
+        n += count * t * width * z.c
+    elif in_bytes != src:
+        n += count * t * width * src
+    elif not input_saved:
+        n += t * width * src
+    return n
 
 
 def attention_path(s: DecoderShape, z: Sizes, batch: int, seq: int, attention: str | None) -> str:
@@ -112,105 +161,173 @@ def attention_path(s: DecoderShape, z: Sizes, batch: int, seq: int, attention: s
     return "cpu_flash"
 
 
+ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "q_a_proj", "kv_a_proj_with_mqa")
+MLP_INPUTS = ("gate_up_proj", "gate_proj", "up_proj", "c_fc")
+
+
+def _no_grad_inputs(s: DecoderShape, ad: Adapters) -> set[str]:
+    """The first layer's Linears whose input needs no gradient under LoRA (the embedding is
+    frozen: until an adapter's output joins, nothing needs one), whose weights' autocast copies
+    are therefore not kept."""
+    names = set(ATTENTION_INPUTS) | {"q_b_proj", "kv_b_proj"}
+    if ad.count(s, 0, *ATTENTION_INPUTS, "q_b_proj", "kv_b_proj"):
+        return names
+    names |= {"o_proj"} if s.mlp != "gelu_new" else set()
+    if ad.count(s, 0, "o_proj") or (s.mlp == "gelu_new" and "c_proj" in ad.names):
+        return names
+    names |= set(MLP_INPUTS)
+    if not ad.count(s, 0, *MLP_INPUTS):
+        names |= {"down_proj"}
+    return names
+
+
 def layer_activations(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int, path: str,
-                      ep: int = 1, imbalance: float = 1.0) -> float:
-    """Bytes one decoder layer keeps for backward (see the module doc), ``i`` its index."""
+                      ep: int = 1, imbalance: float = 1.0, adapters: Adapters | None = None,
+                      grad_in: bool = True) -> float:
+    """Bytes one decoder layer keeps for backward (see the module doc), ``i`` its index.
+
+    ``adapters``: a LoRA run (:class:`Adapters`); ``grad_in``: whether the layer's input needs
+    a gradient (under LoRA the first layer's does not: the embedding is frozen, so nothing
+    before the first adapter saves anything)."""
     t, d, c, r = batch * seq, s.d, z.c, z.r
     a, hd, vd = s.heads, s.head_dim, s.v_head_dim
     q, kv = s.q_dim, s.kv_dim
-    n = t * d * r                                     # the layer's input, saved by its norm
-    n += _norm(z, s, t, d, r)
+    ad = adapters
+    frozen = ad is not None
+
+    def w_only(x: float) -> float:  # kept only for a weight's gradient
+        return 0.0 if frozen else x
+
+    def lora(width: int, in_bytes: int, names: tuple[str, ...], input_saved: bool = False,
+             input_grad: bool = True) -> float:
+        return 0.0 if ad is None else adapter_saved(z, ad, t, width, in_bytes, ad.count(s, i, *names),
+                                                    input_saved, input_grad)
+
+    attn_grad = grad_in or (ad is not None and ad.count(s, i, *ATTENTION_INPUTS) > 0)
+    n = (t * d * r + _norm(z, s, t, d, r, frozen=frozen)) if grad_in else 0.0  # the input, its norm
     normed = r  # the norm's output is in the residual's dtype (Gemma's: cast back by type_as)
     # ---- attention projections
     mla = s.kv_lora_rank is not None
     if mla:
         ql, kl, rope = s.q_lora_rank, s.kv_lora_rank, s.qk_rope_dim
-        n += _linear_inputs(z, t, d, 1 + (ql is not None), r) or t * d * r   # q_a / kv_a inputs
+        n += w_only(_linear_inputs(z, t, d, 1 + (ql is not None), r) or t * d * r)   # q_a / kv_a inputs
+        n += lora(d, r, ("q_proj", "q_a_proj", "kv_a_proj_with_mqa"), input_grad=grad_in)
         if ql is not None:
-            n += _rms(z, t, ql, c, "rms", False)                             # q_a's output, its norm
-            n += _linear_inputs(z, t, ql, 1, c) or t * ql * c                # q_b's input
+            n += _rms(z, t, ql, c, "rms", False, frozen) if attn_grad else 0        # q_a's output, its norm
+            n += w_only(_linear_inputs(z, t, ql, 1, c) or t * ql * c)                # q_b's input
+            n += lora(ql, c, ("q_b_proj",))
         # kv_a's output (t x (kl + rope)) in fp32 for the norm of its kl columns, rsqrt, normed
-        n += t * (kl + rope) * 4 + 4 * t + t * kl * c
-        n += _linear_inputs(z, t, kl, 1, c)                                  # kv_b's input
+        n += (t * (kl + rope) * 4 + 4 * t + (0 if frozen else t * kl * c)) if attn_grad else 0
+        n += w_only(_linear_inputs(z, t, kl, 1, c) or (t * kl * c if frozen else 0))  # kv_b's input
+        n += lora(kl, c, ("kv_b_proj",))
     else:
         consumers = 1 if s.fused_qkv else 3
-        n += _linear_inputs(z, t, d, consumers, r) or t * d * normed
+        n += w_only(_linear_inputs(z, t, d, consumers, r) or t * d * normed)
+        n += lora(d, normed, ("qkv_proj", "c_attn", "q_proj", "k_proj", "v_proj"), input_grad=grad_in)
         if s.qk_norm:
-            for heads in (a, s.kv_heads):  # each head's q and k normed over head_dim
-                n += _rms(z, t * heads, hd, c, s.norm, False)
-    # ---- the attention core
+            for heads, names in ((a, ("q_proj",)), (s.kv_heads, ("k_proj",))):  # each head's q and k
+                if grad_in or (ad is not None and ad.count(s, i, *names)):
+                    n += _rms(z, t * heads, hd, c, s.norm, False, frozen)
+    # ---- the attention core (nothing is kept when none of q, k and v needs a gradient)
+    core = 0.0
     hs = batch * a * seq * seq                      # scores per layer
     rep_kv = t * a * hd * c                         # k or v repeated to every query head
+    o_in_saved = False                              # is o_proj's input a tensor the core keeps?
     if path == "eager":
-        n += t * q * c + rep_kv + t * a * vd * c    # q, k and v repeated (matmul inputs)
+        core += t * q * c + rep_kv + t * a * vd * c  # q, k and v repeated (matmul inputs)
         if s.attn_softcap:
-            n += hs * c                             # tanh's output
+            core += hs * c                          # tanh's output
         cols = seq + 1 if s.sinks else seq
         if s.sinks:
-            n += 8 * batch * a * seq                # the row max's indices (stabilised sinks)
-        n += batch * a * seq * cols * 4             # fp32 softmax
+            core += 8 * batch * a * seq             # the row max's indices (stabilised sinks)
+        core += batch * a * seq * cols * 4          # fp32 softmax
         if s.attn_dropout > 0:
-            n += hs * _mask_bytes(z, c) + hs * c    # mask, dropped probabilities (matmul input)
+            core += hs * _mask_bytes(z, c) + hs * c  # mask, dropped probabilities (matmul input)
         elif c != 4:
-            n += hs * c                             # the probabilities cast for the matmul
-        n += t * a * vd * c                         # the transposed output, o_proj's input
+            core += hs * c                          # the probabilities cast for the matmul
+        o_in = t * a * vd * c                       # the transposed output, o_proj's input
     elif path == "math":
         # the composite in fp32: scaled q and k (k repeated for GQA), v, probabilities
-        n += t * a * hd * 4 * 2 + t * a * vd * 4 + hs * 4
+        core += t * a * hd * 4 * 2 + t * a * vd * 4 + hs * 4
         if s.attn_dropout > 0:
-            n += hs * 4 + hs * 4                    # the mask (CPU: fp32) and dropped probabilities
-        n += t * a * vd * c                         # o_proj's input (a contiguous copy)
+            core += hs * 4 + hs * 4                 # the mask (CPU: fp32) and dropped probabilities
+        o_in = t * a * vd * c                       # o_proj's input (a contiguous copy)
     else:
-        n += t * q * c + 2 * t * kv * c + t * q * c  # q, k, v and the output (o_proj's input)
+        core += t * q * c + 2 * t * kv * c + t * q * c  # q, k, v and the output (o_proj's input)
+        o_in, o_in_saved = 0, True
         if s.fused_qkv:
-            n += t * q * c  # q sliced from the fused output: the output is copied for o_proj
-        n += sdpa_lse_bytes(path if path != "cpu_flash" else "flash", batch, a, seq)
+            o_in, o_in_saved = t * q * c, False  # q sliced from the fused output: the output is copied for o_proj
+        core += sdpa_lse_bytes(path if path != "cpu_flash" else "flash", batch, a, seq)
     if path != "eager" and i in s.sliding_layers and seq > s.window:
-        n += batch * seq * seq * c  # the sliding window's mask, a tensor SDPA keeps (not is_causal)
-    n += _linear_inputs(z, t, a * vd, 1, c)
+        core += batch * seq * seq * c  # the sliding window's mask, a tensor SDPA keeps (not is_causal)
+    n += core if attn_grad else 0.0
+    n += w_only(o_in + _linear_inputs(z, t, a * vd, 1, c))
+    n += lora(a * vd, c, ("o_proj",) if s.mlp != "gelu_new" else (), o_in_saved and attn_grad)
+    if s.mlp == "gelu_new" and ad is not None and "c_proj" in ad.names:  # GPT-2's attention c_proj
+        n += adapter_saved(z, ad, t, d, c, 1, False)
+    branch_grad = attn_grad or (ad is not None and ad.count(s, i, "o_proj", "c_proj") > 0)
+    mid_grad = grad_in or branch_grad
     # ---- residual branch after attention
-    if s.resid_dropout > 0:
+    if s.resid_dropout > 0 and branch_grad:
         n += t * d * _mask_bytes(z, c)
     if s.norms_per_layer == 4:
-        n += _norm(z, s, t, d, c, input_counted=c == 4) + (t * d * c if c == 4 else 0)  # post-attention norm
-        n += t * d * r + _norm(z, s, t, d, r)        # the residual sum and the pre-MLP norm
-    else:
-        n += t * d * r + _norm(z, s, t, d, r)        # the residual sum, the post-attention norm
+        if branch_grad:  # post-attention norm
+            n += _norm(z, s, t, d, c, input_counted=c == 4, frozen=frozen) + (t * d * c if c == 4 else 0)
+        n += (t * d * r + _norm(z, s, t, d, r, frozen=frozen)) if mid_grad else 0  # the sum, the pre-MLP norm
+    elif mid_grad:
+        n += t * d * r + _norm(z, s, t, d, r, frozen=frozen)  # the residual sum, the post-attention norm
     # ---- MLP or experts
     if i in s.moe_layers:
-        n += moe_activations(s, z, t, normed, ep, imbalance)
+        n += moe_activations(s, z, t, normed, ep, imbalance, frozen) if mid_grad else 0.0
+        n += lora(d, normed, ("gate_proj", "up_proj")) + lora(s.shared_ffn, c, ("down_proj",))
     else:
-        n += _mlp(s, z, t, s.ffn, normed)
+        n += _mlp(s, z, t, s.ffn, normed, frozen, ad, i, mid_grad)
     if s.resid_dropout > 0:
         n += t * d * _mask_bytes(z, c)
     if s.norms_per_layer == 4:
-        n += _norm(z, s, t, d, c, input_counted=c == 4) + (t * d * c if c == 4 else 0)  # post-MLP norm
+        n += _norm(z, s, t, d, c, input_counted=c == 4, frozen=frozen) + (t * d * c if c == 4 else 0)  # post-MLP norm
     return n
 
 
-def _mlp(s: DecoderShape, z: Sizes, t: int, f: int, normed: int) -> float:
+def _mlp(s: DecoderShape, z: Sizes, t: int, f: int, normed: int, frozen: bool = False,
+         ad: Adapters | None = None, i: int = 0, grad_in: bool = True) -> float:
     """A dense MLP of hidden size ``f``: its input as the linears save it, then four hidden
     tensors (gated: gate, up, act(gate), the product) or GPT-2's ``gelu_new`` five
     (input, tanh, ``0.5 x``, ``1 + tanh``, the output), the ones CUDA's autocast runs in fp32
-    (``pow``'s consumers) at 4 bytes."""
+    (``pow``'s consumers) at 4 bytes. ``frozen`` (LoRA): the linears keep no inputs, so
+    neither the MLP's input nor the down projection's (the product; GPT-2's output) is kept
+    but by an adapter."""
     c = z.c
+
+    def lora(width: int, in_bytes: int, names: tuple[str, ...]) -> float:
+        return 0.0 if ad is None else adapter_saved(z, ad, t, width, in_bytes, ad.count(s, i, *names), False)
+
     if s.mlp == "gelu_new":
-        n = _linear_inputs(z, t, s.d, 1, normed) or t * s.d * normed
+        n = 0.0 if frozen else (_linear_inputs(z, t, s.d, 1, normed) or t * s.d * normed)
         p = op_bytes(z.target, "pow", c, z.precision)
-        return n + t * f * (3 * c + 2 * p if p != c else 5 * c)
+        hidden = t * f * (3 * c + 2 * p if p != c else 5 * c)
+        n += lora(s.d, normed, ("c_fc",))  # GPT-2's MLP c_proj adapter: counted with the attention's
+        if ad is not None and "c_proj" in ad.names:
+            n += adapter_saved(z, ad, t, f, c, 1, False)
+        grad = grad_in or ad is None or ad.count(s, i, "c_fc") > 0
+        return n + ((hidden - (t * f * c if frozen else 0)) if grad else 0.0)
     fused = s.model_type == "phi3"
-    n = _linear_inputs(z, t, s.d, 1 if fused else 2, normed) or t * s.d * normed  # the norm's output
-    return n + 4 * t * f * c
+    n = 0.0 if frozen else (_linear_inputs(z, t, s.d, 1 if fused else 2, normed) or t * s.d * normed)
+    n += lora(s.d, normed, ("gate_up_proj", "gate_proj", "up_proj")) + lora(f, c, ("down_proj",))
+    grad = grad_in or ad is None or ad.count(s, i, "gate_up_proj", "gate_proj", "up_proj") > 0
+    return n + ((3 if frozen else 4) * t * f * c if grad else 0.0)
 
 
 def moe_activations(s: DecoderShape, z: Sizes, t: int, normed: int, ep: int = 1,
-                    imbalance: float = 1.0) -> float:
+                    imbalance: float = 1.0, frozen: bool = False) -> float:
     """An MoE block: the router (see the module doc), the grouped experts over ``t x top_k``
     (token, expert) rows in the experts' weight dtype (``w``; on ``ep`` ranks a rank's rows
     are ``imbalance / ep`` of all rows of the world, i.e. ``t k imbalance`` per rank when every
-    rank sends as many as it receives), and shared experts as a dense MLP."""
+    rank sends as many as it receives), and shared experts as a dense MLP. ``frozen`` (LoRA):
+    the gathered rows and the down projections' inputs are kept for the experts' weight
+    gradients only, and go."""
     E, k, f, d, w, c = s.experts, s.top_k, s.moe_ffn, s.d, z.w, z.c
-    n = _linear_inputs(z, t, d, 1 + (s.shared_ffn > 0) * 2, normed) or t * d * normed  # router, shared experts
+    n = 0.0 if frozen else (_linear_inputs(z, t, d, 1 + (s.shared_ffn > 0) * 2, normed) or t * d * normed)
     if s.router == "softmax":
         n += t * E * 4 + t * k * 8 + t * 4 + t * k * 4    # fp32 softmax, top-k indices, sum, weights
     elif s.router == "sigmoid_group":
@@ -221,28 +338,43 @@ def moe_activations(s: DecoderShape, z: Sizes, t: int, normed: int, ep: int = 1,
     rows = t * k * imbalance if ep > 1 else t * k
     idx = 4 if s.expert_bias else 3               # sort/gather/inverse-sort indices (+ bias gather)
     hidden = 7 * f if s.gate == "clamped_glu" else 4 * f   # gate_up out, then act and product
-    n += rows * (8 * idx + d * w + hidden * w + d * w + (4 if w == 4 or not z.auto else c))
+    if frozen:
+        hidden -= f                                # the product, the down projection's input
+    gathered = 0 if frozen else d * w
+    n += rows * (8 * idx + gathered + hidden * w + d * w + (4 if w == 4 or not z.auto else c))
     if s.shared_ffn:
-        n += 4 * t * s.shared_ffn * c
+        n += (3 if frozen else 4) * t * s.shared_ffn * c
     return n
 
 
 def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool, params: float,
-          ep: int = 1, imbalance: float = 1.0) -> tuple[float, list[float], float, float]:
+          ep: int = 1, imbalance: float = 1.0,
+          adapters: Adapters | None = None) -> tuple[float, list[float], float, float]:
     """Activations alive when the forward reaches the loss (before its log-softmax), each
     layer's, the embedding's, and the weights autocast casts (per rank of ``ep``)."""
     t, V, D, L = seq * batch, s.vocab, s.d, s.n_layer
-    layers = [layer_activations(s, z, i, batch, seq, path, ep, imbalance) for i in range(L)]
+    ad = adapters
+    frozen = ad is not None
+    layers = [layer_activations(s, z, i, batch, seq, path, ep, imbalance, ad, grad_in=not frozen or i > 0)
+              for i in range(L)]
     # autocast's weight casts (saved by each linear; the experts' grouped GEMMs are not cast)
     dense_w = params - s.vocab * D * (1 + (not s.tied)) - s.positions * D - (s.expert_total() / ep)
     head_copy = V * D * z.c if z.auto else 0
-    copies = (dense_w * z.c if z.auto and not full else 0) + head_copy
-    embed = t * D * s.embd_dropout and t * D * _mask_bytes(z, z.r)
-    final = _norm(z, s, t, D, z.r) + t * D * z.r
-    head_in = _linear_inputs(z, t, D, 1, z.r) or t * D * z.r
-    # the token ids the embedding keeps; the rotary table the first layer's rope keeps
+    if not frozen:
+        copies = (dense_w * z.c if z.auto and not full else 0) + head_copy
+    else:  # frozen weights are cast at every use, kept where the input needs a gradient
+        lin = sum(o * i_ for i in range(L) for ios in s.linears(i).values() for i_, o in ios)
+        pre = sum(o * i_ for n_, ios in s.linears(0).items() if n_ in _no_grad_inputs(s, ad) for i_, o in ios)
+        base = 0 if ad.quantized else lin - pre
+        cached = sum(r_ * (i_ + o) for i in range(L) for n_, ios in s.linears(i).items()
+                     if n_ in ad.names for i_, o in ios for r_ in (ad.config.rank,))
+        copies = ((base if not full else 0) * z.c + head_copy + cached * z.c) if z.auto else 0
+    embed = (t * D * s.embd_dropout and t * D * _mask_bytes(z, z.r)) if not frozen else 0
+    final = _norm(z, s, t, D, z.r, frozen=frozen) + t * D * z.r
+    head_in = 0 if frozen else (_linear_inputs(z, t, D, 1, z.r) or t * D * z.r)
+    # the token ids the embedding keeps (for its weight's gradient); the rotary table the first layer's rope keeps
     rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
-    head_in += 8 * t + 4 * t * rope
+    head_in += (0 if frozen else 8 * t) + 4 * t * rope
     kept = sum(layers) if not full else L * t * D * z.r
     A = embed + kept + final + head_in + copies
     if s.final_softcap:
@@ -270,38 +402,123 @@ def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int,
     return int(round(_kept(s, z, batch, seq, path, checkpointing == "full", s.num_params())[0]))
 
 
-def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
-                checkpointing: str | None = None, attention: str | None = None,
-                target: str | None = None, budget: int | str | None = None, card=None,
-                expert_parallel: int = 1, imbalance: float = 1.0, optimizer: str = "adamw",
-                zero: int = 0, world_size: int = 1, offload: str = "none",
-                micro_batches: int = 1) -> MemoryReport:
-    """Closed-form peak bytes of one training step of the HF decoder of ``cfg``, per rank.
+def adapters_for(s: DecoderShape, lora: LoraConfig, precision: str, quantized: bool = False) -> Adapters:
+    """The :class:`Adapters` of ``lora`` on ``s``: the target names checked against the layers'
+    ``Linear`` modules (``all-linear``: every one), the adapters' element size (fp32 unless
+    ``adapter_dtype="base"`` on a 16-bit base)."""
+    names = {k for i in range(s.n_layer) for k in s.linears(i)}
+    if lora.targets == ALL_LINEAR:
+        picked = names
+    else:
+        unknown = sorted(set(lora.targets) - names)
+        if unknown:
+            raise InputError(f"LoRA target modules {unknown} ({s.model_type}); allowed: "
+                             f"{', '.join(sorted(names))} or {ALL_LINEAR}")
+        picked = set(lora.targets)
+    base16 = precision == "pure-bf16" and not quantized
+    a = 2 if base16 and lora.adapter_dtype == "base" else 4
+    return Adapters(lora, frozenset(picked), a, quantized)
 
-    Args:
-        cfg: a config dict, config.json, its folder or a shipped name (:data:`memlab.hf.SHIPPED`).
-        seq, batch: tokens per sequence (up to the model's context) and sequences per rank.
-        precision: ``fp32``, ``bf16`` (autocast on fp32 weights) or ``pure-bf16``.
-        checkpointing: ``none`` or ``full`` (HF checkpoints each decoder layer).
-        attention: ``None`` (the class's SDPA where it has one), ``naive`` (eager) or ``sdpa``.
-        target: ``cpu`` or ``cuda`` (:func:`memlab.policy.resolve_target`).
-        expert_parallel: ranks the routed experts are divided across (an MoE config only).
-        imbalance: the busiest rank's tokens over the balanced share (>= 1).
-        optimizer, zero, world_size, offload: the optimizer (``adamw``, ``sgd``) and DeepSpeed's
-            ZeRO stage over ``world_size`` data-parallel ranks with its offload, whose model
-            states and buffers :func:`memlab.states.model_states` counts from the class's
-            parameter tensors (:meth:`memlab.hf_shape.DecoderShape.param_numels`); in bf16
-            DeepSpeed runs the model cast to 16 bits, so the activations are pure bf16's.
-        micro_batches: ``batch`` split into this many accumulated micro-batches.
 
-    Returns:
-        A :class:`MemoryReport` (lens ``estimate``) per rank.
-    """
-    d = load_config(cfg)
-    s = decoder_shape(d)
-    check_seq(d, seq)
-    if precision not in PRECISIONS or precision == "fp16":
-        raise InputError(f"precision={precision!r} for a Hugging Face step; allowed: fp32, bf16, pure-bf16")
+def adapter_numels(s: DecoderShape, ad: Adapters) -> list[tuple[int, int]]:
+    """``A`` (r x in) and ``B`` (out x r) of every adapter, as matrices."""
+    r = ad.config.rank
+    return [m for i in range(s.n_layer) for n, ios in s.linears(i).items() if n in ad.names
+            for i_, o in ios for m in ((r, i_), (o, r))]
+
+
+def quantized_base_bytes(s: DecoderShape, quant: QuantConfig) -> tuple[int, int]:
+    """``(bytes, largest dequantised weight)`` of the base loaded in 4 or 8 bits: every decoder
+    ``Linear`` in bitsandbytes' layout (:func:`memlab.low_bit.quantized_weight_bytes`), the rest
+    (embeddings, head, norms, routed experts, which are not ``Linear`` modules) in the compute
+    dtype; a 4-bit matmul dequantises its weight to the compute dtype."""
+    ios = [io for i in range(s.n_layer) for v in s.linears(i).values() for io in v]
+    packed = sum(quantized_weight_bytes(o, i, quant.name, double_quant=quant.double_quant) for i, o in ios)
+    rest = s.num_params() - sum(i * o for i, o in ios)
+    return packed + rest * quant.compute_bytes, max(i * o for i, o in ios) * quant.compute_bytes
+
+
+@dataclass(frozen=True)
+class RunStates:
+    """Model-state inputs of the estimate's peak moments (:meth:`memlab.states.ModelStates.peak_inputs`
+    with a fine-tune's frozen base, low-bit state and host bytes applied)."""
+
+    inputs: dict[str, float]
+    run_precision: str
+    host: dict[str, float]
+    notes: list[str]
+    dequantised: float = 0.0
+
+
+def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, world_size: int,
+               offload: str, ep: int, ad: Adapters | None, quant: QuantConfig | None,
+               buckets: ZeroBuckets | None = None) -> RunStates:
+    """Per-rank model states of a full or LoRA fine-tune: :func:`memlab.states.model_states`
+    over the trainable tensors (the adapters under LoRA, in fp32 for peft's fp32 adapters
+    outside DeepSpeed), a frozen base held beside them in the run's dtype or bitsandbytes'
+    layout, and 8-bit, paged or Adafactor state as bitsandbytes and transformers allocate it."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise InputError(f"optimizer={optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
+    low_bit = optimizer not in ("adamw", "sgd")
+    if low_bit and (zero or offload != "none"):
+        raise InputError(f"optimizer={optimizer!r} is bitsandbytes' or transformers' own, counted for "
+                         f"plain PyTorch; allowed with it: zero=0, offload='none'")
+    if quant is not None and ad is None:
+        raise InputError(f"a {quant.name} base is frozen: give LoRA adapters to train")
+    if optimizer == "adafactor" and ad is None:
+        raise InputError("Adafactor's factored state is counted for LoRA adapters (give lora), or "
+                         "simulated for a full fine-tune (memlab simulate --hf-config)")
+    base = "sgd" if optimizer == "sgd" else "adamw"
+    if ad is None:
+        params = s.num_params() - s.expert_total() * (1 - 1 / ep)
+        trainable = s.param_numels() if ep == 1 else [int(round(params))]
+        ms = model_states(s if ep == 1 else int(round(params)), precision=precision, optimizer=base,
+                          zero=zero, world_size=world_size, offload=offload, buckets=buckets)
+    else:
+        mats = adapter_numels(s, ad)
+        trainable = [r * c for r, c in mats]
+        own = precision if (zero or ad.a == 2) else "fp32"  # peft's fp32 adapters outside DeepSpeed
+        ms = model_states(sum(trainable), precision=own, optimizer=base, zero=zero, world_size=world_size,
+                          offload=offload, buckets=buckets)
+    run = ms.compute_precision if ms.deepspeed else precision
+    inputs, host, notes = ms.peak_inputs(), dict(ms.host), list(ms.notes)
+    dequantised = 0.0
+    if ad is not None:
+        if quant is not None:
+            frozen, largest = quantized_base_bytes(s, quant)
+            dequantised = largest if quant.bits == 4 else 0.0
+            notes.append(f"load_in_{quant.name}: base {frozen / s.num_params():.3f} B per parameter "
+                         f"(bitsandbytes' layout; embeddings, head and norms in {quant.compute_dtype})")
+        else:
+            frozen = s.num_params() * precision_bytes(run)[0]
+        inputs["parameters"] += frozen
+        n = sum(trainable)
+        notes.append(f"LoRA r={ad.config.rank} on {', '.join(sorted(ad.names))}"
+                     f"{f', dropout {ad.config.dropout:g}' if ad.config.dropout else ''}: {n:,} trainable "
+                     f"parameters of {s.num_params() + n:,}, adapters in {'fp32' if ad.a == 4 else 'bf16'}")
+    if low_bit:
+        if optimizer == "adafactor":
+            state = adafactor_state_bytes(adapter_numels(s, ad))
+        else:
+            state = adam_state_bytes(trainable, optimizer)
+            if optimizer == "paged-adamw" and ad is None and precision == "pure-bf16":
+                state //= 2  # torch's moments follow the 16-bit weights
+        if optimizer in PAGED:
+            inputs["optimizer"] = 0.0
+            host["optimizer"] = host.get("optimizer", 0.0) + state
+            notes.append(f"{optimizer}: {state / 2**20:.1f} MiB of state in CUDA unified memory "
+                         f"(bitsandbytes get_paged), paged to the host when the device is full: host bytes")
+        else:
+            inputs["optimizer"] = float(state)
+            notes.append(f"{optimizer} state: {state / sum(trainable):.3f} B per trainable parameter")
+    return RunStates(inputs, run, host, notes, dequantised)
+
+
+def _check_run(s: DecoderShape, *, precision: str, checkpointing: str | None, attention: str | None,
+               ep: int, imbalance: float, zero: int, world_size: int, offload: str, micro_batches: int,
+               batch: int, lora: LoraConfig | None) -> None:
+    if precision not in PRECISIONS:
+        raise InputError(f"precision={precision!r} for a Hugging Face step; allowed: {', '.join(PRECISIONS)}")
     if (checkpointing or "none") not in HF_CHECKPOINTING:
         raise InputError(f"checkpointing={checkpointing!r} for a Hugging Face model; allowed: "
                          f"{', '.join(HF_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
@@ -309,72 +526,107 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
         raise InputError(f"attention={attention!r}; allowed: naive, sdpa")
     if attention == "sdpa" and s.eager_only:
         raise InputError(f"attention='sdpa': {s.model_type} has no SDPA path in transformers; allowed: naive")
-    ep = expert_parallel
     if not isinstance(ep, int) or ep < 1 or (ep > 1 and (not s.experts or s.experts % ep)):
         allowed = [e for e in range(1, s.experts + 1) if s.experts % e == 0] if s.experts else [1]
         raise InputError(f"expert_parallel={ep!r} for {s.experts} experts; allowed: "
                          f"{', '.join(map(str, allowed))}")
     if not imbalance >= 1.0:
         raise InputError(f"imbalance={imbalance!r}; allowed: >= 1 (1 = balanced routing)")
-    if ep > 1 and (zero, world_size, offload, micro_batches) != (0, 1, "none", 1):
-        raise InputError("expert_parallel counts one step per expert-parallel rank; allowed with it: "
-                         "zero=0, world_size=1, offload='none', micro_batches=1")
+    if ep > 1 and (zero, world_size, offload, micro_batches, lora) != (0, 1, "none", 1, None):
+        raise InputError("expert_parallel counts one full-fine-tune step per expert-parallel rank; allowed "
+                         "with it: zero=0, world_size=1, offload='none', micro_batches=1, no LoRA")
+    if lora is not None and zero == 3:
+        raise InputError("LoRA under ZeRO-3 (the frozen base partitioned too) is not counted; allowed with "
+                         "LoRA: zero 0-2")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1 \
             or batch % micro_batches:
         raise InputError(f"micro_batches={micro_batches!r} for batch {batch}; allowed: a divisor of the batch")
+
+
+def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
+                checkpointing: str | None = None, attention: str | None = None,
+                target: str | None = None, budget: int | str | None = None, card=None,
+                expert_parallel: int = 1, imbalance: float = 1.0, optimizer: str = "adamw",
+                zero: int = 0, world_size: int = 1, offload: str = "none",
+                micro_batches: int = 1, lora: LoraConfig | None = None,
+                quantization: QuantConfig | None = None, buckets: ZeroBuckets | None = None) -> MemoryReport:
+    """Closed-form peak bytes of one training step of the HF decoder of ``cfg``, per rank.
+
+    Args:
+        cfg: a config dict, config.json, its folder or a shipped name (:data:`memlab.hf.SHIPPED`).
+        seq, batch: tokens per sequence (up to the model's context) and sequences per rank.
+        precision: ``fp32``, ``bf16`` or ``fp16`` (autocast on fp32 weights; fp16's loss
+            scaler keeps one scalar) or ``pure-bf16``.
+        checkpointing: ``none`` or ``full`` (HF checkpoints each decoder layer).
+        attention: ``None`` (the class's SDPA where it has one), ``naive`` (eager) or ``sdpa``.
+        target: ``cpu`` or ``cuda`` (:func:`memlab.policy.resolve_target`).
+        expert_parallel: ranks the routed experts are divided across (an MoE config only).
+        imbalance: the busiest rank's tokens over the balanced share (>= 1).
+        optimizer: one of :data:`memlab.low_bit.OPTIMIZER_STATES` (8-bit, paged and Adafactor
+            state as bitsandbytes and transformers allocate it).
+        zero, world_size, offload: DeepSpeed's ZeRO stage over ``world_size`` data-parallel
+            ranks with its offload, whose model states and buffers :func:`memlab.states.model_states`
+            counts from the class's parameter tensors; in bf16 DeepSpeed runs the model cast to
+            16 bits, so the activations are pure bf16's.
+        micro_batches: ``batch`` split into this many accumulated micro-batches.
+        lora: LoRA adapters (:class:`memlab.run.LoraConfig`) on a frozen base (:class:`Adapters`).
+        quantization: the base in 4 or 8 bits (:class:`memlab.run.QuantConfig`; needs ``lora``).
+        buckets: DeepSpeed's buffer sizes as a run's config sets them (:class:`memlab.states.ZeroBuckets`).
+
+    Returns:
+        A :class:`MemoryReport` (lens ``estimate``) per rank.
+    """
+    d = load_config(cfg)
+    s = decoder_shape(d)
+    check_seq(d, seq)
+    ep = expert_parallel
+    _check_run(s, precision=precision, checkpointing=checkpointing, attention=attention, ep=ep,
+               imbalance=imbalance, zero=zero, world_size=world_size, offload=offload,
+               micro_batches=micro_batches, batch=batch, lora=lora)
     tgt = resolve_target(target, budget, card)
-    # model states per rank: the experts divided over ep ranks, the rest replicated
-    params = s.num_params() - s.expert_total() * (1 - 1 / ep)
-    ms = model_states(s if ep == 1 else int(round(params)), precision=precision, optimizer=optimizer,
-                      zero=zero, world_size=world_size, offload=offload)
-    run = ms.compute_precision if ms.deepspeed else precision
-    param, compute, lower = precision_bytes(run)
-    z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=tgt, precision=run)
+    ad = None if lora is None else adapters_for(s, lora, precision, quantization is not None)
+    rs = run_states(s, precision=precision, optimizer=optimizer, zero=zero, world_size=world_size,
+                    offload=offload, ep=ep, ad=ad, quant=quantization, buckets=buckets)
+    param, compute, lower = precision_bytes(rs.run_precision)
+    z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=tgt, precision=rs.run_precision)
     k = micro_batches
     batch //= k
-    t, V, D, L = seq * batch, s.vocab, s.d, s.n_layer
+    t, V, D = seq * batch, s.vocab, s.d
     path = attention_path(s, z, batch, seq, attention)
-    states = ms.peak_inputs()
+    states = rs.inputs
     P, G, opt = states["parameters"], states["gradients"], states["optimizer"]
     scratch, gathered = states["step"], states["gathered"]
     # DeepSpeed's gradient bytes held all step, and ZeRO-2's partition from the first bucket;
     # with accumulation the earlier micro-batches' gradients are there from the start
     held, late = states["held"], states["late"]
     G_prev = G if k > 1 else 0.0
-    head_grad = min(G, V * D * z.w * (not s.tied) / (world_size if zero >= 2 else 1))
+    trains_base = ad is None
+    head_grad = min(G, V * D * z.w * (not s.tied) / (world_size if zero >= 2 else 1)) if trains_base else 0.0
     full = checkpointing == "full"
-    A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance)
-    # the loss (HF's ForCausalLMLoss: logits.float(), then cross-entropy in fp32)
-    lsm = t * V * 4
-    cast = t * V * 4 if z.c != 4 else 0
-    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered,
-                              gradients=G_prev + held),
-         "log-softmax backward": dict(activations=A + lsm, gradients=G_prev + held,
-                                      temporaries=2 * t * V * 4 + (t * V * z.c if cast else 0) + gathered),
-         "head backward": dict(activations=A, temporaries=t * V * z.c + t * D * z.c + gathered,
-                               gradients=max(G_prev, head_grad + late) + held),
-         "end of backward": dict(gradients=G + held,
-                                 temporaries=(2 * V * D * z.w if s.tied else 0) + t * D * z.r),
-         "optimizer step": dict(gradients=G + held, temporaries=scratch)}
-    if full:  # the last recomputed layer (layer 0) holds its activations with nearly all gradients
-        m["recomputed layer"] = dict(activations=embed + t * D * z.r + layers[0] + dense_w / L * z.c * z.auto,
-                                     gradients=max(G_prev, G * (1 - 1 / max(L, 1)), late) + held,
-                                     temporaries=t * max(s.ffn, s.moe_ffn * s.top_k) * z.c + gathered)
-    moment, best = max(m.items(), key=lambda kv: sum(kv[1].values()))
+    params = s.num_params() - s.expert_total() * (1 - 1 / ep)
+    A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance, ad)
+    moment, best = _peak_moment(s, z, t, A=A, layers=layers, embed=embed, dense_w=dense_w, G=G, G_prev=G_prev,
+                                held=held, late=late, head_grad=head_grad, gathered=gathered, scratch=scratch,
+                                full=full, trains_base=trains_base)
     cats = dict.fromkeys(CATEGORIES, 0.0)
     cats.update(parameters=P, optimizer=opt, other=16 * t, workspace=tgt.resident_workspace(), **best)
     if tgt.is_cuda and not moment.startswith(("end", "optimizer")):
         cats["workspace"] += sdpa_backward_workspace(path, batch, s.heads, seq, s.head_dim, s.kv_heads, z.c)
     if ep > 1:  # the all-to-all's send and receive buffers of one MoE layer's rows
         cats["temporaries"] += 2 * t * s.top_k * imbalance * D * z.c
+    if rs.dequantised and not moment.startswith(("end", "optimizer")):
+        cats["temporaries"] += rs.dequantised  # MatMul4Bit dequantises its whole weight
     cats = {k: int(round(v)) for k, v in cats.items()}
-    info = ModelStep(s.name, s.num_params(), s.num_params(), seq=seq, batch=batch * k, precision=precision,
-                     checkpointing=checkpointing or "none")
-    host = {c: int(round(ms.host.get(c, 0.0))) for c in CATEGORIES}
+    n_adapters = 0 if ad is None else sum(r * c for r, c in adapter_numels(s, ad))
+    info = HFRun(s.name, s.num_params() + n_adapters, n_adapters or s.num_params(), seq=seq, batch=batch * k,
+                 precision=precision, checkpointing=checkpointing or "none", attention=path, optimizer=optimizer,
+                 micro_batches=k, zero=zero, world_size=world_size, offload=offload, expert_parallel=ep,
+                 lora=lora, quantization=quantization)
+    host = {c: int(round(rs.host.get(c, 0.0))) for c in CATEGORIES}
     report = MemoryReport("estimate", info, f"formula ({tgt.name})", sum(cats.values()), cats,
                           resolve_budget(budget), None, host_bytes=sum(host.values()), host_by_category=host)
     report.notes.append(f"peak moment: {moment}; attention: {path}")
-    report.notes.extend(ms.notes)
+    report.notes.extend(rs.notes)
     if k > 1:
         report.notes.append(f"{k} micro-batches of {batch}: activations of one, gradients held throughout")
     if s.experts:
@@ -387,5 +639,37 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     return report
 
 
-__all__ = ["HF_CHECKPOINTING", "Sizes", "attention_path", "forward_activations", "layer_activations",
+def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,
+                 dense_w: float, G: float, G_prev: float, held: float, late: float, head_grad: float,
+                 gathered: float, scratch: float, full: bool, trains_base: bool) -> tuple[str, dict]:
+    """The moment of the step whose bytes are largest, and its categories: the loss
+    (HF's ``ForCausalMLoss``: ``logits.float()``, then cross-entropy in fp32), the head's
+    backward, the end of backward, the optimizer step, a recomputed layer (the last one, layer 0,
+    with nearly every gradient; under LoRA, whose gradients are small, the first one, with every
+    layer's checkpointed input still held)."""
+    V, D, L = s.vocab, s.d, s.n_layer
+    lsm = t * V * 4
+    cast = t * V * 4 if z.c != 4 else 0
+    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered,
+                              gradients=G_prev + held),
+         "log-softmax backward": dict(activations=A + lsm, gradients=G_prev + held,
+                                      temporaries=2 * t * V * 4 + (t * V * z.c if cast else 0) + gathered),
+         "head backward": dict(activations=A, temporaries=t * V * z.c + t * D * z.c + gathered,
+                               gradients=max(G_prev, head_grad + late) + held),
+         "end of backward": dict(gradients=G + held,
+                                 temporaries=(2 * V * D * z.w if trains_base and s.tied else 0) + t * D * z.r),
+         "optimizer step": dict(gradients=G + held, temporaries=scratch)}
+    if full and not trains_base:  # LoRA: the gradients are small, the first recomputed layer is the peak
+        rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
+        m["recomputed layer"] = dict(activations=embed + L * t * D * z.r + 4 * t * rope + layers[-1],
+                                     gradients=G_prev + held, temporaries=t * D * z.r + t * s.ffn * z.c + gathered)
+    elif full:  # the last recomputed layer (layer 0) holds its activations with nearly all gradients
+        m["recomputed layer"] = dict(activations=embed + t * D * z.r + layers[0] + dense_w / L * z.c * z.auto,
+                                     gradients=max(G_prev, G * (1 - 1 / max(L, 1)), late) + held,
+                                     temporaries=t * max(s.ffn, s.moe_ffn * s.top_k) * z.c + gathered)
+    return max(m.items(), key=lambda kv: sum(kv[1].values()))
+
+
+__all__ = ["HF_CHECKPOINTING", "Sizes", "Adapters", "RunStates", "adapter_saved", "adapters_for", "adapter_numels",
+           "quantized_base_bytes", "run_states", "attention_path", "forward_activations", "layer_activations",
            "moe_activations", "estimate_hf"]

@@ -167,6 +167,31 @@ class DecoderShape:
                 out += [f, f, d] if self.mlp_bias else []
         return out + norm + ([] if self.tied else [self.vocab * d])
 
+    def linears(self, i: int) -> dict[str, list[tuple[int, int]]]:
+        """``(in_features, out_features)`` of every ``nn.Linear`` of layer ``i``, by the module
+        name peft's ``target_modules`` matches (GPT-2's ``c_proj`` names two). Routed experts
+        (3-d parameters in transformers 5) and routers are not ``Linear`` modules."""
+        d, q, kv, a, vd = self.d, self.q_dim, self.kv_dim, self.heads, self.v_head_dim
+        if self.mlp == "gelu_new":
+            return {"c_attn": [(d, 3 * d)], "c_proj": [(d, d), (self.ffn, d)], "c_fc": [(d, self.ffn)]}
+        if self.kv_lora_rank is not None:
+            ql, kl, rope = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_dim
+            out = ({"q_proj": [(d, q)]} if ql is None else {"q_a_proj": [(d, ql)], "q_b_proj": [(ql, q)]})
+            out.update(kv_a_proj_with_mqa=[(d, kl + rope)], kv_b_proj=[(kl, a * (self.head_dim - rope + vd))])
+        elif self.fused_qkv:
+            out = {"qkv_proj": [(d, q + 2 * kv)]}
+        else:
+            out = {"q_proj": [(d, q)], "k_proj": [(d, kv)], "v_proj": [(d, kv)]}
+        out["o_proj"] = [(a * vd, d)]
+        f = self.shared_ffn if i in self.moe_layers else self.ffn
+        if i in self.moe_layers and not f:
+            return out
+        if self.fused_qkv:
+            out.update(gate_up_proj=[(d, 2 * f)], down_proj=[(f, d)])
+        else:
+            out.update(gate_proj=[(d, f)], up_proj=[(d, f)], down_proj=[(f, d)])
+        return out
+
     def expert_total(self) -> int:
         """Parameters of all routed experts (what expert parallelism divides)."""
         return len(self.moe_layers) * self.expert_params()

@@ -42,6 +42,7 @@ from .finetune import GPT2_TARGETS, LLAMA_TARGETS
 from .low_bit import HF_OPTIMIZERS
 from .models import GPTConfig
 from .quiet import quiet_build
+from .run import LoraConfig
 from .states import ZeroBuckets
 
 #: "auto" keys a DeepSpeed config may leave to the Trainer and that memlab fills as it does
@@ -266,12 +267,19 @@ def read_deepspeed(path: str | pathlib.Path | dict, *, world_size: int = 1, hidd
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """LoRA as peft's ``adapter_config.json`` gives it: ``rank`` and the ``targets`` memlab
-    counts (:func:`memlab.finetune.lora_shapes`), with notes on what it does not model."""
+    """LoRA as peft's ``adapter_config.json`` gives it: ``rank``, the ``targets`` memlab
+    counts (:func:`memlab.finetune.lora_shapes`), ``dropout`` and ``alpha``, with notes on what
+    it does not model."""
 
     rank: int
     targets: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    dropout: float = 0.0
+    alpha: int | None = None
+
+    def lora_config(self) -> LoraConfig:
+        """The run description's :class:`memlab.run.LoraConfig` of this file."""
+        return LoraConfig(rank=self.rank, targets=self.targets, dropout=self.dropout, alpha=self.alpha)
 
 
 def lora_targets_for(cfg: GPTConfig) -> tuple[str, ...]:
@@ -279,18 +287,19 @@ def lora_targets_for(cfg: GPTConfig) -> tuple[str, ...]:
     return GPT2_TARGETS if cfg.mlp == "gelu" else LLAMA_TARGETS
 
 
-def read_lora_config(path: str | pathlib.Path | dict, cfg: GPTConfig) -> LoraSpec:
-    """peft's ``adapter_config.json`` (``peft_type`` LORA): ``r`` and ``target_modules`` (a
-    list of names, ``"all-linear"``, or a regular expression peft matches against module
-    names), for the model ``cfg``. ``modules_to_save``, ``use_dora`` and a trained ``bias``
-    are not modelled: named in the notes."""
+def read_lora_config(path: str | pathlib.Path | dict, cfg: GPTConfig | tuple[str, ...]) -> LoraSpec:
+    """peft's ``adapter_config.json`` (``peft_type`` LORA): ``r``, ``lora_dropout``,
+    ``lora_alpha`` and ``target_modules`` (a list of names, ``"all-linear"``, or a regular
+    expression peft matches against module names), for the model ``cfg`` (memlab's GPT, or the
+    ``Linear`` module names of a Hugging Face decoder: :meth:`memlab.hf_shape.DecoderShape.linears`).
+    ``modules_to_save``, ``use_dora`` and a trained ``bias`` are not modelled: named in the notes."""
     d = load_file(path, "--lora-config")
     if str(d.get("peft_type", "LORA")).upper() != "LORA":
         raise InputError(f"--lora-config peft_type {d.get('peft_type')!r}; allowed: LORA")
     rank = d.get("r", 8)  # peft's LoraConfig default
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise InputError(f"--lora-config r={rank!r}; allowed: a positive integer")
-    names = lora_targets_for(cfg)
+    names = cfg if isinstance(cfg, tuple) else lora_targets_for(cfg)
     tm = d.get("target_modules")
     if tm is None or tm == "all-linear":
         targets = names  # peft's default for these architectures, and all-linear less the head
@@ -307,7 +316,11 @@ def read_lora_config(path: str | pathlib.Path | dict, cfg: GPTConfig) -> LoraSpe
         if d.get(key, off) not in (off, [], None if off is None else off):
             notes.append(f"--lora-config {key}={d[key]!r} is not modelled (its extra trainable "
                          f"parameters and state are not counted)")
-    return LoraSpec(rank=rank, targets=targets, notes=tuple(notes))
+    dropout = d.get("lora_dropout") or 0.0
+    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise InputError(f"--lora-config lora_dropout={dropout!r}; allowed: 0 <= dropout < 1")
+    return LoraSpec(rank=rank, targets=targets, notes=tuple(notes), dropout=float(dropout),
+                    alpha=d.get("lora_alpha"))
 
 
 #: TrainingArguments (and TRL SFTConfig) fields the step is read from
