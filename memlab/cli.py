@@ -45,7 +45,7 @@ from .hardware import GPU_PRESETS, resolve_budget
 from .hf_config_check import check_config
 from .hf_estimate import estimate_hf
 from .hf_measure import measure_hf
-from .hf_shape import decoder_shape
+from .hf_shape import FAMILIES, decoder_shape
 from .measure import measure_step
 from .models import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
 from .oom import OOMExplanation, explain_oom
@@ -559,7 +559,7 @@ def run(args: argparse.Namespace) -> Result:
         card = None if args.gpu is not None or args.target != "cuda" else detect_card()
         target = get_target(args.target, args.gpu, card)
         budget = args.gpu if args.gpu is not None else budget
-        if args.command == "estimate" and args.hf_config is not None:
+        if args.hf_config is not None and (args.command == "estimate" or not _beyond_lora(args)):
             return _hf_checked(args, budget, target)
         if _configured(args):
             return _run_configured(args, budget, target)
@@ -597,7 +597,21 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
     if (args.micro_batches, args.zero, args.world_size, args.offload, args.optimizer) != (1, 0, 1, "none", "adamw"):
         raise InputError("simulate --hf-config runs one AdamW step on one device; allowed: no "
                          "--micro-batches/--zero/--world-size/--offload/--optimizer (use estimate)")
-    return hf.simulate_hf(args.hf_config, target=target, budget=budget, **kw)
+    shape = decoder_shape(args.hf_config) if hf.load_config(args.hf_config)["model_type"] in FAMILIES else None
+    lora, _ = _hf_lora(args, shape) if shape is not None else (None, [])
+    if lora is None and (args.lora_rank or args.lora_targets or args.lora_config):
+        raise InputError("simulate --hf-config with LoRA spells the adapters out for the families memlab "
+                         f"reads: {', '.join(FAMILIES)}")
+    linears = None if shape is None else tuple(dict.fromkeys(k for i in range(shape.n_layer) for k in shape.linears(i)))
+    return hf.simulate_hf(args.hf_config, target=target, budget=budget,
+                          lora=None if lora is None else lora.peft_kwargs(linears), **kw)
+
+
+def _beyond_lora(args: argparse.Namespace) -> bool:
+    """Whether a run config, quantised weights or a low-bit optimizer is given (what
+    ``simulate --hf-config`` does not run yet), beyond LoRA's flags."""
+    return (getattr(args, "deepspeed", None) is not None or getattr(args, "training_args", None) is not None
+            or args.load_in_4bit or args.load_in_8bit or args.optimizer not in OPTIMIZERS)
 
 
 def _hf_estimate(args: argparse.Namespace, budget: int | str | None, target, kw: dict) -> MemoryReport:

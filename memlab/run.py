@@ -59,11 +59,13 @@ class LoraConfig:
         if self.adapter_dtype not in ADAPTER_DTYPES:
             raise InputError(f"LoRA adapter_dtype={self.adapter_dtype!r}; allowed: {', '.join(ADAPTER_DTYPES)}")
 
-    def peft_kwargs(self) -> dict:
-        """The keywords of ``peft.LoraConfig`` this describes."""
-        return {"r": self.rank, "target_modules": self.targets if isinstance(self.targets, str)
-                else list(self.targets), "lora_alpha": self.alpha or 2 * self.rank,
-                "lora_dropout": float(self.dropout)}
+    def peft_kwargs(self, linears: tuple[str, ...] | None = None) -> dict:
+        """The keywords of ``peft.LoraConfig`` this describes; ``linears`` (the model's
+        ``Linear`` module names) spells ``all-linear`` out, so that peft adapts exactly those
+        (on a mixture of experts its own ``all-linear`` also wraps the experts' 3-d parameters)."""
+        targets = list(linears) if self.targets == ALL_LINEAR and linears else self.targets
+        return {"r": self.rank, "target_modules": targets if isinstance(targets, str) else list(targets),
+                "lora_alpha": self.alpha or 2 * self.rank, "lora_dropout": float(self.dropout)}
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -3,7 +3,7 @@
 :func:`emulate` installs CUDA's cast policy (:mod:`.autocast`) on the ``AutocastCPU`` key for
 the duration of a simulation, so casts happen above autograd and autograd saves the cast
 tensors as it would on the GPU, the weight-cast cache included (``cached_cast`` in
-``autocast_mode.cpp``); ``rms_norm`` runs as CUDA's fused kernel, and on a card without a
+``autocast_mode.cpp``); ``rms_norm`` and ``dropout`` run as CUDA's fused kernels, and on a card without a
 fused attention kernel for a dtype, ``scaled_dot_product_attention`` runs the ``math``
 composite as that card would (:mod:`.kernels`).
 """
@@ -209,6 +209,14 @@ def _rms_norm_kernel(x, normalized_shape, weight=None, eps=None):
     return _FusedRMSNorm.apply(x, list(normalized_shape), weight, eps)
 
 
+def _dropout_kernel(x, p, train):
+    """``dropout`` as CUDA runs it (``Dropout.cpp``: the fused kernel where ``0 < p < 1``):
+    ``native_dropout``, whose backward keeps a bool mask, not CPU's noise in the input's dtype."""
+    if train and 0 < p < 1 and x.numel() > 0:
+        return _aten.native_dropout.default(x, p, train)[0]
+    return _aten.dropout.default.decompose(x, p, train)
+
+
 def _sdpa_kernel(target: Target):
     """``scaled_dot_product_attention`` as the card dispatches it: the ``math`` composite
     where it has no fused kernel for the inputs' dtype (bf16 below sm80), else torch's own
@@ -246,6 +254,8 @@ def _install(target: Target) -> torch.library.Library:
             lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
         if rms_norm_fused(target.name):
             lib.impl("rms_norm", _rms_norm_kernel, "AutogradCPU")
+        if target.is_cuda:
+            lib.impl("dropout", _dropout_kernel, "AutogradCPU")
         if any(target.card.sdpa_kernels(2, dtype)[0] == "math" for dtype in ("bf16", "fp16")):
             lib.impl("scaled_dot_product_attention", _sdpa_kernel(target), "AutogradCPU")
     return lib
