@@ -33,6 +33,15 @@ Parameter counts are the real class's (:meth:`memlab.hf_shape.DecoderShape.num_p
 checked against the model built on the meta device). A config this module cannot count in
 closed form is refused with the field named and :func:`memlab.hf.simulate_hf`
 (``memlab simulate --hf-config``) pointed at.
+
+**LoRA** (:class:`memlab.hf_states.Adapters`): every base weight frozen, a frozen ``Linear``
+keeps no input and its autocast weight copy only where its input needs a gradient; the first
+layer's inputs need none (the embedding is frozen); each adapter keeps its input as
+``lora_A`` reads it and its rank-r output (:func:`adapter_saved`). The model states of the run
+(full, LoRA, QLoRA, low-bit optimizers, ZeRO) are :mod:`memlab.hf_states`'.
+
+Over 500 lines because one layer's saved tensors (dense, MLA, experts, LoRA) read best in
+one place, op by op, beside the peak moments they feed.
 """
 from __future__ import annotations
 
@@ -43,11 +52,11 @@ from .errors import InputError
 from .hardware import resolve_budget
 from .hf import check_seq, load_config
 from .hf_shape import DecoderShape, decoder_shape
-from .low_bit import OPTIMIZER_STATES, PAGED, adafactor_state_bytes, adam_state_bytes, quantized_weight_bytes
+from .hf_states import Adapters, adapter_numels, adapters_for, run_states
 from .policy import op_bytes, precision_bytes, resolve_target, sdpa_backend, sdpa_dtype, sdpa_lse_bytes
 from .policy.kernels import layer_norm_stat_bytes, sdpa_backward_workspace
-from .run import ALL_LINEAR, HFRun, LoraConfig, QuantConfig
-from .states import ZeroBuckets, model_states
+from .run import HFRun, LoraConfig, QuantConfig
+from .states import ZeroBuckets
 from .step import PRECISIONS, MemoryReport
 from .tracking import CATEGORIES
 
@@ -97,27 +106,6 @@ def _linear_inputs(z: Sizes, t: int, width: int, consumers: int, in_bytes: int) 
     if z.auto and in_bytes != z.c:
         return consumers * t * width * z.c
     return 0
-
-
-@dataclass(frozen=True)
-class Adapters:
-    """A LoRA run as each layer sees it: every base weight frozen, adapters on ``names``.
-
-    A frozen ``Linear`` keeps no input (autograd saves it only for the weight's gradient), and
-    its weight's autocast copy is saved, uncached, wherever its input needs a gradient; a
-    4-bit base (``quantized``) saves only the packed weight (bitsandbytes' ``MatMul4Bit``
-    keeps ``ctx.tensors = (None, B)``). Each adapter keeps its input as ``lora_A`` sees it and
-    ``lora_A``'s ``t x r`` output (:func:`adapter_saved`)."""
-
-    config: LoraConfig
-    names: frozenset[str]
-    a: int                   # bytes of an adapter element (fp32 adapters: 4)
-    quantized: bool = False
-
-    def count(self, s: DecoderShape, i: int, *names: str) -> int:
-        """Adapted modules of layer ``i`` among ``names``."""
-        table = s.linears(i)
-        return sum(len(table.get(n, ())) for n in names if n in self.names)
 
 
 def adapter_saved(z: Sizes, ad: Adapters, t: int, width: int, in_bytes: int, count: int,
@@ -402,118 +390,6 @@ def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int,
     return int(round(_kept(s, z, batch, seq, path, checkpointing == "full", s.num_params())[0]))
 
 
-def adapters_for(s: DecoderShape, lora: LoraConfig, precision: str, quantized: bool = False) -> Adapters:
-    """The :class:`Adapters` of ``lora`` on ``s``: the target names checked against the layers'
-    ``Linear`` modules (``all-linear``: every one), the adapters' element size (fp32 unless
-    ``adapter_dtype="base"`` on a 16-bit base)."""
-    names = {k for i in range(s.n_layer) for k in s.linears(i)}
-    if lora.targets == ALL_LINEAR:
-        picked = names
-    else:
-        unknown = sorted(set(lora.targets) - names)
-        if unknown:
-            raise InputError(f"LoRA target modules {unknown} ({s.model_type}); allowed: "
-                             f"{', '.join(sorted(names))} or {ALL_LINEAR}")
-        picked = set(lora.targets)
-    base16 = precision == "pure-bf16" and not quantized
-    a = 2 if base16 and lora.adapter_dtype == "base" else 4
-    return Adapters(lora, frozenset(picked), a, quantized)
-
-
-def adapter_numels(s: DecoderShape, ad: Adapters) -> list[tuple[int, int]]:
-    """``A`` (r x in) and ``B`` (out x r) of every adapter, as matrices."""
-    r = ad.config.rank
-    return [m for i in range(s.n_layer) for n, ios in s.linears(i).items() if n in ad.names
-            for i_, o in ios for m in ((r, i_), (o, r))]
-
-
-def quantized_base_bytes(s: DecoderShape, quant: QuantConfig) -> tuple[int, int]:
-    """``(bytes, largest dequantised weight)`` of the base loaded in 4 or 8 bits: every decoder
-    ``Linear`` in bitsandbytes' layout (:func:`memlab.low_bit.quantized_weight_bytes`), the rest
-    (embeddings, head, norms, routed experts, which are not ``Linear`` modules) in the compute
-    dtype; a 4-bit matmul dequantises its weight to the compute dtype."""
-    ios = [io for i in range(s.n_layer) for v in s.linears(i).values() for io in v]
-    packed = sum(quantized_weight_bytes(o, i, quant.name, double_quant=quant.double_quant) for i, o in ios)
-    rest = s.num_params() - sum(i * o for i, o in ios)
-    return packed + rest * quant.compute_bytes, max(i * o for i, o in ios) * quant.compute_bytes
-
-
-@dataclass(frozen=True)
-class RunStates:
-    """Model-state inputs of the estimate's peak moments (:meth:`memlab.states.ModelStates.peak_inputs`
-    with a fine-tune's frozen base, low-bit state and host bytes applied)."""
-
-    inputs: dict[str, float]
-    run_precision: str
-    host: dict[str, float]
-    notes: list[str]
-    dequantised: float = 0.0
-
-
-def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, world_size: int,
-               offload: str, ep: int, ad: Adapters | None, quant: QuantConfig | None,
-               buckets: ZeroBuckets | None = None) -> RunStates:
-    """Per-rank model states of a full or LoRA fine-tune: :func:`memlab.states.model_states`
-    over the trainable tensors (the adapters under LoRA, in fp32 for peft's fp32 adapters
-    outside DeepSpeed), a frozen base held beside them in the run's dtype or bitsandbytes'
-    layout, and 8-bit, paged or Adafactor state as bitsandbytes and transformers allocate it."""
-    if optimizer not in OPTIMIZER_STATES:
-        raise InputError(f"optimizer={optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
-    low_bit = optimizer not in ("adamw", "sgd")
-    if low_bit and (zero or offload != "none"):
-        raise InputError(f"optimizer={optimizer!r} is bitsandbytes' or transformers' own, counted for "
-                         f"plain PyTorch; allowed with it: zero=0, offload='none'")
-    if quant is not None and ad is None:
-        raise InputError(f"a {quant.name} base is frozen: give LoRA adapters to train")
-    if optimizer == "adafactor" and ad is None:
-        raise InputError("Adafactor's factored state is counted for LoRA adapters (give lora), or "
-                         "simulated for a full fine-tune (memlab simulate --hf-config)")
-    base = "sgd" if optimizer == "sgd" else "adamw"
-    if ad is None:
-        params = s.num_params() - s.expert_total() * (1 - 1 / ep)
-        trainable = s.param_numels() if ep == 1 else [int(round(params))]
-        ms = model_states(s if ep == 1 else int(round(params)), precision=precision, optimizer=base,
-                          zero=zero, world_size=world_size, offload=offload, buckets=buckets)
-    else:
-        mats = adapter_numels(s, ad)
-        trainable = [r * c for r, c in mats]
-        own = precision if (zero or ad.a == 2) else "fp32"  # peft's fp32 adapters outside DeepSpeed
-        ms = model_states(sum(trainable), precision=own, optimizer=base, zero=zero, world_size=world_size,
-                          offload=offload, buckets=buckets)
-    run = ms.compute_precision if ms.deepspeed else precision
-    inputs, host, notes = ms.peak_inputs(), dict(ms.host), list(ms.notes)
-    dequantised = 0.0
-    if ad is not None:
-        if quant is not None:
-            frozen, largest = quantized_base_bytes(s, quant)
-            dequantised = largest if quant.bits == 4 else 0.0
-            notes.append(f"load_in_{quant.name}: base {frozen / s.num_params():.3f} B per parameter "
-                         f"(bitsandbytes' layout; embeddings, head and norms in {quant.compute_dtype})")
-        else:
-            frozen = s.num_params() * precision_bytes(run)[0]
-        inputs["parameters"] += frozen
-        n = sum(trainable)
-        notes.append(f"LoRA r={ad.config.rank} on {', '.join(sorted(ad.names))}"
-                     f"{f', dropout {ad.config.dropout:g}' if ad.config.dropout else ''}: {n:,} trainable "
-                     f"parameters of {s.num_params() + n:,}, adapters in {'fp32' if ad.a == 4 else 'bf16'}")
-    if low_bit:
-        if optimizer == "adafactor":
-            state = adafactor_state_bytes(adapter_numels(s, ad))
-        else:
-            state = adam_state_bytes(trainable, optimizer)
-            if optimizer == "paged-adamw" and ad is None and precision == "pure-bf16":
-                state //= 2  # torch's moments follow the 16-bit weights
-        if optimizer in PAGED:
-            inputs["optimizer"] = 0.0
-            host["optimizer"] = host.get("optimizer", 0.0) + state
-            notes.append(f"{optimizer}: {state / 2**20:.1f} MiB of state in CUDA unified memory "
-                         f"(bitsandbytes get_paged), paged to the host when the device is full: host bytes")
-        else:
-            inputs["optimizer"] = float(state)
-            notes.append(f"{optimizer} state: {state / sum(trainable):.3f} B per trainable parameter")
-    return RunStates(inputs, run, host, notes, dequantised)
-
-
 def _check_run(s: DecoderShape, *, precision: str, checkpointing: str | None, attention: str | None,
                ep: int, imbalance: float, zero: int, world_size: int, offload: str, micro_batches: int,
                batch: int, lora: LoraConfig | None) -> None:
@@ -670,6 +546,5 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     return max(m.items(), key=lambda kv: sum(kv[1].values()))
 
 
-__all__ = ["HF_CHECKPOINTING", "Sizes", "Adapters", "RunStates", "adapter_saved", "adapters_for", "adapter_numels",
-           "quantized_base_bytes", "run_states", "attention_path", "forward_activations", "layer_activations",
-           "moe_activations", "estimate_hf"]
+__all__ = ["HF_CHECKPOINTING", "Sizes", "adapter_saved", "attention_path", "forward_activations",
+           "layer_activations", "moe_activations", "estimate_hf"]

@@ -20,8 +20,9 @@ from hf_families import BATCH, FAMILIES, SEQ  # noqa: E402
 from memlab import hf  # noqa: E402
 from memlab.cli import main  # noqa: E402
 from memlab.errors import InputError  # noqa: E402
-from memlab.hf_estimate import adapter_numels, adapters_for, estimate_hf  # noqa: E402
+from memlab.hf_estimate import estimate_hf  # noqa: E402
 from memlab.hf_shape import decoder_shape  # noqa: E402
+from memlab.hf_states import adapter_numels, adapters_for  # noqa: E402
 from memlab.run import LoraConfig  # noqa: E402
 from memlab.your_model import track_step  # noqa: E402
 

@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
     }),
     ("the step and its report", {
         "step": "`StepConfig` (a step; its model config owns checkpointing and attention), `MemoryReport`, `Trainer`, `build_trainer`, `make_batch`",
+        "run": "what a fine-tune adds to a run, typed: `LoraConfig`, `QuantConfig`, and `HFRun` (an HF decoder's whole run, the report's config)",
         "reference": "the H200 reference rows (`data/reference/`) as steps and figures",
         "flops": "FLOPs of a step by part (forward, backward, recompute): counted by phase, and in closed form",
         "elementwise": "bytes a step's elementwise ops (norms, activations, casts, the loss) read and write: counted op by op, and in closed form",
@@ -79,7 +80,8 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "hf": "Hugging Face `config.json`: mapped to a `GPTConfig`, or the real class on fake tensors",
         "simulation_bound": "the bound before a long HF simulation (seconds, parameters, 64-bit bytes), its progress bar",
         "hf_shape": "an HF decoder config read into what memory depends on; its parameter counts",
-        "hf_estimate": "the estimate of any HF decoder config in closed form: dense, MLA, mixtures of experts",
+        "hf_estimate": "the estimate of any HF decoder config in closed form: dense, MLA, mixtures of experts; LoRA, QLoRA, low-bit state, ZeRO",
+        "hf_states": "an HF run's model states per rank: full or LoRA, a frozen base in 16 bits or bitsandbytes' 4-/8-bit layout, low-bit optimizer state, ZeRO",
         "hf_measure": "the measure lens of an HF config: its real step under the guard",
         "calculator": "the real-scale calculator: `estimate_step` per rank for a card",
     }),
