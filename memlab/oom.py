@@ -11,12 +11,19 @@ allocator and once with expandable segments.
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m memlab.oom fragment
 
-:func:`parse_oom` reads every format torch has printed (before 1.5, before 2.1, after), the
-host allocator's, DeepSpeed's and NCCL's into an :class:`OOMMessage`; :func:`explain_oom` says
-what the numbers mean (``memlab oom`` on the command line, :func:`explain_last` in a notebook).
+:func:`parse_oom` reads every format torch has printed (before 1.5, 1.5 to 2.0, 2.1, 2.2+),
+Apple's MPS allocator's, the host allocator's, DeepSpeed's and NCCL's into an
+:class:`OOMMessage`; :func:`explain_oom` says what the numbers mean (``memlab oom`` on the
+command line, :func:`explain_last` in a notebook), each rule from the allocator's or the
+driver's behaviour: the segment a request needs (:func:`segment_bytes`), Windows' shared GPU
+memory, memory other processes hold, expandable segments by torch version, MPS's watermark.
+Real messages from public threads, with what each thread says of its run, are in
+``tests/data/oom_messages``.
 
-Over 500 lines because the message's formats, their reading and the experiment that provokes
-the message's fragmentation case are one subject: the allocator seen from outside.
+Over 500 lines because the message's formats, their reading, what each cause means and the
+experiment that provokes the fragmentation case are one subject: the allocator seen from
+outside; callers (the CLI, the callbacks, the tracker) import the reading and the
+explanation from this one module.
 """
 from __future__ import annotations
 
@@ -376,7 +383,8 @@ def read_oom(message: str) -> dict[str, int]:
     From a real CUDA OOM (either era): ``requested`` (the block asked for), ``total`` and
     ``free`` (the card, as the driver sees it), ``process`` (this process, PyTorch or not),
     ``allowed`` (the cap of ``set_per_process_memory_fraction``), ``allocated`` (live tensors)
-    and ``reserved_unallocated`` (cached by the allocator, not handed out). From memlab's
+    and ``reserved_unallocated`` (cached by the allocator, not handed out). From MPS:
+    ``requested``, ``allocated``, ``other_allocations`` and ``allowed``. From memlab's
     simulated device: ``requested``, ``in_use``, ``budget`` and ``short``. From the host
     allocator: ``requested``. Raises InputError when the message is none of these.
     """

@@ -427,3 +427,9 @@ def test_an_mps_message_is_read_and_explained():
     assert e.cause == "mps watermark" and "other allocations exceed" in str(e)
     # the older "GB"/"MB" labels are the same binary units
     assert parse_oom(_real("mps-surya-batch")[1]).requested == 896 * MiB
+
+
+def test_cli_explains_an_mps_message(capsys):
+    assert cli.main(["oom", str(REAL / "mps-pinokio-m1-16gb.txt")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("out of memory (mps): mps watermark") and "10.66 GiB" in out
