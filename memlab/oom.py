@@ -11,12 +11,19 @@ allocator and once with expandable segments.
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m memlab.oom fragment
 
-:func:`parse_oom` reads every format torch has printed (before 1.5, before 2.1, after), the
-host allocator's, DeepSpeed's and NCCL's into an :class:`OOMMessage`; :func:`explain_oom` says
-what the numbers mean (``memlab oom`` on the command line, :func:`explain_last` in a notebook).
+:func:`parse_oom` reads every format torch has printed (before 1.5, 1.5 to 2.0, 2.1, 2.2+),
+Apple's MPS allocator's, the host allocator's, DeepSpeed's and NCCL's into an
+:class:`OOMMessage`; :func:`explain_oom` says what the numbers mean (``memlab oom`` on the
+command line, :func:`explain_last` in a notebook), each rule from the allocator's or the
+driver's behaviour: the segment a request needs (:func:`segment_bytes`), Windows' shared GPU
+memory, memory other processes hold, expandable segments by torch version, MPS's watermark.
+Real messages from public threads, with what each thread says of its run, are in
+``tests/data/oom_messages``.
 
-Over 500 lines because the message's formats, their reading and the experiment that provokes
-the message's fragmentation case are one subject: the allocator seen from outside.
+Over 500 lines because the message's formats, their reading, what each cause means and the
+experiment that provokes the fragmentation case are one subject: the allocator seen from
+outside; callers (the CLI, the callbacks, the tracker) import the reading and the
+explanation from this one module.
 """
 from __future__ import annotations
 
@@ -44,11 +51,56 @@ _SIZE = r"([0-9]+(?:\.[0-9]+)? ?(?:bytes|B|KiB|MiB|GiB|TiB))"
 # NVML's NVML_VALUE_NOT_AVAILABLE is 2^64 - 1 bytes: format_size prints it as
 # "17179869184.00 GiB" when the driver cannot say what a process uses. No card is that large.
 _NOT_AVAILABLE = 2**63
+#: c10's format_size prints two decimals in B, KiB, MiB or GiB (never above GiB): a printed
+#: size is off by at most half a hundredth of a GiB
+ROUNDING_BYTES = GiB // 200
+
+# The segment a request needs from the driver when no cached block serves it: torch's
+# c10/cuda/CUDACachingAllocator.cpp (kSmallSize, kSmallBuffer, kMinLargeAlloc, kLargeBuffer,
+# kRoundLarge; get_allocation_size). memlab.policy.caching_allocator replays the same rules but
+# sits a layer above this module (it imports the tracker, which imports this one), so the four
+# constants are repeated here; tests/test_oom.py checks both agree.
+_SMALL_SIZE = 1 << 20        # requests up to 1 MiB come from the small pool ...
+_SMALL_BUFFER = 2 << 20      # ... which grows by 2 MiB segments
+_MIN_LARGE_ALLOC = 10 << 20  # requests of 1 to 10 MiB get a whole ...
+_LARGE_BUFFER = 20 << 20     # ... 20 MiB segment, split afterwards
+_ROUND_LARGE = 2 << 20       # larger requests: rounded up to 2 MiB
+#: free memory within this of the segment is not taken as proof the driver could have served
+#: it: cudaMemGetInfo's "free" is read after the failure, and the driver's own allocations
+#: (page tables, context growth, other processes) come from the same pool. A heuristic, not
+#: a driver constant.
+DRIVER_SLACK = 64 << 20
+
+
+def segment_bytes(request: int) -> int:
+    """Bytes the caching allocator asks ``cudaMalloc`` for when no cached block fits a
+    ``request``: 2 MiB for at most 1 MiB, 20 MiB below 10 MiB, else the request rounded up to
+    2 MiB (``get_allocation_size`` in CUDACachingAllocator.cpp; requests first rounded to 512 B).
+
+    Args:
+        request: the bytes the message says it tried to allocate.
+    Returns:
+        the segment size in bytes (0 for 0).
+    """
+    if request <= 0:
+        return 0
+    n = -(-request // 512) * 512
+    if n <= _SMALL_SIZE:
+        return _SMALL_BUFFER
+    if n < _MIN_LARGE_ALLOC:
+        return _LARGE_BUFFER
+    return -(-n // _ROUND_LARGE) * _ROUND_LARGE
+
+
+#: PYTORCH_MPS_HIGH_WATERMARK_RATIO's default (torch docs, "MPS Environment Variables"):
+#: "max allowed" in an MPS message is this ratio times the device's recommendedMaxWorkingSetSize
+MPS_HIGH_WATERMARK_DEFAULT = 1.7
 
 #: What :func:`parse_oom` recognises, in the order a mixed log is read (the first kind present
-#: wins): memlab's simulated device, the CUDA caching allocator (both eras), the host
-#: allocator, NCCL, the CUDA runtime outside the caching allocator, DeepSpeed's launcher.
-KINDS = ("simulated", "cuda", "host", "nccl", "cuda-runtime", "deepspeed")
+#: wins): memlab's simulated device, the CUDA caching allocator (every era), Apple's MPS
+#: allocator, the host allocator, NCCL, the CUDA runtime outside the caching allocator,
+#: DeepSpeed's launcher.
+KINDS = ("simulated", "cuda", "mps", "host", "nccl", "cuda-runtime", "deepspeed")
 
 
 def _pattern(text: str) -> str:
@@ -91,6 +143,12 @@ class OOMMessage:
     other_processes: tuple[tuple[int, int], ...] = ()
     #: the allocator's advice in the message: "expandable_segments" or "max_split_size_mb"
     hint: str | None = None
+    #: the torch releases that print this format: "< 1.5", "1.5 to 2.0", "2.1", "2.2+"
+    torch_versions: str | None = None
+    #: MPS: Metal memory of this process outside PyTorch's MPS allocator ("other allocations")
+    other_allocations: int | None = None
+    #: MPS: the pool the request was for ("private" or "shared")
+    pool: str | None = None
     # the host allocator: errno and its text
     errno: int | None = None
     error_text: str | None = None
@@ -123,10 +181,34 @@ class OOMMessage:
             return None
         return max(0, self.process - self.reserved)
 
+    @property
+    def segment(self) -> int | None:
+        """Bytes ``cudaMalloc`` was asked for (:func:`segment_bytes` of the request)."""
+        return None if self.requested is None else segment_bytes(self.requested)
+
+    @property
+    def held_outside(self) -> int | None:
+        """The card's memory in use that is not this process's: ``total - free - process``
+        when the message gives this process's figure (torch 2.1+), else ``total - free -
+        reserved`` (which also counts this process's CUDA context and libraries)."""
+        if self.total is None or self.free is None:
+            return None
+        own = self.process if self.process is not None else self.reserved
+        if own is None:
+            return None
+        return max(0, self.total - self.free - own)
+
+    @property
+    def beyond_card(self) -> bool:
+        """PyTorch holds more than the card has: Windows' WDDM driver pages device memory out
+        to shared system memory, so allocations can exceed the dedicated memory."""
+        held = max(self.allocated or 0, self.reserved or 0)
+        return self.total is not None and held > self.total + ROUNDING_BYTES
+
     def sizes(self) -> dict[str, int]:
         """The fields that are sizes and present, as ``{name: bytes}``."""
         names = ("requested", "total", "free", "process", "allowed", "allocated",
-                 "reserved_unallocated", "in_use", "budget", "short")
+                 "reserved_unallocated", "other_allocations", "in_use", "budget", "short")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
@@ -147,8 +229,12 @@ def _read_cuda(text: str, out: OOMMessage) -> None:
         out.requested = _bytes(m.group(1))
     elif _find(r"Tried to allocate more than 1EB", text):
         out.notes.append("the request was over 1 EiB: a shape or dtype mistake, not a full card")
-    if m := _find(r"GPU (\d+) has a total capac(?:i)?ty of " + _SIZE, text):  # 2.1 printed "capacty"
-        out.era, out.device, out.total = "2.1+", int(m.group(1)), _bytes(m.group(2))
+    if m := _find(r"GPU (\d*) ?has a total capac(i?)ty of " + _SIZE, text):
+        # torch 2.1 printed "capacty" and suggested max_split_size_mb; 2.2 fixed the word and
+        # suggests expandable_segments (the two templates in CUDACachingAllocator.cpp's history)
+        out.era, out.total = "2.1+", _bytes(m.group(3))
+        out.device = int(m.group(1)) if m.group(1) else None
+        out.torch_versions = "2.2+" if m.group(2) else "2.1"
         if m := _find(r"of which " + _SIZE + r" is free", text):
             out.free = _bytes(m.group(1))
         if m := _find(_pattern("Of the allocated memory ") + _SIZE + _pattern(" is allocated by PyTorch"), text):
@@ -161,6 +247,7 @@ def _read_cuda(text: str, out: OOMMessage) -> None:
             out.reserved = out.allocated + out.reserved_unallocated
     elif m := _find(r"\(GPU (\d+); " + _SIZE + r" total capacity", text):
         out.era, out.device, out.total = "pre-2.1", int(m.group(1)), _bytes(m.group(2))
+        out.torch_versions = "1.5 to 2.0"
         if m := _find(_SIZE + r" already allocated", text):
             out.allocated = _bytes(m.group(1))
         if m := _find(r"; " + _SIZE + r" free", text):
@@ -173,6 +260,7 @@ def _read_cuda(text: str, out: OOMMessage) -> None:
             # torch < 1.5: "cached" was the cache's free blocks (it is below "already allocated"
             # in messages of the time, so it cannot be the whole cache)
             out.era, out.reserved_unallocated = "pre-1.5", _bytes(m.group(1))
+            out.torch_versions = "< 1.5"
             if out.allocated is not None:
                 out.reserved = out.allocated + out.reserved_unallocated
     if m := _find(_SIZE + r" allowed;", text):
@@ -191,6 +279,29 @@ def _read_cuda(text: str, out: OOMMessage) -> None:
         out.hint = "expandable_segments"
     elif "max_split_size_mb" in text:
         out.hint = "max_split_size_mb"
+
+
+# MPSAllocator.mm's format_size printed "KB/MB/GB" before torch used c10's "KiB/MiB/GiB"; both
+# are powers of 1024: the same 16 GB Mac prints "max allowed: 18.13 GB" in one era
+# (github.com/pinokiocomputer/pinokio/issues/941) and "18.13 GiB" in the other
+# (github.com/Comfy-Org/ComfyUI/issues/8984).
+_MPS_SIZE = r"([0-9]+(?:\.[0-9]+)?) ?(bytes|KB|MB|GB|KiB|MiB|GiB)"
+
+
+def _mps_bytes(number: str, unit: str) -> int:
+    return _bytes(number + ("bytes" if unit == "bytes" else unit[0] + "iB"))
+
+
+def _read_mps(text: str, out: OOMMessage) -> None:
+    """The MPS allocator's message (aten/src/ATen/mps/MPSAllocator.mm): "MPS backend out of
+    memory (MPS allocated: A, other allocations: O[, max allowed: L]). Tried to allocate R on
+    private|shared pool."."""
+    for name, label in (("allocated", "MPS allocated"), ("other_allocations", "other allocations"),
+                        ("allowed", "max allowed"), ("requested", "Tried to allocate")):
+        if m := _find(label + r":? " + _MPS_SIZE, text):
+            setattr(out, name, _mps_bytes(m.group(1), m.group(2)))
+    if m := _find(r" on (private|shared) pool", text):
+        out.pool = m.group(1)
 
 
 def _read_deepspeed(text: str, out: OOMMessage) -> None:
@@ -236,6 +347,9 @@ def parse_oom(message: str) -> OOMMessage:
     elif cuda:
         out = OOMMessage("cuda")
         _read_cuda(text[cuda[-1].start():], out)
+    elif "MPS backend out of memory" in text:
+        out = OOMMessage("mps")
+        _read_mps(text[text.rindex("MPS backend out of memory"):], out)
     elif m := _find(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory): you tried to "
                     r"allocate (\d+) ?(bytes|GB)", text):
         # "you tried to allocate %dGB. Buy new RAM!" (whole GiB) before pytorch/pytorch#20618
@@ -246,15 +360,18 @@ def parse_oom(message: str) -> OOMMessage:
         out = OOMMessage("nccl")
         if m := _find(r"NCCL version ([0-9][0-9.]*[0-9])", text):
             out.nccl_version = m.group(1)
+        # include/alloc.h: "Failed to CUDA calloc %ld bytes" right after the CUDA failure
+        if m := _find(r"Failed to CUDA (?:calloc|malloc) (\d+) bytes", text):
+            out.requested = int(m.group(1))
     elif _find(r"CUDA error: out of memory", text):
         out = OOMMessage("cuda-runtime")
     elif _find(r"exits with return code = -9|MA [0-9.]+ GB Max_MA", text):
         out = OOMMessage("deepspeed")
     else:
         raise InputError(f"not an out-of-memory message (none of: CUDA's 'out of memory. Tried "
-                         f"to allocate', 'DefaultCPUAllocator', NCCL's 'Cuda failure 'out of "
-                         f"memory'', 'CUDA error: out of memory', DeepSpeed's 'exits with return "
-                         f"code = -9'): {message[:120]!r}")
+                         f"to allocate', 'MPS backend out of memory', 'DefaultCPUAllocator', NCCL's "
+                         f"'Cuda failure 'out of memory'', 'CUDA error: out of memory', DeepSpeed's "
+                         f"'exits with return code = -9'): {message[:120]!r}")
     _read_deepspeed(text, out)
     return out
 
@@ -266,7 +383,8 @@ def read_oom(message: str) -> dict[str, int]:
     From a real CUDA OOM (either era): ``requested`` (the block asked for), ``total`` and
     ``free`` (the card, as the driver sees it), ``process`` (this process, PyTorch or not),
     ``allowed`` (the cap of ``set_per_process_memory_fraction``), ``allocated`` (live tensors)
-    and ``reserved_unallocated`` (cached by the allocator, not handed out). From memlab's
+    and ``reserved_unallocated`` (cached by the allocator, not handed out). From MPS:
+    ``requested``, ``allocated``, ``other_allocations`` and ``allowed``. From memlab's
     simulated device: ``requested``, ``in_use``, ``budget`` and ``short``. From the host
     allocator: ``requested``. Raises InputError when the message is none of these.
     """
@@ -343,11 +461,6 @@ def recorded_oom(name: str = "a100-40gb-inference") -> RecordedOOM:
     return RecordedOOM(name, header.get("source", ""), header.get("card", ""), "\n".join(body).strip())
 
 
-#: c10's format_size prints two decimals in B, KiB, MiB or GiB (never above GiB): a printed
-#: size is off by at most half a hundredth of a GiB
-ROUNDING_BYTES = GiB // 200
-
-
 @dataclass(frozen=True)
 class OOMBalance:
     """The arithmetic of a 2.1+ CUDA message: why the request did not fit, and where the
@@ -415,8 +528,10 @@ def oom_balance(message: str | OOMMessage) -> OOMBalance:
 # What the numbers mean
 # --------------------------------------------------------------------------------------
 #: The causes :func:`explain_oom` names, most specific first.
-CAUSES = ("memory fraction", "other processes", "fragmentation", "live tensors", "host memory",
-          "host killed", "nccl buffers", "outside the allocator", "simulated budget")
+CAUSES = ("request above the card", "memory fraction", "shared GPU memory", "other processes",
+          "held outside PyTorch", "outside the allocator", "fragmentation", "live tensors",
+          "mps watermark", "mps memory", "host memory", "host killed", "nccl buffers",
+          "simulated budget")
 
 
 @dataclass
@@ -432,7 +547,8 @@ class OOMExplanation:
     def table(self) -> str:
         """The explanation as text, for a terminal or a notebook."""
         m = self.message
-        head = f"out of memory ({m.kind}{', torch ' + m.era + ' format' if m.era else ''}): {self.cause}"
+        era = m.torch_versions or m.era
+        head = f"out of memory ({m.kind}{', torch ' + era + ' format' if era else ''}): {self.cause}"
         out = [head] + [f"  {line}" for line in self.lines]
         if self.advice:
             out += ["what to try:"] + [f"  - {a}" for a in self.advice]
@@ -454,10 +570,26 @@ def _fb(n: int | None) -> str:
     return "?" if n is None else fmt_bytes(n)
 
 
+def _versions_advice(m: OOMMessage) -> str:
+    """Expandable segments by torch version: added by pytorch/pytorch#96995 (merged April 2023,
+    after 2.0), so first released in 2.1, whose message still suggested max_split_size_mb."""
+    if m.torch_versions in ("< 1.5", "1.5 to 2.0"):
+        return ("this message's format is torch's before 2.1, which predates expandable segments: "
+                "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 keeps large blocks unsplit, or "
+                "upgrade to 2.1+ for expandable_segments:True")
+    if m.torch_versions == "2.1":
+        return ("torch 2.1 (its message still names max_split_size_mb) already has expandable "
+                "segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts")
+    return ("set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (before CUDA starts) so the "
+            "cache's free pages can be remapped")
+
+
 def _explain_cuda(m: OOMMessage, lines: list[str], advice: list[str]) -> str:
     req = m.requested or 0
+    seg = m.segment or 0
     if m.total is not None:
-        lines.append(f"GPU {m.device}: {_fb(m.total)} in all, {_fb(m.free)} free as the driver saw it")
+        lines.append(f"GPU {'' if m.device is None else m.device}: {_fb(m.total)} in all, "
+                     f"{_fb(m.free)} free as the driver saw it")
     if m.allocated is not None:
         lines.append(f"live tensors (allocated by PyTorch): {_fb(m.allocated)}")
     if m.reserved_unallocated is not None:
@@ -470,11 +602,31 @@ def _explain_cuda(m: OOMMessage, lines: list[str], advice: list[str]) -> str:
         lines.append(f"other processes: {_fb(m.other_bytes)} in {len(m.other_processes)} process(es)"
                      + (" (one of them may be this one, seen under another pid in a container)"
                         if own and m.process is None else ""))
-    lines.append(f"the request: {_fb(req)}")
+    elif (held := m.held_outside) is not None and held >= 256 * MiB and not m.beyond_card:
+        if m.process is not None:
+            lines.append(f"held outside this process: {_fb(held)} (total - free - this process: other processes)")
+        else:
+            lines.append(f"held outside PyTorch's cache: {_fb(held)} (total - free - reserved: this process's "
+                         f"CUDA context and libraries, the desktop, other processes)")
+    why = ("requests up to 1 MiB share 2 MiB segments" if seg == _SMALL_BUFFER
+           else "requests of 1 to 10 MiB get a 20 MiB segment")
+    lines.append(f"the request: {_fb(req)}" + (
+        f"; with no cached block to serve it the allocator asks the driver for a {_fb(seg)} segment"
+        f" ({why}: CUDACachingAllocator.cpp)" if seg in (_SMALL_BUFFER, _LARGE_BUFFER) and seg > req else ""))
+    if m.beyond_card:
+        lines.append(f"PyTorch holds {_fb(max(m.allocated or 0, m.reserved or 0))}, more than the card's "
+                     f"{_fb(m.total)}: Windows' WDDM driver lets CUDA spill into shared GPU memory (system "
+                     f"RAM over PCIe), so the card itself was full long before this request")
     # The allocator has already returned every wholly free cached segment to the driver and
     # retried (CUDACachingAllocator.cpp, before the message): what it still caches sits in
     # segments that also hold live tensors.
     cache = m.reserved_unallocated or 0
+    if m.total is not None and req > m.total:
+        advice.append(f"the request alone ({_fb(req)}) is larger than the whole card ({_fb(m.total)}): no "
+                      f"setting or freed cache serves it. One tensor that size is a shape, batch or "
+                      f"resolution mistake, or an operation to chunk (attention over a long sequence: a "
+                      f"memory-efficient kernel; an image: tiles)")
+        return "request above the card"
     if m.allowed is not None and m.reserved is not None:
         lines.append(f"the memory fraction allows this process {_fb(m.allowed)}; PyTorch holds "
                      f"{_fb(m.reserved)}, the request would make {_fb(m.reserved + req)}")
@@ -486,11 +638,18 @@ def _explain_cuda(m: OOMMessage, lines: list[str], advice: list[str]) -> str:
                 advice.append("within the cap the request fits the cached bytes: "
                               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
             return "memory fraction"
+    if m.beyond_card:
+        advice.append(f"the step needs more than the card's {_fb(m.total)}; shared memory only postponed "
+                      f"the failure and is many times slower than the card's own: make the step smaller "
+                      f"(batch, resolution, sequence, activation checkpointing, 16-bit weights, offload); "
+                      f"`memlab estimate` says by how much")
+        return "shared GPU memory"
     others = [(pid, b) for pid, b in m.other_processes]
     if m.process is None and m.reserved and any(b >= m.reserved for _, b in others):
         # NVML lists host pids; in a container this process is listed under one it does not
         # know as its own. The entry that holds at least PyTorch's cache is taken to be it.
-        own = max(others, key=lambda e: e[1])
+        # the smallest entry that still holds PyTorch's cache: the cache plus a CUDA context
+        own = min((e for e in others if e[1] >= m.reserved), key=lambda e: e[1])
         others.remove(own)
         lines.append(f"process {own[0]} ({_fb(own[1])}) is taken to be this one: it holds at least "
                      f"PyTorch's {_fb(m.reserved)}")
@@ -504,28 +663,38 @@ def _explain_cuda(m: OOMMessage, lines: list[str], advice: list[str]) -> str:
                           "rank started CUDA on this GPU; call torch.cuda.set_device(local_rank) "
                           "before any CUDA work")
         return "other processes"
-    if m.free is not None and m.free >= req and m.allowed is None:
-        advice.append(f"the driver reported {_fb(m.free)} free, more than the request: it was taken "
-                      f"between the failed cudaMalloc and the report (another process), or it cannot "
-                      f"be allocated (Windows WDDM, MIG): check nvidia-smi")
+    if m.free is not None and m.allowed is None and m.free >= seg + DRIVER_SLACK:
+        advice.append(f"the driver reported {_fb(m.free)} free, more than the {_fb(seg)} segment: it was "
+                      f"taken between the failed cudaMalloc and the report (another process), or it "
+                      f"cannot be allocated (Windows WDDM, MIG): check nvidia-smi")
         return "outside the allocator"
+    outside = m.held_outside
+    short = seg - (m.free or 0)
+    if (not m.other_processes and outside is not None and m.total
+            and outside >= max(short, m.total // 4, GiB)):
+        # a quarter of the card or more, beyond what one CUDA context takes: someone else's
+        if m.process is not None:
+            advice.append(f"{_fb(outside)} of the card is in use by other processes (the card's total "
+                          f"minus this process minus free; the driver did not list them): check "
+                          f"nvidia-smi, stop them or use another GPU")
+            return "other processes"
+        advice.append(f"{_fb(outside)} of the card is held outside PyTorch's cache: other processes (check "
+                      f"nvidia-smi), or this process's own non-PyTorch memory (another framework, a "
+                      f"library's cudaMalloc); PyTorch itself reserved only {_fb(m.reserved)}")
+        return "held outside PyTorch"
     # "If reserved but unallocated memory is large" (the message's own words): large enough
     # to hold the request, and a tenth of the cache or more. A sliver that happens to exceed
     # a small request is not why a card full of live tensors failed.
     if cache >= req and cache * 10 >= (m.reserved or 0):
         advice.append(f"{_fb(cache)} is cached but split between live tensors, no piece large enough "
-                      f"for {_fb(req)}: fragmentation. Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-                      f"(before CUDA starts) so the cache's free pages can be remapped")
-        if m.hint == "max_split_size_mb":
-            advice.append("this torch predates expandable segments (its message suggests max_split_size_mb): "
-                          "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 keeps large blocks unsplit")
+                      f"for {_fb(req)}: fragmentation. " + _versions_advice(m))
         return "fragmentation"
     if cache >= req:
         advice.append(f"expandable_segments:True would serve this request from the {_fb(cache)} cached, "
                       f"but live tensors fill {100 * (m.allocated or 0) / (m.total or 1):.0f}% of the card: "
                       f"the next request would fail")
-    advice.append(f"live tensors and the request need {_fb((m.allocated or 0) + req)} where the card gives "
-                  f"PyTorch at most {_fb((m.reserved or 0) + (m.free or 0))}: make the step smaller "
+    advice.append(f"live tensors and the request need {_fb((m.allocated or 0) + req)} where PyTorch could "
+                  f"hold at most {_fb((m.reserved or 0) + (m.free or 0))} of the card: make the step smaller "
                   f"(batch, sequence, activation checkpointing, bf16, a sharded or 8-bit optimizer); "
                   f"`memlab estimate` says by how much")
     if m.zero3_gather:
@@ -534,14 +703,47 @@ def _explain_cuda(m: OOMMessage, lines: list[str], advice: list[str]) -> str:
     return "live tensors"
 
 
+def _explain_mps(m: OOMMessage, lines: list[str], advice: list[str]) -> str:
+    """MPSAllocator.mm: the OOM is raised when the allocation would pass the high watermark
+    (``max allowed``), or when Metal itself returned no buffer."""
+    req, a, o = m.requested or 0, m.allocated or 0, m.other_allocations or 0
+    lines.append(f"Apple GPU (MPS): PyTorch's MPS allocator holds {_fb(a)}, other Metal allocations of "
+                 f"this process {_fb(o)}, the request {_fb(req)} ({m.pool or '?'} pool)")
+    if o > a:
+        lines.append("other allocations exceed PyTorch's own: Metal buffers made outside PyTorch's "
+                     "allocator in this process (another framework, MPSGraph's own buffers)")
+    if m.allowed is None:
+        advice.append("no watermark is set (PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0): Metal itself found "
+                      "no memory; the Mac's unified memory is shared with every app: make the step smaller")
+        return "mps memory"
+    working = int(m.allowed / MPS_HIGH_WATERMARK_DEFAULT)
+    lines.append(f"max allowed {_fb(m.allowed)} = PYTORCH_MPS_HIGH_WATERMARK_RATIO (default "
+                 f"{MPS_HIGH_WATERMARK_DEFAULT}) x the GPU's recommendedMaxWorkingSetSize, so with the "
+                 f"default ratio that working set is {_fb(working)}: a share of the Mac's unified memory, "
+                 f"which is larger")
+    if a + o + req > m.allowed:
+        advice.append(f"{_fb(a)} + {_fb(o)} + the {_fb(req)} asked make {_fb(a + o + req)}, above the "
+                      f"{_fb(m.allowed)} cap: the step needs more than this Mac lets the GPU use. Make it "
+                      f"smaller; PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 lifts the cap but the system may swap "
+                      f"or fail (the message's own warning)")
+        return "mps watermark"
+    advice.append("below the cap, Metal itself returned no buffer: other apps hold the unified memory, "
+                  "or no contiguous piece was left; close them or make the step smaller")
+    return "mps memory"
+
+
 def explain_oom(message: str | OOMMessage) -> OOMExplanation:
     """What an out-of-memory message means, number by number.
 
-    Reads the message (:func:`parse_oom`) and names the cause: a memory fraction's cap that
-    refused a request the card had room for; other processes on the card; a cache too
-    fragmented to serve the request although it holds enough bytes (the ``expandable_segments``
-    hint); live tensors that need more than the card; the host's RAM; the host's OOM killer
-    (DeepSpeed's return code -9); NCCL's buffers, allocated outside PyTorch's cache.
+    Reads the message (:func:`parse_oom`) and names the cause: a request larger than the whole
+    card; a memory fraction's cap that refused a request the card had room for; allocations
+    above the card's total (Windows' shared GPU memory); other processes on the card, listed or
+    not (the card's total minus this process minus free); free memory the driver reported but
+    would not hand out (compared with the segment the request needs: 20 MiB for 1 to 10 MiB);
+    a cache too fragmented to serve the request although it holds enough bytes (the
+    ``expandable_segments`` hint, by torch version); live tensors that need more than the card;
+    Apple's MPS watermark; the host's RAM; the host's OOM killer (DeepSpeed's return code -9);
+    NCCL's buffers, allocated outside PyTorch's cache.
 
     Args:
         message: the message or traceback text, or an already parsed :class:`OOMMessage`.
@@ -553,6 +755,8 @@ def explain_oom(message: str | OOMMessage) -> OOMExplanation:
     advice: list[str] = []
     if m.kind == "cuda":
         cause = _explain_cuda(m, lines, advice)
+    elif m.kind == "mps":
+        cause = _explain_mps(m, lines, advice)
     elif m.kind == "simulated":
         lines.append(f"memlab's simulated device: {_fb(m.in_use)} in use, budget {_fb(m.budget)}, "
                      f"the request {_fb(m.requested)} left it {_fb(m.short)} short")
@@ -569,7 +773,8 @@ def explain_oom(message: str | OOMMessage) -> OOMExplanation:
                           "buffers, data-loader workers and a full model loaded on every rank all live here")
     elif m.kind == "nccl":
         lines.append("NCCL asked CUDA for its buffers and CUDA had none: NCCL allocates outside "
-                     "PyTorch's caching allocator, so memory PyTorch caches is not free for it")
+                     "PyTorch's caching allocator, so memory PyTorch caches is not free for it"
+                     + (f"; the failed cudaMalloc was for {_fb(m.requested)}" if m.requested else ""))
         cause = "nccl buffers"
         advice.append("leave headroom for NCCL (its buffers are per peer and channel: NCCL_BUFFSIZE, "
                       "NCCL_MAX_NCHANNELS), call torch.cuda.empty_cache() before the first collective, "
@@ -691,6 +896,7 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["CAUSES", "KINDS", "OOMBalance", "OOMExplanation", "OOMMessage", "OOM_MESSAGE_DIR", "ROUNDING_BYTES",
-           "RecordedOOM", "explain_last", "explain_oom", "fragment_once", "fragmentation", "last_exception_text",
-           "oom_balance", "parse_oom", "read_oom", "recorded_oom", "recorded_oom_names", "requested_bytes"]
+__all__ = ["CAUSES", "DRIVER_SLACK", "KINDS", "MPS_HIGH_WATERMARK_DEFAULT", "OOMBalance", "OOMExplanation",
+           "OOMMessage", "OOM_MESSAGE_DIR", "ROUNDING_BYTES", "RecordedOOM", "explain_last", "explain_oom",
+           "fragment_once", "fragmentation", "last_exception_text", "oom_balance", "parse_oom", "read_oom",
+           "recorded_oom", "recorded_oom_names", "requested_bytes", "segment_bytes"]
