@@ -219,8 +219,9 @@ def _installed(package: str, rel: str) -> pathlib.Path:
 
 def test_8bit_block_sizes_cited_for_what_each_says():
     """Lesson 03: the paper's blocks are 2048 (Dettmers et al. 2022, sec. 2.1), bitsandbytes'
-    optimizer uses 256 at the line the lesson cites, and the 2.03 bytes are bitsandbytes' blocks."""
-    from memlab import finetune
+    optimizer uses 256 at the line the lesson cites, and the 2.03 bytes are bitsandbytes' blocks
+    (memlab's count of that layout against bitsandbytes' own state:
+    tests/test_finetune.py::test_8bit_layout_equals_bitsandbytes)."""
     src = _installed("bitsandbytes", "optim/optimizer.py")
     cls = next(n for n in ast.parse(src.read_text()).body
                if isinstance(n, ast.ClassDef) and n.name == "Optimizer2State")
@@ -228,7 +229,7 @@ def test_8bit_block_sizes_cited_for_what_each_says():
     block = next(n for n in ast.walk(init) if isinstance(n, ast.Assign)
                  and getattr(n.targets[0], "id", None) == "blocksize")
     size = ast.literal_eval(block.value)
-    assert size == finetune.BNB_BLOCK == 256
+    assert size == 256   # the lesson's block, read from the installed bitsandbytes
     lesson = _lesson("notebooks/03_your_oom.ipynb")
     assert "blocks of 2048 (Dettmers et al. 2022" in lesson          # the paper's
     assert f"uses blocks of {size} (`blocksize = {size}` in `Optimizer2State.init_state`, " \
