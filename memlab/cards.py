@@ -228,10 +228,11 @@ SPEEDS: dict[str, Speeds] = {
     # half the printed sparse figures); 300 GB/s; PCIe Gen4 x16 64 GB/s
     "L4-24GB": _speeds({"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121, "fp8": 242.5}, 300, 0, 64,
                        _V100_RUN, "NVIDIA L4 datasheet"),
-    # NVIDIA A10 Tensor Core GPU datasheet (AWS's A10G is an A10 variant; NVIDIA publishes no A10G sheet):
-    # FP32 31.2, TF32 62.5, FP16/BF16 125 TFLOPS; 600 GB/s; PCIe Gen4 64 GB/s
+    # the A10's figures, not the A10G's: NVIDIA publishes no A10G datasheet (AWS's A10G is an A10
+    # variant whose tensor throughput differs), so this profile times the A10G with the NVIDIA A10
+    # Tensor Core GPU datasheet: FP32 31.2, TF32 62.5, FP16/BF16 125 TFLOPS; 600 GB/s; PCIe Gen4 64 GB/s
     "A10G-24GB": _speeds({"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125}, 600, 0, 64,
-                         _V100_RUN, "NVIDIA A10 datasheet"),
+                         _V100_RUN, "NVIDIA A10 datasheet: the A10's figures (none is published for the A10G)"),
     # NVIDIA L40S datasheet: FP32 91.6, TF32 183, FP16/BF16 362.05, FP8 733 TFLOPS (dense: half the
     # printed sparse figures); 864 GB/s; no NVLink; PCIe Gen4 x16 64 GB/s
     "L40S-48GB": _speeds({"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05, "fp8": 733}, 864, 0, 64,

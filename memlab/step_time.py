@@ -85,9 +85,11 @@ PARTS = ("compute", "recompute", "elementwise", "communication", "engine", "offl
 NODE_GPUS = 8  # GPUs one NVLink domain joins in the DGX/HGX boards the datasheets describe
 
 #: host seconds per kernel-launching op: CUDA's own launch, 4-6 us of driver and runtime calls
-#: per kernel (measured with CUDA 13: susun-blog.com/blog/pegainfer-3-cuda-graph, "From Launch
-#: Overhead to CUDA Graph"), taken at 5 us, plus PyTorch's dispatch of the op from Python, of
-#: the same order: 10 us (a stated default: nothing in memlab measures it yet)
+#: per kernel (susun-blog.com/blog/pegainfer-3-cuda-graph, "From Launch Overhead to CUDA Graph",
+#: RTX 5070 Ti, CUDA 13.0; its benchmark synchronises the stream after every launch, so the
+#: figure is a launch and its wait, more than an asynchronous launch costs the host), taken at
+#: 5 us, plus PyTorch's dispatch of the op from Python, of the same order: 10 us (a stated
+#: default: nothing in memlab measures it yet)
 LAUNCH_SECONDS = 10e-6
 #: a host sync (``.item()``): its launch, a device-to-host copy and the wait for the stream to
 #: drain, so the host and the GPU stop overlapping: counted as two launches

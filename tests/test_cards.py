@@ -181,3 +181,14 @@ def test_kaggle_two_t4s_run_the_rank_lessons_on_nccl_one_rank_per_gpu(monkeypatc
     one = detect_card()
     assert one.gpus == 1 and place_ranks(2, gpus=one.gpus).backend == "gloo"
     assert place_ranks(2, shrink=True).devices == ("cuda:0",)
+
+
+def test_the_a10g_profile_says_its_figures_are_the_a10s():
+    """NVIDIA publishes no A10G datasheet, and the A10G's tensor throughput is not the A10's:
+    the profile times it with the NVIDIA A10 datasheet's dense figures (FP32 31.2, TF32 62.5,
+    FP16/BF16 125 TFLOPS; 600 GB/s; PCIe Gen4 x16 64 GB/s both ways) and its source says so."""
+    sp = cards.SPEEDS["A10G-24GB"]
+    assert sp.datasheet.startswith("NVIDIA A10 datasheet") and "the A10's figures" in sp.datasheet
+    assert "none is published for the A10G" in sp.datasheet
+    assert dict(sp.tflops) == {"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125}
+    assert (sp.hbm, sp.nvlink, sp.pcie) == (600e9, 0, 32e9)   # PCIe: one direction

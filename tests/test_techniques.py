@@ -170,6 +170,19 @@ def test_predicted_column_orders_the_rows_as_lesson_15_says(card, no_calibration
     assert "activation compression" not in pred   # elementwise work: the time lens has no model of it
 
 
+@pytest.mark.parametrize("card", ["T4-16GB", "V100-16GB"])
+def test_only_bf16_autocast_is_predicted_slower_on_a_t4_or_v100(card, no_calibration):
+    """Lesson 15: a T4 or V100 has fp16 tensor cores and no bf16 ones (datasheets: 65 and 125
+    TFLOPS fp16 against 8.1 and 15.7 fp32), so bf16 autocast runs its matmuls at the fp32 rate
+    and pays its casts, while fp16 autocast runs at the tensor cores' rate."""
+    from memlab.step_time import step_time
+    sp = SPEEDS[card]
+    assert sp.peak("bf16") == sp.peak("fp32") and sp.peak("fp16") > 7 * sp.peak("fp32")
+    step = StepConfig(model="gpt2-medium", seq=128, batch=4)   # matmul-bound: launches are not the step
+    t = {p: step_time(replace(step, precision=p), card).seconds for p in ("fp32", "bf16", "fp16")}
+    assert t["fp16"] < 0.5 * t["fp32"] < t["fp32"] < t["bf16"] < 1.05 * t["fp32"], t
+
+
 def test_table_on_card_adds_the_predicted_column(no_calibration):
     rows = [Row(t, *CLAIMS[t][:2], 0.8, 1.3, "holds", "-")
             for t in ("gradient checkpointing", "activation compression")]
