@@ -32,12 +32,15 @@ from .guard import HostMemoryError
 from .hardware import GPU_PRESETS, place_ranks, resolve_budget
 from .measure import measure_step, time_step
 from .models import GPT, PRESETS, UNET_PRESETS, GPTConfig, UNet, UNetConfig, build_model, get_config
+from .quiet import quiet_offline_kernels
 from .simulate import simulate_step
 from .step import MemoryReport, StepConfig, build_trainer, make_batch
 from .technique_table import measure_table
 from .tracking import CATEGORIES, MemoryTracker
 from .units import GiB, MiB, fmt_bytes, parse_size
 from .your_model import simulate_model, track_step
+
+quiet_offline_kernels()  # before peft or transformers import bitsandbytes (memlab.quiet)
 
 __version__ = "0.1.0"
 

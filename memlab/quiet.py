@@ -14,6 +14,11 @@ ninja, compiler and linker lines. Two helpers keep them out:
   log is printed only when the block fails. :func:`build_line` gives the same line for ranks
   (:func:`memlab.distributed.ranks.run_ranks` keeps their output in a log).
 
+- :func:`quiet_offline_kernels`: bitsandbytes' CPU backend, on a CPU with AVX512-BF16, tries
+  to fetch a 4-bit GEMM from the Hugging Face hub (``kernels-community``) when it is imported
+  (by peft, by transformers) and logs a warning when it cannot; memlab's machines have no hub
+  and nothing of memlab runs that kernel, so memlab keeps that one logger to errors.
+
 And one for results: :class:`OneLine`, a mixin for the dataclasses a lesson prints or ends a
 cell with. Their ``__str__`` is one readable line of what matters (sizes in MiB/GiB, floats
 cut to their meaningful digits); the mixin makes IPython show that line too, where it would
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import sys
 import tempfile
@@ -32,6 +38,17 @@ from typing import Iterator
 #: the environment variable that turns memlab's progress bars off ("0") or on ("1")
 PROGRESS_ENV = "MEMLAB_PROGRESS"
 _OFF = ("0", "false", "no", "off")
+
+
+#: bitsandbytes' CPU backend logger, which warns when its hub kernel cannot be fetched
+OFFLINE_KERNEL_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
+
+
+def quiet_offline_kernels() -> None:
+    """Keep the loggers of :data:`OFFLINE_KERNEL_LOGGERS` to errors (see the module doc); the
+    level set before bitsandbytes is imported holds when it creates the logger."""
+    for name in OFFLINE_KERNEL_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def in_kernel() -> bool:

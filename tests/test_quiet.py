@@ -123,3 +123,15 @@ def test_ranks_keep_their_output_unless_one_fails(capfd):
         run_ranks(noisy_worker, 2, kwargs={"fail": True}, timeout=120)
     err = capfd.readouterr().err
     assert "the ranks' output" in err and "cannot find -laio" in err   # a failure shows the log
+
+
+def test_bitsandbytes_hub_kernel_warning_is_kept_out_once_memlab_is_imported():
+    """On a CPU with AVX512-BF16, importing bitsandbytes logs that its hub GEMM cannot be
+    fetched (lesson 03's peft cell printed it); after ``import memlab`` it does not."""
+    pytest.importorskip("bitsandbytes")
+    code = "import logging, sys; logging.basicConfig(stream=sys.stderr); {}import bitsandbytes"
+    bare = subprocess.run([sys.executable, "-c", code.format("")], capture_output=True, text=True)
+    if "kernels-community" not in bare.stderr:
+        pytest.skip("this CPU's bitsandbytes backend does not try the hub kernel")
+    quiet = subprocess.run([sys.executable, "-c", code.format("import memlab; ")], capture_output=True, text=True)
+    assert quiet.returncode == 0 and "kernels-community" not in quiet.stderr
