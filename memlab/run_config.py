@@ -242,7 +242,8 @@ def read_deepspeed(path: str | pathlib.Path | dict, *, world_size: int = 1, hidd
     buckets = ZeroBuckets(reduce=int(z.reduce_bucket_size), prefetch=int(z.prefetch_bucket_size),
                           max_live=int(z.max_live_parameters),
                           persistence=int(z.param_persistence_threshold),
-                          overlap_comm=bool(z.overlap_comm), pinned=all(pins) if pins else True)
+                          overlap_comm=bool(z.overlap_comm), pinned=all(pins) if pins else True,
+                          sub_group=max(int(z.sub_group_size), 1))
     ac = raw.get("activation_checkpointing")
     partition = bool(ds.activation_checkpointing_config.partition_activations)
     if ac is not None:

@@ -144,7 +144,11 @@ class ZeroBuckets:
     them at stages 1-2 with ``overlap_comm``, ``setup_buckets`` in ``stage_1_and_2.py``);
     ``prefetch``: ``stage3_prefetch_bucket_size``, parameters gathered ahead of the running
     module, capped by ``max_live`` (``stage3_max_live_parameters``); ``persistence``:
-    ``stage3_param_persistence_threshold``; ``pinned``: ``pin_memory`` of the offload.
+    ``stage3_param_persistence_threshold``; ``pinned``: ``pin_memory`` of the offload;
+    ``sub_group``: ``sub_group_size``, the elements of a rank's partition that stage 3's
+    ``step()`` converts to fp32 and steps at a time (``stage3.py``: ``_create_fp16_sub_groups``
+    closes a group once it holds ``sub_group_size`` elements, ``_prepare_fp32_grad_for_sub_group``
+    converts its gradients, ``_release_sub_group`` frees them).
     """
 
     reduce: int = BUCKET_ELEMENTS
@@ -153,6 +157,7 @@ class ZeroBuckets:
     persistence: int = PERSISTENCE_THRESHOLD
     overlap_comm: bool = False
     pinned: bool = True
+    sub_group: int = SUB_GROUP_SIZE
 
 
 def _count(model, persistence: int = PERSISTENCE_THRESHOLD) -> tuple[int, int, int]:
@@ -229,6 +234,8 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     # 16-bit modes convert it to fp32; fp32 stage 0 is torch's own optimizer, no copy
     flat = zero == 1 or (zero == 0 and e != 4)
     scratch = (e * psi / shard if flat else 0.0) + (4 * psi / shard if e != 4 else 0.0)
+    if zero == 3 and e != 4:  # one sub-group's fp32 gradients at a time (ZeroBuckets.sub_group)
+        scratch = 4 * min(psi / shard, buckets.sub_group + largest / n)
     host: dict[str, float] = {}
     pin = pinned_bytes if buckets.pinned else (lambda b: int(b))
 
@@ -248,7 +255,8 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
             grads, grads_from = 0.0, "backward"
         else:
             add("optimizer", 4 * part)                 # fp32 master (unpinned clone)
-            chunks = [SUB_GROUP_SIZE] * int(part // SUB_GROUP_SIZE) + [part % SUB_GROUP_SIZE]
+            sub = buckets.sub_group
+            chunks = [sub] * int(part // sub) + [part % sub]
             add("gradients", sum(pin(4 * c) for c in chunks))  # fp32 gradients per sub-group
             add("gradients", pin(e * part))            # the 16-bit gradient partition
             grads = 0.0

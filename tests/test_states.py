@@ -106,3 +106,29 @@ def test_pinned_host_blocks_are_powers_of_two():
 def test_bad_input_names_the_value(kw, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         model_states(PSI, **kw)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_zero3_steps_one_sub_group_at_a_time(ranks):
+    """Stage 3's step converts one sub-group's gradients to fp32 at a time: DeepSpeed groups
+    the rank's parameter partitions in order until a group holds sub_group_size (1e9) elements
+    (stage3.py, _create_fp16_sub_groups). That grouping, run on Llama-3.1-8B's tensors, gives
+    the largest group; the scratch is its fp32 bytes, bounded above by sub_group + the largest
+    partition (what memlab counts), and the whole partition's below 1e9 elements a rank."""
+    import math
+
+    from memlab.hf_shape import decoder_shape
+    from memlab.states import SUB_GROUP_SIZE, model_states
+    s = decoder_shape("llama-3.1-8b")
+    groups, size = [], 0
+    for n in s.param_numels():
+        size += math.ceil(n / ranks)
+        if size >= SUB_GROUP_SIZE:
+            groups.append(size)
+            size = 0
+    groups.append(size)
+    scratch = model_states(s, precision="bf16", zero=3, world_size=ranks).step_scratch
+    assert 4 * max(groups) <= scratch * (1 + 1e-6)
+    assert scratch <= 4 * max(groups) * 1.25
+    if s.num_params() / ranks <= SUB_GROUP_SIZE:
+        assert scratch == pytest.approx(4 * s.num_params() / ranks)
