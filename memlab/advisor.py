@@ -50,16 +50,17 @@ from .distributed.deepspeed_zero import measure_distributed
 from .errors import InputError
 from .estimate import estimate_step
 from .finetune import GPT2_TARGETS, LLAMA_TARGETS, estimate_finetune
+from .guard import host_total_bytes
 from .hardware import GPU_PRESETS, resolve_budget
 from .hf import gpt_config
 from .measure import measure_step
 from .models import GPTConfig, get_config
-from .plan_search import search_plans
+from .plan_search import RANKS_PER_HOST, search_plans
 from .policy import resolve_target
 from .simulate import simulate_step
 from .states import under_deepspeed
 from .step import StepConfig
-from .units import fmt_bytes
+from .units import fmt_bytes, parse_size
 
 SIMULATE_MAX_PARAMS = 2_000_000_000  # gpt2-xl (1.6B) simulates in ~4 s on 2 cores
 TP_MAX = 8  # tensor parallelism all-reduces twice per layer each way: keep it inside a node
@@ -92,6 +93,8 @@ class Advice:
     target: object = None  # the policy.Target the plan was estimated for (its card)
     ladder: list[dict] = field(default_factory=list)  # the fine-tuner's ladder (finetune_ladder)
     search: object = None  # memlab.plan_search.PlanSearch: every candidate, the fastest fit
+    host_limit_bytes: int | None = None  # the host memory plans were held to (None: no bound)
+    held_back: list[dict] = field(default_factory=list)  # offload steps the host could not hold
 
     @property
     def short_bytes(self) -> int:
@@ -105,7 +108,8 @@ class Advice:
                 "usable_bytes": self.usable_bytes, "headroom": self.headroom,
                 "fits": self.fits, "short_bytes": self.short_bytes,
                 "tensor_parallel": self.tensor_parallel, "message": self.message,
-                "host_bytes": self.host_bytes,
+                "host_bytes": self.host_bytes, "host_limit_bytes": self.host_limit_bytes,
+                "held_back": [dict(h) for h in self.held_back],
                 "config": self.step.describe(), "deepspeed_config": self.deepspeed_config,
                 "ladder": [dict(r) for r in self.ladder],
                 **(self.search.to_dict() if self.search is not None else {})}
@@ -119,7 +123,9 @@ class Advice:
                  f"{self.step.world_size} rank(s) | budget {fmt_bytes(self.budget_bytes)} "
                  f"(usable {fmt_bytes(self.usable_bytes)}, {self.headroom:.0%} headroom)"]
         for s in self.steps:
-            mark = "fits" if s["fits"] else ("kept" if s["kept"] else "not kept")
+            held = s["technique"].startswith("offload") and any(h["technique"] == s["technique"]
+                                                               for h in self.held_back)
+            mark = "host short" if held else "fits" if s["fits"] else ("kept" if s["kept"] else "not kept")
             sim = "" if s["simulated_bytes"] is None else f"  (simulated {fmt_bytes(s['simulated_bytes'])})"
             lines.append(f"  + {s['technique']:<22} {fmt_bytes(s['peak_bytes']):>12}  {mark}{sim}")
         lines.append(f"  plan: {' + '.join(self.plan) or 'nothing to add'}")
@@ -202,7 +208,7 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
            simulate_seconds: float = 30.0, target: str | None = None,
            card: "Card | str | None" = None, hf_config: str | dict | None = None,
            finetune: bool = False, lora_rank: int = 16,
-           lora_targets: tuple[str, ...] | None = None) -> Advice:
+           lora_targets: tuple[str, ...] | None = None, host_memory: int | str | None = None) -> Advice:
     """Walk the flowchart for ``model`` on ``world_size`` cards of ``gpu`` (a preset name or
     a size such as ``"150MiB"``), ``batch`` sequences of ``seq`` tokens per rank.
 
@@ -221,10 +227,18 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     fine-tuner's ladder (:func:`finetune_ladder`: 8-bit AdamW, LoRA of ``lora_rank`` on
     ``lora_targets``, QLoRA) from the flowchart's plan; its rows are ``Advice.ladder``.
 
+    ``host_memory``: the host memory of one machine (bytes or a size; ``"here"``: this
+    machine's RAM, :func:`memlab.guard.host_total_bytes`; ``None``: no bound). An offload
+    step whose host bytes, times the ranks one host runs (up to
+    :data:`memlab.plan_search.RANKS_PER_HOST`), exceed it is not kept: it is listed in
+    ``Advice.held_back`` with what it needs, and the message says which plan more host memory
+    would allow.
+
     Args:
         model, gpu, world_size, seq, batch: the run to plan.
         attention, optimizer, headroom: the step's attention and optimizer; the share of the card kept free.
-        simulate, simulate_seconds, target, card, hf_config, finetune, lora_rank, lora_targets: as above.
+        simulate, simulate_seconds, target, card, hf_config, finetune, lora_rank, lora_targets,
+            host_memory: as above.
 
     Returns:
         An :class:`Advice`: every step tried, the plan kept, its DeepSpeed config.
@@ -244,6 +258,10 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     step = StepConfig(model=cfg, seq=seq, batch=batch, attention=attention, optimizer=optimizer,
                       world_size=world_size)
     usable = int(budget * (1 - headroom))
+    host_limit = (None if host_memory is None else host_total_bytes() if host_memory == "here"
+                  else parse_size(host_memory))
+    local_ranks = min(world_size, RANKS_PER_HOST)
+    held_back: list[dict] = []
     if simulate is None:
         simulate = world_size == 1 and cfg.num_params() < SIMULATE_MAX_PARAMS
     tp = tensor_parallel_degree(cfg, world_size) if world_size > 1 else 1
@@ -277,6 +295,13 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
             t_cand = tp
         row = record(technique + (f" (t={tp})" if technique == "tensor-parallel" else ""),
                      cand, t_cand, True)
+        need = estimate_host_bytes(cand) * local_ranks if technique.startswith("offload") else 0
+        if host_limit is not None and need > host_limit:  # a plan the host cannot hold does not fit
+            row["kept"] = False
+            held_back.append({"technique": technique, "host_bytes": need, "peak_bytes": row["peak_bytes"],
+                              "fits": row["fits"]})
+            steps.append(row)
+            continue
         before = _best(steps)["peak_bytes"]
         # an equal peak keeps a ZeRO stage (the next builds on it); tensor parallelism costs
         # two all-reduces per layer each way, so it must save at least TP_MIN_SAVING (it saves
@@ -299,20 +324,34 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     return Advice(steps=steps, plan=plan, step=current, peak_bytes=peak, budget_bytes=budget,
                   usable_bytes=usable, headroom=headroom, fits=peak <= usable,
                   tensor_parallel=t_now, deepspeed_config=_ds_config(current, t_now),
-                  message=_message(current, t_now, tgt, plan, peak, budget, usable, headroom, host),
-                  host_bytes=host, target=tgt, ladder=ladder,
-                  search=_fastest_fit(cfg, gpu, tgt, world_size, seq, batch, usable, attention, optimizer))
+                  message=_message(current, t_now, tgt, plan, peak, budget, usable, headroom, host)
+                  + _held_back_message(held_back, host_limit, local_ranks),
+                  host_bytes=host, target=tgt, ladder=ladder, host_limit_bytes=host_limit, held_back=held_back,
+                  search=_fastest_fit(cfg, gpu, tgt, world_size, seq, batch, usable, attention, optimizer,
+                                      host_limit))
+
+
+def _held_back_message(held_back: list[dict], host_limit: int, local_ranks: int) -> str:
+    """What more host memory would have allowed: the first offload step held back."""
+    if not held_back:
+        return ""
+    h = held_back[0]
+    ranks = f" for {local_ranks} ranks" if local_ranks > 1 else ""
+    verdict = "would fit" if h["fits"] else "would still not fit"
+    return (f"; {h['technique']} {verdict} ({fmt_bytes(h['peak_bytes'])} a card) but needs "
+            f"{fmt_bytes(h['host_bytes'])} of host memory{ranks}, more than this host's "
+            f"{fmt_bytes(host_limit)} (--host-memory)")
 
 
 def _fastest_fit(cfg, gpu, tgt, world_size: int, seq: int, batch: int, usable: int,
-                 attention: str | None, optimizer: str):
+                 attention: str | None, optimizer: str, host_limit: int | None = None):
     """The fastest plan that fits (:mod:`memlab.plan_search`), on a card with datasheet
     figures (the GPU preset named, else the target's card); ``None`` on a bare size."""
     name = gpu if isinstance(gpu, str) and gpu in SPEEDS else getattr(getattr(tgt, "card", None), "name", None)
     if name not in SPEEDS:
         return None
     return search_plans(cfg, name, world_size, seq, batch, usable_bytes=usable, attention=attention,
-                        optimizer=optimizer, target=tgt)
+                        optimizer=optimizer, target=tgt, host_limit_bytes=host_limit)
 
 
 def _message(step: StepConfig, tp: int, tgt, plan: list[str], peak: int, budget: int,

@@ -445,6 +445,9 @@ def _add_advise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=ATTENTIONS, default=None)
     p.add_argument("--headroom", type=_headroom, default=0.1, help="fraction of the card kept free")
     p.add_argument("--no-simulate", action="store_true", help="estimate only, never simulate")
+    p.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="one machine's host memory: no offload beyond it (default: this machine's RAM "
+                        "with --world-size 1, the card being in it; no bound for a cluster)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_advise_finetune_args(p)
 
@@ -474,7 +477,8 @@ def _advise(args: argparse.Namespace) -> Advice:
     return advise(args.model, gpu, args.world_size, args.seq, args.batch,
                   attention=args.attention, headroom=args.headroom,
                   simulate=False if args.no_simulate else None, hf_config=args.hf_config,
-                  finetune=args.finetune, lora_rank=args.lora_rank, lora_targets=targets)
+                  finetune=args.finetune, lora_rank=args.lora_rank, lora_targets=targets,
+                  host_memory=args.host_memory or ("here" if args.world_size == 1 else None))
 
 
 def step_from_args(args: argparse.Namespace) -> StepConfig:

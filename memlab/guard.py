@@ -86,6 +86,14 @@ def host_available_bytes() -> int:
     return int(avail if headroom is None else min(avail, headroom))
 
 
+def host_total_bytes() -> int:
+    """This machine's RAM (``psutil``), lowered to the container's memory limit when there is
+    one: what a plan's offloaded states may take at most."""
+    total = psutil.virtual_memory().total
+    limit = _cgroup_limit()
+    return int(total if limit is None else min(total, limit))
+
+
 def process_headroom_bytes() -> int | None:
     """Address space this process may still map under ``RLIMIT_AS`` (``ulimit -v``), or
     ``None`` when unlimited (or not on a Unix)."""
@@ -136,18 +144,32 @@ def cached_free_bytes(device: torch.device | str) -> int:
     return max(0, int(torch.cuda.memory_reserved(device)) - int(torch.cuda.memory_allocated(device)))
 
 
-def _cgroup_headroom() -> int | None:
-    """``limit - usage`` of this process's memory cgroup, page cache that can be reclaimed
-    counted as free; ``None`` without a limit."""
-    for limit_f, usage_f, stat_f, key in (
-            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
-            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
-             "total_inactive_file")):
+#: (limit, usage, stat, reclaimable key) of the memory cgroup, v2 then v1
+CGROUP_FILES = (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+                ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+                 "total_inactive_file"))
+
+
+def _cgroup_limit() -> int | None:
+    """The memory cgroup's limit in bytes; ``None`` without one."""
+    for limit_f, *_ in CGROUP_FILES:
         try:
             with open(os.path.join("/sys/fs/cgroup", limit_f)) as f:
                 text = f.read().strip()
-            if text == "max" or int(text) >= 2**60:  # v1 says "no limit" with a huge number
-                return None
+            return None if text == "max" or int(text) >= 2**60 else int(text)  # v1: a huge number
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _cgroup_headroom() -> int | None:
+    """``limit - usage`` of this process's memory cgroup, page cache that can be reclaimed
+    counted as free; ``None`` without a limit."""
+    limit = _cgroup_limit()
+    if limit is None:
+        return None
+    for _, usage_f, stat_f, key in CGROUP_FILES:
+        try:
             with open(os.path.join("/sys/fs/cgroup", usage_f)) as f:
                 usage = int(f.read())
             inactive = 0
@@ -156,7 +178,7 @@ def _cgroup_headroom() -> int | None:
                     name, _, value = line.partition(" ")
                     if name == key:
                         inactive = int(value)
-            return max(0, int(text) - usage + inactive)
+            return max(0, limit - usage + inactive)
         except (OSError, ValueError):
             continue
     return None

@@ -49,6 +49,7 @@ class Candidate:
     bound: str = "gpu"
     changes_training: bool = False
     gives_up: str = ""
+    host_bytes: int = 0  # host memory its offloaded states take, per rank
 
     def describe(self) -> str:
         p = self.plan
@@ -79,7 +80,7 @@ class Candidate:
     def to_dict(self) -> dict:
         return {"plan": dict(self.plan), "peak_bytes": self.peak_bytes, "fits": self.fits,
                 "seconds": self.seconds, "bound": self.bound, "changes_training": self.changes_training,
-                "gives_up": self.gives_up, "describe": self.describe()}
+                "gives_up": self.gives_up, "host_bytes": self.host_bytes, "describe": self.describe()}
 
 
 @dataclass
@@ -95,6 +96,10 @@ class PlanSearch:
                 "recommendation": None if self.best is None else self.best.to_dict(), "why": self.why}
 
 
+#: ranks one machine runs at most (8 GPUs a host): their offloaded states share its memory
+RANKS_PER_HOST = 8
+
+
 def _fastest(c: Candidate) -> tuple:
     return (round(c.seconds, 6), _simplicity(c))
 
@@ -107,7 +112,7 @@ def _simplicity(c: Candidate) -> tuple:
 
 def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq: int, batch: int, *,
                  usable_bytes: int, attention: str | None = None, optimizer: str = "adamw",
-                 target=None) -> PlanSearch:
+                 target=None, host_limit_bytes: int | None = None) -> PlanSearch:
     """Every candidate plan of the run's global batch on ``world_size`` cards, and the fastest
     whose estimated peak is within ``usable_bytes``.
 
@@ -121,6 +126,8 @@ def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq:
         model: a preset name or a GPT config. card: a profile with datasheet figures
             (:data:`memlab.cards.SPEEDS`). target: the policy target to estimate for.
         usable_bytes: the budget less headroom, per rank.
+        host_limit_bytes: one machine's host memory; a plan whose offloaded states, times the
+            ranks a machine runs (up to :data:`RANKS_PER_HOST`), exceed it does not fit.
 
     Returns:
         :class:`PlanSearch`.
@@ -158,6 +165,10 @@ def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq:
         for ckpt, m in product(ckpts, sorted({1, batch} | ({2} if batch % 2 == 0 else set()))):
             step = replace(base, checkpointing=ckpt, micro_batches=m)
             out.candidates += _changed_training(step, name, usable_bytes, target)
+    if host_limit_bytes is not None:  # a plan the host cannot hold does not fit
+        local = min(world_size, RANKS_PER_HOST)
+        out.candidates = [replace(c, fits=False) if c.host_bytes * local > host_limit_bytes else c
+                          for c in out.candidates]
     fitting = [c for c in out.candidates if c.fits]
     if not fitting:
         out.why = "no candidate fits: use more ranks, a shorter sequence or a smaller batch"
@@ -199,7 +210,8 @@ def _add_plan(out: PlanSearch, base: StepConfig, cfg: GPTConfig, card: str, prec
     plan = {"precision": prec, "checkpointing": ckpt, "micro_batches": m, "zero": zero, "offload": off,
             "tensor_parallel": t, "pipeline_parallel": p, "batch": rank_batch, "loss": cfg.loss,
             "optimizer_state": "adamw", "lora": None}
-    out.candidates.append(Candidate(plan, int(peak), peak <= usable_bytes, timed.seconds, timed.bound))
+    out.candidates.append(Candidate(plan, int(peak), peak <= usable_bytes, timed.seconds, timed.bound,
+                                    host_bytes=int(report.host_bytes)))
     if t == 1 and p == 1 and cfg.loss != "chunked":
         out.candidates.append(_chunked(step, plan, card, usable_bytes, target))
 
@@ -208,9 +220,10 @@ def _chunked(step: StepConfig, plan: dict, card: str, usable: int, target) -> Ca
     """``plan`` with the chunked loss (:mod:`memlab.chunked_loss`): the same gradients, no
     logits held; its FLOPs and time are the plain loss's."""
     s = replace(step, model=replace(step.model_config, loss="chunked"))
-    peak = estimate_step(s, target=target).peak_bytes
+    report = estimate_step(s, target=target)
     timed = step_time(s, card)
-    return Candidate({**plan, "loss": "chunked"}, int(peak), peak <= usable, timed.seconds, timed.bound)
+    return Candidate({**plan, "loss": "chunked"}, int(report.peak_bytes), report.peak_bytes <= usable,
+                     timed.seconds, timed.bound, host_bytes=int(report.host_bytes))
 
 
 #: LoRA's rank in the plan search (peft's examples use 8-64; 16 is the middle of that range)

@@ -309,3 +309,24 @@ def test_finetune_ladder_goes_down_each_rung():
     assert [r["technique"] for r in a.ladder] == ["8-bit AdamW", "LoRA r=16", "QLoRA r=16 (NF4)"]
     assert full > peaks[0] > peaks[1] > peaks[2] and peaks[1] < full / 2
     assert a.to_dict()["ladder"] == a.ladder
+
+
+def test_a_plan_the_host_cannot_hold_is_not_a_plan_that_fits():
+    """Llama-3.1-8B on one RTX 4090 (2048 tokens, batch 2): offloading the optimizer fits the
+    card but puts 16 bytes a parameter and DeepSpeed's buffers in host memory (its estimate's
+    host bytes, 141.8 GiB); with 64 GiB of host memory no kept step and no searched plan
+    offloads beyond it, and the message names the step more memory would allow; with 1 TiB
+    the same offload is the plan."""
+    from memlab.advisor import estimate_host_bytes
+    small = advise(hf_config="llama-3.1-8b", gpu="RTX4090-24GB", seq=2048, batch=2, host_memory="64GiB",
+                   simulate=False)
+    limit = 64 * 2**30
+    assert small.host_limit_bytes == limit and not small.fits
+    assert all(estimate_host_bytes(small.step) <= limit for s in small.steps if s["kept"])
+    assert small.search is None or all(c.host_bytes <= limit for c in small.search.candidates if c.fits)
+    held = small.held_back[0]
+    assert held["technique"] == "offload-optimizer" and held["fits"] and held["host_bytes"] > limit
+    assert "offload-optimizer would fit" in small.message and "64.00 GiB (--host-memory)" in small.message
+    big = advise(hf_config="llama-3.1-8b", gpu="RTX4090-24GB", seq=2048, batch=2, host_memory="1TiB",
+                 simulate=False)
+    assert big.fits and "offload-optimizer" in big.plan and big.host_bytes == held["host_bytes"]
