@@ -129,3 +129,23 @@ def test_every_lesson_has_a_bound_and_a_slow_one_is_named():
     docs = (ROOT / "docs" / "make.md").read_text()
     for stem, seconds in bounds.items():
         assert f"| `{stem}` | {seconds:.0f} |" in docs, stem
+
+
+@pytest.mark.timeout(120)
+def test_nbval_under_the_watchdog_reports_the_hang_and_retries_the_notebook(tmp_path):
+    """``make test``'s nbval run: the same planted hang, the same line, the cell passes on the retry."""
+    import os
+    import subprocess
+    import sys
+    path = notebook(tmp_path / "planted.ipynb", flag=str(tmp_path / "waited-once"))
+    env = dict(os.environ, MEMLAB_STALL_SECONDS=str(BOUND),
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tools")]))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "nbval_watchdog",
+                           "--nbval", "--nbval-current-env", "--nbval-lax", str(path)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=110)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "3 passed" in done.stdout
+    lines = [line for line in done.stdout.splitlines() if line.startswith("watchdog:")]
+    assert len(lines) == 2 and lines[0] == lines[1]     # live, and in the closing summary
+    assert re.match(r"watchdog: planted\.ipynb cell 1: no reply for 3 s and the kernel idle \(busy", lines[0])
+    assert lines[0].endswith("retrying the notebook in a fresh kernel")
