@@ -22,6 +22,7 @@ database; our checkers already say what is wrong, so a CSV is all a class needs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import csv
 import json
 import math
@@ -30,6 +31,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from queue import Empty
 from typing import Any, Callable
 
 from .errors import InputError
@@ -151,8 +153,6 @@ def _not_run(cells, ename: str, evalue: str) -> None:
 def _watch(client, watch: StallWatch) -> None:
     """Let ``watch`` see every message nbclient reads for the running cell, and end nbclient's
     wait for the reply (in one-second slices) with :class:`KernelStalled` once it says so."""
-    import asyncio
-    from queue import Empty
     process = client.process_message   # called with the running cell's IOPub messages only
 
     def process_message(msg, cell, cell_index):

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import psutil
+
 #: seconds with no message and an idle kernel before a cell is called stalled: a lesson cell
 #: on 2 shared cores prints, draws or finishes well within this, or keeps its kernel busy
 STALL_SECONDS = 60.0
@@ -34,7 +36,6 @@ def tree_cpu_seconds(pid: int | None) -> float | None:
     when it cannot be read (no such process)."""
     if pid is None:
         return None
-    import psutil
     try:
         root = psutil.Process(pid)
         procs = [root] + root.children(recursive=True)
@@ -54,7 +55,6 @@ def kernel_state(pid: int | None) -> str:
     """What the kernel process is doing, in words: its OS state and its threads' states."""
     if pid is None:
         return "kernel process unknown"
-    import psutil
     try:
         p = psutil.Process(pid)
         status, threads = p.status(), p.num_threads()
