@@ -13,7 +13,10 @@ cell (a code cell calling ``exercises.check_...``, after a "Your turn" cell) run
 recorded: ``pass`` with the checker's ``PASSED`` line, or ``fail`` with its message
 (``CheckFailed``, or the error the learner's empty or broken cell left, e.g. a ``NameError``).
 Notebooks run one at a time (20-60 s each on a CPU), so a class of 30 takes hours: collect
-after the session, overnight; in class the learners self-check with the same checkers.
+after the session, overnight; in class the learners self-check with the same checkers. A cell
+whose kernel sits idle with no reply (a lost message: :mod:`memlab.watchdog`) is reported in one
+line and the notebook run again in a fresh kernel, once; a notebook over its bound on 2 cores
+(``memlab/data/notebook_bounds.txt``) is named after its results.
 
 Why not nbgrader: 0.9.6 installs beside JupyterLab 4 (``jupyterlab<5,>=4.2``), but grades only
 cells carrying its own metadata (``nbgrader.grade_id``, points) and keeps a gradebook
