@@ -20,6 +20,7 @@ Prints one line per run and a closing count.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import pathlib
 import signal
@@ -71,10 +72,11 @@ def one(path: pathlib.Path, mode: str, stall_seconds: float) -> int:
         nb = nbformat.read(path, as_version=4)
         client = NotebookClient(nb, timeout=900, allow_errors=True, interrupt_on_timeout=True,
                                 kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
-        seen, where = [], [-1]   # what the running cell's IOPub said, for a hung run's report
+        seen, where, loop = [], [-1], []   # what the running cell's IOPub said, for a hung run's report
         process = client.process_message
 
         def process_message(msg, cell, cell_index):
+            loop[:] = [asyncio.get_running_loop()]
             content = msg.get("content", {})
             seen.append(f"{time.monotonic():.1f} {msg['msg_type']}:{content.get('execution_state', '')}")
             return process(msg, cell, cell_index)
@@ -83,9 +85,17 @@ def one(path: pathlib.Path, mode: str, stall_seconds: float) -> int:
 
         def hung() -> None:   # just before the parent's bound: what the run was waiting for
             from memlab.watchdog import kernel_pid, kernel_state
+            waiting = "unknown"
+            if loop:   # is the reply already in the client's shell socket, unread? (asked on its loop)
+                async def ready() -> bool:
+                    return await client.kc.shell_channel.msg_ready()
+                try:
+                    waiting = asyncio.run_coroutine_threadsafe(ready(), loop[0]).result(timeout=3)
+                except Exception as e:   # the loop never got to it: it is blocked
+                    waiting = f"not asked ({type(e).__name__})"
             print(f"watchdog: plain run hung at cell {where[0]} at {time.monotonic():.1f}; its IOPub: "
-                  f"{', '.join(seen[-6:]) or 'nothing'}; {kernel_state(kernel_pid(client.km))}",
-                  file=sys.stderr, flush=True)
+                  f"{', '.join(seen[-6:]) or 'nothing'}; a shell message waiting unread in the client: "
+                  f"{waiting}; {kernel_state(kernel_pid(client.km))}", file=sys.stderr, flush=True)
 
         timer = threading.Timer(float(os.environ.get("SOAK_BOUND", "1e9")) - 5, hung)
         timer.daemon = True
