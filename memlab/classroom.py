@@ -155,7 +155,10 @@ def _not_run(cells, ename: str, evalue: str) -> None:
 
 def _watch(client, watch: StallWatch) -> None:
     """Let ``watch`` see every message nbclient reads for the running cell, and end nbclient's
-    wait for the reply (in one-second slices) with :class:`KernelStalled` once it says so."""
+    wait for the reply with :class:`KernelStalled` once it says so. Both waits (the reply on the
+    shell channel, the outputs on IOPub) go in one-second slices: each ends in a plain poll of
+    the socket, so a message already there is read even when the event loop's wake-up for it
+    was missed."""
     process = client.process_message   # called with the running cell's IOPub messages only
 
     def process_message(msg, cell, cell_index):
@@ -187,6 +190,22 @@ def _watch(client, watch: StallWatch) -> None:
             return msg
 
     channel.get_msg = watched_get_msg
+    iopub = client.kc.iopub_channel
+    iopub_get_msg = iopub.get_msg
+
+    async def sliced_get_msg(timeout: float | None = None):
+        # nbclient reads IOPub with no timeout: a wake-up the socket's poll misses would lose
+        # the cell's outputs (nbclient gives up on IOPub 4 s after the reply); each slice ends
+        # in a plain poll of the socket, which sees a message that is there
+        if timeout is not None:
+            return await iopub_get_msg(timeout=timeout)
+        while True:
+            try:
+                return await iopub_get_msg(timeout=1.0)
+            except Empty:
+                continue
+
+    iopub.get_msg = sliced_get_msg
 
 
 def _run_once(path: pathlib.Path, cell_timeout: float, after_cell, stall_seconds: float,
