@@ -4,10 +4,13 @@ one line and its notebook retried once in a fresh kernel, never waited out in si
 A notebook runs cell by cell (``nbclient``'s ``execute_cell``; nbval's own loop in ``make
 test``). Each cell is a request on the shell channel: the kernel goes busy on IOPub, runs the
 code, sends its ``execute_reply`` and goes idle. When a message between client and kernel is
-lost (ipykernel 7's shell ROUTER stranding a request, ipykernel#1554; a widget cell waiting on a
-comm reply a headless client never sends), the client waits for a reply that never comes: for
-the whole cell timeout, and with nbclient's ``interrupt_on_timeout`` for ever (an interrupt
-of a kernel that runs nothing answers nothing, and the wait starts again).
+missed (the reply sitting unread in nbclient's shell socket after the event loop missed its
+wake-up, what ``tools/notebook_soak.py`` caught: docs/make.md; ipykernel 7's shell ROUTER stranding
+a request, ipykernel#1554; a widget cell waiting on a comm reply a headless client never sends),
+the client waits for the whole cell timeout, and with nbclient's ``interrupt_on_timeout`` for
+ever where the reply is truly lost (an interrupt of an idle kernel answers nothing).
+:func:`memlab.classroom.run_watched` reads in one-second slices, each ending in a plain poll of
+the socket, so a missed wake-up costs a second; a lost message costs the bound below.
 
 :class:`StallWatch` tells such a wait from a slow cell: no message for the request (IOPub
 status, output or the reply) for ``bound`` seconds while the kernel and every process under
