@@ -13,7 +13,10 @@ cell (a code cell calling ``exercises.check_...``, after a "Your turn" cell) run
 recorded: ``pass`` with the checker's ``PASSED`` line, or ``fail`` with its message
 (``CheckFailed``, or the error the learner's empty or broken cell left, e.g. a ``NameError``).
 Notebooks run one at a time (20-60 s each on a CPU), so a class of 30 takes hours: collect
-after the session, overnight; in class the learners self-check with the same checkers.
+after the session, overnight; in class the learners self-check with the same checkers. A cell
+whose kernel sits idle with no reply (a lost message: :mod:`memlab.watchdog`) is reported in one
+line and the notebook run again in a fresh kernel, once; a notebook over its bound on 2 cores
+(``memlab/data/notebook_bounds.txt``) is named after its results.
 
 Why not nbgrader: 0.9.6 installs beside JupyterLab 4 (``jupyterlab<5,>=4.2``), but grades only
 cells carrying its own metadata (``nbgrader.grade_id``, points) and keeps a gradebook
@@ -22,16 +25,20 @@ database; our checkers already say what is wrong, so a CSV is all a class needs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import csv
 import json
 import math
 import pathlib
 import re
 import sys
+import time
 from dataclasses import dataclass
+from queue import Empty
 from typing import Any, Callable
 
 from .errors import InputError
+from .watchdog import STALL_SECONDS, KernelStalled, Stall, StallWatch, kernel_pid, over_bound
 
 CHECKER = re.compile(r"\bexercises\.check_\w+\s*\(")
 HEADING = re.compile(r"^#+\s*(.+)$", re.M)
@@ -82,12 +89,129 @@ def cell_outcome(cell) -> tuple[str, str]:
     return "pass", next((line for line in lines if line.startswith("PASSED")), lines[0] if lines else "passed")
 
 
-def run_notebook(path: pathlib.Path, cell_timeout: float = 600.0,
-                 after_cell: Callable[[Any, Any], None] | None = None) -> dict:
-    """Execute ``path`` in a fresh kernel, cell by cell; returns the executed notebook.
+@dataclass
+class NotebookRun:
+    """A notebook run: the executed notebook, its wall time and the stalls the watchdog met."""
 
-    ``after_cell(client, cell)``, if given, runs after each code cell with the nbclient
-    ``NotebookClient`` (the site reads each panel's widget state there, as the cell left it)."""
+    nb: Any
+    seconds: float
+    stalls: list[Stall]
+
+
+def run_notebook(path: pathlib.Path, cell_timeout: float = 600.0,
+                 after_cell: Callable[[Any, Any], None] | None = None,
+                 stall_seconds: float = STALL_SECONDS) -> Any:
+    """Execute ``path`` in a fresh kernel, cell by cell; returns the executed notebook
+    (:func:`run_watched`'s ``nb``)."""
+    return run_watched(path, cell_timeout, after_cell, stall_seconds).nb
+
+
+def run_watched(path: pathlib.Path, cell_timeout: float = 600.0,
+                after_cell: Callable[[Any, Any], None] | None = None,
+                stall_seconds: float = STALL_SECONDS, retries: int = 1) -> NotebookRun:
+    """Execute ``path`` in a fresh kernel, cell by cell, under the watchdog.
+
+    A cell that errs or runs over ``cell_timeout`` is recorded and the next one runs. A cell
+    whose kernel sits idle with no reply for ``stall_seconds`` (:class:`memlab.watchdog.StallWatch`)
+    is reported in one line on stderr and the notebook runs again from the top in a fresh kernel,
+    up to ``retries`` times; the last try records the stall as that cell's error and leaves the
+    cells after it unrun.
+
+    Args:
+        path: the notebook.
+        cell_timeout: seconds a cell may run (nbclient interrupts it then).
+        after_cell: ``after_cell(client, cell)`` runs after each code cell with the nbclient
+            ``NotebookClient`` (the site reads each panel's widget state there); on a retry it
+            sees the cells again.
+        stall_seconds: the watchdog's bound.
+        retries: fresh-kernel runs after a stall.
+
+    Returns:
+        The executed notebook, the wall time of every try together, and each stall.
+    """
+    start, stalls = time.perf_counter(), []
+    for attempt in range(retries + 1):
+        last = attempt == retries
+        try:
+            nb = _run_once(path, cell_timeout, after_cell, stall_seconds, record_stall=last)
+        except KernelStalled as e:
+            stalls.append(e.stall)
+            print(f"{e.stall.line()}; retrying in a fresh kernel", file=sys.stderr, flush=True)
+            continue
+        if isinstance(nb, tuple):   # the last try stalled: recorded in the notebook
+            nb, stall = nb
+            stalls.append(stall)
+            print(f"{stall.line()}; gave up, the cells after it not run", file=sys.stderr, flush=True)
+        return NotebookRun(nb, time.perf_counter() - start, stalls)
+    raise AssertionError("unreachable: the last try returns")
+
+
+def _not_run(cells, ename: str, evalue: str) -> None:
+    import nbformat
+    for cell in cells:
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.v4.new_output("error", ename=ename, evalue=evalue, traceback=[])]
+
+
+def _watch(client, watch: StallWatch) -> None:
+    """Let ``watch`` see every message nbclient reads for the running cell, and end nbclient's
+    wait for the reply with :class:`KernelStalled` once it says so. Both waits (the reply on the
+    shell channel, the outputs on IOPub) go in one-second slices: each ends in a plain poll of
+    the socket, so a message already there is read even when the event loop's wake-up for it
+    was missed."""
+    process = client.process_message   # called with the running cell's IOPub messages only
+
+    def process_message(msg, cell, cell_index):
+        watch.saw(msg)
+        return process(msg, cell, cell_index)
+
+    client.process_message = process_message
+    channel = client.kc.shell_channel
+    get_msg = channel.get_msg
+
+    async def watched_get_msg(timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+            try:
+                msg = await get_msg(timeout=left)
+            except Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                stall = watch.check()
+                if stall is not None:
+                    # nbclient's kernel-alive poll of this cell would outlive the kernel
+                    for task in asyncio.all_tasks():
+                        if task.get_coro().__qualname__.endswith("_async_poll_kernel_alive"):
+                            task.cancel()
+                    raise KernelStalled(stall) from None
+                continue
+            watch.saw(msg)
+            return msg
+
+    channel.get_msg = watched_get_msg
+    iopub = client.kc.iopub_channel
+    iopub_get_msg = iopub.get_msg
+
+    async def sliced_get_msg(timeout: float | None = None):
+        # nbclient reads IOPub with no timeout: a wake-up the socket's poll misses would lose
+        # the cell's outputs (nbclient gives up on IOPub 4 s after the reply); each slice ends
+        # in a plain poll of the socket, which sees a message that is there
+        if timeout is not None:
+            return await iopub_get_msg(timeout=timeout)
+        while True:
+            try:
+                return await iopub_get_msg(timeout=1.0)
+            except Empty:
+                continue
+
+    iopub.get_msg = sliced_get_msg
+
+
+def _run_once(path: pathlib.Path, cell_timeout: float, after_cell, stall_seconds: float,
+              record_stall: bool):
+    """One try of :func:`run_watched`: the notebook, or (notebook, stall) when ``record_stall``
+    and a cell stalled; raises :class:`KernelStalled` when not ``record_stall``."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
@@ -95,28 +219,39 @@ def run_notebook(path: pathlib.Path, cell_timeout: float = 600.0,
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=cell_timeout, allow_errors=True, interrupt_on_timeout=True,
                             kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    stalled = None
     with client.setup_kernel():
+        watch = StallWatch(stall_seconds, pid=kernel_pid(client.km), notebook=path.name)
+        _watch(client, watch)
         for i, cell in enumerate(nb.cells):
             if cell.cell_type != "code":
                 continue
+            watch.start(i)
             try:
                 client.execute_cell(cell, i)
             except CellTimeoutError:  # interrupted: record it, go on with the next cell
                 cell.outputs = [nbformat.v4.new_output("error", ename="Timeout", traceback=[],
                                                        evalue=f"cell ran over {cell_timeout:g} s")]
             except DeadKernelError as e:  # e.g. killed for memory: the rest cannot run
-                for later in nb.cells[i:]:
-                    if later.cell_type == "code":
-                        later.outputs = [nbformat.v4.new_output("error", ename="DeadKernel",
-                                                                evalue=str(e).splitlines()[0], traceback=[])]
+                _not_run(nb.cells[i:], "DeadKernel", str(e).splitlines()[0])
+                break
+            except KernelStalled as e:
+                if not record_stall:
+                    raise
+                stalled = e.stall
+                _not_run(nb.cells[i:], "KernelStalled", e.stall.line())
                 break
             if after_cell is not None:
                 after_cell(client, cell)
-    return nb
+    return (nb, stalled) if stalled is not None else nb
 
 
-def collect(folder: str | pathlib.Path, cell_timeout: float = 600.0) -> list[Result]:
-    """Run every notebook under ``folder`` and record each checker cell."""
+def collect(folder: str | pathlib.Path, cell_timeout: float = 600.0,
+            stall_seconds: float = STALL_SECONDS) -> list[Result]:
+    """Run every notebook under ``folder`` and record each checker cell.
+
+    Each notebook runs under the watchdog (:func:`run_watched`); one over its bound
+    (:func:`memlab.watchdog.over_bound`) is named on stderr after its results."""
     folder = pathlib.Path(folder)
     if not folder.is_dir():
         raise InputError(f"submitted folder {str(folder)!r} does not exist or is not a folder")
@@ -127,13 +262,18 @@ def collect(folder: str | pathlib.Path, cell_timeout: float = 600.0) -> list[Res
     for path in paths:
         rel = path.relative_to(folder)
         student = rel.parts[0] if len(rel.parts) > 1 else "-"
-        nb = run_notebook(path, cell_timeout)
+        run = run_watched(path, cell_timeout, stall_seconds=stall_seconds)
+        nb = run.nb
         for index, title in checker_cells(nb):
             result, message = cell_outcome(nb.cells[index])
             results.append(Result(student, path.name, title, result, message))
         print(f"{student} {path.name}: " + (", ".join(r.result for r in results
                                                     if r.student == student and r.notebook == path.name)
-                                          or "no checker cells"), file=sys.stderr)
+                                          or "no checker cells")
+              + (f" ({len(run.stalls)} stall(s), retried)" if run.stalls else ""), file=sys.stderr)
+        slow = over_bound(path.stem, run.seconds)
+        if slow:
+            print(f"{student} {slow}", file=sys.stderr)
     return results
 
 

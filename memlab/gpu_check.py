@@ -296,6 +296,7 @@ class NotebookRun:
     passed: bool
     seconds: float
     log: str
+    stalls: int = 0   # cells the watchdog found stalled (tools/nbval_watchdog.py, via notebooks/conftest.py)
 
 
 def lesson_of(notebook: str) -> str:
@@ -318,7 +319,12 @@ def run_notebook(notebook: str, folder: Path, python: str = sys.executable,
         done = subprocess.run([python, "-m", "pytest", "--nbval", "--nbval-current-env",
                                "-p", "no:cacheprovider", f"--nbval-cell-timeout={cell_timeout}",
                                "--durations=0", notebook], stdout=f, stderr=subprocess.STDOUT)
-    return NotebookRun(notebook, done.returncode == 0, time.perf_counter() - start, str(log))
+    # the watchdog's lines: once live, once in the closing "notebook watchdog" summary
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("watchdog:")]
+    for line in dict.fromkeys(lines):
+        print(line, flush=True)
+    return NotebookRun(notebook, done.returncode == 0, time.perf_counter() - start, str(log),
+                       len(dict.fromkeys(lines)))
 
 
 def run_notebooks(notebooks: list[str], folder: Path, python: str = sys.executable) -> list[NotebookRun]:
@@ -334,9 +340,9 @@ def run_notebooks(notebooks: list[str], folder: Path, python: str = sys.executab
 def table(runs: list[NotebookRun], card: Card) -> str:
     """The closing table: notebook, pass/fail, wall time, card profile."""
     lines = [f"card profile: {card.describe()}", "",
-             "| notebook | result | wall s |", "|---|---|---|"]
-    lines += [f"| {Path(r.notebook).name} | {'pass' if r.passed else 'FAIL'} | {r.seconds:.0f} |"
-              for r in runs]
+             "| notebook | result | wall s | watchdog |", "|---|---|---|---|"]
+    lines += [f"| {Path(r.notebook).name} | {'pass' if r.passed else 'FAIL'} | {r.seconds:.0f} | "
+              f"{f'{r.stalls} stall(s), retried' if r.stalls else '-'} |" for r in runs]
     return "\n".join(lines)
 
 

@@ -7,6 +7,9 @@ and fails the cell on a traceback, a warning, a progress bar, DeepSpeed build ou
 repr longer than a line (``tools/output_noise.py`` says what each is; a cell tagged
 ``allow-<kind>`` may show that kind, e.g. the deprecation warnings lesson 04 is about).
 
+It also registers ``tools/nbval_watchdog.py``: a cell whose kernel sits idle with no reply is
+reported in one line and its notebook retried once in a fresh kernel (memlab.watchdog).
+
 The kernels nbval starts inherit this process's environment: ``MEMLAB_PROGRESS=0`` turns
 memlab's progress bars off there (nobody watches them; they would stay at 0%).
 """
@@ -19,11 +22,14 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
+import nbval_watchdog  # noqa: E402
 from output_noise import noise_in  # noqa: E402  (tools/ is not a package)
 
 
 def pytest_configure(config) -> None:
     os.environ["MEMLAB_PROGRESS"] = "0"
+    if not config.pluginmanager.is_registered(nbval_watchdog):   # (or given with -p)
+        config.pluginmanager.register(nbval_watchdog, "nbval_watchdog")
 
 
 @pytest.hookimpl(wrapper=True)

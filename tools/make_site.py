@@ -22,7 +22,10 @@ A page reads as a learner meets it:
 - every figure's ``<img>`` has alt text: its title, which ``tools/site_kernel.py`` (the kernels'
   ``PYTHONSTARTUP``) attaches to each matplotlib figure a cell displays.
 
-``index.html`` lists the lessons in order with their run time and status.
+``index.html`` lists the lessons in order with their run time and status. A cell whose kernel
+sits idle with no reply is reported in one line and its notebook run again in a fresh kernel
+(``memlab.watchdog``); a notebook over its bound (``memlab/data/notebook_bounds.txt``, the
+seconds each may take on 2 cores) is named in its line, its index row and the closing line.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the worktree's memlab, as in the notebooks
+from memlab.watchdog import BOUNDS_FILE, over_bound  # noqa: E402  (no torch: --no-execute stays light)
 
 ELECTIVES = ("16", "17")
 REMOTE_SCRIPT = re.compile(r"<script\b[^>]*\bsrc=\"https?://[^\"]*\"[^>]*>\s*</script>", re.S)
@@ -240,20 +244,23 @@ def build(paths: list[pathlib.Path], out: pathlib.Path, timeout: float, execute:
     rows = []
     try:
         for i, path in enumerate(paths):
-            panels = []
+            panels = {}   # by cell: a retry in a fresh kernel freezes the cells again
+            stalls = []
 
             def freeze(client, cell, panels=panels):   # as the cell left its panels
-                panels.append(freeze_widgets(cell, client.widget_state))
+                panels[cell.get("id") or id(cell)] = freeze_widgets(cell, client.widget_state)
 
             t = time.perf_counter()
             if execute:
-                from memlab.classroom import run_notebook  # (imports torch: not for --no-execute)
-                nb = run_notebook(path, timeout, after_cell=freeze)
+                from memlab.classroom import run_watched  # (imports torch: not for --no-execute)
+                run = run_watched(path, timeout, after_cell=freeze)
+                nb, stalls = run.nb, [s.line() for s in run.stalls]
             else:
                 nb = nbformat.read(path, as_version=4)
                 models = saved_widget_state(nb)
-                panels += [freeze_widgets(c, models) for c in nb.cells if c.cell_type == "code"]
+                panels.update((k, freeze_widgets(c, models)) for k, c in enumerate(nb.cells) if c.cell_type == "code")
             secs = time.perf_counter() - t
+            slow = over_bound(path.stem, secs) if execute else None
             errs = errors_in(nb)
             prev = f'<a href="{paths[i - 1].stem}.html">&larr; {paths[i - 1].stem}</a>' if i else ""
             nxt = f'<a href="{paths[i + 1].stem}.html">{paths[i + 1].stem} &rarr;</a>' if i + 1 < len(paths) else ""
@@ -261,9 +268,12 @@ def build(paths: list[pathlib.Path], out: pathlib.Path, timeout: float, execute:
             (out / f"{path.stem}.html").write_text(render(nb, nav), encoding="utf-8")
             figures = sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
             rows.append({"stem": path.stem, "title": title_of(nb), "seconds": round(secs, 1),
-                         "figures": figures, "panels": sum(panels), "errors": errs})
-            print(f"{path.stem}: {secs:.0f} s, {figures} figures, {sum(panels)} panels, "
-                  + (f"{len(errs)} error(s): {errs[0]}" if errs else "ok"), flush=True)
+                         "figures": figures, "panels": sum(panels.values()), "errors": errs,
+                         "stalls": stalls, "slow": slow})
+            print(f"{path.stem}: {secs:.0f} s, {figures} figures, {sum(panels.values())} panels, "
+                  + (f"{len(errs)} error(s): {errs[0]}" if errs else "ok")
+                  + (f"; {len(stalls)} stall(s), retried" if stalls else "") + (f"; {slow}" if slow else ""),
+                  flush=True)
     finally:   # the build runs inside pytest too: leave its environment as it was
         for k, v in saved_env.items():
             if v is None:
@@ -279,6 +289,8 @@ def write_index(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
     for r in rows:
         number = r["stem"][:2]
         status = "ok" if not r["errors"] else f"{len(r['errors'])} failing cell(s)"
+        if r.get("slow"):
+            status += f" (slow: {r['seconds']:.0f} s, over its bound)"
         lines.append(f'<tr><td>{number}{" (elective)" if number in ELECTIVES else ""}</td>'
                      f'<td><a href="{r["stem"]}.html">{html.escape(r["title"])}</a></td>'
                      f'<td>{r["figures"]}</td><td>{r["seconds"]:.0f} s</td><td>{status}</td></tr>')
@@ -316,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     index = write_index(rows, out)
     size = sum(f.stat().st_size for f in out.iterdir())
     failed = [r["stem"] for r in rows if r["errors"]]
+    slow = [r["stem"] for r in rows if r.get("slow")]
     print(f"{len(rows)} pages -> {index} in {time.perf_counter() - t:.0f} s, {size / 2**20:.1f} MiB"
-          + (f"; failing cells in {', '.join(failed)}" if failed else ""))
+          + (f"; failing cells in {', '.join(failed)}" if failed else "")
+          + (f"; over their bound ({BOUNDS_FILE}): {', '.join(slow)}" if slow else ""))
     return 1 if failed else 0
 
 

@@ -141,6 +141,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "gpu_check": "`make gpu-check`: reference figures on a CUDA machine",
         "doctor": "`memlab doctor`: this machine's facts and the verdict",
         "classroom": "`memlab class collect`: submitted notebooks run headless, checker results",
+        "watchdog": "notebook kernels that sit idle with no reply: one line and one retry (`StallWatch`), each notebook's bound on 2 cores",
         "__init__": "the front door: `memlab.__all__`, what a learner calls",
     }),
 ]
