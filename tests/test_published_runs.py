@@ -85,3 +85,16 @@ def test_skinny_gemm_is_bandwidth_bound():
     assert skinny < 0.11 * peak
     square = 2 * 4096**3 / gemm_seconds(4096, 4096, 4096, peak=peak, achievable=0.8, hbm=hbm, elem_bytes=2)
     assert square == pytest.approx(0.8 * peak)
+
+
+def test_gradient_sync_once_per_step_moves_one_micro_batch_worth():
+    """Megatron-LM all-reduces the accumulated gradients once a step: 1/m of memlab's
+    per-micro-batch all-reduce; an unknown choice is bad input naming the allowed ones."""
+    from memlab.communication import step_communication
+    from memlab.errors import InputError
+    step = StepConfig(model="gpt2-small", seq=128, batch=8, micro_batches=4, precision="bf16", world_size=4)
+    every = step_communication(step).by_kind["data-parallel all-reduce"]
+    once = step_communication(step, sync_every_micro_batch=False).by_kind["data-parallel all-reduce"]
+    assert once * 4 == pytest.approx(every)
+    with pytest.raises(InputError, match="micro-batch, step"):
+        step_time(step, "A100-80GB", gradient_sync="never")
