@@ -141,7 +141,7 @@ def test_calibration_replaces_the_peak(tmp_path):
     path.write_text(json.dumps({"device": "A100-80GB", "matmul_flops": {"bf16": 250e12},
                                 "cpu_adam_params_per_s": 5e8}))
     cal = load_calibration(path)
-    assert calibrated_rate("A100-80GB", "bf16", cal) == pytest.approx(250e12 * 0.52)
+    assert calibrated_rate("A100-80GB", "bf16", cal) == pytest.approx(250e12 * 0.80)
     assert calibrated_rate("H100-80GB", "bf16", cal) is None  # measured on another card
     t = step_time(LLAMA, "A100-80GB", calibration=cal)
     assert t.by_part.compute == pytest.approx(t.flops.model / (250e12 * 0.80))
