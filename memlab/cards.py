@@ -168,8 +168,9 @@ class Speeds:
     the tensor cores, with fp32 accumulation where the datasheet says so), only the dtypes the
     card has. ``hbm``: memory bandwidth, bytes/s. ``nvlink``, ``pcie``: bytes/s in *one*
     direction (the datasheets give both directions together: half of that; 0: no NVLink).
-    ``achievable``: the fraction of the peak a training step reaches (its source in
-    ``achievable_source``), used until ``memlab doctor --calibrate`` measures one.
+    ``achievable``: the fraction of the peak a large GEMM reaches where a kernel benchmark
+    is published (the A100), else the end-to-end fraction of a published run (its source in
+    ``achievable_source``; :data:`RATE_LEDGER`), applied under each GEMM's roofline.
     """
 
     tflops: tuple[tuple[str, float], ...]
@@ -191,15 +192,45 @@ class Speeds:
 
 
 _GB = 1e9
-#: achievable fraction of peak a training step reaches, from published runs:
-#: Megatron-LM on A100: 163 TFLOP/s of 312 per GPU with recomputation counted, 52%
-#: (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters",
-#: sec. 5.1, Table 1); Llama 3 405B on H100: 38-43% BF16 MFU (Dubey et al. 2024, "The Llama 3
-#: Herd of Models", sec. 3.3.2, Table 4); Megatron-LM on V100: 39 TFLOP/s, 30% of peak
-#: (Shoeybi et al. 2019, sec. 1), used for the cards no published run covers.
-_A100_RUN = (0.52, "Narayanan et al. 2021, sec. 5.1: 163 of 312 TFLOP/s on A100")
-_H100_RUN = (0.40, "Dubey et al. 2024 (Llama 3), Table 4: 38-43% BF16 MFU on H100")
-_V100_RUN = (0.30, "Shoeybi et al. 2019 (Megatron-LM), sec. 1: 30% of peak on V100")
+#: ``achievable``: the fraction of the dtype's peak a large, compute-bound GEMM reaches; the
+#: time lens applies it per GEMM, under a roofline of the GEMM's bytes at HBM's bandwidth
+#: (:func:`memlab.step_time.gemm_seconds`), so small and skinny GEMMs run slower. Each figure,
+#: its source and the published rows it was derived from or only checks, in :data:`RATE_LEDGER`.
+_A100_GEMM = (0.80, "Dao 2023 (FlashAttention-2, arXiv 2307.08691), sec. 1: optimized GEMM reaches "
+                    "up to 80-90% of the A100's peak; the lower end")
+_H100_RUN = (0.40, "Dubey et al. 2024 (Llama 3), Table 4: 38-43% BF16 MFU on H100 (an end-to-end "
+                   "fraction, not a GEMM's: no published H100 GEMM figure read yet)")
+_V100_RUN = (0.30, "Shoeybi et al. 2019 (Megatron-LM), sec. 1: 30% of peak on V100 (end to end), "
+                   "used for the cards no published kernel benchmark covers")
+
+
+@dataclass(frozen=True)
+class RateSource:
+    """One rate of the time lens: its ``value``, ``source``, the published rows it was
+    ``derived_from`` (never tested against) and those that only ``checks`` it."""
+
+    rate: str
+    value: float
+    source: str
+    derived_from: tuple[str, ...]
+    checks: tuple[str, ...]
+
+
+#: every rate the time lens takes from outside, with the rows that made it and those that test it
+RATE_LEDGER: tuple[RateSource, ...] = (
+    RateSource("A100 large-GEMM fraction of peak (A100-40GB, A100-80GB)", _A100_GEMM[0], _A100_GEMM[1],
+               (), ("Narayanan et al. 2021, Table 1: all ten rows (tests/test_published_runs.py)",)),
+    RateSource("H100/H200 fraction of peak", _H100_RUN[0], _H100_RUN[1],
+               ("Dubey et al. 2024, Table 4 (so its rows cannot test it)",), ()),
+    RateSource("fraction of peak on T4, V100, RTX 3090/4090, L4, A10G, L40S", _V100_RUN[0], _V100_RUN[1],
+               ("Shoeybi et al. 2019, sec. 1",), ()),
+    RateSource("HBM bandwidth (GEMM roofline, elementwise ops)", 1.0, "each card's datasheet (SPEEDS)",
+               (), ("Narayanan et al. 2021, Table 1",)),
+    RateSource("GPU link bandwidth: NVLink within 8 GPUs, PCIe's figure beyond", 1.0,
+               "each card's datasheet (SPEEDS); Selene's 200 Gb/s InfiniBand per GPU (Narayanan et al. "
+               "2021, sec. 5) is 25 GB/s, near the A100's PCIe 32 GB/s one way", (),
+               ("Narayanan et al. 2021, Table 1",)),
+)
 
 
 def _speeds(tflops: dict[str, float], hbm_gb: float, nvlink_gb: float, pcie_gb: float,
@@ -240,9 +271,9 @@ SPEEDS: dict[str, Speeds] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM): FP32 19.5, TF32 156, FP16/BF16 312 TFLOPS;
     # 40GB HBM2 1555 GB/s, 80GB HBM2e 2039 GB/s; NVLink 600 GB/s; PCIe Gen4 64 GB/s
     "A100-40GB": _speeds({"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, 1555, 600, 64,
-                         _A100_RUN, "NVIDIA A100 datasheet"),
+                         _A100_GEMM, "NVIDIA A100 datasheet"),
     "A100-80GB": _speeds({"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, 2039, 600, 64,
-                         _A100_RUN, "NVIDIA A100 datasheet"),
+                         _A100_GEMM, "NVIDIA A100 datasheet"),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67, TF32 494.5, BF16/FP16 989.5, FP8 1979 TFLOPS
     # (dense); HBM3 3.35 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s
     "H100-80GB": _speeds({"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979}, 3350, 900,
@@ -344,6 +375,7 @@ def detect_card(props=None, gpus: int | None = None, env: dict[str, str] | None 
     return replace(card, rehearsal=props.name, flash=flash)
 
 
-__all__ = ["CARD_ENV", "CARDS", "Card", "DTYPES", "REFERENCE_CARD", "SDPA_KERNELS", "SPEEDS", "Speeds",
+__all__ = ["CARD_ENV", "CARDS", "Card", "DTYPES", "RATE_LEDGER", "REFERENCE_CARD", "RateSource",
+           "SDPA_KERNELS", "SPEEDS", "Speeds",
            "card_from_properties", "card_speeds",
            "cublas_workspace_bytes", "cublaslt_workspace_bytes", "detect_card", "get_card"]

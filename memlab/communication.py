@@ -131,7 +131,7 @@ ENGINES = ("deepspeed", "paper", "deepspeed-reduce-scatter")
 
 
 def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                       engine: str = "deepspeed") -> StepComm:
+                       engine: str = "deepspeed", sync_every_micro_batch: bool = True) -> StepComm:
     """The transfers of one rank's step (module doc's rules).
 
     Args:
@@ -143,6 +143,9 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
             (DeepSpeed with ``use_multi_rank_bucket_allreduce: false`` for ZeRO-1/2 and
             ``stage3_param_persistence_threshold``, ``stage3_max_reuse_distance`` and
             ``stage3_prefetch_bucket_size`` 0 for ZeRO-3: ``paper_collectives=True``).
+        sync_every_micro_batch: plain data parallelism all-reduces after every micro-batch
+            (memlab's trainer); ``False``: once per step, as Megatron-LM and DDP's ``no_sync``
+            accumulate the micro-batches' gradients first.
 
     Returns:
         :class:`StepComm`; empty on one rank without offload.
@@ -165,7 +168,8 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
     e = (4 if step.precision == "fp32" else 2) if ds else precision_bytes(step.precision)[0]
     out: list[Transfer] = []
     if n > 1 and step.zero == 0:
-        out.append(Transfer("data-parallel all-reduce", "all_reduce", int(k * e * psi), n))
+        syncs = k if sync_every_micro_batch else 1
+        out.append(Transfer("data-parallel all-reduce", "all_reduce", int(syncs * e * psi), n))
     elif n > 1 and step.zero in (1, 2):
         reduces = 1 if step.zero == 1 else k
         reduce = {"deepspeed": "all_reduce", "paper": "reduce_scatter", "deepspeed-reduce-scatter": "reduce"}[engine]

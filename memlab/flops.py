@@ -215,6 +215,18 @@ def _block_matmuls(cfg: GPTConfig) -> list[tuple[str, int, int, tuple[str, ...]]
             ("up", d, f, ("c_fc",)), ("down", f, d, ("c_proj",))]
 
 
+def block_matmuls(cfg: GPTConfig) -> list[tuple[str, int, int]]:
+    """The matmuls of one block of ``cfg`` as the closed form counts them.
+
+    Args:
+        cfg: memlab's GPT config.
+
+    Returns:
+        ``(part, in, out)`` per matmul (the time lens times each GEMM by its shape).
+    """
+    return [(part, i, o) for part, i, o, _ in _block_matmuls(cfg)]
+
+
 def gpt_step_flops(cfg: GPTConfig, seq: int, batch: int, *, checkpointing: str | None = None,
                    attention: str | None = None, lora_rank: int | None = None,
                    lora_targets: Iterable[str] = ()) -> StepFlops:
@@ -325,5 +337,5 @@ def step_flops_formula(step) -> StepFlops:
                           attention=cfg.attention)
 
 
-__all__ = ["CPU_SDPA", "PARTS", "PhaseFlopCounter", "StepFlops", "count_step_flops",
+__all__ = ["CPU_SDPA", "PARTS", "PhaseFlopCounter", "StepFlops", "block_matmuls", "count_step_flops",
            "gpt_step_flops", "random_batch", "run_counted_step", "step_flops_formula"]

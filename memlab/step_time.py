@@ -10,6 +10,9 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
   ``achievable`` is the fraction published training runs reach on that card (cited in
   :data:`memlab.cards.SPEEDS`), applied to the rate of a Linear's three training GEMMs ``memlab
   doctor --calibrate`` measured on this card in place of the datasheet's peak (:func:`calibrated_rate`).
+  On a card, memlab's GPT is timed GEMM by GEMM (:func:`matmul_rate`): each of a rank's
+  matmuls (Megatron-LM's tensor-parallel split) takes the longer of its FLOPs at that rate and
+  its operands' bytes at HBM's bandwidth (:func:`gemm_seconds`), so skinny GEMMs run below it.
   The attention term (``s^2``) runs at its fused kernel's rate where that was measured (the
   CPU's flash attention computes bf16 in fp32 blocks: about 20 GFLOP/s on an AVX2 host whose
   bf16 GEMMs reach 3), else at the matmuls'.
@@ -19,7 +22,9 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
   (Li et al. 2020, sec. 3.2.3), so only what outlasts backward shows; memlab's DeepSpeed
   config sets ``overlap_comm: false`` (:func:`memlab.distributed.deepspeed_config.deepspeed_config`),
   so ZeRO's collectives are all exposed; tensor parallelism's all-reduces sit between a
-  layer's matmuls (Megatron-LM sec. 3): exposed; pipeline sends: exposed.
+  layer's matmuls (Megatron-LM sec. 3): exposed, on NVLink (a TP group sits in a node);
+  pipeline sends: exposed. ``gradient_sync="step"``: one all-reduce per step (Megatron-LM),
+  which DDP overlaps with the last micro-batch's backward only.
 * **offload**: the PCIe transfers and the host's Adam over its parameter shard
   (``cpu_adam_params_per_s``, measured by ``memlab doctor --calibrate``, else
   :data:`CPU_ADAM_PARAMS_PER_S`). DeepSpeed runs them in series after backward (its
@@ -70,7 +75,7 @@ from .cards import SPEEDS, Card, Speeds, card_speeds, get_card
 from .communication import StepComm, step_communication
 from .elementwise import ElementwiseWork, count_flops_and_elementwise, deepspeed_precision, step_elementwise
 from .errors import InputError
-from .flops import StepFlops, step_flops_formula
+from .flops import StepFlops, block_matmuls, step_flops_formula
 from .models import GPTConfig
 from .states import under_deepspeed
 
@@ -227,7 +232,8 @@ def optimizer_pass(kind: str, elements: float, tensors: int) -> OptimizerPass:
 
 
 def engine_time(step, hbm: float, *, deepspeed: bool, hidden: float, tensors: int | None = None,
-                launch_seconds: float = LAUNCH_SECONDS, optimizer: OptimizerPass | None = None) -> EngineTime:
+                launch_seconds: float = LAUNCH_SECONDS, optimizer: OptimizerPass | None = None,
+                model_parallel: int = 1) -> EngineTime:
     """The engine part of ``step`` per the module doc.
 
     Args:
@@ -237,6 +243,8 @@ def engine_time(step, hbm: float, *, deepspeed: bool, hidden: float, tensors: in
         tensors: parameter tensors (default :func:`parameter_tensors`).
         launch_seconds: host seconds per launch (default :data:`LAUNCH_SECONDS`).
         optimizer: plain torch's optimizer pass (default fp32 AdamW over every parameter).
+        model_parallel: tensor x pipeline degree: each rank steps its ``1 / model_parallel``
+            of the parameters.
 
     Returns:
         :class:`EngineTime` (all zero for a model memlab cannot count).
@@ -245,7 +253,7 @@ def engine_time(step, hbm: float, *, deepspeed: bool, hidden: float, tensors: in
     tensors = parameter_tensors(cfg) if tensors is None else tensors
     if tensors is None:
         return EngineTime(0.0, 0, 0, 0, rule="engine: model not countable, left out")
-    n = cfg.num_params()
+    n = cfg.num_params() / model_parallel
     if deepspeed:
         shard = n if step.zero == 0 else n / step.world_size
         passes = DEEPSPEED_PASSES[(step.zero, "none" if step.offload == "none" else "optimizer")]
@@ -413,13 +421,60 @@ def calibrated_rate(card_name: str, dtype: str, calibration: Calibration | None,
     return measured[dtype] * card_speeds(card_name).achievable
 
 
+def gemm_seconds(m: int, k: int, n: int, *, peak: float, achievable: float, hbm: float,
+                 elem_bytes: int) -> float:
+    """Seconds of one ``(m x k) @ (k x n)`` GEMM by a roofline: the longer of its FLOPs at
+    ``peak x achievable`` (what a large GEMM reaches) and the bytes of its two inputs and its
+    output at HBM's bandwidth. A Linear's backward GEMMs (input and weight gradients) permute
+    the same three matrices, so each takes the forward's time. A skinny GEMM (LoRA's rank-16
+    ``n``) does ``~n`` FLOPs per byte and is bandwidth-bound: far below peak.
+
+    Args:
+        m, k, n: the GEMM's dimensions (``m`` tokens, ``k`` in, ``n`` out).
+        peak: FLOP/s of the dtype (datasheet, or ``memlab doctor --calibrate``'s measure).
+        achievable: the fraction of ``peak`` a large GEMM reaches (:data:`memlab.cards.SPEEDS`).
+        hbm: bytes/s; elem_bytes: bytes per element of the operands.
+
+    Returns:
+        Seconds.
+    """
+    for name, v in (("m", m), ("k", k), ("n", n)):
+        if v < 1:
+            raise InputError(f"GEMM dimension {name}={v!r}; allowed: a positive integer")
+    return max(2 * m * k * n / (peak * achievable), elem_bytes * (m * k + k * n + m * n) / hbm)
+
+
+def matmul_rate(cfg: GPTConfig, tokens: int, *, tensor_parallel: int, peak: float, achievable: float,
+                hbm: float, elem_bytes: int) -> float:
+    """FLOP/s a GPT's matmuls reach together: each block GEMM and the head timed by
+    :func:`gemm_seconds` on one rank's shard (Megatron-LM's split, Narayanan et al. 2021 sec.
+    2.3: the first Linear of attention and of the MLP split by columns, the second by rows, the
+    head by the vocabulary), their FLOPs over their seconds.
+
+    Args:
+        cfg: the model; tokens: tokens of one micro-batch; tensor_parallel: the TP degree.
+        peak, achievable, hbm, elem_bytes: as :func:`gemm_seconds`.
+
+    Returns:
+        FLOP/s, at most ``peak x achievable``.
+    """
+    t = tensor_parallel
+    column = {"qkv", "q", "k", "v", "up", "gate"}
+    shapes = [(i, max(1, o // t)) if part in column else (max(1, i // t), o) for part, i, o in block_matmuls(cfg)]
+    shapes = [*shapes * cfg.n_layer, (cfg.d_model, max(1, cfg.vocab_size // t))]
+    flops = sum(2 * tokens * k * n for k, n in shapes)
+    seconds = sum(gemm_seconds(tokens, k, n, peak=peak, achievable=achievable, hbm=hbm, elem_bytes=elem_bytes)
+                  for k, n in shapes)
+    return flops / seconds
+
+
 def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None = None,
               tensor_parallel: int = 1, pipeline_parallel: int = 1,
               speeds: Speeds | None = None, calibration: Calibration | None = None,
               cpu_adam_params_per_s: float | None = None, engine: str | None = None,
               optimizer: OptimizerPass | None = None, attention_flops_per_s: float | None = None,
               elementwise: ElementwiseWork | None = None, elementwise_rates: ElementwiseRates | None = None,
-              target: str | None = None) -> StepTime:
+              target: str | None = None, gradient_sync: str = "micro-batch") -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
 
@@ -444,10 +499,15 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
             else the card's HBM bandwidth and no compute limit).
         target: whose autocast lists and kernels the elementwise work follows (default
             ``"cuda"`` on a card, ``"cpu"`` with ``speeds`` alone).
+        gradient_sync: ``"micro-batch"`` (memlab's trainer all-reduces after each) or
+            ``"step"`` (once per step, as Megatron-LM does; DDP then overlaps it with the last
+            micro-batch's backward only).
 
     Returns:
         :class:`StepTime`.
     """
+    if gradient_sync not in ("micro-batch", "step"):
+        raise InputError(f"gradient_sync={gradient_sync!r}; allowed: micro-batch, step")
     if engine not in (None, "deepspeed", "torch"):
         raise InputError(f"engine={engine!r}; allowed: deepspeed, torch")
     on_ds = under_deepspeed(step.zero, step.offload) if engine is None else engine == "deepspeed"
@@ -457,7 +517,8 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         flops, elementwise = count_flops_and_elementwise(
             replace(step, precision=deepspeed_precision(step)) if on_ds else step)
     flops = flops or step_flops_formula(step)
-    comm = step_communication(step, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
+    comm = step_communication(step, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                              sync_every_micro_batch=gradient_sync == "micro-batch")
     if card is None and speeds is None:
         return StepTime(flops, communication=comm, rule="no card: FLOPs only")
     if isinstance(card, str):
@@ -467,6 +528,11 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     calibration = calibration if calibration is not None else load_calibration()
     dtype = compute_dtype(step)
     rate = calibrated_rate(name, dtype, calibration) or sp.peak(dtype) * sp.achievable
+    if card is not None and isinstance(step.model_config, GPTConfig):
+        # each GEMM under its roofline (gemm_seconds), at the large-GEMM rate found above
+        rate = matmul_rate(step.model_config, step.seq * step.batch // step.micro_batches,
+                           tensor_parallel=tensor_parallel, peak=rate / sp.achievable, achievable=sp.achievable,
+                           hbm=sp.hbm, elem_bytes=2 if dtype in ("bf16", "fp16") else 4)
     attn_rate = attention_flops_per_s or calibrated_rate(name, dtype, calibration, attention=True) or rate
     t, p = tensor_parallel, pipeline_parallel
     share = t * p
@@ -483,17 +549,21 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     elementwise_s = (ew.forward + ew.backward) * per_byte
     gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else sp.pcie
     comm_s = comm.gpu_bytes / gpu_link if comm.gpu_bytes else 0.0
+    tp_bytes = comm.by_kind.get("tensor-parallel all-reduces", 0.0)
+    if tp_bytes and sp.nvlink and t <= NODE_GPUS:
+        # TP's groups sit inside a node (Megatron-LM, Narayanan et al. 2021 sec. 3.2): NVLink
+        comm_s += tp_bytes / sp.nvlink - tp_bytes / gpu_link
     overlap = "none"
     if step.zero == 0 and not under_deepspeed(step.zero, step.offload):
         dp_bytes = comm.by_kind.get("data-parallel all-reduce", 0.0)
         dp_s = dp_bytes / gpu_link
-        backward = flops.backward / share / rate
+        backward = flops.backward / share / rate / (step.micro_batches if gradient_sync == "step" else 1)
         comm_s = comm_s - dp_s + max(0.0, dp_s - backward)
         overlap = "DDP overlaps its all-reduce with backward"
     m = step.micro_batches
     bubble = (p - 1) / m * (compute + recompute + elementwise_s) if p > 1 else 0.0
     eng = engine_time(step, sp.hbm, deepspeed=on_ds, hidden=compute + recompute + elementwise_s,
-                      optimizer=optimizer)
+                      optimizer=optimizer, model_parallel=share)
     gpu = compute + recompute + elementwise_s + comm_s + bubble + eng.seconds
     offload, bound = 0.0, "gpu"
     if step.offload != "none":
@@ -539,7 +609,7 @@ def report_time(step, card: Card | None, *, flops: StepFlops | None = None,
 
 __all__ = ["report_time", "ADAMW_BYTES", "ADAMW_FOREACH_OPS", "DEEPSPEED_FP32_STAGE0",
            "DEEPSPEED_PASSES", "EnginePasses", "EngineTime",
-           "FOREACH_ELEMENTS", "LAUNCH_SECONDS", "OptimizerPass", "optimizer_pass",
+           "FOREACH_ELEMENTS", "LAUNCH_SECONDS", "gemm_seconds", "matmul_rate", "OptimizerPass", "optimizer_pass",
            "SYNC_SECONDS", "engine_time", "parameter_tensors",
            "CALIBRATION_ENV", "CPU_ADAM_PARAMS_PER_S", "Calibration", "ElementwiseRates", "NODE_GPUS",
            "PARTS", "StepTime", "TimeParts", "calibrated_elementwise", "calibrated_rate", "calibration_path",
