@@ -197,7 +197,8 @@ _GB = 1e9
 #: (:func:`memlab.step_time.gemm_seconds`), so small and skinny GEMMs run slower. Each figure,
 #: its source and the published rows it was derived from or only checks, in :data:`RATE_LEDGER`.
 _A100_GEMM = (0.80, "Dao 2023 (FlashAttention-2, arXiv 2307.08691), sec. 1: optimized GEMM reaches "
-                    "up to 80-90% of the A100's peak; the lower end")
+                    "up to 80-90% of the A100's peak; the lower end (that sentence not read in the paper "
+                    "here; its abstract, read, puts FlashAttention-2 at 50-73% of peak, 'close to' GEMM)")
 _H100_RUN = (0.40, "Dubey et al. 2024 (Llama 3), Table 4: 38-43% BF16 MFU on H100 (an end-to-end "
                    "fraction, not a GEMM's: no published H100 GEMM figure read yet)")
 _V100_RUN = (0.30, "Shoeybi et al. 2019 (Megatron-LM), sec. 1: 30% of peak on V100 (end to end), "
