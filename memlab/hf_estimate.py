@@ -505,6 +505,10 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     report.notes.extend(rs.notes)
     if k > 1:
         report.notes.append(f"{k} micro-batches of {batch}: activations of one, gradients held throughout")
+    if ad is not None and full:
+        report.notes.append("LoRA with full checkpointing: the first recomputed layer's backward is the peak, "
+                            "its gradient temporaries approximate (2-20% low against the real step on CPU); "
+                            "memlab simulate --hf-config runs it")
     if s.experts:
         report.notes.append(f"experts: {s.experts} routed, top-{s.top_k}; parameters "
                             f"{s.num_params() / 1e9:.2f}B total, {s.active_params() / 1e9:.2f}B active; "
