@@ -56,22 +56,24 @@ def adam_state_bytes(shapes: Iterable[int], kind: str = "adamw") -> int:
     """Optimizer state bytes of Adam/AdamW over tensors of ``shapes`` (element counts):
     ``"adamw"`` (and ``"paged-adamw"``) two fp32 moments (8 B per parameter); ``"adamw-8bit"``
     (and ``"paged-adamw-8bit"``) bitsandbytes' layout (module doc): per tensor of n >= 4096
-    elements ``2 n`` bytes of moments, ``2 * 4 * ceil(n / 256)`` of block maxima and
-    ``2 * 256 * 4`` of quantisation maps, else fp32; ``"sgd"`` one fp32 momentum. The step
+    elements ``2 n`` bytes of moments and ``2 * 4 * ceil(n / 256)`` of block maxima, else fp32,
+    and the two 256-entry fp32 quantisation maps once (``Optimizer2State.init_state`` gives every
+    state the optimizer's own ``name2qmap`` tensors); ``"sgd"`` one fp32 momentum. The step
     counters (a few bytes per tensor, or none) are not counted. Adafactor needs the matrix
-    shapes: :func:`optimizer_state_of`."""
+    shapes: :func:`adafactor_state_bytes`."""
     if kind not in OPTIMIZER_STATES or kind == "adafactor":
         allowed = ", ".join(k for k in OPTIMIZER_STATES if k != "adafactor")
         raise InputError(f"optimizer state {kind!r} from element counts; allowed: {allowed}")
-    total = 0
+    total, maps = 0, 0
     for n in shapes:
         if kind == "sgd":
             total += 4 * n
         elif kind in ("adamw", "paged-adamw") or n < BNB_MIN_8BIT_SIZE:
             total += 8 * n
         else:
-            total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK) + 2 * 4 * QMAP_ENTRIES
-    return total
+            total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
+            maps = 2 * 4 * QMAP_ENTRIES
+    return total + maps
 
 
 def adafactor_state_bytes(shapes: Iterable[tuple[int, ...]]) -> int:
