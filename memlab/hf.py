@@ -213,7 +213,7 @@ def gpt_config(cfg: dict | str | pathlib.Path, seq: int | None = None) -> GPTCon
                      bias=False, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                      name=name, n_kv_head=cfg.get("num_key_value_heads") or heads,
                      qkv_bias=True if kind == "qwen2" else bool(cfg.get("attention_bias", False)),
-                     rope_theta=float(cfg.get("rope_theta", 10000.0)))
+                     rope_theta=float(10000.0 if cfg.get("rope_theta") is None else cfg["rope_theta"]))
 
 
 def step_config(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",

@@ -122,3 +122,11 @@ def test_simulate_refuses_model_states_over_the_budget():
                          budget="A100-80GB")
     assert rep.fits is False and rep.oom.phase == "build"
     assert rep.peak_bytes == 16 * hf.gpt_config("qwen2.5-7b").num_params()
+
+
+def test_a_rope_theta_left_null_is_transformers_default():
+    """``"rope_theta": null`` (a field written but unset, as the fuzz test found) maps to the
+    default base 10000, as transformers' Llama config fills it, instead of a TypeError."""
+    cfg = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "rope_theta": None}
+    assert hf.gpt_config(cfg).rope_theta == 10000.0
