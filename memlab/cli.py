@@ -606,7 +606,7 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
     if lora is None and (args.lora_rank or args.lora_targets or args.lora_config):
         raise InputError("simulate --hf-config with LoRA spells the adapters out for the families memlab "
                          f"reads: {', '.join(FAMILIES)}")
-    linears = None if shape is None else tuple(dict.fromkeys(k for i in range(shape.n_layer) for k in shape.linears(i)))
+    linears = None if shape is None else shape.linear_names()
     return hf.simulate_hf(args.hf_config, target=target, budget=budget,
                           lora=None if lora is None else lora.peft_kwargs(linears), **kw)
 
@@ -657,7 +657,7 @@ def _hf_estimate(args: argparse.Namespace, budget: int | str | None, target, kw:
 def _hf_lora(args: argparse.Namespace, shape) -> tuple[LoraConfig | None, list[str]]:
     """The LoRA of --lora-config or --lora-rank/--lora-targets/--lora-dropout on a Hugging Face
     decoder (every ``Linear`` of its layers by default, as peft's ``all-linear``)."""
-    names = tuple(dict.fromkeys(k for i in range(shape.n_layer) for k in shape.linears(i)))
+    names = shape.linear_names()
     if args.lora_config is not None:
         if args.lora_rank is not None or args.lora_targets is not None:
             raise InputError("give --lora-config or --lora-rank/--lora-targets, not both")

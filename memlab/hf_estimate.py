@@ -52,7 +52,7 @@ from .errors import InputError
 from .hardware import resolve_budget
 from .hf import check_seq, load_config
 from .hf_shape import DecoderShape, decoder_shape
-from .hf_states import Adapters, adapter_numels, adapters_for, run_states
+from .hf_states import Adapters, adapter_shapes, adapters_for, run_states
 from .policy import op_bytes, precision_bytes, resolve_target, sdpa_backend, sdpa_dtype, sdpa_lse_bytes
 from .policy.kernels import layer_norm_stat_bytes, sdpa_backward_workspace
 from .run import HFRun, LoraConfig, QuantConfig
@@ -354,8 +354,7 @@ def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool
         lin = sum(o * i_ for i in range(L) for ios in s.linears(i).values() for i_, o in ios)
         pre = sum(o * i_ for n_, ios in s.linears(0).items() if n_ in _no_grad_inputs(s, ad) for i_, o in ios)
         base = 0 if ad.quantized else lin - pre
-        cached = sum(r_ * (i_ + o) for i in range(L) for n_, ios in s.linears(i).items()
-                     if n_ in ad.names for i_, o in ios for r_ in (ad.config.rank,))
+        cached = sum(r * c for r, c in adapter_shapes(s, ad))  # the adapters' cached casts
         copies = ((base if not full else 0) * z.c + head_copy + cached * z.c) if z.auto else 0
     embed = (t * D * s.embd_dropout and t * D * _mask_bytes(z, z.r)) if not frozen else 0
     final = _norm(z, s, t, D, z.r, frozen=frozen) + t * D * z.r
@@ -493,7 +492,7 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     if rs.dequantised and not moment.startswith(("end", "optimizer")):
         cats["temporaries"] += rs.dequantised  # MatMul4Bit dequantises its whole weight
     cats = {k: int(round(v)) for k, v in cats.items()}
-    n_adapters = 0 if ad is None else sum(r * c for r, c in adapter_numels(s, ad))
+    n_adapters = 0 if ad is None else sum(r * c for r, c in adapter_shapes(s, ad))
     info = HFRun(s.name, s.num_params() + n_adapters, n_adapters or s.num_params(), seq=seq, batch=batch * k,
                  precision=precision, checkpointing=checkpointing or "none", attention=path, optimizer=optimizer,
                  micro_batches=k, zero=zero, world_size=world_size, offload=offload, expert_parallel=ep,

@@ -192,6 +192,11 @@ class DecoderShape:
             out.update(gate_proj=[(d, f)], up_proj=[(d, f)], down_proj=[(f, d)])
         return out
 
+    def linear_names(self) -> tuple[str, ...]:
+        """Every layer's ``Linear`` module names (:meth:`linears`), in order, each once: what
+        peft's ``all-linear`` adapts on a decoder."""
+        return tuple(dict.fromkeys(k for i in range(self.n_layer) for k in self.linears(i)))
+
     def expert_total(self) -> int:
         """Parameters of all routed experts (what expert parallelism divides)."""
         return len(self.moe_layers) * self.expert_params()

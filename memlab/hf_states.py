@@ -3,7 +3,7 @@
 :func:`run_states` gives the estimate's peak moments (:mod:`memlab.hf_estimate`) their model
 states: :func:`memlab.states.model_states` over what trains (every parameter tensor of the
 class, :meth:`memlab.hf_shape.DecoderShape.param_numels`, or the LoRA adapters of
-:func:`adapter_numels`), a frozen base held beside the adapters in the run's dtype or in
+:func:`adapter_shapes`), a frozen base held beside the adapters in the run's dtype or in
 bitsandbytes' 4-/8-bit layout (:func:`quantized_base_bytes`), and 8-bit, paged or Adafactor
 state as bitsandbytes and transformers allocate it (:mod:`memlab.low_bit`). :class:`Adapters`
 says which modules carry adapters and in which dtype (:func:`adapters_for`).
@@ -45,7 +45,7 @@ def adapters_for(s: DecoderShape, lora: LoraConfig, precision: str, quantized: b
     """The :class:`Adapters` of ``lora`` on ``s``: the target names checked against the layers'
     ``Linear`` modules (``all-linear``: every one), the adapters' element size (fp32 unless
     ``adapter_dtype="base"`` on a 16-bit base)."""
-    names = {k for i in range(s.n_layer) for k in s.linears(i)}
+    names = set(s.linear_names())
     if lora.targets == ALL_LINEAR:
         picked = names
     else:
@@ -59,7 +59,7 @@ def adapters_for(s: DecoderShape, lora: LoraConfig, precision: str, quantized: b
     return Adapters(lora, frozenset(picked), a, quantized)
 
 
-def adapter_numels(s: DecoderShape, ad: Adapters) -> list[tuple[int, int]]:
+def adapter_shapes(s: DecoderShape, ad: Adapters) -> list[tuple[int, int]]:
     """``A`` (r x in) and ``B`` (out x r) of every adapter, as matrices."""
     r = ad.config.rank
     return [m for i in range(s.n_layer) for n, ios in s.linears(i).items() if n in ad.names
@@ -114,7 +114,7 @@ def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, wo
         ms = model_states(s if ep == 1 else int(round(params)), precision=precision, optimizer=base,
                           zero=zero, world_size=world_size, offload=offload, buckets=buckets)
     else:
-        mats = adapter_numels(s, ad)
+        mats = adapter_shapes(s, ad)
         trainable = [r * c for r, c in mats]
         own = precision if (zero or ad.a == 2) else "fp32"  # peft's fp32 adapters outside DeepSpeed
         ms = model_states(sum(trainable), precision=own, optimizer=base, zero=zero, world_size=world_size,
@@ -137,7 +137,7 @@ def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, wo
                      f"parameters of {s.num_params() + n:,}, adapters in {'fp32' if ad.a == 4 else 'bf16'}")
     if low_bit:
         if optimizer == "adafactor":
-            state = adafactor_state_bytes(adapter_numels(s, ad))
+            state = adafactor_state_bytes(adapter_shapes(s, ad))
         else:
             state = adam_state_bytes(trainable, optimizer)
             if optimizer == "paged-adamw" and ad is None and precision == "pure-bf16":
@@ -153,4 +153,4 @@ def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, wo
     return RunStates(inputs, run, host, notes, dequantised)
 
 
-__all__ = ["Adapters", "RunStates", "adapters_for", "adapter_numels", "quantized_base_bytes", "run_states"]
+__all__ = ["Adapters", "RunStates", "adapters_for", "adapter_shapes", "quantized_base_bytes", "run_states"]

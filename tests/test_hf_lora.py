@@ -22,7 +22,7 @@ from memlab.cli import main  # noqa: E402
 from memlab.errors import InputError  # noqa: E402
 from memlab.hf_estimate import estimate_hf  # noqa: E402
 from memlab.hf_shape import decoder_shape  # noqa: E402
-from memlab.hf_states import adapter_numels, adapters_for  # noqa: E402
+from memlab.hf_states import adapter_shapes, adapters_for  # noqa: E402
 from memlab.run import LoraConfig  # noqa: E402
 from memlab.your_model import track_step  # noqa: E402
 
@@ -70,7 +70,7 @@ def test_adapters_are_the_ones_peft_makes(name):
     model, _ = _measured(name, "fp32", 0.0)
     peft = sorted(p.numel() for p in model.parameters() if p.requires_grad)
     s = decoder_shape(CONFIGS[name])
-    ours = sorted(r * c for r, c in adapter_numels(s, adapters_for(s, _lora(name, 0.0), "fp32")))
+    ours = sorted(r * c for r, c in adapter_shapes(s, adapters_for(s, _lora(name, 0.0), "fp32")))
     assert ours == peft
 
 
