@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from .errors import InputError
 from .precision import precision_bytes
 
-__all__ = ["linear_cross_entropy", "plain_linear_cross_entropy", "loss_spike_bytes",
+__all__ = ["chunked_loss_bytes", "linear_cross_entropy", "plain_linear_cross_entropy", "loss_spike_bytes",
            "GradientCheck", "check_linear_cross_entropy"]
 
 
@@ -167,6 +167,49 @@ def loss_spike_bytes(tokens: int, vocab: int, precision: str = "fp32") -> int:
     A lower bound of what chunking saves at a peak inside the loss."""
     param, logits, _ = precision_bytes(precision)
     return tokens * vocab * (logits + param)  # the log-softmax is in the weights' dtype
+
+
+def chunked_loss_bytes(vocab: int, d_model: int, chunk: int, tokens: int, *, compute: int, hidden: int,
+                       weight: int, head_grad: bool = True) -> dict[str, dict[str, float]]:
+    """Bytes :func:`linear_cross_entropy` holds beyond the activations at its two largest
+    moments, by category, read off its code: with ``c`` the head matmul's element size
+    (``compute``: the autocast dtype, else the hidden states'), ``H`` the hidden states'
+    (``hidden``), ``W`` the weight's (``weight``) and ``n = min(chunk, tokens)`` rows per chunk:
+
+    * forward, at a chunk's upcast: the hidden states passed in (``tH``, when ``h`` is a cast
+      copy of them), the cast head weight (``VdC`` unless ``W = c``), one chunk of logits and
+      its fp32 copy (``nV(c + 4)``, or ``4nV`` in fp32) and a float per token;
+    * backward: the weight's gradient (``VdW``, category gradients), the hidden states'
+      gradient (``tdH``), the cast weight, and a chunk's logits being turned into their
+      gradient (``nV(c + 4)`` at the casts, or a chunk and the ``V x d`` product of its
+      gradient with the hidden states, whichever is larger), plus 12 bytes per token.
+
+    The plain loss's ``t x V`` tensors (:func:`memlab.policy.cross_entropy_moments`) never
+    exist: the saving is the loss spike, at the price of the head matmul run twice.
+    ``head_grad=False`` (a frozen head, as under LoRA): backward makes no weight gradient and
+    no ``V x d`` product (``needs_input_grad[1]`` is false); a chunk's logits and their
+    ``n x d`` product with the weight remain.
+
+    Args:
+        vocab, d_model: the head's shape; chunk: rows per chunk; tokens: rows of the step.
+        compute, hidden, weight: element sizes in bytes (above).
+        head_grad: whether the head weight trains.
+
+    Returns:
+        ``{"chunked loss forward": {...}, "chunked loss backward": {...}}``: bytes by category.
+    """
+    v, dm, c, hid, w = vocab, d_model, compute, hidden, weight
+    n = min(chunk, tokens)
+    cast_hidden = tokens * dm * hid if hid != c else 0
+    cast_weight = v * dm * c if w != c else 0
+    logits = n * v * (c + 4) if c != 4 else 4 * n * v
+    if not head_grad:  # a chunk's logits turned into their gradient, then its product with the weight
+        back = max(logits, n * v * c + n * dm * c) if c != 4 else 4 * n * v + 4 * n * dm
+    else:
+        back = max(logits, n * v * c + v * dm * c) if c != 4 else 4 * n * v + 4 * v * dm
+    return {"chunked loss forward": dict(temporaries=cast_hidden + cast_weight + logits + 4 * tokens),
+            "chunked loss backward": dict(gradients=v * dm * w if head_grad else 0,
+                                          temporaries=cast_weight + tokens * dm * hid + back + 12 * tokens)}
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from .errors import InputError
 from .estimate import estimate_step
 from .guard import HostMemoryError
 from .hardware import GPU_PRESETS, resolve_budget
+from .hf import HF_LOSSES
 from .hf_config_check import check_config
 from .hf_estimate import estimate_hf
 from .hf_measure import measure_hf
@@ -73,6 +74,11 @@ def _add_run_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-dropout", type=float, default=0.0,
                    help="LoRA dropout (--hf-config): each adapter keeps a mask and a dropped copy of its input")
     p.add_argument("--lora-config", default=None, metavar="FILE", help="peft's adapter_config.json")
+    p.add_argument("--loss", choices=HF_LOSSES, default="transformers",
+                   help="--hf-config: the class's own loss (fp32 logits) or memlab's chunked linear "
+                        "cross-entropy (no logits)")
+    p.add_argument("--loss-chunk", type=_positive_int("loss-chunk"), default=1024,
+                   help="tokens per chunk of --loss chunked")
     p.add_argument("--load-in-4bit", action="store_true",
                    help="bitsandbytes NF4 base weights (blocks of 64, double quantization): QLoRA")
     p.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes int8 base weights")
@@ -555,6 +561,9 @@ def run(args: argparse.Namespace) -> Result:
     # --hf-config: the config.json describes the model, so memlab's preset is not built (its
     # block size would bound --seq); the context is the HF model's own (memlab.hf.check_seq)
     step = step_from_args(args) if getattr(args, "hf_config", None) is None else None
+    if step is not None and getattr(args, "loss", "transformers") != "transformers":
+        raise InputError(f"--loss {args.loss} is a Hugging Face model's (give --hf-config); memlab's own "
+                         f"GPT takes its loss from its config (GPTConfig.loss)")
     budget = _budget(args)
     if args.command in ("estimate", "simulate"):
         get_target(args.target)  # a bad --target is a usage error before any work
@@ -608,7 +617,8 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
                          f"reads: {', '.join(FAMILIES)}")
     linears = None if shape is None else shape.linear_names()
     return hf.simulate_hf(args.hf_config, target=target, budget=budget,
-                          lora=None if lora is None else lora.peft_kwargs(linears), **kw)
+                          lora=None if lora is None else lora.peft_kwargs(linears),
+                          loss=args.loss, loss_chunk=args.loss_chunk, **kw)
 
 
 def _beyond_lora(args: argparse.Namespace) -> bool:
@@ -649,7 +659,8 @@ def _hf_estimate(args: argparse.Namespace, budget: int | str | None, target, kw:
     optimizer = low_bit.HF_OPTIMIZERS.get(args.optimizer, args.optimizer)
     report = estimate_hf(args.hf_config, budget=budget, target=target, expert_parallel=args.expert_parallel,
                          imbalance=args.expert_imbalance, optimizer=optimizer,
-                         lora=lora, quantization=quant, buckets=buckets, **run, **kw)
+                         lora=lora, quantization=quant, buckets=buckets, loss=args.loss,
+                         loss_chunk=args.loss_chunk, **run, **kw)
     report.notes.extend(notes + lora_notes)
     return report
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .cards import Card
+from .chunked_loss import chunked_loss_bytes
 from .errors import InputError
 from .hardware import resolve_budget
 from .models import GPTConfig, UNet, UNetConfig
@@ -220,41 +221,16 @@ def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
 
 def chunked_loss_moments(cfg: GPTConfig, tokens: int, precision: str,
                          target: str = "cpu", head_grad: bool = True) -> dict[str, dict[str, float]]:
-    """Bytes :func:`memlab.chunked_loss.linear_cross_entropy` holds beyond the activations
-    at its two largest moments, by category, read off its code: with ``c`` the head matmul's
-    element size (the autocast dtype, else the hidden states'), ``H`` the hidden states',
-    ``W`` the weight's and ``n = min(loss_chunk, tokens)`` rows per chunk:
+    """:func:`memlab.chunked_loss.chunked_loss_bytes` of memlab's GPT under ``precision`` on
+    ``target``: the head matmul in the compute dtype, the hidden states in the residual's,
+    the weight in the parameters'; ``cfg.loss_chunk`` rows per chunk.
 
-    * forward, at a chunk's upcast: the hidden states passed in (``tH``, when ``h`` is a cast
-      copy of them), the cast head weight (``VdC`` unless ``W = c``), one chunk of logits and
-      its fp32 copy (``nV(c + 4)``, or ``4nV`` in fp32) and a float per token;
-    * backward: the weight's gradient (``VdW``, category gradients), the hidden states'
-      gradient (``tdH``), the cast weight, and a chunk's logits being turned into their
-      gradient (``nV(c + 4)`` at the casts, or a chunk and the ``V x d`` product of its
-      gradient with the hidden states, whichever is larger), plus 12 bytes per token.
-
-    The plain loss's ``t x V`` tensors (:func:`memlab.policy.cross_entropy_moments`) never
-    exist: the saving is the loss spike, at the price of the head matmul run twice.
-
-    ``head_grad=False`` (a frozen head, as under LoRA): backward makes no weight gradient and
-    no ``V x d`` product (``needs_input_grad[1]`` is false); a chunk's logits and their
-    ``n x d`` product with the weight remain.
+    Returns:
+        ``{"chunked loss forward": {...}, "chunked loss backward": {...}}`` bytes by category.
     """
     d = dtypes(precision, target)
-    v, dm = cfg.vocab_size, cfg.d_model
-    c, hid, w = d.compute, d.residual, d.param
-    n = min(cfg.loss_chunk, tokens)
-    hidden = tokens * dm * hid if hid != c else 0
-    weight = v * dm * c if w != c else 0
-    logits = n * v * (c + 4) if c != 4 else 4 * n * v
-    if not head_grad:  # a chunk's logits turned into their gradient, then its product with the weight
-        back = max(logits, n * v * c + n * dm * c) if c != 4 else 4 * n * v + 4 * n * dm
-    else:
-        back = max(logits, n * v * c + v * dm * c) if c != 4 else 4 * n * v + 4 * v * dm
-    return {"chunked loss forward": dict(temporaries=hidden + weight + logits + 4 * tokens),
-            "chunked loss backward": dict(gradients=v * dm * w if head_grad else 0,
-                                          temporaries=weight + tokens * dm * hid + back
-                                          + 12 * tokens)}
+    return chunked_loss_bytes(cfg.vocab_size, cfg.d_model, cfg.loss_chunk, tokens, compute=d.compute,
+                              hidden=d.residual, weight=d.param, head_grad=head_grad)
 
 
 def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],

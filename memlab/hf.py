@@ -30,6 +30,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .chunked_loss import linear_cross_entropy
 from .errors import InputError
 from .hf_config_check import check_config
 from .models import GPTConfig
@@ -320,17 +321,40 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
     return build
 
 
-def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | None = None) -> Callable:
-    """A ``step_fn(model, optimizer)``: random tokens, ``model(input_ids, labels).loss`` under
-    the precision's autocast (on the model's device type), backward, step, zero_grad."""
+#: the losses a Hugging Face step computes (:func:`causal_lm_step`): the class's own, and memlab's
+#: chunked linear cross-entropy
+HF_LOSSES = ("transformers", "chunked")
+
+
+def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | None = None, *,
+                   loss: str = "transformers", loss_chunk: int = 1024) -> Callable:
+    """A ``step_fn(model, optimizer)``: random tokens, the loss under the precision's autocast
+    (on the model's device type), backward, step, zero_grad.
+
+    ``loss="transformers"``: ``model(input_ids, labels).loss``, the class's own (its logits
+    upcast to fp32). ``loss="chunked"``: the decoder's final hidden states and the head's
+    weight into :func:`memlab.chunked_loss.linear_cross_entropy` (``loss_chunk`` tokens at a
+    time), each token predicting the next one (the last wraps to the first: random tokens, the
+    same bytes), as a training loop that never makes the logits writes it.
+
+    Raises:
+        InputError: a ``loss`` not in :data:`HF_LOSSES`.
+    """
+    if loss not in HF_LOSSES:
+        raise InputError(f"loss={loss!r}; allowed: {', '.join(HF_LOSSES)}")
 
     def step(model, optimizer):
         device = next(model.parameters()).device
         v = vocab or model.config.vocab_size
         ids = torch.randint(0, v, (batch, seq), device=device)
         with autocast_for(precision, device):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+            if loss == "chunked":
+                hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+                out = linear_cross_entropy(hidden.flatten(0, 1), model.get_output_embeddings().weight,
+                                           ids.roll(-1, dims=1).flatten(), chunk_size=loss_chunk)
+            else:
+                out = model(input_ids=ids, labels=ids).loss
+        out.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
@@ -339,8 +363,9 @@ def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | N
 def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
                 checkpointing: str | None = None, attention: str | None = None,
                 target: str = "cuda", budget: int | str | None = None,
-                lora: dict | None = None) -> MemoryReport:
-    """One training step of the HF model of ``cfg`` on fake tensors (:func:`simulate_model`)."""
+                lora: dict | None = None, loss: str = "transformers", loss_chunk: int = 1024) -> MemoryReport:
+    """One training step of the HF model of ``cfg`` on fake tensors (:func:`simulate_model`);
+    ``loss`` and ``loss_chunk`` as :func:`causal_lm_step`."""
     if precision not in PRECISIONS or precision == "fp16":
         raise InputError(f"precision={precision!r} for a Hugging Face step; allowed: fp32, bf16, "
                          f"pure-bf16")
@@ -349,7 +374,8 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     with fake_grouped_mm():
         report = simulate_model(build_fn(d, precision=precision, checkpointing=checkpointing,
                                          attention=attention, lora=lora),
-                                causal_lm_step(seq, batch, precision), target=target, budget=budget,
+                                causal_lm_step(seq, batch, precision, loss=loss, loss_chunk=loss_chunk),
+                                target=target, budget=budget,
                                 seq=seq, batch=batch, precision=precision,
                                 checkpointing=checkpointing or "none")
     if is_moe(d):
@@ -358,7 +384,7 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     return report
 
 
-__all__ = ["SUPPORTED", "SHIPPED", "HF_CHECKPOINTING", "ROUTING_NOTE", "shipped_config", "load_config",
+__all__ = ["SUPPORTED", "SHIPPED", "HF_CHECKPOINTING", "HF_LOSSES", "ROUTING_NOTE", "shipped_config", "load_config",
            "rope_parameters", "context_length", "check_seq", "is_moe", "fake_grouped_mm", "attn_implementation",
            "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "add_lora", "peft_model",
            "build_fn", "causal_lm_step", "simulate_hf"]

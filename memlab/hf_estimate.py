@@ -48,9 +48,10 @@ from __future__ import annotations
 import pathlib
 from dataclasses import dataclass
 
+from .chunked_loss import chunked_loss_bytes
 from .errors import InputError
 from .hardware import resolve_budget
-from .hf import check_seq, load_config
+from .hf import HF_LOSSES, check_seq, load_config
 from .hf_shape import DecoderShape, decoder_shape
 from .hf_states import Adapters, adapter_shapes, adapters_for, run_states
 from .policy import op_bytes, precision_bytes, resolve_target, sdpa_backend, sdpa_dtype, sdpa_lse_bytes
@@ -337,9 +338,11 @@ def moe_activations(s: DecoderShape, z: Sizes, t: int, normed: int, ep: int = 1,
 
 def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool, params: float,
           ep: int = 1, imbalance: float = 1.0,
-          adapters: Adapters | None = None) -> tuple[float, list[float], float, float]:
+          adapters: Adapters | None = None, chunked: bool = False) -> tuple[float, list[float], float, float]:
     """Activations alive when the forward reaches the loss (before its log-softmax), each
-    layer's, the embedding's, and the weights autocast casts (per rank of ``ep``)."""
+    layer's, the embedding's, and the weights autocast casts (per rank of ``ep``). Under the
+    chunked loss (``chunked``) the head is no ``Linear``: it saves the final hidden states as
+    they are and a log-sum-exp per token, no cast input and no cast weight."""
     t, V, D, L = seq * batch, s.vocab, s.d, s.n_layer
     ad = adapters
     frozen = ad is not None
@@ -347,7 +350,7 @@ def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool
               for i in range(L)]
     # autocast's weight casts (saved by each linear; the experts' grouped GEMMs are not cast)
     dense_w = params - s.vocab * D * (1 + (not s.tied)) - s.positions * D - (s.expert_total() / ep)
-    head_copy = V * D * z.c if z.auto else 0
+    head_copy = V * D * z.c if z.auto and not chunked else 0
     if not frozen:
         copies = (dense_w * z.c if z.auto and not full else 0) + head_copy
     else:  # frozen weights are cast at every use, kept where the input needs a gradient
@@ -358,7 +361,8 @@ def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool
         copies = ((base if not full else 0) * z.c + head_copy + cached * z.c) if z.auto else 0
     embed = (t * D * s.embd_dropout and t * D * _mask_bytes(z, z.r)) if not frozen else 0
     final = _norm(z, s, t, D, z.r, frozen=frozen) + t * D * z.r
-    head_in = 0 if frozen else (_linear_inputs(z, t, D, 1, z.r) or t * D * z.r)
+    head_in = 0 if frozen or chunked else (_linear_inputs(z, t, D, 1, z.r) or t * D * z.r)
+    head_in += 4 * t if chunked else 0  # linear_cross_entropy's log-sum-exp
     # the token ids the embedding keeps (for its weight's gradient); the rotary table the first layer's rope keeps
     rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
     head_in += (0 if frozen else 8 * t) + 4 * t * rope
@@ -387,6 +391,30 @@ def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int,
               precision=precision)
     path = attention_path(s, z, batch, seq, attention)
     return int(round(_kept(s, z, batch, seq, path, checkpointing == "full", s.num_params())[0]))
+
+
+#: tokens x hidden fp32 tensors alive at the peak of a Python RMSNorm's backward, read off the
+#: classes' code (``transformers`` 5, ``modeling_llama.py`` ``LlamaRMSNorm.forward``: ``x.float()``,
+#: ``pow(2).mean(-1)``, ``x * rsqrt(var + eps)``, ``weight * x``): in ``PowBackward0`` the incoming
+#: gradient, the ``x * rsqrt`` branch's input gradient, ``MeanBackward0``'s expanded gradient,
+#: ``2 * x`` and their product: 5. Gemma's ``x * (1 + weight.float())`` adds its fp32 factor's
+#: product and gradient: 7.
+NORM_BACKWARD_TEMPORARIES = {"rms": 5, "gemma": 7}
+def check_loss(s: DecoderShape, loss: str, chunk: int) -> None:
+    """Refuse a loss :func:`estimate_hf` does not count on ``s``.
+
+    Raises:
+        InputError: ``loss`` not in :data:`HF_LOSSES`, a chunk that is not a positive integer,
+            or the chunked loss on a model whose logits are soft-capped (the head is then no
+            plain linear layer).
+    """
+    if loss not in HF_LOSSES:
+        raise InputError(f"loss={loss!r}; allowed: {', '.join(HF_LOSSES)}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise InputError(f"loss_chunk={chunk!r}; allowed: a positive integer")
+    if loss == "chunked" and s.final_softcap:
+        raise InputError(f"loss='chunked' on {s.model_type}: its logits are soft-capped "
+                         f"(final_logit_softcapping={s.final_softcap}); allowed: loss='transformers'")
 
 
 def _check_run(s: DecoderShape, *, precision: str, checkpointing: str | None, attention: str | None,
@@ -424,7 +452,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                 expert_parallel: int = 1, imbalance: float = 1.0, optimizer: str = "adamw",
                 zero: int = 0, world_size: int = 1, offload: str = "none",
                 micro_batches: int = 1, lora: LoraConfig | None = None,
-                quantization: QuantConfig | None = None, buckets: ZeroBuckets | None = None) -> MemoryReport:
+                quantization: QuantConfig | None = None, buckets: ZeroBuckets | None = None,
+                loss: str = "transformers", loss_chunk: int = 1024) -> MemoryReport:
     """Closed-form peak bytes of one training step of the HF decoder of ``cfg``, per rank.
 
     Args:
@@ -447,6 +476,10 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
         lora: LoRA adapters (:class:`memlab.run.LoraConfig`) on a frozen base (:class:`Adapters`).
         quantization: the base in 4 or 8 bits (:class:`memlab.run.QuantConfig`; needs ``lora``).
         buckets: DeepSpeed's buffer sizes as a run's config sets them (:class:`memlab.states.ZeroBuckets`).
+        loss: ``transformers`` (the class's own loss: the logits upcast to fp32, then
+            cross-entropy) or ``chunked`` (the final hidden states and the head's weight into
+            :func:`memlab.chunked_loss.linear_cross_entropy`, ``loss_chunk`` tokens at a time:
+            :data:`HF_LOSSES`).
 
     Returns:
         A :class:`MemoryReport` (lens ``estimate``) per rank.
@@ -458,6 +491,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     _check_run(s, precision=precision, checkpointing=checkpointing, attention=attention, ep=ep,
                imbalance=imbalance, zero=zero, world_size=world_size, offload=offload,
                micro_batches=micro_batches, batch=batch, lora=lora)
+    check_loss(s, loss, loss_chunk)
+    chunked = loss == "chunked"
     tgt = resolve_target(target, budget, card)
     ad = None if lora is None else adapters_for(s, lora, precision, quantization is not None)
     rs = run_states(s, precision=precision, optimizer=optimizer, zero=zero, world_size=world_size,
@@ -479,10 +514,10 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     head_grad = min(G, V * D * z.w * (not s.tied) / (world_size if zero >= 2 else 1)) if trains_base else 0.0
     full = checkpointing == "full"
     params = s.num_params() - s.expert_total() * (1 - 1 / ep)
-    A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance, ad)
+    A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance, ad, chunked)
     moment, best = _peak_moment(s, z, t, A=A, layers=layers, embed=embed, dense_w=dense_w, G=G, G_prev=G_prev,
                                 held=held, late=late, head_grad=head_grad, gathered=gathered, scratch=scratch,
-                                full=full, trains_base=trains_base)
+                                full=full, trains_base=trains_base, chunk=loss_chunk if chunked else None)
     cats = dict.fromkeys(CATEGORIES, 0.0)
     cats.update(parameters=P, optimizer=opt, other=16 * t, workspace=tgt.resident_workspace(), **best)
     if tgt.is_cuda and not moment.startswith(("end", "optimizer")):
@@ -496,7 +531,7 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     info = HFRun(s.name, s.num_params() + n_adapters, n_adapters or s.num_params(), seq=seq, batch=batch * k,
                  precision=precision, checkpointing=checkpointing or "none", attention=path, optimizer=optimizer,
                  micro_batches=k, zero=zero, world_size=world_size, offload=offload, expert_parallel=ep,
-                 lora=lora, quantization=quantization)
+                 lora=lora, quantization=quantization, loss=loss)
     host = {c: int(round(rs.host.get(c, 0.0))) for c in CATEGORIES}
     report = MemoryReport("estimate", info, f"formula ({tgt.name})", sum(cats.values()), cats,
                           resolve_budget(budget), None, host_bytes=sum(host.values()), host_by_category=host)
@@ -520,9 +555,11 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
 
 def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,
                  dense_w: float, G: float, G_prev: float, held: float, late: float, head_grad: float,
-                 gathered: float, scratch: float, full: bool, trains_base: bool) -> tuple[str, dict]:
+                 gathered: float, scratch: float, full: bool, trains_base: bool,
+                 chunk: int | None = None) -> tuple[str, dict]:
     """The moment of the step whose bytes are largest, and its categories: the loss
-    (HF's ``ForCausalMLoss``: ``logits.float()``, then cross-entropy in fp32), the head's
+    (HF's ``ForCausalMLoss``: ``logits.float()``, then cross-entropy in fp32; or, with a
+    ``chunk``, :func:`memlab.chunked_loss.chunked_loss_bytes`' two moments), the head's
     backward, the end of backward, the optimizer step, a recomputed layer (the last one, layer 0,
     with nearly every gradient; under LoRA, whose gradients are small, the first one, with every
     layer's checkpointed input still held)."""
@@ -538,6 +575,21 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
          "end of backward": dict(gradients=G + held,
                                  temporaries=(2 * V * D * z.w if trains_base and s.tied else 0) + t * D * z.r),
          "optimizer step": dict(gradients=G + held, temporaries=scratch)}
+    if chunk is not None:  # no logits: the chunked loss's own moments replace the loss and the head's
+        for key in ("loss forward", "log-softmax backward", "head backward"):
+            del m[key]
+        loss = chunked_loss_bytes(V, D, chunk, t, compute=z.c, hidden=z.r, weight=z.w, head_grad=trains_base)
+        m["chunked loss forward"] = dict(activations=A, gradients=G_prev + held,
+                                         temporaries=loss["chunked loss forward"]["temporaries"] + gathered)
+        grad_w = max(G_prev, head_grad + late) if trains_base and not s.tied else G_prev
+        m["chunked loss backward"] = dict(activations=A, gradients=grad_w + held + (
+            loss["chunked loss backward"]["gradients"] if trains_base and s.tied else 0),
+            temporaries=loss["chunked loss backward"]["temporaries"] + gathered)
+        if s.norm in NORM_BACKWARD_TEMPORARIES:  # with no logits, the final norm's backward can be the peak
+            m["final norm backward"] = dict(
+                activations=A - 4 * t, gradients=grad_w + held + D * z.w * trains_base + (
+                    loss["chunked loss backward"]["gradients"] if trains_base and s.tied else 0),
+                temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered)
     if full and not trains_base:  # LoRA: the gradients are small, the first recomputed layer is the peak
         rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
         m["recomputed layer"] = dict(activations=embed + L * t * D * z.r + 4 * t * rope + layers[-1],
@@ -549,5 +601,5 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     return max(m.items(), key=lambda kv: sum(kv[1].values()))
 
 
-__all__ = ["HF_CHECKPOINTING", "Sizes", "adapter_saved", "attention_path", "forward_activations",
-           "layer_activations", "moe_activations", "estimate_hf"]
+__all__ = ["HF_CHECKPOINTING", "NORM_BACKWARD_TEMPORARIES", "check_loss", "Sizes", "adapter_saved",
+           "attention_path", "forward_activations", "layer_activations", "moe_activations", "estimate_hf"]

@@ -1,45 +1,47 @@
 """OOM now: the ladder a practitioner climbs for a fine-tune that does not fit, rung by rung.
 
-Each rung adds one fix to the rung before it and is measured by the estimate lens on a
-shipped Hugging Face config and a card profile (:mod:`memlab.cards`): the config is mapped
-onto memlab's GPT (:func:`memlab.hf.step_config`), as ``memlab estimate --hf-config`` does for
-every flag past a plain step, and estimated by :func:`memlab.estimate_step` or, for the
-optimizer, LoRA and QLoRA rungs, :func:`memlab.finetune.estimate_finetune`. The rungs, in the
-order :data:`RUNGS` gives with the lesson that explains each:
+Each rung adds one fix to the rung before it and is measured by the one estimate of a Hugging
+Face run (:func:`memlab.hf_estimate.estimate_hf`: the real class, its loss as ``transformers``
+computes it, LoRA and QLoRA as peft and bitsandbytes build them, DeepSpeed's layout) on a
+shipped config and a card profile (:mod:`memlab.cards`). The rungs, in the order :data:`RUNGS`
+gives with the lesson that explains each, by the lesson's own rule: what costs only time comes
+before what changes the training:
 
 0. the baseline: ``batch`` sequences in one micro-batch, bf16 autocast on fp32 weights, AdamW;
 1. micro-batch 1 and ``batch`` accumulation steps (06): the same tokens per optimizer step;
 2. full activation checkpointing (05): one block's activations at a time, its forward re-run;
-3. pure bf16 weights (04): 2 + 2 + 4 bytes per parameter instead of 4 + 4 + 8;
-4. 8-bit AdamW (bitsandbytes ``AdamW8bit``, 03): one byte per moment;
-5. LoRA on every projection (03): gradients and optimizer state for the adapters only;
-6. QLoRA (03): the frozen base in NF4 (about half a byte per weight);
-7. the chunked loss (07): no ``tokens x vocab`` logits;
+3. the chunked loss (07): no ``tokens x vocab`` logits, the head matmul run twice;
+4. pure bf16 weights (04): 2 + 2 + 4 bytes per parameter instead of 4 + 4 + 8;
+5. 8-bit AdamW (bitsandbytes ``AdamW8bit``, 03): one byte per moment;
+6. LoRA on every ``Linear`` of the layers (03, peft's ``all-linear``): gradients and optimizer
+   state for the adapters only;
+7. QLoRA (03): the frozen base in NF4 (about half a byte per weight);
 8. packing (06): the same peak; more real tokens per step (:class:`PackingGain`);
 9. ZeRO-3 over N ranks (10: the fewest of :data:`SHARD_RANKS` that fit), and 10. offload to
-   the host (11: the fewest ranks, one first, that fit), on the *full fine-tune*:
-   memlab's estimate does not combine ZeRO with bitsandbytes' 8-bit state or 4-bit weights
-   (:func:`memlab.finetune.estimate_finetune` refuses), so these two rungs keep every weight
-   trainable: rungs 1-3, 7 and 8 under DeepSpeed's 2 + 2 + 12 bytes divided over N.
+   the host (11: the fewest ranks, one first, that fit), on the *full fine-tune*: rungs 1-3 and
+   8 under DeepSpeed's bf16 (2 + 2 + 12 bytes a parameter divided over N), every weight
+   trainable.
 
 Time is the step-time lens (:func:`memlab.step_time.step_time`) on the card: seconds of one
 rank's optimizer step, LoRA's FLOPs counted by :func:`memlab.flops.gpt_step_flops` with the
-adapters. Not in that lens: QLoRA's dequantisation of each weight in forward and backward,
-and the chunked loss's recomputed logits under LoRA.
+adapters. The time lens reads memlab's GPT of the config's shapes (:func:`memlab.hf.step_config`;
+a family without one has no time); not in it: QLoRA's dequantisation of each weight in forward
+and backward, and the chunked loss's recomputed logits under LoRA.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from .batching import fixed_batches, packed_batches, sample_lengths
 from .cards import Card, get_card
 from .errors import InputError
-from .estimate import estimate_step
-from .finetune import estimate_finetune, lora_params
 from .flops import gpt_step_flops
-from .hf import load_config, step_config
+from .hf import load_config, maps_to_gpt, step_config
 from .hf_estimate import estimate_hf
+from .hf_shape import decoder_shape
+from .hf_states import adapter_shapes, adapters_for
+from .run import ALL_LINEAR, LoraConfig, QuantConfig
 from .run_config import lora_targets_for
 from .step import MemoryReport, StepConfig
 from .step_time import report_time, step_time
@@ -67,11 +69,11 @@ RUNGS: tuple[Rung, ...] = (
     Rung("baseline", "micro-batch = batch, bf16 autocast, AdamW", "03", "-"),
     Rung("accumulation", "micro-batch 1 + accumulation", "06", "the same tokens per update in smaller matmuls"),
     Rung("checkpointing", "+ full activation checkpointing", "05", "time: each block's forward re-run"),
+    Rung("chunked-loss", "+ chunked loss", "07", "time: the head matmul run twice"),
     Rung("pure-bf16", "+ pure bf16 weights", "04", "quality: bf16 updates round small steps away"),
     Rung("adamw-8bit", "+ 8-bit AdamW", "03", "moments kept in 8 bits, blockwise (bitsandbytes, CUDA)"),
     Rung("lora", "+ LoRA on every projection", "03", "quality: a low-rank update of a frozen model"),
     Rung("qlora", "+ QLoRA (NF4 base)", "03", "quality: base rounded to 4 bits; time: dequantised per matmul"),
-    Rung("chunked-loss", "+ chunked loss", "07", "time: the head matmul run twice"),
     Rung("packing", "+ packing", "06", "samples must not attend to each other: block-diagonal mask or varlen"),
     Rung("zero-3", "full fine-tune: ZeRO-3 / FSDP over N", "10", "N cards; time: all-gathers each step", "full"),
     Rung("offload", "full fine-tune: ZeRO-3 + offload to host", "11", "host memory; time: PCIe and the host's Adam",
@@ -143,6 +145,7 @@ class RungResult:
     tokens: float
     trainable: int
     note: str = ""
+    report: MemoryReport | None = field(default=None, compare=False, repr=False)
 
     @property
     def peak_gib(self) -> float:
@@ -156,12 +159,10 @@ class RungResult:
 
 @dataclass(frozen=True)
 class CardLadder:
-    """Every rung on one card, and the HF lens's (:func:`memlab.hf_estimate.estimate_hf`)
-    reading of the baseline beside the mapped GPT's."""
+    """Every rung on one card."""
 
     card: Card
     results: tuple[RungResult, ...]
-    hf_baseline_bytes: int
 
     def first_fit(self, track: str = "adapters") -> RungResult | None:
         """The first rung of ``track`` whose peak fits the card (``None``: none does)."""
@@ -216,73 +217,87 @@ class Ladder:
         return "\n".join(lines)
 
 
+def _time_step(cfg: str, seq: int, batch: int, run: dict) -> StepConfig | None:
+    """The step the time lens times for one rung: memlab's GPT of the config's shapes
+    (:func:`memlab.hf.step_config`; the step-time lens reads memlab's GPT), ``None`` for a
+    family it has no GPT of."""
+    if not maps_to_gpt(cfg):
+        return None
+    step = step_config(cfg, seq=seq, batch=batch, precision=run.get("precision", "bf16"),
+                       checkpointing=run.get("checkpointing"))
+    step = replace(step, micro_batches=run.get("micro_batches", 1), zero=run.get("zero", 0),
+                   world_size=run.get("world_size", 1), offload=run.get("offload", "none"))
+    if run.get("loss") == "chunked":
+        step = replace(step, model=replace(step.model_config, loss="chunked"))
+    return step
+
+
 def _card_ladder(cfg: str, card: Card, seq: int, batch: int, rank: int, gain: PackingGain,
                  shard_ranks: Sequence[int]) -> CardLadder:
     """Every rung of :data:`RUNGS` on ``card`` (module doc)."""
     name = card.name
-    base = step_config(cfg, seq=seq, batch=batch, precision="bf16")
-    targets = lora_targets_for(base.model_config)
+    shape = decoder_shape(cfg)
+    lora_cfg = LoraConfig(rank=rank, targets=ALL_LINEAR)
     unpacked, packed = batch * gain.tokens_per_row_padded, batch * gain.tokens_per_row_packed
+    full = shape.num_params()
+    adapters = sum(r * c for r, c in adapter_shapes(shape, adapters_for(shape, lora_cfg, "pure-bf16")))
 
-    def seconds(step: StepConfig, lora: bool) -> float | None:
-        if not lora:
+    def seconds(run: dict) -> float | None:
+        step = _time_step(cfg, seq, batch, run)
+        if step is None:
+            return None
+        if run.get("lora") is None:
             return report_time(step, card).seconds
-        flops = gpt_step_flops(step.model_config, step.seq, step.batch, lora_rank=rank, lora_targets=targets)
+        flops = gpt_step_flops(step.model_config, step.seq, step.batch, lora_rank=rank,
+                               lora_targets=lora_targets_for(step.model_config))
         try:
             return step_time(step, card, flops=flops).seconds
         except InputError:  # a card without speeds
             return None
 
-    full, adapters = base.model_config.num_params(), lora_params(base.model_config, rank, targets)
-
-    def result(rung: Rung, rep: MemoryReport, step: StepConfig, lora: bool = False, note: str = "",
-               real_tokens: float = unpacked) -> RungResult:
+    def result(rung: Rung, run: dict, note: str = "", real_tokens: float = unpacked) -> RungResult:
+        rep = estimate_hf(cfg, seq=seq, batch=batch, budget=name, target="cuda", **run)
+        lora = run.get("lora") is not None
         return RungResult(rung, name, rep.peak_bytes, rep.peak_bytes <= card.memory, rep.host_bytes,
-                          seconds(step, lora), step.world_size, real_tokens,
-                          adapters if lora else full, note)
+                          seconds(run), run.get("world_size", 1), real_tokens, adapters if lora else full,
+                          note, rep)
 
-    out = []
     rungs = {r.key: r for r in RUNGS}
-    est = dict(budget=name, target="cuda")
-    out.append(result(rungs["baseline"], estimate_step(base, **est), base))
-    s1 = replace(base, micro_batches=batch)
-    out.append(result(rungs["accumulation"], estimate_step(s1, **est), s1))
-    s2 = replace(s1, checkpointing="full")
-    out.append(result(rungs["checkpointing"], estimate_step(s2, **est), s2))
-    s3 = replace(s2, precision="pure-bf16")
-    out.append(result(rungs["pure-bf16"], estimate_step(s3, **est), s3))
-    paged = estimate_finetune(s3, optimizer="paged-adamw-8bit", **est)
-    out.append(result(rungs["adamw-8bit"], estimate_finetune(s3, optimizer="adamw-8bit", **est), s3,
+    runs: dict[str, dict] = {"baseline": dict(precision="bf16")}
+    runs["accumulation"] = dict(runs["baseline"], micro_batches=batch)
+    runs["checkpointing"] = dict(runs["accumulation"], checkpointing="full")
+    runs["chunked-loss"] = dict(runs["checkpointing"], loss="chunked")
+    runs["pure-bf16"] = dict(runs["chunked-loss"], precision="pure-bf16")
+    runs["adamw-8bit"] = dict(runs["pure-bf16"], optimizer="adamw-8bit")
+    runs["lora"] = dict(runs["adamw-8bit"], lora=lora_cfg)
+    runs["qlora"] = dict(runs["lora"], quantization=QuantConfig(bits=4))
+    out = [result(rungs[k], runs[k]) for k in ("baseline", "accumulation", "checkpointing", "chunked-loss",
+                                               "pure-bf16")]
+    paged = estimate_hf(cfg, seq=seq, batch=batch, budget=name, target="cuda",
+                        **dict(runs["pure-bf16"], optimizer="paged-adamw-8bit"))
+    out.append(result(rungs["adamw-8bit"], runs["adamw-8bit"],
                       note=f"paged 8-bit: {paged.peak_bytes / 2**30:.1f} GiB on the device, the state "
                            f"in unified memory the driver pages out when the card is full"))
-    lora = dict(optimizer="adamw-8bit", lora=(rank, targets))
-    out.append(result(rungs["lora"], estimate_finetune(s3, **lora, **est), s3, lora=True))
-    out.append(result(rungs["qlora"], estimate_finetune(s3, **lora, quantization="4bit", **est), s3, lora=True))
-    s7 = replace(s3, model=replace(s3.model_config, loss="chunked"))
-    q7 = estimate_finetune(s7, **lora, quantization="4bit", **est)
-    out.append(result(rungs["chunked-loss"], q7, s7, lora=True))
-    out.append(result(rungs["packing"], q7, s7, lora=True, real_tokens=packed,
+    out.append(result(rungs["lora"], runs["lora"]))
+    out.append(result(rungs["qlora"], runs["qlora"]))
+    out.append(result(rungs["packing"], runs["qlora"], real_tokens=packed,
                       note=f"real tokens per row {gain.tokens_per_row_padded:.0f} -> "
                            f"{gain.tokens_per_row_packed:.0f} (x{gain.gain:.2f}) at the same peak"))
-    # the full fine-tune: rungs 1-3, 7 and 8 (no bitsandbytes, no adapters), sharded, then offloaded
-    tried = [(n, estimate_step(replace(s7, zero=3, world_size=n), **est)) for n in shard_ranks]
-    n, z3 = next(((n, r) for n, r in tried if r.peak_bytes <= card.memory), tried[-1])
-    zs = replace(s7, zero=3, world_size=n)
+    # the full fine-tune under DeepSpeed (bf16: 2 + 2 + 12 bytes a parameter over N), rungs 1-3
+    # and packing, sharded, then offloaded
+    sharded = dict(runs["chunked-loss"], zero=3)
     ranks = ", ".join(map(str, shard_ranks))
-    out.append(result(rungs["zero-3"], z3, zs, real_tokens=packed,
-                      note=f"the fewest of {ranks} ranks that fit" if z3.peak_bytes <= card.memory
-                      else f"none of {ranks} ranks fit"))
+    tried = [(n, result(rungs["zero-3"], dict(sharded, world_size=n), real_tokens=packed)) for n in shard_ranks]
+    n, z3 = next(((n, r) for n, r in tried if r.fits), tried[-1])
+    out.append(replace(z3, note=f"the fewest of {ranks} ranks that fit" if z3.fits else f"none of {ranks} ranks fit"))
     # offload: for whoever has fewer cards than that, the fewest ranks (one first) that fit
-    tried = [(n, estimate_step(replace(s7, zero=3, world_size=n, offload="all"), **est))
+    tried = [(n, result(rungs["offload"], dict(sharded, world_size=n, offload="all"), real_tokens=packed))
              for n in (1, *shard_ranks)]
-    n, off = next(((n, r) for n, r in tried if r.peak_bytes <= card.memory), tried[-1])
-    zo = replace(s7, zero=3, world_size=n, offload="all")
-    out.append(result(rungs["offload"], off, zo, real_tokens=packed,
-                      note=f"parameters and optimizer state on the host (offload_param and "
-                           f"offload_optimizer to cpu): {off.host_bytes / 2**30:.0f} GiB of host memory "
-                           f"per rank"))
-    hf_base = estimate_hf(cfg, seq=seq, batch=batch, precision="bf16", card=name, target="cuda")
-    return CardLadder(card, tuple(out), hf_base.peak_bytes)
+    n, off = next(((n, r) for n, r in tried if r.fits), tried[-1])
+    out.append(replace(off, note=f"parameters and optimizer state on the host (offload_param and "
+                                 f"offload_optimizer to cpu): {off.host_bytes / 2**30:.0f} GiB of host memory "
+                                 f"per rank"))
+    return CardLadder(card, tuple(out))
 
 
 def oom_ladder(config: str = "llama-3.1-8b", cards: Sequence[str] = DEFAULT_CARDS, *, seq: int = 4096,

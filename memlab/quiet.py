@@ -17,7 +17,12 @@ ninja, compiler and linker lines. Two helpers keep them out:
 - :func:`quiet_offline_kernels`: bitsandbytes' CPU backend, on a CPU with AVX512-BF16, tries
   to fetch a 4-bit GEMM from the Hugging Face hub (``kernels-community``) when it is imported
   (by peft, by transformers) and logs a warning when it cannot; memlab's machines have no hub
-  and nothing of memlab runs that kernel, so memlab keeps that one logger to errors.
+  and nothing of memlab runs that kernel, so memlab keeps that one logger to errors. torchao,
+  which ``transformers`` imports when it is installed, logs a warning for each of its CUDA
+  extension libraries that does not load (every one, on a CPU-only torch), and its import
+  registers enums with torch's pytree, which logs a deprecation warning per enum
+  (``torch/utils/_pytree.py``, ``register_constant``); neither is anything memlab or a lesson
+  uses, so those two loggers are kept to errors as well.
 
 And one for results: :class:`OneLine`, a mixin for the dataclasses a lesson prints or ends a
 cell with. Their ``__str__`` is one readable line of what matters (sizes in MiB/GiB, floats
@@ -40,8 +45,9 @@ PROGRESS_ENV = "MEMLAB_PROGRESS"
 _OFF = ("0", "false", "no", "off")
 
 
-#: bitsandbytes' CPU backend logger, which warns when its hub kernel cannot be fetched
-OFFLINE_KERNEL_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
+#: loggers that warn of kernels this machine cannot load: bitsandbytes' CPU backend (its hub
+#: kernel), torchao (its CUDA extensions) and torch's pytree (enums torchao registers)
+OFFLINE_KERNEL_LOGGERS = ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree")
 
 
 def quiet_offline_kernels() -> None:

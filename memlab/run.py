@@ -166,6 +166,9 @@ class HFRun:
     """The adapters, when the base is frozen."""
     quantization: QuantConfig | None = None
     """The base's 4- or 8-bit layout."""
+    loss: str = "transformers"
+    """``transformers`` (the class's loss on fp32 logits) or ``chunked`` (memlab's linear
+    cross-entropy over chunks of tokens, no logits)."""
 
     @property
     def model_config(self) -> "HFRun":

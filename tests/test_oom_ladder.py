@@ -17,7 +17,7 @@ from memlab import hf
 from memlab.cards import card_speeds
 from memlab.chunked_loss import linear_cross_entropy
 from memlab.errors import InputError
-from memlab.estimate import chunked_loss_moments, estimate_step
+from memlab.estimate import chunked_loss_moments
 from memlab.models import GPTConfig
 from memlab.oom_ladder import RUNGS, oom_ladder, packing_gain
 from memlab.step_time import CPU_ADAM_PARAMS_PER_S
@@ -48,12 +48,20 @@ def test_pure_bf16_rung_holds_8_bytes_per_parameter_of_the_real_model(ladder):
     for card in ladder.cards:
         r = card.result("pure-bf16")
         assert r.trainable == n
-    step = replace(hf.step_config(CONFIG, seq=4096, batch=4, precision="pure-bf16", checkpointing="full"),
-                   micro_batches=4)
-    cats = estimate_step(step, budget="A100-80GB", target="cuda").by_category
-    assert cats["parameters"] + cats["gradients"] + cats["optimizer"] == 8 * n
-    assert ladder.cards[2].result("pure-bf16").peak_bytes == estimate_step(step, budget="A100-80GB",
-                                                                           target="cuda").peak_bytes
+        cats = r.report.by_category
+        assert cats["parameters"] + cats["gradients"] + cats["optimizer"] == 8 * n
+
+
+def test_the_ladder_reads_the_real_class_and_its_upcast_loss(ladder):
+    """Up to checkpointing the peak is the loss's (transformers' ``logits.float()`` and its
+    log-softmax's backward, 128256 words a token); the chunked loss never makes them, and saves at
+    least the fp32 log-softmax's gradient pair of the peak: 8 bytes a token and word."""
+    t, v = 4096, _fields()["vocab_size"]  # one sequence a micro-batch from rung 1 on
+    card = ladder.cards[0]
+    ckpt, chunked = card.result("checkpointing"), card.result("chunked-loss")
+    assert "log-softmax backward" in ckpt.report.notes[0]
+    assert "log-softmax" not in chunked.report.notes[0]
+    assert ckpt.peak_bytes - chunked.peak_bytes >= 8 * t * v
 
 
 def test_lora_rung_trains_r_times_in_plus_out_of_every_projection(ladder):
@@ -64,7 +72,7 @@ def test_lora_rung_trains_r_times_in_plus_out_of_every_projection(ladder):
     per_layer = (d + q) + 2 * (d + kv) + (q + d) + 2 * (d + ffn) + (ffn + d)
     assert r * per_layer * L == 41_943_040  # peft's "trainable params" for r=16 on all projections
     for card in ladder.cards:
-        for key in ("lora", "qlora", "chunked-loss", "packing"):
+        for key in ("lora", "qlora", "packing"):
             assert card.result(key).trainable == r * per_layer * L
 
 
@@ -97,9 +105,9 @@ def test_packing_gain_worked_by_hand():
 def test_packing_keeps_the_peak_and_carries_more_tokens(ladder):
     g = ladder.packing
     for card in ladder.cards:
-        chunked, packed = card.result("chunked-loss"), card.result("packing")
-        assert packed.peak_bytes == chunked.peak_bytes
-        assert packed.tokens / chunked.tokens == pytest.approx(g.gain)
+        qlora, packed = card.result("qlora"), card.result("packing")
+        assert packed.peak_bytes == qlora.peak_bytes
+        assert packed.tokens / qlora.tokens == pytest.approx(g.gain)
         assert packed.tokens <= ladder.batch * ladder.seq  # never more real tokens than slots
 
 

@@ -135,3 +135,17 @@ def test_bitsandbytes_hub_kernel_warning_is_kept_out_once_memlab_is_imported():
         pytest.skip("this CPU's bitsandbytes backend does not try the hub kernel")
     quiet = subprocess.run([sys.executable, "-c", code.format("import memlab; ")], capture_output=True, text=True)
     assert quiet.returncode == 0 and "kernels-community" not in quiet.stderr
+
+
+def test_torchao_extension_warnings_are_kept_out_once_memlab_is_imported():
+    """transformers imports torchao when it is installed; on a CPU-only torch torchao warns for
+    each CUDA extension it cannot load and torch's pytree for each enum it registers (lesson
+    03's first transformers cell printed four such lines); after ``import memlab`` none."""
+    pytest.importorskip("torchao")
+    code = "import logging, sys; logging.basicConfig(stream=sys.stderr); {}import torchao"
+    bare = subprocess.run([sys.executable, "-c", code.format("")], capture_output=True, text=True)
+    if "WARNING" not in bare.stderr and "Enum subclass" not in bare.stderr:
+        pytest.skip("torchao loads quietly with this torch")
+    quiet = subprocess.run([sys.executable, "-c", code.format("import memlab; ")], capture_output=True, text=True)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "Failed to load" not in quiet.stderr and "Enum subclass" not in quiet.stderr, quiet.stderr
