@@ -29,7 +29,7 @@ family's ``modeling_*.py`` (transformers 5) and named where they are counted:
   and receive the tokens routed to them through an all-to-all (``imbalance`` scales the
   busiest rank's share).
 
-Parameter counts are the real class's (:meth:`memlab.hf_shape.DecoderShape.num_params`,
+Parameter counts are the real class's (:meth:`memlab.shape.DecoderShape.num_params`,
 checked against the model built on the meta device). A config this module cannot count in
 closed form is refused with the field named and :func:`memlab.hf.simulate_hf`
 (``memlab simulate --hf-config``) pointed at.
@@ -51,14 +51,15 @@ from dataclasses import dataclass
 from .chunked_loss import chunked_loss_bytes
 from .errors import InputError
 from .hardware import resolve_budget
-from .hf import HF_LOSSES, check_seq, load_config
-from .hf_shape import DecoderShape, decoder_shape
+from .hf import load_config
+from .hf_shape import decoder_shape
 from .hf_states import Adapters, adapter_shapes, adapters_for, run_states
 from .policy import op_bytes, precision_bytes, resolve_target, sdpa_backend, sdpa_dtype, sdpa_lse_bytes
 from .policy.kernels import layer_norm_stat_bytes, sdpa_backward_workspace
-from .run import HFRun, LoraConfig, QuantConfig
+from .run import LoraConfig, QuantConfig
+from .shape import DecoderShape
 from .states import ZeroBuckets
-from .step import PRECISIONS, MemoryReport
+from .step import MemoryReport, StepConfig
 from .tracking import CATEGORIES
 
 HF_CHECKPOINTING = ("none", "full")
@@ -400,50 +401,21 @@ def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int,
 #: ``2 * x`` and their product: 5. Gemma's ``x * (1 + weight.float())`` adds its fp32 factor's
 #: product and gradient: 7.
 NORM_BACKWARD_TEMPORARIES = {"rms": 5, "gemma": 7}
-def check_loss(s: DecoderShape, loss: str, chunk: int) -> None:
-    """Refuse a loss :func:`estimate_hf` does not count on ``s``.
-
-    Raises:
-        InputError: ``loss`` not in :data:`HF_LOSSES`, a chunk that is not a positive integer,
-            or the chunked loss on a model whose logits are soft-capped (the head is then no
-            plain linear layer).
-    """
-    if loss not in HF_LOSSES:
-        raise InputError(f"loss={loss!r}; allowed: {', '.join(HF_LOSSES)}")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise InputError(f"loss_chunk={chunk!r}; allowed: a positive integer")
-    if loss == "chunked" and s.final_softcap:
-        raise InputError(f"loss='chunked' on {s.model_type}: its logits are soft-capped "
-                         f"(final_logit_softcapping={s.final_softcap}); allowed: loss='transformers'")
-
-
-def _check_run(s: DecoderShape, *, precision: str, checkpointing: str | None, attention: str | None,
-               ep: int, imbalance: float, zero: int, world_size: int, offload: str, micro_batches: int,
-               batch: int, lora: LoraConfig | None) -> None:
-    if precision not in PRECISIONS:
-        raise InputError(f"precision={precision!r} for a Hugging Face step; allowed: {', '.join(PRECISIONS)}")
-    if (checkpointing or "none") not in HF_CHECKPOINTING:
-        raise InputError(f"checkpointing={checkpointing!r} for a Hugging Face model; allowed: "
-                         f"{', '.join(HF_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
-    if attention not in (None, "naive", "sdpa"):
-        raise InputError(f"attention={attention!r}; allowed: naive, sdpa")
+def _check_run(s: DecoderShape, *, attention: str | None, ep: int, zero: int, world_size: int, offload: str,
+               micro_batches: int, lora: LoraConfig | None) -> None:
+    """What :func:`estimate_hf` refuses beyond :class:`memlab.step.StepConfig`'s own checks."""
     if attention == "sdpa" and s.eager_only:
         raise InputError(f"attention='sdpa': {s.model_type} has no SDPA path in transformers; allowed: naive")
-    if not isinstance(ep, int) or ep < 1 or (ep > 1 and (not s.experts or s.experts % ep)):
+    if ep > 1 and (not s.experts or s.experts % ep):
         allowed = [e for e in range(1, s.experts + 1) if s.experts % e == 0] if s.experts else [1]
         raise InputError(f"expert_parallel={ep!r} for {s.experts} experts; allowed: "
                          f"{', '.join(map(str, allowed))}")
-    if not imbalance >= 1.0:
-        raise InputError(f"imbalance={imbalance!r}; allowed: >= 1 (1 = balanced routing)")
     if ep > 1 and (zero, world_size, offload, micro_batches, lora) != (0, 1, "none", 1, None):
         raise InputError("expert_parallel counts one full-fine-tune step per expert-parallel rank; allowed "
                          "with it: zero=0, world_size=1, offload='none', micro_batches=1, no LoRA")
     if lora is not None and zero == 3:
         raise InputError("LoRA under ZeRO-3 (the frozen base partitioned too) is not counted; allowed with "
                          "LoRA: zero 0-2")
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1 \
-            or batch % micro_batches:
-        raise InputError(f"micro_batches={micro_batches!r} for batch {batch}; allowed: a divisor of the batch")
 
 
 def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
@@ -484,22 +456,50 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     Returns:
         A :class:`MemoryReport` (lens ``estimate``) per rank.
     """
-    d = load_config(cfg)
-    s = decoder_shape(d)
-    check_seq(d, seq)
-    ep = expert_parallel
-    _check_run(s, precision=precision, checkpointing=checkpointing, attention=attention, ep=ep,
-               imbalance=imbalance, zero=zero, world_size=world_size, offload=offload,
-               micro_batches=micro_batches, batch=batch, lora=lora)
-    check_loss(s, loss, loss_chunk)
-    chunked = loss == "chunked"
+    s = decoder_shape(load_config(cfg))
+    run = StepConfig(s, seq=seq, batch=batch, precision=precision, checkpointing=checkpointing, attention=attention,
+                     optimizer=optimizer, micro_batches=micro_batches, zero=zero, world_size=world_size,
+                     offload=offload, lora=lora, quantization=quantization, loss=loss, loss_chunk=loss_chunk,
+                     expert_parallel=expert_parallel, expert_imbalance=imbalance, buckets=buckets)
+    return estimate_run(run, target=target, budget=budget, card=card)
+
+
+def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | str | None = None,
+                 card=None) -> MemoryReport:
+    """:func:`estimate_hf` of a run whose model is a decoder's shape (:class:`memlab.step.StepConfig`
+    with a :class:`memlab.shape.DecoderShape`): the one estimate of every fine-tune option.
+
+    Args:
+        run: the step; target, budget, card: as :func:`estimate_hf`.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``estimate``) per rank; its ``step`` is ``run``.
+
+    Raises:
+        InputError: ``run``'s model is not a decoder's shape, or a combination not counted.
+    """
+    s = run.model_config
+    if not isinstance(s, DecoderShape):
+        raise InputError(f"estimate_run counts a decoder's run (a DecoderShape model), got {type(s).__name__}; "
+                         f"memlab's own models: memlab.estimate_step")
+    seq, batch, precision, checkpointing = run.seq, run.batch, run.precision, run.checkpointing
+    attention, optimizer, zero = run.attention, run.optimizer, run.zero
+    world_size, offload = run.world_size, run.offload
+    lora, quantization, buckets, loss_chunk = run.lora, run.quantization, run.buckets, run.loss_chunk
+    ep, imbalance = run.expert_parallel, run.expert_imbalance
+    _check_run(s, attention=attention, ep=ep, zero=zero, world_size=world_size, offload=offload,
+               micro_batches=run.micro_batches, lora=lora)
+    chunked = run.loss == "chunked"
+    if chunked and s.final_softcap:
+        raise InputError(f"loss='chunked' on {s.model_type}: its logits are soft-capped "
+                         f"(final_logit_softcapping={s.final_softcap}); allowed: loss='transformers'")
     tgt = resolve_target(target, budget, card)
     ad = None if lora is None else adapters_for(s, lora, precision, quantization is not None)
     rs = run_states(s, precision=precision, optimizer=optimizer, zero=zero, world_size=world_size,
                     offload=offload, ep=ep, ad=ad, quant=quantization, buckets=buckets)
     param, compute, lower = precision_bytes(rs.run_precision)
     z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=tgt, precision=rs.run_precision)
-    k = micro_batches
+    k = run.micro_batches
     batch //= k
     t, V, D = seq * batch, s.vocab, s.d
     path = attention_path(s, z, batch, seq, attention)
@@ -527,13 +527,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     if rs.dequantised and not moment.startswith(("end", "optimizer")):
         cats["temporaries"] += rs.dequantised  # MatMul4Bit dequantises its whole weight
     cats = {k: int(round(v)) for k, v in cats.items()}
-    n_adapters = 0 if ad is None else sum(r * c for r, c in adapter_shapes(s, ad))
-    info = HFRun(s.name, s.num_params() + n_adapters, n_adapters or s.num_params(), seq=seq, batch=batch * k,
-                 precision=precision, checkpointing=checkpointing or "none", attention=path, optimizer=optimizer,
-                 micro_batches=k, zero=zero, world_size=world_size, offload=offload, expert_parallel=ep,
-                 lora=lora, quantization=quantization, loss=loss)
     host = {c: int(round(rs.host.get(c, 0.0))) for c in CATEGORIES}
-    report = MemoryReport("estimate", info, f"formula ({tgt.name})", sum(cats.values()), cats,
+    report = MemoryReport("estimate", run, f"formula ({tgt.name})", sum(cats.values()), cats,
                           resolve_budget(budget), None, host_bytes=sum(host.values()), host_by_category=host)
     report.notes.append(f"peak moment: {moment}; attention: {path}")
     report.notes.extend(rs.notes)
@@ -601,5 +596,6 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     return max(m.items(), key=lambda kv: sum(kv[1].values()))
 
 
-__all__ = ["HF_CHECKPOINTING", "NORM_BACKWARD_TEMPORARIES", "check_loss", "Sizes", "adapter_saved",
-           "attention_path", "forward_activations", "layer_activations", "moe_activations", "estimate_hf"]
+__all__ = ["HF_CHECKPOINTING", "NORM_BACKWARD_TEMPORARIES", "Sizes", "adapter_saved",
+           "attention_path", "forward_activations", "layer_activations", "moe_activations", "estimate_hf",
+           "estimate_run"]

@@ -2,7 +2,7 @@
 
 :func:`run_states` gives the estimate's peak moments (:mod:`memlab.hf_estimate`) their model
 states: :func:`memlab.states.model_states` over what trains (every parameter tensor of the
-class, :meth:`memlab.hf_shape.DecoderShape.param_numels`, or the LoRA adapters of
+class, :meth:`memlab.shape.DecoderShape.param_numels`, or the LoRA adapters of
 :func:`adapter_shapes`), a frozen base held beside the adapters in the run's dtype or in
 bitsandbytes' 4-/8-bit layout (:func:`quantized_base_bytes`), and 8-bit, paged or Adafactor
 state as bitsandbytes and transformers allocate it (:mod:`memlab.low_bit`). :class:`Adapters`
@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import InputError
-from .hf_shape import DecoderShape
 from .low_bit import OPTIMIZER_STATES, PAGED, adafactor_state_bytes, adam_state_bytes, quantized_weight_bytes
 from .policy import precision_bytes
 from .run import ALL_LINEAR, LoraConfig, QuantConfig
+from .shape import DecoderShape
 from .states import ZeroBuckets, model_states
 
 

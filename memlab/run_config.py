@@ -292,7 +292,7 @@ def read_lora_config(path: str | pathlib.Path | dict, cfg: GPTConfig | tuple[str
     """peft's ``adapter_config.json`` (``peft_type`` LORA): ``r``, ``lora_dropout``,
     ``lora_alpha`` and ``target_modules`` (a list of names, ``"all-linear"``, or a regular
     expression peft matches against module names), for the model ``cfg`` (memlab's GPT, or the
-    ``Linear`` module names of a Hugging Face decoder: :meth:`memlab.hf_shape.DecoderShape.linears`).
+    ``Linear`` module names of a Hugging Face decoder: :meth:`memlab.shape.DecoderShape.linears`).
     ``modules_to_save``, ``use_dora`` and a trained ``bias`` are not modelled: named in the notes."""
     d = load_file(path, "--lora-config")
     if str(d.get("peft_type", "LORA")).upper() != "LORA":

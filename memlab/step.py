@@ -5,6 +5,9 @@ A *step* is what an optimizer loop does once in steady state: forward, backward 
 ``zero_grad(set_to_none=True)``. :class:`StepConfig` says which step; :func:`build_trainer`
 builds its model and optimizer; :func:`make_batch` its inputs; :class:`MemoryReport` is what
 the estimate, the simulation and the measurement return about it.
+
+Over 500 lines because the run description every lens reads documents each of its fields
+where it is declared, beside the report those lenses return and the trainer that runs it.
 """
 from __future__ import annotations
 
@@ -18,13 +21,21 @@ import torch
 import torch.nn as nn
 
 from .errors import InputError
+from .hf_states import adapter_shapes, adapters_for
+from .low_bit import OPTIMIZER_STATES
 from .models import GPTConfig, UNetConfig, build_model, get_config
 from .precision import PRECISIONS, check_precision
-from .states import OFFLOADS
+from .run import LoraConfig, QuantConfig
+from .shape import DecoderShape
+from .states import OFFLOADS, ZeroBuckets
 from .tracking import CATEGORIES, Event, OOMInfo
 from .units import MiB, fmt_bytes
 
 OPTIMIZERS = ("adamw", "sgd")
+#: a Hugging Face decoder's steps (:class:`memlab.shape.DecoderShape` models) checkpoint whole layers
+DECODER_CHECKPOINTING = ("none", "full")
+#: a decoder's losses: its class's own (``None``: ``transformers``' upcast logits) or chunked
+DECODER_LOSSES = ("transformers", "chunked")
 #: what the step owns of its model's switches (see :class:`StepConfig`)
 SWITCHES = ("checkpointing", "attention")
 
@@ -48,26 +59,52 @@ class StepConfig:
         InputError: a field value that is not allowed (checked when the step is made).
     """
 
-    model: str | GPTConfig | UNetConfig = "tiny"
+    model: str | GPTConfig | UNetConfig | DecoderShape = "tiny"
+    """A preset name, memlab's GPT or UNet config, or a decoder's shape (a Hugging Face config
+    read by :func:`memlab.hf_shape.decoder_shape`)."""
     seq: int = 256
+    """Tokens per sequence (a UNet: the image side)."""
     batch: int = 8
+    """Sequences per rank per optimizer step, all micro-batches together."""
     precision: str = "fp32"
-    checkpointing: str | None = None   # None: the model config's own
-    attention: str | None = None       # None: the model config's own
+    """``fp32``, ``bf16``/``fp16`` (autocast on fp32 weights) or ``pure-bf16``."""
+    checkpointing: str | None = None
+    """``None``: the model config's own; ``none``, ``full``, ``selective`` (memlab's GPT; a
+    decoder checkpoints whole layers: ``none`` or ``full``)."""
+    attention: str | None = None
+    """``None``: the model config's own (a decoder: its class's SDPA); ``naive`` or ``sdpa``."""
     optimizer: str = "adamw"
+    """:data:`OPTIMIZERS` for memlab's models; a decoder also takes
+    :data:`memlab.low_bit.OPTIMIZER_STATES` (8-bit, paged, Adafactor)."""
     micro_batches: int = 1
+    """Micro-batches accumulated into one optimizer step."""
     zero: int = 0
+    """DeepSpeed's ZeRO stage (0-3)."""
     world_size: int = 1
+    """Data-parallel ranks."""
     offload: str = "none"
+    """DeepSpeed's offload: ``none``, ``optimizer``, ``all``."""
+    lora: LoraConfig | None = None
+    """LoRA adapters on a frozen base (a decoder's run; memlab's GPT: :mod:`memlab.finetune`)."""
+    quantization: QuantConfig | None = None
+    """The frozen base in bitsandbytes' 4- or 8-bit layout (needs ``lora``)."""
+    loss: str | None = None
+    """A decoder's loss: ``None``/``transformers`` (its class's) or ``chunked``."""
+    loss_chunk: int = 1024
+    """Tokens per chunk of the chunked loss."""
+    expert_parallel: int = 1
+    """Ranks a mixture of experts' routed experts are divided across."""
+    expert_imbalance: float = 1.0
+    """The busiest expert-parallel rank's tokens over the balanced share."""
+    buckets: ZeroBuckets | None = None
+    """DeepSpeed's buffer sizes as a run's config sets them (``None``: DeepSpeed's defaults)."""
 
     def __post_init__(self) -> None:
-        for name in ("seq", "batch", "micro_batches", "world_size"):
+        for name in ("seq", "batch", "micro_batches", "world_size", "expert_parallel", "loss_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name.replace('_', ' ')} must be a positive integer, got {value!r}")
         check_precision(self.precision)
-        if self.optimizer not in OPTIMIZERS:
-            raise InputError(f"optimizer={self.optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
         if self.offload not in OFFLOADS:
             raise InputError(f"offload={self.offload!r}; allowed: {', '.join(OFFLOADS)}")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
@@ -75,6 +112,21 @@ class StepConfig:
         if self.batch % self.micro_batches:
             raise InputError(f"batch {self.batch} is not divisible into {self.micro_batches} "
                              f"micro-batches; choose a divisor of the batch")
+        if self.quantization is not None and self.lora is None:
+            raise InputError("a 4-/8-bit base is frozen: give LoRA adapters to train (lora=LoraConfig(...))")
+        if isinstance(self.model, DecoderShape):
+            self._check_decoder()
+            return
+        if self.optimizer not in OPTIMIZERS:
+            raise InputError(f"optimizer={self.optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
+        extras = {n: getattr(self, n) for n in ("lora", "quantization", "loss", "buckets")}
+        extras.update(expert_parallel=self.expert_parallel if self.expert_parallel != 1 else None,
+                      expert_imbalance=self.expert_imbalance if self.expert_imbalance != 1.0 else None)
+        given = [n for n, v in extras.items() if v is not None]
+        if given:
+            raise InputError(f"{', '.join(given)}: fields of a Hugging Face decoder's run (a DecoderShape "
+                             f"model); memlab's own models take LoRA and 8-bit state through "
+                             f"memlab.finetune and their loss from their config")
         cfg = get_config(self.model) if isinstance(self.model, str) else self.model
         for name in SWITCHES:
             on_step = getattr(self, name)
@@ -86,24 +138,68 @@ class StepConfig:
         if self.seq > limit:
             raise InputError(f"seq {self.seq} exceeds the model's block size; allowed: 1-{limit}")
 
+    def _check_decoder(self) -> None:
+        """The fields of a decoder's run (a :class:`DecoderShape` model)."""
+        s = self.model
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise InputError(f"optimizer={self.optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
+        if (self.checkpointing or "none") not in DECODER_CHECKPOINTING:
+            raise InputError(f"checkpointing={self.checkpointing!r} for a Hugging Face model; allowed: "
+                             f"{', '.join(DECODER_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
+        if self.attention not in (None, "naive", "sdpa"):
+            raise InputError(f"attention={self.attention!r}; allowed: naive, sdpa")
+        if (self.loss or "transformers") not in DECODER_LOSSES:
+            raise InputError(f"loss={self.loss!r}; allowed: {', '.join(DECODER_LOSSES)}")
+        if s.context is not None and self.seq > s.context:
+            raise InputError(f"seq {self.seq} exceeds the model's context of {s.context} tokens "
+                             f"(max_position_embeddings, rope-scaled where the config says so); "
+                             f"allowed: 1-{s.context}")
+        if not self.expert_imbalance >= 1.0:
+            raise InputError(f"expert_imbalance={self.expert_imbalance!r}; allowed: >= 1 (1 = balanced routing)")
+        if self.lora is not None:  # its target names checked against the layers' Linear modules
+            adapters_for(s, self.lora, self.precision, self.quantization is not None)
+
     @property
-    def model_config(self) -> GPTConfig | UNetConfig:
+    def model_config(self) -> GPTConfig | UNetConfig | DecoderShape:
         """The model the step builds: its config with the switches the step sets (and, for a
-        UNet, ``seq`` as the image side)."""
+        UNet, ``seq`` as the image side); a decoder's shape as it is (its run's switches are
+        the step's own fields)."""
+        if isinstance(self.model, DecoderShape):
+            return self.model
         cfg = get_config(self.model) if isinstance(self.model, str) else self.model
         over = {n: getattr(self, n) for n in SWITCHES if getattr(self, n) is not None}
         if isinstance(cfg, UNetConfig):
             over["image_size"] = self.seq
         return replace(cfg, **over) if over else cfg
 
-    def describe(self) -> dict:
+    @property
+    def checkpointing_used(self) -> str:
+        """The checkpointing the step runs with (the model's own, or the step's)."""
+        if isinstance(self.model, DecoderShape):
+            return self.checkpointing or "none"
+        return self.model_config.checkpointing
+
+    def trainable_params(self) -> int:
+        """Parameters that train: the adapters under LoRA (a decoder's), else all of them."""
         cfg = self.model_config
-        d = {k: v for k, v in asdict(self).items() if k != "model"}
+        if isinstance(cfg, DecoderShape) and self.lora is not None:
+            ad = adapters_for(cfg, self.lora, self.precision, self.quantization is not None)
+            return sum(r * c for r, c in adapter_shapes(cfg, ad))
+        return cfg.num_params()
+
+    def describe(self) -> dict:
+        """The step as the JSON report's ``config``: every field, the model's name, its
+        config and parameter counts."""
+        cfg = self.model_config
+        d = {k: v for k, v in asdict(self).items() if k not in ("model", "lora", "quantization")}
         d["model"] = cfg.name
         d["model_config"] = asdict(cfg)
-        d["checkpointing"] = cfg.checkpointing
-        d["attention"] = getattr(cfg, "attention", None)
-        d["num_params"] = cfg.num_params()
+        d["checkpointing"] = self.checkpointing_used
+        d["attention"] = self.attention if isinstance(cfg, DecoderShape) else getattr(cfg, "attention", None)
+        d["num_params"] = cfg.num_params() + (self.trainable_params() if self.lora is not None else 0)
+        d["trainable_params"] = self.trainable_params()
+        d["lora"] = None if self.lora is None else self.lora.to_dict()
+        d["quantization"] = None if self.quantization is None else self.quantization.to_dict()
         return d
 
 
@@ -227,7 +323,7 @@ class MemoryReport:
     def _title(self) -> str:
         cfg = self.step.model_config
         return (f"{self.lens} | {cfg.name} | seq {self.step.seq} batch {self.step.batch} | "
-                f"{self.step.precision} | ckpt {cfg.checkpointing} | {self.device}")
+                f"{self.step.precision} | ckpt {self.step.checkpointing_used} | {self.device}")
 
     def _verdict(self) -> str | None:
         if self.oom is not None:

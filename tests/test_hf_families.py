@@ -260,7 +260,7 @@ def test_estimate_accumulates_micro_batches_for_any_family():
     # each micro-batch keeps one sequence's activations; the earlier ones' gradients are held
     assert four.by_category["activations"] == one.by_category["activations"]
     assert four.by_category["gradients"] == 4 * sum(_meta_numels(cfg))
-    with pytest.raises(InputError, match="micro_batches=3"):
+    with pytest.raises(InputError, match="into 3 micro-batches"):
         estimate_hf(cfg, seq=SEQ, batch=4, micro_batches=3)
 
 

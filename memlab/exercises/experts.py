@@ -14,7 +14,7 @@ BYTES = 16  # fp32 weights, fp32 gradients, AdamW's two fp32 moments (plain PyTo
 
 def check_expert_states(rank_state_bytes: Callable) -> CheckResult:
     """``rank_state_bytes(shape, ep)`` returns one rank's model-state bytes (16 a parameter)
-    when the routed experts of ``shape`` (a :class:`memlab.hf_shape.DecoderShape`) are divided
+    when the routed experts of ``shape`` (a :class:`memlab.shape.DecoderShape`) are divided
     across ``ep`` ranks and everything else is replicated: ``16 x (num_params - expert_total
     x (1 - 1/ep))``. Checked on four shipped mixtures of experts at 1 and 8 ranks."""
     name = "model states with expert parallelism"
