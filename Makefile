@@ -18,6 +18,7 @@ NBVAL_CELL_TIMEOUT ?= 300
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: help venv lab lint test test-fast test-slow test-notebooks bench gpu-check strip student clean
+.PHONY: test-package test-notebooks-one test-notebooks-rank
 .PHONY: instructor doctor site wheelhouse
 
 help:
@@ -26,7 +27,7 @@ help:
 	@echo "make lab EDITION=solutions    the same notebooks with their solutions (notebooks/);"
 	@echo "                 EDITION=instructor: with the answer keys appended (build/instructor/)"
 	@echo "make lint        ruff over memlab, tests, tools and benchmarks (pyproject.toml's config)"
-	@echo "make test        lint, package tests, then every notebook under nbval"
+	@echo "make test        lint, package tests, then every notebook under nbval; the time of each phase at the end"
 	@echo "make test-fast   lint, package tests only"
 	@echo "make test-slow   the slow tests make test leaves out: H200 replays, every notebook as a class, the site"
 	@echo "make test-notebooks  notebooks under nbval only"
@@ -73,9 +74,22 @@ lab: venv $(if $(filter student,$(EDITION)),student) $(if $(filter instructor,$(
 lint: venv
 	$(PY) -m ruff check memlab tests tools benchmarks
 
-test: lint
+# each phase a make target of its own, timed (tools/phase_timer.py prints the table at the end,
+# failed or not); the first failing phase stops the run, as before
+SUBMAKE = $(MAKE) --no-print-directory
+test: venv
+	@$(PYTHON) tools/phase_timer.py "lint=$(SUBMAKE) lint" "package tests=$(SUBMAKE) test-package" \
+	  "notebooks=$(SUBMAKE) test-notebooks-one" "rank notebooks=$(SUBMAKE) test-notebooks-rank"
+
+test-package: venv
 	$(run-tests)
-	$(run-notebooks)
+
+test-notebooks-one: venv
+	$(PYTHON) tools/nbstrip.py --check
+	$(NBVAL) $(XDIST) --dist loadscope $(ONE_NOTEBOOKS)
+
+test-notebooks-rank: venv
+	$(NBVAL) $(RANK_XDIST) $(RANK_NOTEBOOKS)
 
 test-fast: lint
 	$(run-tests)
@@ -94,7 +108,11 @@ test-notebooks: venv
 # torch's own threads no longer fight the other worker (or the ranks of a multi-rank test).
 export OMP_NUM_THREADS ?= 1
 XDIST ?= -n 2
-# Notebooks that start ranks and time them (bubbles, step ratios) run one at a time.
+# Notebooks that start ranks (two each) and time them (bubbles, step ratios): two notebooks
+# at a time (RANK_JOBS=1: one at a time, as on a single core), each whole notebook on one
+# worker (loadscope); the longest, lesson 15, then runs beside the others.
+RANK_JOBS ?= 2
+RANK_XDIST = $(if $(filter 1,$(RANK_JOBS)),,-n $(RANK_JOBS) --dist loadscope)
 RANK_NOTEBOOKS := $(wildcard notebooks/09_*.ipynb notebooks/10_*.ipynb notebooks/11_*.ipynb notebooks/12_*.ipynb notebooks/13_*.ipynb notebooks/15_*.ipynb)
 ONE_NOTEBOOKS := $(filter-out $(RANK_NOTEBOOKS),$(wildcard notebooks/*.ipynb))
 NBVAL := MPLBACKEND=Agg $(PY) -m pytest --nbval --nbval-current-env -p no:cacheprovider \
@@ -112,7 +130,7 @@ endef
 define run-notebooks
 $(PYTHON) tools/nbstrip.py --check
 $(NBVAL) $(XDIST) --dist loadscope $(ONE_NOTEBOOKS)
-$(NBVAL) $(RANK_NOTEBOOKS)
+$(NBVAL) $(RANK_XDIST) $(RANK_NOTEBOOKS)
 endef
 
 bench: venv

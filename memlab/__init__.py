@@ -21,28 +21,75 @@ need them (``distributed``'s rank workers, ``widgets``, ``plots``) load them whe
 The layers, lowest first, and what each module owns: the module map in ``docs/modules.md``
 (``tools/modmap.py``, checked by ``tests/test_architecture.py``).
 """
-from .advisor import Advice, advise
-from .distributed.deepspeed_zero import measure_distributed, measure_zero
-from .distributed.fsdp import simulate_sharded
-from .distributed.pipeline_parallel import measure_pipeline
-from .distributed.tensor_parallel import measure_tensor_parallel
-from .errors import InputError
-from .estimate import estimate_step
-from .guard import HostMemoryError
-from .hardware import GPU_PRESETS, place_ranks, resolve_budget
-from .measure import measure_step, time_step
-from .models import GPT, PRESETS, UNET_PRESETS, GPTConfig, UNet, UNetConfig, build_model, get_config
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import pathlib
+from typing import TYPE_CHECKING, Any
+
 from .quiet import quiet_offline_kernels
-from .simulate import simulate_step
-from .step import MemoryReport, StepConfig, build_trainer, make_batch
-from .technique_table import measure_table
-from .tracking import CATEGORIES, MemoryTracker
-from .units import GiB, MiB, fmt_bytes, parse_size
-from .your_model import simulate_model, track_step
+
+# The names below load when first used (module __getattr__): `memlab --help` and `memlab
+# estimate` need a few modules, and importing every lens, DeepSpeed's launcher and the
+# Hugging Face readers cost seconds more than torch itself. These imports are the one list
+# of what the front door exports and where each name lives (read by _homes(); type checkers
+# and tools/modmap.py read them as written).
+if TYPE_CHECKING:
+    from .advisor import Advice, advise
+    from .distributed.deepspeed_zero import measure_distributed, measure_zero
+    from .distributed.fsdp import simulate_sharded
+    from .distributed.pipeline_parallel import measure_pipeline
+    from .distributed.tensor_parallel import measure_tensor_parallel
+    from .errors import InputError
+    from .estimate import estimate_step
+    from .guard import HostMemoryError
+    from .hardware import GPU_PRESETS, place_ranks, resolve_budget
+    from .measure import measure_step, time_step
+    from .models import GPT, PRESETS, UNET_PRESETS, GPTConfig, UNet, UNetConfig, build_model, get_config
+    from .simulate import simulate_step
+    from .step import MemoryReport, StepConfig, build_trainer, make_batch
+    from .technique_table import measure_table
+    from .tracking import CATEGORIES, MemoryTracker
+    from .units import GiB, MiB, fmt_bytes, parse_size
+    from .your_model import simulate_model, track_step
 
 quiet_offline_kernels()  # before peft or transformers import bitsandbytes (memlab.quiet)
 
 __version__ = "0.1.0"
+
+
+def _homes() -> dict[str, str]:
+    """Each exported name -> its module, from the ``TYPE_CHECKING`` imports above."""
+    if not _HOMES:
+        tree = ast.parse(pathlib.Path(__file__).read_text())
+        block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+        for node in block.body:
+            _HOMES.update({a.name: node.module for a in node.names})
+    return _HOMES
+
+
+_HOMES: dict[str, str] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """An exported name (``ml.estimate_step``), loaded from its module when first asked; any
+    submodule (``ml.hf``) by its name."""
+    module = _homes().get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # asked once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     # the three lenses and what they return

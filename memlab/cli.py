@@ -31,31 +31,21 @@ import shlex
 import sys
 import traceback
 from dataclasses import replace
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
-from . import classroom, doctor, finetune, hf, low_bit, run_config, simulation_bound
-from .advisor import Advice, advise
-from .cards import detect_card
-from .distributed.deepspeed_zero import measure_distributed
-from .distributed.fsdp import measure_sharded, simulate_sharded
+from . import hf, low_bit, simulation_bound
 from .errors import InputError
-from .estimate import estimate_step
 from .guard import HostMemoryError
 from .hardware import GPU_PRESETS, resolve_budget
-from .hf import HF_LOSSES
-from .hf_config_check import check_config
-from .hf_estimate import estimate_hf
-from .hf_measure import measure_hf
-from .hf_shape import FAMILIES, decoder_shape
-from .measure import measure_step
 from .models import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
-from .oom import OOMExplanation, explain_oom
-from .policy import emulate, get_target, resolve_target
-from .run import LoraConfig, QuantConfig
-from .simulate import simulate_step
 from .step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
-from .technique_table import Table, write_report
 from .units import fmt_bytes
+
+if TYPE_CHECKING:  # annotations only: each command imports what it runs when it runs (startup)
+    from .advisor import Advice
+    from .oom import OOMExplanation
+    from .run import LoraConfig
+    from .technique_table import Table
 
 # -- a run as its configs write it (memlab.run_config, memlab.finetune) ---------------------
 #: --optimizer: the step's own optimizers, the fine-tuner's states, and HF's optim names
@@ -74,7 +64,7 @@ def _add_run_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-dropout", type=float, default=0.0,
                    help="LoRA dropout (--hf-config): each adapter keeps a mask and a dropped copy of its input")
     p.add_argument("--lora-config", default=None, metavar="FILE", help="peft's adapter_config.json")
-    p.add_argument("--loss", choices=HF_LOSSES, default="transformers",
+    p.add_argument("--loss", choices=hf.HF_LOSSES, default="transformers",
                    help="--hf-config: the class's own loss (fp32 logits) or memlab's chunked linear "
                         "cross-entropy (no logits)")
     p.add_argument("--loss-chunk", type=_positive_int("loss-chunk"), default=1024,
@@ -91,6 +81,7 @@ def _with_training_args(args: argparse.Namespace) -> argparse.Namespace:
     """A copy of ``args`` with what --training-args decides (memlab.run_config.read_training_args):
     batch = per-device batch x accumulation, precision, checkpointing, --optimizer, --seq from
     max_length, its deepspeed config; fsdp full_shard as ZeRO-3, shard_grad_op as ZeRO-2."""
+    from . import run_config
     tr = run_config.read_training_args(args.training_args)
     new = argparse.Namespace(**vars(args))
     new.batch, new.micro_batches = tr.micro_batch * tr.accumulation, tr.accumulation
@@ -118,6 +109,7 @@ def _with_training_args(args: argparse.Namespace) -> argparse.Namespace:
 def _fine_tune(args: argparse.Namespace, cfg) -> tuple[dict | None, list[str]]:
     """``estimate_finetune``'s keywords from the flags (None: a plain step) and the notes of
     what a --lora-config does not model."""
+    from . import run_config
     kind = low_bit.HF_OPTIMIZERS.get(args.optimizer, args.optimizer)
     lora, notes = None, []
     if args.lora_config is not None:
@@ -154,6 +146,7 @@ def _configured(args: argparse.Namespace) -> bool:
 def _configured_step(args: argparse.Namespace):
     """The step, the DeepSpeed run (or None) and its notes: --deepspeed decides the stage,
     offload, precision and batch keys (the flags fill only its "auto" values)."""
+    from . import run_config
     if getattr(args, "hf_config", None) is not None:
         if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
             raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
@@ -178,6 +171,10 @@ def _configured_step(args: argparse.Namespace):
 def _run_configured(args: argparse.Namespace, budget, target) -> MemoryReport:
     """estimate, simulate or measure of a step read from --training-args, --deepspeed and the
     fine-tuning flags."""
+    from . import finetune
+    from .distributed.deepspeed_zero import measure_distributed
+    from .estimate import estimate_step
+    from .measure import measure_step
     if getattr(args, "training_args", None) is not None:
         args = _with_training_args(args)
     step, ds, notes = _configured_step(args)
@@ -220,6 +217,7 @@ def _run_configured(args: argparse.Namespace, budget, target) -> MemoryReport:
 def _simulate_configured(args, step, tune, budget, target) -> MemoryReport:
     """simulate of a configured step: LoRA on a Hugging Face model through peft
     (:func:`memlab.hf.simulate_hf`); no quantised weights or bitsandbytes state on fake tensors."""
+    from .simulate import simulate_step
     if tune is not None and (tune["optimizer"] != "adamw" or tune["quantization"] != "none"):
         raise InputError("simulate runs AdamW on real layers; for quantised weights and 8-bit, paged "
                          "or Adafactor state use estimate")
@@ -237,7 +235,7 @@ def _simulate_configured(args, step, tune, budget, target) -> MemoryReport:
     return simulate_step(step, budget=budget, target=target)
 
 #: What a subcommand computes: each prints itself with ``table()`` or ``to_json()``.
-Result = Union[MemoryReport, Advice, Table]
+Result = Union[MemoryReport, "Advice", "Table"]
 
 
 class UsageError(InputError):
@@ -354,6 +352,7 @@ def _add_fsdp_args(p: argparse.ArgumentParser) -> None:
 
 def _measure_fsdp(step: StepConfig, args: argparse.Namespace, budget: int | None) -> MemoryReport:
     """``memlab measure --fsdp``: refuse what FSDP2's measurement cannot honour, then run it."""
+    from .distributed.fsdp import measure_sharded
     if step.zero not in (0, 3):
         raise InputError(f"--fsdp shards like ZeRO-3; got --zero {step.zero}: drop it or use --zero 3")
     if step.offload != "none":
@@ -378,6 +377,7 @@ def _add_oom_args(p: argparse.ArgumentParser) -> None:
 
 def _oom(args: argparse.Namespace) -> OOMExplanation:
     """``memlab oom``: the message from a file or stdin, explained."""
+    from .oom import explain_oom
     if args.file == "-":
         if sys.stdin.isatty():
             raise InputError("paste the message on stdin (end with Ctrl-D) or give a file: memlab oom FILE")
@@ -421,6 +421,7 @@ def _hf_plain(args: argparse.Namespace) -> bool:
 
 def _hf_measure(args: argparse.Namespace, budget: int | None) -> MemoryReport:
     """``measure --hf-config``: the HF model's real step (:func:`memlab.hf_measure.measure_hf`)."""
+    from .hf_measure import measure_hf
     if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
         raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
     if not _hf_plain(args) or args.snapshot is not None:
@@ -472,6 +473,7 @@ def _add_advise_finetune_args(p: argparse.ArgumentParser) -> None:
 
 
 def _advise(args: argparse.Namespace) -> Advice:
+    from .advisor import advise
     budget = _budget(args)
     if budget is None:
         raise InputError(f"give --gpu ({', '.join(GPU_PRESETS)}) or --budget SIZE")
@@ -547,6 +549,7 @@ def run(args: argparse.Namespace) -> Result:
     """Compute what a subcommand asks for: a :class:`MemoryReport` (estimate, simulate,
     measure), an :class:`~memlab.advisor.Advice` (advise) or a
     :class:`~memlab.technique_table.Table` (report)."""
+    from .policy import get_target
     if args.command == "advise":
         return _advise(args)
     if args.command == "oom":
@@ -555,6 +558,7 @@ def run(args: argparse.Namespace) -> Result:
         if args.world_size < 2 and not args.no_distributed:
             raise InputError(f"world size {args.world_size} for the multi-rank rows; allowed: 2 or "
                              f"more (or --no-distributed)")
+        from .technique_table import write_report
         table, _ = write_report(args.out, StepConfig(model=args.model, seq=args.seq, batch=args.batch),
                                 world_size=args.world_size, distributed=not args.no_distributed)
         return table
@@ -569,6 +573,7 @@ def run(args: argparse.Namespace) -> Result:
         get_target(args.target)  # a bad --target is a usage error before any work
         # the card: --gpu names it (its kernels, cuBLAS workspace, memory as the budget), else
         # the GPU present, else the reference H200 (the same target Python's lenses take)
+        from .cards import detect_card
         card = None if args.gpu is not None or args.target != "cuda" else detect_card()
         target = get_target(args.target, args.gpu, card)
         budget = args.gpu if args.gpu is not None else budget
@@ -579,8 +584,10 @@ def run(args: argparse.Namespace) -> Result:
         if args.hf_config is not None:
             return _hf_checked(args, budget, target)
     if args.command == "estimate":
+        from .estimate import estimate_step
         return estimate_step(step, budget=budget, target=target)
     if args.command == "simulate":
+        from .simulate import simulate_step
         _check_simulate(step)
         if step.world_size > 1:
             return _simulate_sharded(step, budget, target)
@@ -595,12 +602,15 @@ def run(args: argparse.Namespace) -> Result:
         return _hf_measure(args, budget)
     _check_measure(step, args)
     if _multi_rank(step):
+        from .distributed.deepspeed_zero import measure_distributed
         return measure_distributed(step, device=args.device, budget=budget)
+    from .measure import measure_step
     return measure_step(step, device=args.device, budget=budget, snapshot_path=args.snapshot)
 
 
 def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> MemoryReport:
     """estimate or simulate of a Hugging Face config.json (:mod:`memlab.hf`)."""
+    from .hf_shape import FAMILIES, decoder_shape
     if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
         raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
     kw = dict(seq=args.seq, batch=args.batch, precision=args.precision,
@@ -631,6 +641,9 @@ def _beyond_lora(args: argparse.Namespace) -> bool:
 def _hf_estimate(args: argparse.Namespace, budget: int | str | None, target, kw: dict) -> MemoryReport:
     """``estimate --hf-config``: the one estimate of the run the flags, --training-args,
     --deepspeed and the LoRA/quantisation flags describe (:func:`memlab.hf_estimate.estimate_hf`)."""
+    from .hf_estimate import estimate_hf
+    from .hf_shape import decoder_shape
+    from .run import QuantConfig
     notes: list[str] = []
     if getattr(args, "training_args", None) is not None:
         args = _with_training_args(args)
@@ -642,6 +655,7 @@ def _hf_estimate(args: argparse.Namespace, budget: int | str | None, target, kw:
     if args.deepspeed is not None:
         if args.zero != 0 or args.offload != "none":
             raise InputError("--deepspeed gives the ZeRO stage and the offload: drop --zero/--offload")
+        from . import run_config
         ds = run_config.read_deepspeed(args.deepspeed, world_size=args.world_size, hidden_size=shape.d,
                                        batch=kw["batch"], micro_batches=args.micro_batches,
                                        precision=kw["precision"], trainer_args=getattr(args, "trainer_args", None))
@@ -668,6 +682,8 @@ def _hf_estimate(args: argparse.Namespace, budget: int | str | None, target, kw:
 def _hf_lora(args: argparse.Namespace, shape) -> tuple[LoraConfig | None, list[str]]:
     """The LoRA of --lora-config or --lora-rank/--lora-targets/--lora-dropout on a Hugging Face
     decoder (every ``Linear`` of its layers by default, as peft's ``all-linear``)."""
+    from . import run_config
+    from .run import LoraConfig
     names = shape.linear_names()
     if args.lora_config is not None:
         if args.lora_rank is not None or args.lora_targets is not None:
@@ -686,6 +702,7 @@ def _hf_checked(args: argparse.Namespace, budget: int | str | None, target) -> M
     """:func:`_hf_step` after the config is checked (memlab.hf_config_check) and, for simulate,
     the bound (memlab.simulation_bound); the report notes the fields left to transformers'
     defaults, and a peak more than any card holds."""
+    from .hf_config_check import check_config
     simulate = args.command == "simulate"
     checked = check_config(hf.load_config(args.hf_config, checked=False), construct=True if simulate else None)
     bar = None
@@ -709,6 +726,8 @@ def _simulate_sharded(step: StepConfig, budget: int | str | None, target) -> Mem
     """The FSDP2 simulation under a target's kernels; for CUDA each rank also holds the
     cuBLAS workspaces (its own process). Block rounding and per-call workspaces are not
     applied by the sharded tracker."""
+    from .distributed.fsdp import simulate_sharded
+    from .policy import emulate, resolve_target
     tgt = resolve_target(target, budget)
     with emulate(tgt):
         report = simulate_sharded(step, step.world_size, budget=budget)
@@ -769,9 +788,11 @@ def main(argv: list[str] | None = None) -> int:
             print(_presets(args.json))
             return 0
         if args.command == "doctor":
+            from . import doctor
             return doctor.main(["--no-build"] * args.no_build + ["--json"] * args.json
                                + ["--calibrate"] * args.calibrate)
         if args.command == "class":
+            from . import classroom
             return classroom.main(args.rest)
         result = run(args)
     except HostMemoryError as e:

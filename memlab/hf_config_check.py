@@ -16,14 +16,25 @@ the estimate reads the same model the simulation builds; one the class computes 
 fields (``num_key_value_heads`` = heads for Llama) is noted and left to it.
 
 Imports nothing from memlab but :class:`~memlab.errors.InputError`; ``transformers`` only when
-the config needs its class (see :func:`check_config`).
+the config needs its class (see :func:`check_config`), and not even then for a shipped config:
+transformers' answers about those (this check, and :func:`memlab.hf_shape.decoder_shape`'s
+defaults) are recorded in ``memlab/data/hf_resolved.json``, keyed by the input and used only
+under the transformers version that wrote them (:func:`recorded`; ``tools/record_hf.py``
+rewrites it, ``tests/test_hf_config_check.py`` checks it is what transformers says). Importing
+transformers costs seconds, more than the whole estimate.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import hashlib
+import json
 import math
 import re
 from dataclasses import dataclass, field
+from importlib import metadata, resources
+from typing import Any, Callable, Iterator
 
 from .errors import InputError
 
@@ -311,7 +322,17 @@ def check_config(cfg: dict, *, construct: bool | None = None) -> CheckedConfig:
     kind = model_type(cfg)
     given = given_fields(cfg)
     use_class = construct if construct is not None else _needs_class(kind, given)
-    cls = _config_class(kind) if use_class else None
+    if not use_class:
+        check_relations(dict(given), given)
+        return CheckedConfig(config=dict(cfg))
+    kw = recorded("check", {"config": cfg, "construct": construct},
+                  lambda: dataclasses.asdict(_check_with_class(kind, cfg, given)))
+    return CheckedConfig(**kw)
+
+
+def _check_with_class(kind: str, cfg: dict, given: dict) -> CheckedConfig:
+    """:func:`check_config` with transformers' class of ``kind`` (where installed)."""
+    cls = _config_class(kind)
     defaults = _class_defaults(cls) if cls is not None else {}
     eff, spelled = dict(given), {}
     for f in FIELDS:
@@ -338,6 +359,91 @@ def check_config(cfg: dict, *, construct: bool | None = None) -> CheckedConfig:
     return CheckedConfig(config=filled, defaulted=defaulted, class_name=cls.__name__)
 
 
+#: transformers' answers about the shipped configs, recorded (module doc)
+RECORDED = ("data", "hf_resolved.json")
+_LIVE = False  # True inside live_transformers(): every answer asked of transformers itself
+_RECORDING: dict | None = None  # the answers being recorded (record())
+
+
+def _key(what: str, inp: Any) -> str:
+    text = json.dumps(inp, sort_keys=True, default=repr)
+    return f"{what}:{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+
+
+def _transformers_version() -> str | None:
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _recorded_table() -> dict:
+    """The recorded answers, or {} when they were written under another transformers."""
+    try:
+        table = json.loads(resources.files("memlab").joinpath(*RECORDED).read_text())
+    except FileNotFoundError:
+        return {}
+    version = _transformers_version()
+    return table["answers"] if version is not None and table.get("transformers") == version else {}
+
+
+def recorded(what: str, inp: Any, compute: Callable[[], Any]) -> Any:
+    """transformers' answer about ``inp`` (``what`` names the question): the recorded one
+    when this transformers wrote it for exactly this input, else ``compute()`` (which asks
+    transformers, and must return JSON: lists, dicts, numbers, strings).
+
+    Args:
+        what: the question (``"check"``, ``"shape"``).
+        inp: its input, JSON (the config dict and options).
+        compute: the answer from transformers itself.
+
+    Returns:
+        The answer, as JSON (recorded) or as ``compute`` returns it.
+    """
+    key = _key(what, inp)
+    if not _LIVE:
+        hit = _recorded_table().get(key)
+        if hit is not None:
+            return hit
+    value = compute()
+    if _RECORDING is not None:
+        _RECORDING[key] = json.loads(json.dumps(value))
+    return value
+
+
+@contextlib.contextmanager
+def live_transformers() -> Iterator[None]:
+    """While open, every answer comes from transformers itself, none from the record."""
+    global _LIVE
+    before, _LIVE = _LIVE, True
+    try:
+        yield
+    finally:
+        _LIVE = before
+
+
+def record(run: Callable[[], None]) -> dict:
+    """The table of transformers' answers asked while ``run()`` runs (under
+    :func:`live_transformers`), as ``memlab/data/hf_resolved.json`` holds it.
+
+    Args:
+        run: the calls whose answers to record (tools/record_hf.py: the shipped configs).
+
+    Returns:
+        ``{"transformers": version, "answers": {key: answer}}``.
+    """
+    global _RECORDING
+    _RECORDING = {}
+    try:
+        with live_transformers():
+            run()
+        answers = dict(sorted(_RECORDING.items()))
+    finally:
+        _RECORDING = None
+    return {"transformers": _transformers_version(), "answers": answers}
+
+
 def _construct(kind: str, cfg: dict, cls):
     """transformers' config object of ``cfg``; its own refusals become an InputError."""
     kwargs = {k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version")}
@@ -352,4 +458,5 @@ def _construct(kind: str, cfg: dict, cls):
 
 
 __all__ = ["MAX_COUNT", "MODEL_TYPE", "Field", "FIELDS", "BY_NAME", "FIXED_DEFAULTS", "CheckedConfig",
-           "model_type", "given_fields", "check_relations", "check_config"]
+           "model_type", "given_fields", "check_relations", "check_config", "recorded", "live_transformers",
+           "record", "RECORDED"]

@@ -15,6 +15,7 @@ import pathlib
 
 from .errors import InputError
 from .hf import attn_implementation, context_length, hf_config, load_config
+from .hf_config_check import recorded
 from .shape import DecoderShape
 
 #: model_type -> the family's layout; these are what the closed form counts.
@@ -36,6 +37,13 @@ def _refuse(cfg: dict, field: str, why: str) -> InputError:
                       f"does not count it (use memlab simulate --hf-config, which runs the model)")
 
 
+def _class_view(given: dict) -> dict:
+    """What transformers' classes say of a config: its config object as a dict, and whether
+    the model class has only eager attention."""
+    conf = hf_config(given)
+    return {"config": conf.to_dict(), "eager_only": attn_implementation(conf, None) == "eager"}
+
+
 def decoder_shape(cfg: dict | str | pathlib.Path) -> DecoderShape:
     """The :class:`DecoderShape` of a config (a dict, a config.json, its folder or a shipped
     name); model types outside :data:`FAMILIES` and fields the closed form cannot count are
@@ -46,7 +54,8 @@ def decoder_shape(cfg: dict | str | pathlib.Path) -> DecoderShape:
         raise InputError(f"model_type {kind!r}: the estimate counts {', '.join(FAMILIES)} "
                          f"(memlab simulate --hf-config builds any causal LM transformers has)")
     # the family's config class fills in its defaults (gpt-oss: attention biases; Gemma 2: softcaps)
-    cfg = {**hf_config(given).to_dict(), **{k: v for k, v in given.items() if v is not None}}
+    view = recorded("shape", given, lambda: _class_view(given))
+    cfg = {**view["config"], **{k: v for k, v in given.items() if v is not None}}
     cfg["model_type"] = kind
     name = cfg.get("_name_or_path") or (cfg.get("architectures") or [kind])[0]
     if kind == "gpt2":
@@ -83,7 +92,7 @@ def decoder_shape(cfg: dict | str | pathlib.Path) -> DecoderShape:
                   resid_dropout=cfg.get("resid_pdrop") or 0.0 if kind == "phi3" else 0.0,
                   embd_dropout=cfg.get("embd_pdrop") or 0.0 if kind == "phi3" else 0.0,
                   attn_softcap=cfg.get("attn_logit_softcapping", 50.0 if kind == "gemma2" else None),
-                  eager_only=attn_implementation(hf_config(given), None) == "eager", sinks=kind == "gpt_oss")
+                  eager_only=view["eager_only"], sinks=kind == "gpt_oss")
     if kind == "gemma3_text":
         common["attn_softcap"] = cfg.get("attn_logit_softcapping")
     common["final_softcap"] = cfg.get("final_logit_softcapping") if gemma else None

@@ -39,6 +39,7 @@ from unittest import mock
 from .distributed.ranks import set_cache_env
 from .errors import InputError
 from .finetune import GPT2_TARGETS, LLAMA_TARGETS
+from .hf_config_check import recorded
 from .low_bit import HF_OPTIMIZERS
 from .models import GPTConfig
 from .quiet import quiet_build
@@ -366,7 +367,15 @@ class TrainingRun:
 
 
 def _defaults() -> dict:
-    """TrainingArguments' field defaults (no instance is built: that would probe devices)."""
+    """TrainingArguments' field defaults as its ``to_json_string()`` writes them (enums as
+    their values), recorded for this transformers version (memlab.hf_config_check.recorded:
+    importing transformers costs seconds)."""
+    return recorded("training_args_defaults", {}, _class_defaults)
+
+
+def _class_defaults() -> dict:
+    """TrainingArguments' field defaults, asked of the class (no instance is built: that
+    would probe devices)."""
     from transformers import TrainingArguments
     out = {}
     for f in dataclasses.fields(TrainingArguments):
@@ -374,7 +383,7 @@ def _defaults() -> dict:
             out[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:
             out[f.name] = f.default_factory()
-    return out
+    return json.loads(json.dumps(out, default=lambda v: getattr(v, "value", str(v))))
 
 
 def read_training_args(path: str | pathlib.Path | dict) -> TrainingRun:

@@ -79,12 +79,13 @@ def test_one_rank_simulation_honours_zero_and_offload(capsys):
 
 def test_internal_error_shows_its_traceback_and_exits_1(monkeypatch, capsys):
     """Only user errors exit 2: a ValueError from inside memlab is a bug, not bad input."""
-    import memlab.cli
+    import memlab.estimate
 
     def broken(*args, **kwargs):
         raise ValueError("an internal inconsistency")
 
-    monkeypatch.setattr(memlab.cli, "estimate_step", broken)  # the name the CLI calls
+    # the CLI imports the lens when the command runs (startup), from its module
+    monkeypatch.setattr(memlab.estimate, "estimate_step", broken)
     assert main(["estimate", "--seq", "64"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "ValueError: an internal inconsistency" in err
