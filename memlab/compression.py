@@ -39,6 +39,7 @@ from .guard import check_host
 from .measure import measure_trainer, time_steps
 from .step import MemoryReport, StepConfig, autocast_for, batch_to, build_trainer, make_batch, resolve_step
 from .sweeps import category_max, relative_error
+from .torch_private import tensor_version
 
 MODES = ("bf16", "int8")
 GRANULARITIES = ("row", "tensor")
@@ -159,11 +160,11 @@ class ActivationCompressor:
             self.n_skipped += 1
             return t
         packed = self._cache.get(st)
-        if packed is None or packed.version != t._version:
+        if packed is None or packed.version != tensor_version(t):
             n = st.nbytes() // t.element_size()
             flat = t.detach().as_strided((n,), (1,), 0)  # the whole storage, once
             packed = quantize(flat, self.mode, self.granularity, t.shape[-1] if t.dim() else 1)
-            packed.version = t._version
+            packed.version = tensor_version(t)
             self._cache[st] = packed
             self.n_packed += 1
             self.saved_bytes += st.nbytes()

@@ -36,13 +36,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .errors import InputError
 from .flops import CPU_SDPA, PARTS, PhaseFlopCounter, StepFlops, run_counted_step
 from .models import GPTConfig
 from .policy import layer_norm_stat_bytes, op_bytes, precision_bytes, rms_norm_fused
+from .torch_private import TorchDispatchMode, in_backward, tree_leaves
 
 aten = torch.ops.aten
 
@@ -127,14 +126,14 @@ class ElementwiseCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        name = func._overloadpacket.__name__
-        if func._overloadpacket in self.kernels or func in self.kernels or func.is_view \
+        name = func.overloadpacket.__name__
+        if func.overloadpacket in self.kernels or func in self.kernels or func.is_view \
                 or name in NO_TRAFFIC or not _tensors(out):
             return out
-        in_backward = torch._C._current_graph_task_id() != -1
+        backward = in_backward()
         n = op_traffic(name, args, kwargs, out)
         act = (n, sum(t.numel() for t in _tensors(out))) if name in ACTIVATIONS else (0, 0)
-        if not in_backward and not torch.is_grad_enabled():
+        if not backward and not torch.is_grad_enabled():
             # an autograd Function's forward, or the optimizer's step: which one, the next op says
             b, ab, ae = self.pending
             self.pending = (b + n, ab + act[0], ae + act[1])
@@ -142,7 +141,7 @@ class ElementwiseCounter(TorchDispatchMode):
         b, ab, ae = self.pending  # more of the step follows: what was pending was a forward's
         self.pending = (0, 0, 0)
         self.counts["forward"] += b
-        part = ("recompute" if torch.is_grad_enabled() else "backward") if in_backward else "forward"
+        part = ("recompute" if torch.is_grad_enabled() else "backward") if backward else "forward"
         self.counts[part] += n
         self.activation_bytes += ab + act[0]
         self.activation_elements += ae + act[1]

@@ -51,13 +51,12 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import InputError
 from .models import GPTConfig, UNetConfig
 from .step import batch_to, build_trainer, make_batch
+from .torch_private import FakeTensorMode, TorchDispatchMode, in_backward
 
 PARTS = ("forward", "backward", "recompute")
 
@@ -131,13 +130,12 @@ class PhaseFlopCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = self.registry.get(func._overloadpacket)
+        formula = self.registry.get(func.overloadpacket)
         if formula is not None:
             n = int(formula(*args, **kwargs, out_val=out))
-            in_backward = torch._C._current_graph_task_id() != -1
-            part = ("recompute" if torch.is_grad_enabled() else "backward") if in_backward else "forward"
+            part = ("recompute" if torch.is_grad_enabled() else "backward") if in_backward() else "forward"
             self.counts[part] += n
-            name = func._overloadpacket.__name__
+            name = func.overloadpacket.__name__
             if "attention" in name or (name == "bmm" and _is_score_bmm(args)):
                 self.attention += n
         return out

@@ -71,6 +71,24 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def op_schema(op: torch._ops.OpOverload) -> torch._C.FunctionSchema:
+    """The schema of an aten op overload: its arguments' names, types and which are keyword-only
+    (``OpOverload._schema``; the op has no public accessor).
+
+    Checked: 2.11 (H200 simulate rows), 2.13.
+    """
+    return op._schema
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """How many in-place writes ``t``'s storage has seen (``Tensor._version``, the counter
+    autograd checks saved tensors against).
+
+    Checked: 2.13.
+    """
+    return t._version
+
+
 def parse_to(*args, **kwargs) -> tuple[torch.device | None, torch.dtype | None]:
     """The device and dtype a ``Module.to(*args, **kwargs)`` call asks for (``torch._C._nn._parse_to``).
 
@@ -123,5 +141,6 @@ def fsdp2_mem_tracker() -> type:
 
 __all__ = ["AUTOCAST_CPU_KEYS", "FakeStore", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
            "aten_ops_with_kernel", "current_autograd_node", "exclude_dispatch_keys", "fsdp2_mem_tracker",
-           "dump_memory_snapshot", "in_backward", "is_traceable_wrapper_subclass", "memory_snapshot", "parse_to",
-           "record_memory_history", "stop_memory_history", "tree_flatten", "tree_leaves", "tree_map_only"]
+           "dump_memory_snapshot", "in_backward", "is_traceable_wrapper_subclass", "memory_snapshot",
+           "op_schema", "parse_to", "record_memory_history", "stop_memory_history", "tensor_version",
+           "tree_flatten", "tree_leaves", "tree_map_only"]

@@ -160,16 +160,43 @@ def test_deepspeed_pins_by_default():
     assert "pin_memory" not in zo["offload_optimizer"] and "pin_memory" not in zo["offload_param"]
 
 
+#: GPT-2 medium (Radford et al. 2019: 24 layers, d 1024, 1024 positions, 50257 tokens) counted
+#: from its architecture, the embedding tied to the head
+_D, _L = 1024, 24
+GPT2_MEDIUM = 50257 * _D + 1024 * _D + _L * (4 * _D + 3 * _D * _D + 3 * _D + _D * _D + _D
+                                            + 4 * _D * _D + 4 * _D + 4 * _D * _D + _D) + 2 * _D
+
+
 def test_answer_14_t4_plan():
-    """answers/14, exercise 3: the plan lesson 14 prints for GPT-2 medium on a T4, and its
-    estimate without offload."""
+    """answers/14, exercise 3: GPT-2 medium on a T4 at seq 1024, batch 24. Its numbers from
+    outside the estimate: the 16 bytes a parameter and the fp32 logits the key states, the
+    parts of the peak they are, and the simulation (the real module on fake tensors) for the
+    plan's peak and for the step without offload being over the card."""
     from dataclasses import replace
-    one = advise("gpt2-medium", "T4-16GB", seq=1024, batch=24, simulate=False)
+
+    from memlab.simulate import simulate_step
     text = _text("course/answers/14_plan_your_run.md").split("## Exercise 3", 1)[1].split("## Exercise 4")[0]
-    assert one.plan == ["fp16", "checkpointing", "offload-optimizer"], one.plan
-    assert f"{one.peak_bytes / GiB:.2f} GiB" in text
+    n, logits = GPT2_MEDIUM, 24 * 1024 * 50257 * 4
+    assert n == 354_823_168 and "355M" in text
+    assert f"{16 * n / GiB:.1f} GiB" in text and f"{logits / GiB:.1f} GiB per fp32 copy" in text
+    one = advise("gpt2-medium", "T4-16GB", seq=1024, batch=24, simulate=False)
+    assert one.plan == ["fp16", "checkpointing", "offload-optimizer"], one.plan  # the T4 has no bf16
     bare = ml.estimate_step(replace(one.step, offload="none", zero=0), budget="T4-16GB")
-    assert not bare.fits and f"**{bare.peak_bytes / GiB:.2f} GiB**" in text
+    # without offload: fp32 weights and two moments held (gradients not yet, at the loss) and
+    # one fp32 copy of the logits as the loss's temporary
+    cats = bare.by_category
+    assert (cats["parameters"], cats["optimizer"], cats["temporaries"]) == (4 * n, 8 * n, logits)
+    t4 = 15360 * 2**20
+    sim_bare = simulate_step(replace(one.step, offload="none", zero=0), budget="T4-16GB")
+    assert not bare.fits and sim_bare.peak_bytes > t4 and sim_bare.peak_bytes < bare.peak_bytes
+    assert f"**{bare.peak_bytes / GiB:.2f} GiB**" in text and f"({sim_bare.peak_bytes / GiB:.2f} GiB" in text
+    # offloaded: the fp16 weights stay (2 bytes a parameter), master weights and moments move out
+    planned = ml.estimate_step(one.step, budget="T4-16GB")
+    assert planned.peak_bytes == one.peak_bytes
+    assert (planned.by_category["parameters"], planned.by_category["optimizer"]) == (2 * n, 0)
+    sim = simulate_step(one.step, budget="T4-16GB")
+    assert one.peak_bytes == pytest.approx(sim.peak_bytes, rel=0.001) and sim.peak_bytes < 0.9 * t4
+    assert f"{one.peak_bytes / GiB:.2f} GiB" in text
 
 
 def test_answer_14_headroom():

@@ -56,14 +56,24 @@ def test_lora_step_keeps_state_only_for_adapters():
     assert report.by_category["parameters"] == 4 * n  # the frozen model is still held
 
 
-@pytest.mark.parametrize("targets,ckpt,precision", [
-    (["q_proj", "v_proj"], None, "fp32"), (["q_proj", "v_proj"], "full", "bf16"),
-    (finetune.LLAMA_TARGETS, None, "bf16"), (finetune.LLAMA_TARGETS, "full", "fp32")])
-def test_lora_estimate_tracks_the_measured_step(targets, ckpt, precision):
-    _, _, report = _measure(SMALL, precision, lora=_lora(targets), checkpointing=ckpt)
+@pytest.mark.parametrize("targets,ckpt,precision,band", [
+    (["q_proj", "v_proj"], None, "fp32", (0.0, 0.03)),
+    # bf16 under HF's checkpointing: the estimate keeps 1.7 MB more temporaries than the step
+    (["q_proj", "v_proj"], "full", "bf16", (0.08, 0.11)),
+    (finetune.LLAMA_TARGETS, None, "bf16", (-0.07, -0.035)),
+    (finetune.LLAMA_TARGETS, "full", "fp32", (0.01, 0.04))])
+def test_lora_estimate_tracks_the_measured_step(targets, ckpt, precision, band):
+    """The estimate against the real step tracked, each case within a band around its
+    measured error (+1.5%, +9.7%, -5.3%, +2.8% here): a drift of 1.5% either way fails; the
+    frozen weights byte for byte, the adapters' AdamW moments to the fused step's counters."""
+    model, _, report = _measure(SMALL, precision, lora=_lora(targets), checkpointing=ckpt)
     est = finetune.estimate_lora(hf.step_config(SMALL, seq=SEQ, batch=BATCH, checkpointing=ckpt,
                                                 precision=precision), rank=8, targets=targets)
-    assert est.peak_bytes == pytest.approx(report.peak_bytes, rel=0.11)
+    error = est.peak_bytes / report.peak_bytes - 1
+    assert band[0] <= error <= band[1], error
+    assert est.by_category["parameters"] == report.by_category["parameters"]
+    fused_steps = 4 * sum(p.requires_grad for p in model.parameters())  # one fp32 step count a tensor
+    assert est.by_category["optimizer"] + fused_steps == report.by_category["optimizer"]
 
 
 def test_lora_estimate_of_llama_3_8b_within_3_percent_of_simulate():
@@ -170,19 +180,51 @@ def test_real_peft_lora_step_from_the_cli(tmp_path, capsys):
     assert sim["peak_bytes"] == pytest.approx(real.peak_bytes, rel=0.01)
 
 
+#: Llama-3-8B (its config.json, memlab/data/hf_configs): 32 layers of q, k, v, o and the
+#: SwiGLU MLP; 8,030,261,248 parameters (the count transformers' model reports)
+L3_LAYERS, L3_PARAMS = 32, 8_030_261_248
+L3_LINEARS = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "v_proj": (1024, 4096), "o_proj": (4096, 4096),
+              "gate_proj": (14336, 4096), "up_proj": (14336, 4096), "down_proj": (4096, 14336)}
+
+
+def _nf4_bytes(n: int, F) -> tuple[int, int]:
+    """(bytes, code-table bytes) bitsandbytes holds for ``n`` weights quantised to NF4 with
+    double quantisation (blocks of 64, the block maxima quantised in blocks of 256)."""
+    q, s = F.quantize_4bit(torch.randn(n, dtype=torch.bfloat16), blocksize=64, compress_statistics=True,
+                           quant_type="nf4")
+    held = sum(t.numel() * t.element_size() for t in (q, s.absmax, s.offset, s.state2.absmax))
+    return held, sum(t.numel() * t.element_size() for t in (s.code, s.state2.code))
+
+
 def test_lora_and_qlora_of_an_8b_from_the_cli(capsys):
     """Llama-3-8B (shipped config), bf16, checkpointing: LoRA holds less than half of full
-    fine-tuning; QLoRA less than LoRA, its parameters 0.6-0.8 bytes per parameter of the model
-    (NF4's half byte and the 16-bit embedding and head)."""
+    fine-tuning; QLoRA less than LoRA, its parameters exactly what bitsandbytes holds: every
+    decoder Linear in NF4 as bitsandbytes' own quantize_4bit lays it out (measured here on
+    tensors of 16384 and 4194304 elements: every Linear of the 8B is a multiple of 16384
+    elements, 64 x 256, so its bytes are the affine function those two give), the embedding,
+    head and norms in bf16, and peft's 41,943,040 adapter parameters in fp32."""
+    F = pytest.importorskip("bitsandbytes.functional")
     argv = ["estimate", "--hf-config", "llama-3-8b", "--seq", "2048", "--batch", "1",
             "--precision", "bf16", "--checkpointing", "full", "--gpu", "A100-80GB", "--json"]
     full = _cli_json(capsys, argv)
     lora = _cli_json(capsys, [*argv, "--lora-rank", "16"])
     qlora = _cli_json(capsys, [*argv, "--lora-rank", "16", "--load-in-4bit"])
-    n = full["config"]["num_params"]
+    assert full["config"]["num_params"] == L3_PARAMS
     assert lora["peak_bytes"] < full["peak_bytes"] / 2
     assert qlora["peak_bytes"] < lora["peak_bytes"]
-    assert 0.6 <= qlora["by_category"]["parameters"] / n <= 0.8
+    (small, codes), (large, _) = _nf4_bytes(16384, F), _nf4_bytes(4194304, F)
+    per_element = (large - small) / (4194304 - 16384)
+    assert per_element == 1 / 2 + 1 / 64 + 4 / (64 * 256)  # packed pairs, uint8 maxima, fp32 nested maxima
+    numels = [o * i for o, i in L3_LINEARS.values()]
+    assert all(n % 16384 == 0 for n in numels)
+    nf4 = L3_LAYERS * sum(small + per_element * (n - 16384) for n in numels)
+    adapters = L3_LAYERS * sum(16 * (o + i) for o, i in L3_LINEARS.values())  # LoRA: A r x in, B out x r
+    assert adapters == 41_943_040
+    want = nf4 + 2 * (L3_PARAMS - L3_LAYERS * sum(numels)) + 4 * adapters
+    assert qlora["by_category"]["parameters"] == want
+    # bitsandbytes 0.50 gives every weight its own NF4 and nested code tables (16 + 256 fp32):
+    # not counted, under 0.01% of the weights
+    assert L3_LAYERS * len(numels) * codes < 1e-4 * want
 
 
 @pytest.mark.parametrize("shape", [(4096, 4096), (1000, 64), (688, 256)])

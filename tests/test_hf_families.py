@@ -147,10 +147,32 @@ def test_long_context_up_to_the_models_own(capsys):
 
 
 def test_gemma2_simulates_with_eager_attention_and_refuses_sdpa():
-    rep = hf.simulate_hf(FAMILIES["gemma2"], seq=32, batch=1, target="cpu")
-    assert rep.peak_bytes > 0
-    with pytest.raises(Exception, match="does not support SDPA"):
-        hf.simulate_hf(FAMILIES["gemma2"], seq=32, batch=1, target="cpu", attention="sdpa")
+    """Gemma 2's class has no SDPA path (softcapped attention logits): the simulation runs its
+    eager attention, which keeps b x h x s x s scores, so it equals torch's MemTracker on
+    transformers' own eager model (built here without memlab), where those scores are a large
+    share of the step; asking for SDPA is refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    seq, batch = 256, 1
+    cfg = dict(FAMILIES["gemma2"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), attn_implementation="eager")
+    assert type(model).__name__ == "Gemma2ForCausalLM" and not type(model)._supports_sdpa
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    real = memtracker_peak(model, opt, step)
+    # eager_attention_forward keeps the softmax's fp32 probabilities, b x h x s x s a layer
+    scores = cfg["num_hidden_layers"] * batch * cfg["num_attention_heads"] * seq * seq * 4
+    assert scores > 0.1 * real  # so a simulation without the eager path misses by far more than 1%
+    sim = hf.simulate_hf(cfg, seq=seq, batch=batch, target="cpu")
+    assert sim.peak_bytes == pytest.approx(real, rel=0.01)
+    with pytest.raises(InputError, match="does not support SDPA"):
+        hf.simulate_hf(cfg, seq=seq, batch=batch, target="cpu", attention="sdpa")
 
 
 def test_refusals_name_the_field(tmp_path, capsys):

@@ -27,12 +27,34 @@ def test_llama_7b_on_8_a100_does_not_offload(capsys):
         assert p["batch"] * 8 // (p["tensor_parallel"] * p["pipeline_parallel"]) == 16, c["describe"]
 
 
+#: GPT-2 XL (Radford et al. 2019: 48 layers, d 1600, 1024 positions, 50257 tokens) counted
+#: from its architecture: tied embeddings, per block two LayerNorms, c_attn, c_proj and the
+#: 4d MLP with biases, and the final LayerNorm
+D, L = 1600, 48
+GPT2_XL = 50257 * D + 1024 * D + L * (2 * 2 * D + (3 * D * D + 3 * D) + (D * D + D)
+                                      + (4 * D * D + 4 * D) + (4 * D * D + D)) + 2 * D
+
+
 def test_one_small_card_must_offload_and_says_so():
+    """GPT-2 XL on one T4: fp32 AdamW keeps 16 bytes a parameter (weights, gradients, two
+    moments) = 24.9 GB on a 15360 MiB card, and one GPU's ZeRO shards nothing: no exact plan
+    fits without offload, so the recommendation offloads, and says why."""
+    assert GPT2_XL == 1_557_611_200
+    t4 = 15360 * 2**20
     a = advise("gpt2-xl", "T4-16GB", seq=1024, batch=1, simulate=False)
+    exact = [c for c in a.search.candidates if not c.changes_training]
+    on_gpu = [c for c in exact if c.plan["offload"] == "none"]
+    assert on_gpu and not any(c.fits for c in on_gpu)
+    # each holds at least the 16 bytes a parameter (fp16 as well: its fp32 master and moments
+    # plus 16-bit weights and gradients), and the peak is the states plus little
+    assert 16 * GPT2_XL > t4
+    for c in on_gpu:
+        assert 16 * GPT2_XL <= c.peak_bytes <= 1.05 * 16 * GPT2_XL, c.describe()
     best = a.search.best
-    assert best is not None and best.fits
-    no_offload = [c for c in a.search.candidates if c.fits and c.plan["offload"] == "none"]
-    assert (best.plan["offload"] != "none") == (not no_offload)
+    assert best.fits and best.plan["offload"] != "none" and not best.changes_training
+    # what stays on the GPU: at least the fp32 weights; the moments (8 bytes a parameter) are on the host
+    assert 4 * GPT2_XL <= best.peak_bytes < t4 and best.host_bytes >= 8 * GPT2_XL
+    assert "no plan without offload fits" in a.search.why
 
 
 def test_a_bare_size_has_no_search():

@@ -136,19 +136,47 @@ def _training_args(tmp_path, **kw) -> str:
     return str(path)
 
 
+def _bnb_adam8bit_state_bytes(numels: list[int]) -> int:
+    """bitsandbytes 0.50's 8-bit Adam state (optim/optimizer.py, Optimizer2State.init_state):
+    a tensor under min_8bit_size (4096) keeps two fp32 moments; a larger one two uint8 moments
+    and two fp32 absmax per block of 256; the two 256-entry fp32 quantisation maps are shared."""
+    return sum(8 * n if n < 4096 else 2 * n + 2 * 4 * -(-n // 256) for n in numels) + 2 * 256 * 4
+
+
 def test_training_args_are_the_step_they_describe(tmp_path, capsys):
     """per-device batch 2 x accumulation 4, bf16, gradient checkpointing (non-reentrant), 8-bit
-    AdamW by its HF name: the estimate of the flags that say the same; a field memlab does not
-    model (torch_compile, neftune) is named, not dropped."""
-    path = _training_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4,
-                          bf16=True, gradient_checkpointing=True, optim="adamw_bnb_8bit",
-                          gradient_checkpointing_kwargs={"use_reentrant": False},
-                          torch_compile=True, neftune_noise_alpha=5.0)
+    AdamW by its HF name, read as transformers reads them: the Trainer's own optimizer choice
+    (Trainer.get_optimizer_cls_and_kwargs) and HF's batch semantics, and the peak's states
+    counted from the real GPT-2 (fp32 weights and gradients under autocast, bitsandbytes' 8-bit
+    state); a field memlab does not model (torch_compile, neftune) is named, not dropped."""
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, bf16=True,
+              gradient_checkpointing=True, optim="adamw_bnb_8bit",
+              gradient_checkpointing_kwargs={"use_reentrant": False}, torch_compile=True,
+              neftune_noise_alpha=5.0)
+    path = _training_args(tmp_path, **kw)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, **kw)
+    opt_cls, opt_kw = Trainer.get_optimizer_cls_and_kwargs(args)
+    assert opt_cls.__module__.startswith("bitsandbytes") and opt_kw["optim_bits"] == 8
     common = ["estimate", "--hf-config", "gpt2", "--seq", "256", "--target", "cpu", "--json"]
     via = _json(capsys, [*common, "--training-args", path])
-    flags = _json(capsys, [*common, "--batch", "8", "--micro-batches", "4", "--precision", "bf16",
-                           "--checkpointing", "full", "--optimizer", "adamw-8bit"])
-    assert via["peak_bytes"] == flags["peak_bytes"] and via["config"]["micro_batches"] == 4
+    c = via["config"]
+    per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    assert (c["batch"], c["micro_batches"]) == (per_device * accumulation, accumulation)
+    assert (c["precision"], c["checkpointing"], c["optimizer"]) == ("bf16", "full", "adamw-8bit")
+    with torch.device("meta"):
+        gpt2 = AutoModelForCausalLM.from_config(hf.hf_config(hf.load_config("gpt2")))
+    numels = [p.numel() for p in gpt2.parameters()]
+    n = sum(numels)
+    assert n == 124_439_808 == c["num_params"]  # GPT-2 small, tied head
+    cats = via["by_category"]
+    assert (cats["parameters"], cats["gradients"]) == (4 * n, 4 * n)  # gradients held over the 4 micro-batches
+    assert cats["optimizer"] == _bnb_adam8bit_state_bytes(numels)
+    # one micro-batch of 2 in flight: less than the same step without accumulation
+    flat = _json(capsys, [*common, "--batch", "8", "--precision", "bf16", "--checkpointing", "full",
+                          "--optimizer", "adamw-8bit"])
+    assert via["peak_bytes"] < flat["peak_bytes"]
     note = next(n for n in via["notes"] if "not modelled" in n)
     assert "torch_compile" in note and "neftune_noise_alpha" in note
     assert any("use_reentrant=False" in n for n in via["notes"])

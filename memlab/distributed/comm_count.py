@@ -17,13 +17,12 @@ import math
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..errors import InputError
 from ..hardware import Placement
 from ..models import GPT, get_config
 from ..step import StepConfig, build_trainer, make_batch
+from ..torch_private import TorchDispatchMode, tree_flatten
 from .deepspeed_config import deepspeed_config
 from .deepspeed_rank0 import fake_ranks
 from .parallel_common import rank_device, set_rank_threads
@@ -61,7 +60,7 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
-            name = func._overloadpacket.__name__
+            name = func.overloadpacket.__name__
             kind = OPS.get(name)
             if kind is not None:
                 functional = func.namespace == "_c10d_functional"

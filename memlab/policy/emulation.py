@@ -22,6 +22,7 @@ from ..torch_private import (
     FakeTensor,
     aten_ops_with_kernel,
     exclude_dispatch_keys,
+    op_schema,
     tree_leaves,
     tree_map_only,
 )
@@ -121,8 +122,9 @@ def _is_fake(t) -> bool:
 
 
 def _set_opt_dtype_kernel(op, name: str):
-    index = [a.name for a in op._schema.arguments].index("dtype")
-    kw_only = op._schema.arguments[index].kwarg_only
+    arguments = op_schema(op).arguments
+    index = [a.name for a in arguments].index("dtype")
+    kw_only = arguments[index].kwarg_only
     softmax = name in ("softmax.int", "log_softmax.int")
 
     def kernel(*args, **kwargs):
