@@ -220,7 +220,9 @@ class RateSource:
 #: every rate the time lens takes from outside, with the rows that made it and those that test it
 RATE_LEDGER: tuple[RateSource, ...] = (
     RateSource("A100 large-GEMM fraction of peak (A100-40GB, A100-80GB)", _A100_GEMM[0], _A100_GEMM[1],
-               (), ("Narayanan et al. 2021, Table 1: all ten rows (tests/test_published_runs.py)",)),
+               (), ("Narayanan et al. 2021, Table 1: all ten rows (tests/test_published_runs.py)",
+                    "Korthikanti et al. 2022, abstract: 530B MFU with full and with selective "
+                    "recomputation (tests/test_published_runs.py)")),
     RateSource("H100/H200 fraction of peak", _H100_RUN[0], _H100_RUN[1],
                ("Dubey et al. 2024, Table 4 (so its rows cannot test it)",), ()),
     RateSource("fraction of peak on T4, V100, RTX 3090/4090, L4, A10G, L40S", _V100_RUN[0], _V100_RUN[1],

@@ -474,7 +474,8 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
               cpu_adam_params_per_s: float | None = None, engine: str | None = None,
               optimizer: OptimizerPass | None = None, attention_flops_per_s: float | None = None,
               elementwise: ElementwiseWork | None = None, elementwise_rates: ElementwiseRates | None = None,
-              target: str | None = None, gradient_sync: str = "micro-batch") -> StepTime:
+              target: str | None = None, gradient_sync: str = "micro-batch",
+              sequence_parallel: bool = True) -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
 
@@ -502,6 +503,10 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         gradient_sync: ``"micro-batch"`` (memlab's trainer all-reduces after each) or
             ``"step"`` (once per step, as Megatron-LM does; DDP then overlaps it with the last
             micro-batch's backward only).
+        sequence_parallel: the elementwise ops shard over the tensor-parallel ranks
+            (Korthikanti et al. 2022, sec. 4.2.2; its reduce-scatter and all-gather move what
+            TP's all-reduce does); ``False``: Megatron-LM before it, every TP rank runs the
+            norms, dropouts and residual adds of the whole sequence.
 
     Returns:
         :class:`StepTime`.
@@ -545,8 +550,15 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     ew = elementwise or step_elementwise(step, target or ("cuda" if card is not None else "cpu"), deepspeed=on_ds)
     rates = elementwise_rates or calibrated_elementwise(name, dtype, calibration) or ElementwiseRates(sp.hbm)
     per_byte = elementwise_seconds(ew, rates) / share / ew.bytes if ew.bytes else 0.0
-    recompute += ew.recompute * per_byte
-    elementwise_s = (ew.forward + ew.backward) * per_byte
+    extra = (0.0, 0.0)
+    if not sequence_parallel and t > 1 and elementwise is None and isinstance(step.model_config, GPTConfig):
+        # without SP every TP rank runs the token-sized ops whole (the weights' casts and
+        # gradients stay sharded): those are what doubling the sequences per micro-batch adds
+        twice = step_elementwise(replace(step, batch=2 * step.batch), target or "cuda", deepspeed=on_ds)
+        extra = ((t - 1) * (twice.forward + twice.backward - ew.forward - ew.backward),
+                 (t - 1) * (twice.recompute - ew.recompute))
+    recompute += (ew.recompute + extra[1]) * per_byte
+    elementwise_s = (ew.forward + ew.backward + extra[0]) * per_byte
     gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else sp.pcie
     comm_s = comm.gpu_bytes / gpu_link if comm.gpu_bytes else 0.0
     tp_bytes = comm.by_kind.get("tensor-parallel all-reduces", 0.0)
