@@ -199,8 +199,13 @@ _GB = 1e9
 _A100_GEMM = (0.80, "Dao 2023 (FlashAttention-2, arXiv 2307.08691), sec. 1: optimized GEMM reaches "
                     "up to 80-90% of the A100's peak; the lower end (that sentence not read in the paper "
                     "here; its abstract, read, puts FlashAttention-2 at 50-73% of peak, 'close to' GEMM)")
+_H100_KERNEL = (0.75, "Shah et al. 2024 (FlashAttention-3, arXiv 2407.08608), abstract: its BF16/FP16 "
+                      "kernel reaches 740 TFLOP/s on the H100, 75% of the dense peak (a kernel benchmark; "
+                      "no H100 GEMM figure was read, so the large-GEMM fraction is taken to be what its best "
+                      "published kernel reaches)")
 _H100_RUN = (0.40, "Dubey et al. 2024 (Llama 3), Table 4: 38-43% BF16 MFU on H100 (an end-to-end "
-                   "fraction, not a GEMM's: no published H100 GEMM figure read yet)")
+                   "fraction, kept for the H200: its reference record's gpt2-large steps run slower than "
+                   "the H100's kernel fraction predicts, which the per-GEMM roofline does not explain)")
 _V100_RUN = (0.30, "Shoeybi et al. 2019 (Megatron-LM), sec. 1: 30% of peak on V100 (end to end), "
                    "used for the cards no published kernel benchmark covers")
 
@@ -223,8 +228,13 @@ RATE_LEDGER: tuple[RateSource, ...] = (
                (), ("Narayanan et al. 2021, Table 1: all ten rows (tests/test_published_runs.py)",
                     "Korthikanti et al. 2022, abstract: 530B MFU with full and with selective "
                     "recomputation (tests/test_published_runs.py)")),
-    RateSource("H100/H200 fraction of peak", _H100_RUN[0], _H100_RUN[1],
-               ("Dubey et al. 2024, Table 4 (so its rows cannot test it)",), ()),
+    RateSource("H100 large-GEMM fraction of peak", _H100_KERNEL[0], _H100_KERNEL[1],
+               ("Shah et al. 2024, abstract (a kernel benchmark, no training run)",),
+               ("Dubey et al. 2024 (Llama 3), Table 4: the 405B rows at 8,192 and 16,384 GPUs without "
+                "context parallelism (tests/test_published_runs.py)",)),
+    RateSource("H200 fraction of peak", _H100_RUN[0], _H100_RUN[1],
+               ("Dubey et al. 2024, Table 4 (so its rows cannot test it: they run on the H100 profile)",),
+               ("the H200 reference's one-GPU DeepSpeed rows (tests/test_step_time.py)",)),
     RateSource("fraction of peak on T4, V100, RTX 3090/4090, L4, A10G, L40S", _V100_RUN[0], _V100_RUN[1],
                ("Shoeybi et al. 2019, sec. 1",), ()),
     RateSource("HBM bandwidth (GEMM roofline, elementwise ops)", 1.0, "each card's datasheet (SPEEDS)",
@@ -280,7 +290,7 @@ SPEEDS: dict[str, Speeds] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67, TF32 494.5, BF16/FP16 989.5, FP8 1979 TFLOPS
     # (dense); HBM3 3.35 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s
     "H100-80GB": _speeds({"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979}, 3350, 900,
-                         128, _H100_RUN, "NVIDIA H100 datasheet"),
+                         128, _H100_KERNEL, "NVIDIA H100 datasheet"),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's compute; HBM3e 4.8 TB/s; NVLink 900 GB/s;
     # PCIe Gen5 128 GB/s
     "H200-141GB": _speeds({"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979}, 4800, 900,

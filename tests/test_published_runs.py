@@ -170,3 +170,47 @@ def test_korthikanti_full_over_selective_overhead_within_5_points(k530):
     predicted = k530["full recompute"].seconds / k530["selective + sequence parallel"].seconds - 1
     published = K530_MFU["selective + sequence parallel"] / K530_MFU["full recompute"] - 1
     assert abs(predicted - published) <= 0.05, (predicted, published)
+
+
+# Dubey et al. 2024 ("The Llama 3 Herd of Models", arXiv 2407.21783), sec. 3.3.2, Table 4: the 405B
+# model in BF16 on H100s, tensor 8, pipeline 16, 16M tokens a batch, sequence 8192; TFLOP/s per
+# GPU 430 at 8,192 GPUs (data-parallel 64) and 400 at 16,384 (data-parallel 128). The paper itself
+# could not be read through the tools: these figures are as Glenn Lockwood's notes
+# (glennklockwood.com/garden/llama-3.1) give them from Balaji's SC'24 slide of the same table; MFU
+# is taken as that over the H100's dense BF16 peak (989.5 TFLOP/s). The third row (context
+# parallelism 16 at sequence 131,072) is left out: the lens has no context parallelism. The
+# shapes are the paper's Table 3 (126 layers, width 16384, FFN 53248, 128 heads, 8 key/value
+# heads, vocabulary 128,256, Llama 3.1 405B's). Set, not read: one sequence per micro-batch and
+# plain 1F1B's bubble (p - 1)/m; Llama 3 trains under FSDP, timed here as data parallelism with
+# one gradient all-reduce a step.
+LLAMA3_TABLE_4 = ((8192, 430), (16384, 400))
+
+
+def llama3_405b_tflops(gpus: int) -> float:
+    """The lens's model TFLOP/s per GPU of the 405B run on ``gpus`` H100s."""
+    import json
+    from importlib import resources
+
+    from memlab.hf import gpt_config
+    hf = json.loads((resources.files("memlab") / "data" / "hf_configs" / "llama-3.1-70b.json").read_text())
+    hf.update(num_hidden_layers=126, hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
+              num_key_value_heads=8, vocab_size=128256)
+    tp, pp, seq = 8, 16, 8192
+    per_replica = 16 * 2**20 // seq // (gpus // (tp * pp))
+    step = StepConfig(model=gpt_config(hf, seq=seq), seq=seq, batch=per_replica, micro_batches=per_replica,
+                      precision="bf16", world_size=gpus)
+    t = step_time(step, "H100-80GB", tensor_parallel=tp, pipeline_parallel=pp, gradient_sync="step")
+    return t.mfu * 989.5
+
+
+def test_llama3_405b_8192_gpus_within_25_percent():
+    predicted, published = llama3_405b_tflops(8192), LLAMA3_TABLE_4[0][1]
+    assert 0.75 <= predicted / published <= 1.25, (predicted, published)
+
+
+@pytest.mark.xfail(strict=True, reason="16 micro-batches per replica give plain 1F1B a 15/16 bubble: the lens "
+                                       "says 299 TFLOP/s per GPU, 0.75 of the published 400; Llama 3's own "
+                                       "schedule (sec. 3.3.2) is not modelled")
+def test_llama3_405b_16384_gpus_within_25_percent():
+    predicted, published = llama3_405b_tflops(16384), LLAMA3_TABLE_4[1][1]
+    assert 0.75 <= predicted / published <= 1.25, (predicted, published)
