@@ -247,8 +247,13 @@ RATE_LEDGER: tuple[RateSource, ...] = (
                ("torchtune README, QLoRA vs LoRA on 1x 4090",)),
     RateSource("fraction of peak on T4, V100, RTX 3090, L4, A10G, L40S", _V100_RUN[0], _V100_RUN[1],
                ("Shoeybi et al. 2019, sec. 1",), ()),
-    RateSource("HBM bandwidth (GEMM roofline, elementwise ops)", 1.0, "each card's datasheet (SPEEDS)",
-               (), ("Narayanan et al. 2021, Table 1",)),
+    RateSource("HBM bandwidth (GEMM roofline, elementwise ops, LoRA's GEMMs, QLoRA's dequantisation)", 1.0,
+               "each card's datasheet (SPEEDS)", (),
+               ("Narayanan et al. 2021, Table 1", "Korthikanti et al. 2022, abstract", "Dubey et al. 2024, Table 4",
+                "torchtune README, 1x 4090 LoRA and QLoRA")),
+    RateSource("host launch per kernel, seconds (memlab.step_time.LAUNCH_SECONDS)", 10e-6,
+               "susun-blog.com 'From Launch Overhead to CUDA Graph' (5 us a launch) plus a stated 5 us of "
+               "PyTorch dispatch", (), ("the H200 reference's ZeRO-0 row (tests/test_step_time.py)",)),
     RateSource("GPU link bandwidth: NVLink within 8 GPUs, PCIe's figure beyond", 1.0,
                "each card's datasheet (SPEEDS); Selene's 200 Gb/s InfiniBand per GPU (Narayanan et al. "
                "2021, sec. 5) is 25 GB/s, near the A100's PCIe 32 GB/s one way", (),
