@@ -199,8 +199,16 @@ _GB = 1e9
 _A100_GEMM = (0.80, "Dao 2023 (FlashAttention-2, arXiv 2307.08691), sec. 1: optimized GEMM reaches "
                     "up to 80-90% of the A100's peak; the lower end (that sentence not read in the paper "
                     "here; its abstract, read, puts FlashAttention-2 at 50-73% of peak, 'close to' GEMM)")
+_H100_KERNEL = (0.75, "Shah et al. 2024 (FlashAttention-3, arXiv 2407.08608), abstract: its BF16/FP16 "
+                      "kernel reaches 740 TFLOP/s on the H100, 75% of the dense peak (a kernel benchmark; "
+                      "no H100 GEMM figure was read, so the large-GEMM fraction is taken to be what its best "
+                      "published kernel reaches)")
 _H100_RUN = (0.40, "Dubey et al. 2024 (Llama 3), Table 4: 38-43% BF16 MFU on H100 (an end-to-end "
-                   "fraction, not a GEMM's: no published H100 GEMM figure read yet)")
+                   "fraction, kept for the H200: its reference record's gpt2-large steps run slower than "
+                   "the H100's kernel fraction predicts, which the per-GEMM roofline does not explain)")
+_ADA_GEMM = (_A100_GEMM[0], "Dao 2023 (FlashAttention-2), sec. 1, the A100's figure taken to hold on Ada's tensor "
+                            "cores (no RTX 4090 GEMM benchmark was read); the other Ada and Ampere cards keep the "
+                            "end-to-end 0.30 until a published row checks them")
 _V100_RUN = (0.30, "Shoeybi et al. 2019 (Megatron-LM), sec. 1: 30% of peak on V100 (end to end), "
                    "used for the cards no published kernel benchmark covers")
 
@@ -220,13 +228,32 @@ class RateSource:
 #: every rate the time lens takes from outside, with the rows that made it and those that test it
 RATE_LEDGER: tuple[RateSource, ...] = (
     RateSource("A100 large-GEMM fraction of peak (A100-40GB, A100-80GB)", _A100_GEMM[0], _A100_GEMM[1],
-               (), ("Narayanan et al. 2021, Table 1: all ten rows (tests/test_published_runs.py)",)),
-    RateSource("H100/H200 fraction of peak", _H100_RUN[0], _H100_RUN[1],
-               ("Dubey et al. 2024, Table 4 (so its rows cannot test it)",), ()),
-    RateSource("fraction of peak on T4, V100, RTX 3090/4090, L4, A10G, L40S", _V100_RUN[0], _V100_RUN[1],
+               (), ("Narayanan et al. 2021, Table 1: all ten rows (tests/test_published_runs.py)",
+                    "Korthikanti et al. 2022, abstract: 530B MFU with full and with selective "
+                    "recomputation (tests/test_published_runs.py)")),
+    RateSource("H100 large-GEMM fraction of peak", _H100_KERNEL[0], _H100_KERNEL[1],
+               ("Shah et al. 2024, abstract (a kernel benchmark, no training run)",),
+               ("Dubey et al. 2024 (Llama 3), Table 4: the 405B rows at 8,192 and 16,384 GPUs without "
+                "context parallelism (tests/test_published_runs.py)",)),
+    RateSource("H200 fraction of peak", _H100_RUN[0], _H100_RUN[1],
+               ("Dubey et al. 2024, Table 4 (so its rows cannot test it: they run on the H100 profile)",),
+               ("the H200 reference's one-GPU DeepSpeed rows (tests/test_step_time.py)",)),
+    RateSource("RTX 4090 large-GEMM fraction of peak", _ADA_GEMM[0], _ADA_GEMM[1], (),
+               ("torchtune README (pytorch/torchtune@a9ea6d5), Llama 3.1 8B on 1x 4090: LoRA 3,083 and QLoRA "
+                "2,413 tokens/s (tests/test_published_runs.py)",)),
+    RateSource("QLoRA dequantisation: bytes per 4-bit weight per matmul", 2.766,
+               "bitsandbytes 0.50.2 backends/default/ops.py:323-345, backends/cuda/ops.py:926-954, "
+               "autograd/_functions.py:384 (memlab.step_time.dequant_4bit_bytes)", (),
+               ("torchtune README, QLoRA vs LoRA on 1x 4090",)),
+    RateSource("fraction of peak on T4, V100, RTX 3090, L4, A10G, L40S", _V100_RUN[0], _V100_RUN[1],
                ("Shoeybi et al. 2019, sec. 1",), ()),
-    RateSource("HBM bandwidth (GEMM roofline, elementwise ops)", 1.0, "each card's datasheet (SPEEDS)",
-               (), ("Narayanan et al. 2021, Table 1",)),
+    RateSource("HBM bandwidth (GEMM roofline, elementwise ops, LoRA's GEMMs, QLoRA's dequantisation)", 1.0,
+               "each card's datasheet (SPEEDS)", (),
+               ("Narayanan et al. 2021, Table 1", "Korthikanti et al. 2022, abstract", "Dubey et al. 2024, Table 4",
+                "torchtune README, 1x 4090 LoRA and QLoRA")),
+    RateSource("host launch per kernel, seconds (memlab.step_time.LAUNCH_SECONDS)", 10e-6,
+               "susun-blog.com 'From Launch Overhead to CUDA Graph' (5 us a launch) plus a stated 5 us of "
+               "PyTorch dispatch", (), ("the H200 reference's ZeRO-0 row (tests/test_step_time.py)",)),
     RateSource("GPU link bandwidth: NVLink within 8 GPUs, PCIe's figure beyond", 1.0,
                "each card's datasheet (SPEEDS); Selene's 200 Gb/s InfiniBand per GPU (Narayanan et al. "
                "2021, sec. 5) is 25 GB/s, near the A100's PCIe 32 GB/s one way", (),
@@ -255,7 +282,7 @@ SPEEDS: dict[str, Speeds] = {
     # NVIDIA Ada GPU Architecture whitepaper, Table 2 (RTX 4090): FP32 82.6, TF32 82.6, FP16/BF16 with
     # FP32 accumulate 165.2, FP8 330.3 TFLOPS; 1008 GB/s; no NVLink; PCIe Gen4 64 GB/s
     "RTX4090-24GB": _speeds({"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3},
-                            1008, 0, 64, _V100_RUN, "NVIDIA Ada Lovelace whitepaper"),
+                            1008, 0, 64, _ADA_GEMM, "NVIDIA Ada Lovelace whitepaper"),
     # NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3, TF32 60, FP16/BF16 121, FP8 242.5 TFLOPS (dense:
     # half the printed sparse figures); 300 GB/s; PCIe Gen4 x16 64 GB/s
     "L4-24GB": _speeds({"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121, "fp8": 242.5}, 300, 0, 64,
@@ -278,7 +305,7 @@ SPEEDS: dict[str, Speeds] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): FP32 67, TF32 494.5, BF16/FP16 989.5, FP8 1979 TFLOPS
     # (dense); HBM3 3.35 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s
     "H100-80GB": _speeds({"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979}, 3350, 900,
-                         128, _H100_RUN, "NVIDIA H100 datasheet"),
+                         128, _H100_KERNEL, "NVIDIA H100 datasheet"),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's compute; HBM3e 4.8 TB/s; NVLink 900 GB/s;
     # PCIe Gen5 128 GB/s
     "H200-141GB": _speeds({"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979}, 4800, 900,

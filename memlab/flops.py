@@ -213,6 +213,18 @@ def _block_matmuls(cfg: GPTConfig) -> list[tuple[str, int, int, tuple[str, ...]]
             ("up", d, f, ("c_fc",)), ("down", f, d, ("c_proj",))]
 
 
+def lora_matmuls(cfg: GPTConfig, targets: Iterable[str]) -> list[tuple[str, int, int]]:
+    """(part, in, out) of each matmul of one block that a LoRA adapter on ``targets`` (Hugging
+    Face names) tunes; an unknown name is bad input."""
+    blocks = _block_matmuls(cfg)
+    wanted = set(targets)
+    known = {n for *_, names in blocks for n in names}
+    if not wanted or wanted - known:
+        raise InputError(f"LoRA targets {sorted(wanted - known) or sorted(wanted)!r}; "
+                         f"allowed: {', '.join(sorted(known))}")
+    return [(part, i, o) for part, i, o, names in blocks if wanted & set(names)]
+
+
 def block_matmuls(cfg: GPTConfig) -> list[tuple[str, int, int]]:
     """The matmuls of one block of ``cfg`` as the closed form counts them.
 
@@ -335,5 +347,5 @@ def step_flops_formula(step) -> StepFlops:
                           attention=cfg.attention)
 
 
-__all__ = ["CPU_SDPA", "PARTS", "PhaseFlopCounter", "StepFlops", "block_matmuls", "count_step_flops",
+__all__ = ["CPU_SDPA", "PARTS", "PhaseFlopCounter", "StepFlops", "block_matmuls", "lora_matmuls", "count_step_flops",
            "gpt_step_flops", "random_batch", "run_counted_step", "step_flops_formula"]

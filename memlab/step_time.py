@@ -43,6 +43,12 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
   filed under ``recompute``. Per rank: divided by the tensor- and pipeline-parallel degrees,
   as sequence parallelism shards it (Korthikanti et al. 2022, sec. 4.2.2).
 
+* **LoRA and QLoRA** (``lora_rank``, ``qlora``): each adapter's small GEMMs are timed by their
+  own roofline (:func:`adapter_time`; at rank 8-16 their bytes decide), and a 4-bit base
+  weight's dequantisation crosses HBM each time a matmul reads it (:func:`dequant_4bit_bytes`,
+  bitsandbytes' dequantise-then-``F.linear`` path past 1536 rows), filed under compute and,
+  for what checkpointing re-runs, recompute.
+
 * **engine**: the per-step work around the matmuls that the engine does over the parameters:
   every kernel-launching op is a host launch (:data:`LAUNCH_SECONDS`), every ``.item()`` a
   host sync (:data:`SYNC_SECONDS`), and the bytes those passes read and write cross HBM at the
@@ -75,7 +81,7 @@ from .cards import SPEEDS, Card, Speeds, card_speeds, get_card
 from .communication import StepComm, step_communication
 from .elementwise import ElementwiseWork, count_flops_and_elementwise, deepspeed_precision, step_elementwise
 from .errors import InputError
-from .flops import StepFlops, block_matmuls, step_flops_formula
+from .flops import StepFlops, block_matmuls, lora_matmuls, step_flops_formula
 from .models import GPTConfig
 from .states import under_deepspeed
 
@@ -109,6 +115,103 @@ FOREACH_ELEMENTS = 320 * 65536
 #: (4 + 4), params.addcdiv_(exp_avg, denom) (12 + 4)
 ADAMW_FOREACH_OPS = 8
 ADAMW_BYTES = 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16
+
+
+#: launches of one 4-bit weight's dequantisation with double quantisation (bitsandbytes
+#: 0.50.2: ``dequantize_blockwise`` of the 8-bit absmax, ``+= offset``, ``dequantize_4bit``)
+DEQUANT_4BIT_LAUNCHES = 3
+
+
+def dequant_4bit_bytes(elements: int, *, blocksize: int = 64, nested: bool = True, out_bytes: int = 2) -> float:
+    """HBM bytes bitsandbytes moves to dequantise one 4-bit weight of ``elements`` for a matmul.
+
+    bitsandbytes 0.50.2 (``backends/cuda/ops.py:954``): past 1536 rows of input (``_gemm_4bit_custom_max_m``,
+    line 926) its ``gemm_4bit`` takes ``_gemm_4bit_default_impl`` (``backends/default/ops.py:323-345``):
+    under double quantisation (``nested``) ``dequantize_blockwise`` turns the 8-bit absmax (one per
+    ``blocksize`` weights, with an fp32 absmax per 256 of them) into fp32, ``+ absmax_offset``
+    reads and writes it again, then ``dequantize_4bit`` reads the packed weight (half a byte each)
+    and the fp32 absmax and writes the weight in the input's dtype (``out_bytes``), which
+    ``F.linear`` reads as a bf16 weight would be (counted with the GEMM). Backward dequantises
+    again for the input's gradient (``autograd/_functions.py:384``, ``MatMul4Bit.backward``).
+
+    Args:
+        elements: the weight's elements; blocksize: weights per absmax (QLoRA's 64);
+        nested: double quantisation (QLoRA's and torchtune's default); out_bytes: the
+        dequantised dtype's bytes.
+
+    Returns:
+        Bytes read and written per dequantisation.
+    """
+    if elements < 1 or blocksize < 1:
+        raise InputError(f"elements={elements!r}, blocksize={blocksize!r}; allowed: positive integers")
+    blocks = elements / blocksize
+    absmax = blocks * ((1 + 4 / 256 + 4) + (4 + 4) + 4) if nested else blocks * 4
+    return elements / 2 + absmax + elements * out_bytes
+
+
+@dataclass(frozen=True)
+class AdapterTime:
+    """LoRA's adapters in one step: their GEMMs by the roofline (``seconds``, of which
+    ``recompute_seconds`` re-run under full checkpointing), their ``flops`` (``recompute_flops``),
+    the QLoRA base weights' dequantisation bytes (``dequant_bytes``, ``dequant_recompute_bytes``)
+    and the kernel ``launches`` both add (hidden behind the GPU while kernels outlast them)."""
+
+    seconds: float
+    recompute_seconds: float
+    flops: float
+    recompute_flops: float
+    dequant_bytes: float = 0.0
+    dequant_recompute_bytes: float = 0.0
+    launches: float = 0.0
+
+
+def adapter_time(cfg: GPTConfig, tokens: int, rank: int, targets, *, checkpointing: str, peak: float,
+                 achievable: float, hbm: float, elem_bytes: int = 2, qlora: bool = False) -> AdapterTime:
+    """LoRA's small GEMMs of one micro-batch of ``tokens`` and, with ``qlora``, the 4-bit base
+    weights' dequantisation (:func:`dequant_4bit_bytes`), per the tuned matmuls of each layer.
+
+    Each adapter ``x A B`` runs two GEMMs forward (``t x k x r``, ``t x r x o``) and four backward
+    (B's weight gradient and the gradient into ``xA``, A's weight gradient and the input's), each
+    timed by :func:`gemm_seconds`: at rank 8-16 they are bandwidth-bound. Full checkpointing
+    re-runs the forward's two, except the block's last matmul (``down``/``c_proj``: only ``A``, as
+    :func:`memlab.flops.gpt_step_flops` counts). A QLoRA base weight is dequantised forward,
+    backward, and on recompute except for that last matmul.
+
+    Args:
+        cfg: the model; tokens: of one micro-batch; rank, targets: the adapters (HF names).
+        checkpointing: ``none``, ``selective`` or ``full``; peak, achievable, hbm, elem_bytes:
+            as :func:`gemm_seconds`; qlora: the tuned Linears' base weights are 4-bit.
+
+    Returns:
+        :class:`AdapterTime` of the whole model.
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise InputError(f"lora rank={rank!r}; allowed: a positive integer")
+    fw = rec = fl = fl_rec = dq = dq_rec = launches = 0.0
+    last = block_matmuls(cfg)[-1][0]
+
+    def g(m, k, n):
+        return gemm_seconds(m, k, n, peak=peak, achievable=achievable, hbm=hbm, elem_bytes=elem_bytes), 2 * m * k * n
+
+    for part, i, o in lora_matmuls(cfg, targets):
+        (a_s, a_f), (b_s, b_f) = g(tokens, i, rank), g(tokens, rank, o)
+        back = [g(rank, tokens, o), g(tokens, o, rank), g(i, tokens, rank), g(tokens, rank, i)]
+        fw += a_s + b_s + sum(x for x, _ in back)
+        fl += a_f + b_f + sum(f for _, f in back)
+        launches += 6
+        if checkpointing == "full":
+            rec += a_s + (b_s if part != last else 0.0)
+            fl_rec += a_f + (b_f if part != last else 0)
+            launches += 2 if part != last else 1
+        if qlora:
+            once = dequant_4bit_bytes(i * o, out_bytes=elem_bytes)
+            dq += 2 * once
+            launches += 2 * DEQUANT_4BIT_LAUNCHES
+            if checkpointing == "full" and part != last:
+                dq_rec += once
+                launches += DEQUANT_4BIT_LAUNCHES
+    n = cfg.n_layer
+    return AdapterTime(fw * n, rec * n, fl * n, fl_rec * n, dq * n, dq_rec * n, launches * n)
 
 
 @dataclass(frozen=True)
@@ -474,7 +577,9 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
               cpu_adam_params_per_s: float | None = None, engine: str | None = None,
               optimizer: OptimizerPass | None = None, attention_flops_per_s: float | None = None,
               elementwise: ElementwiseWork | None = None, elementwise_rates: ElementwiseRates | None = None,
-              target: str | None = None, gradient_sync: str = "micro-batch") -> StepTime:
+              target: str | None = None, gradient_sync: str = "micro-batch",
+              sequence_parallel: bool = True, lora_rank: int | None = None, lora_targets=(),
+              qlora: bool = False) -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
 
@@ -502,6 +607,15 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         gradient_sync: ``"micro-batch"`` (memlab's trainer all-reduces after each) or
             ``"step"`` (once per step, as Megatron-LM does; DDP then overlaps it with the last
             micro-batch's backward only).
+        sequence_parallel: the elementwise ops shard over the tensor-parallel ranks
+            (Korthikanti et al. 2022, sec. 4.2.2; its reduce-scatter and all-gather move what
+            TP's all-reduce does); ``False``: Megatron-LM before it, every TP rank runs the
+            norms, dropouts and residual adds of the whole sequence.
+        lora_rank, lora_targets: LoRA adapters (``flops`` should then count them:
+            :func:`memlab.flops.gpt_step_flops` with the same rank and targets); their small GEMMs
+            are timed by their own roofline (:func:`adapter_time`) instead of the matmuls' rate.
+        qlora: the tuned Linears' base weights are 4-bit (bitsandbytes' NF4 with double
+            quantisation): their dequantisation's bytes cross HBM each time a matmul reads them.
 
     Returns:
         :class:`StepTime`.
@@ -528,6 +642,7 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     calibration = calibration if calibration is not None else load_calibration()
     dtype = compute_dtype(step)
     rate = calibrated_rate(name, dtype, calibration) or sp.peak(dtype) * sp.achievable
+    large_gemm = rate  # what a large GEMM reaches, before the per-shape roofline below
     if card is not None and isinstance(step.model_config, GPTConfig):
         # each GEMM under its roofline (gemm_seconds), at the large-GEMM rate found above
         rate = matmul_rate(step.model_config, step.seq * step.batch // step.micro_batches,
@@ -542,11 +657,30 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     seconds_per_flop = ((flops.total - flops.attention) / rate + flops.attention / attn_rate) / total
     compute = flops.model / share * seconds_per_flop
     recompute = flops.recompute / share * seconds_per_flop
+    adapters = None
+    if lora_rank is not None and card is not None and isinstance(step.model_config, GPTConfig):
+        # the adapters' FLOPs leave the matmuls' rate for their own roofline, plus QLoRA's dequantisation
+        adapters = adapter_time(step.model_config, step.seq * step.batch // step.micro_batches, lora_rank,
+                                lora_targets, checkpointing=step.model_config.checkpointing,
+                                peak=large_gemm / sp.achievable, achievable=sp.achievable, hbm=sp.hbm,
+                                elem_bytes=2 if dtype in ("bf16", "fp16") else 4, qlora=qlora)
+        m_b = step.micro_batches / share
+        compute += m_b * (adapters.seconds + adapters.dequant_bytes / sp.hbm
+                          - adapters.flops * seconds_per_flop)
+        recompute += m_b * (adapters.recompute_seconds + adapters.dequant_recompute_bytes / sp.hbm
+                            - adapters.recompute_flops * seconds_per_flop)
     ew = elementwise or step_elementwise(step, target or ("cuda" if card is not None else "cpu"), deepspeed=on_ds)
     rates = elementwise_rates or calibrated_elementwise(name, dtype, calibration) or ElementwiseRates(sp.hbm)
     per_byte = elementwise_seconds(ew, rates) / share / ew.bytes if ew.bytes else 0.0
-    recompute += ew.recompute * per_byte
-    elementwise_s = (ew.forward + ew.backward) * per_byte
+    extra = (0.0, 0.0)
+    if not sequence_parallel and t > 1 and elementwise is None and isinstance(step.model_config, GPTConfig):
+        # without SP every TP rank runs the token-sized ops whole (the weights' casts and
+        # gradients stay sharded): those are what doubling the sequences per micro-batch adds
+        twice = step_elementwise(replace(step, batch=2 * step.batch), target or "cuda", deepspeed=on_ds)
+        extra = ((t - 1) * (twice.forward + twice.backward - ew.forward - ew.backward),
+                 (t - 1) * (twice.recompute - ew.recompute))
+    recompute += (ew.recompute + extra[1]) * per_byte
+    elementwise_s = (ew.forward + ew.backward + extra[0]) * per_byte
     gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else sp.pcie
     comm_s = comm.gpu_bytes / gpu_link if comm.gpu_bytes else 0.0
     tp_bytes = comm.by_kind.get("tensor-parallel all-reduces", 0.0)
@@ -609,7 +743,8 @@ def report_time(step, card: Card | None, *, flops: StepFlops | None = None,
 
 __all__ = ["report_time", "ADAMW_BYTES", "ADAMW_FOREACH_OPS", "DEEPSPEED_FP32_STAGE0",
            "DEEPSPEED_PASSES", "EnginePasses", "EngineTime",
-           "FOREACH_ELEMENTS", "LAUNCH_SECONDS", "gemm_seconds", "matmul_rate", "OptimizerPass", "optimizer_pass",
+           "FOREACH_ELEMENTS", "LAUNCH_SECONDS", "AdapterTime", "DEQUANT_4BIT_LAUNCHES", "adapter_time",
+           "dequant_4bit_bytes", "gemm_seconds", "matmul_rate", "OptimizerPass", "optimizer_pass",
            "SYNC_SECONDS", "engine_time", "parameter_tensors",
            "CALIBRATION_ENV", "CPU_ADAM_PARAMS_PER_S", "Calibration", "ElementwiseRates", "NODE_GPUS",
            "PARTS", "StepTime", "TimeParts", "calibrated_elementwise", "calibrated_rate", "calibration_path",

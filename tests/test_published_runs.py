@@ -15,6 +15,7 @@ FLOPs are the forward's.
 """
 from __future__ import annotations
 
+import pathlib
 from dataclasses import replace
 
 import pytest
@@ -23,7 +24,7 @@ from memlab.cards import RATE_LEDGER
 from memlab.flops import gpt_step_flops
 from memlab.models import GPTConfig
 from memlab.step import StepConfig
-from memlab.step_time import gemm_seconds, step_time
+from memlab.step_time import StepTime, gemm_seconds, step_time
 
 V, S = 51_200, 2048
 #: Table 1: (billions of parameters, heads, hidden, layers, t, p, GPUs, batch, achieved TFLOP/s per GPU)
@@ -46,17 +47,24 @@ def narayanan_flops(batch: int, layers: int, hidden: int) -> float:
     return 96 * batch * S * layers * hidden**2 * (1 + S / (6 * hidden) + V / (16 * layers * hidden))
 
 
-def megatron_row(heads: int, hidden: int, layers: int, t: int, p: int, gpus: int, batch: int) -> float:
-    """Predicted TFLOP/s per GPU of one Table 1 row (eq. 3's FLOPs over the lens's seconds)."""
+def megatron_step(heads: int, hidden: int, layers: int, t: int, p: int, gpus: int, batch: int, *,
+                  checkpointing: str = "full", sequence_parallel: bool = True) -> StepTime:
+    """The lens's step of a Megatron-LM GPT on Selene's A100s, one sequence per micro-batch."""
     cfg = GPTConfig(name="megatron-gpt", n_layer=layers, n_head=heads, d_model=hidden, vocab_size=V,
                     block_size=S, attention="sdpa")
     per_replica = batch // (gpus // (t * p))
     step = StepConfig(model=cfg, seq=S, batch=per_replica, micro_batches=per_replica, precision="bf16",
-                      world_size=gpus, checkpointing="full")
-    flops = gpt_step_flops(cfg, S, per_replica, checkpointing="none")
-    flops = replace(flops, recompute=flops.forward)  # Megatron-LM re-runs the whole forward
-    seconds = step_time(step, "A100-80GB", flops=flops, tensor_parallel=t, pipeline_parallel=p,
-                        gradient_sync="step").seconds
+                      world_size=gpus, checkpointing=checkpointing)
+    flops = gpt_step_flops(cfg, S, per_replica, checkpointing="none" if checkpointing == "full" else checkpointing)
+    if checkpointing == "full":
+        flops = replace(flops, recompute=flops.forward)  # Megatron-LM re-runs the whole forward
+    return step_time(step, "A100-80GB", flops=flops, tensor_parallel=t, pipeline_parallel=p,
+                     gradient_sync="step", sequence_parallel=sequence_parallel)
+
+
+def megatron_row(heads: int, hidden: int, layers: int, t: int, p: int, gpus: int, batch: int) -> float:
+    """Predicted TFLOP/s per GPU of one Table 1 row (eq. 3's FLOPs over the lens's seconds)."""
+    seconds = megatron_step(heads, hidden, layers, t, p, gpus, batch).seconds
     return narayanan_flops(batch, layers, hidden) / seconds / gpus / 1e12
 
 
@@ -71,7 +79,8 @@ def test_no_rate_derived_from_a_row_it_checks():
     for r in RATE_LEDGER:
         derived = {d.split(",")[0] for d in r.derived_from}
         assert not derived & {c.split(",")[0] for c in r.checks}, r.rate
-    assert any("Narayanan" in c for r in RATE_LEDGER for c in r.checks)
+    for row in ("Narayanan", "Korthikanti", "Dubey", "torchtune"):
+        assert any(row in c for r in RATE_LEDGER for c in r.checks), row
 
 
 def test_skinny_gemm_is_bandwidth_bound():
@@ -98,3 +107,207 @@ def test_gradient_sync_once_per_step_moves_one_micro_batch_worth():
     assert once * 4 == pytest.approx(every)
     with pytest.raises(InputError, match="micro-batch, step"):
         step_time(step, "A100-80GB", gradient_sync="never")
+
+
+# Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv
+# 2205.05198), abstract: the 530B GPT-3-style model on 2240 A100s reaches 54.2% MFU with
+# selective recomputation and sequence parallelism, "29% faster than the 42.1% we achieve using
+# recomputation" (full, without sequence parallelism), and the two techniques cut "execution
+# time overhead from activation recomputation by over 90%". Only the abstract could be read
+# through the tools here (the paper's Tables 3-5, per-layer times and the other models' rows,
+# could not), so only these numbers are tested. The 530B shape and t=8, p=35 are Narayanan et
+# al.'s 529.6B row above (Table 1); 2240 GPUs is then 8 data-parallel replicas. The batch is
+# not in the abstract: 2240 sequences is set, not read; the time ratios move with it only
+# through the bubble, which scales both sides alike.
+K530 = (128, 20480, 105, 8, 35, 2240, 2240)
+K530_MFU = {"selective + sequence parallel": 0.542, "full recompute": 0.421}
+
+
+def korthikanti_steps() -> dict[str, StepTime]:
+    """The 530B step as the abstract's two runs and without recomputation, by the lens."""
+    return {"selective + sequence parallel": megatron_step(*K530, checkpointing="selective"),
+            "full recompute": megatron_step(*K530, checkpointing="full", sequence_parallel=False),
+            "none + sequence parallel": megatron_step(*K530, checkpointing="none")}
+
+
+@pytest.fixture(scope="module")
+def k530():
+    return korthikanti_steps()
+
+
+@pytest.mark.parametrize("run", list(K530_MFU))
+def test_korthikanti_530b_mfu_within_25_percent(k530, run):
+    """The lens's MFU (model FLOPs, no recompute) of each of the abstract's two runs."""
+    assert 0.75 <= k530[run].mfu / K530_MFU[run] <= 1.25, (k530[run].mfu, K530_MFU[run])
+
+
+def test_korthikanti_selective_removes_over_90_percent_of_the_overhead(k530):
+    """Selective + SP's time over no recomputation is under a tenth of full recompute's."""
+    none = k530["none + sequence parallel"].seconds
+    selective = k530["selective + sequence parallel"].seconds - none
+    full = k530["full recompute"].seconds - none
+    assert 0 < selective < 0.1 * full, (selective, full)
+
+
+def test_sequence_parallel_shards_the_token_sized_ops_only():
+    """Without SP each TP rank runs the token-sized elementwise ops whole: t times their bytes,
+    while the weights' casts stay sharded; with t=1 the flag changes nothing."""
+    from memlab.elementwise import step_elementwise
+    cfg = GPTConfig(name="g", n_layer=2, n_head=4, d_model=256, vocab_size=1024, block_size=128)
+    step = StepConfig(model=cfg, seq=128, batch=4, micro_batches=2, precision="bf16", world_size=4)
+    one = step_elementwise(step, "cuda")
+    two = step_elementwise(replace(step, batch=8), "cuda")
+    tokens = two.forward + two.backward - one.forward - one.backward
+    on = step_time(step, "A100-80GB", tensor_parallel=4).by_part.elementwise
+    off = step_time(step, "A100-80GB", tensor_parallel=4, sequence_parallel=False).by_part.elementwise
+    assert off / on == pytest.approx((one.forward + one.backward + 3 * tokens) / (one.forward + one.backward))
+    single = replace(step, world_size=1)
+    assert step_time(single, "A100-80GB", sequence_parallel=False).seconds == \
+        pytest.approx(step_time(single, "A100-80GB").seconds)
+
+
+@pytest.mark.xfail(strict=True, reason="the lens puts full recompute 40.6% over selective + SP; the "
+                                       "abstract's MFUs give 28.7% (54.2/42.1): 11.9 points over the 5 allowed")
+def test_korthikanti_full_over_selective_overhead_within_5_points(k530):
+    predicted = k530["full recompute"].seconds / k530["selective + sequence parallel"].seconds - 1
+    published = K530_MFU["selective + sequence parallel"] / K530_MFU["full recompute"] - 1
+    assert abs(predicted - published) <= 0.05, (predicted, published)
+
+
+# Dubey et al. 2024 ("The Llama 3 Herd of Models", arXiv 2407.21783), sec. 3.3.2, Table 4: the 405B
+# model in BF16 on H100s, tensor 8, pipeline 16, 16M tokens a batch, sequence 8192; TFLOP/s per
+# GPU 430 at 8,192 GPUs (data-parallel 64) and 400 at 16,384 (data-parallel 128). The paper itself
+# could not be read through the tools: these figures are as Glenn Lockwood's notes
+# (glennklockwood.com/garden/llama-3.1) give them from Balaji's SC'24 slide of the same table; MFU
+# is taken as that over the H100's dense BF16 peak (989.5 TFLOP/s). The third row (context
+# parallelism 16 at sequence 131,072) is left out: the lens has no context parallelism. The
+# shapes are the paper's Table 3 (126 layers, width 16384, FFN 53248, 128 heads, 8 key/value
+# heads, vocabulary 128,256, Llama 3.1 405B's). Set, not read: one sequence per micro-batch and
+# plain 1F1B's bubble (p - 1)/m; Llama 3 trains under FSDP, timed here as data parallelism with
+# one gradient all-reduce a step.
+LLAMA3_TABLE_4 = ((8192, 430), (16384, 400))
+
+
+def llama3_405b_tflops(gpus: int) -> float:
+    """The lens's model TFLOP/s per GPU of the 405B run on ``gpus`` H100s."""
+    import json
+    from importlib import resources
+
+    from memlab.hf import gpt_config
+    hf = json.loads((resources.files("memlab") / "data" / "hf_configs" / "llama-3.1-70b.json").read_text())
+    hf.update(num_hidden_layers=126, hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
+              num_key_value_heads=8, vocab_size=128256)
+    tp, pp, seq = 8, 16, 8192
+    per_replica = 16 * 2**20 // seq // (gpus // (tp * pp))
+    step = StepConfig(model=gpt_config(hf, seq=seq), seq=seq, batch=per_replica, micro_batches=per_replica,
+                      precision="bf16", world_size=gpus)
+    t = step_time(step, "H100-80GB", tensor_parallel=tp, pipeline_parallel=pp, gradient_sync="step")
+    return t.mfu * 989.5
+
+
+def test_llama3_405b_8192_gpus_within_25_percent():
+    predicted, published = llama3_405b_tflops(8192), LLAMA3_TABLE_4[0][1]
+    assert 0.75 <= predicted / published <= 1.25, (predicted, published)
+
+
+@pytest.mark.xfail(strict=True, reason="16 micro-batches per replica give plain 1F1B a 15/16 bubble: the lens "
+                                       "says 299 TFLOP/s per GPU, 0.75 of the published 400; Llama 3's own "
+                                       "schedule (sec. 3.3.2) is not modelled")
+def test_llama3_405b_16384_gpus_within_25_percent():
+    predicted, published = llama3_405b_tflops(16384), LLAMA3_TABLE_4[1][1]
+    assert 0.75 <= predicted / published <= 1.25, (predicted, published)
+
+
+# torchtune's README (pytorch/torchtune@a9ea6d5bf023ebebca7a8ec7981099b03696c67a, "Memory and
+# training speed"): Llama 3.1 8B on one RTX 4090, batch 2 without gradient accumulation, a dataset
+# packed to 2048 tokens, torch.compile on: LoRA 3,083 and QLoRA 2,413 tokens/s. The recipe
+# (recipes/configs/llama3_1/8B_qlora_single_device.yaml, read at 0b3e04a): rank 8, adapters on
+# q, k, v, output and the MLP (not the head), bf16 weights, activation checkpointing on, fused
+# AdamW over the adapters. The LoRA row is taken to use the same adapters (torchtune's QLoRA
+# builder is the LoRA one over a 4-bit base; the LoRA file stored for that repo was a fork's).
+TORCHTUNE_4090 = {"lora": 3083, "qlora": 2413}
+TT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def torchtune_4090(qlora: bool) -> StepTime:
+    """The lens's step of torchtune's Llama 3.1 8B LoRA (or QLoRA) recipe on one RTX 4090."""
+    from memlab.flops import lora_matmuls
+    from memlab.hf import gpt_config
+    from memlab.step_time import Calibration, optimizer_pass
+    cfg = gpt_config(str(pathlib.Path(__file__).parents[1] / "memlab/data/hf_configs/llama-3.1-8b.json"), seq=2048)
+    step = StepConfig(model=cfg, seq=2048, batch=2, micro_batches=1, precision="pure-bf16", checkpointing="full")
+    flops = gpt_step_flops(cfg, 2048, 2, checkpointing="full", lora_rank=8, lora_targets=TT_TARGETS)
+    tuned = lora_matmuls(cfg, TT_TARGETS)
+    adam = optimizer_pass("adamw", cfg.n_layer * sum(8 * (i + o) for _, i, o in tuned), 2 * len(tuned) * cfg.n_layer)
+    return step_time(step, "RTX4090-24GB", flops=flops, optimizer=adam, calibration=Calibration("none", {}, 1.0),
+                     lora_rank=8, lora_targets=TT_TARGETS, qlora=qlora)
+
+
+@pytest.fixture(scope="module")
+def tt4090():
+    return {"lora": torchtune_4090(False), "qlora": torchtune_4090(True)}
+
+
+@pytest.mark.parametrize("recipe", list(TORCHTUNE_4090))
+def test_torchtune_4090_tokens_per_second_within_25_percent(tt4090, recipe):
+    predicted = tt4090[recipe].tokens_per_second
+    assert 0.75 <= predicted / TORCHTUNE_4090[recipe] <= 1.25, (predicted, TORCHTUNE_4090[recipe])
+
+
+def test_qlora_slower_than_lora_by_the_counted_dequantisation(tt4090):
+    """QLoRA's extra seconds are its base weights' dequantisation bytes at the 4090's 1008 GB/s:
+    each tuned weight dequantised forward, backward and on recompute (not the last matmul's)."""
+    from memlab.step_time import dequant_4bit_bytes
+    cfg_i_o = [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336), (4096, 14336), (14336, 4096)]
+    uses = [3, 3, 3, 3, 3, 3, 2]  # Llama 3.1 8B's block; down_proj is not recomputed
+    expected = 32 * sum(u * dequant_4bit_bytes(i * o) for (i, o), u in zip(cfg_i_o, uses, strict=True)) / 1008e9
+    extra = tt4090["qlora"].seconds - tt4090["lora"].seconds
+    assert extra == pytest.approx(expected, rel=1e-6)
+    assert tt4090["qlora"].tokens_per_second < tt4090["lora"].tokens_per_second
+
+
+def test_dequant_bytes_match_bitsandbytes_quant_state():
+    """The bytes per dequantisation, from the tensors bitsandbytes itself keeps for an NF4 weight
+    with double quantisation: the packed weight, the 8-bit absmax and its fp32 second level read,
+    the fp32 absmax written, read and written by ``+ offset``, read by ``dequantize_4bit``, and
+    the bf16 weight written."""
+    import torch
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    from memlab.step_time import dequant_4bit_bytes
+    w = torch.randn(256, 512, dtype=torch.bfloat16)
+    packed, state = bnb.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    blocks = state.absmax.numel()
+    fp32_absmax = 4 * blocks
+    expected = (packed.numel() * packed.element_size()
+                + state.absmax.numel() * state.absmax.element_size()
+                + state.state2.absmax.numel() * state.state2.absmax.element_size() + fp32_absmax  # dequantize_blockwise
+                + 2 * fp32_absmax + fp32_absmax  # + offset; read by the 4-bit kernel
+                + w.numel() * 2)
+    assert dequant_4bit_bytes(w.numel()) == pytest.approx(expected)
+
+
+def test_lora_adapter_gemms_are_bandwidth_bound():
+    """A rank-8 adapter's GEMMs on a 4096-token micro-batch take their bytes' time, above what
+    their FLOPs would at the large-GEMM rate: what the lens adds over the matmuls' rate."""
+    from memlab.hf import gpt_config
+    from memlab.step_time import adapter_time
+    cfg = gpt_config(str(pathlib.Path(__file__).parents[1] / "memlab/data/hf_configs/llama-3.1-8b.json"), seq=2048)
+    a = adapter_time(cfg, 4096, 8, ("q_proj",), checkpointing="none", peak=165.2e12, achievable=0.8, hbm=1008e9)
+    t, k, r = 4096, 4096, 8
+    by_bytes = 2 * sum(m * kk + kk * n + m * n for m, kk, n in
+                       ((t, k, r), (t, r, k), (r, t, k), (t, k, r), (k, t, r), (t, r, k))) / 1008e9
+    assert a.seconds == pytest.approx(32 * by_bytes)
+    assert a.seconds > 10 * a.flops / (0.8 * 165.2e12)
+
+
+def test_adapter_bad_input_names_the_value():
+    from memlab.errors import InputError
+    from memlab.flops import lora_matmuls
+    from memlab.step_time import adapter_time, dequant_4bit_bytes
+    cfg = GPTConfig(name="g", n_layer=1, n_head=4, d_model=256, vocab_size=1024, block_size=128)
+    with pytest.raises(InputError, match="rank=0"):
+        adapter_time(cfg, 128, 0, ("c_attn",), checkpointing="none", peak=1e12, achievable=0.5, hbm=1e11)
+    with pytest.raises(InputError, match="q_proj"):
+        lora_matmuls(cfg, ("q_proj",))
+    with pytest.raises(InputError, match="elements=0"):
+        dequant_4bit_bytes(0)
