@@ -188,12 +188,12 @@ def _deepspeed_reading(config: dict, world_size: int):
     # compiler and linker (their output on the file descriptors): quiet_build keeps both
     with quiet_build(stream=sys.stderr):
         import deepspeed.comm as ds_comm
-        from deepspeed.runtime.config import DeepSpeedConfig
+        from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
     try:
         with mock.patch.object(ds_comm, "get_rank", lambda group=None: 0), \
                 contextlib.redirect_stdout(io.StringIO()):
             return DeepSpeedConfig(config, mpu=_DataParallel(world_size))
-    except (AssertionError, ValueError, TypeError) as e:
+    except (AssertionError, ValueError, TypeError, DeepSpeedConfigError) as e:
         lines = [line.strip() for line in str(e).splitlines()
                  if line.strip() and not line.strip().startswith("For further information")]
         # pydantic: "1 validation error for DeepSpeedZeroConfig / stage / Input should be ..."
