@@ -21,7 +21,21 @@ checkpoints with ``gradient_checkpointing`` (``--checkpointing full``). Its
 ``partition_activations`` splits each checkpoint across the *model-parallel* ranks: under pure
 data parallelism there are none, so it divides nothing. Both are said in a note.
 
-:func:`read_lora_config` reads peft's ``adapter_config.json`` (``r``, ``target_modules``).
+:func:`read_lora_config` reads peft's ``adapter_config.json`` (``r``, ``target_modules``,
+``lm_head`` included). :func:`read_accelerate` reads an accelerate config YAML (its DeepSpeed
+plugin or FSDP keys, ``mixed_precision``, ``num_processes``); :func:`read_training_args` the
+training YAMLs of the Trainer (with TRL's model arguments), LLaMA-Factory and axolotl
+(:data:`LAUNCHERS`), each by its launcher's own defaults, into one :class:`TrainingRun` with
+the :class:`~memlab.run.LoraConfig` and :class:`~memlab.run.QuantConfig` the file asks for.
+
+A DeepSpeed key that moves memory is either modelled (the stage, the offloads, the
+:class:`~memlab.states.ZeroBuckets` sizes) or named in a note (:func:`_unmodelled_deepspeed`
+compares every ``zero_optimization`` field with DeepSpeed's own default): none is dropped.
+
+Over 500 lines because each launcher's reading (DeepSpeed, accelerate, the Trainer and TRL,
+LLaMA-Factory, axolotl, peft) keeps its defaults and their citations beside the code that
+applies them, and they feed one another (a YAML names a DeepSpeed config, an accelerate
+config decides its precision).
 """
 from __future__ import annotations
 

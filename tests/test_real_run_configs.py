@@ -13,6 +13,7 @@ import ast
 import contextlib
 import io
 import json
+import math
 import pathlib
 
 import pytest
@@ -323,3 +324,74 @@ def test_a_wrong_field_is_bad_input_naming_it():
         rc.read_training_args({"base_model": "x", "adapter": "ia3"})
     with pytest.raises(InputError, match="num_processes"):
         rc.read_accelerate({"distributed_type": "MULTI_GPU", "num_processes": 0})
+
+
+# -- every DeepSpeed key that moves memory: modelled, or named -----------------------------------
+def _z3(**zero) -> dict:
+    """LLaMA-Factory's real ds_z3_config.json with ``zero`` changed in its zero_optimization."""
+    d = json.loads((DATA / "llama-factory/ds_z3_config.json").read_text())
+    d["zero_optimization"].update(zero)
+    return d
+
+
+def _est(config: dict, tmp_path: pathlib.Path) -> dict:
+    path = tmp_path / f"ds{len(list(tmp_path.iterdir()))}.json"  # read by path, as the CLI reads a file
+    path.write_text(json.dumps(config))
+    code, rep = cli(*ZEPHYR, "--deepspeed", str(path), "--world-size", "8")
+    assert code == 0, rep
+    return rep
+
+
+def _p7() -> int:
+    return decoder_shape("mistral-7b").num_params()
+
+
+def test_optimizer_only_offload_moves_master_and_moments_to_the_host(tmp_path):
+    rep = _est(_z3(offload_optimizer={"device": "cpu", "pin_memory": True}), tmp_path)
+    assert rep["by_category"]["optimizer"] == 0
+    assert rep["host_by_category"]["optimizer"] >= 12 * _p7() / 8  # fp32 master + two moments
+
+
+def test_parameter_only_offload_moves_only_the_16bit_partition(tmp_path):
+    base, par = _est(_z3(), tmp_path), _est(_z3(offload_param={"device": "cpu", "pin_memory": True}), tmp_path)
+    opt, params = (lambda r: r["by_category"]["optimizer"]), (lambda r: r["by_category"]["parameters"])
+    assert opt(par) == opt(base) == pytest.approx(12 * _p7() / 8, rel=1e-3)
+    assert params(base) - params(par) == pytest.approx(2 * _p7() / 8, rel=0.02)
+
+
+def test_nvme_offload_is_cpu_offload_on_the_device_and_named(tmp_path):
+    cpu = _est(_z3(offload_optimizer={"device": "cpu"}), tmp_path)
+    nvme = _est(_z3(offload_optimizer={"device": "nvme", "nvme_path": "/local_nvme"}), tmp_path)
+    assert nvme["peak_bytes"] == cpu["peak_bytes"]
+    assert any("nvme" in n and "/local_nvme" in n for n in nvme["notes"])
+
+
+@pytest.mark.parametrize("key,value,field", [
+    ("stage3_max_live_parameters", 1e6, "gathered"), ("stage3_param_persistence_threshold", 1e7, "persistent")])
+def test_bucket_keys_move_the_number(key, value, field, tmp_path):
+    """Each size decides a buffer memlab counts (ZeroBuckets): changing it changes the peak."""
+    assert _est(_z3(**{key: value}), tmp_path)["peak_bytes"] != _est(_z3(), tmp_path)["peak_bytes"], field
+
+
+def test_sub_group_size_moves_the_pinned_host_gradients(tmp_path):
+    """Under optimizer offload each sub-group's fp32 gradients are one pinned buffer (stage3.py
+    _create_fp16_sub_groups closes a group at sub_group_size elements), and the CUDA host
+    allocator rounds each up to a power of two: one 0.9e9-element partition takes 2**32 bytes,
+    2e8-element groups take 2**30 each plus the rest's rounding."""
+    off = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    big, small = _est(_z3(**off), tmp_path), _est(_z3(**off, sub_group_size=2e8), tmp_path)
+    part = _p7() / 8
+    rest = 4 * (part - 2e8 * (part // 2e8))
+    expected = (part // 2e8) * 2**30 + 2 ** int(math.ceil(math.log2(rest))) - 2**32
+    moved = small["host_by_category"]["gradients"] - big["host_by_category"]["gradients"]
+    assert moved == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("stage3_max_reuse_distance", 1e6), ("zero_hpz_partition_size", 8), ("zero_quantized_weights", True),
+    ("zero_quantized_gradients", True), ("zero_quantized_nontrainable_weights", True),
+    ("allgather_bucket_size", 1e8), ("contiguous_gradients", False)])
+def test_unmodelled_keys_are_named(key, value, tmp_path):
+    rep = _est(_z3(**{key: value}), tmp_path)
+    assert any(key in n for n in rep["notes"]), rep["notes"]
+    assert not any(key in n for n in _est(_z3(), tmp_path)["notes"] if "not modelled" in n or "moves memory" in n)

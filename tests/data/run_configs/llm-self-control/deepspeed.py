@@ -26,7 +26,7 @@ deepspeed_config = {
             "warmup_min_lr": 1e-6,
             "warmup_max_lr": "auto",
             "warmup_num_steps": "auto",
-            
+
         }
     },
 
@@ -43,7 +43,7 @@ deepspeed_config = {
         "reduce_bucket_size": 2e8,
         "contiguous_gradients": True
     },
-    
+
     "sparse_attention": {
         "mode": "fixed",
         "block": 16,
