@@ -226,7 +226,7 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     if offload not in (*OFFLOADS, PARAM_OFFLOAD):
         raise InputError(f"offload={offload!r}; allowed: {', '.join((*OFFLOADS, PARAM_OFFLOAD))}")
     if offload in ("all", PARAM_OFFLOAD) and zero != 3:
-        raise InputError(f"offload={offload!r} (parameters) needs ZeRO stage 3, got stage {zero}")
+        raise InputError(f"offload={offload!r} (parameters too) needs ZeRO stage 3, got stage {zero}")
     if offload == "optimizer" and zero == 0:
         raise InputError("offload='optimizer' needs ZeRO stage 1-3 (DeepSpeed's ZeRO optimizer), "
                          "got stage 0")
