@@ -213,6 +213,9 @@ def _run_configured(args: argparse.Namespace, budget, target) -> MemoryReport:
         raise InputError("--accelerate-config is read with --hf-config (estimate); allowed: a Hugging Face config")
     if getattr(args, "training_args", None) is not None:
         args = _with_training_args(args)
+        if args.file_lora is not None or args.file_quant is not None:
+            raise InputError("--training-args asks for LoRA or a 4/8-bit base: its model arguments are read "
+                             "with --hf-config; allowed here: --lora-rank/--lora-targets/--load-in-4bit")
     step, ds, notes = _configured_step(args)
     notes = getattr(args, "run_notes", []) + notes
     tune, lora_notes = _fine_tune(args, step.model_config)
