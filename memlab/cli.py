@@ -73,8 +73,12 @@ def _add_run_config_args(p: argparse.ArgumentParser) -> None:
                    help="bitsandbytes NF4 base weights (blocks of 64, double quantization): QLoRA")
     p.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes int8 base weights")
     p.add_argument("--training-args", default=None, metavar="FILE",
-                   help="a TrainingArguments / TRL SFTConfig (JSON or YAML, as to_json_string writes "
-                        "it): batch, accumulation, precision, checkpointing, optim, deepspeed, fsdp, max length")
+                   help="a training YAML/JSON: TrainingArguments / TRL config with TRL's model arguments "
+                        "(use_peft, lora_*, load_in_4bit, dtype), a LLaMA-Factory or an axolotl recipe: "
+                        "batch, accumulation, precision, checkpointing, optim, deepspeed, fsdp, length, LoRA")
+    p.add_argument("--accelerate-config", default=None, metavar="FILE",
+                   help="an accelerate config YAML: num_processes, mixed_precision, its DeepSpeed plugin "
+                        "(deepspeed_config_file or zero_stage/offload_*_device) or fsdp_config (--hf-config)")
 
 
 def _with_training_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -89,6 +93,7 @@ def _with_training_args(args: argparse.Namespace) -> argparse.Namespace:
     new.optimizer = tr.optimizer
     new.seq = tr.seq or args.seq
     new.trainer_args, new.run_notes = tr.args, list(tr.notes)
+    new.file_lora, new.file_quant = tr.lora, tr.quantization
     if tr.deepspeed is not None:
         if args.deepspeed is not None:
             raise InputError("--training-args names a deepspeed config: drop --deepspeed")
@@ -104,6 +109,38 @@ def _with_training_args(args: argparse.Namespace) -> argparse.Namespace:
         if "offload" in tr.fsdp:
             new.run_notes.append("fsdp offload is not modelled")
     return new
+
+
+def _with_accelerate(args: argparse.Namespace):
+    """A copy of ``args`` with what --accelerate-config decides (memlab.run_config.read_accelerate):
+    the world size, the precision (its mixed_precision, unless --training-args sets one), its
+    DeepSpeed config or FSDP's stage; and the AccelerateRun."""
+    from . import run_config
+    acc = run_config.read_accelerate(args.accelerate_config)
+    new = argparse.Namespace(**vars(args))
+    if args.world_size not in (1, acc.world_size):
+        raise InputError(f"--world-size {args.world_size} and the accelerate config's num_processes "
+                         f"{acc.world_size}; allowed: one of them")
+    new.world_size = acc.world_size
+    if args.precision in (None, "fp32") and acc.mixed_precision != "no":
+        new.precision = acc.precision
+    if acc.deepspeed is not None:
+        if args.deepspeed is not None:
+            raise InputError("--accelerate-config names a DeepSpeed config: drop --deepspeed")
+        new.deepspeed = acc.deepspeed
+    elif acc.zero:
+        new.zero = acc.zero
+    return new, acc
+
+
+def _file_fine_tune(args: argparse.Namespace, lora, quant):
+    """The LoRA and quantisation a --training-args file asks for, where no flag gives them."""
+    file_lora, file_quant = getattr(args, "file_lora", None), getattr(args, "file_quant", None)
+    if file_lora is not None and lora is not None:
+        raise InputError("--training-args gives the LoRA adapters: drop --lora-rank/--lora-targets/--lora-config")
+    if file_quant is not None and quant is not None:
+        raise InputError("--training-args gives the quantisation: drop --load-in-4bit/--load-in-8bit")
+    return lora or file_lora, quant or file_quant
 
 
 def _fine_tune(args: argparse.Namespace, cfg) -> tuple[dict | None, list[str]]:
@@ -139,6 +176,7 @@ def _configured(args: argparse.Namespace) -> bool:
     """Whether a run config or a fine-tuning flag is given (the step is then read from them)."""
     return (getattr(args, "deepspeed", None) is not None or args.lora_rank is not None
             or getattr(args, "training_args", None) is not None
+            or getattr(args, "accelerate_config", None) is not None
             or args.lora_targets is not None or args.lora_config is not None
             or args.load_in_4bit or args.load_in_8bit or args.optimizer not in OPTIMIZERS)
 
@@ -175,8 +213,13 @@ def _run_configured(args: argparse.Namespace, budget, target) -> MemoryReport:
     from .distributed.deepspeed_zero import measure_distributed
     from .estimate import estimate_step
     from .measure import measure_step
+    if getattr(args, "accelerate_config", None) is not None:
+        raise InputError("--accelerate-config is read with --hf-config (estimate); allowed: a Hugging Face config")
     if getattr(args, "training_args", None) is not None:
         args = _with_training_args(args)
+        if args.file_lora is not None or args.file_quant is not None:
+            raise InputError("--training-args asks for LoRA or a 4/8-bit base: its model arguments are read "
+                             "with --hf-config; allowed here: --lora-rank/--lora-targets/--load-in-4bit")
     step, ds, notes = _configured_step(args)
     notes = getattr(args, "run_notes", []) + notes
     tune, lora_notes = _fine_tune(args, step.model_config)
@@ -617,6 +660,8 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
               checkpointing=args.checkpointing, attention=args.attention)
     if args.command == "estimate":
         return _hf_estimate(args, budget, target, kw)
+    if getattr(args, "accelerate_config", None) is not None:
+        raise InputError("--accelerate-config is read by estimate --hf-config; allowed with simulate: none")
     if (args.micro_batches, args.zero, args.world_size, args.offload, args.optimizer) != (1, 0, 1, "none", "adamw"):
         raise InputError("simulate --hf-config runs one AdamW step on one device; allowed: no "
                          "--micro-batches/--zero/--world-size/--offload/--optimizer (use estimate)")
@@ -645,6 +690,11 @@ def _hf_estimate(args: argparse.Namespace, budget: int | str | None, target, kw:
     from .hf_shape import decoder_shape
     from .run import QuantConfig
     notes: list[str] = []
+    acc = None
+    if getattr(args, "accelerate_config", None) is not None:
+        args, acc = _with_accelerate(args)
+        notes += list(acc.notes)
+        kw = dict(kw, precision=args.precision)
     if getattr(args, "training_args", None) is not None:
         args = _with_training_args(args)
         notes += args.run_notes
@@ -658,7 +708,8 @@ def _hf_estimate(args: argparse.Namespace, budget: int | str | None, target, kw:
         from . import run_config
         ds = run_config.read_deepspeed(args.deepspeed, world_size=args.world_size, hidden_size=shape.d,
                                        batch=kw["batch"], micro_batches=args.micro_batches,
-                                       precision=kw["precision"], trainer_args=getattr(args, "trainer_args", None))
+                                       precision=kw["precision"], trainer_args=getattr(args, "trainer_args", None),
+                                       mixed_precision=None if acc is None else acc.mixed_precision)
         fields = ds.step_fields()
         kw = dict(kw, batch=fields.pop("batch"), precision=fields.pop("precision"))
         run.update(fields)
@@ -670,6 +721,7 @@ def _hf_estimate(args: argparse.Namespace, budget: int | str | None, target, kw:
     if args.load_in_4bit and args.load_in_8bit:
         raise InputError("give --load-in-4bit or --load-in-8bit, not both")
     quant = QuantConfig(bits=4) if args.load_in_4bit else QuantConfig(bits=8) if args.load_in_8bit else None
+    lora, quant = _file_fine_tune(args, lora, quant)
     optimizer = low_bit.HF_OPTIMIZERS.get(args.optimizer, args.optimizer)
     report = estimate_hf(args.hf_config, budget=budget, target=target, expert_parallel=args.expert_parallel,
                          imbalance=args.expert_imbalance, optimizer=optimizer,

@@ -41,6 +41,10 @@ class Adapters:
         return sum(len(table.get(n, ())) for n in names if n in self.names)
 
 
+#: the output head's module name, which peft adapts when ``target_modules`` names it
+LM_HEAD = "lm_head"
+
+
 def adapters_for(s: DecoderShape, lora: LoraConfig, precision: str, quantized: bool = False) -> Adapters:
     """The :class:`Adapters` of ``lora`` on ``s``: the target names checked against the layers'
     ``Linear`` modules (``all-linear``: every one), the adapters' element size (fp32 unless
@@ -49,7 +53,8 @@ def adapters_for(s: DecoderShape, lora: LoraConfig, precision: str, quantized: b
     if lora.targets == ALL_LINEAR:
         picked = names
     else:
-        unknown = sorted(set(lora.targets) - names)
+        # peft adapts the output head too when it is named (all-linear leaves it out)
+        unknown = sorted(set(lora.targets) - names - {LM_HEAD})
         if unknown:
             raise InputError(f"LoRA target modules {unknown} ({s.model_type}); allowed: "
                              f"{', '.join(sorted(names))} or {ALL_LINEAR}")
@@ -62,8 +67,9 @@ def adapters_for(s: DecoderShape, lora: LoraConfig, precision: str, quantized: b
 def adapter_shapes(s: DecoderShape, ad: Adapters) -> list[tuple[int, int]]:
     """``A`` (r x in) and ``B`` (out x r) of every adapter, as matrices."""
     r = ad.config.rank
+    head = [(r, s.d), (s.vocab, r)] if LM_HEAD in ad.names else []
     return [m for i in range(s.n_layer) for n, ios in s.linears(i).items() if n in ad.names
-            for i_, o in ios for m in ((r, i_), (o, r))]
+            for i_, o in ios for m in ((r, i_), (o, r))] + head
 
 
 def quantized_base_bytes(s: DecoderShape, quant: QuantConfig) -> tuple[int, int]:
@@ -135,6 +141,10 @@ def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, wo
         notes.append(f"LoRA r={ad.config.rank} on {', '.join(sorted(ad.names))}"
                      f"{f', dropout {ad.config.dropout:g}' if ad.config.dropout else ''}: {n:,} trainable "
                      f"parameters of {s.num_params() + n:,}, adapters in {'fp32' if ad.a == 4 else 'bf16'}")
+        if LM_HEAD in ad.names:
+            notes.append("lm_head adapter: its A and B, gradients and AdamW state counted; what it saves "
+                         "for backward (the final hidden states as lora_A reads them, tokens x hidden, and "
+                         "its rank-r output) is not in the activations")
     if low_bit:
         if optimizer == "adafactor":
             state = adafactor_state_bytes(adapter_shapes(s, ad))
@@ -153,4 +163,4 @@ def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, wo
     return RunStates(inputs, run, host, notes, dequantised)
 
 
-__all__ = ["Adapters", "RunStates", "adapters_for", "adapter_shapes", "quantized_base_bytes", "run_states"]
+__all__ = ["LM_HEAD", "Adapters", "RunStates", "adapters_for", "adapter_shapes", "quantized_base_bytes", "run_states"]

@@ -39,7 +39,13 @@ parameters and the 16-bit gradients in flight (the reduce bucket, and at stages 
 staging buffer the size of the largest parameter). Parameter offload (stage 3 only;
 ZeRO-Infinity, Rajbhandari et al. 2021, sec. 5) also moves the 16-bit parameter partition to
 the host: the device keeps the small persistent parameters and the parameters gathered for
-the module that runs. DeepSpeed pins its host buffers (``pin_memory: bool = True`` in 0.19.8's
+the module that runs. Parameter offload alone (``offload_param`` without ``offload_optimizer``,
+:data:`PARAM_OFFLOAD`) moves only that partition: 0.19.8 ``stage3.py`` puts the fp32 master
+on ``self.device`` (line 333: the accelerator unless the optimizer is offloaded; line 1172:
+``converted = self.fp16_partitioned_groups_flat[i].to(self.device, ...)``), so the 12 bytes of
+master and moments and the 2-byte gradient partition stay on the device, divided by N, and
+only the 16-bit parameters go to the host (lines 967-1003: ``_create_param_groups_fp16_flat_cpu_memory``).
+DeepSpeed pins its host buffers (``pin_memory: bool = True`` in 0.19.8's
 ``runtime/zero/offload_config.py``, for both offload configs; memlab's config leaves it unset), and
 the CUDA host allocator rounds each pinned block up to a power of two
 (``ATen/core/CachingHostAllocator.h``): host bytes count each pinned buffer at that size.
@@ -61,6 +67,8 @@ SUB_GROUP_SIZE = 10**9  # DeepSpeed's default zero_optimization.sub_group_size (
 PLAIN = {p: (w, w) for p, (w, _) in SIZES.items()}  # bytes of a weight and of its gradient
 MOMENTS = {"adamw": 2, "sgd": 1}
 OFFLOADS = ("none", "optimizer", "all")
+#: DeepSpeed's ``offload_param`` without ``offload_optimizer`` (a config reader's value; module doc)
+PARAM_OFFLOAD = "params"
 
 
 def under_deepspeed(zero: int, offload: str = "none") -> bool:
@@ -170,6 +178,28 @@ def _count(model, persistence: int = PERSISTENCE_THRESHOLD) -> tuple[int, int, i
     return model, 0, 0
 
 
+def _sub_groups(model, part: float, n: int, sub: int, largest: int) -> list[float]:
+    """Elements of each of ZeRO-3's optimizer sub-groups of a rank's partition of ``part``
+    elements. 0.19.8 ``stage3.py`` ``_create_fp16_sub_groups`` (lines 1210-1232) walks the
+    parameters and closes a group once it holds ``sub_group_size`` partition elements: groups
+    of about that size while it exceeds a parameter's partition; below that (a config's
+    ``sub_group_size: 0`` or 1) every parameter's partition is its own group, walked here
+    parameter by parameter (a parameter count alone: groups no smaller than the largest
+    partition, as nothing finer is known)."""
+    if sub >= part:
+        return [part]
+    if largest and sub < largest / n and not isinstance(model, int):
+        groups, acc = [], 0.0
+        for numel in param_numels(model):
+            acc += numel / n
+            if acc >= sub:
+                groups.append(acc)
+                acc = 0.0
+        return groups + ([acc] if acc else [])
+    sub = max(sub, largest / n if largest else part / 10_000)
+    return [sub] * int(part // sub) + [part % sub]
+
+
 def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", zero: int = 0,
                  world_size: int = 1, offload: str = "none", deepspeed: bool | None = None,
                  pinned: bool = True, bucket_elements: int = BUCKET_ELEMENTS,
@@ -193,10 +223,10 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     check_precision(precision)
     if optimizer not in MOMENTS:
         raise InputError(f"optimizer={optimizer!r}; allowed: {', '.join(MOMENTS)}")
-    if offload not in OFFLOADS:
-        raise InputError(f"offload={offload!r}; allowed: {', '.join(OFFLOADS)}")
-    if offload == "all" and zero != 3:
-        raise InputError(f"offload='all' (parameters too) needs ZeRO stage 3, got stage {zero}")
+    if offload not in (*OFFLOADS, PARAM_OFFLOAD):
+        raise InputError(f"offload={offload!r}; allowed: {', '.join((*OFFLOADS, PARAM_OFFLOAD))}")
+    if offload in ("all", PARAM_OFFLOAD) and zero != 3:
+        raise InputError(f"offload={offload!r} (parameters too) needs ZeRO stage 3, got stage {zero}")
     if offload == "optimizer" and zero == 0:
         raise InputError("offload='optimizer' needs ZeRO stage 1-3 (DeepSpeed's ZeRO optimizer), "
                          "got stage 0")
@@ -255,13 +285,12 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
             grads, grads_from = 0.0, "backward"
         else:
             add("optimizer", 4 * part)                 # fp32 master (unpinned clone)
-            sub = buckets.sub_group
-            chunks = [sub] * int(part // sub) + [part % sub]
+            chunks = _sub_groups(model, part, n, buckets.sub_group, largest)
             add("gradients", sum(pin(4 * c) for c in chunks))  # fp32 gradients per sub-group
             add("gradients", pin(e * part))            # the 16-bit gradient partition
             grads = 0.0
         notes.append("offload: fp32 master, moments and fp32 gradients in host memory")
-    if offload == "all":
+    if offload in ("all", PARAM_OFFLOAD):
         add("parameters", pin(e * psi / n))            # the 16-bit parameter partition
         params = e * small
         notes.append("parameter offload: the device keeps the small persistent parameters and "
@@ -298,4 +327,4 @@ def bytes_per_param(precision: str, stage: int, world_size: int, *, optimizer: s
 
 __all__ = ["ModelStates", "model_states", "model_state_bytes",
            "under_deepspeed", "step_model_states", "bytes_per_param", "param_numels", "pinned_bytes",
-           "BUCKET_ELEMENTS", "PERSISTENCE_THRESHOLD", "SUB_GROUP_SIZE", "ZeroBuckets"]
+           "BUCKET_ELEMENTS", "PERSISTENCE_THRESHOLD", "PARAM_OFFLOAD", "SUB_GROUP_SIZE", "ZeroBuckets"]
