@@ -179,6 +179,7 @@ class StepConfig:
             return self.checkpointing or "none"
         return self.model_config.checkpointing
 
+    @property
     def trainable_params(self) -> int:
         """Parameters that train: the adapters under LoRA (a decoder's), else all of them."""
         cfg = self.model_config
@@ -196,8 +197,8 @@ class StepConfig:
         d["model_config"] = asdict(cfg)
         d["checkpointing"] = self.checkpointing_used
         d["attention"] = self.attention if isinstance(cfg, DecoderShape) else getattr(cfg, "attention", None)
-        d["num_params"] = cfg.num_params() + (self.trainable_params() if self.lora is not None else 0)
-        d["trainable_params"] = self.trainable_params()
+        d["num_params"] = cfg.num_params() + (self.trainable_params if self.lora is not None else 0)
+        d["trainable_params"] = self.trainable_params
         d["lora"] = None if self.lora is None else self.lora.to_dict()
         d["quantization"] = None if self.quantization is None else self.quantization.to_dict()
         return d

@@ -53,6 +53,11 @@ class ModelStep:
     def model_config(self) -> "ModelStep":
         return self  # a report reads .name and .checkpointing from here
 
+    @property
+    def checkpointing_used(self) -> str:
+        """The checkpointing as the caller stated it (``"as written"`` when not)."""
+        return self.checkpointing
+
     def describe(self) -> dict:
         return {"model": self.name, "num_params": self.num_params,
                 "trainable_params": self.trainable_params, "seq": self.seq, "batch": self.batch,
