@@ -251,23 +251,24 @@ def enable_hf_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
-def add_lora(model, lora: dict):
+def add_lora(model, lora: dict, autocast_adapter_dtype: bool = True):
     """``peft.get_peft_model(model, LoraConfig(**lora))``, also on fake tensors: peft moves
     each new adapter to its base layer's device and dtype with ``Module.to``, which swaps
     parameters and cannot swap fake ones; there, while the adapters are made, ``Module.to``
-    puts converted copies in place instead (the same tensors, the same bytes)."""
+    puts converted copies in place instead (the same tensors, the same bytes).
+    ``autocast_adapter_dtype``: peft's own (True: adapters of a 16-bit base in fp32)."""
     from peft import LoraConfig
     if not isinstance(next(model.parameters()), FakeTensor):
-        return peft_model(model, LoraConfig(**lora))
+        return peft_model(model, LoraConfig(**lora), autocast_adapter_dtype)
     to = torch.nn.Module.to
     torch.nn.Module.to = _replacing_to
     try:
-        return peft_model(model, LoraConfig(**lora))
+        return peft_model(model, LoraConfig(**lora), autocast_adapter_dtype)
     finally:
         torch.nn.Module.to = to
 
 
-def peft_model(model, config):
+def peft_model(model, config, autocast_adapter_dtype: bool = True):
     """``peft.get_peft_model(model, config)`` without the deprecation warning peft itself
     triggers: it reads ``model.is_gradient_checkpointing``, which transformers 5 renamed
     ``is_activation_checkpointing`` and warns about (a FutureWarning the caller cannot avoid;
@@ -276,7 +277,7 @@ def peft_model(model, config):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
                                 category=FutureWarning)
-        return get_peft_model(model, config)
+        return get_peft_model(model, config, autocast_adapter_dtype=autocast_adapter_dtype)
 
 
 def _replacing_to(module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:

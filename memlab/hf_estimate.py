@@ -389,9 +389,14 @@ def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int,
     return int(round(_kept(s, z, batch, seq, path, checkpointing == "full", s.num_params())[0]))
 
 
-def _check_run(s: DecoderShape, *, precision: str, checkpointing: str | None, attention: str | None,
+def check_run(s: DecoderShape, *, precision: str, checkpointing: str | None, attention: str | None,
                ep: int, imbalance: float, zero: int, world_size: int, offload: str, micro_batches: int,
                batch: int, lora: LoraConfig | None) -> None:
+    """Refuse run arguments neither lens of a Hugging Face run allows (both call this).
+
+    Raises:
+        InputError: the argument, its value and what is allowed.
+    """
     if precision not in PRECISIONS:
         raise InputError(f"precision={precision!r} for a Hugging Face step; allowed: {', '.join(PRECISIONS)}")
     if (checkpointing or "none") not in HF_CHECKPOINTING:
@@ -455,7 +460,7 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     s = decoder_shape(d)
     check_seq(d, seq)
     ep = expert_parallel
-    _check_run(s, precision=precision, checkpointing=checkpointing, attention=attention, ep=ep,
+    check_run(s, precision=precision, checkpointing=checkpointing, attention=attention, ep=ep,
                imbalance=imbalance, zero=zero, world_size=world_size, offload=offload,
                micro_batches=micro_batches, batch=batch, lora=lora)
     tgt = resolve_target(target, budget, card)
@@ -549,5 +554,5 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     return max(m.items(), key=lambda kv: sum(kv[1].values()))
 
 
-__all__ = ["HF_CHECKPOINTING", "Sizes", "adapter_saved", "attention_path", "forward_activations",
+__all__ = ["HF_CHECKPOINTING", "Sizes", "adapter_saved", "attention_path", "check_run", "forward_activations",
            "layer_activations", "moe_activations", "estimate_hf"]
