@@ -347,7 +347,7 @@ def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool
               for i in range(L)]
     # autocast's weight casts (saved by each linear; the experts' grouped GEMMs are not cast)
     dense_w = params - s.vocab * D * (1 + (not s.tied)) - s.positions * D - (s.expert_total() / ep)
-    head_copy = V * D * z.c if z.auto else 0
+    head_copy = V * D * z.c if z.auto and not (frozen and ad.quantized) else 0  # a quantised base's head is 16-bit
     if not frozen:
         copies = (dense_w * z.c if z.auto and not full else 0) + head_copy
     else:  # frozen weights are cast at every use, kept where the input needs a gradient
@@ -468,6 +468,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     rs = run_states(s, precision=precision, optimizer=optimizer, zero=zero, world_size=world_size,
                     offload=offload, ep=ep, ad=ad, quant=quantization, buckets=buckets)
     param, compute, lower = precision_bytes(rs.run_precision)
+    if quantization is not None:  # the unquantised rest (embeddings, norms, head) is in the compute dtype
+        param = compute = quantization.compute_bytes
     z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=tgt, precision=rs.run_precision)
     k = micro_batches
     batch //= k
@@ -490,11 +492,13 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                                 full=full, trains_base=trains_base)
     cats = dict.fromkeys(CATEGORIES, 0.0)
     cats.update(parameters=P, optimizer=opt, other=16 * t, workspace=tgt.resident_workspace(), **best)
-    if tgt.is_cuda and not moment.startswith(("end", "optimizer")):
+    # the attention's backward workspace and a 4-bit weight dequantised live only while a layer's
+    # backward runs: at the loss's moments no layer runs (the simulation's timeline shows it)
+    if tgt.is_cuda and moment == "recomputed layer":
         cats["workspace"] += sdpa_backward_workspace(path, batch, s.heads, seq, s.head_dim, s.kv_heads, z.c)
     if ep > 1:  # the all-to-all's send and receive buffers of one MoE layer's rows
         cats["temporaries"] += 2 * t * s.top_k * imbalance * D * z.c
-    if rs.dequantised and not moment.startswith(("end", "optimizer")):
+    if rs.dequantised and moment == "recomputed layer":
         cats["temporaries"] += rs.dequantised  # MatMul4Bit dequantises its whole weight
     cats = {k: int(round(v)) for k, v in cats.items()}
     n_adapters = 0 if ad is None else sum(r * c for r, c in adapter_shapes(s, ad))
@@ -536,8 +540,10 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     cast = t * V * 4 if z.c != 4 else 0
     m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered,
                               gradients=G_prev + held),
+         # the 16-bit logits went with the model's output; the fp32 gradients of the loss and of the
+         # log-softmax are live (measured: tests/test_hf_simulate_run.py)
          "log-softmax backward": dict(activations=A + lsm, gradients=G_prev + held,
-                                      temporaries=2 * t * V * 4 + (t * V * z.c if cast else 0) + gathered),
+                                      temporaries=2 * t * V * 4 + gathered),
          "head backward": dict(activations=A, temporaries=t * V * z.c + t * D * z.c + gathered,
                                gradients=max(G_prev, head_grad + late) + held),
          "end of backward": dict(gradients=G + held,

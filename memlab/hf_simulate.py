@@ -115,16 +115,16 @@ class Linear4bitSim(nn.Linear):
     the NF4/FP4 code), the input cast to the compute dtype, :class:`MatMul4BitSim`, and the
     output cast back (``Linear4bit.forward``, ``nn/modules.py``)."""
 
-    def __init__(self, linear: nn.Linear, quant: QuantConfig):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantConfig):
         import bitsandbytes as bnb
         nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = weight.shape
         packed, state = bnb.functional.quantize_4bit(
-            linear.weight.detach().contiguous(), blocksize=NF4_BLOCK, compress_statistics=quant.double_quant,
+            weight.contiguous(), blocksize=NF4_BLOCK, compress_statistics=quant.double_quant,
             quant_type=quant.quant_type, quant_storage=torch.uint8)
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.quant_state = state
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.compute_dtype = _DTYPES[quant.compute_dtype]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,13 +160,12 @@ class Linear8bitSim(nn.Linear):
     """A decoder ``Linear`` loaded in 8 bits (``Linear8bitLt``, ``Int8Params``): an int8 weight
     and an fp32 scale per output row (``SCB``), :class:`MatMul8bitSim`."""
 
-    def __init__(self, linear: nn.Linear, quant: QuantConfig):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: QuantConfig):
         nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach()
-        self.weight = nn.Parameter(torch.empty(w.shape, dtype=torch.int8), requires_grad=False)
-        self.register_buffer("SCB", torch.empty(w.shape[0], dtype=torch.float32))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(torch.empty(weight.shape, dtype=torch.int8), requires_grad=False)
+        self.register_buffer("SCB", torch.empty(weight.shape[0], dtype=torch.float32))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return MatMul8bitSim.apply(x, self.weight, self.SCB, self.bias)
@@ -192,21 +191,25 @@ def quantize_base(model: nn.Module, quant: QuantConfig, fake: bool) -> nn.Module
 
 def _replace_linears(model: nn.Module, quant: QuantConfig, fake: bool) -> None:
     import bitsandbytes as bnb
-    for layer in model.get_decoder().layers:
+    from transformers.pytorch_utils import Conv1D
+    decoder = model.get_decoder()
+    for layer in getattr(decoder, "layers", None) or decoder.h:
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
-                if type(child) is not nn.Linear:
+                if type(child) not in (nn.Linear, Conv1D):
                     continue
+                # GPT-2's Conv1D keeps its weight as (in, out): transformers converts it to a Linear4bit
+                weight = child.weight.detach().t() if type(child) is Conv1D else child.weight.detach()
                 if fake:
-                    new = (Linear4bitSim if quant.bits == 4 else Linear8bitSim)(child, quant)
+                    new = (Linear4bitSim if quant.bits == 4 else Linear8bitSim)(weight, child.bias, quant)
                 elif quant.bits == 4:
-                    new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                    new = bnb.nn.Linear4bit(weight.shape[1], weight.shape[0], bias=child.bias is not None,
                                             compute_dtype=_DTYPES[quant.compute_dtype],
                                             compress_statistics=quant.double_quant, quant_type=quant.quant_type,
                                             device="meta")
-                    new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False,
+                    new.weight = bnb.nn.Params4bit(weight.contiguous(), requires_grad=False,
                                                    compress_statistics=quant.double_quant,
-                                                   quant_type=quant.quant_type)._quantize(child.weight.device)
+                                                   quant_type=quant.quant_type)._quantize(weight.device)
                     if child.bias is not None:
                         new.bias = nn.Parameter(child.bias.data, requires_grad=False)
                 else:
