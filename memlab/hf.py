@@ -8,9 +8,10 @@ reads one (a file, or a folder holding one) and gives the two lenses what they n
   RMSNorm, rotary positions, grouped-query attention; Qwen2 with q/k/v biases) and GPT-2
   (GELU, LayerNorm, learned positions, tied head). Any other ``model_type`` is refused with
   the list of those supported.
-* :func:`simulate_hf` builds the real ``transformers`` class (``AutoModelForCausalLM``) on
-  fake tensors through :func:`memlab.your_model.simulate_model`, so any causal LM whose code
-  ``transformers`` has can be simulated.
+* :func:`build_fn` builds the real ``transformers`` class (``AutoModelForCausalLM``), on
+  fake tensors for :func:`memlab.hf_simulate.simulate_hf` (through
+  :func:`memlab.your_model.simulate_model`), so any causal LM whose code ``transformers`` has
+  can be simulated, and real for :func:`memlab.hf_measure.measure_hf`.
 
 Hugging Face computes the rotary ``cos``/``sin`` for the tokens of each forward instead of
 keeping tables of ``max_position_embeddings`` rows per layer as memlab's GPT does, so the
@@ -24,7 +25,6 @@ import contextlib
 import json
 import pathlib
 import warnings
-from dataclasses import replace
 from importlib import resources
 from typing import Callable, Iterator
 
@@ -33,9 +33,8 @@ import torch
 from .errors import InputError
 from .hf_config_check import check_config
 from .models import GPTConfig
-from .step import PRECISIONS, MemoryReport, StepConfig, autocast_for
+from .step import StepConfig, autocast_for
 from .torch_private import FakeTensor, parse_to
-from .your_model import simulate_model
 
 #: model_type -> what memlab's GPT calls it; the estimate covers these.
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
@@ -296,11 +295,15 @@ def _replacing_to(module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
 
 def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
              checkpointing: str | None = None, attention: str | None = None,
-             lora: dict | None = None, lr: float = 1e-4) -> Callable:
+             lora: dict | None = None, lr: float = 1e-4, dtype: torch.dtype | None = None,
+             prepare: Callable | None = None, autocast_adapter_dtype: bool = True,
+             optimizer: Callable | None = None) -> Callable:
     """A ``build_fn`` for :func:`memlab.simulate_model`: the HF causal LM (fp32 master
-    weights, or bf16 ones for ``pure-bf16``), HF's own gradient checkpointing for
-    ``checkpointing="full"``, LoRA adapters from ``lora`` (``peft.LoraConfig`` keywords),
-    and a fused AdamW over the trainable parameters."""
+    weights, or bf16 ones for ``pure-bf16``; ``dtype`` overrides), ``prepare(model)`` applied
+    to it (a quantised base: :func:`memlab.hf_simulate.quantize_base`), HF's own gradient
+    checkpointing for ``checkpointing="full"``, LoRA adapters from ``lora`` (``peft.LoraConfig``
+    keywords; ``autocast_adapter_dtype`` peft's own), and ``optimizer(params)`` over the
+    trainable parameters (default: a fused AdamW)."""
     if (checkpointing or "none") not in HF_CHECKPOINTING:
         raise InputError(f"checkpointing={checkpointing!r} for a Hugging Face model; allowed: "
                          f"{', '.join(HF_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
@@ -309,57 +312,42 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
 
     def build():
         from transformers import AutoModelForCausalLM
-        dtype = torch.bfloat16 if precision == "pure-bf16" else torch.float32
-        model = AutoModelForCausalLM.from_config(conf, dtype=dtype, attn_implementation=attn)
+        weights = dtype or (torch.bfloat16 if precision == "pure-bf16" else torch.float32)
+        model = AutoModelForCausalLM.from_config(conf, dtype=weights, attn_implementation=attn)
         model.train()
+        if prepare is not None:
+            model = prepare(model)
         if checkpointing == "full":
             enable_hf_checkpointing(model)
         if lora is not None:
-            model = add_lora(model, lora)
+            model = add_lora(model, lora, autocast_adapter_dtype)
         params = [p for p in model.parameters() if p.requires_grad]
-        return model, torch.optim.AdamW(params, lr=lr, fused=True)
+        return model, (optimizer(params) if optimizer else torch.optim.AdamW(params, lr=lr, fused=True))
     return build
 
 
-def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | None = None) -> Callable:
-    """A ``step_fn(model, optimizer)``: random tokens, ``model(input_ids, labels).loss`` under
-    the precision's autocast (on the model's device type), backward, step, zero_grad."""
+def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | None = None,
+                   micro_batches: int = 1) -> Callable:
+    """A ``step_fn(model, optimizer)``: ``micro_batches`` forwards and backwards of
+    ``batch / micro_batches`` random sequences (``model(input_ids, labels).loss`` under the
+    precision's autocast on the model's device type, divided by the micro-batches as the
+    Trainer scales it, the gradients accumulating), one step, ``zero_grad(set_to_none=True)``."""
+    k = micro_batches
 
     def step(model, optimizer):
         device = next(model.parameters()).device
         v = vocab or model.config.vocab_size
-        ids = torch.randint(0, v, (batch, seq), device=device)
-        with autocast_for(precision, device):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        for _ in range(k):
+            ids = torch.randint(0, v, (batch // k, seq), device=device)
+            with autocast_for(precision, device):
+                loss = model(input_ids=ids, labels=ids).loss
+            (loss / k if k > 1 else loss).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
 
 
-def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
-                checkpointing: str | None = None, attention: str | None = None,
-                target: str = "cuda", budget: int | str | None = None,
-                lora: dict | None = None) -> MemoryReport:
-    """One training step of the HF model of ``cfg`` on fake tensors (:func:`simulate_model`)."""
-    if precision not in PRECISIONS or precision == "fp16":
-        raise InputError(f"precision={precision!r} for a Hugging Face step; allowed: fp32, bf16, "
-                         f"pure-bf16")
-    d = load_config(cfg)
-    check_seq(d, seq)
-    with fake_grouped_mm():
-        report = simulate_model(build_fn(d, precision=precision, checkpointing=checkpointing,
-                                         attention=attention, lora=lora),
-                                causal_lm_step(seq, batch, precision), target=target, budget=budget,
-                                seq=seq, batch=batch, precision=precision,
-                                checkpointing=checkpointing or "none")
-    if is_moe(d):
-        report.notes.append(ROUTING_NOTE)
-    report.step = replace(report.step, name=(d.get("architectures") or [d["model_type"]])[0])
-    return report
-
-
 __all__ = ["SUPPORTED", "SHIPPED", "HF_CHECKPOINTING", "ROUTING_NOTE", "shipped_config", "load_config",
            "rope_parameters", "context_length", "check_seq", "is_moe", "fake_grouped_mm", "attn_implementation",
            "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "add_lora", "peft_model",
-           "build_fn", "causal_lm_step", "simulate_hf"]
+           "build_fn", "causal_lm_step"]

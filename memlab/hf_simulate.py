@@ -4,7 +4,7 @@
 keyword names, so one run description feeds both) and runs them on fake tensors
 (:func:`memlab.your_model.simulate_model`):
 
-* **accumulation** (``micro_batches``): the loop a learner writes (:func:`run_step`), each
+* **accumulation** (``micro_batches``): the loop a learner writes (:func:`memlab.hf.causal_lm_step`), each
   loss divided by the micro-batches, the gradients accumulating in ``.grad``.
 * **optimizers** (:data:`memlab.low_bit.OPTIMIZER_STATES`, :func:`make_optimizer`): torch's
   fused AdamW or SGD with momentum; bitsandbytes' own ``AdamW8bit``, ``PagedAdamW8bit``'s and
@@ -31,7 +31,7 @@ keyword names, so one run description feeds both) and runs them on fake tensors
   rank (:func:`memlab.simulate.deepspeed_layout`) from :func:`memlab.hf_states.run_states`,
   the frozen base of a LoRA run held beside the adapters' shards.
 
-:func:`build_run` and :func:`run_step` are also what :func:`memlab.hf_measure.measure_hf`
+:func:`build_run` and :func:`memlab.hf.causal_lm_step` are also what :func:`memlab.hf_measure.measure_hf`
 runs for real, so the two lenses run one step.
 """
 from __future__ import annotations
@@ -47,24 +47,22 @@ from .errors import InputError
 from .hardware import resolve_budget
 from .hf import (
     ROUTING_NOTE,
-    add_lora,
-    attn_implementation,
+    build_fn,
+    causal_lm_step,
     check_seq,
-    enable_hf_checkpointing,
     fake_grouped_mm,
-    hf_config,
     is_moe,
     load_config,
 )
 from .hf_estimate import check_run
-from .hf_shape import decoder_shape
+from .hf_shape import FAMILIES, decoder_shape
 from .hf_states import adapter_shapes, adapters_for, run_states
 from .low_bit import NF4_BLOCK, OPTIMIZER_STATES, PAGED, QMAP_ENTRIES
 from .policy import precision_bytes, resolve_target
 from .run import HFRun, LoraConfig, QuantConfig
 from .simulate import deepspeed_layout
 from .states import ZeroBuckets
-from .step import MemoryReport, autocast_for
+from .step import PRECISIONS, MemoryReport
 from .torch_private import FakeTensor
 from .tracking import CATEGORIES, Event
 from .your_model import simulate_model
@@ -258,53 +256,25 @@ def build_run(cfg: dict, *, precision: str = "fp32", checkpointing: str | None =
               attention: str | None = None, optimizer: str = "adamw", lora: LoraConfig | None = None,
               quantization: QuantConfig | None = None, cast_adapters: bool = False,
               lr: float = 1e-4) -> Callable:
-    """A ``build_fn`` of one run: the HF class (fp32 weights, bf16 for ``pure-bf16``, the compute
-    dtype under a quantised base), HF's checkpointing, the base quantised (:func:`quantize_base`),
-    peft's adapters (fp32 by peft's ``autocast_adapter_dtype``, in the base's dtype when
-    ``cast_adapters``, as DeepSpeed casts the whole module), and :func:`make_optimizer` over what
-    trains. Fake or real follows the tensors the class is built on."""
-    conf = hf_config(cfg)
-    attn = attn_implementation(conf, attention)
-    s = decoder_shape(cfg)
+    """:func:`memlab.hf.build_fn` of one run: the weights in the compute dtype under a quantised
+    base (:func:`quantize_base`, fake or real as the tensors it is built on), peft's adapters
+    (fp32 by peft's ``autocast_adapter_dtype``; in the base's dtype when ``cast_adapters``, as
+    DeepSpeed casts the whole module, or ``adapter_dtype="base"``), :func:`make_optimizer`."""
+    linears = decoder_shape(cfg).linear_names() if lora is not None else None
+    base16 = precision == "pure-bf16" and quantization is None
+    own = lora is not None and (cast_adapters or (base16 and lora.adapter_dtype == "base"))
 
-    def build():
-        from transformers import AutoModelForCausalLM
-        dtype = torch.bfloat16 if precision == "pure-bf16" else torch.float32
-        if quantization is not None:
-            dtype = _DTYPES[quantization.compute_dtype]
-        model = AutoModelForCausalLM.from_config(conf, dtype=dtype, attn_implementation=attn)
-        model.train()
-        fake = isinstance(next(model.parameters()), FakeTensor)
-        if quantization is not None:
-            model = quantize_base(model, quantization, fake)
-        if checkpointing == "full":
-            enable_hf_checkpointing(model)
-        if lora is not None:
-            base16 = precision == "pure-bf16" and quantization is None
-            own = cast_adapters or (base16 and lora.adapter_dtype == "base")
-            model = add_lora(model, lora.peft_kwargs(s.linear_names()), autocast_adapter_dtype=not own)
-        params = [p for p in model.parameters() if p.requires_grad]
-        return model, make_optimizer(params, optimizer, lr, fake)
-    return build
+    def prepare(model):
+        if quantization is None:
+            return model
+        return quantize_base(model, quantization, isinstance(next(model.parameters()), FakeTensor))
 
-
-def run_step(seq: int, batch: int, precision: str = "fp32", micro_batches: int = 1) -> Callable:
-    """A ``step_fn(model, optimizer)``: ``micro_batches`` forwards and backwards of
-    ``batch / micro_batches`` random sequences (``model(input_ids, labels).loss`` under the
-    precision's autocast, divided by the micro-batches as the Trainer scales it), one step,
-    ``zero_grad(set_to_none=True)``."""
-    k = micro_batches
-
-    def step(model, optimizer):
-        device = next(model.parameters()).device
-        for _ in range(k):
-            ids = torch.randint(0, model.config.vocab_size, (batch // k, seq), device=device)
-            with autocast_for(precision, device):
-                loss = model(input_ids=ids, labels=ids).loss
-            (loss / k if k > 1 else loss).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
+    def optimizer_fn(params):
+        return make_optimizer(params, optimizer, lr, bool(params) and isinstance(params[0], FakeTensor))
+    return build_fn(cfg, precision=precision, checkpointing=checkpointing, attention=attention,
+                    lora=None if lora is None else lora.peft_kwargs(linears), lr=lr,
+                    dtype=None if quantization is None else _DTYPES[quantization.compute_dtype],
+                    prepare=prepare, autocast_adapter_dtype=not own, optimizer=optimizer_fn)
 
 
 def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
@@ -329,8 +299,16 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
         InputError: a run argument that is not allowed.
     """
     d = load_config(cfg)
-    s = decoder_shape(d)
     check_seq(d, seq)
+    plain = (optimizer, zero, world_size, offload, micro_batches, lora, quantization) == \
+        ("adamw", 0, 1, "none", 1, None, None)
+    if d["model_type"] not in FAMILIES:  # transformers' class runs; the run's states need the shape
+        if not plain:
+            raise InputError(f"model_type {d['model_type']!r}: simulated as one AdamW step on one device; "
+                             f"the run's options need a family memlab reads: {', '.join(FAMILIES)}")
+        return _simulate_plain(d, seq=seq, batch=batch, precision=precision, checkpointing=checkpointing,
+                               attention=attention, target=resolve_target(target, budget, card), budget=budget)
+    s = decoder_shape(d)
     check_run(s, precision=precision, checkpointing=checkpointing, attention=attention, ep=expert_parallel,
               imbalance=imbalance, zero=zero, world_size=world_size, offload=offload,
               micro_batches=micro_batches, batch=batch, lora=lora)
@@ -349,7 +327,8 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                       optimizer=optimizer, lora=lora, quantization=quantization,
                       cast_adapters=ms.deepspeed and run_precision == "pure-bf16")
     with fake_grouped_mm():
-        report = simulate_model(build, run_step(seq, batch, run_precision, micro_batches), target=tgt,
+        step = causal_lm_step(seq, batch, run_precision, micro_batches=micro_batches)
+        report = simulate_model(build, step, target=tgt,
                                 budget=None if ms.deepspeed else budget, seq=seq, batch=batch,
                                 precision=run_precision, checkpointing=checkpointing or "none")
     if ms.deepspeed:
@@ -367,6 +346,23 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     report.notes.extend(rs.notes)
     if micro_batches > 1:
         report.notes.append(f"{micro_batches} micro-batches of {batch // micro_batches}, simulated in turn")
+    if is_moe(d):
+        report.notes.append(ROUTING_NOTE)
+    return report
+
+
+def _simulate_plain(d: dict, *, seq: int, batch: int, precision: str, checkpointing: str | None,
+                    attention: str | None, target, budget) -> MemoryReport:
+    """One AdamW step of any causal LM transformers has (no shape read: nothing of the run needs one)."""
+    if precision not in PRECISIONS:
+        raise InputError(f"precision={precision!r} for a Hugging Face step; allowed: {', '.join(PRECISIONS)}")
+    if (checkpointing or "none") not in ("none", "full"):
+        raise InputError(f"checkpointing={checkpointing!r} for a Hugging Face model; allowed: none, full")
+    with fake_grouped_mm():
+        report = simulate_model(build_run(d, precision=precision, checkpointing=checkpointing, attention=attention),
+                                causal_lm_step(seq, batch, precision), target=target, budget=budget, seq=seq,
+                                batch=batch, precision=precision, checkpointing=checkpointing or "none")
+    report.step = replace(report.step, name=(d.get("architectures") or [d["model_type"]])[0])
     if is_moe(d):
         report.notes.append(ROUTING_NOTE)
     return report
@@ -398,4 +394,4 @@ def _page_out(report: MemoryReport, optimizer: str) -> None:
 
 
 __all__ = ["MatMul4BitSim", "Linear4bitSim", "MatMul8bitSim", "Linear8bitSim", "quantize_base",
-           "make_optimizer", "build_run", "run_step", "simulate_hf"]
+           "make_optimizer", "build_run", "simulate_hf"]
