@@ -538,7 +538,10 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     V, D, L = s.vocab, s.d, s.n_layer
     lsm = t * V * 4
     cast = t * V * 4 if z.c != 4 else 0
-    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered,
+    # autocast's cache keeps every trained weight's 16-bit cast until the forward's autocast
+    # region closes, after the loss: under checkpointing nothing else keeps them
+    cache = dense_w * z.c if z.auto and full and trains_base else 0
+    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered + cache,
                               gradients=G_prev + held),
          # the 16-bit logits went with the model's output; the fp32 gradients of the loss and of the
          # log-softmax are live (measured: tests/test_hf_simulate_run.py)
