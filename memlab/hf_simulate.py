@@ -79,7 +79,6 @@ class MatMul4BitSim(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, A, B, bias, state):
-        import bitsandbytes as bnb
         if state.nested:
             absmax = torch.ops.bitsandbytes.dequantize_blockwise.default(
                 state.absmax, state.state2.absmax, state.state2.code, 256, torch.float32) + state.offset
@@ -92,7 +91,6 @@ class MatMul4BitSim(torch.autograd.Function):
         ctx.state = state
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(B if ctx.needs_input_grad[0] else None)
-        ctx.bnb = bnb
         return out
 
     @staticmethod
@@ -102,7 +100,8 @@ class MatMul4BitSim(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_bias = grad_output.sum(0, dtype=ctx.bias_dtype)
         if ctx.needs_input_grad[0]:
-            grad_A = torch.matmul(grad_output, ctx.bnb.functional.dequantize_4bit(B, ctx.state).to(grad_output.dtype))
+            from bitsandbytes.functional import dequantize_4bit
+            grad_A = torch.matmul(grad_output, dequantize_4bit(B, ctx.state).to(grad_output.dtype))
         return grad_A, None, grad_bias, None
 
 
