@@ -119,7 +119,7 @@ def _agree(name: str, option: str, layers: int | None) -> None:
     assert est.host_bytes == pytest.approx(sim.host_bytes, rel=0.01, abs=2**20)
 
 
-@pytest.mark.parametrize("option", ["plain", "qlora", "zero3", "zero2-offload"])
+@pytest.mark.parametrize("option", ["plain", "accumulation", "qlora", "zero3", "zero2-offload"])
 def test_8b_estimate_agrees_with_the_simulation_on_two_layers(option):
     _agree("llama-3.1-8b", option, 2)
 
