@@ -18,6 +18,7 @@ pytest.importorskip("peft")
 
 from hf_families import BATCH, SEQ  # noqa: E402
 from test_hf_lora import CONFIGS  # noqa: E402
+from test_hf_run_options import _step  # noqa: E402
 
 from memlab import hf  # noqa: E402
 from memlab.cli import main  # noqa: E402
@@ -27,6 +28,7 @@ from memlab.hf_measure import measure_hf  # noqa: E402
 from memlab.hf_simulate import simulate_hf  # noqa: E402
 from memlab.low_bit import adam_state_bytes, quantized_weight_bytes  # noqa: E402
 from memlab.run import LoraConfig, QuantConfig  # noqa: E402
+from memlab.your_model import track_step  # noqa: E402
 
 MOE_TARGETS = {"mixtral": "q_proj,k_proj,v_proj,o_proj", "qwen3_moe": "q_proj,k_proj,v_proj,o_proj",
                "gpt_oss": "q_proj,k_proj,v_proj,o_proj", "deepseek_v3": "q_a_proj,kv_a_proj_with_mqa,o_proj"}
@@ -43,6 +45,10 @@ def _run(name: str, option: str) -> dict:
 def _measured(name: str, option: str):
     import torch
     torch.manual_seed(0)
+    if option == "accumulation":  # the learner's own loop (tests/test_hf_run_options.py), not memlab's
+        model, opt = hf.build_fn(CONFIGS[name])()
+        step = _step(4, "fp32", 4)
+        return track_step(lambda: step(model, opt), model=model, optimizer=opt)
     return measure_hf(CONFIGS[name], seq=SEQ, precision="fp32", **_run(name, option))
 
 
