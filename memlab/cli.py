@@ -258,20 +258,12 @@ def _run_configured(args: argparse.Namespace, budget, target) -> MemoryReport:
 
 
 def _simulate_configured(args, step, tune, budget, target) -> MemoryReport:
-    """simulate of a configured step: LoRA on a Hugging Face model through peft
-    (:func:`memlab.hf.simulate_hf`); no quantised weights or bitsandbytes state on fake tensors."""
+    """simulate of a configured step of memlab's own model (a Hugging Face config's run goes
+    through :func:`_hf_step`, LoRA and quantisation included)."""
     from .simulate import simulate_step
-    if tune is not None and (tune["optimizer"] != "adamw" or tune["quantization"] != "none"):
-        raise InputError("simulate runs AdamW on real layers; for quantised weights and 8-bit, paged "
-                         "or Adafactor state use estimate")
     if tune is not None:
-        if args.hf_config is None:
-            raise InputError("simulate with LoRA builds the model with peft: give --hf-config")
-        rank, targets = tune["lora"]
-        lora = {"r": rank, "target_modules": list(targets), "lora_alpha": 2 * rank, "lora_dropout": 0.0}
-        return hf.simulate_hf(args.hf_config, seq=step.seq, batch=step.batch, precision=step.precision,
-                              checkpointing=step.checkpointing, attention=step.attention,
-                              target=target, budget=budget, lora=lora)
+        raise InputError("simulate with LoRA or a quantised base builds the model with peft and "
+                         "bitsandbytes: give --hf-config")
     _check_simulate(step)
     if step.world_size > 1:
         return _simulate_sharded(step, budget, target)
@@ -620,7 +612,7 @@ def run(args: argparse.Namespace) -> Result:
         card = None if args.gpu is not None or args.target != "cuda" else detect_card()
         target = get_target(args.target, args.gpu, card)
         budget = args.gpu if args.gpu is not None else budget
-        if args.hf_config is not None and (args.command == "estimate" or not _beyond_lora(args)):
+        if args.hf_config is not None:
             return _hf_checked(args, budget, target)
         if _configured(args):
             return _run_configured(args, budget, target)
@@ -652,55 +644,40 @@ def run(args: argparse.Namespace) -> Result:
 
 
 def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> MemoryReport:
-    """estimate or simulate of a Hugging Face config.json (:mod:`memlab.hf`)."""
-    from .hf_shape import FAMILIES, decoder_shape
+    """estimate or simulate of a Hugging Face config.json: one run (:func:`_hf_run`) through
+    :func:`memlab.hf_estimate.estimate_hf` or :func:`memlab.hf_simulate.simulate_hf`."""
     if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
         raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
-    kw = dict(seq=args.seq, batch=args.batch, precision=args.precision,
-              checkpointing=args.checkpointing, attention=args.attention)
-    if args.command == "estimate":
-        return _hf_estimate(args, budget, target, kw)
-    if getattr(args, "accelerate_config", None) is not None:
-        raise InputError("--accelerate-config is read by estimate --hf-config; allowed with simulate: none")
-    if (args.micro_batches, args.zero, args.world_size, args.offload, args.optimizer) != (1, 0, 1, "none", "adamw"):
-        raise InputError("simulate --hf-config runs one AdamW step on one device; allowed: no "
-                         "--micro-batches/--zero/--world-size/--offload/--optimizer (use estimate)")
-    shape = decoder_shape(args.hf_config) if hf.load_config(args.hf_config)["model_type"] in FAMILIES else None
-    lora, _ = _hf_lora(args, shape) if shape is not None else (None, [])
-    if lora is None and (args.lora_rank or args.lora_targets or args.lora_config):
-        raise InputError("simulate --hf-config with LoRA spells the adapters out for the families memlab "
-                         f"reads: {', '.join(FAMILIES)}")
-    linears = None if shape is None else shape.linear_names()
-    return hf.simulate_hf(args.hf_config, target=target, budget=budget,
-                          lora=None if lora is None else lora.peft_kwargs(linears),
-                          loss=args.loss, loss_chunk=args.loss_chunk, **kw)
-
-
-def _beyond_lora(args: argparse.Namespace) -> bool:
-    """Whether a run config, quantised weights or a low-bit optimizer is given (what
-    ``simulate --hf-config`` does not run yet), beyond LoRA's flags."""
-    return (getattr(args, "deepspeed", None) is not None or getattr(args, "training_args", None) is not None
-            or args.load_in_4bit or args.load_in_8bit or args.optimizer not in OPTIMIZERS)
-
-
-def _hf_estimate(args: argparse.Namespace, budget: int | str | None, target, kw: dict) -> MemoryReport:
-    """``estimate --hf-config``: the one estimate of the run the flags, --training-args,
-    --deepspeed and the LoRA/quantisation flags describe (:func:`memlab.hf_estimate.estimate_hf`)."""
     from .hf_estimate import estimate_hf
-    from .hf_shape import decoder_shape
+    from .hf_simulate import simulate_hf
+    run, notes = _hf_run(args)
+    lens = estimate_hf if args.command == "estimate" else simulate_hf
+    report = lens(args.hf_config, budget=budget, target=target, **run)
+    report.notes.extend(notes)
+    return report
+
+
+def _hf_run(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """The run the flags, --training-args, --deepspeed and the LoRA/quantisation flags describe,
+    as the keyword arguments both lenses of a Hugging Face config take, and the notes of where
+    each came from."""
+    from .hf_shape import FAMILIES, decoder_shape
     from .run import QuantConfig
     notes: list[str] = []
     acc = None
     if getattr(args, "accelerate_config", None) is not None:
         args, acc = _with_accelerate(args)
         notes += list(acc.notes)
-        kw = dict(kw, precision=args.precision)
     if getattr(args, "training_args", None) is not None:
         args = _with_training_args(args)
         notes += args.run_notes
-        kw = dict(kw, seq=args.seq, batch=args.batch, precision=args.precision, checkpointing=args.checkpointing)
+    kw = dict(seq=args.seq, batch=args.batch, precision=args.precision, checkpointing=args.checkpointing,
+              attention=args.attention)
     run = dict(micro_batches=args.micro_batches, zero=args.zero, world_size=args.world_size, offload=args.offload)
-    shape = decoder_shape(args.hf_config)
+    model_type = hf.load_config(args.hf_config)["model_type"]
+    needs_shape = any(getattr(args, f, None) for f in ("deepspeed", "lora_rank", "lora_targets", "lora_config",
+                                                       "load_in_4bit", "load_in_8bit"))
+    shape = decoder_shape(args.hf_config) if model_type in FAMILIES or needs_shape else None
     buckets = None
     if args.deepspeed is not None:
         if args.zero != 0 or args.offload != "none":
@@ -717,18 +694,16 @@ def _hf_estimate(args: argparse.Namespace, budget: int | str | None, target, kw:
         notes = [f"--deepspeed: ZeRO-{ds.zero}, offload {ds.offload}, {ds.precision}, micro-batch "
                  f"{ds.micro_batch} x {ds.accumulation} accumulation x {ds.world_size} rank(s) "
                  f"= train_batch_size {ds.train_batch}", *notes, *ds.notes]
-    lora, lora_notes = _hf_lora(args, shape)
+    lora, lora_notes = _hf_lora(args, shape) if shape is not None else (None, [])
     if args.load_in_4bit and args.load_in_8bit:
         raise InputError("give --load-in-4bit or --load-in-8bit, not both")
     quant = QuantConfig(bits=4) if args.load_in_4bit else QuantConfig(bits=8) if args.load_in_8bit else None
     lora, quant = _file_fine_tune(args, lora, quant)
     optimizer = low_bit.HF_OPTIMIZERS.get(args.optimizer, args.optimizer)
-    report = estimate_hf(args.hf_config, budget=budget, target=target, expert_parallel=args.expert_parallel,
-                         imbalance=args.expert_imbalance, optimizer=optimizer,
-                         lora=lora, quantization=quant, buckets=buckets, loss=args.loss,
-                         loss_chunk=args.loss_chunk, **run, **kw)
-    report.notes.extend(notes + lora_notes)
-    return report
+    run.update(expert_parallel=getattr(args, "expert_parallel", 1), imbalance=getattr(args, "expert_imbalance", 1.0),
+               optimizer=optimizer, lora=lora, quantization=quant, buckets=buckets, loss=args.loss,
+               loss_chunk=args.loss_chunk)
+    return {**kw, **run}, notes + lora_notes
 
 
 def _hf_lora(args: argparse.Namespace, shape) -> tuple[LoraConfig | None, list[str]]:

@@ -8,9 +8,10 @@ reads one (a file, or a folder holding one) and gives the two lenses what they n
   RMSNorm, rotary positions, grouped-query attention; Qwen2 with q/k/v biases) and GPT-2
   (GELU, LayerNorm, learned positions, tied head). Any other ``model_type`` is refused with
   the list of those supported.
-* :func:`simulate_hf` builds the real ``transformers`` class (``AutoModelForCausalLM``) on
-  fake tensors through :func:`memlab.your_model.simulate_model`, so any causal LM whose code
-  ``transformers`` has can be simulated.
+* :func:`build_fn` builds the real ``transformers`` class (``AutoModelForCausalLM``), on
+  fake tensors for :func:`memlab.hf_simulate.simulate_hf` (through
+  :func:`memlab.your_model.simulate_model`), so any causal LM whose code ``transformers`` has
+  can be simulated, and real for :func:`memlab.hf_measure.measure_hf`.
 
 Hugging Face computes the rotary ``cos``/``sin`` for the tokens of each forward instead of
 keeping tables of ``max_position_embeddings`` rows per layer as memlab's GPT does, so the
@@ -24,7 +25,6 @@ import contextlib
 import json
 import pathlib
 import warnings
-from dataclasses import replace
 from importlib import resources
 from typing import Callable, Iterator
 
@@ -34,9 +34,8 @@ from .chunked_loss import linear_cross_entropy
 from .errors import InputError
 from .hf_config_check import check_config
 from .models import GPTConfig
-from .step import PRECISIONS, MemoryReport, StepConfig, autocast_for
+from .step import StepConfig, autocast_for
 from .torch_private import FakeTensor, parse_to
-from .your_model import simulate_model
 
 #: model_type -> what memlab's GPT calls it; the estimate covers these.
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
@@ -252,23 +251,24 @@ def enable_hf_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
-def add_lora(model, lora: dict):
+def add_lora(model, lora: dict, autocast_adapter_dtype: bool = True):
     """``peft.get_peft_model(model, LoraConfig(**lora))``, also on fake tensors: peft moves
     each new adapter to its base layer's device and dtype with ``Module.to``, which swaps
     parameters and cannot swap fake ones; there, while the adapters are made, ``Module.to``
-    puts converted copies in place instead (the same tensors, the same bytes)."""
+    puts converted copies in place instead (the same tensors, the same bytes).
+    ``autocast_adapter_dtype``: peft's own (True: adapters of a 16-bit base in fp32)."""
     from peft import LoraConfig
     if not isinstance(next(model.parameters()), FakeTensor):
-        return peft_model(model, LoraConfig(**lora))
+        return peft_model(model, LoraConfig(**lora), autocast_adapter_dtype)
     to = torch.nn.Module.to
     torch.nn.Module.to = _replacing_to
     try:
-        return peft_model(model, LoraConfig(**lora))
+        return peft_model(model, LoraConfig(**lora), autocast_adapter_dtype)
     finally:
         torch.nn.Module.to = to
 
 
-def peft_model(model, config):
+def peft_model(model, config, autocast_adapter_dtype: bool = True):
     """``peft.get_peft_model(model, config)`` without the deprecation warning peft itself
     triggers: it reads ``model.is_gradient_checkpointing``, which transformers 5 renamed
     ``is_activation_checkpointing`` and warns about (a FutureWarning the caller cannot avoid;
@@ -277,7 +277,7 @@ def peft_model(model, config):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
                                 category=FutureWarning)
-        return get_peft_model(model, config)
+        return get_peft_model(model, config, autocast_adapter_dtype=autocast_adapter_dtype)
 
 
 def _replacing_to(module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
@@ -296,11 +296,15 @@ def _replacing_to(module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
 
 def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
              checkpointing: str | None = None, attention: str | None = None,
-             lora: dict | None = None, lr: float = 1e-4) -> Callable:
+             lora: dict | None = None, lr: float = 1e-4, dtype: torch.dtype | None = None,
+             prepare: Callable | None = None, autocast_adapter_dtype: bool = True,
+             optimizer: Callable | None = None) -> Callable:
     """A ``build_fn`` for :func:`memlab.simulate_model`: the HF causal LM (fp32 master
-    weights, or bf16 ones for ``pure-bf16``), HF's own gradient checkpointing for
-    ``checkpointing="full"``, LoRA adapters from ``lora`` (``peft.LoraConfig`` keywords),
-    and a fused AdamW over the trainable parameters."""
+    weights, or bf16 ones for ``pure-bf16``; ``dtype`` overrides), ``prepare(model)`` applied
+    to it (a quantised base: :func:`memlab.hf_simulate.quantize_base`), HF's own gradient
+    checkpointing for ``checkpointing="full"``, LoRA adapters from ``lora`` (``peft.LoraConfig``
+    keywords; ``autocast_adapter_dtype`` peft's own), and ``optimizer(params)`` over the
+    trainable parameters (default: a fused AdamW)."""
     if (checkpointing or "none") not in HF_CHECKPOINTING:
         raise InputError(f"checkpointing={checkpointing!r} for a Hugging Face model; allowed: "
                          f"{', '.join(HF_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
@@ -309,15 +313,17 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
 
     def build():
         from transformers import AutoModelForCausalLM
-        dtype = torch.bfloat16 if precision == "pure-bf16" else torch.float32
-        model = AutoModelForCausalLM.from_config(conf, dtype=dtype, attn_implementation=attn)
+        weights = dtype or (torch.bfloat16 if precision == "pure-bf16" else torch.float32)
+        model = AutoModelForCausalLM.from_config(conf, dtype=weights, attn_implementation=attn)
         model.train()
+        if prepare is not None:
+            model = prepare(model)
         if checkpointing == "full":
             enable_hf_checkpointing(model)
         if lora is not None:
-            model = add_lora(model, lora)
+            model = add_lora(model, lora, autocast_adapter_dtype)
         params = [p for p in model.parameters() if p.requires_grad]
-        return model, torch.optim.AdamW(params, lr=lr, fused=True)
+        return model, (optimizer(params) if optimizer else torch.optim.AdamW(params, lr=lr, fused=True))
     return build
 
 
@@ -326,10 +332,12 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
 HF_LOSSES = ("transformers", "chunked")
 
 
-def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | None = None, *,
-                   loss: str = "transformers", loss_chunk: int = 1024) -> Callable:
-    """A ``step_fn(model, optimizer)``: random tokens, the loss under the precision's autocast
-    (on the model's device type), backward, step, zero_grad.
+def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | None = None,
+                   micro_batches: int = 1, *, loss: str = "transformers", loss_chunk: int = 1024) -> Callable:
+    """A ``step_fn(model, optimizer)``: ``micro_batches`` forwards and backwards of
+    ``batch / micro_batches`` random sequences under the precision's autocast (on the model's
+    device type), each loss divided by the micro-batches as the Trainer scales it, the gradients
+    accumulating; one step, ``zero_grad(set_to_none=True)``.
 
     ``loss="transformers"``: ``model(input_ids, labels).loss``, the class's own (its logits
     upcast to fp32). ``loss="chunked"``: the decoder's final hidden states and the head's
@@ -342,49 +350,27 @@ def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | N
     """
     if loss not in HF_LOSSES:
         raise InputError(f"loss={loss!r}; allowed: {', '.join(HF_LOSSES)}")
+    k = micro_batches
 
     def step(model, optimizer):
         device = next(model.parameters()).device
         v = vocab or model.config.vocab_size
-        ids = torch.randint(0, v, (batch, seq), device=device)
-        with autocast_for(precision, device):
-            if loss == "chunked":
-                hidden = model.get_decoder()(input_ids=ids).last_hidden_state
-                out = linear_cross_entropy(hidden.flatten(0, 1), model.get_output_embeddings().weight,
-                                           ids.roll(-1, dims=1).flatten(), chunk_size=loss_chunk)
-            else:
-                out = model(input_ids=ids, labels=ids).loss
-        out.backward()
+        for _ in range(k):
+            ids = torch.randint(0, v, (batch // k, seq), device=device)
+            with autocast_for(precision, device):
+                if loss == "chunked":
+                    hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+                    out = linear_cross_entropy(hidden.flatten(0, 1), model.get_output_embeddings().weight,
+                                               ids.roll(-1, dims=1).flatten(), chunk_size=loss_chunk)
+                else:
+                    out = model(input_ids=ids, labels=ids).loss
+            (out / k if k > 1 else out).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
 
 
-def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
-                checkpointing: str | None = None, attention: str | None = None,
-                target: str = "cuda", budget: int | str | None = None,
-                lora: dict | None = None, loss: str = "transformers", loss_chunk: int = 1024) -> MemoryReport:
-    """One training step of the HF model of ``cfg`` on fake tensors (:func:`simulate_model`);
-    ``loss`` and ``loss_chunk`` as :func:`causal_lm_step`."""
-    if precision not in PRECISIONS or precision == "fp16":
-        raise InputError(f"precision={precision!r} for a Hugging Face step; allowed: fp32, bf16, "
-                         f"pure-bf16")
-    d = load_config(cfg)
-    check_seq(d, seq)
-    with fake_grouped_mm():
-        report = simulate_model(build_fn(d, precision=precision, checkpointing=checkpointing,
-                                         attention=attention, lora=lora),
-                                causal_lm_step(seq, batch, precision, loss=loss, loss_chunk=loss_chunk),
-                                target=target, budget=budget,
-                                seq=seq, batch=batch, precision=precision,
-                                checkpointing=checkpointing or "none")
-    if is_moe(d):
-        report.notes.append(ROUTING_NOTE)
-    report.step = replace(report.step, name=(d.get("architectures") or [d["model_type"]])[0])
-    return report
-
-
 __all__ = ["SUPPORTED", "SHIPPED", "HF_CHECKPOINTING", "HF_LOSSES", "ROUTING_NOTE", "shipped_config", "load_config",
            "rope_parameters", "context_length", "check_seq", "is_moe", "fake_grouped_mm", "attn_implementation",
            "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "add_lora", "peft_model",
-           "build_fn", "causal_lm_step", "simulate_hf"]
+           "build_fn", "causal_lm_step"]

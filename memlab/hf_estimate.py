@@ -351,7 +351,8 @@ def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool
               for i in range(L)]
     # autocast's weight casts (saved by each linear; the experts' grouped GEMMs are not cast)
     dense_w = params - s.vocab * D * (1 + (not s.tied)) - s.positions * D - (s.expert_total() / ep)
-    head_copy = V * D * z.c if z.auto and not chunked else 0
+    # a quantised base's head is 16-bit already; the chunked loss casts it per call, keeping nothing
+    head_copy = V * D * z.c if z.auto and not chunked and not (frozen and ad.quantized) else 0
     if not frozen:
         copies = (dense_w * z.c if z.auto and not full else 0) + head_copy
     else:  # frozen weights are cast at every use, kept where the input needs a gradient
@@ -401,9 +402,16 @@ def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int,
 #: ``2 * x`` and their product: 5. Gemma's ``x * (1 + weight.float())`` adds its fp32 factor's
 #: product and gradient: 7.
 NORM_BACKWARD_TEMPORARIES = {"rms": 5, "gemma": 7}
-def _check_run(s: DecoderShape, *, attention: str | None, ep: int, zero: int, world_size: int, offload: str,
-               micro_batches: int, lora: LoraConfig | None) -> None:
-    """What :func:`estimate_hf` refuses beyond :class:`memlab.step.StepConfig`'s own checks."""
+
+
+def check_run(s: DecoderShape, *, attention: str | None, ep: int, zero: int, world_size: int, offload: str,
+              micro_batches: int, lora: LoraConfig | None) -> None:
+    """Refuse a run neither lens of a Hugging Face run counts, beyond :class:`memlab.step.StepConfig`'s
+    own checks (the estimate and the simulation both call this).
+
+    Raises:
+        InputError: the argument, its value and what is allowed.
+    """
     if attention == "sdpa" and s.eager_only:
         raise InputError(f"attention='sdpa': {s.model_type} has no SDPA path in transformers; allowed: naive")
     if ep > 1 and (not s.experts or s.experts % ep):
@@ -487,8 +495,8 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     world_size, offload = run.world_size, run.offload
     lora, quantization, buckets, loss_chunk = run.lora, run.quantization, run.buckets, run.loss_chunk
     ep, imbalance = run.expert_parallel, run.expert_imbalance
-    _check_run(s, attention=attention, ep=ep, zero=zero, world_size=world_size, offload=offload,
-               micro_batches=run.micro_batches, lora=lora)
+    check_run(s, attention=attention, ep=ep, zero=zero, world_size=world_size, offload=offload,
+              micro_batches=run.micro_batches, lora=lora)
     chunked = run.loss == "chunked"
     if chunked and s.final_softcap:
         raise InputError(f"loss='chunked' on {s.model_type}: its logits are soft-capped "
@@ -498,6 +506,8 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     rs = run_states(s, precision=precision, optimizer=optimizer, zero=zero, world_size=world_size,
                     offload=offload, ep=ep, ad=ad, quant=quantization, buckets=buckets)
     param, compute, lower = precision_bytes(rs.run_precision)
+    if quantization is not None:  # the unquantised rest (embeddings, norms, head) is in the compute dtype
+        param = compute = quantization.compute_bytes
     z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=tgt, precision=rs.run_precision)
     k = run.micro_batches
     batch //= k
@@ -520,11 +530,13 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
                                 full=full, trains_base=trains_base, chunk=loss_chunk if chunked else None)
     cats = dict.fromkeys(CATEGORIES, 0.0)
     cats.update(parameters=P, optimizer=opt, other=16 * t, workspace=tgt.resident_workspace(), **best)
-    if tgt.is_cuda and not moment.startswith(("end", "optimizer")):
+    # the attention's backward workspace and a 4-bit weight dequantised live only while a layer's
+    # backward runs: at the loss's moments no layer runs (the simulation's timeline shows it)
+    if tgt.is_cuda and moment == "recomputed layer":
         cats["workspace"] += sdpa_backward_workspace(path, batch, s.heads, seq, s.head_dim, s.kv_heads, z.c)
     if ep > 1:  # the all-to-all's send and receive buffers of one MoE layer's rows
         cats["temporaries"] += 2 * t * s.top_k * imbalance * D * z.c
-    if rs.dequantised and not moment.startswith(("end", "optimizer")):
+    if rs.dequantised and moment == "recomputed layer":
         cats["temporaries"] += rs.dequantised  # MatMul4Bit dequantises its whole weight
     cats = {k: int(round(v)) for k, v in cats.items()}
     host = {c: int(round(rs.host.get(c, 0.0))) for c in CATEGORIES}
@@ -561,10 +573,15 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     V, D, L = s.vocab, s.d, s.n_layer
     lsm = t * V * 4
     cast = t * V * 4 if z.c != 4 else 0
-    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered,
+    # autocast's cache keeps every trained weight's 16-bit cast until the forward's autocast
+    # region closes, after the loss: under checkpointing nothing else keeps them
+    cache = dense_w * z.c if z.auto and full and trains_base else 0
+    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered + cache,
                               gradients=G_prev + held),
+         # the 16-bit logits went with the model's output; the fp32 gradients of the loss and of the
+         # log-softmax are live (measured: tests/test_hf_simulate_run.py)
          "log-softmax backward": dict(activations=A + lsm, gradients=G_prev + held,
-                                      temporaries=2 * t * V * 4 + (t * V * z.c if cast else 0) + gathered),
+                                      temporaries=2 * t * V * 4 + gathered),
          "head backward": dict(activations=A, temporaries=t * V * z.c + t * D * z.c + gathered,
                                gradients=max(G_prev, head_grad + late) + held),
          "end of backward": dict(gradients=G + held,
@@ -596,6 +613,5 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     return max(m.items(), key=lambda kv: sum(kv[1].values()))
 
 
-__all__ = ["HF_CHECKPOINTING", "NORM_BACKWARD_TEMPORARIES", "Sizes", "adapter_saved",
-           "attention_path", "forward_activations", "layer_activations", "moe_activations", "estimate_hf",
-           "estimate_run"]
+__all__ = ["HF_CHECKPOINTING", "NORM_BACKWARD_TEMPORARIES", "Sizes", "adapter_saved", "attention_path", "check_run",
+           "forward_activations", "layer_activations", "moe_activations", "estimate_hf", "estimate_run"]

@@ -16,15 +16,19 @@ import torch
 from .errors import InputError
 from .guard import HostMemoryError, StepEstimate, memory_needs, target_for
 from .hardware import resolve_budget
-from .hf import build_fn, causal_lm_step, check_seq, is_moe, load_config
+from .hf import causal_lm_step, check_seq, is_moe, load_config
 from .hf_estimate import estimate_hf
+from .hf_simulate import build_run
+from .run import LoraConfig, QuantConfig
 from .step import PRECISIONS, MemoryReport
 from .your_model import track_step
 
 
 def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
                checkpointing: str | None = None, attention: str | None = None,
-               device: str = "cpu", budget: int | str | None = None) -> MemoryReport:
+               device: str = "cpu", budget: int | str | None = None, optimizer: str = "adamw",
+               micro_batches: int = 1, lora: LoraConfig | None = None,
+               quantization: QuantConfig | None = None) -> MemoryReport:
     """The real training step of the HF model of ``cfg`` (random weights), tracked on
     ``device``, after the guard (:mod:`memlab.guard`): the closed-form estimate
     (:func:`memlab.hf_estimate.estimate_hf`) on the device's target is checked against what
@@ -32,9 +36,13 @@ def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisio
 
     Args:
         cfg: a config dict, config.json, its folder or a shipped name.
-        seq, batch, precision, checkpointing, attention: as :func:`simulate_hf`.
+        seq, batch, precision, checkpointing, attention: as :func:`memlab.hf_estimate.estimate_hf`.
         device: ``cpu`` or ``cuda``.
         budget: a simulated device size (bytes, ``"512MiB"`` or a GPU preset).
+        optimizer, micro_batches, lora, quantization: the run, as the estimate takes them; the step
+            is the one :func:`memlab.hf_simulate.simulate_hf` runs on fake tensors
+            (:func:`memlab.hf_simulate.build_run`, :func:`memlab.hf.causal_lm_step`), here real:
+            bitsandbytes' own optimizers and ``Linear4bit``, peft's adapters.
 
     Returns:
         The :class:`MemoryReport` of :func:`memlab.your_model.track_step` (lens ``measure``).
@@ -46,8 +54,9 @@ def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisio
                          f"pure-bf16")
     d = load_config(cfg)
     check_seq(d, seq)
+    run = dict(optimizer=optimizer, micro_batches=micro_batches, lora=lora, quantization=quantization)
     est = estimate_hf(d, seq=seq, batch=batch, precision=precision, checkpointing=checkpointing,
-                      attention=attention, target=target_for(device))
+                      attention=attention, target=target_for(device), **run)
     cats = est.by_category
     held = cats["parameters"] + cats["optimizer"] + cats["parameters"]  # gradients as the weights
     guess = StepEstimate(est.peak_bytes, cats["parameters"], cats["optimizer"], held, 0, None, dict(cats))
@@ -55,8 +64,9 @@ def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisio
         if not need.fits:
             raise HostMemoryError(need.need_bytes, need.available_bytes, need.resource, need.rule)
     with torch.device(device):  # real experts run transformers' own grouped_mm
-        model, opt = build_fn(d, precision=precision, checkpointing=checkpointing, attention=attention)()
-        step = causal_lm_step(seq, batch, precision)
+        model, opt = build_run(d, precision=precision, checkpointing=checkpointing, attention=attention,
+                               optimizer=optimizer, lora=lora, quantization=quantization)()
+        step = causal_lm_step(seq, batch, precision, micro_batches=micro_batches)
         report = track_step(lambda: step(model, opt), model=model, optimizer=opt, budget=budget,
                             seq=seq, batch=batch, precision=precision,
                             checkpointing=checkpointing or "none")

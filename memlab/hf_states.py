@@ -17,7 +17,7 @@ from .low_bit import OPTIMIZER_STATES, PAGED, adafactor_state_bytes, adam_state_
 from .policy import precision_bytes
 from .run import ALL_LINEAR, LoraConfig, QuantConfig
 from .shape import DecoderShape
-from .states import ZeroBuckets, model_states
+from .states import ModelStates, ZeroBuckets, model_states
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,9 @@ class RunStates:
     host: dict[str, float]
     notes: list[str]
     dequantised: float = 0.0
+    states: ModelStates | None = None
+    """The :class:`memlab.states.ModelStates` of what trains (the frozen base not in it): the
+    simulation puts its fake step's states in DeepSpeed's layout from these."""
 
 
 def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, world_size: int,
@@ -160,7 +163,7 @@ def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, wo
         else:
             inputs["optimizer"] = float(state)
             notes.append(f"{optimizer} state: {state / sum(trainable):.3f} B per trainable parameter")
-    return RunStates(inputs, run, host, notes, dequantised)
+    return RunStates(inputs, run, host, notes, dequantised, ms)
 
 
 __all__ = ["LM_HEAD", "Adapters", "RunStates", "adapters_for", "adapter_shapes", "quantized_base_bytes", "run_states"]

@@ -127,7 +127,7 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
             _add_unsplit_blocks(report, tracker, allocator)
         del trainer, batch, tracker
     if ms.deepspeed:
-        _deepspeed_layout(report, ms, model_states(run.model_config, precision=run.precision,
+        deepspeed_layout(report, ms, model_states(run.model_config, precision=run.precision,
                                                    optimizer=run.optimizer).gradients)
     report.time = report_time(step, tgt.card, flops=flops.flops(), elementwise=None if gpt else elementwise.work())
     report.step_seconds = time.perf_counter() - start
@@ -158,7 +158,7 @@ FORMULA_NOTE = ("from the formula (memlab.states.model_states), not simulated: p
                 "activations, the other temporaries and workspaces")
 
 
-def _deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float) -> None:
+def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float) -> None:
     """Put the simulated unsharded step's model states in DeepSpeed's layout, op by op.
 
     Parameters and optimizer state are held all step; gradients grow through backward as
@@ -197,4 +197,4 @@ def _deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float) 
     report.notes.extend(ms.notes)
 
 
-__all__ = ["FORMULA_CATEGORIES", "FORMULA_NOTE", "simulate_step"]
+__all__ = ["FORMULA_CATEGORIES", "FORMULA_NOTE", "deepspeed_layout", "simulate_step"]

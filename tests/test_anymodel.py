@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 from memlab import estimate_step, hf
 from memlab.cli import main
+from memlab.hf_simulate import simulate_hf
 from memlab.your_model import simulate_model, track_step, tracking
 
 SMALL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
@@ -101,7 +102,7 @@ def test_shipped_configs_have_the_published_parameter_counts(name, total):
 def test_estimate_within_5_percent_of_simulate_for_shipped(name, seq):
     kw = dict(seq=seq, batch=1, precision="bf16", checkpointing="full")
     est = estimate_step(hf.step_config(name, **kw), target="cuda")
-    sim = hf.simulate_hf(name, target="cuda", **kw)
+    sim = simulate_hf(name, target="cuda", **kw)
     assert est.peak_bytes == pytest.approx(sim.peak_bytes, rel=0.05)
 
 
@@ -118,7 +119,7 @@ def test_unsupported_architecture_is_refused(tmp_path, capsys):
 def test_simulate_refuses_model_states_over_the_budget():
     """Qwen2.5-7B's fp32 weights, gradients and AdamW moments (16 B per parameter, 114 GiB)
     exceed an 80 GB card before any activation: said at build, not at the first op."""
-    rep = hf.simulate_hf("qwen2.5-7b", seq=4096, batch=1, precision="bf16", checkpointing="full",
+    rep = simulate_hf("qwen2.5-7b", seq=4096, batch=1, precision="bf16", checkpointing="full",
                          budget="A100-80GB")
     assert rep.fits is False and rep.oom.phase == "build"
     assert rep.peak_bytes == 16 * hf.gpt_config("qwen2.5-7b").num_params()

@@ -187,9 +187,10 @@ def test_every_table_starts_with_its_header(page):
 #: ``import memlab`` does not load and that cost seconds (timed on this repo's CPU machine:
 #: pipelining +6.3 s, fsdp +2.9 s, tensor +2.2 s, cpp_extension +1.0 s), POSIX-only
 #: ``resource``, nbformat/nbclient (the lab extra, for ``memlab class`` only), PyYAML (comes with
-#: the hf extra's transformers; --training-args YAML only); memlab's ``plots`` is matplotlib.
+#: the hf extra's transformers; --training-args YAML only), bitsandbytes (the hf extra; a run's
+#: 8-bit optimizers and 4-bit base only); memlab's ``plots`` is matplotlib.
 #: Everything else is imported at the top, where a reader sees it.
-LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "matplotlib", "tqdm.auto",
+LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "bitsandbytes", "matplotlib", "tqdm.auto",
            "nbformat", "nbclient", "yaml",
            ".plots",
            "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining",

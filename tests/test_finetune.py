@@ -9,7 +9,9 @@ import torch
 pytest.importorskip("peft")
 
 from memlab import finetune, hf, low_bit, measure_step
+from memlab.hf_simulate import simulate_hf
 from memlab.models import GPT, PRESETS
+from memlab.run import LoraConfig
 from memlab.tracking import CATEGORIES
 from memlab.your_model import track_step
 
@@ -79,7 +81,7 @@ def test_lora_estimate_tracks_the_measured_step(targets, ckpt, precision, band):
 def test_lora_estimate_of_llama_3_8b_within_3_percent_of_simulate():
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     kw = dict(seq=2048, batch=1, precision="bf16", checkpointing="full")
-    sim = hf.simulate_hf("llama-3-8b", target="cuda", lora=_lora(targets, 16), **kw)
+    sim = simulate_hf("llama-3-8b", target="cuda", lora=LoraConfig(rank=16, targets=tuple(targets)), **kw)
     est = finetune.estimate_lora(hf.step_config("llama-3-8b", **kw), rank=16, targets=targets,
                                  target="cuda")
     assert est.peak_bytes == pytest.approx(sim.peak_bytes, rel=0.03)

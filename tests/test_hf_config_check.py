@@ -14,6 +14,7 @@ from memlab import hf, simulation_bound  # noqa: E402
 from memlab.cli import main  # noqa: E402
 from memlab.errors import InputError  # noqa: E402
 from memlab.hf_config_check import FIELDS, FIXED_DEFAULTS, check_config  # noqa: E402
+from memlab.hf_simulate import simulate_hf  # noqa: E402
 
 SMALL = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -176,6 +177,6 @@ def test_progress_bar_only_on_a_terminal_or_when_asked():
 def test_progress_bar_counts_each_layers_forward_and_backward():
     stream = io.StringIO()
     with simulation_bound.progress(2, stream=stream) as bar:
-        hf.simulate_hf(SMALL, seq=16, batch=1, target="cpu")
+        simulate_hf(SMALL, seq=16, batch=1, target="cpu")
         assert bar.n == 4  # 2 layers forward, 2 backward
     assert "simulate" in stream.getvalue()

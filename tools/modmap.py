@@ -84,6 +84,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "hf_shape": "an HF decoder config read into what memory depends on; its parameter counts",
         "hf_estimate": "the estimate of any HF decoder config in closed form: dense, MLA, mixtures of experts; LoRA, QLoRA, low-bit state, ZeRO",
         "hf_measure": "the measure lens of an HF config: its real step under the guard",
+        "hf_simulate": "the simulate lens of a whole HF run: accumulation, every optimizer, QLoRA, ZeRO, on fake tensors",
         "calculator": "the real-scale calculator: `estimate_step` per rank for a card",
     }),
     ("the techniques", {
