@@ -324,11 +324,35 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     tied = 2 * head_grad if cfg.tie_embeddings else 0.0
     m["end of backward"] = dict(gradients=G + held, temporaries=tied + t * h * d.residual)
     m["optimizer step"] = dict(gradients=G + held, temporaries=scratch)
+    if step.optimizer_in_backward:
+        _in_backward_gradients(m, cfg, d.grad / tp, head_grad)
     name, best = max(m.items(), key=lambda kv: sum(kv[1].values()))
     out = dict.fromkeys(CATEGORIES, 0.0)
     out.update(parameters=P, optimizer=Opt, other=_gpt_other(cfg, step),
                workspace=target.resident_workspace(), **best)
     return out, name
+
+
+def _in_backward_gradients(m: dict[str, dict], cfg: GPTConfig, grad_bytes: float,
+                           head_grad: float) -> None:
+    """The moments of a step whose optimizer runs in backward (:mod:`memlab.in_backward`):
+    no moment holds every gradient. In a block's backward the gradient alive is the one being
+    applied (at most the block's largest matrix) plus, with a tied head, the head's gradient,
+    which autograd keeps in flight until the embedding's backward adds to it; the head's
+    backward holds its own; the end of backward the embedding's. The optimizer-step moment
+    is gone: its updates happened one parameter at a time."""
+    largest = max(cfg.matmul_numels()[0]) * grad_bytes
+    in_flight = head_grad if cfg.tie_embeddings else 0.0
+    for name, cats in m.items():
+        if name == "head backward":
+            cats["gradients"] = head_grad
+        elif name.endswith(("block", "block backward")):
+            cats["gradients"] = largest + in_flight
+        elif name == "end of backward":
+            cats["gradients"] = head_grad
+        else:
+            cats["gradients"] = 0.0
+    del m["optimizer step"]
 
 
 def _gpt_other(cfg: GPTConfig, step: StepConfig) -> int:

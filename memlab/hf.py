@@ -32,6 +32,7 @@ import torch
 
 from .errors import InputError
 from .hf_config_check import check_config
+from .in_backward import OptimizerInBackward
 from .models import GPTConfig
 from .step import PRECISIONS, MemoryReport, StepConfig, autocast_for
 from .torch_private import FakeTensor, parse_to
@@ -295,11 +296,13 @@ def _replacing_to(module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
 
 def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
              checkpointing: str | None = None, attention: str | None = None,
-             lora: dict | None = None, lr: float = 1e-4) -> Callable:
+             lora: dict | None = None, lr: float = 1e-4,
+             optimizer_in_backward: bool = False) -> Callable:
     """A ``build_fn`` for :func:`memlab.simulate_model`: the HF causal LM (fp32 master
     weights, or bf16 ones for ``pure-bf16``), HF's own gradient checkpointing for
     ``checkpointing="full"``, LoRA adapters from ``lora`` (``peft.LoraConfig`` keywords),
-    and a fused AdamW over the trainable parameters."""
+    and a fused AdamW over the trainable parameters: one AdamW per parameter stepped in
+    backward with ``optimizer_in_backward`` (:class:`memlab.in_backward.OptimizerInBackward`)."""
     if (checkpointing or "none") not in HF_CHECKPOINTING:
         raise InputError(f"checkpointing={checkpointing!r} for a Hugging Face model; allowed: "
                          f"{', '.join(HF_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
@@ -316,6 +319,8 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
         if lora is not None:
             model = add_lora(model, lora)
         params = [p for p in model.parameters() if p.requires_grad]
+        if optimizer_in_backward:
+            return model, OptimizerInBackward(params, lambda ps: torch.optim.AdamW(ps, lr=lr, fused=True))
         return model, torch.optim.AdamW(params, lr=lr, fused=True)
     return build
 
@@ -339,8 +344,9 @@ def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | N
 def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
                 checkpointing: str | None = None, attention: str | None = None,
                 target: str = "cuda", budget: int | str | None = None,
-                lora: dict | None = None) -> MemoryReport:
-    """One training step of the HF model of ``cfg`` on fake tensors (:func:`simulate_model`)."""
+                lora: dict | None = None, optimizer_in_backward: bool = False) -> MemoryReport:
+    """One training step of the HF model of ``cfg`` on fake tensors (:func:`simulate_model`);
+    ``optimizer_in_backward``: the optimizer step fused into backward (:func:`build_fn`)."""
     if precision not in PRECISIONS or precision == "fp16":
         raise InputError(f"precision={precision!r} for a Hugging Face step; allowed: fp32, bf16, "
                          f"pure-bf16")
@@ -348,7 +354,8 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     check_seq(d, seq)
     with fake_grouped_mm():
         report = simulate_model(build_fn(d, precision=precision, checkpointing=checkpointing,
-                                         attention=attention, lora=lora),
+                                         attention=attention, lora=lora,
+                                         optimizer_in_backward=optimizer_in_backward),
                                 causal_lm_step(seq, batch, precision), target=target, budget=budget,
                                 seq=seq, batch=batch, precision=precision,
                                 checkpointing=checkpointing or "none")

@@ -424,7 +424,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                 expert_parallel: int = 1, imbalance: float = 1.0, optimizer: str = "adamw",
                 zero: int = 0, world_size: int = 1, offload: str = "none",
                 micro_batches: int = 1, lora: LoraConfig | None = None,
-                quantization: QuantConfig | None = None, buckets: ZeroBuckets | None = None) -> MemoryReport:
+                quantization: QuantConfig | None = None, buckets: ZeroBuckets | None = None,
+                optimizer_in_backward: bool = False) -> MemoryReport:
     """Closed-form peak bytes of one training step of the HF decoder of ``cfg``, per rank.
 
     Args:
@@ -447,6 +448,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
         lora: LoRA adapters (:class:`memlab.run.LoraConfig`) on a frozen base (:class:`Adapters`).
         quantization: the base in 4 or 8 bits (:class:`memlab.run.QuantConfig`; needs ``lora``).
         buckets: DeepSpeed's buffer sizes as a run's config sets them (:class:`memlab.states.ZeroBuckets`).
+        optimizer_in_backward: the optimizer step fused into backward (:mod:`memlab.in_backward`):
+            a full fine-tune of a dense decoder, one micro-batch, no ZeRO.
 
     Returns:
         A :class:`MemoryReport` (lens ``estimate``) per rank.
@@ -458,6 +461,10 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     _check_run(s, precision=precision, checkpointing=checkpointing, attention=attention, ep=ep,
                imbalance=imbalance, zero=zero, world_size=world_size, offload=offload,
                micro_batches=micro_batches, batch=batch, lora=lora)
+    if optimizer_in_backward and (s.experts or lora is not None or zero or offload != "none"
+                                  or micro_batches != 1):
+        raise InputError("optimizer_in_backward is counted for a full fine-tune of a dense decoder with "
+                         "micro_batches=1, zero=0, offload='none' and no LoRA")
     tgt = resolve_target(target, budget, card)
     ad = None if lora is None else adapters_for(s, lora, precision, quantization is not None)
     rs = run_states(s, precision=precision, optimizer=optimizer, zero=zero, world_size=world_size,
@@ -482,7 +489,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance, ad)
     moment, best = _peak_moment(s, z, t, A=A, layers=layers, embed=embed, dense_w=dense_w, G=G, G_prev=G_prev,
                                 held=held, late=late, head_grad=head_grad, gathered=gathered, scratch=scratch,
-                                full=full, trains_base=trains_base)
+                                full=full, trains_base=trains_base,
+                                largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None)
     cats = dict.fromkeys(CATEGORIES, 0.0)
     cats.update(parameters=P, optimizer=opt, other=16 * t, workspace=tgt.resident_workspace(), **best)
     if tgt.is_cuda and not moment.startswith(("end", "optimizer")):
@@ -518,18 +526,31 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     return report
 
 
+def _largest_matrix(s: DecoderShape) -> int:
+    """Elements of a dense decoder layer's largest weight matrix (its MLP's or attention's)."""
+    return s.d * max(s.ffn, s.q_dim, s.kv_dim)
+
+
 def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,
                  dense_w: float, G: float, G_prev: float, held: float, late: float, head_grad: float,
-                 gathered: float, scratch: float, full: bool, trains_base: bool) -> tuple[str, dict]:
+                 gathered: float, scratch: float, full: bool, trains_base: bool,
+                 largest_grad: float | None = None) -> tuple[str, dict]:
     """The moment of the step whose bytes are largest, and its categories: the loss
     (HF's ``ForCausalMLoss``: ``logits.float()``, then cross-entropy in fp32), the head's
     backward, the end of backward, the optimizer step, a recomputed layer (the last one, layer 0,
     with nearly every gradient; under LoRA, whose gradients are small, the first one, with every
-    layer's checkpointed input still held)."""
+    layer's checkpointed input still held).
+
+    ``largest_grad`` (the optimizer step in backward, :mod:`memlab.in_backward`): no moment holds
+    every gradient; a layer's backward holds the one being applied (at most ``largest_grad``) and a
+    tied head's, in flight until the embedding's backward; the optimizer-step moment is gone."""
     V, D, L = s.vocab, s.d, s.n_layer
     lsm = t * V * 4
     cast = t * V * 4 if z.c != 4 else 0
-    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered,
+    # under full checkpointing autograd keeps no autocast weight casts: at the loss the cast cache
+    # of every layer is scratch, freed when the forward's autocast exits
+    cast_cache = dense_w * z.c * z.auto if full and trains_base else 0
+    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered + cast_cache,
                               gradients=G_prev + held),
          "log-softmax backward": dict(activations=A + lsm, gradients=G_prev + held,
                                       temporaries=2 * t * V * 4 + (t * V * z.c if cast else 0) + gathered),
@@ -546,6 +567,12 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
         m["recomputed layer"] = dict(activations=embed + t * D * z.r + layers[0] + dense_w / L * z.c * z.auto,
                                      gradients=max(G_prev, G * (1 - 1 / max(L, 1)), late) + held,
                                      temporaries=t * max(s.ffn, s.moe_ffn * s.top_k) * z.c + gathered)
+    if largest_grad is not None:
+        embed_grad = V * D * z.w
+        for name, cats in m.items():
+            cats["gradients"] = {"head backward": head_grad, "end of backward": embed_grad,
+                                 "recomputed layer": largest_grad + embed_grad * s.tied}.get(name, 0.0)
+        del m["optimizer step"]
     return max(m.items(), key=lambda kv: sum(kv[1].values()))
 
 

@@ -24,7 +24,8 @@ from .your_model import track_step
 
 def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
                checkpointing: str | None = None, attention: str | None = None,
-               device: str = "cpu", budget: int | str | None = None) -> MemoryReport:
+               device: str = "cpu", budget: int | str | None = None,
+               optimizer_in_backward: bool = False) -> MemoryReport:
     """The real training step of the HF model of ``cfg`` (random weights), tracked on
     ``device``, after the guard (:mod:`memlab.guard`): the closed-form estimate
     (:func:`memlab.hf_estimate.estimate_hf`) on the device's target is checked against what
@@ -35,6 +36,7 @@ def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisio
         seq, batch, precision, checkpointing, attention: as :func:`simulate_hf`.
         device: ``cpu`` or ``cuda``.
         budget: a simulated device size (bytes, ``"512MiB"`` or a GPU preset).
+        optimizer_in_backward: the optimizer step fused into backward (:func:`memlab.hf.build_fn`).
 
     Returns:
         The :class:`MemoryReport` of :func:`memlab.your_model.track_step` (lens ``measure``).
@@ -47,7 +49,8 @@ def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisio
     d = load_config(cfg)
     check_seq(d, seq)
     est = estimate_hf(d, seq=seq, batch=batch, precision=precision, checkpointing=checkpointing,
-                      attention=attention, target=target_for(device))
+                      attention=attention, target=target_for(device),
+                      optimizer_in_backward=optimizer_in_backward)
     cats = est.by_category
     held = cats["parameters"] + cats["optimizer"] + cats["parameters"]  # gradients as the weights
     guess = StepEstimate(est.peak_bytes, cats["parameters"], cats["optimizer"], held, 0, None, dict(cats))
@@ -55,7 +58,8 @@ def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisio
         if not need.fits:
             raise HostMemoryError(need.need_bytes, need.available_bytes, need.resource, need.rule)
     with torch.device(device):  # real experts run transformers' own grouped_mm
-        model, opt = build_fn(d, precision=precision, checkpointing=checkpointing, attention=attention)()
+        model, opt = build_fn(d, precision=precision, checkpointing=checkpointing, attention=attention,
+                              optimizer_in_backward=optimizer_in_backward)()
         step = causal_lm_step(seq, batch, precision)
         report = track_step(lambda: step(model, opt), model=model, optimizer=opt, budget=budget,
                             seq=seq, batch=batch, precision=precision,

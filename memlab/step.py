@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from .errors import InputError
+from .in_backward import OptimizerInBackward
 from .models import GPTConfig, UNetConfig, build_model, get_config
 from .precision import PRECISIONS, check_precision
 from .states import OFFLOADS
@@ -44,6 +45,11 @@ class StepConfig:
     built and estimated. A UNet has no ``attention`` switch (SDPA at its lowest resolution):
     ``attention`` must stay ``None``.
 
+    ``optimizer_in_backward``: the optimizer step fused into backward
+    (:class:`memlab.in_backward.OptimizerInBackward`): each parameter is updated and its
+    gradient freed as soon as the gradient is ready. It needs one micro-batch, no fp16 loss
+    scaler and no ZeRO or offload (DeepSpeed owns the step there).
+
     Raises:
         InputError: a field value that is not allowed (checked when the step is made).
     """
@@ -59,6 +65,7 @@ class StepConfig:
     zero: int = 0
     world_size: int = 1
     offload: str = "none"
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq", "batch", "micro_batches", "world_size"):
@@ -75,6 +82,7 @@ class StepConfig:
         if self.batch % self.micro_batches:
             raise InputError(f"batch {self.batch} is not divisible into {self.micro_batches} "
                              f"micro-batches; choose a divisor of the batch")
+        self._check_in_backward()
         cfg = get_config(self.model) if isinstance(self.model, str) else self.model
         for name in SWITCHES:
             on_step = getattr(self, name)
@@ -85,6 +93,21 @@ class StepConfig:
         limit = cfg.block_size if isinstance(cfg, GPTConfig) else 4096
         if self.seq > limit:
             raise InputError(f"seq {self.seq} exceeds the model's block size; allowed: 1-{limit}")
+
+    def _check_in_backward(self) -> None:
+        if not isinstance(self.optimizer_in_backward, bool):
+            raise InputError(f"optimizer_in_backward={self.optimizer_in_backward!r}; allowed: True, False")
+        if not self.optimizer_in_backward:
+            return
+        if self.micro_batches != 1:
+            raise InputError(f"optimizer_in_backward with micro_batches={self.micro_batches}: each gradient "
+                             f"is applied as it is made, so it cannot accumulate; allowed: micro_batches=1")
+        if self.precision == "fp16":
+            raise InputError("optimizer_in_backward with precision='fp16': the loss scaler unscales and "
+                             "checks every gradient before any step; allowed: fp32, bf16, pure-bf16")
+        if self.zero or self.offload != "none":
+            raise InputError(f"optimizer_in_backward with zero={self.zero}, offload={self.offload!r}: "
+                             f"DeepSpeed owns the optimizer step; allowed: zero=0, offload='none'")
 
     @property
     def model_config(self) -> GPTConfig | UNetConfig:
@@ -345,10 +368,14 @@ def build_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
     ``foreach`` default on CUDA adds up to 4 bytes per parameter at the optimizer step), and
     they are what large-model training uses (nanoGPT's ``configure_optimizers``, say).
     """
+    return _optimizer(model.parameters(), name)
+
+
+def _optimizer(params, name: str) -> torch.optim.Optimizer:
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
     if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, fused=True)
     raise InputError(f"optimizer={name!r}; allowed: {', '.join(OPTIMIZERS)}")
 
 
@@ -368,7 +395,7 @@ class Trainer:
     step_config: StepConfig
     device: torch.device
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | OptimizerInBackward
     scaler: torch.amp.GradScaler | None
     fake: bool = False  # under FakeTensorMode: no data-dependent branches
 
@@ -430,7 +457,11 @@ def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: in
     finally:
         torch.set_default_dtype(previous)
     scaler = torch.amp.GradScaler(device.type) if step.precision == "fp16" else None
-    return Trainer(step, device, model, build_optimizer(model, step.optimizer), scaler, fake)
+    if step.optimizer_in_backward:
+        opt = OptimizerInBackward(model.parameters(), lambda ps: _optimizer(ps, step.optimizer))
+    else:
+        opt = build_optimizer(model, step.optimizer)
+    return Trainer(step, device, model, opt, scaler, fake)
 
 
 def batch_to(batch: tuple, step: StepConfig) -> tuple:
