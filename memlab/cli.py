@@ -287,6 +287,8 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = F
     p.add_argument("--offload", choices=OFFLOADS, default="none")
     p.add_argument("--optimizer-in-backward", action="store_true",
                    help="the optimizer step fused into backward: each gradient applied and freed as it is made")
+    p.add_argument("--activation-offload", action="store_true",
+                   help="save_on_cpu: forward's saved tensors copied to host memory, brought back for backward")
     p.add_argument("--gpu", default=None, help=f"budget from a card: {', '.join(GPU_PRESETS)}")
     p.add_argument("--budget", default=None, help="budget as a size: 512MiB, 40GB, 1073741824")
     if target:
@@ -498,7 +500,8 @@ def step_from_args(args: argparse.Namespace) -> StepConfig:
                       checkpointing=args.checkpointing, attention=args.attention,
                       optimizer=_step_optimizer(args.optimizer), micro_batches=args.micro_batches, zero=args.zero,
                       world_size=args.world_size, offload=args.offload,
-                      optimizer_in_backward=args.optimizer_in_backward)
+                      optimizer_in_backward=args.optimizer_in_backward,
+                      activation_offload=args.activation_offload)
 
 
 def _budget(args: argparse.Namespace) -> int | None:

@@ -475,6 +475,10 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
                           resolve_budget(budget), None, host_bytes=sum(host.values()),
                           host_by_category=host)
     report.notes.append(f"peak moment: {moment}")
+    if step.activation_offload:
+        report.notes.append("activation_offload is not in this formula (the peak is the plain step's): "
+                            "save_on_cpu copies every saved tensor, weights and views included; "
+                            "simulate counts its device and host bytes (memlab.activation_offload)")
     if tgt.is_cuda:
         report.notes.append(ALLOCATOR_NOTE)
     report.notes.extend(ms.notes)

@@ -17,6 +17,7 @@ from importlib import resources
 import torch
 import torch.nn as nn
 
+from .activation_offload import offload_context
 from .errors import InputError
 from .in_backward import OptimizerInBackward
 from .models import GPTConfig, UNetConfig, build_model, get_config
@@ -50,6 +51,10 @@ class StepConfig:
     gradient freed as soon as the gradient is ready. It needs one micro-batch, no fp16 loss
     scaler and no ZeRO or offload (DeepSpeed owns the step there).
 
+    ``activation_offload``: every tensor forward saves copied to host memory and brought back
+    for backward (``torch.autograd.graph.save_on_cpu``, :mod:`memlab.activation_offload`, which
+    says what each lens counts: on a CPU device nothing moves).
+
     Raises:
         InputError: a field value that is not allowed (checked when the step is made).
     """
@@ -66,6 +71,7 @@ class StepConfig:
     world_size: int = 1
     offload: str = "none"
     optimizer_in_backward: bool = False
+    activation_offload: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq", "batch", "micro_batches", "world_size"):
@@ -83,6 +89,8 @@ class StepConfig:
             raise InputError(f"batch {self.batch} is not divisible into {self.micro_batches} "
                              f"micro-batches; choose a divisor of the batch")
         self._check_in_backward()
+        if not isinstance(self.activation_offload, bool):
+            raise InputError(f"activation_offload={self.activation_offload!r}; allowed: True, False")
         cfg = get_config(self.model) if isinstance(self.model, str) else self.model
         for name in SWITCHES:
             on_step = getattr(self, name)
@@ -398,6 +406,9 @@ class Trainer:
     optimizer: torch.optim.Optimizer | OptimizerInBackward
     scaler: torch.amp.GradScaler | None
     fake: bool = False  # under FakeTensorMode: no data-dependent branches
+    #: with ``activation_offload``: whether saved tensors leave the device (a CUDA device, or
+    #: the simulation of a CUDA target, which sets it)
+    offload_to_host: bool = False
 
     def warm_up_optimizer(self) -> None:
         """Create the optimizer (and loss-scaler) state without a forward/backward pass."""
@@ -414,7 +425,9 @@ class Trainer:
         k = self.step_config.micro_batches
         total = None
         for micro in zip(*(t.chunk(k) for t in batch), strict=True):
-            with autocast_for(self.step_config.precision, self.device):
+            offload = (offload_context(self.device, to_host=self.offload_to_host, fake=self.fake)
+                       if self.step_config.activation_offload else contextlib.nullcontext())
+            with offload, autocast_for(self.step_config.precision, self.device):
                 loss = self.model(*micro) / k
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
@@ -461,7 +474,7 @@ def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: in
         opt = OptimizerInBackward(model.parameters(), lambda ps: _optimizer(ps, step.optimizer))
     else:
         opt = build_optimizer(model, step.optimizer)
-    return Trainer(step, device, model, opt, scaler, fake)
+    return Trainer(step, device, model, opt, scaler, fake, offload_to_host=device.type == "cuda")
 
 
 def batch_to(batch: tuple, step: StepConfig) -> tuple:

@@ -62,6 +62,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "diffusion": "the UNet's activations by part and resolution",
     }),
     ("the step and its report", {
+        "activation_offload": "activation offloading (`save_on_cpu`): the step's hooks, and what each lens counts of it",
         "in_backward": "the optimizer step fused into backward: per-parameter optimizers stepped from post-accumulate-grad hooks",
         "step": "`StepConfig` (a step; its model config owns checkpointing and attention), `MemoryReport`, `Trainer`, `build_trainer`, `make_batch`",
         "run": "what a fine-tune adds to a run, typed: `LoraConfig`, `QuantConfig`, and `HFRun` (an HF decoder's whole run, the report's config)",
