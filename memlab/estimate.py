@@ -23,6 +23,10 @@ of backward, the optimizer step); :func:`estimate_step` returns the categories a
 Element sizes depend on the device (``target``): which ops autocast runs in fp32, what
 kernels save, the workspaces no op returns. Each such rule lives in :mod:`memlab.policy`,
 which the simulation applies to its fake step, so both lenses follow the same source.
+
+Over 500 lines because every switch of a GPT step (checkpointing none/selective/op/full, the
+optimizer step in backward, the chunked loss, tensor parallelism) changes the same peak
+moments, which read best beside each other.
 """
 from __future__ import annotations
 
@@ -176,6 +180,20 @@ def layer_activation_parts(cfg: GPTConfig, seq: int, batch: int, precision: str,
     return {"replicated": replicated, "sharded": sharded, "attention_core": core}
 
 
+def op_layer_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str, target: str = "cpu") -> float:
+    """Bytes one block keeps under op-level selective checkpointing (:func:`memlab.models.op_sac_context`):
+    its input (``thR``), the outputs of the odd-numbered matmuls in call order (``qkv``, then
+    the MLP's first: ``fc`` for GELU; SwiGLU calls ``gate``, ``fc``, ``out``, so ``gate`` and
+    ``out``), and the attention kernel's outputs (its output ``thC`` and log-sum-exp)."""
+    d = dtypes(precision, target)
+    t, h, f, C = seq * batch, cfg.d_model, cfg.hidden, d.compute
+    qkv = t * (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+    mlp = t * f + t * h if cfg.mlp == "swiglu" else t * f
+    backend = sdpa_backend(target, C, cfg.head_dim, dtype=sdpa_dtype(precision))
+    core = t * cfg.n_head * cfg.head_dim * C + sdpa_lse_bytes(backend, batch, cfg.n_head, seq)
+    return t * h * d.residual + (qkv + mlp) * C + core
+
+
 def _residual_saved(cfg: GPTConfig, d: Dtypes) -> int:
     """Bytes per element of the residual stream kept for the norms' backward (none when
     the norm keeps an fp32 upcast instead, counted in :func:`_norm_bytes`)."""
@@ -210,6 +228,9 @@ def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
     if cfg.checkpointing == "full":
         layers = cfg.n_layer * t * h * d.residual  # each block keeps its input only
         copies = d.weight_copy * head_copy / tp
+    elif cfg.checkpointing == "op":
+        layers = cfg.n_layer * op_layer_bytes(cfg, seq, batch, precision, target)
+        copies = d.weight_copy * head_copy / tp  # autocast's casts are recomputed, not kept
     else:
         layers = cfg.n_layer * layer_activation_bytes(cfg, seq, batch, precision, target, tp)
         copies = d.weight_copy * (cfg.n_layer * layer_w + head_copy) / tp
@@ -282,7 +303,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     # Autocast's weight casts live until the forward ends; under full checkpointing autograd
     # does not keep them, so at the loss they are scratch (policy._CastCache).
     layer_w = sum(cfg.matmul_numels()[0])
-    cached = d.weight_copy * L * layer_w / tp if cfg.checkpointing == "full" else 0
+    cached = d.weight_copy * L * layer_w / tp if cfg.checkpointing in ("full", "op") else 0
     cached = 0 if "frozen" in states else cached
     m = {}
     if cfg.loss == "chunked":
@@ -316,6 +337,14 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
             activations=A - lse - acts["final_norm"],
             gradients=max(G_prev, head_grad + late) + held,
             temporaries=layer + transient + gathered)
+    elif cfg.checkpointing == "op":
+        # the last block's backward re-runs what its policy did not save, beside every block's
+        # saved outputs, and makes its MLP output weight's gradient
+        redo = max(0.0, layer - op_layer_bytes(cfg, seq, batch, step.precision, target))
+        m["first recomputed block"] = dict(
+            activations=A - lse - acts["final_norm"],
+            gradients=max(G_prev, head_grad + late + f * h * d.grad) + held,
+            temporaries=redo + transient + gathered)
     else:
         m["first block backward"] = dict(activations=A - lse - acts["final_norm"],
                                          gradients=max(G_prev, head_grad + late) + held,
