@@ -194,7 +194,8 @@ def _configured_step(args: argparse.Namespace):
                               world_size=args.world_size, offload=args.offload)
     else:
         step = step_from_args(args)
-    step = replace(step, optimizer=_step_optimizer(args.optimizer))
+    step = replace(step, optimizer=_step_optimizer(args.optimizer),
+                   optimizer_in_backward=args.optimizer_in_backward)
     if args.deepspeed is None:
         return step, None, []
     if args.zero != 0 or args.offload != "none":
@@ -323,6 +324,10 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = F
     p.add_argument("--zero", type=_zero_stage, default=0, help="ZeRO stage 0-3")
     p.add_argument("--world-size", type=_positive_int("world size"), default=1)
     p.add_argument("--offload", choices=OFFLOADS, default="none")
+    p.add_argument("--optimizer-in-backward", action="store_true",
+                   help="the optimizer step fused into backward: each gradient applied and freed as it is made")
+    p.add_argument("--activation-offload", action="store_true",
+                   help="save_on_cpu: forward's saved tensors copied to host memory, brought back for backward")
     p.add_argument("--gpu", default=None, help=f"budget from a card: {', '.join(GPU_PRESETS)}")
     p.add_argument("--budget", default=None, help="budget as a size: 512MiB, 40GB, 1073741824")
     if target:
@@ -464,7 +469,8 @@ def _hf_measure(args: argparse.Namespace, budget: int | None) -> MemoryReport:
                          "--micro-batches/--zero/--world-size/--offload/--optimizer/--snapshot")
     return measure_hf(args.hf_config, seq=args.seq, batch=args.batch, precision=args.precision,
                          checkpointing=args.checkpointing, attention=args.attention, device=args.device,
-                         budget=args.gpu if args.gpu is not None else budget)
+                         budget=args.gpu if args.gpu is not None else budget,
+                         optimizer_in_backward=args.optimizer_in_backward)
 
 
 def _headroom(text: str) -> float:
@@ -536,7 +542,9 @@ def step_from_args(args: argparse.Namespace) -> StepConfig:
     return StepConfig(model=model, seq=args.seq, batch=args.batch, precision=args.precision,
                       checkpointing=args.checkpointing, attention=args.attention,
                       optimizer=_step_optimizer(args.optimizer), micro_batches=args.micro_batches, zero=args.zero,
-                      world_size=args.world_size, offload=args.offload)
+                      world_size=args.world_size, offload=args.offload,
+                      optimizer_in_backward=args.optimizer_in_backward,
+                      activation_offload=args.activation_offload)
 
 
 def _budget(args: argparse.Namespace) -> int | None:
@@ -672,7 +680,7 @@ def _hf_run(args: argparse.Namespace) -> tuple[dict, list[str]]:
         args = _with_training_args(args)
         notes += args.run_notes
     kw = dict(seq=args.seq, batch=args.batch, precision=args.precision, checkpointing=args.checkpointing,
-              attention=args.attention)
+              attention=args.attention, optimizer_in_backward=getattr(args, "optimizer_in_backward", False))
     run = dict(micro_batches=args.micro_batches, zero=args.zero, world_size=args.world_size, offload=args.offload)
     model_type = hf.load_config(args.hf_config)["model_type"]
     needs_shape = any(getattr(args, f, None) for f in ("deepspeed", "lora_rank", "lora_targets", "lora_config",

@@ -442,8 +442,8 @@ def gpt_elementwise(cfg: GPTConfig, seq: int, batch: int, *, precision: str = "f
         :class:`ElementwiseWork` (``source="formula"``; scalar ops are left out).
     """
     ckpt = checkpointing or cfg.checkpointing
-    if ckpt not in ("none", "full", "selective"):
-        raise InputError(f"checkpointing={ckpt!r}; allowed: none, full, selective")
+    if ckpt not in ("none", "full", "selective", "op"):
+        raise InputError(f"checkpointing={ckpt!r}; allowed: none, full, selective, op")
     if micro_batches < 1 or batch % micro_batches:
         raise InputError(f"micro_batches={micro_batches!r} must divide batch={batch!r}")
     p, c, lower = precision_bytes(precision)
@@ -454,7 +454,7 @@ def gpt_elementwise(cfg: GPTConfig, seq: int, batch: int, *, precision: str = "f
     led = _Ledger()
     for _layer in range(cfg.n_layer):
         _block_forward(led, "forward", cfg, s, rows, z)
-        if ckpt == "full":
+        if ckpt in ("full", "op"):  # op: the policy saves matmuls only, every elementwise op re-runs
             _block_forward(led, "recompute", cfg, s, rows, z)
         elif ckpt == "selective":  # the core again, up to p @ v
             _core_forward(led, "recompute", cfg, s, rows, z)

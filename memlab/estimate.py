@@ -23,6 +23,10 @@ of backward, the optimizer step); :func:`estimate_step` returns the categories a
 Element sizes depend on the device (``target``): which ops autocast runs in fp32, what
 kernels save, the workspaces no op returns. Each such rule lives in :mod:`memlab.policy`,
 which the simulation applies to its fake step, so both lenses follow the same source.
+
+Over 500 lines because every switch of a GPT step (checkpointing none/selective/op/full, the
+optimizer step in backward, the chunked loss, tensor parallelism) changes the same peak
+moments, which read best beside each other.
 """
 from __future__ import annotations
 
@@ -177,6 +181,20 @@ def layer_activation_parts(cfg: GPTConfig, seq: int, batch: int, precision: str,
     return {"replicated": replicated, "sharded": sharded, "attention_core": core}
 
 
+def op_layer_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str, target: str = "cpu") -> float:
+    """Bytes one block keeps under op-level selective checkpointing (:func:`memlab.models.op_sac_context`):
+    its input (``thR``), the outputs of the odd-numbered matmuls in call order (``qkv``, then
+    the MLP's first: ``fc`` for GELU; SwiGLU calls ``gate``, ``fc``, ``out``, so ``gate`` and
+    ``out``), and the attention kernel's outputs (its output ``thC`` and log-sum-exp)."""
+    d = dtypes(precision, target)
+    t, h, f, C = seq * batch, cfg.d_model, cfg.hidden, d.compute
+    qkv = t * (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+    mlp = t * f + t * h if cfg.mlp == "swiglu" else t * f
+    backend = sdpa_backend(target, C, cfg.head_dim, dtype=sdpa_dtype(precision))
+    core = t * cfg.n_head * cfg.head_dim * C + sdpa_lse_bytes(backend, batch, cfg.n_head, seq)
+    return t * h * d.residual + (qkv + mlp) * C + core
+
+
 def _residual_saved(cfg: GPTConfig, d: Dtypes) -> int:
     """Bytes per element of the residual stream kept for the norms' backward (none when
     the norm keeps an fp32 upcast instead, counted in :func:`_norm_bytes`)."""
@@ -211,6 +229,9 @@ def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
     if cfg.checkpointing == "full":
         layers = cfg.n_layer * t * h * d.residual  # each block keeps its input only
         copies = d.weight_copy * head_copy / tp
+    elif cfg.checkpointing == "op":
+        layers = cfg.n_layer * op_layer_bytes(cfg, seq, batch, precision, target)
+        copies = d.weight_copy * head_copy / tp  # autocast's casts are recomputed, not kept
     else:
         layers = cfg.n_layer * layer_activation_bytes(cfg, seq, batch, precision, target, tp)
         copies = d.weight_copy * (cfg.n_layer * layer_w + head_copy) / tp
@@ -258,7 +279,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     # Autocast's weight casts live until the forward ends; under full checkpointing autograd
     # does not keep them, so at the loss they are scratch (policy._CastCache).
     layer_w = sum(cfg.matmul_numels()[0])
-    cached = d.weight_copy * L * layer_w / tp if cfg.checkpointing == "full" else 0
+    cached = d.weight_copy * L * layer_w / tp if cfg.checkpointing in ("full", "op") else 0
     cached = 0 if "frozen" in states else cached
     m = {}
     if cfg.loss == "chunked":
@@ -292,6 +313,14 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
             activations=A - lse - acts["final_norm"],
             gradients=max(G_prev, head_grad + late) + held,
             temporaries=layer + transient + gathered)
+    elif cfg.checkpointing == "op":
+        # the last block's backward re-runs what its policy did not save, beside every block's
+        # saved outputs, and makes its MLP output weight's gradient
+        redo = max(0.0, layer - op_layer_bytes(cfg, seq, batch, step.precision, target))
+        m["first recomputed block"] = dict(
+            activations=A - lse - acts["final_norm"],
+            gradients=max(G_prev, head_grad + late + f * h * d.grad) + held,
+            temporaries=redo + transient + gathered)
     else:
         m["first block backward"] = dict(activations=A - lse - acts["final_norm"],
                                          gradients=max(G_prev, head_grad + late) + held,
@@ -300,11 +329,35 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     tied = 2 * head_grad if cfg.tie_embeddings else 0.0
     m["end of backward"] = dict(gradients=G + held, temporaries=tied + t * h * d.residual)
     m["optimizer step"] = dict(gradients=G + held, temporaries=scratch)
+    if step.optimizer_in_backward:
+        _in_backward_gradients(m, cfg, d.grad / tp, head_grad)
     name, best = max(m.items(), key=lambda kv: sum(kv[1].values()))
     out = dict.fromkeys(CATEGORIES, 0.0)
     out.update(parameters=P, optimizer=Opt, other=_gpt_other(cfg, step),
                workspace=target.resident_workspace(), **best)
     return out, name
+
+
+def _in_backward_gradients(m: dict[str, dict], cfg: GPTConfig, grad_bytes: float,
+                           head_grad: float) -> None:
+    """The moments of a step whose optimizer runs in backward (:mod:`memlab.in_backward`):
+    no moment holds every gradient. In a block's backward the gradient alive is the one being
+    applied (at most the block's largest matrix) plus, with a tied head, the head's gradient,
+    which autograd keeps in flight until the embedding's backward adds to it; the head's
+    backward holds its own; the end of backward the embedding's. The optimizer-step moment
+    is gone: its updates happened one parameter at a time."""
+    largest = max(cfg.matmul_numels()[0]) * grad_bytes
+    in_flight = head_grad if cfg.tie_embeddings else 0.0
+    for name, cats in m.items():
+        if name == "head backward":
+            cats["gradients"] = head_grad
+        elif name.endswith(("block", "block backward")):
+            cats["gradients"] = largest + in_flight
+        elif name == "end of backward":
+            cats["gradients"] = head_grad
+        else:
+            cats["gradients"] = 0.0
+    del m["optimizer step"]
 
 
 def _gpt_other(cfg: GPTConfig, step: StepConfig) -> int:
@@ -427,6 +480,10 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
                           resolve_budget(budget), None, host_bytes=sum(host.values()),
                           host_by_category=host)
     report.notes.append(f"peak moment: {moment}")
+    if step.activation_offload:
+        report.notes.append("activation_offload is not in this formula (the peak is the plain step's): "
+                            "save_on_cpu copies every saved tensor, weights and views included; "
+                            "simulate counts its device and host bytes (memlab.activation_offload)")
     if tgt.is_cuda:
         report.notes.append(ALLOCATOR_NOTE)
     report.notes.extend(ms.notes)

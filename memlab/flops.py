@@ -255,8 +255,8 @@ def gpt_step_flops(cfg: GPTConfig, seq: int, batch: int, *, checkpointing: str |
     """
     ckpt = checkpointing or cfg.checkpointing
     attn = attention or cfg.attention
-    if ckpt not in ("none", "full", "selective"):
-        raise InputError(f"checkpointing={ckpt!r}; allowed: none, full, selective")
+    if ckpt not in ("none", "full", "selective", "op"):
+        raise InputError(f"checkpointing={ckpt!r}; allowed: none, full, selective, op")
     if attn not in ("sdpa", "naive"):
         raise InputError(f"attention={attn!r}; allowed: sdpa, naive")
     targets = set(lora_targets)
@@ -309,6 +309,11 @@ def gpt_step_flops(cfg: GPTConfig, seq: int, batch: int, *, checkpointing: str |
         if ckpt == "full":
             rec += layer_fwd + att_fwd
             att += att_fwd
+        elif ckpt == "op":  # every second matmul of the call order is not saved (qkv, o, gate, up,
+            # down: o and up; GELU's qkv, o, up, down: o and down), and the recompute stops once
+            # backward's tensors exist, so GELU's down (the last) is never re-run
+            again = {"o", "up"} if cfg.mlp == "swiglu" else {"o"}
+            rec += sum(2 * t * i * o for part, i, o, _ in matmuls if part in again)
         elif ckpt == "selective":
             a = att_fwd if attn == "sdpa" else att_fwd // 2
             rec += a

@@ -33,6 +33,7 @@ import torch
 from .chunked_loss import linear_cross_entropy
 from .errors import InputError
 from .hf_config_check import check_config
+from .in_backward import OptimizerInBackward
 from .models import GPTConfig
 from .step import StepConfig, autocast_for
 from .torch_private import FakeTensor, parse_to
@@ -298,13 +299,14 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
              checkpointing: str | None = None, attention: str | None = None,
              lora: dict | None = None, lr: float = 1e-4, dtype: torch.dtype | None = None,
              prepare: Callable | None = None, autocast_adapter_dtype: bool = True,
-             optimizer: Callable | None = None) -> Callable:
+             optimizer: Callable | None = None, optimizer_in_backward: bool = False) -> Callable:
     """A ``build_fn`` for :func:`memlab.simulate_model`: the HF causal LM (fp32 master
     weights, or bf16 ones for ``pure-bf16``; ``dtype`` overrides), ``prepare(model)`` applied
     to it (a quantised base: :func:`memlab.hf_simulate.quantize_base`), HF's own gradient
     checkpointing for ``checkpointing="full"``, LoRA adapters from ``lora`` (``peft.LoraConfig``
     keywords; ``autocast_adapter_dtype`` peft's own), and ``optimizer(params)`` over the
-    trainable parameters (default: a fused AdamW)."""
+    trainable parameters (default: a fused AdamW); with ``optimizer_in_backward`` one such
+    optimizer per parameter, stepped in backward (:class:`memlab.in_backward.OptimizerInBackward`)."""
     if (checkpointing or "none") not in HF_CHECKPOINTING:
         raise InputError(f"checkpointing={checkpointing!r} for a Hugging Face model; allowed: "
                          f"{', '.join(HF_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
@@ -323,7 +325,10 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
         if lora is not None:
             model = add_lora(model, lora, autocast_adapter_dtype)
         params = [p for p in model.parameters() if p.requires_grad]
-        return model, (optimizer(params) if optimizer else torch.optim.AdamW(params, lr=lr, fused=True))
+        make = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=lr, fused=True))
+        if optimizer_in_backward:
+            return model, OptimizerInBackward(params, make)
+        return model, make(params)
     return build
 
 

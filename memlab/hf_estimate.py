@@ -433,7 +433,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                 zero: int = 0, world_size: int = 1, offload: str = "none",
                 micro_batches: int = 1, lora: LoraConfig | None = None,
                 quantization: QuantConfig | None = None, buckets: ZeroBuckets | None = None,
-                loss: str = "transformers", loss_chunk: int = 1024) -> MemoryReport:
+                loss: str = "transformers", loss_chunk: int = 1024,
+                optimizer_in_backward: bool = False) -> MemoryReport:
     """Closed-form peak bytes of one training step of the HF decoder of ``cfg``, per rank.
 
     Args:
@@ -460,6 +461,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
             cross-entropy) or ``chunked`` (the final hidden states and the head's weight into
             :func:`memlab.chunked_loss.linear_cross_entropy`, ``loss_chunk`` tokens at a time:
             :data:`HF_LOSSES`).
+        optimizer_in_backward: the optimizer step fused into backward (:mod:`memlab.in_backward`):
+            a full fine-tune of a dense decoder, one micro-batch, no ZeRO.
 
     Returns:
         A :class:`MemoryReport` (lens ``estimate``) per rank.
@@ -468,7 +471,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     run = StepConfig(s, seq=seq, batch=batch, precision=precision, checkpointing=checkpointing, attention=attention,
                      optimizer=optimizer, micro_batches=micro_batches, zero=zero, world_size=world_size,
                      offload=offload, lora=lora, quantization=quantization, loss=loss, loss_chunk=loss_chunk,
-                     expert_parallel=expert_parallel, expert_imbalance=imbalance, buckets=buckets)
+                     expert_parallel=expert_parallel, expert_imbalance=imbalance, buckets=buckets,
+                     optimizer_in_backward=optimizer_in_backward)
     return estimate_run(run, target=target, budget=budget, card=card)
 
 
@@ -501,6 +505,10 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     if chunked and s.final_softcap:
         raise InputError(f"loss='chunked' on {s.model_type}: its logits are soft-capped "
                          f"(final_logit_softcapping={s.final_softcap}); allowed: loss='transformers'")
+    optimizer_in_backward = run.optimizer_in_backward
+    if optimizer_in_backward and (s.experts or lora is not None):
+        raise InputError("optimizer_in_backward is counted for a full fine-tune of a dense decoder (no "
+                         "experts, no LoRA)")
     tgt = resolve_target(target, budget, card)
     ad = None if lora is None else adapters_for(s, lora, precision, quantization is not None)
     rs = run_states(s, precision=precision, optimizer=optimizer, zero=zero, world_size=world_size,
@@ -527,7 +535,8 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance, ad, chunked)
     moment, best = _peak_moment(s, z, t, A=A, layers=layers, embed=embed, dense_w=dense_w, G=G, G_prev=G_prev,
                                 held=held, late=late, head_grad=head_grad, gathered=gathered, scratch=scratch,
-                                full=full, trains_base=trains_base, chunk=loss_chunk if chunked else None)
+                                full=full, trains_base=trains_base, chunk=loss_chunk if chunked else None,
+                                largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None)
     cats = dict.fromkeys(CATEGORIES, 0.0)
     cats.update(parameters=P, optimizer=opt, other=16 * t, workspace=tgt.resident_workspace(), **best)
     # the attention's backward workspace and a 4-bit weight dequantised live only while a layer's
@@ -560,16 +569,25 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     return report
 
 
+def _largest_matrix(s: DecoderShape) -> int:
+    """Elements of a dense decoder layer's largest weight matrix (its MLP's or attention's)."""
+    return s.d * max(s.ffn, s.q_dim, s.kv_dim)
+
+
 def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,
                  dense_w: float, G: float, G_prev: float, held: float, late: float, head_grad: float,
                  gathered: float, scratch: float, full: bool, trains_base: bool,
-                 chunk: int | None = None) -> tuple[str, dict]:
+                 chunk: int | None = None, largest_grad: float | None = None) -> tuple[str, dict]:
     """The moment of the step whose bytes are largest, and its categories: the loss
     (HF's ``ForCausalMLoss``: ``logits.float()``, then cross-entropy in fp32; or, with a
     ``chunk``, :func:`memlab.chunked_loss.chunked_loss_bytes`' two moments), the head's
     backward, the end of backward, the optimizer step, a recomputed layer (the last one, layer 0,
     with nearly every gradient; under LoRA, whose gradients are small, the first one, with every
-    layer's checkpointed input still held)."""
+    layer's checkpointed input still held).
+
+    ``largest_grad`` (the optimizer step in backward, :mod:`memlab.in_backward`): no moment holds
+    every gradient; a layer's backward holds the one being applied (at most ``largest_grad``) and a
+    tied head's, in flight until the embedding's backward; the optimizer-step moment is gone."""
     V, D, L = s.vocab, s.d, s.n_layer
     lsm = t * V * 4
     cast = t * V * 4 if z.c != 4 else 0
@@ -610,6 +628,12 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
         m["recomputed layer"] = dict(activations=embed + t * D * z.r + layers[0] + dense_w / L * z.c * z.auto,
                                      gradients=max(G_prev, G * (1 - 1 / max(L, 1)), late) + held,
                                      temporaries=t * max(s.ffn, s.moe_ffn * s.top_k) * z.c + gathered)
+    if largest_grad is not None:
+        embed_grad = V * D * z.w
+        for name, cats in m.items():
+            cats["gradients"] = {"head backward": head_grad, "end of backward": embed_grad,
+                                 "recomputed layer": largest_grad + embed_grad * s.tied}.get(name, 0.0)
+        del m["optimizer step"]
     return max(m.items(), key=lambda kv: sum(kv[1].values()))
 
 

@@ -28,7 +28,7 @@ def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisio
                checkpointing: str | None = None, attention: str | None = None,
                device: str = "cpu", budget: int | str | None = None, optimizer: str = "adamw",
                micro_batches: int = 1, lora: LoraConfig | None = None,
-               quantization: QuantConfig | None = None) -> MemoryReport:
+               quantization: QuantConfig | None = None, optimizer_in_backward: bool = False) -> MemoryReport:
     """The real training step of the HF model of ``cfg`` (random weights), tracked on
     ``device``, after the guard (:mod:`memlab.guard`): the closed-form estimate
     (:func:`memlab.hf_estimate.estimate_hf`) on the device's target is checked against what
@@ -43,6 +43,7 @@ def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisio
             is the one :func:`memlab.hf_simulate.simulate_hf` runs on fake tensors
             (:func:`memlab.hf_simulate.build_run`, :func:`memlab.hf.causal_lm_step`), here real:
             bitsandbytes' own optimizers and ``Linear4bit``, peft's adapters.
+        optimizer_in_backward: the optimizer step fused into backward (:func:`memlab.hf.build_fn`).
 
     Returns:
         The :class:`MemoryReport` of :func:`memlab.your_model.track_step` (lens ``measure``).
@@ -56,7 +57,8 @@ def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisio
     check_seq(d, seq)
     run = dict(optimizer=optimizer, micro_batches=micro_batches, lora=lora, quantization=quantization)
     est = estimate_hf(d, seq=seq, batch=batch, precision=precision, checkpointing=checkpointing,
-                      attention=attention, target=target_for(device), **run)
+                      attention=attention, target=target_for(device),
+                      optimizer_in_backward=optimizer_in_backward, **run)
     cats = est.by_category
     held = cats["parameters"] + cats["optimizer"] + cats["parameters"]  # gradients as the weights
     guess = StepEstimate(est.peak_bytes, cats["parameters"], cats["optimizer"], held, 0, None, dict(cats))
@@ -65,7 +67,8 @@ def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisio
             raise HostMemoryError(need.need_bytes, need.available_bytes, need.resource, need.rule)
     with torch.device(device):  # real experts run transformers' own grouped_mm
         model, opt = build_run(d, precision=precision, checkpointing=checkpointing, attention=attention,
-                               optimizer=optimizer, lora=lora, quantization=quantization)()
+                               optimizer=optimizer, lora=lora, quantization=quantization,
+                               optimizer_in_backward=optimizer_in_backward)()
         step = causal_lm_step(seq, batch, precision, micro_batches=micro_batches)
         report = track_step(lambda: step(model, opt), model=model, optimizer=opt, budget=budget,
                             seq=seq, batch=batch, precision=precision,

@@ -254,11 +254,12 @@ def _fake_8bit(cls: type) -> type:
 def build_run(cfg: dict, *, precision: str = "fp32", checkpointing: str | None = None,
               attention: str | None = None, optimizer: str = "adamw", lora: LoraConfig | None = None,
               quantization: QuantConfig | None = None, cast_adapters: bool = False,
-              lr: float = 1e-4) -> Callable:
+              lr: float = 1e-4, optimizer_in_backward: bool = False) -> Callable:
     """:func:`memlab.hf.build_fn` of one run: the weights in the compute dtype under a quantised
     base (:func:`quantize_base`, fake or real as the tensors it is built on), peft's adapters
     (fp32 by peft's ``autocast_adapter_dtype``; in the base's dtype when ``cast_adapters``, as
-    DeepSpeed casts the whole module, or ``adapter_dtype="base"``), :func:`make_optimizer`."""
+    DeepSpeed casts the whole module, or ``adapter_dtype="base"``), :func:`make_optimizer`
+    (one per parameter, stepped in backward, with ``optimizer_in_backward``)."""
     linears = decoder_shape(cfg).linear_names() if lora is not None else None
     base16 = precision == "pure-bf16" and quantization is None
     own = lora is not None and (cast_adapters or (base16 and lora.adapter_dtype == "base"))
@@ -273,7 +274,8 @@ def build_run(cfg: dict, *, precision: str = "fp32", checkpointing: str | None =
     return build_fn(cfg, precision=precision, checkpointing=checkpointing, attention=attention,
                     lora=None if lora is None else lora.peft_kwargs(linears), lr=lr,
                     dtype=None if quantization is None else _DTYPES[quantization.compute_dtype],
-                    prepare=prepare, autocast_adapter_dtype=not own, optimizer=optimizer_fn)
+                    prepare=prepare, autocast_adapter_dtype=not own, optimizer=optimizer_fn,
+                    optimizer_in_backward=optimizer_in_backward)
 
 
 def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
@@ -283,13 +285,13 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                 zero: int = 0, world_size: int = 1, offload: str = "none", micro_batches: int = 1,
                 lora: LoraConfig | None = None, quantization: QuantConfig | None = None,
                 buckets: ZeroBuckets | None = None, loss: str = "transformers",
-                loss_chunk: int = 1024) -> MemoryReport:
+                loss_chunk: int = 1024, optimizer_in_backward: bool = False) -> MemoryReport:
     """One optimizer step of the run on fake tensors, per rank (see the module doc).
 
     Args:
         cfg, seq, batch, precision, checkpointing, attention, target, budget, card, optimizer,
             zero, world_size, offload, micro_batches, lora, quantization, buckets, loss,
-            loss_chunk: as :func:`memlab.hf_estimate.estimate_hf` (``batch``: sequences per rank
+            loss_chunk, optimizer_in_backward: as :func:`memlab.hf_estimate.estimate_hf` (``batch``: sequences per rank
             per optimizer step).
         expert_parallel, imbalance: 1 only (an expert-parallel rank is estimated, not simulated).
 
@@ -301,8 +303,8 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     """
     d = load_config(cfg)
     check_seq(d, seq)
-    plain = (optimizer, zero, world_size, offload, micro_batches, lora, quantization, loss) == \
-        ("adamw", 0, 1, "none", 1, None, None, "transformers")
+    plain = (optimizer, zero, world_size, offload, micro_batches, lora, quantization, loss,
+             optimizer_in_backward) == ("adamw", 0, 1, "none", 1, None, None, "transformers", False)
     if d["model_type"] not in FAMILIES:  # transformers' class runs; the run's states need the shape
         if not plain:
             raise InputError(f"model_type {d['model_type']!r}: simulated as one AdamW step on one device; "
@@ -313,7 +315,8 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     run = StepConfig(s, seq=seq, batch=batch, precision=precision, checkpointing=checkpointing, attention=attention,
                      optimizer=optimizer, micro_batches=micro_batches, zero=zero, world_size=world_size,
                      offload=offload, lora=lora, quantization=quantization, loss=loss, loss_chunk=loss_chunk,
-                     expert_parallel=expert_parallel, expert_imbalance=imbalance, buckets=buckets)
+                     expert_parallel=expert_parallel, expert_imbalance=imbalance, buckets=buckets,
+                     optimizer_in_backward=optimizer_in_backward)
     check_run(s, attention=attention, ep=expert_parallel, zero=zero, world_size=world_size, offload=offload,
               micro_batches=micro_batches, lora=lora)
     if loss == "chunked" and s.final_softcap:
@@ -332,7 +335,8 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     run_precision = rs.run_precision
     build = build_run(d, precision=run_precision, checkpointing=checkpointing, attention=attention,
                       optimizer=optimizer, lora=lora, quantization=quantization,
-                      cast_adapters=ms.deepspeed and run_precision == "pure-bf16")
+                      cast_adapters=ms.deepspeed and run_precision == "pure-bf16",
+                      optimizer_in_backward=optimizer_in_backward)
     with fake_grouped_mm():
         step = causal_lm_step(seq, batch, run_precision, micro_batches=micro_batches, loss=loss, loss_chunk=loss_chunk)
         report = simulate_model(build, step, target=tgt,

@@ -5,7 +5,9 @@ materialise the full ``s x s`` attention matrix (``attention="naive"``) so the O
 activations of long sequences show up in a measurement, and it can recompute activations in
 backward (``checkpointing="full"`` per block, ``"selective"`` for the attention core only,
 after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", section 5).
+Models", section 5; ``"op"``: each block checkpointed with an op-level policy that saves the
+attention kernel's outputs and every other matmul's, as torchtitan's ``op`` selective
+checkpointing does, :func:`op_sac_context`).
 
 The GPT follows nanoGPT's layout (one config dataclass, small modules). Presets are
 shape-alike copies of well-known models: the same widths and depths, so estimates and
@@ -31,18 +33,18 @@ from typing import Literal
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .chunked_loss import linear_cross_entropy
 from .errors import InputError
 from .quiet import OneLine
 
 Attention = Literal["naive", "sdpa"]
-Checkpointing = Literal["none", "full", "selective"]
+Checkpointing = Literal["none", "full", "selective", "op"]
 GQAKernel = Literal["repeat", "native"]
 Loss = Literal["plain", "chunked"]
 ATTENTIONS = ("naive", "sdpa")
-CHECKPOINTINGS = ("none", "full", "selective")
+CHECKPOINTINGS = ("none", "full", "selective", "op")
 GQA_KERNELS = ("repeat", "native")
 LOSSES = ("plain", "chunked")
 
@@ -414,6 +416,31 @@ class MLP(nn.Module):
         return self.out(F.gelu(self.fc(x), approximate="tanh"))
 
 
+#: what the op-level policy saves: matmuls (``addmm``: a Linear with a bias on CPU) and the
+#: attention kernels (torchtitan's ``_op_sac_save_list``, torchtitan/models/llama3/infra/
+#: parallelize.py, with CPU's flash kernel and ``addmm`` added)
+OP_SAC_SAVE = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "max"))
+_MATMULS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
+
+
+def op_sac_context():
+    """The contexts of one block's op-level selective checkpoint, as torchtitan builds them
+    (pytorch/torchtitan ``torchtitan/distributed/activation_checkpoint.py`` at cfb9326,
+    ``_apply_op_sac``): the outputs of the ops in :data:`OP_SAC_SAVE` are saved, except every
+    second matmul (counted separately in forward and in the recompute); all else recomputed."""
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func in _MATMULS:
+            counts[mode] += 1
+        save = func in OP_SAC_SAVE and not (func in _MATMULS and counts[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -429,6 +456,8 @@ class Block(nn.Module):
         if self.cfg.checkpointing == "full" and torch.is_grad_enabled():
             # Non-reentrant checkpoint: keeps only the block input, recomputes the rest.
             return checkpoint(self._forward, x, use_reentrant=False)
+        if self.cfg.checkpointing == "op" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False, context_fn=op_sac_context)
         return self._forward(x)
 
 
@@ -507,6 +536,9 @@ class UNetConfig:
     def __post_init__(self) -> None:
         if self.base % self.groups:
             raise InputError(f"base={self.base} must be divisible by groups={self.groups}")
+        if self.checkpointing == "op":
+            raise InputError("checkpointing='op' is a transformer block's policy; allowed for a UNet: "
+                             "none, full, selective")
         if self.checkpointing not in CHECKPOINTINGS:
             raise InputError(f"checkpointing={self.checkpointing!r}; "
                              f"allowed: {', '.join(CHECKPOINTINGS)}")

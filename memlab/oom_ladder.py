@@ -17,7 +17,15 @@ before what changes the training:
    state for the adapters only;
 7. QLoRA (03): the frozen base in NF4 (about half a byte per weight);
 8. packing (06): the same peak; more real tokens per step (:class:`PackingGain`);
-9. ZeRO-3 over N ranks (10: the fewest of :data:`SHARD_RANKS` that fit), and 10. offload to
+9. the full fine-tune on one card as torchtune's ``llama3_1/8B_full_single_device`` recipe runs it
+   (pytorch/torchtune ``recipes/configs/llama3_1/8B_full_single_device.yaml`` at 59dc1f4:
+   ``PagedAdamW8bit``, ``optimizer_in_bwd: True``, activation checkpointing, ``dtype: bf16``,
+   ``gradient_accumulation_steps: 1``): rungs 2-4 with paged 8-bit AdamW stepped in backward
+   (:mod:`memlab.in_backward`), micro-batch = batch; torchtune's README (a9ea6d5, "Memory and
+   training speed") publishes 18.9 GiB "Peak Memory per GPU" on one RTX 4090 at batch 2, packed
+   2048 tokens, compile on; the paged state lives in CUDA unified memory, outside the caching
+   allocator whose peaks torchtune logs, as memlab counts it (host bytes);
+10. ZeRO-3 over N ranks (10: the fewest of :data:`SHARD_RANKS` that fit), and 11. offload to
    the host (11: the fewest ranks, one first, that fit), on the *full fine-tune*: rungs 1-3 and
    8 under DeepSpeed's bf16 (2 + 2 + 12 bytes a parameter divided over N), every weight
    trainable.
@@ -56,7 +64,7 @@ SHARD_RANKS = (2, 4, 8)
 class Rung:
     """One fix: ``key``, what it adds (``title``), the lesson that explains it, what it costs,
     and the ``track`` it belongs to (``"adapters"``: rungs 0-8, each on the one before;
-    ``"full"``: the full fine-tune's sharding and offload)."""
+    ``"full"``: the full fine-tune on one card, sharded, offloaded)."""
 
     key: str
     title: str
@@ -75,6 +83,8 @@ RUNGS: tuple[Rung, ...] = (
     Rung("lora", "+ LoRA on every projection", "03", "quality: a low-rank update of a frozen model"),
     Rung("qlora", "+ QLoRA (NF4 base)", "03", "quality: base rounded to 4 bits; time: dequantised per matmul"),
     Rung("packing", "+ packing", "06", "samples must not attend to each other: block-diagonal mask or varlen"),
+    Rung("in-backward", "full fine-tune: paged 8-bit AdamW + optimizer step in backward, micro-batch = batch",
+         "03", "no accumulation, no global-norm clipping; the 8-bit state in unified memory", "full"),
     Rung("zero-3", "full fine-tune: ZeRO-3 / FSDP over N", "10", "N cards; time: all-gathers each step", "full"),
     Rung("offload", "full fine-tune: ZeRO-3 + offload to host", "11", "host memory; time: PCIe and the host's Adam",
          "full"),
@@ -226,7 +236,8 @@ def _time_step(cfg: str, seq: int, batch: int, run: dict) -> StepConfig | None:
     step = step_config(cfg, seq=seq, batch=batch, precision=run.get("precision", "bf16"),
                        checkpointing=run.get("checkpointing"))
     step = replace(step, micro_batches=run.get("micro_batches", 1), zero=run.get("zero", 0),
-                   world_size=run.get("world_size", 1), offload=run.get("offload", "none"))
+                   world_size=run.get("world_size", 1), offload=run.get("offload", "none"),
+                   optimizer_in_backward=run.get("optimizer_in_backward", False))
     if run.get("loss") == "chunked":
         step = replace(step, model=replace(step.model_config, loss="chunked"))
     return step
@@ -283,6 +294,16 @@ def _card_ladder(cfg: str, card: Card, seq: int, batch: int, rank: int, gain: Pa
     out.append(result(rungs["packing"], runs["qlora"], real_tokens=packed,
                       note=f"real tokens per row {gain.tokens_per_row_padded:.0f} -> "
                            f"{gain.tokens_per_row_packed:.0f} (x{gain.gain:.2f}) at the same peak"))
+    # the full fine-tune on one card, torchtune's llama3_1/8B_full_single_device recipe: rungs 2-4
+    # with paged 8-bit AdamW stepped in backward; no accumulation (the step in backward applies
+    # each gradient as it is made)
+    in_bwd = dict(runs["pure-bf16"], micro_batches=1, optimizer="paged-adamw-8bit", optimizer_in_backward=True)
+    plain_loss = estimate_hf(cfg, seq=seq, batch=batch, budget=name, target="cuda",
+                             **dict(in_bwd, loss="transformers"))
+    ib = result(rungs["in-backward"], in_bwd, real_tokens=packed)
+    out.append(replace(ib, note=f"{ib.host_bytes / 2**30:.1f} GiB of 8-bit state in unified memory; with the "
+                                f"plain loss (torchtune's CEWithChunkedOutputLoss keeps every chunk's fp32 "
+                                f"log-probabilities, as the plain loss does) {plain_loss.peak_bytes / 2**30:.1f} GiB"))
     # the full fine-tune under DeepSpeed (bf16: 2 + 2 + 12 bytes a parameter over N), rungs 1-3
     # and packing, sharded, then offloaded
     sharded = dict(runs["chunked-loss"], zero=3)

@@ -42,7 +42,7 @@ from dataclasses import replace
 
 import torch
 
-from .cards import Card
+from .cards import SPEEDS, Card, card_speeds
 from .elementwise import ElementwiseCounter
 from .flops import PhaseFlopCounter
 from .hardware import resolve_budget
@@ -109,6 +109,7 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     # One mode for building and running: mixing fake modes is not supported.
     with FakeTensorMode(allow_non_fake_inputs=False), emulate(tgt):
         trainer = build_trainer(run, "cpu", fake=True)
+        trainer.offload_to_host = tgt.is_cuda  # activation_offload: saved tensors leave a GPU
         batch = batch_to(_fake_batch(run), run)
         # the step's FLOPs, op by op (memlab.flops), and its elementwise bytes where memlab has no
         # closed form (memlab.elementwise; a GPT's follows the target's kernels: a CPU step runs
@@ -130,9 +131,26 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
         deepspeed_layout(report, ms, model_states(run.model_config, precision=run.precision,
                                                    optimizer=run.optimizer).gradients)
     report.time = report_time(step, tgt.card, flops=flops.flops(), elementwise=None if gpt else elementwise.work())
+    if step.activation_offload:
+        report.notes.append(_offload_note(report, tgt))
     report.step_seconds = time.perf_counter() - start
     report.notes.append("step_seconds is the wall time of the whole simulation")
     return report
+
+
+def _offload_note(report: MemoryReport, tgt) -> str:
+    """What activation offloading moved, and its PCIe seconds on the card (not overlapped)."""
+    if not tgt.is_cuda:
+        return ("activation_offload on a CPU target: save_on_cpu packs with tensor.cpu(), the tensor "
+                "itself, so nothing moves and the peak is the plain step's")
+    moved = report.host_by_category.get("activations", 0)
+    note = (f"activation_offload: {fmt_bytes(moved)} of saved tensors in host memory at the host's peak "
+            f"(one copy per saved tensor, weights and views included), copied down in forward and up in backward")
+    sp = card_speeds(tgt.card) if tgt.card is not None and tgt.card.name in SPEEDS else None
+    if sp is not None and sp.pcie:
+        note += (f": {2 * moved / sp.pcie * 1e3:.1f} ms over PCIe at {sp.pcie / 1e9:.0f} GB/s each way "
+                 f"unless overlapped with compute (torchtune's OffloadActivations uses a second stream)")
+    return note
 
 
 def _add_unsplit_blocks(report: MemoryReport, tracker, allocator: CachingAllocator | None) -> None:

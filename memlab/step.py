@@ -20,8 +20,10 @@ from importlib import resources
 import torch
 import torch.nn as nn
 
+from .activation_offload import offload_context
 from .errors import InputError
 from .hf_states import adapter_shapes, adapters_for
+from .in_backward import OptimizerInBackward
 from .low_bit import OPTIMIZER_STATES
 from .models import GPTConfig, UNetConfig, build_model, get_config
 from .precision import PRECISIONS, check_precision
@@ -54,6 +56,15 @@ class StepConfig:
     where the two meet, and the one to read: ``step.model_config.checkpointing`` is what is
     built and estimated. A UNet has no ``attention`` switch (SDPA at its lowest resolution):
     ``attention`` must stay ``None``.
+
+    ``optimizer_in_backward``: the optimizer step fused into backward
+    (:class:`memlab.in_backward.OptimizerInBackward`): each parameter is updated and its
+    gradient freed as soon as the gradient is ready. It needs one micro-batch, no fp16 loss
+    scaler and no ZeRO or offload (DeepSpeed owns the step there).
+
+    ``activation_offload``: every tensor forward saves copied to host memory and brought back
+    for backward (``torch.autograd.graph.save_on_cpu``, :mod:`memlab.activation_offload`, which
+    says what each lens counts: on a CPU device nothing moves).
 
     Raises:
         InputError: a field value that is not allowed (checked when the step is made).
@@ -98,6 +109,13 @@ class StepConfig:
     """The busiest expert-parallel rank's tokens over the balanced share."""
     buckets: ZeroBuckets | None = None
     """DeepSpeed's buffer sizes as a run's config sets them (``None``: DeepSpeed's defaults)."""
+    optimizer_in_backward: bool = False
+    """Each parameter's optimizer step runs in backward, as its gradient is ready
+    (``register_post_accumulate_grad_hook``; torchtune's ``optimizer_in_bwd``): the gradients never
+    all exist at once. One micro-batch, no fp16 scaler, no DeepSpeed."""
+    activation_offload: bool = False
+    """Forward's saved tensors go to host memory (``torch.autograd.graph.save_on_cpu``), come back
+    for backward."""
 
     def __post_init__(self) -> None:
         for name in ("seq", "batch", "micro_batches", "world_size", "expert_parallel", "loss_chunk"):
@@ -112,6 +130,9 @@ class StepConfig:
         if self.batch % self.micro_batches:
             raise InputError(f"batch {self.batch} is not divisible into {self.micro_batches} "
                              f"micro-batches; choose a divisor of the batch")
+        self._check_in_backward()
+        if not isinstance(self.activation_offload, bool):
+            raise InputError(f"activation_offload={self.activation_offload!r}; allowed: True, False")
         if self.quantization is not None and self.lora is None:
             raise InputError("a 4-/8-bit base is frozen: give LoRA adapters to train (lora=LoraConfig(...))")
         if isinstance(self.model, DecoderShape):
@@ -158,6 +179,22 @@ class StepConfig:
             raise InputError(f"expert_imbalance={self.expert_imbalance!r}; allowed: >= 1 (1 = balanced routing)")
         if self.lora is not None:  # its target names checked against the layers' Linear modules
             adapters_for(s, self.lora, self.precision, self.quantization is not None)
+
+    def _check_in_backward(self) -> None:
+        """The conditions the optimizer step in backward needs (see the field)."""
+        if not isinstance(self.optimizer_in_backward, bool):
+            raise InputError(f"optimizer_in_backward={self.optimizer_in_backward!r}; allowed: True, False")
+        if not self.optimizer_in_backward:
+            return
+        if self.micro_batches != 1:
+            raise InputError(f"optimizer_in_backward with micro_batches={self.micro_batches}: each gradient "
+                             f"is applied as it is made, so it cannot accumulate; allowed: micro_batches=1")
+        if self.precision == "fp16":
+            raise InputError("optimizer_in_backward with precision='fp16': the loss scaler unscales and "
+                             "checks every gradient before any step; allowed: fp32, bf16, pure-bf16")
+        if self.zero or self.offload != "none":
+            raise InputError(f"optimizer_in_backward with zero={self.zero}, offload={self.offload!r}: "
+                             f"DeepSpeed owns the optimizer step; allowed: zero=0, offload='none'")
 
     @property
     def model_config(self) -> GPTConfig | UNetConfig | DecoderShape:
@@ -442,10 +479,14 @@ def build_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
     ``foreach`` default on CUDA adds up to 4 bytes per parameter at the optimizer step), and
     they are what large-model training uses (nanoGPT's ``configure_optimizers``, say).
     """
+    return _optimizer(model.parameters(), name)
+
+
+def _optimizer(params, name: str) -> torch.optim.Optimizer:
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
     if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, fused=True)
     raise InputError(f"optimizer={name!r}; allowed: {', '.join(OPTIMIZERS)}")
 
 
@@ -465,9 +506,12 @@ class Trainer:
     step_config: StepConfig
     device: torch.device
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | OptimizerInBackward
     scaler: torch.amp.GradScaler | None
     fake: bool = False  # under FakeTensorMode: no data-dependent branches
+    #: with ``activation_offload``: whether saved tensors leave the device (a CUDA device, or
+    #: the simulation of a CUDA target, which sets it)
+    offload_to_host: bool = False
 
     def warm_up_optimizer(self) -> None:
         """Create the optimizer (and loss-scaler) state without a forward/backward pass."""
@@ -484,7 +528,9 @@ class Trainer:
         k = self.step_config.micro_batches
         total = None
         for micro in zip(*(t.chunk(k) for t in batch), strict=True):
-            with autocast_for(self.step_config.precision, self.device):
+            offload = (offload_context(self.device, to_host=self.offload_to_host, fake=self.fake)
+                       if self.step_config.activation_offload else contextlib.nullcontext())
+            with offload, autocast_for(self.step_config.precision, self.device):
                 loss = self.model(*micro) / k
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
@@ -527,7 +573,11 @@ def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: in
     finally:
         torch.set_default_dtype(previous)
     scaler = torch.amp.GradScaler(device.type) if step.precision == "fp16" else None
-    return Trainer(step, device, model, build_optimizer(model, step.optimizer), scaler, fake)
+    if step.optimizer_in_backward:
+        opt = OptimizerInBackward(model.parameters(), lambda ps: _optimizer(ps, step.optimizer))
+    else:
+        opt = build_optimizer(model, step.optimizer)
+    return Trainer(step, device, model, opt, scaler, fake, offload_to_host=device.type == "cuda")
 
 
 def batch_to(batch: tuple, step: StepConfig) -> tuple:

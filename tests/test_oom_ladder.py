@@ -180,3 +180,23 @@ def test_lora_with_the_chunked_loss_holds_only_the_adapters_gradients():
     step = replace(step, model=replace(step.model_config, loss="chunked"))
     rep = estimate_finetune(step, lora=(16, LLAMA_TARGETS), budget="RTX4090-24GB", target="cuda")
     assert rep.by_category["gradients"] == 2 * 41_943_040
+
+
+#: torchtune's README at a9ea6d5 ("Memory and training speed"): Llama 3.1 8B full fine-tune on
+#: one RTX 4090, batch 2, packed to 2048 tokens, "Peak Memory per GPU" 18.9 GiB; its recipe is
+#: recipes/configs/llama3_1/8B_full_single_device.yaml (59dc1f4): PagedAdamW8bit,
+#: optimizer_in_bwd, activation checkpointing, bf16, no accumulation
+TORCHTUNE_8B_FULL_4090 = 18.9 * 2**30
+
+
+def test_a_full_fine_tune_fits_a_24gb_card_as_torchtunes_recipe_does(ladder):
+    small = oom_ladder(CONFIG, ("RTX4090-24GB",), seq=2048, batch=2).cards[0]
+    rung = small.result("in-backward")
+    assert small.first_fit("full") is rung and rung.trainable == hf.gpt_config(CONFIG).num_params()
+    assert abs(rung.peak_bytes - TORCHTUNE_8B_FULL_4090) <= 0.10 * TORCHTUNE_8B_FULL_4090
+    plain = float(rung.note.split("as the plain loss does) ")[1].split(" GiB")[0]) * 2**30
+    assert abs(plain - TORCHTUNE_8B_FULL_4090) <= 0.10 * TORCHTUNE_8B_FULL_4090
+    # the 8-bit state is two bytes per parameter, none of it on the device
+    assert rung.host_bytes >= 2 * rung.trainable
+    # at the ladder's own 4096 x 4 it still fits the 24 GB card, the first full rung that does
+    assert ladder.cards[0].first_fit("full").rung.key == "in-backward"

@@ -65,6 +65,8 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "diffusion": "the UNet's activations by part and resolution",
     }),
     ("the step and its report", {
+        "activation_offload": "activation offloading (`save_on_cpu`): the step's hooks, and what each lens counts of it",
+        "in_backward": "the optimizer step fused into backward: per-parameter optimizers stepped from post-accumulate-grad hooks",
         "step": "`StepConfig` (a step; its model config owns checkpointing and attention), `MemoryReport`, `Trainer`, `build_trainer`, `make_batch`",
         "reference": "the H200 reference rows (`data/reference/`) as steps and figures",
         "flops": "FLOPs of a step by part (forward, backward, recompute): counted by phase, and in closed form",
