@@ -84,6 +84,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "hf_states": "an HF run's model states per rank: full or LoRA, a frozen base in 16 bits or bitsandbytes' 4-/8-bit layout, low-bit optimizer state, ZeRO",
         "hf_measure": "the measure lens of an HF config: its real step under the guard",
         "post_training": "a DPO or GRPO step (TRL 1.16) in closed form: the reference, the fused log-probabilities, generation's KV cache, the vLLM share",
+        "evaluation": "`Trainer.evaluate`'s accumulated logits: the estimate and the real loop on CPU",
         "trl_measure": "the measure lens of a DPO or GRPO step: TRL's real trainer for one step, tracked on CPU",
         "calculator": "the real-scale calculator: `estimate_step` per rank for a card",
     }),
