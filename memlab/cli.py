@@ -10,6 +10,7 @@
     memlab oom < traceback.txt                     # an OOM message read and explained
     memlab estimate --hf-config gpt2 --world-size 2 --deepspeed ds_config.json --checkpointing full
     memlab estimate --hf-config llama-3-8b --training-args args.json      # TrainingArguments / SFTConfig
+    memlab estimate --hf-config llama-3.1-8b --training-args grpo.yaml --gpu H100-80GB  # GRPOConfig / DPOConfig
     memlab estimate --hf-config llama-3-8b --lora-rank 16 --load-in-4bit  # QLoRA
     memlab advise --hf-config llama-3-8b --gpu A100-80GB --world-size 8 --seq 4096 --batch 1 --finetune
 
@@ -33,7 +34,7 @@ import traceback
 from dataclasses import replace
 from typing import Union
 
-from . import classroom, doctor, finetune, hf, low_bit, run_config, simulation_bound
+from . import classroom, doctor, finetune, hf, low_bit, post_training, run_config, simulation_bound
 from .advisor import Advice, advise
 from .cards import detect_card
 from .distributed.deepspeed_zero import measure_distributed
@@ -623,6 +624,13 @@ def _hf_estimate(args: argparse.Namespace, budget: int | str | None, target, kw:
     --deepspeed and the LoRA/quantisation flags describe (:func:`memlab.hf_estimate.estimate_hf`)."""
     notes: list[str] = []
     if getattr(args, "training_args", None) is not None:
+        trl_args = run_config.load_file(args.training_args, "--training-args")
+        if post_training.trl_kind(trl_args) is not None:  # a GRPOConfig or DPOConfig: memlab.post_training
+            run = post_training.read_trl_args(trl_args, prompt_len=args.seq)
+            lora, lora_notes = _hf_lora(args, decoder_shape(args.hf_config))
+            report = post_training.estimate_trl_run(args.hf_config, run, lora=lora, card=budget, target=target)
+            report.notes.extend(lora_notes)
+            return report
         args = _with_training_args(args)
         notes += args.run_notes
         kw = dict(kw, seq=args.seq, batch=args.batch, precision=args.precision, checkpointing=args.checkpointing)

@@ -42,6 +42,7 @@ from .hf import check_seq, load_config
 from .hf_estimate import forward_activations
 from .hf_shape import decoder_shape
 from .hf_states import adapter_shapes, adapters_for, run_states
+from .low_bit import HF_OPTIMIZERS
 from .policy import resolve_target
 from .precision import precision_bytes
 from .run import HFRun, LoraConfig
@@ -287,5 +288,176 @@ def vllm_training_budget(card: int | str, gpu_memory_utilization: float) -> int:
     return int(total * (1 - u))
 
 
-__all__ = ["CACHES", "CPU_TILE_BYTES", "KINDS", "Objective", "TOKEN_TILE", "VOCAB_TILE", "estimate_post_training",
+#: ``GRPOConfig`` / ``DPOConfig`` fields (TRL 1.16, beyond ``TrainingArguments``) the estimate reads
+GRPO_MODELLED = ("num_generations", "max_completion_length", "beta", "generation_batch_size", "steps_per_generation",
+                 "cache_implementation", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")
+DPO_MODELLED = ("beta", "max_length", "precompute_ref_log_probs")
+#: TRL fields that move no memory of the step (sampling, logging, loss shapes computed per token)
+TRL_NO_MEMORY = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "log_", "num_completions_to_print",
+                 "epsilon", "delta", "loss_type", "scale_rewards", "reward_weights", "learning_rate", "logging_steps",
+                 "label_smoothing", "seed", "output_dir", "report_to", "run_name", "save_", "num_train_epochs",
+                 "max_steps", "warmup", "lr_scheduler", "weight_decay", "adam_", "max_grad_norm")
+# keys only one of the two configs has: what tells a GRPOConfig from a DPOConfig
+_GRPO_KEYS = ("num_generations", "max_completion_length", "use_vllm", "vllm_gpu_memory_utilization",
+              "generation_batch_size", "steps_per_generation", "num_iterations")
+_DPO_KEYS = ("precompute_ref_log_probs", "precompute_ref_batch_size", "ld_alpha", "rpo_alpha", "f_divergence_type")
+
+
+@dataclass(frozen=True)
+class TRLRun:
+    """A ``DPOConfig`` or ``GRPOConfig`` mapped onto the step.
+
+    Args:
+        objective: the :class:`Objective`.
+        batch: ``per_device_train_batch_size``.
+        accumulation: ``gradient_accumulation_steps``.
+        precision: ``bf16`` unless the file turns it off (TRL's default: autocast on fp32 weights),
+            ``fp16``, ``fp32``, or ``pure-bf16`` when ``model_init_kwargs`` loads the weights in bf16.
+        checkpointing: ``full`` unless ``gradient_checkpointing: false`` (TRL's default is on).
+        optimizer: memlab's name of ``optim``.
+        vllm_share: ``vllm_gpu_memory_utilization`` when vLLM is colocated, else ``None``.
+        notes: what was mapped and every field not modelled.
+    """
+
+    objective: Objective
+    batch: int
+    accumulation: int
+    precision: str
+    checkpointing: str | None
+    optimizer: str
+    vllm_share: float | None
+    notes: tuple[str, ...]
+
+
+def trl_kind(d: dict) -> str | None:
+    """``grpo`` or ``dpo`` when a ``--training-args`` dict has fields only that TRL config has, else ``None``."""
+    if any(k in d for k in _GRPO_KEYS):
+        return "grpo"
+    if any(k in d for k in _DPO_KEYS):
+        return "dpo"
+    return None
+
+
+def _trl_defaults(kind: str) -> dict:
+    """The config class's field defaults (no instance: that would probe devices)."""
+    import dataclasses
+
+    from trl import DPOConfig, GRPOConfig
+    out = {}
+    for f in dataclasses.fields(GRPOConfig if kind == "grpo" else DPOConfig):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+    return out
+
+
+def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
+    """A ``GRPOConfig`` or ``DPOConfig`` (its dict, as ``to_dict()`` or a YAML writes it).
+
+    Args:
+        d: the config's fields.
+        prompt_len: GRPO's prompt tokens (``GRPOConfig`` has no prompt length: the data's); DPO
+            reads ``max_length`` (default 1024) and scores every token but the first (the worst case).
+
+    Returns:
+        A :class:`TRLRun`.
+    """
+    kind = trl_kind(d)
+    if kind is None:
+        raise InputError("--training-args is not a GRPOConfig or DPOConfig (none of its own fields); allowed: "
+                         f"a config with one of {', '.join(_GRPO_KEYS + _DPO_KEYS)}")
+
+    def num(key, default, cast=int):
+        v = d.get(key, default)
+        try:
+            return None if v is None else cast(v)
+        except (TypeError, ValueError):
+            raise InputError(f"--training-args {key}={v!r}; allowed: a number") from None
+
+    batch, acc = num("per_device_train_batch_size", 8), num("gradient_accumulation_steps", 1)
+    if batch < 1 or acc < 1:
+        raise InputError(f"--training-args per_device_train_batch_size={batch}, gradient_accumulation_steps={acc}; "
+                         f"allowed: positive integers")
+    fp16 = bool(d.get("fp16"))
+    bf16 = d.get("bf16")
+    if bf16 and fp16:
+        raise InputError("--training-args sets bf16 and fp16; allowed: one of them")
+    precision = "fp16" if fp16 else "bf16" if bf16 is None or bf16 else "fp32"
+    # TRL loads the model in fp32 unless model_init_kwargs says otherwise (trl/trainer/utils.py line 1332)
+    init = d.get("model_init_kwargs") or {}
+    if isinstance(init, dict) and init.get("dtype", init.get("torch_dtype")) in ("bfloat16", "auto"):
+        precision = "pure-bf16"
+    ckpt = "full" if d.get("gradient_checkpointing", True) else None
+    optim = str(d.get("optim") or "adamw_torch")
+    if optim not in HF_OPTIMIZERS:
+        raise InputError(f"--training-args optim={optim!r} is not counted; allowed: {', '.join(HF_OPTIMIZERS)}")
+    notes = [f"{kind.upper()}Config (TRL 1.16): bf16 and gradient_checkpointing default to on"]
+    share = None
+    if kind == "grpo":
+        spg = num("steps_per_generation", None) or acc
+        gen = num("generation_batch_size", None) or batch * spg
+        cache = "static" if d.get("cache_implementation") == "static" else "dynamic"
+        o = Objective("grpo", prompt_len, num("max_completion_length", 512), beta=num("beta", 0.0, float),
+                      num_generations=num("num_generations", 8), generation_batch=gen, cache=cache)
+        modelled = GRPO_MODELLED
+        if d.get("use_vllm"):
+            if d.get("vllm_mode", "colocate") == "colocate":
+                share = num("vllm_gpu_memory_utilization", 0.3, float)
+                notes.append(f"vLLM colocated: it takes {share:g} of the card; training gets the rest, and "
+                             f"generation's KV cache is vLLM's")
+            else:
+                notes.append("vLLM in server mode: generation runs on other GPUs")
+        notes.append(f"GRPO: prompt {prompt_len} tokens (--seq), completion {o.completion_len}, "
+                     f"{o.num_generations} generations per prompt, {gen} completions generated at once")
+    else:
+        total = num("max_length", 1024)
+        o = Objective("dpo", 1, max(total - 1, 1), beta=num("beta", 0.1, float),
+                      precompute_ref_log_probs=bool(d.get("precompute_ref_log_probs")))
+        modelled = DPO_MODELLED
+        notes.append(f"DPO: chosen and rejected at max_length={total} tokens (the worst case)")
+    common = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "gradient_checkpointing",
+              "optim", "model_init_kwargs")
+    defaults = _trl_defaults(kind)
+    left = sorted(k for k, v in d.items() if k not in modelled and k not in common
+                  and not k.startswith(TRL_NO_MEMORY) and v not in (None, "", [], {})
+                  and not (k in defaults and v == defaults[k]))
+    if left:
+        notes.append(f"--training-args: not modelled: {', '.join(left)}")
+    return TRLRun(o, batch, acc, precision, ckpt, HF_OPTIMIZERS[optim], share, tuple(notes))
+
+
+def estimate_trl_run(cfg: dict | str | pathlib.Path, run: TRLRun, *, lora: LoraConfig | None = None,
+                     card: int | str | None = None, target: str | None = None) -> MemoryReport:
+    """:func:`estimate_post_training` of a :class:`TRLRun`, its budget the card less vLLM's share.
+
+    Args:
+        cfg: the model's config.
+        run: from :func:`read_trl_args`.
+        lora: adapters (the reference is the disabled adapter).
+        card: the GPU (bytes or a preset); with a colocated vLLM the budget is what it leaves.
+        target: ``cpu`` or ``cuda`` (a card implies ``cuda``).
+
+    Returns:
+        The estimate's :class:`MemoryReport`, its notes the run's.
+    """
+    budget = card
+    if card is not None and run.vllm_share is not None:
+        budget = vllm_training_budget(card, run.vllm_share)
+    o = run.objective
+    if run.vllm_share is not None:  # vLLM generates in its own share: no transformers KV cache here
+        o = Objective(o.kind, o.prompt_len, o.completion_len, beta=o.beta, reference=o.reference,
+                      num_generations=o.num_generations, generation_batch=1, cache=o.cache)
+    precision = "bf16" if run.precision == "fp16" else run.precision
+    report = estimate_post_training(cfg, o, batch=run.batch, precision=precision, lora=lora,
+                                    checkpointing=run.checkpointing, target=target or ("cuda" if card else None),
+                                    optimizer=run.optimizer, budget=budget)
+    report.notes.extend(run.notes)
+    if run.precision == "fp16":
+        report.notes.append("fp16 counted as bf16 autocast (same bytes; the loss scaler's scalar aside)")
+    if run.vllm_share is not None and card is not None:
+        report.notes.append(f"budget: {run.vllm_share:g} of the card to vLLM leaves {budget / 2**30:.1f} GiB")
+    return report
+
+
+__all__ = ["CACHES", "CPU_TILE_BYTES", "DPO_MODELLED", "GRPO_MODELLED", "KINDS", "Objective", "TRLRun",
+           "TRL_NO_MEMORY", "estimate_trl_run", "read_trl_args", "trl_kind", "TOKEN_TILE", "VOCAB_TILE", "estimate_post_training",
            "fused_head_backward", "fused_head_saved", "kv_cache_bytes", "vllm_training_budget"]

@@ -29,14 +29,14 @@ CASES = {
 }
 
 
-def _check(cfg, name, scale=1):
+def _check(cfg, name, scale=1, checkpointing=None):
     from memlab.trl_measure import measure_trl
     o, lora, batch = CASES[name]
     if scale > 1:
         o = Objective(o.kind, 16 * scale, 16 * scale, beta=o.beta, num_generations=o.num_generations,
                       precompute_ref_log_probs=o.precompute_ref_log_probs)
-    m = measure_trl(cfg, o, batch=batch, lora=lora)
-    e = estimate_post_training(cfg, o, batch=batch, lora=lora, target="cpu")
+    m = measure_trl(cfg, o, batch=batch, lora=lora, checkpointing=checkpointing)
+    e = estimate_post_training(cfg, o, batch=batch, lora=lora, target="cpu", checkpointing=checkpointing)
     assert m.reference == o.holds_reference(lora)
     err = e.peak_bytes / m.peak_bytes - 1
     # achieved: within 0.25% on every case (the issue asks 5%)
@@ -57,6 +57,12 @@ def test_every_case_estimate_within_1_percent_of_trl(name):
 @pytest.mark.parametrize("name", ["dpo-ref", "grpo-ref", "grpo-lora-ref"])
 def test_wide_model_estimate_within_1_percent_of_trl(name):
     _check(WIDE, name, scale=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["grpo-ref", "dpo-lora"])
+def test_checkpointed_step_estimate_within_1_percent_of_trl(name):
+    _check(WIDE, name, scale=2, checkpointing="full")
 
 
 def test_reference_weights_and_lora():
@@ -106,3 +112,50 @@ def test_vllm_share():
 def test_objective_refuses_bad_fields(kw):
     with pytest.raises(InputError):
         Objective(**kw)
+
+
+GRPO_YAML = """\
+per_device_train_batch_size: 8
+num_generations: 8
+max_completion_length: 1024
+beta: 0.04
+use_vllm: true
+vllm_gpu_memory_utilization: 0.3
+temperature: 0.9
+num_iterations: 1
+mask_truncated_completions: true
+top_entropy_quantile: 0.2
+"""
+
+
+def test_grpo_yaml_in_the_cli_names_what_it_did_not_model(tmp_path, capsys):
+    import json
+
+    from memlab.cli import main
+    path = tmp_path / "grpo.yaml"
+    path.write_text(GRPO_YAML)
+    main(["estimate", "--hf-config", "llama-3.1-8b", "--training-args", str(path), "--gpu", "H100-80GB",
+          "--seq", "512", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    notes = " ".join(out["notes"])
+    # temperature moves no memory and num_iterations is GRPOConfig's default: neither is named
+    assert "not modelled: mask_truncated_completions, top_entropy_quantile" in notes
+    assert out["budget_bytes"] == int(resolve_budget("H100-80GB") * 0.7)
+    # 8 completions of 512 + 1024 tokens; a reference model (beta 0.04) beside the fp32 policy
+    assert out["config"]["seq"] == 1536 and out["config"]["batch"] == 8
+    n = 8_030_261_248  # Llama 3.1 8B's parameters (its model card: 8.03B)
+    assert out["by_category"]["parameters"] == 2 * 4 * n
+
+
+def test_trl_reader_maps_the_defaults_and_refuses_bad_values():
+    from memlab.post_training import read_trl_args
+    run = read_trl_args({"num_generations": 4}, prompt_len=64)
+    assert (run.precision, run.checkpointing, run.objective.beta, run.objective.completion_len) == \
+        ("bf16", "full", 0.0, 512)  # TRL 1.16's GRPOConfig defaults
+    assert read_trl_args({"precompute_ref_log_probs": True, "max_length": 256}, prompt_len=1).objective.seq == 256
+    assert read_trl_args({"num_generations": 4, "model_init_kwargs": {"dtype": "bfloat16"}},
+                         prompt_len=8).precision == "pure-bf16"
+    with pytest.raises(InputError, match="not a GRPOConfig or DPOConfig"):
+        read_trl_args({"learning_rate": 1e-5}, prompt_len=8)
+    with pytest.raises(InputError, match="per_device_train_batch_size"):
+        read_trl_args({"num_generations": 4, "per_device_train_batch_size": 0}, prompt_len=8)
