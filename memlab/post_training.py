@@ -458,6 +458,7 @@ def estimate_trl_run(cfg: dict | str | pathlib.Path, run: TRLRun, *, lora: LoraC
     return report
 
 
-__all__ = ["CACHES", "CPU_TILE_BYTES", "DPO_MODELLED", "GRPO_MODELLED", "KINDS", "Objective", "TRLRun",
-           "TRL_NO_MEMORY", "estimate_trl_run", "read_trl_args", "trl_kind", "TOKEN_TILE", "VOCAB_TILE", "estimate_post_training",
-           "fused_head_backward", "fused_head_saved", "kv_cache_bytes", "vllm_training_budget"]
+__all__ = ["CACHES", "CPU_TILE_BYTES", "DPO_MODELLED", "GRPO_MODELLED", "KINDS", "Objective", "TOKEN_TILE",
+           "TRLRun", "TRL_NO_MEMORY", "VOCAB_TILE", "estimate_post_training", "estimate_trl_run",
+           "fused_head_backward", "fused_head_saved", "kv_cache_bytes", "read_trl_args", "trl_kind",
+           "vllm_training_budget"]
