@@ -107,7 +107,7 @@ def measure_eval(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, batche
     import tempfile
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import AutoConfig, AutoModelForCausalLM, PrinterCallback, Trainer, TrainingArguments
     from transformers import logging as hf_logging
 
     if preprocess not in PREPROCESS:
@@ -126,6 +126,7 @@ def measure_eval(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, batche
                       compute_metrics=lambda p: {"rows": float(len(p.predictions))},
                       preprocess_logits_for_metrics=(lambda logits, labels: logits.argmax(-1))
                       if preprocess == "argmax" else None)
+    trainer.remove_callback(PrinterCallback)  # its metrics line is not the lesson's output
     with MemoryTracker(device="cpu") as mt:
         mt.track_model(model)
         mt.reset_peak()

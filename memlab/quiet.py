@@ -40,8 +40,11 @@ PROGRESS_ENV = "MEMLAB_PROGRESS"
 _OFF = ("0", "false", "no", "off")
 
 
-#: bitsandbytes' CPU backend logger, which warns when its hub kernel cannot be fetched
-OFFLINE_KERNEL_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
+#: bitsandbytes' CPU backend logger, which warns when its hub kernel cannot be fetched; torchao's,
+#: which warns at import that its CUDA extensions (``_C_mxfp8``, ``_C_cutlass_90a``) do not load
+#: where they cannot run (transformers imports torchao for its quantizers when it is installed);
+#: and torch's pytree logger, which warns at that import that torchao registers Enum classes
+OFFLINE_KERNEL_LOGGERS = ("bitsandbytes.backends.cpu.ops", "torchao", "torch.utils._pytree")
 
 
 def quiet_offline_kernels() -> None:

@@ -13,6 +13,8 @@ choose the accelerator themselves.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import pathlib
 import tempfile
 import warnings
@@ -85,6 +87,32 @@ def _peft(lora: LoraConfig | None):
                     lora_dropout=lora.dropout, task_type="CAUSAL_LM")
 
 
+@contextlib.contextmanager
+def _quiet():
+    """Progress bars and import warnings off while the trainer runs (a lesson's output is read
+    later, where a bar is frozen at 0%), back on after: datasets' ``map``, transformers' shard
+    writing and weight loading, DeepSpeed's accelerator line when TRL imports it."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    # DeepSpeed sets its logger's level when it makes it, at its import (and warns then that
+    # it found no GPU): a filter on the logger outlives that
+    ds_log, verbosity = logging.getLogger("DeepSpeed"), hf_logging.get_verbosity()
+    errors_only = logging.Filter()
+    errors_only.filter = lambda record: record.levelno >= logging.ERROR
+    ds_log.addFilter(errors_only)
+    datasets.disable_progress_bar()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bar()
+        hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(verbosity)
+        ds_log.removeFilter(errors_only)
+
+
 def measure_trl(cfg: dict | str | pathlib.Path, objective, *, batch: int, precision: str = "bf16",
                 lora: LoraConfig | None = None, checkpointing: str | None = None) -> TRLMeasurement:
     """One steady-state step of TRL's trainer for ``objective``, tracked on CPU.
@@ -101,8 +129,7 @@ def measure_trl(cfg: dict | str | pathlib.Path, objective, *, batch: int, precis
         A :class:`TRLMeasurement`.
     """
     from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
-    from transformers import logging as hf_logging
+    from transformers import AutoConfig, AutoModelForCausalLM, PrinterCallback, TrainerCallback
 
     if objective.kind not in ("dpo", "grpo"):
         raise InputError(f"objective {objective.kind!r} for measure_trl; allowed: dpo, grpo")
@@ -140,8 +167,7 @@ def measure_trl(cfg: dict | str | pathlib.Path, objective, *, batch: int, precis
                   disable_tqdm=True)
     o = objective
     n_rows = max(16, 2 * batch)
-    hf_logging.set_verbosity_error()
-    with warnings.catch_warnings():
+    with _quiet(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if o.kind == "dpo":
             from trl import DPOConfig, DPOTrainer
@@ -175,6 +201,7 @@ def measure_trl(cfg: dict | str | pathlib.Path, objective, *, batch: int, precis
                                   processing_class=tok, callbacks=[Track()], peft_config=_peft(lora))
             seq, n = o.prompt_len + o.completion_len, batch
         holder["trainer"] = trainer
+        trainer.remove_callback(PrinterCallback)  # its metrics line is not the lesson's output
         trainer.train()
     mt = holder["mt"]
     top = max(mt.timeline, key=lambda e: e.total)
