@@ -20,7 +20,10 @@ real ``Trainer.evaluate`` on CPU under :class:`memlab.tracking.MemoryTracker`.
 from __future__ import annotations
 
 import pathlib
+import tempfile
 from dataclasses import dataclass
+
+import torch
 
 from .errors import InputError
 from .hf import load_config
@@ -104,9 +107,6 @@ def measure_eval(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, batche
     Returns:
         Peak live tensor bytes over the evaluation, weights included.
     """
-    import tempfile
-
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, PrinterCallback, Trainer, TrainingArguments
     from transformers import logging as hf_logging
 

@@ -33,6 +33,7 @@ optimizer step.
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from dataclasses import dataclass
 
@@ -340,8 +341,6 @@ def trl_kind(d: dict) -> str | None:
 
 def _trl_defaults(kind: str) -> dict:
     """The config class's field defaults (no instance: that would probe devices)."""
-    import dataclasses
-
     from trl import DPOConfig, GRPOConfig
     out = {}
     for f in dataclasses.fields(GRPOConfig if kind == "grpo" else DPOConfig):

@@ -124,6 +124,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "exercises.compression": "the compression exercise's checker",
         "exercises.data_parallel": "the data parallel exercise's checker",
         "exercises.diffusion": "the diffusion exercise's checker",
+        "exercises.evaluation": "the evaluation-store exercise's checker",
         "exercises.gqa": "the gqa exercise's checker",
         "exercises.experts": "the expert-parallel model states exercise's checker",
         "exercises.leaks": "the leak exercise's checker",
