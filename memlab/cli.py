@@ -10,6 +10,7 @@
     memlab oom < traceback.txt                     # an OOM message read and explained
     memlab estimate --hf-config gpt2 --world-size 2 --deepspeed ds_config.json --checkpointing full
     memlab estimate --hf-config llama-3-8b --training-args args.json      # TrainingArguments / SFTConfig
+    memlab estimate --hf-config llama-3.1-8b --training-args grpo.yaml --gpu H100-80GB  # GRPOConfig / DPOConfig
     memlab estimate --hf-config llama-3-8b --lora-rank 16 --load-in-4bit  # QLoRA
     memlab advise --hf-config llama-3-8b --gpu A100-80GB --world-size 8 --seq 4096 --batch 1 --finetune
 
@@ -658,6 +659,19 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
         raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
     from .hf_estimate import estimate_hf
     from .hf_simulate import simulate_hf
+    if getattr(args, "training_args", None) is not None:
+        from . import post_training, run_config
+        from .hf_shape import decoder_shape
+        trl_args = run_config.load_file(args.training_args, "--training-args")
+        if post_training.trl_kind(trl_args) is not None:  # a GRPOConfig or DPOConfig: memlab.post_training
+            if args.command != "estimate":
+                raise InputError("--training-args is a DPO or GRPO config: its step is estimated "
+                                 "(memlab estimate); allowed with simulate: an SFT or Trainer config")
+            run = post_training.read_trl_args(trl_args, prompt_len=args.seq)
+            lora, lora_notes = _hf_lora(args, decoder_shape(args.hf_config))
+            report = post_training.estimate_trl_run(args.hf_config, run, lora=lora, card=budget, target=target)
+            report.notes.extend(lora_notes)
+            return report
     run, notes = _hf_run(args)
     lens = estimate_hf if args.command == "estimate" else simulate_hf
     report = lens(args.hf_config, budget=budget, target=target, **run)

@@ -377,12 +377,12 @@ def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool
 
 def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
                         checkpointing: str | None = None, attention: str | None = None,
-                        target: str | None = None) -> int:
+                        target: str | None = None, lora: LoraConfig | None = None) -> int:
     """Bytes of activations the step keeps when its forward reaches the loss (the logits'
     log-softmax not included), by the same terms as :func:`estimate_hf`.
 
     Args:
-        cfg, seq, batch, precision, checkpointing, attention, target: as :func:`estimate_hf`.
+        cfg, seq, batch, precision, checkpointing, attention, target, lora: as :func:`estimate_hf`.
 
     Returns:
         The bytes, an int.
@@ -392,7 +392,8 @@ def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int,
     z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=resolve_target(target),
               precision=precision)
     path = attention_path(s, z, batch, seq, attention)
-    return int(round(_kept(s, z, batch, seq, path, checkpointing == "full", s.num_params())[0]))
+    ad = None if lora is None else adapters_for(s, lora, precision)
+    return int(round(_kept(s, z, batch, seq, path, checkpointing == "full", s.num_params(), adapters=ad)[0]))
 
 
 #: tokens x hidden fp32 tensors alive at the peak of a Python RMSNorm's backward, read off the

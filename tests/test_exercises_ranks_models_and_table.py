@@ -157,3 +157,17 @@ def test_peak_saving_names_the_activation_saving():
         return 1 - a[0] / a[1]
     with pytest.raises(ex.CheckFailed, match="saving on the activations"):
         ex.check_peak_saving(on_activations)
+
+
+def store_bytes(batch, seq, vocab, batches):
+    return 2 * batches * batch * seq * vocab * 4  # old store, new batch and new store at the last torch.cat
+
+
+def test_eval_store_passes_the_measurement():
+    r = ex.check_eval_store(store_bytes)
+    assert abs(r.measured["store_bytes"] / r.measured["measured"] - 1) < ex.STORE_TOLERANCE
+
+
+def test_eval_store_names_the_concatenation_when_half():
+    with pytest.raises(ex.CheckFailed, match="half; torch.cat"):
+        ex.check_eval_store(lambda b, s, v, n: n * b * s * v * 4)

@@ -43,7 +43,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the worktree's memlab, as in the notebooks
 from memlab.watchdog import BOUNDS_FILE, over_bound  # noqa: E402  (no torch: --no-execute stays light)
 
-ELECTIVES = ("16", "17")
+ELECTIVES = ("16", "17", "18")
 REMOTE_SCRIPT = re.compile(r"<script\b[^>]*\bsrc=\"https?://[^\"]*\"[^>]*>\s*</script>", re.S)
 # inline scripts that only configure or import a CDN library (MathJax's config, mermaid's loader)
 CDN_INLINE = re.compile(r"<script\b[^>]*>(?:(?!</script>).)*?(?:https?://cdn|MathJax\.Hub)(?:(?!</script>).)*</script>",

@@ -87,6 +87,9 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "hf_estimate": "the estimate of any HF decoder config in closed form: dense, MLA, mixtures of experts; LoRA, QLoRA, low-bit state, ZeRO",
         "hf_measure": "the measure lens of an HF config: its real step under the guard",
         "hf_simulate": "the simulate lens of a whole HF run: accumulation, every optimizer, QLoRA, ZeRO, on fake tensors",
+        "post_training": "a DPO or GRPO step (TRL 1.16) in closed form: the reference, the fused log-probabilities, generation's KV cache, the vLLM share",
+        "evaluation": "`Trainer.evaluate`'s accumulated logits: the estimate and the real loop on CPU",
+        "trl_measure": "the measure lens of a DPO or GRPO step: TRL's real trainer for one step, tracked on CPU",
         "calculator": "the real-scale calculator: `estimate_step` per rank for a card",
     }),
     ("the techniques", {
@@ -125,6 +128,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         "exercises.compression": "the compression exercise's checker",
         "exercises.data_parallel": "the data parallel exercise's checker",
         "exercises.diffusion": "the diffusion exercise's checker",
+        "exercises.evaluation": "the evaluation-store exercise's checker",
         "exercises.gqa": "the gqa exercise's checker",
         "exercises.experts": "the expert-parallel model states exercise's checker",
         "exercises.leaks": "the leak exercise's checker",

@@ -22,6 +22,7 @@ from .common import CheckFailed, CheckResult
 from .compression import PACK_TOLERANCE, check_pack_hooks
 from .data_parallel import DP_TOLERANCE, check_gradient_average
 from .diffusion import check_skip_bytes
+from .evaluation import STORE_TOLERANCE, check_eval_store
 from .experts import check_expert_states
 from .gqa import check_kv_cache
 from .leaks import check_leak_fixed
@@ -34,7 +35,8 @@ from .table import SAVING_TOLERANCE, check_peak_saving
 from .tensor_parallel import TP_TOLERANCE, check_tensor_parallel
 from .zero import check_offload_config, check_zero_config
 
-__all__ = ["CheckResult", "CheckFailed", "check_first_step", "check_state_bytes", "check_estimator",
+__all__ = ["CheckResult", "CheckFailed", "check_eval_store", "STORE_TOLERANCE",
+           "check_first_step", "check_state_bytes", "check_estimator",
            "ESTIMATOR_TOLERANCE", "check_oom_fix", "check_leak_fixed", "check_amp_step", "reference_amp_step",
            "check_checkpointed_block", "check_accumulation", "RecordingOptimizer",
            "check_zero_config",

@@ -1,0 +1,161 @@
+"""Post-training steps (TRL 1.16's DPO and GRPO): the closed-form estimate against TRL's real
+trainer for one step, tracked on CPU; generation's KV cache against transformers' cache
+tensors; the vLLM share."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memlab.errors import InputError
+from memlab.hardware import resolve_budget
+from memlab.post_training import Objective, estimate_post_training, kv_cache_bytes, vllm_training_budget
+from memlab.run import LoraConfig
+
+pytest.importorskip("trl")
+
+TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+# backbone activations and weights outweigh TRL's 32768-wide tile here
+WIDE = dict(TINY, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+LORA = LoraConfig(rank=8, targets=("q_proj", "v_proj"))
+
+CASES = {
+    "dpo-ref": (Objective("dpo", 16, 16), None, 4),
+    "dpo-precompute": (Objective("dpo", 16, 16, precompute_ref_log_probs=True), None, 4),
+    "dpo-lora": (Objective("dpo", 16, 16), LORA, 4),
+    "grpo-beta0": (Objective("grpo", 16, 16, beta=0.0, num_generations=4), None, 8),
+    "grpo-ref": (Objective("grpo", 16, 16, beta=0.04, num_generations=4), None, 8),
+    "grpo-lora-ref": (Objective("grpo", 16, 16, beta=0.04, num_generations=4), LORA, 8),
+}
+
+
+def _check(cfg, name, scale=1, checkpointing=None):
+    from memlab.trl_measure import measure_trl
+    o, lora, batch = CASES[name]
+    if scale > 1:
+        o = Objective(o.kind, 16 * scale, 16 * scale, beta=o.beta, num_generations=o.num_generations,
+                      precompute_ref_log_probs=o.precompute_ref_log_probs)
+    m = measure_trl(cfg, o, batch=batch, lora=lora, checkpointing=checkpointing)
+    e = estimate_post_training(cfg, o, batch=batch, lora=lora, target="cpu", checkpointing=checkpointing)
+    assert m.reference == o.holds_reference(lora)
+    err = e.peak_bytes / m.peak_bytes - 1
+    # achieved: within 0.25% on every case (the issue asks 5%)
+    assert abs(err) < 0.01, (name, m.peak_bytes, e.peak_bytes, m.by_category, e.by_category)
+
+
+def test_dpo_step_estimate_within_1_percent_of_trl():
+    _check(TINY, "dpo-precompute")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_case_estimate_within_1_percent_of_trl(name):
+    _check(TINY, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dpo-ref", "grpo-ref", "grpo-lora-ref"])
+def test_wide_model_estimate_within_1_percent_of_trl(name):
+    _check(WIDE, name, scale=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["grpo-ref", "dpo-lora"])
+def test_checkpointed_step_estimate_within_1_percent_of_trl(name):
+    _check(WIDE, name, scale=2, checkpointing="full")
+
+
+def test_reference_weights_and_lora():
+    """A reference model adds exactly the policy's weights; LoRA's disabled adapter adds none."""
+    o = Objective("dpo", 16, 16)
+    full = estimate_post_training(TINY, o, batch=4, target="cpu")
+    pre = estimate_post_training(TINY, Objective("dpo", 16, 16, precompute_ref_log_probs=True), batch=4,
+                                 target="cpu")
+    n = sum(p.numel() for p in _model(TINY).parameters())
+    assert full.by_category["parameters"] - pre.by_category["parameters"] == 4 * n
+    assert not o.holds_reference(LORA) and o.runs_reference()
+    assert not Objective("grpo", beta=0.0).runs_reference()
+
+
+def _model(cfg):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_kv_cache_equals_the_cache_tensors(cache):
+    torch.manual_seed(0)
+    model = _model(TINY).eval()
+    ids = torch.randint(3, 200, (3, 10))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    out = model.generate(ids, **kw)
+    layers = out.past_key_values.layers
+    got = sum(t.nbytes for layer in layers for t in (layer.keys, layer.values))
+    # the last token is never fed back; a static cache is sized max_length - 1 up front
+    tokens = 10 + 6 - 1
+    assert got == kv_cache_bytes(TINY, batch=3, tokens=tokens, dtype_bytes=4)
+
+
+def test_vllm_share():
+    total = resolve_budget("H100-80GB")
+    assert vllm_training_budget("H100-80GB", 0.3) == int(total * 0.7)
+    assert vllm_training_budget(100, 1.0) == 0
+    for bad in (0, 1.5, -0.1, True):
+        with pytest.raises(InputError, match="vllm_gpu_memory_utilization"):
+            vllm_training_budget("H100-80GB", bad)
+
+
+@pytest.mark.parametrize("kw", [dict(kind="ppo"), dict(prompt_len=0), dict(num_generations=True),
+                                dict(cache="paged")])
+def test_objective_refuses_bad_fields(kw):
+    with pytest.raises(InputError):
+        Objective(**kw)
+
+
+GRPO_YAML = """\
+per_device_train_batch_size: 8
+num_generations: 8
+max_completion_length: 1024
+beta: 0.04
+use_vllm: true
+vllm_gpu_memory_utilization: 0.3
+temperature: 0.9
+num_iterations: 1
+mask_truncated_completions: true
+top_entropy_quantile: 0.2
+"""
+
+
+def test_grpo_yaml_in_the_cli_names_what_it_did_not_model(tmp_path, capsys):
+    import json
+
+    from memlab.cli import main
+    path = tmp_path / "grpo.yaml"
+    path.write_text(GRPO_YAML)
+    main(["estimate", "--hf-config", "llama-3.1-8b", "--training-args", str(path), "--gpu", "H100-80GB",
+          "--seq", "512", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    notes = " ".join(out["notes"])
+    # temperature moves no memory and num_iterations is GRPOConfig's default: neither is named
+    assert "not modelled: mask_truncated_completions, top_entropy_quantile" in notes
+    assert out["budget_bytes"] == int(resolve_budget("H100-80GB") * 0.7)
+    # 8 completions of 512 + 1024 tokens; a reference model (beta 0.04) beside the fp32 policy
+    assert out["config"]["seq"] == 1536 and out["config"]["batch"] == 8
+    n = 8_030_261_248  # Llama 3.1 8B's parameters (its model card: 8.03B)
+    assert out["by_category"]["parameters"] == 2 * 4 * n
+
+
+def test_trl_reader_maps_the_defaults_and_refuses_bad_values():
+    from memlab.post_training import read_trl_args
+    run = read_trl_args({"num_generations": 4}, prompt_len=64)
+    assert (run.precision, run.checkpointing, run.objective.beta, run.objective.completion_len) == \
+        ("bf16", "full", 0.0, 512)  # TRL 1.16's GRPOConfig defaults
+    assert read_trl_args({"precompute_ref_log_probs": True, "max_length": 256}, prompt_len=1).objective.seq == 256
+    assert read_trl_args({"num_generations": 4, "model_init_kwargs": {"dtype": "bfloat16"}},
+                         prompt_len=8).precision == "pure-bf16"
+    with pytest.raises(InputError, match="not a GRPOConfig or DPOConfig"):
+        read_trl_args({"learning_rate": 1e-5}, prompt_len=8)
+    with pytest.raises(InputError, match="per_device_train_batch_size"):
+        read_trl_args({"num_generations": 4, "per_device_train_batch_size": 0}, prompt_len=8)
