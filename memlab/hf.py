@@ -227,7 +227,7 @@ def step_config(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
 def hf_config(cfg: dict | str | pathlib.Path):
     """The ``transformers`` config object (no network: built from the dict)."""
     from transformers import AutoConfig
-    d = load_config(cfg)
+    d = dict(load_config(cfg))  # a copy: the model_type popped below is the caller's
     check_config(d, construct=True)  # transformers' own refusals as InputError, before building
     d.pop("transformers_version", None)
     kind = d.pop("model_type")

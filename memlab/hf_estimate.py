@@ -31,7 +31,7 @@ family's ``modeling_*.py`` (transformers 5) and named where they are counted:
 
 Parameter counts are the real class's (:meth:`memlab.shape.DecoderShape.num_params`,
 checked against the model built on the meta device). A config this module cannot count in
-closed form is refused with the field named and :func:`memlab.hf.simulate_hf`
+closed form is refused with the field named and :func:`memlab.hf_simulate.simulate_hf`
 (``memlab simulate --hf-config``) pointed at.
 
 **LoRA** (:class:`memlab.hf_states.Adapters`): every base weight frozen, a frozen ``Linear``

@@ -301,9 +301,8 @@ def _card_ladder(cfg: str, card: Card, seq: int, batch: int, rank: int, gain: Pa
     plain_loss = estimate_hf(cfg, seq=seq, batch=batch, budget=name, target="cuda",
                              **dict(in_bwd, loss="transformers"))
     ib = result(rungs["in-backward"], in_bwd, real_tokens=packed)
-    out.append(replace(ib, note=f"{ib.host_bytes / 2**30:.1f} GiB of 8-bit state in unified memory; with the "
-                                f"plain loss (torchtune's CEWithChunkedOutputLoss keeps every chunk's fp32 "
-                                f"log-probabilities, as the plain loss does) {plain_loss.peak_bytes / 2**30:.1f} GiB"))
+    out.append(replace(ib, note=f"{ib.host_bytes / 2**30:.1f} GiB of 8-bit state in unified memory; with "
+                                f"transformers' own loss (fp32 logits) {plain_loss.peak_bytes / 2**30:.1f} GiB"))
     # the full fine-tune under DeepSpeed (bf16: 2 + 2 + 12 bytes a parameter over N), rungs 1-3
     # and packing, sharded, then offloaded
     sharded = dict(runs["chunked-loss"], zero=3)

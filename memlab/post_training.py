@@ -42,12 +42,12 @@ from .hardware import resolve_budget
 from .hf import check_seq, load_config
 from .hf_estimate import forward_activations
 from .hf_shape import decoder_shape
-from .hf_states import adapter_shapes, adapters_for, run_states
+from .hf_states import adapters_for, run_states
 from .low_bit import HF_OPTIMIZERS
 from .policy import resolve_target
 from .precision import precision_bytes
-from .run import HFRun, LoraConfig
-from .step import MemoryReport
+from .run import LoraConfig
+from .step import MemoryReport, StepConfig
 from .tracking import CATEGORIES
 
 KINDS = ("supervised", "dpo", "grpo")
@@ -252,9 +252,8 @@ def estimate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
     cats.update({k: int(round(v)) for k, v in best.items()})
     cats["other"] += 16 * rows * seq  # the batch's ids, masks and labels (int64)
     cats["workspace"] += tgt.resident_workspace()
-    n_ad = 0 if ad is None else sum(r * k for r, k in adapter_shapes(s, ad))
-    info = HFRun(s.name, s.num_params() + n_ad, n_ad or s.num_params(), seq=seq, batch=rows,
-                 precision=precision, checkpointing=checkpointing or "none", optimizer=optimizer, lora=lora)
+    info = StepConfig(s, seq=seq, batch=rows, precision=precision, checkpointing=checkpointing,
+                      optimizer=optimizer, lora=lora)
     report = MemoryReport("estimate", info, f"formula ({tgt.name})", sum(cats.values()), cats,
                           resolve_budget(budget))
     report.notes.append(f"{o.kind} (TRL 1.16): peak moment: {moment}; {rows} rows of {seq} tokens"

@@ -5,7 +5,7 @@ optimizer, micro-batches, ZeRO) plus what the fine-tuner turns on: :class:`LoraC
 ``LoraConfig`` fields that move memory) and :class:`QuantConfig` (``BitsAndBytesConfig``'s).
 Every reader (the CLI's flags, peft's ``adapter_config.json``, the Trainer and TRL arguments)
 produces these, and every lens of a Hugging Face config reads them
-(:func:`memlab.hf_estimate.estimate_hf`, :func:`memlab.hf.simulate_hf`). ``to_dict`` and
+(:func:`memlab.hf_estimate.estimate_hf`, :func:`memlab.hf_simulate.simulate_hf`). ``to_dict`` and
 ``from_dict`` are the JSON boundary.
 """
 from __future__ import annotations

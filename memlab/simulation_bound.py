@@ -116,7 +116,7 @@ def simulation_bound(cfg, *, seq: int, batch: int, precision: str = "fp32",
     Args:
         cfg: a config.json path, shipped name or dict (:func:`memlab.hf.load_config`).
         seq, batch, precision, checkpointing, attention, target: the step, as for
-            :func:`memlab.hf.simulate_hf`.
+            :func:`memlab.hf_simulate.simulate_hf`.
 
     Returns:
         A :class:`SimulationBound`.

@@ -29,7 +29,7 @@ from .models import GPTConfig, UNetConfig, build_model, get_config
 from .precision import PRECISIONS, check_precision
 from .run import LoraConfig, QuantConfig
 from .shape import DecoderShape
-from .states import OFFLOADS, ZeroBuckets
+from .states import OFFLOADS, PARAM_OFFLOAD, ZeroBuckets
 from .tracking import CATEGORIES, Event, OOMInfo
 from .units import MiB, fmt_bytes
 
@@ -123,8 +123,10 @@ class StepConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name.replace('_', ' ')} must be a positive integer, got {value!r}")
         check_precision(self.precision)
-        if self.offload not in OFFLOADS:
-            raise InputError(f"offload={self.offload!r}; allowed: {', '.join(OFFLOADS)}")
+        # DeepSpeed's parameter-only offload is read from a decoder's DeepSpeed config
+        offloads = (*OFFLOADS, PARAM_OFFLOAD) if isinstance(self.model, DecoderShape) else OFFLOADS
+        if self.offload not in offloads:
+            raise InputError(f"offload={self.offload!r}; allowed: {', '.join(offloads)}")
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise InputError(f"ZeRO stage {self.zero!r} is outside 0-3")
         if self.batch % self.micro_batches:

@@ -503,7 +503,7 @@ SINGLE = {"gradient checkpointing": ({"checkpointing": "full"}, "none"),
 def _measured_bytes(step: StepConfig, variant: str) -> tuple[int, tuple, int]:
     """Peak, bytes by category and activations of one step with one compression variant,
     measured once per process: the exact CPU tracker counts the same bytes every time for
-    the same step (lesson 15's panel, its exercise and the table ask for the same baselines
+    the same step (the table's panel, its exercise and the table ask for the same baselines
     again and again). Keyed by the whole (frozen) StepConfig and the variant."""
     trainer, comp, batch = compressed_trainer(step, variant)
     try:

@@ -140,7 +140,7 @@ def test_8b_estimate_agrees_with_the_simulation(name, option):
 def test_simulation_refuses_what_the_estimate_refuses():
     with pytest.raises(InputError, match="LoRA under ZeRO-3"):
         simulate_hf(CONFIGS["llama"], seq=SEQ, batch=BATCH, zero=3, world_size=2, lora=LoraConfig())
-    with pytest.raises(InputError, match="micro_batches=3"):
+    with pytest.raises(InputError, match="into 3 micro-batches"):
         simulate_hf(CONFIGS["llama"], seq=SEQ, batch=4, micro_batches=3)
 
 

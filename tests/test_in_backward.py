@@ -8,9 +8,9 @@ import torch
 from memlab.cli import main
 from memlab.errors import InputError
 from memlab.estimate import estimate_step
-from memlab.hf import simulate_hf
 from memlab.hf_estimate import estimate_hf
 from memlab.hf_measure import measure_hf
+from memlab.hf_simulate import simulate_hf
 from memlab.measure import measure_step
 from memlab.models import tiny_llama
 from memlab.simulate import simulate_step

@@ -59,8 +59,8 @@ def test_the_ladder_reads_the_real_class_and_its_upcast_loss(ladder):
     t, v = 4096, _fields()["vocab_size"]  # one sequence a micro-batch from rung 1 on
     card = ladder.cards[0]
     ckpt, chunked = card.result("checkpointing"), card.result("chunked-loss")
-    assert "log-softmax backward" in ckpt.report.notes[0]
-    assert "log-softmax" not in chunked.report.notes[0]
+    assert ckpt.report.notes[0].startswith(("peak moment: loss forward", "peak moment: log-softmax backward"))
+    assert "log-softmax" not in chunked.report.notes[0] and "loss forward" not in chunked.report.notes[0]
     assert ckpt.peak_bytes - chunked.peak_bytes >= 8 * t * v
 
 
@@ -194,8 +194,6 @@ def test_a_full_fine_tune_fits_a_24gb_card_as_torchtunes_recipe_does(ladder):
     rung = small.result("in-backward")
     assert small.first_fit("full") is rung and rung.trainable == hf.gpt_config(CONFIG).num_params()
     assert abs(rung.peak_bytes - TORCHTUNE_8B_FULL_4090) <= 0.10 * TORCHTUNE_8B_FULL_4090
-    plain = float(rung.note.split("as the plain loss does) ")[1].split(" GiB")[0]) * 2**30
-    assert abs(plain - TORCHTUNE_8B_FULL_4090) <= 0.10 * TORCHTUNE_8B_FULL_4090
     # the 8-bit state is two bytes per parameter, none of it on the device
     assert rung.host_bytes >= 2 * rung.trainable
     # at the ladder's own 4096 x 4 it still fits the 24 GB card, the first full rung that does
