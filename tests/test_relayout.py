@@ -27,6 +27,15 @@ CASES = {
     "class B(ml.models.Block):": "class B(ml.models.gpt_unet.Block):",
     ":mod:`memlab.exercises.zero`": ":mod:`memlab.classroom.exercises.zero`",
     "ml.estimate_step(cfg)": "ml.estimate_step(cfg)",
+    'code = "import sys; from memlab.cli import main; sys.exit(main())"':
+        'code = "import sys; from memlab.app.cli import main; sys.exit(main())"',
+    'code = "from memlab import estimate, units"':
+        'code = "from memlab.lenses import estimate; from memlab.core import units"',
+    "    from memlab.callbacks import MemoryCallback  # imports transformers":
+        "    from memlab.hf.callbacks import MemoryCallback  # imports transformers",
+    "from memlab.policy import emulate": "from memlab.policy import emulate",
+    "import memlab.tracking\nmemlab.tracking.MemoryTracker":
+        "import memlab.tracking.tracker\nmemlab.tracking.tracker.MemoryTracker",
 }
 
 
@@ -56,3 +65,4 @@ def test_a_module_the_mapping_does_not_know_is_listed(tmp_path, monkeypatch):
 def test_every_move_lands_in_a_package_of_the_layer_order():
     assert {new.split(".")[0] for new in relayout.MOVES.values()} <= set(relayout.PACKAGES)
     assert len(set(relayout.MOVES.values())) == len(relayout.MOVES)  # no two modules share a home
+
