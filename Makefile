@@ -153,13 +153,13 @@ GPU_CHECK_ENV = PYTHONPATH=$(CURDIR) MEMLAB_CARD=$(CARD) MPLBACKEND=Agg
 
 gpu-check: $(if $(or $(filter command line,$(origin PY)),$(DRY)),,venv)
 ifneq ($(DRY),)
-	@$(GPU_CHECK_ENV) $(GPU_CHECK_PY) -m memlab.gpu_check --dry-run $(if $(CARD),--card $(CARD)) \
+	@$(GPU_CHECK_ENV) $(GPU_CHECK_PY) -m memlab.app.gpu_check --dry-run $(if $(CARD),--card $(CARD)) \
 	  --out $(GPU_CHECK_OUT) --notebooks $(RANK_NOTEBOOKS) $(ONE_NOTEBOOKS)
 else
 	@mkdir -p $(TORCH_EXTENSIONS_DIR) $(GPU_CHECK_OUT)
 	-$(GPU_CHECK_ENV) $(GPU_CHECK_PY) -m pytest -m cuda -p no:cacheprovider tests/ \
 	  2>&1 | tee $(GPU_CHECK_OUT)/pytest-cuda$(if $(CARD),-$(CARD)).log
-	$(GPU_CHECK_ENV) $(GPU_CHECK_PY) -m memlab.gpu_check --out $(GPU_CHECK_OUT) \
+	$(GPU_CHECK_ENV) $(GPU_CHECK_PY) -m memlab.app.gpu_check --out $(GPU_CHECK_OUT) \
 	  --notebooks $(RANK_NOTEBOOKS) $(ONE_NOTEBOOKS)
 endif
 
@@ -178,7 +178,7 @@ instructor:
 
 doctor: venv
 	@mkdir -p $(TORCH_EXTENSIONS_DIR)
-	$(PY) -m memlab.cli doctor
+	$(PY) -m memlab.app.cli doctor
 
 # executes every notebook (rank-starting ones too, one at a time) into a static HTML site
 SITE_TIMEOUT ?= 900

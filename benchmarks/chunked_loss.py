@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from memlab.chunked_loss import linear_cross_entropy, loss_spike_bytes, plain_linear_cross_entropy
-from memlab.tracking import MemoryTracker
-from memlab.units import fmt_bytes
+from memlab.core.units import fmt_bytes
+from memlab.models.chunked_loss import linear_cross_entropy, loss_spike_bytes, plain_linear_cross_entropy
+from memlab.tracking.tracker import MemoryTracker
 
 D_MODEL, CHUNK = 64, 128
 SIZES = [(32000, 256), (32000, 1024), (128256, 512)]  # (vocab, tokens)

@@ -62,7 +62,7 @@ def main() -> int:
         ta, ds = pathlib.Path(tmp, "args.yaml"), pathlib.Path(tmp, "ds_config.json")
         ta.write_text(TRAINING_ARGS)
         ds.write_text(DEEPSPEED)
-        cli = [py, "-m", "memlab.cli"]
+        cli = [py, "-m", "memlab.app.cli"]
         est = [*cli, "estimate", "--hf-config", "mistral-7b"]
         commands = [("memlab --help", [*cli, "--help"], HELP_LIMIT_S),
                     ("estimate --hf-config mistral-7b", est, ESTIMATE_LIMIT_S),

@@ -16,10 +16,10 @@ import argparse
 import sys
 import time
 
-from memlab.estimate import estimate_step
+from memlab.lenses.estimate import estimate_step
+from memlab.lenses.reference import reference_steps
+from memlab.lenses.simulate import simulate_step
 from memlab.policy.caching_allocator import CachingAllocator
-from memlab.reference import reference_steps
-from memlab.simulate import simulate_step
 
 LENSES = ("est cuda", "sim cuda", "sim proc", "est cpu", "sim cpu", "measure")
 

@@ -4,7 +4,7 @@ Each case runs in a fresh subprocess (so its peak RSS, ``resource.getrusage`` ``
 is its own) with ``OMP_NUM_THREADS=1``:
 
 * ``llama-3-8b``: one rank, seq 8192, batch 1, bf16 autocast, full checkpointing
-  (:func:`memlab.simulate.simulate_step`). Target: under 10 s.
+  (:func:`memlab.lenses.simulate.simulate_step`). Target: under 10 s.
 * ``llama-3-70b``: ZeRO-3 over 64 ranks, seq 8192, batch 1, bf16, full checkpointing, as
   FSDP2 on a fake process group (:func:`memlab.distributed.fsdp.simulate_sharded`, what
   ``memlab simulate --zero 3 --world-size 64`` runs). Targets: under 60 s, under 2 GiB RSS.
@@ -36,7 +36,7 @@ def child(name: str) -> None:
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     import memlab as ml
     if name == "llama-3-8b":
-        from memlab.simulate import simulate_step
+        from memlab.lenses.simulate import simulate_step
         def run():
             return simulate_step(ml.StepConfig(model="llama-3-8b", seq=8192, batch=1,
                                                precision="bf16", checkpointing="full"))

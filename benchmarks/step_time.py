@@ -1,12 +1,12 @@
-"""The time lens against clocks: predicted / measured step-time ratios (memlab.step_time).
+"""The time lens against clocks: predicted / measured step-time ratios (memlab.time.step_time).
 
 1. This CPU: the rate of each dtype's training matmuls is measured at the step's own Linear
-   shape (``memlab.doctor.measure_matmul_flops`` with ``shape``: a micro-batch's tokens through
+   shape (``memlab.app.doctor.measure_matmul_flops`` with ``shape``: a micro-batch's tokens through
    ``d_model -> 4 d_model``, forward and backward, as ``memlab doctor --calibrate`` does at its
    square shape), and causal attention's at the step's heads
-   (``memlab.doctor.measure_attention_flops``), every shape in turn over rounds (this host's
+   (``memlab.app.doctor.measure_attention_flops``), every shape in turn over rounds (this host's
    speed drifts); they stand in for a card's peak x achievable.
-   Elementwise work runs at the rates ``memlab.doctor.measure_elementwise`` measures at the
+   Elementwise work runs at the rates ``memlab.app.doctor.measure_elementwise`` measures at the
    step's activation shapes (a streaming add; tanh-GELU at the MLP's width).
    The predicted ratios of full checkpointing, accumulation (4 micro-batches) and bf16
    autocast to the plain fp32 step are printed beside the measured ones, timed in turn (one
@@ -15,12 +15,12 @@
 2. The H200 reference: gpt2-large bf16 seq 1024 batch 4 under DeepSpeed on one GPU
    (``memlab/data/reference/NVIDIA-H200/zero_offload_one_gpu.json``), predicted with the
    H200's datasheet figures and Llama 3's published fraction, DeepSpeed's counted passes
-   (``memlab.step_time.DEEPSPEED_PASSES``), against the recorded seconds (target: within 25%;
+   (``memlab.time.step_time.DEEPSPEED_PASSES``), against the recorded seconds (target: within 25%;
    offload: the bound the model names). The record holds ONE timed step per row, so its
    spread is unknown; its ZeRO-1 row (0.575 s) takes twice ZeRO-2's (0.297 s) on one GPU, where
    memlab's count of DeepSpeed's ops finds the same work in both, so no one prediction lands
    within 25% of both. ``make gpu-check`` now times five steps per row
-   (``memlab.gpu_check.DEEPSPEED_TIMED_STEPS``) and keeps each: the column ``spread`` prints
+   (``memlab.app.gpu_check.DEEPSPEED_TIMED_STEPS``) and keeps each: the column ``spread`` prints
    their (max - min) / median where a record has them.
 3. DeepSpeed's host time on this CPU: the same engine and config on a model of gpt2-large's
    tensors (36 blocks, 436 parameter tensors) at width 80, where the arithmetic is negligible,
@@ -38,14 +38,14 @@ from importlib import resources
 
 import torch
 
-from memlab.cards import Speeds
+from memlab.app.doctor import fastest_seconds, measure_attention_flops, measure_elementwise, measure_matmul_flops
+from memlab.app.gpu_check import DEEPSPEED_CASES, deepspeed_one_gpu_worker
+from memlab.core.cards import Speeds
 from memlab.distributed.ranks import run_ranks
-from memlab.doctor import fastest_seconds, measure_attention_flops, measure_elementwise, measure_matmul_flops
-from memlab.gpu_check import DEEPSPEED_CASES, deepspeed_one_gpu_worker
-from memlab.measure import time_steps
-from memlab.models import get_config
-from memlab.step import StepConfig, build_trainer, make_batch
-from memlab.step_time import (
+from memlab.lenses.measure import time_steps
+from memlab.models.gpt_unet import get_config
+from memlab.step.training_step import StepConfig, build_trainer, make_batch
+from memlab.time.step_time import (
     CPU_ADAM_PARAMS_PER_S,
     Calibration,
     ElementwiseRates,
@@ -88,7 +88,7 @@ def cpu_rates(shapes: list[tuple[int, ...]], measure, rounds: int = 6) -> dict[t
 
 
 def elementwise_rates(shapes: list[tuple[int, int]], rounds: int = 6) -> dict[tuple, dict[str, ElementwiseRates]]:
-    """:func:`memlab.doctor.measure_elementwise` per activation shape ``(tokens, d_model)`` (its
+    """:func:`memlab.app.doctor.measure_elementwise` per activation shape ``(tokens, d_model)`` (its
     GELU at ``(tokens, 4 d_model)``, the MLP's) and dtype, the fastest of ``rounds`` rounds."""
     def bandwidth(d, device, shape, repeats):
         return measure_elementwise(d, device, shape=shape, repeats=repeats).bytes_per_s

@@ -5,9 +5,9 @@ Prints ratios, asserts nothing: timings on shared 2-core machines are noisy. Tar
 """
 import time
 
-from memlab.simulate import simulate_step
-from memlab.step import StepConfig, build_trainer, make_batch
-from memlab.tracking import MemoryTracker
+from memlab.lenses.simulate import simulate_step
+from memlab.step.training_step import StepConfig, build_trainer, make_batch
+from memlab.tracking.tracker import MemoryTracker
 
 
 def step_times(step: StepConfig, repeats: int = 7) -> tuple[float, float]:

@@ -15,7 +15,7 @@ The front door: ``import memlab as ml`` gives what a learner calls (``__all__``)
   :func:`build_trainer`, :func:`make_batch`, :class:`MemoryTracker`; sizes: :data:`MiB`,
   :data:`GiB`, :func:`fmt_bytes`; bad input raises :class:`InputError`.
 
-Plumbing stays in its module (``memlab.hardware.Placement``, ``memlab.hardware.pick_device``,
+Plumbing stays in its module (``memlab.core.hardware.Placement``, ``memlab.core.hardware.pick_device``,
 ...). Importing memlab loads neither DeepSpeed nor ipywidgets nor matplotlib: the modules that
 need them (``distributed``'s rank workers, ``widgets``, ``plots``) load them when used.
 The layers, lowest first, and what each module owns: the module map in ``docs/modules.md``
@@ -29,7 +29,7 @@ import importlib.util
 import pathlib
 from typing import TYPE_CHECKING, Any
 
-from .quiet import quiet_offline_kernels
+from memlab.core.quiet import quiet_offline_kernels
 
 # The names below load when first used (module __getattr__): `memlab --help` and `memlab
 # estimate` need a few modules, and importing every lens, DeepSpeed's launcher and the
@@ -37,25 +37,25 @@ from .quiet import quiet_offline_kernels
 # of what the front door exports and where each name lives (read by _homes(); type checkers
 # and tools/modmap.py read them as written).
 if TYPE_CHECKING:
-    from .advisor import Advice, advise
-    from .distributed.deepspeed_zero import measure_distributed, measure_zero
-    from .distributed.fsdp import simulate_sharded
-    from .distributed.pipeline_parallel import measure_pipeline
-    from .distributed.tensor_parallel import measure_tensor_parallel
-    from .errors import InputError
-    from .estimate import estimate_step
-    from .guard import HostMemoryError
-    from .hardware import GPU_PRESETS, place_ranks, resolve_budget
-    from .measure import measure_step, time_step
-    from .models import GPT, PRESETS, UNET_PRESETS, GPTConfig, UNet, UNetConfig, build_model, get_config
-    from .simulate import simulate_step
-    from .step import MemoryReport, StepConfig, build_trainer, make_batch
-    from .technique_table import measure_table
-    from .tracking import CATEGORIES, MemoryTracker
-    from .units import GiB, MiB, fmt_bytes, parse_size
-    from .your_model import simulate_model, track_step
+    from memlab.classroom.technique_table import measure_table
+    from memlab.core.errors import InputError
+    from memlab.core.hardware import GPU_PRESETS, place_ranks, resolve_budget
+    from memlab.core.units import GiB, MiB, fmt_bytes, parse_size
+    from memlab.distributed.deepspeed_zero import measure_distributed, measure_zero
+    from memlab.distributed.fsdp import simulate_sharded
+    from memlab.distributed.pipeline_parallel import measure_pipeline
+    from memlab.distributed.tensor_parallel import measure_tensor_parallel
+    from memlab.lenses.estimate import estimate_step
+    from memlab.lenses.guard import HostMemoryError
+    from memlab.lenses.measure import measure_step, time_step
+    from memlab.lenses.simulate import simulate_step
+    from memlab.lenses.your_model import simulate_model, track_step
+    from memlab.models.gpt_unet import GPT, PRESETS, UNET_PRESETS, GPTConfig, UNet, UNetConfig, build_model, get_config
+    from memlab.planning.advisor import Advice, advise
+    from memlab.step.training_step import MemoryReport, StepConfig, build_trainer, make_batch
+    from memlab.tracking.tracker import CATEGORIES, MemoryTracker
 
-quiet_offline_kernels()  # before peft or transformers import bitsandbytes (memlab.quiet)
+quiet_offline_kernels()  # before peft or transformers import bitsandbytes (memlab.core.quiet)
 
 __version__ = "0.1.0"
 
@@ -75,7 +75,7 @@ _HOMES: dict[str, str] = {}
 
 def __getattr__(name: str) -> Any:
     """An exported name (``ml.estimate_step``), loaded from its module when first asked; any
-    submodule (``ml.hf``) by its name."""
+    submodule (``ml.hf.config``) by its name."""
     module = _homes().get(name)
     if module is not None:
         value = getattr(importlib.import_module(f".{module}", __name__), name)

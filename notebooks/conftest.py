@@ -8,7 +8,7 @@ repr longer than a line (``tools/output_noise.py`` says what each is; a cell tag
 ``allow-<kind>`` may show that kind, e.g. the deprecation warnings lesson 04 is about).
 
 It also registers ``tools/nbval_watchdog.py``: a cell whose kernel sits idle with no reply is
-reported in one line and its notebook retried once in a fresh kernel (memlab.watchdog).
+reported in one line and its notebook retried once in a fresh kernel (memlab.classroom.watchdog).
 
 The kernels nbval starts inherit this process's environment: ``MEMLAB_PROGRESS=0`` turns
 memlab's progress bars off there (nobody watches them; they would stay at 0%).

@@ -1,4 +1,4 @@
-"""Activation offloading (memlab.activation_offload): on a CPU device save_on_cpu moves
+"""Activation offloading (memlab.step.activation_offload): on a CPU device save_on_cpu moves
 nothing; on a simulated GPU every saved tensor goes to the host, as many bytes as the
 saved-tensor hooks see a real forward save."""
 from dataclasses import replace
@@ -6,13 +6,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from memlab.activation_offload import saved_bytes
-from memlab.cli import main
-from memlab.measure import measure_step, run_tracked_step
-from memlab.models import tiny_llama
-from memlab.simulate import simulate_step
-from memlab.step import StepConfig, autocast_for, build_trainer, make_batch
-from memlab.torch_private import FakeTensorMode
+from memlab.app.cli import main
+from memlab.core.torch_private import FakeTensorMode
+from memlab.lenses.measure import measure_step, run_tracked_step
+from memlab.lenses.simulate import simulate_step
+from memlab.models.gpt_unet import tiny_llama
+from memlab.step.activation_offload import saved_bytes
+from memlab.step.training_step import StepConfig, autocast_for, build_trainer, make_batch
 
 LLAMA = tiny_llama(d_model=256, n_layer=4, mlp_hidden=512)
 

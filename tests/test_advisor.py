@@ -5,14 +5,14 @@ from dataclasses import replace
 
 import pytest
 
-from memlab.advisor import advise, check_plan, flowchart, tensor_parallel_degree
-from memlab.cards import get_card
-from memlab.cli import main
-from memlab.estimate import estimate_step
-from memlab.measure import measure_step
-from memlab.models import get_config
-from memlab.simulate import simulate_step
-from memlab.step import StepConfig
+from memlab.app.cli import main
+from memlab.core.cards import get_card
+from memlab.lenses.estimate import estimate_step
+from memlab.lenses.measure import measure_step
+from memlab.lenses.simulate import simulate_step
+from memlab.models.gpt_unet import get_config
+from memlab.planning.advisor import advise, check_plan, flowchart, tensor_parallel_degree
+from memlab.step.training_step import StepConfig
 
 MiB = 2**20
 
@@ -138,7 +138,7 @@ def test_plans_for_todays_models_match_their_estimate(model, world):
 
 @pytest.mark.slow
 def test_one_card_plan_for_llama_3_8b_simulates_as_planned():
-    """The one-H100 plan run on fake tensors (DeepSpeed's layout, memlab.simulate): the
+    """The one-H100 plan run on fake tensors (DeepSpeed's layout, memlab.lenses.simulate): the
     simulated peak is the plan's within 5%, and it sits in the loss (the logits spike)."""
     a = advise("llama-3-8b", "H100-80GB", world_size=1, seq=8192, batch=1)
     sim = simulate_step(a.step, card="H100-80GB")
@@ -216,7 +216,7 @@ def test_plan_for_the_card_at_hand_fits_when_measured():
 def test_plot_advice_reads_bytes_on_a_linear_axis_from_zero():
     import matplotlib
     matplotlib.use("Agg")
-    from memlab.plots import plot_advice
+    from memlab.classroom.plots import plot_advice
     a = advise("llama-13b", "T4-16GB", seq=4096, batch=1)
     ax = plot_advice(a)
     assert ax.get_yscale() == "linear" and ax.get_ylim()[0] == 0
@@ -243,7 +243,7 @@ def test_plan_is_the_estimate_of_the_config_it_emits_on_that_card(card):
 def test_cli_and_python_agree_for_the_same_card(capsys):
     import json as _json
 
-    from memlab.cli import main
+    from memlab.app.cli import main
     step = StepConfig(model="gpt2-medium", seq=1024, batch=16, precision="bf16", checkpointing="full")
     for card in ("T4-16GB", "RTX4090-24GB"):
         assert main(["estimate", "--model", "gpt2-medium", "--seq", "1024", "--batch", "16",
@@ -317,7 +317,7 @@ def test_a_plan_the_host_cannot_hold_is_not_a_plan_that_fits():
     host bytes, 141.8 GiB); with 64 GiB of host memory no kept step and no searched plan
     offloads beyond it, and the message names the step more memory would allow; with 1 TiB
     the same offload is the plan."""
-    from memlab.advisor import estimate_host_bytes
+    from memlab.planning.advisor import estimate_host_bytes
     small = advise(hf_config="llama-3.1-8b", gpu="RTX4090-24GB", seq=2048, batch=2, host_memory="64GiB",
                    simulate=False)
     limit = 64 * 2**30

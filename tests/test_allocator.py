@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from memlab.oom import fragmentation, read_oom
-from memlab.tracking import MemoryTracker
+from memlab.tracking.oom_messages import fragmentation, read_oom
+from memlab.tracking.tracker import MemoryTracker
 
 MiB, GiB = 2**20, 2**30
 

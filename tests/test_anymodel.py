@@ -11,10 +11,11 @@ from torch_reference import memtracker_peak
 
 pytest.importorskip("transformers")
 
-from memlab import estimate_step, hf
-from memlab.cli import main
-from memlab.hf_simulate import simulate_hf
-from memlab.your_model import simulate_model, track_step, tracking
+from memlab import estimate_step
+from memlab.app.cli import main
+from memlab.hf import config as hf
+from memlab.hf.simulate import simulate_hf
+from memlab.lenses.your_model import simulate_model, track_step, tracking
 
 SMALL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
          "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,

@@ -168,10 +168,10 @@ def test_the_module_map_in_docs_is_what_the_code_says():
 def test_the_map_reads_imports_anywhere_in_a_file():
     """The imports column counts function-level imports and a package's __init__."""
     graph = modmap.graph()
-    assert "plots" in graph["technique_table"]            # inside Table.plot
+    assert "classroom.plots" in graph["classroom.technique_table"]            # inside Table.plot
     # distributed/__init__ runs first
-    assert {"distributed", "distributed.parallel_formulas"} <= graph["technique_table"]
-    assert graph["errors"] == set()
+    assert {"distributed", "lenses.parallel_formulas"} <= graph["classroom.technique_table"]
+    assert graph["core.errors"] == set()
     assert "distributed" not in graph["distributed.tensor_parallel"]  # its own package is loaded before it
 
 
@@ -198,7 +198,7 @@ def test_every_table_starts_with_its_header(page):
 #: Everything else is imported at the top, where a reader sees it.
 LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "bitsandbytes", "matplotlib", "tqdm.auto",
            "nbformat", "nbclient", "yaml", "trl", "datasets", "tokenizers",
-           ".plots",
+           "memlab.classroom.plots",
            "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining",
            "torch.distributed._tools", "torch.utils.cpp_extension", "resource")
 #: Modules whose functions may import memlab's own modules late: the CLI, where each command

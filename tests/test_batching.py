@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import memlab as ml
-from memlab import batching as bt
-from memlab.models import GPT
+from memlab.models.gpt_unet import GPT
+from memlab.techniques import batching as bt
 
 BUDGET, MAX_LEN = 2048, 256
 

@@ -7,8 +7,8 @@ import matplotlib.pyplot as plt
 import pytest
 
 from memlab import GPU_PRESETS, GiB, InputError, StepConfig, estimate_step
-from memlab.calculator import MODELS, calculator, register_model
-from memlab.models import get_config
+from memlab.lenses.calculator import MODELS, calculator, register_model
+from memlab.models.gpt_unet import get_config
 
 
 @pytest.mark.parametrize("kw", [
@@ -69,7 +69,7 @@ def test_register_model_extends_the_list():
 
 
 def test_calculator_panel_redraws_when_a_control_changes():
-    from memlab.widgets import CalculatorPanel
+    from memlab.classroom.widgets import CalculatorPanel
     panel = CalculatorPanel("gpt2-xl", seq=1024, batch=8, precision="fp32", gpu="A100-40GB")
     first = panel.data
     assert first["fits"] is False and "does not fit" in panel.status.value

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from memlab.callbacks import memory_watch
-from memlab.your_model import track_step
+from memlab.hf.callbacks import memory_watch
+from memlab.lenses.your_model import track_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,7 +39,7 @@ def trainer_for(model, callback, tmp_path, steps: int):
 
 @pytest.mark.slow  # a Trainer: transformers and accelerate import for tens of seconds on 2 cores
 def test_trainer_callback_report_equals_track_step_of_the_same_step(tmp_path):
-    from memlab.callbacks import MemoryCallback
+    from memlab.hf.callbacks import MemoryCallback
 
     callback = MemoryCallback(steps=2)
     trainer = trainer_for(tiny_llama(), callback, tmp_path, steps=2)
@@ -74,7 +74,7 @@ def test_trainer_callback_report_equals_track_step_of_the_same_step(tmp_path):
 
 @pytest.mark.slow
 def test_an_oom_in_the_trainer_is_explained_and_the_tracker_left(tmp_path):
-    from memlab.callbacks import MemoryCallback
+    from memlab.hf.callbacks import MemoryCallback
 
     stream = io.StringIO()
     model = tiny_llama()

@@ -5,13 +5,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memlab import cards
-from memlab.cards import CARDS, detect_card, get_card
-from memlab.errors import InputError
-from memlab.estimate import estimate_step
-from memlab.hardware import GPU_PRESETS, resolve_budget
+from memlab.core import cards
+from memlab.core.cards import CARDS, detect_card, get_card
+from memlab.core.errors import InputError
+from memlab.core.hardware import GPU_PRESETS, resolve_budget
+from memlab.lenses.estimate import estimate_step
 from memlab.policy import get_target, resolve_target, sdpa_backend
-from memlab.step import StepConfig
+from memlab.step.training_step import StepConfig
 
 MiB, GiB = 2**20, 2**30
 
@@ -153,7 +153,7 @@ def test_sm75_simulation_runs_the_math_kernel_as_the_estimate_counts_it():
     fused kernel): its peak agrees with the estimate's math-kernel rule within 0.1%, both
     without workspace (the simulation's includes the allocator's unsplit blocks, which a
     formula cannot know: memlab.policy.caching_allocator)."""
-    from memlab.simulate import simulate_step
+    from memlab.lenses.simulate import simulate_step
     for precision in ("bf16", "fp16"):
         step = StepConfig(model="tiny", seq=256, batch=4, precision=precision)
         sim = simulate_step(step, card="T4-16GB")
@@ -168,7 +168,7 @@ def test_sm75_simulation_runs_the_math_kernel_as_the_estimate_counts_it():
 def test_kaggle_two_t4s_run_the_rank_lessons_on_nccl_one_rank_per_gpu(monkeypatch):
     """2 x T4: detection gives the 2-GPU profile, and place_ranks puts the rank lessons' two
     ranks on NCCL, rank r on cuda:r (offload's shrink keeps both); one T4 sends them to CPU."""
-    from memlab.hardware import place_ranks
+    from memlab.core.hardware import place_ranks
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: props("Tesla T4", 14.75, (7, 5)))
     monkeypatch.delenv("MEMLAB_CARD", raising=False)

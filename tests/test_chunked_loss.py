@@ -6,16 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memlab.chunked_loss import (
+from memlab.lenses.measure import measure_step
+from memlab.lenses.simulate import simulate_step
+from memlab.models.chunked_loss import (
     check_linear_cross_entropy,
     linear_cross_entropy,
     loss_spike_bytes,
     plain_linear_cross_entropy,
 )
-from memlab.measure import measure_step
-from memlab.models import GPT, GPTConfig, get_config
-from memlab.simulate import simulate_step
-from memlab.step import StepConfig
+from memlab.models.gpt_unet import GPT, GPTConfig, get_config
+from memlab.step.training_step import StepConfig
 
 
 # -- against the plain loss --------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 import memlab as ml
 from memlab import GiB
-from memlab.advisor import advise
+from memlab.planning.advisor import advise
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REGISTER = ROOT / "course" / "claims.md"
@@ -153,7 +153,7 @@ def test_deepspeed_pins_by_default():
     """states.py counts DeepSpeed's host buffers as pinned: the installed DeepSpeed's default,
     which memlab's config leaves in force."""
     pytest.importorskip("deepspeed")
-    from memlab.distributed.deepspeed_config import deepspeed_config
+    from memlab.step.write_deepspeed_config import deepspeed_config
     assert _offload_default("DeepSpeedZeroOffloadOptimizerConfig") is True
     assert _offload_default("DeepSpeedZeroOffloadParamConfig") is True
     zo = deepspeed_config(ml.StepConfig(zero=3, offload="all"))["zero_optimization"]
@@ -174,7 +174,7 @@ def test_answer_14_t4_plan():
     plan's peak and for the step without offload being over the card."""
     from dataclasses import replace
 
-    from memlab.simulate import simulate_step
+    from memlab.lenses.simulate import simulate_step
     text = _text("course/answers/14_plan_your_run.md").split("## Exercise 3", 1)[1].split("## Exercise 4")[0]
     n, logits = GPT2_MEDIUM, 24 * 1024 * 50257 * 4
     assert n == 354_823_168 and "355M" in text
@@ -281,9 +281,9 @@ def test_deepspeed_all_reduces_zero_1_2_gradients_at_the_cited_lines():
 
 
 def test_launch_overhead_citation_says_its_benchmark_synchronises():
-    """The 4-6 us of memlab.step_time.LAUNCH_SECONDS's source are a launch and a stream
+    """The 4-6 us of memlab.time.step_time.LAUNCH_SECONDS's source are a launch and a stream
     synchronisation (its loop calls cudaStreamSynchronize after each launch): the comment says so."""
-    src = (ROOT / "memlab" / "step_time.py").read_text()
+    src = (ROOT / "memlab" / "time" / "step_time.py").read_text()
     comment = src.split("LAUNCH_SECONDS = ", 1)[0].rsplit("\n\n", 1)[1]
     assert "4-6 us" in comment and "pegainfer-3-cuda-graph" in comment
     assert "synchronises the stream after every launch" in " ".join(comment.replace("#:", " ").split())

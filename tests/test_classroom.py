@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from memlab import classroom
-from memlab.errors import InputError
+from memlab.classroom import collect as classroom
+from memlab.core.errors import InputError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))  # make_student imports its neighbour student_stub

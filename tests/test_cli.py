@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from memlab.cli import main
+from memlab.app.cli import main
 
 KEYS = {"lens", "config", "seq", "batch", "device", "peak_bytes", "by_category",
         "budget_bytes", "fits", "step_seconds"}
@@ -79,13 +79,13 @@ def test_one_rank_simulation_honours_zero_and_offload(capsys):
 
 def test_internal_error_shows_its_traceback_and_exits_1(monkeypatch, capsys):
     """Only user errors exit 2: a ValueError from inside memlab is a bug, not bad input."""
-    import memlab.estimate
+    import memlab.lenses.estimate
 
     def broken(*args, **kwargs):
         raise ValueError("an internal inconsistency")
 
     # the CLI imports the lens when the command runs (startup), from its module
-    monkeypatch.setattr(memlab.estimate, "estimate_step", broken)
+    monkeypatch.setattr(memlab.lenses.estimate, "estimate_step", broken)
     assert main(["estimate", "--seq", "64"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "ValueError: an internal inconsistency" in err
@@ -93,8 +93,8 @@ def test_internal_error_shows_its_traceback_and_exits_1(monkeypatch, capsys):
 
 
 def test_a_step_the_host_cannot_hold_exits_2_naming_the_way_out(monkeypatch, capsys):
-    import memlab.guard
-    monkeypatch.setattr(memlab.guard, "host_available_bytes", lambda: 2**20)
+    import memlab.lenses.guard
+    monkeypatch.setattr(memlab.lenses.guard, "host_available_bytes", lambda: 2**20)
     assert main(["measure", "--seq", "64", "--batch", "2", "--device", "cpu", "--json"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -114,7 +114,7 @@ def test_presets_lists_models_and_gpus(capsys):
 def test_multi_rank_measure_prints_only_json_with_per_rank_halves():
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "memlab.cli", "measure", "--seq", "64",
+    out = subprocess.run([sys.executable, "-m", "memlab.app.cli", "measure", "--seq", "64",
                           "--batch", "2", "--zero", "2", "--world-size", "2", "--json"],
                          capture_output=True, text=True, timeout=600, check=True).stdout
     report = json.loads(out)  # DeepSpeed's logs must not reach stdout

@@ -1,4 +1,4 @@
-"""Bytes moved per rank (memlab.communication) against the ZeRO paper's and Megatron's
+"""Bytes moved per rank (memlab.time.communication) against the ZeRO paper's and Megatron's
 counts, and against the bytes counted on real gloo ranks (memlab.distributed.comm_count)."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import functools
 
 import pytest
 
-from memlab.communication import Transfer, step_communication
-from memlab.distributed.deepspeed_config import GATHER_EVERY_USE, REDUCE_TO_OWNER, deepspeed_config
-from memlab.errors import InputError
-from memlab.models import get_config
-from memlab.step import StepConfig
+from memlab.core.errors import InputError
+from memlab.models.gpt_unet import get_config
+from memlab.step.training_step import StepConfig
+from memlab.step.write_deepspeed_config import GATHER_EVERY_USE, REDUCE_TO_OWNER, deepspeed_config
+from memlab.time.communication import Transfer, step_communication
 
 TINY = StepConfig(model="tiny", seq=16, batch=2, world_size=2)
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from memlab.compression import ActivationCompressor, gradient_error, gradients, measure_compressed, quantize
-from memlab.estimate import activation_bytes
-from memlab.step import StepConfig, build_trainer, make_batch
-from memlab.sweeps import category_max
+from memlab.lenses.estimate import activation_bytes
+from memlab.step.training_step import StepConfig, build_trainer, make_batch
+from memlab.techniques.compression import ActivationCompressor, gradient_error, gradients, measure_compressed, quantize
+from memlab.techniques.sweeps import category_max
 
 STEP = StepConfig(seq=128, batch=4)
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memlab import measure
+from memlab.lenses import measure
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COURSE = ROOT / "course"

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memlab.measure import add_workspace, measure_step, run_tracked_step
-from memlab.oom import requested_bytes
-from memlab.step import MemoryReport, StepConfig, build_trainer, make_batch
-from memlab.tracking import CATEGORIES, MemoryTracker
+from memlab.lenses.measure import add_workspace, measure_step, run_tracked_step
+from memlab.step.training_step import MemoryReport, StepConfig, build_trainer, make_batch
+from memlab.tracking.oom_messages import requested_bytes
+from memlab.tracking.tracker import CATEGORIES, MemoryTracker
 
 D, H = 256, 1024  # a two-layer MLP, 256 -> 1024 -> 256
 
@@ -192,7 +192,7 @@ def test_workspace_is_the_allocators_growth_beyond_the_tracked_tensors():
 def test_cuda_step_time_is_read_after_synchronize(monkeypatch):
     """run_tracked_step on a (patched) CUDA trainer: the clock is read after
     torch.cuda.synchronize, so asynchronous kernels are inside the step time."""
-    import memlab.measure as measure
+    import memlab.lenses.measure as measure
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
     clock = iter(range(100))

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 import memlab as ml
-from memlab import batching as bt
-from memlab import plots, sweeps
-from memlab.distributed.parallel_formulas import bubble_fraction, pipeline_schedule
+from memlab.classroom import plots
 from memlab.distributed.pipeline_parallel import in_flight
-from memlab.tracking import CATEGORIES
+from memlab.lenses.parallel_formulas import bubble_fraction, pipeline_schedule
+from memlab.techniques import batching as bt
+from memlab.techniques import sweeps
+from memlab.tracking.tracker import CATEGORIES
 
 MiB, GiB = 2**20, 2**30
 

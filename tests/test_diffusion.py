@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import memlab as ml
-from memlab import diffusion as dif
-from memlab import sweeps
-from memlab.step import build_trainer, make_batch
+from memlab.models import diffusion as dif
+from memlab.step.training_step import build_trainer, make_batch
+from memlab.techniques import sweeps
 
 CFG = ml.get_config("unet-small")  # base 32, mults (1, 2, 2): channels 32, 64, 64
 IMAGE, BATCH = 32, 2
@@ -91,7 +91,7 @@ def test_reference_gap_splits_into_before_and_during_the_step():
 
 
 def test_unet_panel_redraws_by_module():
-    from memlab.widgets import UNetPanel
+    from memlab.classroom.widgets import UNetPanel
     panel = UNetPanel(ml.StepConfig(model="unet-small", seq=16, batch=2), images=(16, 32),
                       batches=(1, 2))
     small = panel.data

@@ -4,12 +4,12 @@ import time
 
 import pytest
 
-from memlab.distributed.deepspeed_config import deepspeed_config
 from memlab.distributed.deepspeed_zero import measure_zero
 from memlab.distributed.fsdp import fsdp_worker, simulate_sharded
 from memlab.distributed.offload import measure_offload
 from memlab.distributed.ranks import RankError, allreduce_worker, run_ranks
-from memlab.step import StepConfig
+from memlab.step.training_step import StepConfig
+from memlab.step.write_deepspeed_config import deepspeed_config
 
 pytestmark = pytest.mark.distributed
 
@@ -174,7 +174,7 @@ def test_deepspeed_config_is_validated():
 def test_zero_worker_runs_as_a_script_under_torchrun(torchrun):
     import json
 
-    from memlab.models import get_config
+    from memlab.models.gpt_unet import get_config
     out = torchrun("memlab.distributed.zero_worker", "--zero", "2", "--seq", "32", "--batch", "2")
     ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")),
                    key=lambda r: r["rank"])

@@ -10,11 +10,11 @@ import re
 
 import pytest
 
-from memlab import guard
-from memlab.cli import build_parser
-from memlab.hardware import GPU_PRESETS
-from memlab.models import PRESETS, UNET_PRESETS
-from memlab.units import fmt_bytes
+from memlab.app.cli import build_parser
+from memlab.core.hardware import GPU_PRESETS
+from memlab.core.units import fmt_bytes
+from memlab.lenses import guard
+from memlab.models.gpt_unet import PRESETS, UNET_PRESETS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -72,7 +72,7 @@ def broken_links(page: pathlib.Path) -> list[str]:
     return broken
 
 
-# a repository path in backticks: `memlab/guard.py`, `memlab/policy/`, `tests/test_lenses.py`
+# a repository path in backticks: `memlab/lenses/guard.py`, `memlab/policy/`, `tests/test_lenses.py`
 REPO_PATH = re.compile(r"`((?:memlab|tests|tools|benchmarks|course|notebooks)/[\w./-]*)`")
 
 
@@ -97,7 +97,7 @@ def test_link_and_path_checks_catch_what_is_not_there(tmp_path):
     page.write_text("# Top\n\n[gone](nowhere.md) [bad](#elsewhere) [ok](#top) [ok](there.md#a-heading-with-punctuation)"
                     " [bad](there.md#top) [web](https://pytorch.org/memory_viz)\n")
     assert broken_links(page) == ["nowhere.md", "#elsewhere", "there.md#top"]
-    assert missing_paths("see `memlab/nowhere.py` and `memlab/guard.py`") == ["memlab/nowhere.py"]
+    assert missing_paths("see `memlab/nowhere.py` and `memlab/lenses/guard.py`") == ["memlab/nowhere.py"]
 
 
 # -- a newcomer's ten questions -----------------------------------------------------------------
@@ -106,15 +106,15 @@ def test_link_and_path_checks_catch_what_is_not_there(tmp_path):
 QUESTIONS = {
     "the bf16 rule for softmax on a T4 (no fused attention for bf16 below sm80)":
         ("memlab/policy/kernels.py", ("sdpa_backend", "sdpa_math_extra_bytes"), "sm75"),
-    "the parameter count of a GPT": ("memlab/models.py", ("GPTConfig.param_numels",), "parameter count"),
-    "the ZeRO-3 per-rank formula": ("memlab/distributed/zero.py", ("zero_formula",), "stage 3"),
-    "the widgets (every ipywidgets panel)": ("memlab/widgets.py", ("Panel",), "widgets"),
-    "how a notebook picks its sizes for the card present": ("memlab/lesson.py", ("setup",), "sizes"),
-    "what simulate does differently from estimate": ("memlab/simulate.py", ("simulate_step",), "FakeTensorMode"),
-    "where a CUDA OOM message is read": ("memlab/oom.py", ("read_oom",), "out-of-memory message"),
+    "the parameter count of a GPT": ("memlab/models/gpt_unet.py", ("GPTConfig.param_numels",), "parameter count"),
+    "the ZeRO-3 per-rank formula": ("memlab/step/zero.py", ("zero_formula",), "stage 3"),
+    "the widgets (every ipywidgets panel)": ("memlab/classroom/widgets.py", ("Panel",), "widgets"),
+    "how a notebook picks its sizes for the card present": ("memlab/classroom/lesson.py", ("setup",), "sizes"),
+    "what simulate does differently from estimate": ("memlab/lenses/simulate.py", ("simulate_step",), "FakeTensorMode"),
+    "where a CUDA OOM message is read": ("memlab/tracking/oom_messages.py", ("read_oom",), "out-of-memory message"),
     "the caching allocator's replay": ("memlab/policy/caching_allocator.py",
                                        ("CachingAllocator", "replay_steady_step"), "replayed"),
-    "where the DeepSpeed config is written": ("memlab/distributed/deepspeed_config.py",
+    "where the DeepSpeed config is written": ("memlab/step/write_deepspeed_config.py",
                                               ("deepspeed_config",), "zero_optimization"),
     "where FSDP2 is simulated": ("memlab/distributed/fsdp.py", ("simulate_sharded",), "fully_shard"),
 }
@@ -235,9 +235,9 @@ def test_accuracy_figures_lie_inside_the_bounds_the_replay_tests_hold():
 def test_the_estimates_figure_is_what_it_achieves_on_the_h200_rows():
     """The page's "up to X% under" for the estimate, recomputed from every GPT row of the H200
     reference (about 30 s on two shared cores; the bound check above is its fast sibling)."""
-    from memlab.estimate import estimate_step
-    from memlab.models import GPTConfig
-    from memlab.reference import reference_steps
+    from memlab.lenses.estimate import estimate_step
+    from memlab.lenses.reference import reference_steps
+    from memlab.models.gpt_unet import GPTConfig
     errs = [estimate_step(r.step, target="cuda").peak_bytes / r.allocator_peak - 1 for r in reference_steps()
             if isinstance(r.step.model_config, GPTConfig)]
     assert round(-_accuracy_rows()["estimate"][0], 4) == round(-min(errs), 4)
@@ -247,7 +247,7 @@ def test_the_estimates_figure_is_what_it_achieves_on_the_h200_rows():
 #: a figure each of these pages is the one home of; no other page or docstring repeats it
 ONE_HOME = {"docs/accuracy.md": ("0.31% over", "0.74% over", "1.42% under"),
             "docs/guard.md": ("1.147", "4.3%", "1.74 x"),
-            "memlab/cards.py": ("8 MiB + 128 KiB",)}
+            "memlab/core/cards.py": ("8 MiB + 128 KiB",)}
 
 
 @pytest.mark.parametrize("home", ONE_HOME)

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from memlab import doctor
-from memlab.cli import main as cli_main
+from memlab.app import doctor
+from memlab.app.cli import main as cli_main
 
 
 def props(name="X", gb=80, major=8, minor=0):
@@ -26,7 +26,7 @@ def test_memory_is_read_from_the_props(gb):
 
 
 def test_no_gpu_everything_on_the_cpu(monkeypatch):
-    monkeypatch.setattr("memlab.hardware.visible_gpus", lambda: 0)
+    monkeypatch.setattr("memlab.core.hardware.visible_gpus", lambda: 0)
     places = doctor.lesson_places(0)
     assert set(places.values()) == {"cpu", "cpu ranks"}
     assert sorted(n for n, p in places.items() if p == "cpu ranks") == list(doctor.RANK_LESSONS)
@@ -35,7 +35,7 @@ def test_no_gpu_everything_on_the_cpu(monkeypatch):
 
 
 def test_one_gpu_single_lessons_and_offload_on_it(monkeypatch):
-    monkeypatch.setattr("memlab.hardware.visible_gpus", lambda: 1)
+    monkeypatch.setattr("memlab.core.hardware.visible_gpus", lambda: 1)
     places = doctor.lesson_places(1)
     on_gpu = [n for n, p in places.items() if p.startswith("gpu")]
     # one-process lessons on the card; of the rank lessons only offload (one rank per GPU)
@@ -44,7 +44,7 @@ def test_one_gpu_single_lessons_and_offload_on_it(monkeypatch):
 
 
 def test_two_gpus_every_lesson_on_gpu(monkeypatch):
-    monkeypatch.setattr("memlab.hardware.visible_gpus", lambda: 2)
+    monkeypatch.setattr("memlab.core.hardware.visible_gpus", lambda: 2)
     places = doctor.lesson_places(2)
     assert all(p.startswith("gpu") for p in places.values())
     assert len(places) == 18

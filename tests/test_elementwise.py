@@ -1,6 +1,6 @@
-"""Elementwise bytes of a step (memlab.elementwise): the closed form against the op-by-op count
+"""Elementwise bytes of a step (memlab.time.elementwise): the closed form against the op-by-op count
 on the real step, the counting rule against bytes written out by hand, and the time they take
-(memlab.step_time's roofline) against the rates measured."""
+(memlab.time.step_time's roofline) against the rates measured."""
 from __future__ import annotations
 
 import math
@@ -10,11 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memlab import doctor
-from memlab.elementwise import ElementwiseCounter, ElementwiseWork, count_elementwise, gpt_elementwise, step_elementwise
-from memlab.models import get_config, tiny_llama
-from memlab.step import StepConfig
-from memlab.step_time import ElementwiseRates, elementwise_seconds, step_time
+from memlab.app import doctor
+from memlab.models.gpt_unet import get_config, tiny_llama
+from memlab.step.training_step import StepConfig
+from memlab.time.elementwise import (
+    ElementwiseCounter,
+    ElementwiseWork,
+    count_elementwise,
+    gpt_elementwise,
+    step_elementwise,
+)
+from memlab.time.step_time import ElementwiseRates, elementwise_seconds, step_time
 
 GPT2 = replace(get_config("tiny"), n_layer=2)                          # LayerNorm, GELU, learned, tied
 GPT2_BARE = replace(GPT2, tie_embeddings=False, bias=False)

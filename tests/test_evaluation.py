@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memlab.errors import InputError
-from memlab.evaluation import estimate_eval, measure_eval
+from memlab.core.errors import InputError
+from memlab.hf.evaluation import estimate_eval, measure_eval
 
 TINY = dict(model_type="llama", vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

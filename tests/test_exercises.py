@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import memlab as ml
-from memlab import exercises as ex
+from memlab.classroom import exercises as ex
 from memlab.distributed import deepspeed_rank0
-from memlab.models import Block
+from memlab.models.gpt_unet import Block
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -4,8 +4,8 @@ message that names the mistake."""
 import pytest
 
 import memlab as ml
-from memlab import exercises as ex
-from memlab.estimate import layer_activation_bytes
+from memlab.classroom import exercises as ex
+from memlab.lenses.estimate import layer_activation_bytes
 
 
 def test_first_step_checker_passes_a_right_prediction_and_names_a_wrong_one():

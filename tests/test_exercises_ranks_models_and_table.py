@@ -3,7 +3,7 @@ today's models (16 GQA, 17 a UNet) and of the table (15): each passes its refere
 and fails a named wrong answer with a message that says what is wrong."""
 import pytest
 
-from memlab import exercises as ex
+from memlab.classroom import exercises as ex
 
 
 # --------------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_in_flight_names_stage_blind_1f1b():
 @pytest.mark.distributed
 def test_in_flight_agrees_with_a_measured_pipeline():
     from memlab.distributed.pipeline_parallel import measure_pipeline
-    from memlab.step import StepConfig
+    from memlab.step.training_step import StepConfig
     pp = measure_pipeline(StepConfig(seq=32, batch=4), 2, micro_batches=(2, 4), repeats=1)
     r = ex.check_in_flight(in_flight, measured=pp)
     assert r.measured["measured_runs"] >= 4
@@ -152,7 +152,7 @@ def test_peak_saving_passes_the_reference():
 def test_peak_saving_names_the_activation_saving():
     def on_activations(step, **technique):
         from memlab import measure_step
-        from memlab.sweeps import category_max
+        from memlab.techniques.sweeps import category_max
         a = [category_max(measure_step(step, **kw), "activations") for kw in (technique, {})]
         return 1 - a[0] / a[1]
     with pytest.raises(ex.CheckFailed, match="saving on the activations"):

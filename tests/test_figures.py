@@ -14,8 +14,7 @@ import pytest
 from matplotlib.text import Text
 
 from memlab import CATEGORIES, StepConfig, measure_step
-from memlab.batching import plan_batches
-from memlab.plots import (
+from memlab.classroom.plots import (
     CURRICULUM_CHECKPOINTING,
     STACK_ORDER,
     plot_curve,
@@ -26,6 +25,7 @@ from memlab.plots import (
     plot_timeline,
     plot_tradeoff,
 )
+from memlab.techniques.batching import plan_batches
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,12 +8,15 @@ import torch
 
 pytest.importorskip("peft")
 
-from memlab import finetune, hf, low_bit, measure_step
-from memlab.hf_simulate import simulate_hf
-from memlab.models import GPT, PRESETS
-from memlab.run import LoraConfig
-from memlab.tracking import CATEGORIES
-from memlab.your_model import track_step
+from memlab import measure_step
+from memlab.hf import config as hf
+from memlab.hf.simulate import simulate_hf
+from memlab.lenses.your_model import track_step
+from memlab.models.gpt_unet import GPT, PRESETS
+from memlab.step import low_bit
+from memlab.step.fine_tune_config import LoraConfig
+from memlab.techniques import finetune
+from memlab.tracking.tracker import CATEGORIES
 
 SMALL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
          "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -144,7 +147,7 @@ def test_8bit_layout_equals_bitsandbytes():
 
 def test_will_it_fit_panel_redraws_with_the_estimate():
     pytest.importorskip("ipywidgets")
-    from memlab.widgets import FinetunePanel
+    from memlab.classroom.widgets import FinetunePanel
     panel = FinetunePanel("llama-3-8b", "A100-80GB")
     full = panel.data["peak_bytes"]
     panel.lora.value = "r=16 all linear"  # a click, from code
@@ -162,7 +165,7 @@ def test_will_it_fit_panel_redraws_with_the_estimate():
 def _cli_json(capsys, argv):
     import json
 
-    from memlab.cli import main
+    from memlab.app.cli import main
     assert main(argv) == 0, capsys.readouterr().err
     return json.loads(capsys.readouterr().out)
 

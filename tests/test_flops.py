@@ -1,15 +1,15 @@
-"""FLOPs of a step: the closed form (memlab.flops.gpt_step_flops) against torch's own
+"""FLOPs of a step: the closed form (memlab.time.flops.gpt_step_flops) against torch's own
 FlopCounterMode on the real step, part by part and in total."""
 from __future__ import annotations
 
 import pytest
 from torch.utils.flop_counter import FlopCounterMode
 
-from memlab import hf
-from memlab.errors import InputError
-from memlab.flops import CPU_SDPA, PhaseFlopCounter, count_step_flops, gpt_step_flops, step_flops_formula
-from memlab.models import get_config, tiny_llama
-from memlab.step import StepConfig, build_trainer, make_batch
+from memlab.core.errors import InputError
+from memlab.hf import config as hf
+from memlab.models.gpt_unet import get_config, tiny_llama
+from memlab.step.training_step import StepConfig, build_trainer, make_batch
+from memlab.time.flops import CPU_SDPA, PhaseFlopCounter, count_step_flops, gpt_step_flops, step_flops_formula
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

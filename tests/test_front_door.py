@@ -9,8 +9,8 @@ from html.parser import HTMLParser
 import pytest
 
 import memlab as ml
-from memlab.step import MemoryReport, StepConfig
-from memlab.tracking import CATEGORIES, Event, OOMInfo
+from memlab.step.training_step import MemoryReport, StepConfig
+from memlab.tracking.tracker import CATEGORIES, Event, OOMInfo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -36,7 +36,7 @@ def test_all_names_resolve_and_leave_plumbing_out():
         assert name in ml.__all__, name
     for plumbing in ("Placement", "pick_device"):
         assert plumbing not in ml.__all__ and not hasattr(ml, plumbing), plumbing
-    from memlab.hardware import Placement, pick_device  # still importable from their module
+    from memlab.core.hardware import Placement, pick_device  # still importable from their module
     assert Placement and pick_device
 
 

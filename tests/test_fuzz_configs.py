@@ -20,11 +20,11 @@ pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from memlab import simulation_bound  # noqa: E402
-from memlab.cli import main  # noqa: E402
-from memlab.errors import InputError  # noqa: E402
-from memlab.hf_config_check import FIELDS, check_config  # noqa: E402
-from memlab.torch_private import FakeTensorMode  # noqa: E402
+from memlab.app.cli import main  # noqa: E402
+from memlab.core.errors import InputError  # noqa: E402
+from memlab.core.torch_private import FakeTensorMode  # noqa: E402
+from memlab.hf import simulation_bound  # noqa: E402
+from memlab.hf.config_check import FIELDS, check_config  # noqa: E402
 
 BASES = {
     "llama": dict(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64,

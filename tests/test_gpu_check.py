@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from memlab import gpu_check
-from memlab.cards import CARDS, get_card
+from memlab.app import gpu_check
+from memlab.core.cards import CARDS, get_card
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "notebooks").glob("*.ipynb"))
@@ -78,7 +78,7 @@ def test_the_deepspeed_row_times_several_steps_and_keeps_each():
     import statistics
 
     from memlab.distributed.ranks import run_ranks
-    from memlab.step import StepConfig
+    from memlab.step.training_step import StepConfig
     step = StepConfig(model="tiny", seq=16, batch=2, precision="bf16", zero=2)
     row = run_ranks(gpu_check.deepspeed_one_gpu_worker, 1, kwargs={"step": step, "timed_steps": 3},
                     timeout=600)[0]

@@ -24,11 +24,11 @@ dispatcher saw), which both lenses must reproduce up to the allocator's 512-byte
 """
 import pytest
 
-from memlab.estimate import ALLOCATOR_NOTE, estimate_step
-from memlab.models import GPTConfig
+from memlab.lenses.estimate import ALLOCATOR_NOTE, estimate_step
+from memlab.lenses.reference import reference_steps, step_from_description
+from memlab.lenses.simulate import simulate_step
+from memlab.models.gpt_unet import GPTConfig
 from memlab.policy.caching_allocator import CachingAllocator
-from memlab.reference import reference_steps, step_from_description
-from memlab.simulate import simulate_step
 
 STEPS = reference_steps()
 

@@ -9,10 +9,10 @@ from importlib import resources
 
 import pytest
 
-from memlab.estimate import estimate_step
-from memlab.simulate import FORMULA_CATEGORIES, FORMULA_NOTE, simulate_step
-from memlab.states import model_states
-from memlab.step import StepConfig
+from memlab.lenses.estimate import estimate_step
+from memlab.lenses.simulate import FORMULA_CATEGORIES, FORMULA_NOTE, simulate_step
+from memlab.step.states import model_states
+from memlab.step.training_step import StepConfig
 
 REF = resources.files("memlab").joinpath("data", "reference", "NVIDIA-H200")
 ROWS = json.loads(REF.joinpath("zero_offload_one_gpu.json").read_text())
@@ -57,7 +57,7 @@ def test_every_reference_row_is_checked():
                                                 (0, "none", 0.025)])
 def test_device_base_is_the_model_states_deepspeed_keeps(zero, offload, rel):
     """After warm-up the allocator holds the model states and DeepSpeed's buffers; the
-    cuBLAS workspace (``memlab.cards.cublas_workspace_bytes``) comes on top. Achieved: +0.009% (ZeRO
+    cuBLAS workspace (``memlab.core.cards.cublas_workspace_bytes``) comes on top. Achieved: +0.009% (ZeRO
     1-3), +0.056% (offload). The ZeRO-0 row ran DeepSpeed at stage 0, a step
     :class:`StepConfig` cannot express (``zero=0`` is plain PyTorch with autocast), so it is
     checked here against DeepSpeed's stage-0 layout only: 2.4% under, a known gap (DeepSpeed's

@@ -16,12 +16,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memlab.distributed.deepspeed_zero as zero
-import memlab.guard as guard
-import memlab.measure as measure
-from memlab.estimate import estimate_step
-from memlab.measure import HostMemoryError, InputError, measure_step, measure_trainer
-from memlab.models import get_config
-from memlab.step import StepConfig, Trainer, build_optimizer
+import memlab.lenses.guard as guard
+import memlab.lenses.measure as measure
+from memlab.lenses.estimate import estimate_step
+from memlab.lenses.measure import HostMemoryError, InputError, measure_step, measure_trainer
+from memlab.models.gpt_unet import get_config
+from memlab.step.training_step import StepConfig, Trainer, build_optimizer
 
 MiB, GiB = 2**20, 2**30
 REPO = Path(__file__).resolve().parent.parent
@@ -54,15 +54,15 @@ def _run_limited(code_or_args: list[str]) -> tuple[int, str, str, int, float]:
 @pytest.fixture(scope="module")
 def import_rss() -> int:
     """Max RSS of a child that only imports what the CLI imports on the way to the guard."""
-    rc, _, err, rss, _ = _run_limited(["-c", "import psutil, memlab.cli, memlab.measure, "
-                                             "memlab.estimate, memlab.guard"])
+    rc, _, err, rss, _ = _run_limited(["-c", "import psutil, memlab.app.cli, memlab.lenses.measure, "
+                                             "memlab.lenses.estimate, memlab.lenses.guard"])
     assert rc == 0, err
     return rss
 
 
 def test_cli_refuses_gpt2_xl_before_building_it(import_rss):
     rc, out, err, rss, seconds = _run_limited(
-        ["-m", "memlab.cli", "measure", "--model", "gpt2-xl", "--seq", "1024", "--batch", "4"])
+        ["-m", "memlab.app.cli", "measure", "--model", "gpt2-xl", "--seq", "1024", "--batch", "4"])
     assert rc == 2, err
     assert out == "" and err.count("\n") == 1 and "Traceback" not in err
     # the need, what is available (at most the address space left under the cap), the way out
@@ -77,7 +77,7 @@ def test_cli_refuses_gpt2_xl_before_building_it(import_rss):
 
 def test_cli_budget_covers_building_llama_7b(import_rss):
     rc, out, err, rss, seconds = _run_limited(
-        ["-m", "memlab.cli", "measure", "--model", "llama-7b", "--seq", "512", "--batch", "1",
+        ["-m", "memlab.app.cli", "measure", "--model", "llama-7b", "--seq", "512", "--batch", "1",
          "--budget", "2GiB", "--json"])
     assert rc == 0 and err == ""
     rep = json.loads(out)
@@ -137,7 +137,7 @@ def test_the_need_covers_what_a_real_step_takes_on_this_host(model, seq, batch, 
     its peak RSS less its RSS before): never less (the guard protects), at most ``most``
     times more (it does not refuse what fits). Achieved on this host: tiny 1.5-1.6x (the
     fixed process allowance dominates a small step); gpt2-small 1.16x."""
-    code = ("import re, memlab.measure as m, memlab.step as s\n"
+    code = ("import re, memlab.lenses.measure as m, memlab.step.training_step as s\n"
             "kb = lambda k: int(re.search(k + r':\\s+(\\d+) kB', open('/proc/self/status').read())[1])\n"
             "before = kb('VmRSS')\n"
             "open('/proc/self/clear_refs', 'w').write('5')  # the peak restarts from here\n"
@@ -233,7 +233,7 @@ def test_ranks_whose_model_states_exceed_the_budget_are_an_oom_at_build(monkeypa
 @pytest.mark.distributed
 def test_each_rank_runs_under_its_budget(capsys):
     """``--world-size 2 --budget``: the budget is each rank's, enforced in the ranks."""
-    from memlab.cli import main
+    from memlab.app.cli import main
     step = StepConfig(seq=64, batch=2, zero=2, world_size=2)
     budget = 40 * MiB
     est = estimate_step(step)
@@ -248,7 +248,7 @@ def test_each_rank_runs_under_its_budget(capsys):
 
 
 def test_panel_refuses_a_size_the_host_cannot_hold_then_measures_the_next(monkeypatch):
-    from memlab.widgets import StepPanel
+    from memlab.classroom.widgets import StepPanel
     fits = guard.memory_needs(StepConfig(seq=64, batch=2))[0].need_bytes
     too_big = guard.memory_needs(StepConfig(seq=1024, batch=2))[0].need_bytes
     monkeypatch.setattr(guard, "host_available_bytes", lambda: fits + MiB)
@@ -271,7 +271,7 @@ def test_panel_refuses_a_size_the_host_cannot_hold_then_measures_the_next(monkey
 
 
 def test_compression_panel_refuses_then_measures(monkeypatch):
-    from memlab.widgets import CompressionPanel
+    from memlab.classroom.widgets import CompressionPanel
     monkeypatch.setattr(guard, "process_headroom_bytes", lambda: None)
     monkeypatch.setattr(guard, "host_available_bytes", lambda: 10 * MiB)
     panel = CompressionPanel(StepConfig(seq=32, batch=2), seqs=(32, 64))
@@ -291,7 +291,7 @@ def test_the_guard_counts_this_process_cached_blocks_as_available(monkeypatch):
 
     import torch
 
-    from memlab import guard
+    from memlab.lenses import guard
     GiB = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * GiB, 16 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 6 * GiB)

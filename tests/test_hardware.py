@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from memlab.errors import InputError
-from memlab.hardware import GPU_PRESETS, pick_device, resolve_budget
+from memlab.core.errors import InputError
+from memlab.core.hardware import GPU_PRESETS, pick_device, resolve_budget
 
 
 def test_resolve_budget_takes_presets_sizes_and_none():

@@ -1,7 +1,7 @@
 """The chunked loss on today's decoder families: the estimate against the real step on CPU.
 
 The real step is ``transformers``' decoder with the final hidden states and the head's weight
-passed to memlab's ``linear_cross_entropy`` (:func:`memlab.hf.causal_lm_step` with
+passed to memlab's ``linear_cross_entropy`` (:func:`memlab.hf.config.causal_lm_step` with
 ``loss="chunked"``), tracked by memlab's tracker; the estimate is :func:`estimate_hf` with
 ``loss="chunked"``. Without the logits the peak moves into backward (the final norm's, for the
 RMSNorm families): the issue's bound [-2%, +3%] holds there. GPT-2's peak is in its last MLP's
@@ -14,10 +14,10 @@ import torch
 from hf_families import BATCH, SEQ
 from test_hf_lora import CONFIGS
 
-from memlab import hf
-from memlab.errors import InputError
-from memlab.hf_estimate import estimate_hf
-from memlab.your_model import track_step
+from memlab.core.errors import InputError
+from memlab.hf import config as hf
+from memlab.hf.estimate import estimate_hf
+from memlab.lenses.your_model import track_step
 
 CHUNK = 32
 SOFTCAPPED = {"gemma2"}  # final_logit_softcapping: the head is no plain linear layer

@@ -1,5 +1,5 @@
-"""A config.json checked before anything is built (memlab.hf_config_check), the bound before a
-long simulation (memlab.simulation_bound), through the command line as a learner meets them.
+"""A config.json checked before anything is built (memlab.hf.config_check), the bound before a
+long simulation (memlab.hf.simulation_bound), through the command line as a learner meets them.
 Expected values come from transformers' own config classes (their dataclass defaults) and
 from the issue's hostile files."""
 import dataclasses
@@ -10,11 +10,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from memlab import hf, simulation_bound  # noqa: E402
-from memlab.cli import main  # noqa: E402
-from memlab.errors import InputError  # noqa: E402
-from memlab.hf_config_check import FIELDS, FIXED_DEFAULTS, check_config  # noqa: E402
-from memlab.hf_simulate import simulate_hf  # noqa: E402
+from memlab.app.cli import main  # noqa: E402
+from memlab.core.errors import InputError  # noqa: E402
+from memlab.hf import config as hf  # noqa: E402
+from memlab.hf import simulation_bound
+from memlab.hf.config_check import FIELDS, FIXED_DEFAULTS, check_config  # noqa: E402
+from memlab.hf.simulate import simulate_hf  # noqa: E402
 
 SMALL = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

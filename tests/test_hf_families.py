@@ -17,13 +17,13 @@ pytest.importorskip("transformers")
 from hf_families import BATCH, FAMILIES, SEQ  # noqa: E402
 from torch_reference import memtracker_peak  # noqa: E402
 
-from memlab import hf  # noqa: E402
-from memlab.cli import main  # noqa: E402
-from memlab.errors import InputError  # noqa: E402
-from memlab.hf_estimate import estimate_hf
-from memlab.hf_shape import decoder_shape  # noqa: E402
-from memlab.hf_simulate import simulate_hf  # noqa: E402
-from memlab.your_model import track_step  # noqa: E402
+from memlab.app.cli import main  # noqa: E402
+from memlab.core.errors import InputError  # noqa: E402
+from memlab.hf import config as hf  # noqa: E402
+from memlab.hf.estimate import estimate_hf
+from memlab.hf.shape import decoder_shape  # noqa: E402
+from memlab.hf.simulate import simulate_hf  # noqa: E402
+from memlab.lenses.your_model import track_step  # noqa: E402
 
 CASES = [(name, prec) for name in FAMILIES for prec in ("fp32", "bf16")]
 
@@ -238,7 +238,7 @@ def test_llama_3_8b_at_8k_estimate_and_simulate_within_3_percent():
 
 
 def test_expert_states_checker_passes_the_formula_and_names_the_mistake():
-    from memlab import exercises
+    from memlab.classroom import exercises
     exercises.check_expert_states(lambda s, ep: 16 * (s.num_params() - s.expert_total() * (1 - 1 / ep)))
     with pytest.raises(AssertionError, match="divided every parameter"):
         exercises.check_expert_states(lambda s, ep: 16 * s.num_params() / ep)

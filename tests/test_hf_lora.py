@@ -2,7 +2,7 @@
 
 The expected number is the real step (``transformers`` + ``peft`` adapters, fused AdamW over
 the adapters) tracked by memlab's tracker (``track_step``, equal to torch's ``MemTracker`` in
-tests/test_hf_families.py); the estimate is closed form (memlab.hf_estimate). The adapters are
+tests/test_hf_families.py); the estimate is closed form (memlab.hf.estimate). The adapters are
 the issue's "LoRA r=8 with dropout 0.1" and its dropout-free twin, on every ``Linear`` of the
 dense families' layers (peft's ``all-linear``) and on the attention projections of the
 mixtures of experts (whose routed experts peft's ``all-linear`` would wrap as parameters).
@@ -17,14 +17,14 @@ pytest.importorskip("peft")
 
 from hf_families import BATCH, FAMILIES, SEQ  # noqa: E402
 
-from memlab import hf  # noqa: E402
-from memlab.cli import main  # noqa: E402
-from memlab.errors import InputError  # noqa: E402
-from memlab.hf_estimate import estimate_hf  # noqa: E402
-from memlab.hf_shape import decoder_shape  # noqa: E402
-from memlab.hf_states import adapter_shapes, adapters_for  # noqa: E402
-from memlab.run import LoraConfig  # noqa: E402
-from memlab.your_model import track_step  # noqa: E402
+from memlab.app.cli import main  # noqa: E402
+from memlab.core.errors import InputError  # noqa: E402
+from memlab.hf import config as hf  # noqa: E402
+from memlab.hf.estimate import estimate_hf  # noqa: E402
+from memlab.hf.shape import decoder_shape  # noqa: E402
+from memlab.lenses.your_model import track_step  # noqa: E402
+from memlab.step.decoder_states import adapter_shapes, adapters_for  # noqa: E402
+from memlab.step.fine_tune_config import LoraConfig  # noqa: E402
 
 LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)

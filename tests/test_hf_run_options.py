@@ -11,10 +11,10 @@ bnb = pytest.importorskip("bitsandbytes")
 from hf_families import BATCH, FAMILIES, SEQ  # noqa: E402
 from test_hf_lora import CONFIGS  # noqa: E402
 
-from memlab import hf  # noqa: E402
-from memlab.hf_estimate import estimate_hf  # noqa: E402
-from memlab.step import autocast_for  # noqa: E402
-from memlab.your_model import track_step  # noqa: E402
+from memlab.hf import config as hf  # noqa: E402
+from memlab.hf.estimate import estimate_hf  # noqa: E402
+from memlab.lenses.your_model import track_step  # noqa: E402
+from memlab.step.training_step import autocast_for  # noqa: E402
 
 
 def _step(k: int, prec: str, batch: int):

@@ -1,4 +1,4 @@
-"""The simulation of a whole Hugging Face run (memlab.hf_simulate) against the real step and the estimate.
+"""The simulation of a whole Hugging Face run (memlab.hf.simulate) against the real step and the estimate.
 
 Small configs of today's families (tests/hf_families.py): ``simulate_hf`` on target ``cpu``
 equals ``measure_hf`` (the real ``transformers`` class, real peft adapters, real bitsandbytes
@@ -20,15 +20,15 @@ from hf_families import BATCH, SEQ  # noqa: E402
 from test_hf_lora import CONFIGS  # noqa: E402
 from test_hf_run_options import _step  # noqa: E402
 
-from memlab import hf  # noqa: E402
-from memlab.cli import main  # noqa: E402
-from memlab.errors import InputError  # noqa: E402
-from memlab.hf_estimate import estimate_hf  # noqa: E402
-from memlab.hf_measure import measure_hf  # noqa: E402
-from memlab.hf_simulate import simulate_hf  # noqa: E402
-from memlab.low_bit import adam_state_bytes, quantized_weight_bytes  # noqa: E402
-from memlab.run import LoraConfig, QuantConfig  # noqa: E402
-from memlab.your_model import track_step  # noqa: E402
+from memlab.app.cli import main  # noqa: E402
+from memlab.core.errors import InputError  # noqa: E402
+from memlab.hf import config as hf  # noqa: E402
+from memlab.hf.estimate import estimate_hf  # noqa: E402
+from memlab.hf.measure import measure_hf  # noqa: E402
+from memlab.hf.simulate import simulate_hf  # noqa: E402
+from memlab.lenses.your_model import track_step  # noqa: E402
+from memlab.step.fine_tune_config import LoraConfig, QuantConfig  # noqa: E402
+from memlab.step.low_bit import adam_state_bytes, quantized_weight_bytes  # noqa: E402
 
 MOE_TARGETS = {"mixtral": "q_proj,k_proj,v_proj,o_proj", "qwen3_moe": "q_proj,k_proj,v_proj,o_proj",
                "gpt_oss": "q_proj,k_proj,v_proj,o_proj", "deepseek_v3": "q_a_proj,kv_a_proj_with_mqa,o_proj"}
@@ -79,7 +79,7 @@ def test_simulation_equals_the_real_step_on_every_family(name, option):
 def test_8bit_and_4bit_state_are_bitsandbytes_layout():
     """The fake 8-bit moments and the packed base hold low_bit's bytes (second source: the
     formulas of Dettmers et al., bitsandbytes' block sizes), and the real step's state the same."""
-    from memlab.hf_shape import decoder_shape
+    from memlab.hf.shape import decoder_shape
     s = decoder_shape(CONFIGS["llama"])
     sim = simulate_hf(CONFIGS["llama"], seq=SEQ, target="cpu", **_run("llama", "8bit"))
     assert sim.by_category["optimizer"] == adam_state_bytes(s.param_numels(), "adamw-8bit") \

@@ -1,20 +1,20 @@
-"""The optimizer step fused into backward (memlab.in_backward): the real step runs it, the
+"""The optimizer step fused into backward (memlab.step.optimizer_in_backward): the real step runs it, the
 simulation (the same code on fake tensors) equals it, and the estimate counts it within 2%."""
 from dataclasses import replace
 
 import pytest
 import torch
 
-from memlab.cli import main
-from memlab.errors import InputError
-from memlab.estimate import estimate_step
-from memlab.hf_estimate import estimate_hf
-from memlab.hf_measure import measure_hf
-from memlab.hf_simulate import simulate_hf
-from memlab.measure import measure_step
-from memlab.models import tiny_llama
-from memlab.simulate import simulate_step
-from memlab.step import StepConfig, build_trainer, make_batch
+from memlab.app.cli import main
+from memlab.core.errors import InputError
+from memlab.hf.estimate import estimate_hf
+from memlab.hf.measure import measure_hf
+from memlab.hf.simulate import simulate_hf
+from memlab.lenses.estimate import estimate_step
+from memlab.lenses.measure import measure_step
+from memlab.lenses.simulate import simulate_step
+from memlab.models.gpt_unet import tiny_llama
+from memlab.step.training_step import StepConfig, build_trainer, make_batch
 
 LLAMA = tiny_llama(d_model=256, n_layer=4, mlp_hidden=512)
 HF_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=256,
@@ -72,7 +72,7 @@ def test_what_the_step_in_backward_cannot_do_is_bad_input(fields, needle):
 
 
 def test_hf_estimate_refuses_lora_with_the_step_in_backward():
-    from memlab.run import LoraConfig
+    from memlab.step.fine_tune_config import LoraConfig
     with pytest.raises(InputError, match="no LoRA"):
         estimate_hf(HF_LLAMA, seq=16, batch=2, lora=LoraConfig(rank=8), optimizer_in_backward=True)
 

@@ -26,7 +26,7 @@ def installed(tmp_path_factory) -> dict:
 
 
 def _memlab(installed, *args) -> subprocess.CompletedProcess:
-    code = "import sys; from memlab.cli import main; sys.exit(main())"
+    code = "import sys; from memlab.app.cli import main; sys.exit(main())"
     return subprocess.run([sys.executable, "-c", code, *args], cwd=installed["cwd"],
                           env=installed["env"], capture_output=True, text=True, timeout=600)
 

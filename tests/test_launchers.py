@@ -5,9 +5,9 @@ import os
 
 import pytest
 
+from memlab.core.errors import InputError
 from memlab.distributed import zero_worker
 from memlab.distributed.ranks import DEFAULT_MASTER_PORT, LaunchEnv, first_host, launcher_env
-from memlab.errors import InputError
 
 # what each launcher sets in rank 3's environment, 2 nodes x 2 ranks
 TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
@@ -99,7 +99,7 @@ def test_zero_worker_under_srun_reads_slurm_not_rank(monkeypatch, capsys):
 # --------------------------------------------------------------------------------------
 def _fsdp_pair(**kw):
     from memlab.distributed.fsdp import measure_sharded, simulate_sharded
-    from memlab.step import StepConfig
+    from memlab.step.training_step import StepConfig
 
     step = StepConfig(model="tiny", seq=32, batch=2)
     return measure_sharded(step, 2, backend="gloo", **kw), simulate_sharded(step, 2, **kw)
@@ -133,7 +133,7 @@ def test_fsdp2_without_resharding_holds_gathered_parameters_longer():
 @pytest.mark.distributed
 def test_fsdp2_cpu_offload_on_cpu_ranks_moves_nothing_and_says_so():
     from memlab.distributed.fsdp import measure_sharded
-    from memlab.step import StepConfig
+    from memlab.step.training_step import StepConfig
 
     step = StepConfig(model="tiny", seq=32, batch=2)
     off, on = measure_sharded(step, 2, cpu_offload=True), measure_sharded(step, 2)
@@ -142,7 +142,7 @@ def test_fsdp2_cpu_offload_on_cpu_ranks_moves_nothing_and_says_so():
 
 
 def test_cli_measure_fsdp_refuses_what_it_cannot_honour(capsys):
-    from memlab import cli
+    from memlab.app import cli
 
     assert cli.main(["measure", "--fsdp", "--zero", "2", "--world-size", "2"]) == 2
     assert "ZeRO-3" in capsys.readouterr().err

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memlab.exercises import CheckFailed, check_leak_fixed
-from memlab.leaks import tiny_setup, watch_steps
-from memlab.tracking import MemoryTracker
+from memlab.classroom.exercises import CheckFailed, check_leak_fixed
+from memlab.techniques.leaks import tiny_setup, watch_steps
+from memlab.tracking.tracker import MemoryTracker
 
 STEPS, SEQ, BATCH, VOCAB = 5, 64, 4, 1000
 
@@ -107,7 +107,7 @@ def test_checker_fails_each_leak_with_its_growth_and_passes_the_fix(leak):
 
 
 SCRIPT = """
-from memlab.leaks import tiny_setup
+from memlab.techniques.leaks import tiny_setup
 model, opt, batch_at = tiny_setup()
 total_val = 0
 for i in range({steps}):

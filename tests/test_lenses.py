@@ -5,13 +5,13 @@ import itertools
 import pytest
 import torch
 
-from memlab.distributed.zero import zero_formula
-from memlab.estimate import estimate_step
-from memlab.measure import measure_step
-from memlab.models import build_model, get_config
-from memlab.simulate import simulate_step
-from memlab.states import model_state_bytes
-from memlab.step import StepConfig
+from memlab.lenses.estimate import estimate_step
+from memlab.lenses.measure import measure_step
+from memlab.lenses.simulate import simulate_step
+from memlab.models.gpt_unet import build_model, get_config
+from memlab.step.states import model_state_bytes
+from memlab.step.training_step import StepConfig
+from memlab.step.zero import zero_formula
 
 # Held out: none of these shapes were used to write the formula (it was derived on tiny at
 # seq 64/128/256 with batch 2/4/8).

@@ -1,13 +1,13 @@
-"""memlab.lesson: every lesson's GPU steps fit every card under the guard, with the card's own
+"""memlab.classroom.lesson: every lesson's GPU steps fit every card under the guard, with the card's own
 estimate; the precision is one the card runs; on CPU the lessons keep their CPU sizes."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from memlab import guard
-from memlab.cards import CARDS, get_card
-from memlab.lesson import CONTEXT_BYTES, LESSONS, plan, setup
+from memlab.classroom.lesson import CONTEXT_BYTES, LESSONS, plan, setup
+from memlab.core.cards import CARDS, get_card
+from memlab.lenses import guard
 
 MiB, GiB = 2**20, 2**30
 ALL = sorted(LESSONS) + ["99"]  # "99": a lesson without its own table gets the base
@@ -63,7 +63,7 @@ def test_every_lesson_fits_every_card_under_the_guard(name, monkeypatch):
 def test_rank_lessons_size_their_ranks_for_one_gpu_each_on_two_gpus(monkeypatch):
     """2 x T4: the rank lessons' ranks run on NCCL, one T4 each (place_ranks), at their GPU
     sizes, and every rank's step fits one T4 under the guard."""
-    from memlab.hardware import place_ranks
+    from memlab.core.hardware import place_ranks
     card = get_card("2xT4-16GB")
     patch_gpu(monkeypatch, card, gpus=2)
     assert place_ranks(2, gpus=card.gpus).device_type == "cuda"
@@ -136,6 +136,6 @@ def test_each_sized_notebook_sets_up_its_own_lesson_right_after_the_imports(numb
     (path,) = root.glob(f"{number}_*.ipynb")
     code = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     assert "import memlab as ml" in code[0]
-    assert code[1].startswith("from memlab import lesson\n")
+    assert code[1].startswith("from memlab.classroom import lesson\n")
     assert f'L = lesson.setup("{number}")' in code[1]
     assert number in LESSONS

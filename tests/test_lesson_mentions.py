@@ -4,7 +4,7 @@ Lessons get renumbered; a number left behind sends a reader to the wrong noteboo
 inside a function or class must be in a lesson whose code cells name that function or class;
 one in a module's docstring, in a lesson naming one of the module's public functions or
 classes; one in a module-level comment, in a lesson naming what the next statement defines. A name also
-counts as named by lesson NN when the module's own ``"NN": ...`` entry (``memlab.lesson``'s
+counts as named by lesson NN when the module's own ``"NN": ...`` entry (``memlab.classroom.lesson``'s
 plans) uses it, directly or through the module's functions.
 """
 import ast

@@ -1,11 +1,11 @@
 """Lesson 15 asks for the same measurements again and again (the table's panel, its exercise):
-memlab.technique_table measures each (step, variant) once per process, keyed by both."""
+memlab.classroom.technique_table measures each (step, variant) once per process, keyed by both."""
 from dataclasses import replace
 
-from memlab import technique_table as tt
-from memlab.compression import compressed_trainer
-from memlab.measure import measure_trainer
-from memlab.step import StepConfig
+from memlab.classroom import technique_table as tt
+from memlab.lenses.measure import measure_trainer
+from memlab.step.training_step import StepConfig
+from memlab.techniques.compression import compressed_trainer
 
 STEP = StepConfig(seq=64, batch=1)
 

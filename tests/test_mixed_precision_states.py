@@ -1,7 +1,7 @@
 """Lesson 01's two splits of the 16 bytes per parameter, measured."""
 import memlab as ml
-from memlab.mixed_precision import master_weight_states
-from memlab.sweeps import category_max
+from memlab.techniques.mixed_precision import master_weight_states
+from memlab.techniques.sweeps import category_max
 
 
 def test_master_weights_split_is_zeros_mixed_precision_adam():

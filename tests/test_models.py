@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memlab.measure import measure_step
-from memlab.models import GPT, PRESETS, GPTConfig, get_config
-from memlab.simulate import simulate_step
-from memlab.step import StepConfig
+from memlab.lenses.measure import measure_step
+from memlab.lenses.simulate import simulate_step
+from memlab.models.gpt_unet import GPT, PRESETS, GPTConfig, get_config
+from memlab.step.training_step import StepConfig
 
 SMALL = dict(n_layer=2, n_head=4, d_model=64, vocab_size=97, block_size=64)
 

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from memlab import cli
-from memlab.errors import InputError
-from memlab.oom import (
+from memlab.app import cli
+from memlab.core.errors import InputError
+from memlab.core.units import fmt_bytes
+from memlab.policy.caching_allocator import allocation_size, round_size
+from memlab.tracking.oom_messages import (
     MPS_HIGH_WATERMARK_DEFAULT,
     ROUNDING_BYTES,
     explain_last,
@@ -24,8 +26,6 @@ from memlab.oom import (
     read_oom,
     segment_bytes,
 )
-from memlab.policy.caching_allocator import allocation_size, round_size
-from memlab.units import fmt_bytes
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 

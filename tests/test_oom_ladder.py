@@ -13,15 +13,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from memlab import hf
-from memlab.cards import card_speeds
-from memlab.chunked_loss import linear_cross_entropy
-from memlab.errors import InputError
-from memlab.estimate import chunked_loss_moments
-from memlab.models import GPTConfig
-from memlab.oom_ladder import RUNGS, oom_ladder, packing_gain
-from memlab.step_time import CPU_ADAM_PARAMS_PER_S
-from memlab.tracking import MemoryTracker
+from memlab.core.cards import card_speeds
+from memlab.core.errors import InputError
+from memlab.hf import config as hf
+from memlab.lenses.estimate import chunked_loss_moments
+from memlab.models.chunked_loss import linear_cross_entropy
+from memlab.models.gpt_unet import GPTConfig
+from memlab.planning.oom_ladder import RUNGS, oom_ladder, packing_gain
+from memlab.time.step_time import CPU_ADAM_PARAMS_PER_S
+from memlab.tracking.tracker import MemoryTracker
 
 CONFIG = "llama-3.1-8b"
 CARDS = ("RTX4090-24GB", "L40S-48GB", "A100-80GB")
@@ -174,7 +174,7 @@ def test_the_table_has_a_row_per_rung_and_a_column_per_card(ladder):
 def test_lora_with_the_chunked_loss_holds_only_the_adapters_gradients():
     """The head is frozen under LoRA: at the chunked loss's backward the gradients are the
     adapters' alone (2 bytes each in pure bf16, all there: accumulation), no V x d head gradient."""
-    from memlab.finetune import LLAMA_TARGETS, estimate_finetune
+    from memlab.techniques.finetune import LLAMA_TARGETS, estimate_finetune
     step = replace(hf.step_config(CONFIG, seq=4096, batch=4, precision="pure-bf16", checkpointing="full"),
                    micro_batches=4)
     step = replace(step, model=replace(step.model_config, loss="chunked"))

@@ -3,13 +3,13 @@
 within 2%."""
 import pytest
 
-from memlab.errors import InputError
-from memlab.estimate import estimate_step
-from memlab.flops import gpt_step_flops
-from memlab.measure import measure_step
-from memlab.models import UNetConfig, get_config, tiny_llama
-from memlab.simulate import simulate_step
-from memlab.step import StepConfig
+from memlab.core.errors import InputError
+from memlab.lenses.estimate import estimate_step
+from memlab.lenses.measure import measure_step
+from memlab.lenses.simulate import simulate_step
+from memlab.models.gpt_unet import UNetConfig, get_config, tiny_llama
+from memlab.step.training_step import StepConfig
+from memlab.time.flops import gpt_step_flops
 
 LLAMA = tiny_llama(d_model=256, n_layer=4, mlp_hidden=512)
 

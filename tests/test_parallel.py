@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import memlab as ml
-from memlab.distributed.parallel_formulas import bubble_fraction, tp_activation_bytes
 from memlab.distributed.pipeline_parallel import in_flight, measure_pipeline, stage_bounds
 from memlab.distributed.tensor_parallel import (
     measure_tensor_parallel,
@@ -13,7 +12,8 @@ from memlab.distributed.tensor_parallel import (
     simulate_tensor_parallel,
     tp_attention_forward,
 )
-from memlab.tracking import MemoryTracker
+from memlab.lenses.parallel_formulas import bubble_fraction, tp_activation_bytes
+from memlab.tracking.tracker import MemoryTracker
 
 
 def test_bubble_fraction_matches_gpipe_formula():
@@ -44,14 +44,14 @@ def test_head_permutation_lets_each_rank_compute_its_heads_alone():
     """Summing the row-parallel halves of two 'ranks' reproduces the full attention."""
     cfg = ml.get_config("tiny", n_head=4, d_model=64)
     torch.manual_seed(0)
-    attn = ml.models.CausalSelfAttention(cfg)
+    attn = ml.models.gpt_unet.CausalSelfAttention(cfg)
     x = torch.randn(2, 16, 64)
     full = attn(x)
     perm = qkv_head_permutation(cfg, 2)
     w, b = attn.qkv.weight[perm], attn.qkv.bias[perm]
     total = 0
     for r in range(2):
-        part = ml.models.CausalSelfAttention(cfg)
+        part = ml.models.gpt_unet.CausalSelfAttention(cfg)
         rows, cols = slice(r * 96, (r + 1) * 96), slice(r * 32, (r + 1) * 32)
         part.qkv = torch.nn.Linear(64, 96)
         part.proj = torch.nn.Linear(32, 64, bias=False)
@@ -239,7 +239,7 @@ def test_gqa_swiglu_tensor_parallel_matches_one_process(kv):
 
 def test_tp_is_the_old_spelling_of_tensor_parallel():
     """Lessons 12 and 16 still write ``tp=``: it means ``tensor_parallel=``."""
-    from memlab.estimate import activation_bytes
+    from memlab.lenses.estimate import activation_bytes
     cfg = _llama_like(2)
     assert activation_bytes(cfg, 32, 2, "fp32", tp=2) == \
         activation_bytes(cfg, 32, 2, "fp32", tensor_parallel=2) != activation_bytes(cfg, 32, 2, "fp32")

@@ -11,8 +11,8 @@ import socket
 import pytest
 import torch
 
+from memlab.core.hardware import place_ranks, rank_device
 from memlab.distributed.ranks import resolve_placement, run_ranks
-from memlab.hardware import place_ranks, rank_device
 
 
 def gpus(monkeypatch, n: int) -> None:
@@ -107,7 +107,7 @@ def test_zero_rank_step_builds_on_the_cpu_when_its_group_is_gloo(monkeypatch):
     import torch.distributed as dist
 
     from memlab.distributed.deepspeed_zero import RankResult, zero_rank_step
-    from memlab.step import StepConfig
+    from memlab.step.training_step import StepConfig
 
     gpus(monkeypatch, 1)
     placement = place_ranks(2)
@@ -131,9 +131,9 @@ def test_zero_rank_step_builds_on_the_cpu_when_its_group_is_gloo(monkeypatch):
 def test_a_rank_result_crosses_a_json_line_unchanged():
     """zero_worker prints a RankResult as JSON; from_dict gives back the same result (tuple of
     host accounts, the OOM as an OOMInfo), ignoring the launcher's extra keys."""
+    from memlab.core.errors import InputError
     from memlab.distributed.deepspeed_zero import RankResult
-    from memlab.errors import InputError
-    from memlab.tracking import OOMInfo
+    from memlab.tracking.tracker import OOMInfo
 
     oom = OOMInfo("aten::mm", "blocks.0", "backward", 2**20, 3 * 2**20, 2**22, "over budget",
                   by_category={"activations": 2**20})

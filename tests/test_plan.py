@@ -1,5 +1,5 @@
 """course/two-day-plan.md: every minute is recomputed from the notebooks as committed
-(`memlab.classroom.lesson_time`: prose words, code cells, "Your turn" exercises) and the run
+(`memlab.classroom.collect.lesson_time`: prose words, code cells, "Your turn" exercises) and the run
 seconds the plan records; the page fails when it drifts from them by more than its stated
 tolerance, when a day does not add up or runs over its limit, when rank-starting lessons are
 stacked without the page saying so, or when the capstone waits on `class collect`."""
@@ -11,9 +11,9 @@ import re
 
 import pytest
 
-from memlab import classroom
-from memlab.doctor import RANK_LESSONS
-from memlab.errors import InputError
+from memlab.app.doctor import RANK_LESSONS
+from memlab.classroom import collect as classroom
+from memlab.core.errors import InputError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PLAN_PATH = ROOT / "course" / "two-day-plan.md"

@@ -1,11 +1,11 @@
-"""The advisor's fastest fit (memlab.plan_search): candidates listed with seconds, the fastest
+"""The advisor's fastest fit (memlab.planning.plan_search): candidates listed with seconds, the fastest
 that fits recommended, no offload where a plan without it fits."""
 from __future__ import annotations
 
 import json
 
-from memlab.advisor import advise
-from memlab.cli import main
+from memlab.app.cli import main
+from memlab.planning.advisor import advise
 
 
 def test_llama_7b_on_8_a100_does_not_offload(capsys):
@@ -62,8 +62,8 @@ def test_a_bare_size_has_no_search():
 
 
 def test_plans_that_change_the_training_are_listed_and_flagged():
-    from memlab.plan_search import search_plans
-    from memlab.units import GiB
+    from memlab.core.units import GiB
+    from memlab.planning.plan_search import search_plans
     s = search_plans("llama-3-8b", "H100-80GB", 1, 4096, 1, usable_bytes=76 * GiB)
     kinds = {(c.plan["precision"], c.plan["optimizer_state"], c.plan["lora"]): c for c in s.candidates}
     changed = [kinds[("pure-bf16", "adamw", None)], kinds[("bf16", "adamw-8bit", None)], kinds[("bf16", "adamw", 16)]]

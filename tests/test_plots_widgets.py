@@ -7,8 +7,15 @@ import numpy as np
 import pytest
 
 from memlab import CATEGORIES, StepConfig, measure_step
-from memlab.plots import plot_curve, plot_grad_histogram, plot_lenses, plot_timeline, plot_tradeoff, timeline_array
-from memlab.widgets import StepPanel
+from memlab.classroom.plots import (
+    plot_curve,
+    plot_grad_histogram,
+    plot_lenses,
+    plot_timeline,
+    plot_tradeoff,
+    timeline_array,
+)
+from memlab.classroom.widgets import StepPanel
 
 MiB = 2**20
 
@@ -104,7 +111,7 @@ def test_panel_without_optional_controls():
 
 
 def test_advisor_panel_replans_when_controls_change():
-    from memlab.widgets import AdvisorPanel
+    from memlab.classroom.widgets import AdvisorPanel
     panel = AdvisorPanel("gpt2-xl", "T4-16GB", 1, 1024, 8)
     small = panel.data
     assert small["gpu"] == "T4-16GB" and small["plan"]  # 1.5B parameters need techniques on 16 GB
@@ -122,7 +129,7 @@ def test_advisor_panel_replans_when_controls_change():
 
 
 def test_compression_panel_remeasures_when_controls_change():
-    from memlab.widgets import CompressionPanel
+    from memlab.classroom.widgets import CompressionPanel
     panel = CompressionPanel(StepConfig(seq=32, batch=2), seqs=(32, 64))
     assert panel.data["variant"] == "none" and panel.data["grad_error"] == 0
     panel.variant.value = "bf16"
@@ -138,7 +145,7 @@ def test_compression_panel_remeasures_when_controls_change():
 
 
 def test_table_panel_remeasures_when_controls_change():
-    from memlab.widgets import TablePanel
+    from memlab.classroom.widgets import TablePanel
     step = StepConfig(seq=32, batch=1)
     panel = TablePanel(step, batches=(1, 2))
     assert panel.data["technique"] == "gradient checkpointing" and panel.data["batch"] == 1
@@ -152,7 +159,7 @@ def test_table_panel_remeasures_when_controls_change():
 
 
 def test_table_panel_sequence_slider_remeasures():
-    from memlab.widgets import TablePanel
+    from memlab.classroom.widgets import TablePanel
     step = StepConfig(seq=32, batch=1)
     panel = TablePanel(step, batches=(1,), seqs=(32, 64))
     panel.technique.value = "mixed precision"
@@ -166,8 +173,8 @@ def test_table_panel_sequence_slider_remeasures():
 
 @pytest.mark.distributed
 def test_pipeline_panel_redraws_when_controls_change():
+    from memlab.classroom.widgets import PipelinePanel
     from memlab.distributed.pipeline_parallel import measure_pipeline
-    from memlab.widgets import PipelinePanel
     result = measure_pipeline(StepConfig(seq=32, batch=4), 2, micro_batches=(1, 2, 4), repeats=1)
     panel = PipelinePanel(result)
     assert panel.data["m"] == 2 and panel.data["schedule"] == "gpipe"
@@ -186,7 +193,7 @@ def test_loss_spike_panel_follows_vocabulary_and_sequence():
     """Plain minus chunked loss, estimated: zero while a block's recomputation is the peak,
     then at least the logits and log-softmax the plain loss holds (t x V x 4 bytes in the
     16-bit forward of a DeepSpeed step), growing with the vocabulary."""
-    from memlab.widgets import LossSpikePanel
+    from memlab.classroom.widgets import LossSpikePanel
     step = StepConfig(model="llama-3-8b", seq=8192, batch=1, precision="bf16",
                       checkpointing="full", zero=2, offload="optimizer")
     panel = LossSpikePanel(step)
@@ -201,9 +208,9 @@ def test_loss_spike_panel_follows_vocabulary_and_sequence():
 
 
 def test_tensor_parallel_panel_redraws_with_the_formula():
-    from memlab.distributed.parallel_formulas import tp_activation_bytes
-    from memlab.models import get_config
-    from memlab.widgets import TensorParallelPanel
+    from memlab.classroom.widgets import TensorParallelPanel
+    from memlab.lenses.parallel_formulas import tp_activation_bytes
+    from memlab.models.gpt_unet import get_config
     panel = TensorParallelPanel("gpt2-medium", seq=1024, batch=1)
     assert panel.t.options == (1, 2, 4, 8, 16)           # 16 heads, MLP 4096
     panel.t.value = 4

@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memlab.cli import main
-from memlab.estimate import estimate_step
-from memlab.measure import measure_step
-from memlab.models import get_config
+from memlab.app.cli import main
+from memlab.lenses.estimate import estimate_step
+from memlab.lenses.measure import measure_step
+from memlab.lenses.simulate import simulate_step
+from memlab.models.gpt_unet import get_config
 from memlab.policy import (
     CPU_AUTOCAST,
     CUDA_AUTOCAST,
@@ -22,9 +23,8 @@ from memlab.policy import (
     get_target,
     sdpa_lse_bytes,
 )
-from memlab.simulate import simulate_step
-from memlab.step import StepConfig
-from memlab.tracking import CATEGORIES, MemoryTracker
+from memlab.step.training_step import StepConfig
+from memlab.tracking.tracker import CATEGORIES, MemoryTracker
 
 MiB = 2**20
 

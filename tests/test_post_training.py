@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memlab.errors import InputError
-from memlab.hardware import resolve_budget
-from memlab.post_training import Objective, estimate_post_training, kv_cache_bytes, vllm_training_budget
-from memlab.run import LoraConfig
+from memlab.core.errors import InputError
+from memlab.core.hardware import resolve_budget
+from memlab.hf.post_training import Objective, estimate_post_training, kv_cache_bytes, vllm_training_budget
+from memlab.step.fine_tune_config import LoraConfig
 
 pytest.importorskip("trl")
 
@@ -30,7 +30,7 @@ CASES = {
 
 
 def _check(cfg, name, scale=1, checkpointing=None):
-    from memlab.trl_measure import measure_trl
+    from memlab.hf.trl_measure import measure_trl
     o, lora, batch = CASES[name]
     if scale > 1:
         o = Objective(o.kind, 16 * scale, 16 * scale, beta=o.beta, num_generations=o.num_generations,
@@ -131,7 +131,7 @@ top_entropy_quantile: 0.2
 def test_grpo_yaml_in_the_cli_names_what_it_did_not_model(tmp_path, capsys):
     import json
 
-    from memlab.cli import main
+    from memlab.app.cli import main
     path = tmp_path / "grpo.yaml"
     path.write_text(GRPO_YAML)
     main(["estimate", "--hf-config", "llama-3.1-8b", "--training-args", str(path), "--gpu", "H100-80GB",
@@ -148,7 +148,7 @@ def test_grpo_yaml_in_the_cli_names_what_it_did_not_model(tmp_path, capsys):
 
 
 def test_trl_reader_maps_the_defaults_and_refuses_bad_values():
-    from memlab.post_training import read_trl_args
+    from memlab.hf.post_training import read_trl_args
     run = read_trl_args({"num_generations": 4}, prompt_len=64)
     assert (run.precision, run.checkpointing, run.objective.beta, run.objective.completion_len) == \
         ("bf16", "full", 0.0, 512)  # TRL 1.16's GRPOConfig defaults

@@ -1,8 +1,8 @@
 """Predictions: the score is the relative error, its sign says high or low, blanks are not errors."""
 import pytest
 
-from memlab import predictions as pr
-from memlab.errors import InputError
+from memlab.classroom import predictions as pr
+from memlab.core.errors import InputError
 
 
 def test_a_low_guess_is_scored_with_its_relative_error_and_the_gap():

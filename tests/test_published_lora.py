@@ -14,8 +14,8 @@ Hugging Face class, which the issue asks to hold to these rows.
 """
 import pytest
 
-from memlab.hf_estimate import estimate_hf
-from memlab.run import LoraConfig, QuantConfig
+from memlab.hf.estimate import estimate_hf
+from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 
 # Llama-2-7b-hf and Llama-2-13b-hf config.json (meta-llama): the fields memory depends on
 LLAMA2_7B = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,

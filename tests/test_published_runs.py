@@ -6,7 +6,7 @@ Selene's A100-80GB (vocabulary 51,200, sequence 2048, mixed precision, activatio
 recomputation), with their tensor (t), pipeline (p) degrees, GPUs and batch, and the
 teraFLOP/s per GPU achieved, counted by the paper's eq. 3 (four passes: forward, two of
 backward, the recomputed forward). None of these rows derived a rate the lens uses
-(:data:`memlab.cards.RATE_LEDGER`): the A100's GEMM fraction is FlashAttention-2's (sec. 1).
+(:data:`memlab.core.cards.RATE_LEDGER`): the A100's GEMM fraction is FlashAttention-2's (sec. 1).
 
 What the setups leave open, set here and not tuned: one sequence per micro-batch (the
 largest pipeline bubble the paper's batches allow), DDP-style gradient all-reduce once per
@@ -20,11 +20,11 @@ from dataclasses import replace
 
 import pytest
 
-from memlab.cards import RATE_LEDGER
-from memlab.flops import gpt_step_flops
-from memlab.models import GPTConfig
-from memlab.step import StepConfig
-from memlab.step_time import StepTime, gemm_seconds, step_time
+from memlab.core.cards import RATE_LEDGER
+from memlab.models.gpt_unet import GPTConfig
+from memlab.step.training_step import StepConfig
+from memlab.time.flops import gpt_step_flops
+from memlab.time.step_time import StepTime, gemm_seconds, step_time
 
 V, S = 51_200, 2048
 #: Table 1: (billions of parameters, heads, hidden, layers, t, p, GPUs, batch, achieved TFLOP/s per GPU)
@@ -99,8 +99,8 @@ def test_skinny_gemm_is_bandwidth_bound():
 def test_gradient_sync_once_per_step_moves_one_micro_batch_worth():
     """Megatron-LM all-reduces the accumulated gradients once a step: 1/m of memlab's
     per-micro-batch all-reduce; an unknown choice is bad input naming the allowed ones."""
-    from memlab.communication import step_communication
-    from memlab.errors import InputError
+    from memlab.core.errors import InputError
+    from memlab.time.communication import step_communication
     step = StepConfig(model="gpt2-small", seq=128, batch=8, micro_batches=4, precision="bf16", world_size=4)
     every = step_communication(step).by_kind["data-parallel all-reduce"]
     once = step_communication(step, sync_every_micro_batch=False).by_kind["data-parallel all-reduce"]
@@ -152,7 +152,7 @@ def test_korthikanti_selective_removes_over_90_percent_of_the_overhead(k530):
 def test_sequence_parallel_shards_the_token_sized_ops_only():
     """Without SP each TP rank runs the token-sized elementwise ops whole: t times their bytes,
     while the weights' casts stay sharded; with t=1 the flag changes nothing."""
-    from memlab.elementwise import step_elementwise
+    from memlab.time.elementwise import step_elementwise
     cfg = GPTConfig(name="g", n_layer=2, n_head=4, d_model=256, vocab_size=1024, block_size=128)
     step = StepConfig(model=cfg, seq=128, batch=4, micro_batches=2, precision="bf16", world_size=4)
     one = step_elementwise(step, "cuda")
@@ -193,7 +193,7 @@ def llama3_405b_tflops(gpus: int) -> float:
     import json
     from importlib import resources
 
-    from memlab.hf import gpt_config
+    from memlab.hf.config import gpt_config
     hf = json.loads((resources.files("memlab") / "data" / "hf_configs" / "llama-3.1-70b.json").read_text())
     hf.update(num_hidden_layers=126, hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
               num_key_value_heads=8, vocab_size=128256)
@@ -231,9 +231,9 @@ TT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 def torchtune_4090(qlora: bool) -> StepTime:
     """The lens's step of torchtune's Llama 3.1 8B LoRA (or QLoRA) recipe on one RTX 4090."""
-    from memlab.flops import lora_matmuls
-    from memlab.hf import gpt_config
-    from memlab.step_time import Calibration, optimizer_pass
+    from memlab.hf.config import gpt_config
+    from memlab.time.flops import lora_matmuls
+    from memlab.time.step_time import Calibration, optimizer_pass
     cfg = gpt_config(str(pathlib.Path(__file__).parents[1] / "memlab/data/hf_configs/llama-3.1-8b.json"), seq=2048)
     step = StepConfig(model=cfg, seq=2048, batch=2, micro_batches=1, precision="pure-bf16", checkpointing="full")
     flops = gpt_step_flops(cfg, 2048, 2, checkpointing="full", lora_rank=8, lora_targets=TT_TARGETS)
@@ -257,7 +257,7 @@ def test_torchtune_4090_tokens_per_second_within_25_percent(tt4090, recipe):
 def test_qlora_slower_than_lora_by_the_counted_dequantisation(tt4090):
     """QLoRA's extra seconds are its base weights' dequantisation bytes at the 4090's 1008 GB/s:
     each tuned weight dequantised forward, backward and on recompute (not the last matmul's)."""
-    from memlab.step_time import dequant_4bit_bytes
+    from memlab.time.step_time import dequant_4bit_bytes
     cfg_i_o = [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336), (4096, 14336), (14336, 4096)]
     uses = [3, 3, 3, 3, 3, 3, 2]  # Llama 3.1 8B's block; down_proj is not recomputed
     expected = 32 * sum(u * dequant_4bit_bytes(i * o) for (i, o), u in zip(cfg_i_o, uses, strict=True)) / 1008e9
@@ -273,7 +273,7 @@ def test_dequant_bytes_match_bitsandbytes_quant_state():
     the bf16 weight written."""
     import torch
     bnb = pytest.importorskip("bitsandbytes.functional")
-    from memlab.step_time import dequant_4bit_bytes
+    from memlab.time.step_time import dequant_4bit_bytes
     w = torch.randn(256, 512, dtype=torch.bfloat16)
     packed, state = bnb.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
     blocks = state.absmax.numel()
@@ -289,8 +289,8 @@ def test_dequant_bytes_match_bitsandbytes_quant_state():
 def test_lora_adapter_gemms_are_bandwidth_bound():
     """A rank-8 adapter's GEMMs on a 4096-token micro-batch take their bytes' time, above what
     their FLOPs would at the large-GEMM rate: what the lens adds over the matmuls' rate."""
-    from memlab.hf import gpt_config
-    from memlab.step_time import adapter_time
+    from memlab.hf.config import gpt_config
+    from memlab.time.step_time import adapter_time
     cfg = gpt_config(str(pathlib.Path(__file__).parents[1] / "memlab/data/hf_configs/llama-3.1-8b.json"), seq=2048)
     a = adapter_time(cfg, 4096, 8, ("q_proj",), checkpointing="none", peak=165.2e12, achievable=0.8, hbm=1008e9)
     t, k, r = 4096, 4096, 8
@@ -301,9 +301,9 @@ def test_lora_adapter_gemms_are_bandwidth_bound():
 
 
 def test_adapter_bad_input_names_the_value():
-    from memlab.errors import InputError
-    from memlab.flops import lora_matmuls
-    from memlab.step_time import adapter_time, dequant_4bit_bytes
+    from memlab.core.errors import InputError
+    from memlab.time.flops import lora_matmuls
+    from memlab.time.step_time import adapter_time, dequant_4bit_bytes
     cfg = GPTConfig(name="g", n_layer=1, n_head=4, d_model=256, vocab_size=1024, block_size=128)
     with pytest.raises(InputError, match="rank=0"):
         adapter_time(cfg, 128, 0, ("c_attn",), checkpointing="none", peak=1e12, achievable=0.5, hbm=1e11)

@@ -1,4 +1,4 @@
-"""memlab.quiet and memlab's own calls: no bar nobody watches, no library warning memlab's call
+"""memlab.core.quiet and memlab's own calls: no bar nobody watches, no library warning memlab's call
 triggers, a build's output in one line, results that print as one readable line."""
 import logging
 import re
@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 
-from memlab import quiet
-from memlab.accumulation import AccumulationCheck
-from memlab.step import StepConfig
+from memlab.core import quiet
+from memlab.step.training_step import StepConfig
+from memlab.techniques.accumulation import AccumulationCheck
 
 SMALL_LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
@@ -28,7 +28,7 @@ def test_progress_wanted(monkeypatch, env, asked, want):
 
 
 def test_a_sweep_draws_no_bar_when_nobody_watches(monkeypatch, capfd):
-    from memlab.sweeps import sweep
+    from memlab.techniques.sweeps import sweep
     step = StepConfig(model="tiny", seq=16, batch=1)
     monkeypatch.setenv(quiet.PROGRESS_ENV, "1")
     sweep(step, "batch", [1], lens="estimate")
@@ -68,7 +68,7 @@ def test_quiet_build_shows_the_log_when_the_build_fails(capfd):
 def test_hf_checkpointing_turns_the_cache_off_itself(capfd):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from memlab import hf
+    from memlab.hf import config as hf
     logging.Logger.warning_once.cache_clear()        # transformers logs each message once a process
     model = LlamaForCausalLM(LlamaConfig(**SMALL_LLAMA)).train()
     hf.enable_hf_checkpointing(model)
@@ -82,7 +82,7 @@ def test_peft_model_triggers_no_deprecation_warning():
     from peft import LoraConfig
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from memlab import hf
+    from memlab.hf import config as hf
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = hf.peft_model(LlamaForCausalLM(LlamaConfig(**SMALL_LLAMA)),

@@ -1,14 +1,14 @@
 """Real numbers shipped for machines that cannot produce them: the H200's DeepSpeed offload rows
-(``memlab.reference.offload_reference``, lesson 11) and a real CUDA OOM message from a public
-thread (``memlab.oom.recorded_oom``, lesson 02)."""
+(``memlab.lenses.reference.offload_reference``, lesson 11) and a real CUDA OOM message from a public
+thread (``memlab.tracking.oom_messages.recorded_oom``, lesson 02)."""
 import json
 from importlib import resources
 
 import pytest
 
-from memlab.errors import InputError
-from memlab.oom import ROUNDING_BYTES, oom_balance, parse_oom, recorded_oom, recorded_oom_names
-from memlab.reference import offload_reference
+from memlab.core.errors import InputError
+from memlab.lenses.reference import offload_reference
+from memlab.tracking.oom_messages import ROUNDING_BYTES, oom_balance, parse_oom, recorded_oom, recorded_oom_names
 
 GiB, MiB = 2**30, 2**20
 RAW = json.loads(resources.files("memlab").joinpath(
@@ -98,7 +98,7 @@ def _lesson(name: str) -> str:
 def test_lesson_11_states_the_h200_figures_of_the_reference():
     """Lesson 11's prose and summary, against the file: the peaks, the host growth, the 16
     B/param, the time ratio; the estimate's errors (within 1% on the device, 3% on the host)."""
-    from memlab.estimate import estimate_step
+    from memlab.lenses.estimate import estimate_step
     by = {(r.zero, r.offload): r for r in offload_reference()}
     z2, off = by[2, "none"], by[2, "optimizer"]
     text = " ".join(_lesson("11_offload.ipynb").split())

@@ -18,12 +18,12 @@ import pathlib
 
 import pytest
 
-from memlab import run_config as rc
-from memlab.cli import main
-from memlab.errors import InputError
-from memlab.hf_shape import decoder_shape
-from memlab.run import ALL_LINEAR
-from memlab.states import param_numels
+from memlab.app.cli import main
+from memlab.core.errors import InputError
+from memlab.hf import read_run_configs as rc
+from memlab.hf.shape import decoder_shape
+from memlab.step.fine_tune_config import ALL_LINEAR
+from memlab.step.states import param_numels
 
 DATA = pathlib.Path(__file__).parent / "data" / "run_configs"
 INDEX = {e["file"]: e for e in json.loads((DATA / "index.json").read_text())}

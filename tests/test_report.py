@@ -4,11 +4,11 @@ from dataclasses import replace
 
 import pytest
 
-from memlab.cli import main
-from memlab.estimate import estimate_step
-from memlab.reference import load_references
-from memlab.step import StepConfig
-from memlab.technique_table import measure_table, ranks_for, reference_ratios, verdict, zero_saving
+from memlab.app.cli import main
+from memlab.classroom.technique_table import measure_table, ranks_for, reference_ratios, verdict, zero_saving
+from memlab.lenses.estimate import estimate_step
+from memlab.lenses.reference import load_references
+from memlab.step.training_step import StepConfig
 
 STEP = StepConfig(seq=128, batch=4)
 

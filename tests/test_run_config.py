@@ -6,11 +6,12 @@ from importlib import resources
 
 import pytest
 
-from memlab import hf, run_config
-from memlab.cli import main
-from memlab.distributed.deepspeed_config import deepspeed_config
-from memlab.errors import InputError
-from memlab.step import StepConfig
+from memlab.app.cli import main
+from memlab.core.errors import InputError
+from memlab.hf import config as hf
+from memlab.hf import read_run_configs as run_config
+from memlab.step.training_step import StepConfig
+from memlab.step.write_deepspeed_config import deepspeed_config
 
 CURRICULUM = str(resources.files("memlab").joinpath("data", "deepspeed", "curriculum.json"))
 HF = ["--hf-config", "gpt2", "--seq", "256", "--checkpointing", "full", "--gpu", "A100-80GB"]
@@ -101,7 +102,7 @@ def test_bucket_sizes_change_the_estimate_by_deepspeeds_accounting():
     """The fast sibling of the measured check below: DeepSpeed's accounting of the comm bucket
     is reduce_bucket_size elements of the model's dtype (deepspeed_zero.zero_accounting); two
     buckets at stages 1-2 under overlap_comm (stage_1_and_2.py setup_buckets)."""
-    from memlab.estimate import estimate_step
+    from memlab.lenses.estimate import estimate_step
     step = StepConfig(model="tiny", seq=64, batch=4, zero=2, world_size=2)
     base = deepspeed_config(step)
     peaks = {}

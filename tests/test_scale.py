@@ -7,11 +7,11 @@ import pytest
 import torch.nn as nn
 
 import memlab as ml
-from memlab.chunked_loss import loss_spike_bytes
 from memlab.distributed.fsdp import simulate_sharded
-from memlab.estimate import activation_bytes, estimate_step
+from memlab.lenses.estimate import activation_bytes, estimate_step
+from memlab.lenses.simulate import simulate_step
+from memlab.models.chunked_loss import loss_spike_bytes
 from memlab.policy import get_target
-from memlab.simulate import simulate_step
 
 
 def llama_like(vocab: int, kv: int | None = 2, **over) -> ml.GPTConfig:
@@ -119,7 +119,7 @@ def test_sharded_simulation_of_a_gqa_model_in_bf16():
 
 
 def test_cli_simulates_zero3_over_many_ranks_with_fsdp(capsys):
-    from memlab.cli import main
+    from memlab.app.cli import main
     assert main(["simulate", "--model", "tiny", "--seq", "64", "--batch", "2", "--precision",
                  "bf16", "--zero", "3", "--world-size", "16", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)

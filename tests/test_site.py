@@ -327,7 +327,7 @@ def test_each_estimate_panel_shows_its_figure_on_construction(make, monkeypatch)
     there when built (TensorParallelPanel drew one and never showed it)."""
     import matplotlib.figure
 
-    from memlab import widgets
+    from memlab.classroom import widgets
     shown = []
     monkeypatch.setattr(widgets, "display", shown.append)
     panel = eval(make, vars(widgets))

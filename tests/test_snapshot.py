@@ -6,8 +6,8 @@ from importlib import resources
 
 import pytest
 
-from memlab.errors import InputError
-from memlab.snapshot import REFERENCE_SNAPSHOT, live_timeline, load_snapshot
+from memlab.core.errors import InputError
+from memlab.tracking.snapshot import REFERENCE_SNAPSHOT, live_timeline, load_snapshot
 
 MiB = 2**20
 

@@ -10,8 +10,19 @@ import sys
 import pytest
 
 import memlab as ml
-from memlab import hf, hf_config_check, hf_shape, run_config
-from memlab.hf_estimate import estimate_hf
+from memlab.hf import (
+    config as hf,
+)
+from memlab.hf import (
+    config_check as hf_config_check,
+)
+from memlab.hf import (
+    read_run_configs as run_config,
+)
+from memlab.hf import (
+    shape as hf_shape,
+)
+from memlab.hf.estimate import estimate_hf
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEAVY = ("transformers", "deepspeed", "peft", "bitsandbytes", "torchao", "matplotlib")
@@ -49,19 +60,19 @@ through DeepSpeed's own DeepSpeedConfig, its validation.)"""
 
 def test_help_imports_no_lens_beyond_the_parser():
     """--help builds the parser only: no DeepSpeed launcher, no advisor, no run readers."""
-    watch = (*HEAVY, "memlab.advisor", "memlab.distributed.deepspeed_zero", "memlab.run_config",
-             "memlab.technique_table", "memlab.doctor", "memlab.hf_estimate")
+    watch = (*HEAVY, "memlab.planning.advisor", "memlab.distributed.deepspeed_zero", "memlab.hf.read_run_configs",
+             "memlab.classroom.technique_table", "memlab.app.doctor", "memlab.hf.estimate")
     assert _imported([["--help"]], watch) == []
 
 
 def test_import_memlab_loads_no_lens():
     """The front door is lazy: `import memlab` loads no lens (nor torch); a name loads its module."""
     code = ("import sys, memlab\nprint(sorted(m for m in sys.modules if m.startswith('memlab.')), "
-            "'torch' in sys.modules)\nmemlab.estimate_step\nprint('memlab.estimate' in sys.modules)")
+            "'torch' in sys.modules)\nmemlab.estimate_step\nprint('memlab.lenses.estimate' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           check=True, timeout=300)
     first, second = done.stdout.strip().splitlines()
-    assert first == "['memlab.quiet'] False"
+    assert first == "['memlab.core.quiet'] False"
     assert second == "True"
 
 
@@ -74,7 +85,7 @@ def test_every_front_door_name_is_its_home_modules_object():
     for name, module in homes.items():
         assert getattr(ml, name) is getattr(importlib.import_module(f"memlab.{module}"), name), name
     assert set(ml.__all__) <= set(dir(ml))
-    assert ml.hf is hf  # a submodule by attribute, as the eager imports left it
+    assert ml.hf.config is hf  # a submodule by attribute, as the eager imports left it
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         ml.not_a_name  # noqa: B018
 

@@ -1,11 +1,18 @@
-"""memlab.states: one model-state formula for every lens, in plain PyTorch's and DeepSpeed's
+"""memlab.step.states: one model-state formula for every lens, in plain PyTorch's and DeepSpeed's
 layouts."""
 import pytest
 import torch
 
-from memlab.distributed.zero import zero_formula
-from memlab.models import UNET_PRESETS, build_model, get_config
-from memlab.states import bytes_per_param, model_state_bytes, model_states, param_numels, pinned_bytes, under_deepspeed
+from memlab.models.gpt_unet import UNET_PRESETS, build_model, get_config
+from memlab.step.states import (
+    bytes_per_param,
+    model_state_bytes,
+    model_states,
+    param_numels,
+    pinned_bytes,
+    under_deepspeed,
+)
+from memlab.step.zero import zero_formula
 
 PSI = 10**9
 
@@ -117,8 +124,8 @@ def test_zero3_steps_one_sub_group_at_a_time(ranks):
     partition (what memlab counts), and the whole partition's below 1e9 elements a rank."""
     import math
 
-    from memlab.hf_shape import decoder_shape
-    from memlab.states import SUB_GROUP_SIZE, model_states
+    from memlab.hf.shape import decoder_shape
+    from memlab.step.states import SUB_GROUP_SIZE, model_states
     s = decoder_shape("llama-3.1-8b")
     groups, size = [], 0
     for n in s.param_numels():

@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import pytest
 
-from memlab.errors import InputError
-from memlab.models import GPTConfig, get_config
-from memlab.step import StepConfig, build_trainer
+from memlab.core.errors import InputError
+from memlab.models.gpt_unet import GPTConfig, get_config
+from memlab.step.training_step import StepConfig, build_trainer
 
 
 def test_unset_on_the_step_the_model_configs_switches_are_built():

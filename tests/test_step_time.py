@@ -1,4 +1,4 @@
-"""The time lens (memlab.step_time): each part of its rule against the datasheet figures and
+"""The time lens (memlab.time.step_time): each part of its rule against the datasheet figures and
 formulas it states, and the `time` every report carries."""
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from importlib import resources
 import pytest
 import torch
 
-from memlab import doctor
-from memlab.cards import card_speeds
-from memlab.elementwise import gpt_elementwise
-from memlab.estimate import estimate_step
-from memlab.flops import step_flops_formula
-from memlab.models import build_model, get_config, tiny_llama
-from memlab.simulate import simulate_step
-from memlab.step import StepConfig
-from memlab.step_time import (
+from memlab.app import doctor
+from memlab.core.cards import card_speeds
+from memlab.lenses.estimate import estimate_step
+from memlab.lenses.simulate import simulate_step
+from memlab.models.gpt_unet import build_model, get_config, tiny_llama
+from memlab.step.training_step import StepConfig
+from memlab.time.elementwise import gpt_elementwise
+from memlab.time.flops import step_flops_formula
+from memlab.time.step_time import (
     CPU_ADAM_PARAMS_PER_S,
     DEEPSPEED_FP32_STAGE0,
     DEEPSPEED_PASSES,
@@ -102,7 +102,7 @@ def _adamw_foreach_passes() -> list[tuple[int, int]]:
     """torch.optim.AdamW(foreach=True)'s second step on a real model, as dispatched: each
     foreach op over the parameters as (tensor lists, bytes read and written per element), the
     lists an op mutates or returns written, each distinct tensor it reads read once."""
-    from memlab.torch_private import TorchDispatchMode, tree_flatten
+    from memlab.core.torch_private import TorchDispatchMode, tree_flatten
     params = list(build_model(get_config("tiny")).parameters())
     psi = sum(p.numel() for p in params)
     for p in params:
@@ -277,7 +277,7 @@ def test_every_lens_reports_time_flops():
 
 
 def test_every_profile_has_its_datasheet():
-    from memlab.cards import CARDS
+    from memlab.core.cards import CARDS
     for name in CARDS:
         sp = card_speeds(name)
         assert sp.peak("fp32") > 0 and sp.hbm > 0 and sp.pcie > 0 and 0 < sp.achievable < 1

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from memlab import exercises as ex
-from memlab.exercises import CheckFailed
+from memlab.classroom import exercises as ex
+from memlab.classroom.exercises import CheckFailed
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))

@@ -4,15 +4,15 @@ from dataclasses import replace
 import pytest
 
 from memlab import GPTConfig, StepConfig, measure_step
-from memlab.accumulation import accumulation_check
-from memlab.cards import SPEEDS
-from memlab.elementwise import gpt_elementwise
-from memlab.errors import InputError
-from memlab.max_batch import find_max_batch_search, predict_max_batch
-from memlab.mixed_precision import FP16_TINY, fp16_underflow
-from memlab.step_time import CALIBRATION_ENV
-from memlab.sweeps import step_flops, sweep
-from memlab.technique_table import CLAIMS, PIPELINE_MICRO_BATCHES, Row, Table, predicted_times
+from memlab.classroom.technique_table import CLAIMS, PIPELINE_MICRO_BATCHES, Row, Table, predicted_times
+from memlab.core.cards import SPEEDS
+from memlab.core.errors import InputError
+from memlab.techniques.accumulation import accumulation_check
+from memlab.techniques.max_batch import find_max_batch_search, predict_max_batch
+from memlab.techniques.mixed_precision import FP16_TINY, fp16_underflow
+from memlab.techniques.sweeps import step_flops, sweep
+from memlab.time.elementwise import gpt_elementwise
+from memlab.time.step_time import CALIBRATION_ENV
 
 # smaller than ``tiny`` so that a batch search of ~8 real steps takes seconds
 MICRO = GPTConfig(n_layer=2, n_head=2, d_model=64, vocab_size=256, block_size=256, name="micro")
@@ -175,7 +175,7 @@ def test_only_bf16_autocast_is_predicted_slower_on_a_t4_or_v100(card, no_calibra
     """Lesson 15: a T4 or V100 has fp16 tensor cores and no bf16 ones (datasheets: 65 and 125
     TFLOPS fp16 against 8.1 and 15.7 fp32), so bf16 autocast runs its matmuls at the fp32 rate
     and pays its casts, while fp16 autocast runs at the tensor cores' rate."""
-    from memlab.step_time import step_time
+    from memlab.time.step_time import step_time
     sp = SPEEDS[card]
     assert sp.peak("bf16") == sp.peak("fp32") and sp.peak("fp16") > 7 * sp.peak("fp32")
     step = StepConfig(model="gpt2-medium", seq=128, batch=4)   # matmul-bound: launches are not the step

@@ -6,7 +6,7 @@ import pathlib
 import torch
 import torch.distributed as dist
 
-from memlab import torch_private as tp
+from memlab.core import torch_private as tp
 
 
 def test_fake_tensors_allocate_nothing_and_keep_shapes():
@@ -138,7 +138,7 @@ def test_the_scan_finds_each_kind_of_private_use():
 
 
 def test_private_torch_apis_only_through_torch_private():
-    """Issue 37: every private torch API through memlab/torch_private.py, one home each."""
+    """Issue 37: every private torch API through memlab/core/torch_private.py, one home each."""
     offenders = {}
     for path in sorted(MEMLAB.rglob("*.py")):
         rel = path.relative_to(MEMLAB).as_posix()

@@ -5,9 +5,9 @@ import time
 import pytest
 import torch
 
-from memlab.measure import measure_step, time_steps
-from memlab.step import StepConfig, build_trainer, make_batch
-from memlab.tracking import CATEGORIES, MemoryTracker
+from memlab.lenses.measure import measure_step, time_steps
+from memlab.step.training_step import StepConfig, build_trainer, make_batch
+from memlab.tracking.tracker import CATEGORIES, MemoryTracker
 
 
 def test_counts_a_new_tensor_exactly_and_its_release():
@@ -80,7 +80,7 @@ def test_every_category_is_reached_by_a_step_and_none_is_missing():
     (a GPU-target simulation: workspace is what no op returns, cuBLAS's), and the peak is
     exactly the sum of its categories: none lost, none counted twice. The model states are
     the closed-form 4 + 4 + 8 bytes per parameter of fp32 AdamW."""
-    from memlab.simulate import simulate_step
+    from memlab.lenses.simulate import simulate_step
     step = StepConfig(seq=64, batch=2)
     rep = simulate_step(step, target="cuda")
     assert tuple(rep.by_category) == CATEGORIES

@@ -7,7 +7,8 @@ import re
 import nbformat
 import pytest
 
-from memlab import classroom, watchdog
+from memlab.classroom import collect as classroom
+from memlab.classroom import watchdog
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BOUND = 3.0   # the planted hangs' watchdog bound, seconds: the tests stay fast

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from memlab.distributed.deepspeed_zero import track_engine
-from memlab.tracking import MemoryTracker
+from memlab.tracking.tracker import MemoryTracker
 
 
 def _stepped(n_in: int = 64, n_out: int = 32):
@@ -40,9 +40,9 @@ def test_stage_0_and_1_peaks_on_two_ranks_against_plain_torch_and_the_zero_formu
     activations and Adam state as memlab's plain PyTorch step of that model. Stage 1 holds the
     fp32 master and moments of Rajbhandari et al. 2020, sec. 5.1, (4 + 8) psi / N."""
     from memlab.distributed.deepspeed_zero import measure_zero
-    from memlab.distributed.zero import zero_formula
-    from memlab.measure import measure_step
-    from memlab.step import StepConfig
+    from memlab.lenses.measure import measure_step
+    from memlab.step.training_step import StepConfig
+    from memlab.step.zero import zero_formula
 
     small = dict(seq=128, batch=4)
     z0, z1 = measure_zero([StepConfig(zero=z, world_size=2, **small) for z in (0, 1)], timeout=600)

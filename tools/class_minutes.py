@@ -6,7 +6,7 @@
     python tools/class_minutes.py --write                       # update the plan, README, syllabus
 
 Counts every notebook's prose words, code cells and "Your turn" exercises as committed
-(`memlab.classroom.lesson_time`) and adds its measured run time; prints one Markdown row per
+(`memlab.classroom.collect.lesson_time`) and adds its measured run time; prints one Markdown row per
 lesson in the plan's "measured" table format. After a lesson changes, ``--write`` puts the new
 minutes into the plan's measured table, every day table (a column marked ``cut`` stays cut) and
 its "Teaching minutes" lines, README's "read" column and the syllabus' "(reading N min)"; it says
@@ -21,8 +21,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memlab.classroom import LessonTime, lesson_time, read_run_seconds  # noqa: E402
-from memlab.errors import InputError  # noqa: E402
+from memlab.classroom.collect import LessonTime, lesson_time, read_run_seconds  # noqa: E402
+from memlab.core.errors import InputError  # noqa: E402
 
 PLAN = ROOT / "course" / "two-day-plan.md"
 README = ROOT / "README.md"

@@ -3,7 +3,7 @@
     python tools/make_site.py [--out build/site] [--timeout S] [--only 00,01] [--no-execute] [NOTEBOOK ...]
 
 Each notebook (default ``notebooks/*.ipynb``) runs top to bottom in a fresh ``python3`` kernel,
-one at a time (the rank-starting lessons must not overlap), with ``memlab.classroom.run_notebook``:
+one at a time (the rank-starting lessons must not overlap), with ``memlab.classroom.collect.run_notebook``:
 a failing cell is shown on its page, the build goes on, and the exit status is 1. Pages are
 nbconvert's ``lab`` template with figures embedded as PNG data; every script it would load from
 a CDN (require.js, MathJax, mermaid) is removed, so a page needs no network.
@@ -24,7 +24,7 @@ A page reads as a learner meets it:
 
 ``index.html`` lists the lessons in order with their run time and status. A cell whose kernel
 sits idle with no reply is reported in one line and its notebook run again in a fresh kernel
-(``memlab.watchdog``); a notebook over its bound (``memlab/data/notebook_bounds.txt``, the
+(``memlab.classroom.watchdog``); a notebook over its bound (``memlab/data/notebook_bounds.txt``, the
 seconds each may take on 2 cores) is named in its line, its index row and the closing line.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # the worktree's memlab, as in the notebooks
-from memlab.watchdog import BOUNDS_FILE, over_bound  # noqa: E402  (no torch: --no-execute stays light)
+from memlab.classroom.watchdog import BOUNDS_FILE, over_bound  # noqa: E402  (no torch: --no-execute stays light)
 
 ELECTIVES = ("16", "17", "18")
 REMOTE_SCRIPT = re.compile(r"<script\b[^>]*\bsrc=\"https?://[^\"]*\"[^>]*>\s*</script>", re.S)
@@ -236,7 +236,7 @@ def build(paths: list[pathlib.Path], out: pathlib.Path, timeout: float, execute:
     # kernels inherit the environment: a non-interactive backend (MPLBACKEND=Agg, as the tests
     # set) would leave every lesson without `%matplotlib inline` with no figures on its page;
     # PYTHONSTARTUP gives each figure its title as alt text; nobody watches a page's progress
-    # bars, so memlab draws none (memlab.quiet.progress_wanted)
+    # bars, so memlab draws none (memlab.core.quiet.progress_wanted)
     kernel_env = {"MPLBACKEND": "module://matplotlib_inline.backend_inline",
                   "PYTHONSTARTUP": str(ROOT / "tools" / "site_kernel.py"), "MEMLAB_PROGRESS": "0"}
     saved_env = {k: os.environ.get(k) for k in kernel_env}
@@ -252,7 +252,7 @@ def build(paths: list[pathlib.Path], out: pathlib.Path, timeout: float, execute:
 
             t = time.perf_counter()
             if execute:
-                from memlab.classroom import run_watched  # (imports torch: not for --no-execute)
+                from memlab.classroom.collect import run_watched  # (imports torch: not for --no-execute)
                 run = run_watched(path, timeout, after_cell=freeze)
                 nb, stalls = run.nb, [s.line() for s in run.stalls]
             else:

@@ -1,4 +1,4 @@
-"""The notebook watchdog (memlab.watchdog) for nbval: a pytest plugin.
+"""The notebook watchdog (memlab.classroom.watchdog) for nbval: a pytest plugin.
 
 notebooks/conftest.py registers it, so ``make test``'s nbval runs and ``make gpu-check``'s (one
 pytest per notebook under notebooks/) have it; elsewhere ``pytest -p nbval_watchdog --nbval``
@@ -6,7 +6,7 @@ with tools/ on the path. nbval waits for a cell's ``execute_reply`` on the shell
 whole ``--nbval-cell-timeout``; here that wait goes in one-second slices, reading IOPub between
 them (kept for nbval, which reads it next) to see whether the kernel went busy or idle. A cell
 whose kernel sits idle with no message for ``MEMLAB_STALL_SECONDS`` (default
-:data:`memlab.watchdog.STALL_SECONDS`) is reported in one line on stderr and in the cell's
+:data:`memlab.classroom.watchdog.STALL_SECONDS`) is reported in one line on stderr and in the cell's
 report; the kernel restarts, the notebook's earlier cells run again in it and the cell is
 retried, once per notebook. A second stall fails the cell with the line as its message.
 """
@@ -21,7 +21,7 @@ from queue import Empty
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from memlab.watchdog import STALL_SECONDS, KernelStalled, StallWatch, kernel_pid  # noqa: E402
+from memlab.classroom.watchdog import STALL_SECONDS, KernelStalled, StallWatch, kernel_pid  # noqa: E402
 
 
 def stall_seconds() -> float:

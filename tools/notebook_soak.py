@@ -1,5 +1,5 @@
 """Run notebooks the way the site and the class collector do, many times, and count the runs
-that stall: the reproduction of a kernel wait that never ends (memlab.watchdog).
+that stall: the reproduction of a kernel wait that never ends (memlab.classroom.watchdog).
 
     nice python tools/notebook_soak.py --runs 50                      # the small widget notebook
     nice python tools/notebook_soak.py --runs 3 notebooks/00_start_here.ipynb
@@ -7,7 +7,7 @@ that stall: the reproduction of a kernel wait that never ends (memlab.watchdog).
 
 Each run is its own process with the site's kernel environment (inline figures, the alt-text
 ``PYTHONSTARTUP``, no progress bars) and the site's ``after_cell`` (each cell's widget state
-read and frozen). ``--mode watched`` (default) runs ``memlab.classroom.run_watched`` with no
+read and frozen). ``--mode watched`` (default) runs ``memlab.classroom.collect.run_watched`` with no
 retry: a stall is reported by the watchdog in its line. ``--mode plain`` runs the loop the
 site ran before the watchdog (``setup_kernel`` + ``execute_cell``, nothing watching): a run
 that outlives ``--bound`` seconds (default: the notebook's bound on 2 cores,
@@ -84,7 +84,7 @@ def one(path: pathlib.Path, mode: str, stall_seconds: float) -> int:
         client.process_message = process_message
 
         def hung() -> None:   # just before the parent's bound: what the run was waiting for
-            from memlab.watchdog import kernel_pid, kernel_state
+            from memlab.classroom.watchdog import kernel_pid, kernel_state
             waiting = "unknown"
             if loop:   # is the reply already in the client's shell socket, unread? (asked on its loop)
                 async def ready() -> bool:
@@ -110,7 +110,7 @@ def one(path: pathlib.Path, mode: str, stall_seconds: float) -> int:
         timer.cancel()
         stalls = []
     else:
-        from memlab.classroom import run_watched
+        from memlab.classroom.collect import run_watched
         run = run_watched(path, 900, after_cell=freeze, stall_seconds=stall_seconds, retries=0)
         nb, stalls = run.nb, run.stalls
     errs = errors_in(nb)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         os.environ.update(SITE_ENV)
         return one(pathlib.Path(args.one), args.mode, args.stall)
-    from memlab.watchdog import notebook_bounds
+    from memlab.classroom.watchdog import notebook_bounds
     bounds = notebook_bounds()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="memlab-soak-"))
     paths = [pathlib.Path(n).resolve() for n in args.notebooks] or [small_notebook(tmp)]

@@ -14,7 +14,10 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memlab import hf, hf_config_check, hf_shape, run_config  # noqa: E402
+from memlab.hf import config as hf  # noqa: E402
+from memlab.hf import config_check as hf_config_check  # noqa: E402
+from memlab.hf import read_run_configs as run_config  # noqa: E402
+from memlab.hf import shape as hf_shape  # noqa: E402
 
 
 def shipped_answers() -> None:

@@ -4,7 +4,7 @@ An emptied solution cell left as ``# your code here`` makes the check cell after
 ``NameError: name 'CheckpointedBlock' is not defined``, which says nothing about the exercise.
 Instead the student cell defines every top-level name the solution defines (``def``,
 ``class``, assignment) as ``None``; each checker treats ``None`` as "not written yet" and says
-what to write and where (``memlab.exercises.common.require``)::
+what to write and where (``memlab.classroom.exercises.common.require``)::
 
     # your code here
     CheckpointedBlock = None  # your code here: a class (replace this line)

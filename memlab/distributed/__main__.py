@@ -9,11 +9,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..hardware import place_ranks
-from .parallel_formulas import SCHEDULES
-from .pipeline_parallel import pp_worker
-from .ranks import launcher_env
-from .tensor_parallel import tp_worker
+from memlab.core.hardware import place_ranks
+from memlab.distributed.pipeline_parallel import pp_worker
+from memlab.distributed.ranks import launcher_env
+from memlab.distributed.tensor_parallel import tp_worker
+from memlab.lenses.parallel_formulas import SCHEDULES
 
 
 def main(argv: list[str] | None = None) -> list[dict] | None:

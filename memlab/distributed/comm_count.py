@@ -1,4 +1,4 @@
-"""Communication bytes counted on real ranks, to check :mod:`memlab.communication`'s formula.
+"""Communication bytes counted on real ranks, to check :mod:`memlab.time.communication`'s formula.
 
 :class:`CollectiveCounter` is a dispatch mode that sees every collective a rank issues: the
 ``c10d`` ops behind ``torch.distributed``'s functions and DDP's reducer, and the functional
@@ -18,18 +18,18 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..errors import InputError
-from ..hardware import Placement
-from ..models import GPT, get_config
-from ..step import StepConfig, build_trainer, make_batch
-from ..torch_private import TorchDispatchMode, tree_flatten
-from .deepspeed_config import deepspeed_config
-from .deepspeed_rank0 import fake_ranks
-from .parallel_common import rank_device, set_rank_threads
-from .ranks import run_ranks
-from .tensor_parallel import apply_tensor_parallel
+from memlab.core.errors import InputError
+from memlab.core.hardware import Placement
+from memlab.core.torch_private import TorchDispatchMode, tree_flatten
+from memlab.distributed.deepspeed_rank0 import fake_ranks
+from memlab.distributed.parallel_common import rank_device, set_rank_threads
+from memlab.distributed.ranks import run_ranks
+from memlab.distributed.tensor_parallel import apply_tensor_parallel
+from memlab.models.gpt_unet import GPT, get_config
+from memlab.step.training_step import StepConfig, build_trainer, make_batch
+from memlab.step.write_deepspeed_config import deepspeed_config
 
-#: dispatcher op name -> the collective of :data:`memlab.communication.COLLECTIVES`
+#: dispatcher op name -> the collective of :data:`memlab.time.communication.COLLECTIVES`
 OPS = {"allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
        "allreduce_coalesced_": "all_reduce",
        "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
@@ -93,7 +93,7 @@ def ddp_count_worker(rank: int, world_size: int, step) -> dict:
 def zero_count_worker(rank: int, world_size: int, step, zero_overrides: dict | None = None,
                       paper_collectives: bool = False) -> dict:
     """One DeepSpeed ZeRO step (after a warm-up step) under the counter; ``paper_collectives``:
-    :func:`~memlab.distributed.deepspeed_config.deepspeed_config`'s flag; ``zero_overrides``
+    :func:`~memlab.step.write_deepspeed_config.deepspeed_config`'s flag; ``zero_overrides``
     change keys of the config's ``zero_optimization`` after it."""
     import deepspeed
 
@@ -144,9 +144,9 @@ def count_step_communication(step, kind: str, world_size: int = 2, *,
     Args:
         zero_overrides: DeepSpeed ``zero_optimization`` keys for ``kind="zero"``.
         paper_collectives: ``kind="zero"`` with the ZeRO paper's collectives
-            (:data:`~memlab.distributed.deepspeed_config.REDUCE_TO_OWNER`,
-            :data:`~memlab.distributed.deepspeed_config.GATHER_EVERY_USE`), what
-            ``engine="deepspeed-reduce-scatter"`` of :mod:`memlab.communication` counts.
+            (:data:`~memlab.step.write_deepspeed_config.REDUCE_TO_OWNER`,
+            :data:`~memlab.step.write_deepspeed_config.GATHER_EVERY_USE`), what
+            ``engine="deepspeed-reduce-scatter"`` of :mod:`memlab.time.communication` counts.
     """
     if kind not in WORKERS:
         raise InputError(f"kind={kind!r}; allowed: {', '.join(WORKERS)}")
@@ -168,7 +168,7 @@ __all__ = ["OPS", "CollectiveCounter", "OpCounter", "count_deepspeed_passes", "c
            "tp_count_worker", "zero_count_worker"]
 
 
-# ---- DeepSpeed's per-step work, counted (memlab.step_time.DEEPSPEED_PASSES) ------------------
+# ---- DeepSpeed's per-step work, counted (memlab.time.step_time.DEEPSPEED_PASSES) ------------------
 #: ops that launch no kernel: views, metadata, allocation
 NO_KERNEL = frozenset({"view", "_unsafe_view", "as_strided", "detach", "t", "alias", "slice", "select", "split",
                        "unbind", "expand", "transpose", "permute", "_reshape_alias", "split_with_sizes", "empty",

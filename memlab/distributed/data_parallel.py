@@ -4,7 +4,7 @@ Lesson 09's primer before ZeRO. Every rank holds a full replica of the model and
 slice of the batch; after backward the ranks all-reduce their gradients (sum, then divide by
 the number of ranks), so every replica takes the same optimizer step as one process on the
 whole batch would (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data
-Parallel Training", sec. 3). ZeRO (:mod:`memlab.distributed.zero`) is built from the same collectives:
+Parallel Training", sec. 3). ZeRO (:mod:`memlab.step.zero`) is built from the same collectives:
 reduce-scatter leaves each rank one shard of the sum, all-gather puts the shards back together.
 
 >>> coll = measure_collectives(world_size=2)      # what each rank holds before and after
@@ -12,7 +12,7 @@ reduce-scatter leaves each rank one shard of the sum, all-gather puts the shards
 >>> ddp[0]["bytes"]                                # full replicas: parameters, gradients, Adam
 
 Workers run on ranks started by :func:`memlab.distributed.ranks.run_ranks`, placed by
-:func:`memlab.hardware.place_ranks` (one GPU per rank, or CPU ranks on gloo).
+:func:`memlab.core.hardware.place_ranks` (one GPU per rank, or CPU ranks on gloo).
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..hardware import Placement, rank_device
-from ..step import StepConfig, build_trainer, make_batch
-from .ranks import run_ranks
+from memlab.core.hardware import Placement, rank_device
+from memlab.distributed.ranks import run_ranks
+from memlab.step.training_step import StepConfig, build_trainer, make_batch
 
 
 def collectives_worker(rank: int, world_size: int, n: int = 4) -> dict:

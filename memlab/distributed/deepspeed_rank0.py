@@ -12,18 +12,18 @@ from typing import Callable
 
 import torch
 
-from ..models import GPT, get_config
-from ..quiet import quiet_build
-from ..step import StepConfig, make_batch
-from .deepspeed_zero import zero_accounting
-from .ranks import fake_process_group, set_cache_env
+from memlab.core.quiet import quiet_build
+from memlab.distributed.deepspeed_zero import zero_accounting
+from memlab.distributed.ranks import fake_process_group, set_cache_env
+from memlab.models.gpt_unet import GPT, get_config
+from memlab.step.training_step import StepConfig, make_batch
 
 
 def import_deepspeed():
     """``import deepspeed``, quietly: at its first import it probes every op it could build
     by compiling and linking a test program (``/usr/bin/ld: cannot find -laio`` where libaio
     is missing), output that reaches a notebook through the file descriptors
-    (:func:`memlab.quiet.quiet_build` keeps it). ``DS_ACCELERATOR=cpu`` without a GPU, which
+    (:func:`memlab.core.quiet.quiet_build` keeps it). ``DS_ACCELERATOR=cpu`` without a GPU, which
     it reads at import (:func:`~memlab.distributed.ranks.set_cache_env`)."""
     set_cache_env()
     if "deepspeed" not in sys.modules:

@@ -1,12 +1,12 @@
 """ZeRO with real DeepSpeed: its per-rank accounting, and ranks that measure it.
 
-:func:`memlab.distributed.deepspeed_config.deepspeed_config` writes the config a
-:class:`~memlab.step.StepConfig` describes; :func:`zero_rank_step` runs one rank's engine under
+:func:`memlab.step.write_deepspeed_config.deepspeed_config` writes the config a
+:class:`~memlab.step.training_step.StepConfig` describes; :func:`zero_rank_step` runs one rank's engine under
 the tracker (or, on CUDA, the caching allocator) and returns its :class:`RankResult`;
 :func:`zero_accounting` reads what DeepSpeed's ZeRO optimizer holds, by account;
 :func:`measure_zero` and :func:`measure_distributed` start the ranks
-(:func:`memlab.distributed.ranks.run_ranks`) and return a :class:`~memlab.step.MemoryReport`
-per step with ``per_rank``. The per-rank formula is :func:`memlab.distributed.zero.zero_formula`.
+(:func:`memlab.distributed.ranks.run_ranks`) and return a :class:`~memlab.step.training_step.MemoryReport`
+per step with ``per_rank``. The per-rank formula is :func:`memlab.step.zero.zero_formula`.
 
 Over 500 lines because one rank's step (engine, accounting, tracked and timed steps, its
 :class:`RankResult`) and the launch that gathers the ranks' reports are read together: the
@@ -26,14 +26,14 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from ..errors import InputError
-from ..guard import preflight
-from ..hardware import Placement, rank_device, resolve_budget
-from ..measure import add_workspace
-from ..step import MemoryReport, StepConfig, build_trainer, make_batch
-from ..tracking import MemoryTracker, OOMInfo
-from .deepspeed_config import deepspeed_config
-from .ranks import RankError, default_backend, resolve_placement, run_ranks
+from memlab.core.errors import InputError
+from memlab.core.hardware import Placement, rank_device, resolve_budget
+from memlab.distributed.ranks import RankError, default_backend, resolve_placement, run_ranks
+from memlab.lenses.guard import preflight
+from memlab.lenses.measure import add_workspace
+from memlab.step.training_step import MemoryReport, StepConfig, build_trainer, make_batch
+from memlab.step.write_deepspeed_config import deepspeed_config
+from memlab.tracking.tracker import MemoryTracker, OOMInfo
 
 ACCOUNTS = ("parameters", "gradients", "fp32_master", "optimizer_state", "comm_buffers")
 
@@ -293,7 +293,7 @@ def zero_rank_step(rank: int, world_size: int, step: StepConfig, steps: int = 2,
     """Build a DeepSpeed engine for ``step`` on this rank's device, warm up, then one timed
     step and, with ``track``, one tracked step (peak by category, device and host).
 
-    The device follows the process group (:func:`~memlab.hardware.rank_device`), never
+    The device follows the process group (:func:`~memlab.core.hardware.rank_device`), never
     ``torch.cuda.is_available()``: CPU ranks on a GPU machine build on the CPU. Without a
     budget the timed step runs without a tracker: its seconds, DeepSpeed's accounting, on
     CUDA the allocator's base and peak, and the process's RSS.
@@ -307,7 +307,7 @@ def zero_rank_step(rank: int, world_size: int, step: StepConfig, steps: int = 2,
             and an OOM comes back as the result's ``oom`` with the step abandoned.
         torch_adam: torch's AdamW rather than DeepSpeed's compiled CPU Adam.
         track: run the tracked step even without a budget.
-        ds_config: a run's own DeepSpeed config (:mod:`memlab.run_config`) instead of
+        ds_config: a run's own DeepSpeed config (:mod:`memlab.hf.read_run_configs`) instead of
             memlab's; without an optimizer section torch's AdamW is added, as the Trainer
             passes one.
 
@@ -434,11 +434,11 @@ def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placemen
 
     All ``steps`` must share ``world_size``. The ranks run where ``placement`` says, else on
     ``device`` (``"cpu"``: gloo ranks; ``"cuda"``: one GPU per rank or an InputError; ``None``:
-    :func:`~memlab.hardware.place_ranks` decides). Returns one :class:`MemoryReport` per step
+    :func:`~memlab.core.hardware.place_ranks` decides). Returns one :class:`MemoryReport` per step
     (lens "measure", the peak of rank 0, ``per_rank`` one report per rank). ``budget`` is
     each rank's, enforced in the ranks. Before anything is spawned, every step is checked
-    against this host (:func:`memlab.guard.preflight`, all ranks together): one it cannot hold
-    raises :class:`~memlab.errors.HostMemoryError`; one whose model states exceed the budget
+    against this host (:func:`memlab.lenses.guard.preflight`, all ranks together): one it cannot hold
+    raises :class:`~memlab.core.errors.HostMemoryError`; one whose model states exceed the budget
     comes back ``fits: false`` at phase ``build`` without being run.
 
     Args:

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..errors import InputError
-from ..hardware import resolve_budget
-from ..models import GPTConfig, build_model
-from ..step import MemoryReport, StepConfig, make_batch
-from ..torch_private import FakeTensorMode, fsdp2_mem_tracker
-from ..tracking import CATEGORIES, MemoryTracker
-from .ranks import fake_process_group, resolve_placement, run_ranks
+from memlab.core.errors import InputError
+from memlab.core.hardware import resolve_budget
+from memlab.core.torch_private import FakeTensorMode, fsdp2_mem_tracker
+from memlab.distributed.ranks import fake_process_group, resolve_placement, run_ranks
+from memlab.models.gpt_unet import GPTConfig, build_model
+from memlab.step.training_step import MemoryReport, StepConfig, make_batch
+from memlab.tracking.tracker import CATEGORIES, MemoryTracker
 
 SHARDED_PRECISIONS = ("fp32", "bf16")
 
@@ -230,7 +230,7 @@ def simulate_sharded(step=None, world_size: int | None = None, *, budget=None,
     Args:
         step: the step (``None``: ``StepConfig()``); ``overrides`` replace its fields.
         world_size: ranks to shard over (``None``: ``step.world_size``).
-        budget: each rank's, as in :func:`memlab.simulate.simulate_step`.
+        budget: each rank's, as in :func:`memlab.lenses.simulate.simulate_step`.
 
     Returns:
         A :class:`MemoryReport` (lens ``"simulate"``) with ``per_rank``.

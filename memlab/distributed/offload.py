@@ -3,7 +3,7 @@
 :func:`measure_offload` runs ZeRO with and without optimizer (and parameter) offload in one
 launch and reports, per case, the device's peak and base, the host bytes DeepSpeed's
 accounting gives and how much the process's resident memory grew (Ren et al. 2021,
-"ZeRO-Offload", sec. 4.1; :mod:`memlab.states` for the formula).
+"ZeRO-Offload", sec. 4.1; :mod:`memlab.step.states` for the formula).
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import os
 import shutil
 from dataclasses import replace
 
-from ..hardware import Placement, place_ranks
-from .deepspeed_config import deepspeed_config
-from .deepspeed_zero import zero_worker
-from .ranks import run_ranks
+from memlab.core.hardware import Placement, place_ranks
+from memlab.distributed.deepspeed_zero import zero_worker
+from memlab.distributed.ranks import run_ranks
+from memlab.step.write_deepspeed_config import deepspeed_config
 
 OFFLOAD_CASES = ((2, "none"), (2, "optimizer"), (3, "all"))
 

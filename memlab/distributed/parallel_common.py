@@ -7,10 +7,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..errors import InputError
-from ..hardware import rank_device
-from ..models import GPTConfig
-from ..step import MemoryReport, StepConfig
+from memlab.core.errors import InputError
+from memlab.core.hardware import rank_device
+from memlab.models.gpt_unet import GPTConfig
+from memlab.step.training_step import MemoryReport, StepConfig
 
 
 def is_sharded(p: torch.Tensor) -> bool:

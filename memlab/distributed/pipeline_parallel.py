@@ -10,14 +10,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import InputError
-from ..hardware import Placement
-from ..models import GPT
-from ..step import StepConfig, build_optimizer, make_batch
-from ..tracking import MemoryTracker
-from .parallel_common import ParallelResult, rank_device, set_rank_threads, worker_step
-from .parallel_formulas import SCHEDULES, bubble_fraction
-from .ranks import resolve_placement, run_ranks
+from memlab.core.errors import InputError
+from memlab.core.hardware import Placement
+from memlab.distributed.parallel_common import ParallelResult, rank_device, set_rank_threads, worker_step
+from memlab.distributed.ranks import resolve_placement, run_ranks
+from memlab.lenses.parallel_formulas import SCHEDULES, bubble_fraction
+from memlab.models.gpt_unet import GPT
+from memlab.step.training_step import StepConfig, build_optimizer, make_batch
+from memlab.tracking.tracker import MemoryTracker
 
 
 class _Clock:

@@ -3,7 +3,7 @@
 :func:`run_ranks` starts ``world_size`` processes (``spawn``), joins them into one
 ``torch.distributed`` process group and calls an importable worker
 ``fn(rank, world_size, **kwargs)`` in each. Where the ranks run (NCCL with one GPU per rank,
-or gloo on the CPU) is decided once, by :func:`memlab.hardware.place_ranks`. A rank that
+or gloo on the CPU) is decided once, by :func:`memlab.core.hardware.place_ranks`. A rank that
 raises, dies or hangs makes :func:`run_ranks` raise :class:`RankError` naming the rank; every
 rank is then killed, so a notebook cell fails cleanly and leaves no processes behind.
 
@@ -57,10 +57,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..errors import InputError
-from ..hardware import Placement, place_ranks, visible_gpus
-from ..quiet import build_line, built_ops, in_kernel
-from ..torch_private import FakeStore
+from memlab.core.errors import InputError
+from memlab.core.hardware import Placement, place_ranks, visible_gpus
+from memlab.core.quiet import build_line, built_ops, in_kernel
+from memlab.core.torch_private import FakeStore
 
 REPO = Path(__file__).resolve().parents[2]  # memlab/distributed/ranks.py -> the checkout
 
@@ -220,8 +220,8 @@ def _kill(procs) -> None:
 
 def resolve_placement(world_size: int, *, backend: str | None = None, device: str | None = None,
                       placement: Placement | None = None) -> Placement:
-    """The :class:`~memlab.hardware.Placement` for a run: the one given, or one from
-    :func:`~memlab.hardware.place_ranks` that honours ``backend`` (``"gloo"``/``"nccl"``) or
+    """The :class:`~memlab.core.hardware.Placement` for a run: the one given, or one from
+    :func:`~memlab.core.hardware.place_ranks` that honours ``backend`` (``"gloo"``/``"nccl"``) or
     ``device`` (``"cpu"``/``"cuda"``; ``None``: whatever the machine has)."""
     if backend is not None and backend not in ("gloo", "nccl"):
         raise InputError(f"backend={backend!r}; allowed: gloo, nccl")
@@ -248,7 +248,7 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
 
     ``worker`` is a top-level function of an importable module or a ``"module:function"``
     string; it runs after ``init_process_group`` and returns something picklable. The ranks
-    go where ``placement`` says (default :func:`~memlab.hardware.place_ranks`; ``backend``
+    go where ``placement`` says (default :func:`~memlab.core.hardware.place_ranks`; ``backend``
     ``"gloo"`` asks for CPU ranks). Returns the results ordered by rank. Raises
     :class:`RankError` when a rank raises (with its message), exits without a result
     (killed, ``os._exit``) or the ranks exceed ``timeout`` seconds; all ranks are killed
@@ -350,7 +350,7 @@ def allreduce_worker(rank: int, world_size: int, value: float = 1.0) -> dict:
 
 
 def default_backend(world_size: int = 1) -> str:
-    """The backend :func:`~memlab.hardware.place_ranks` gives ``world_size`` ranks here: NCCL
+    """The backend :func:`~memlab.core.hardware.place_ranks` gives ``world_size`` ranks here: NCCL
     when every rank can have its own GPU, gloo (CPU) otherwise."""
     return place_ranks(world_size).backend
 

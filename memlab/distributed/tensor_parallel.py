@@ -15,7 +15,7 @@ Megatron-Core does (``megatron/core/transformer/attention.py``, ``SelfAttention`
   that share it - and its ``n_head / t`` query heads. The all-gather's backward is a
   reduce-scatter, which sums the key/value gradients of the ranks sharing a head.
 
-Any other ``t`` is refused (:meth:`memlab.models.GPTConfig.check_tensor_parallel`), as
+Any other ``t`` is refused (:meth:`memlab.models.gpt_unet.GPTConfig.check_tensor_parallel`), as
 Megatron-Core's ``divide`` does.
 """
 from __future__ import annotations
@@ -28,20 +28,27 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import InputError
-from ..hardware import Placement
-from ..models import GPT, GPTConfig
-from ..step import StepConfig, make_batch
-from ..torch_private import FakeTensorMode
-from ..tracking import MemoryTracker
-from .parallel_common import ParallelResult, is_sharded, local_bytes, rank_device, set_rank_threads, worker_step
-from .parallel_formulas import tp_activation_bytes
-from .ranks import fake_process_group, resolve_placement, run_ranks
+from memlab.core.errors import InputError
+from memlab.core.hardware import Placement
+from memlab.core.torch_private import FakeTensorMode
+from memlab.distributed.parallel_common import (
+    ParallelResult,
+    is_sharded,
+    local_bytes,
+    rank_device,
+    set_rank_threads,
+    worker_step,
+)
+from memlab.distributed.ranks import fake_process_group, resolve_placement, run_ranks
+from memlab.lenses.parallel_formulas import tp_activation_bytes
+from memlab.models.gpt_unet import GPT, GPTConfig
+from memlab.step.training_step import StepConfig, make_batch
+from memlab.tracking.tracker import MemoryTracker
 
 
 def qkv_head_permutation(cfg: GPTConfig, t: int) -> torch.Tensor:
     """Row order of the fused ``qkv`` weight that a column-wise split in ``t`` equal chunks
-    turns into whole attention heads (:meth:`memlab.models.GPTConfig.check_tensor_parallel`
+    turns into whole attention heads (:meth:`memlab.models.gpt_unet.GPTConfig.check_tensor_parallel`
     says which layout).
 
     ``qkv`` rows are ``[q (n_head heads) | k (n_kv_head) | v (n_kv_head)]``, ``head_dim``
@@ -190,7 +197,7 @@ def tp_worker(rank: int, world_size: int, *, model: str | GPTConfig = "tiny", se
               batch: int = 8, attention: str = "sdpa", check: bool = True) -> dict:
     """One TP rank: loss and gradients against the single-process model, then a tracked
     AdamW step with the activations each block keeps. ``model``: a preset name or a
-    :class:`~memlab.models.GPTConfig`. Returns plain numbers."""
+    :class:`~memlab.models.gpt_unet.GPTConfig`. Returns plain numbers."""
     set_rank_threads(world_size)
     dev = rank_device()
     step = worker_step(model, seq, batch, attention)
@@ -264,7 +271,7 @@ def measure_tensor_parallel(step: StepConfig | None = None, tensor_parallel: int
                             placement: Placement | None = None) -> ParallelResult:
     """Run one TP step of ``step``'s GPT on ``tp`` spawned ranks: loss and gradients against
     one process (``check``), parameter bytes, activations per layer and the tracked peak.
-    The ranks run where ``placement`` says (default :func:`~memlab.hardware.place_ranks`:
+    The ranks run where ``placement`` says (default :func:`~memlab.core.hardware.place_ranks`:
     NCCL with one GPU per rank, else gloo on the CPU); ``backend="gloo"`` asks for the CPU.
 
     Args:

@@ -19,10 +19,10 @@ import sys
 
 import torch
 
-from ..hardware import place_ranks
-from ..step import StepConfig
-from .deepspeed_zero import zero_rank_step
-from .ranks import launcher_env, set_cache_env
+from memlab.core.hardware import place_ranks
+from memlab.distributed.deepspeed_zero import zero_rank_step
+from memlab.distributed.ranks import launcher_env, set_cache_env
+from memlab.step.training_step import StepConfig
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,8 +2,8 @@
 
 The simulation runs on fake *CPU* tensors (fake CUDA aborts a CPU-only torch build), and the
 estimate is a formula; both used to follow the CPU's rules. A GPU differs in three ways, each
-written here as a general rule with its source, and used by :mod:`memlab.simulate` (as
-dispatcher overrides and tracker accounting) and by :mod:`memlab.estimate` (as element sizes):
+written here as a general rule with its source, and used by :mod:`memlab.lenses.simulate` (as
+dispatcher overrides and tracker accounting) and by :mod:`memlab.lenses.estimate` (as element sizes):
 
 1. **Autocast op lists.** :data:`CUDA_AUTOCAST` and :data:`CPU_AUTOCAST` are the cast policies
    PyTorch registers for the ``AutocastCUDA`` and ``AutocastCPU`` dispatch keys, copied from
@@ -27,7 +27,7 @@ dispatcher overrides and tracker accounting) and by :mod:`memlab.estimate` (as e
    ``aten/src/ATen/native/layer_norm.cpp``).
    ``softmax``/``log_softmax`` of a half input asked for float output run as one
    ``half_to_float`` kernel on CUDA (``aten/src/ATen/native/SoftMax.cpp``). Scaled dot-product
-   attention picks the first kernel the card has (:class:`memlab.cards.Card`): FlashAttention-2
+   attention picks the first kernel the card has (:class:`memlab.core.cards.Card`): FlashAttention-2
    for 16-bit inputs from sm80, the memory-efficient kernel for fp32 (and fp16 below sm80),
    else the ``math`` composite (bf16 below sm80) (``priority_order`` in
    ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: flash,
@@ -42,7 +42,7 @@ dispatcher overrides and tracker accounting) and by :mod:`memlab.estimate` (as e
    ``dk``/``dv`` expanded to every query head (``mha_bwd``).
 3. **Memory the dispatcher never sees** (category ``workspace``): a cuBLAS and a cuBLASLt
    workspace for each thread that runs a matmul (their sizes written once, in
-   :func:`memlab.cards.cublas_workspace_bytes` and :func:`memlab.cards.cublaslt_workspace_bytes`),
+   :func:`memlab.core.cards.cublas_workspace_bytes` and :func:`memlab.core.cards.cublaslt_workspace_bytes`),
    two such threads in a training step (the caller's for forward, the autograd engine's device
    thread for backward), and the model of cuDNN's per-call convolution workspace: both in
    :mod:`memlab.policy.workspaces`, with their sources.
@@ -59,8 +59,8 @@ dispatcher overrides of the simulation).
 """
 from __future__ import annotations
 
-from .autocast import AUTOCAST, CPU_AUTOCAST, CUDA_AUTOCAST, AutocastPolicy
-from .elements import (
+from memlab.policy.autocast import AUTOCAST, CPU_AUTOCAST, CUDA_AUTOCAST, AutocastPolicy
+from memlab.policy.elements import (
                        activation_copies,
                        attention_probs_bytes,
                        cross_entropy_moments,
@@ -68,8 +68,8 @@ from .elements import (
                        op_bytes,
                        precision_bytes,
 )
-from .emulation import emulate
-from .kernels import (
+from memlab.policy.emulation import emulate
+from memlab.policy.kernels import (
                        layer_norm_stat_bytes,
                        rms_norm_fused,
                        sdpa_backend,
@@ -80,8 +80,8 @@ from .kernels import (
                        target_card,
                        target_name,
 )
-from .target import TARGETS, Target, TargetAccounting, get_target, resolve_target
-from .workspaces import (
+from memlab.policy.target import TARGETS, Target, TargetAccounting, get_target, resolve_target
+from memlab.policy.workspaces import (
                        CUDA_BLOCK_BYTES,
                        MATMUL_THREADS,
                        conv_workspace,

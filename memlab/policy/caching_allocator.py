@@ -162,7 +162,7 @@ def replay_steady_step(held: Iterable[tuple[int, int, str]],
     ``optimizer`` state lazily, in its first optimizer step, out of the blocks its first
     forward and backward freed. ``step``: the step's events in order, ``("alloc", key,
     nbytes)``, ``("free", key, 0)`` and ``(phase, -1, 0)`` where a phase begins
-    (:meth:`memlab.tracking.MemoryTracker.allocation_log`).
+    (:meth:`memlab.tracking.tracker.MemoryTracker.allocation_log`).
     The step is run twice, a warm-up that creates the lazy state then the step measured
     from the cache the warm-up left; frees of held keys (the tracker's teardown) are
     ignored. Returns the allocator after it (``peak_allocated``: the measured step's peak).

@@ -4,9 +4,9 @@ its kernels, :mod:`.kernels`). ``target`` is ``"cuda"``/``"cpu"`` or a
 :class:`~memlab.policy.Target`."""
 from __future__ import annotations
 
-from ..precision import precision_bytes
-from .autocast import AUTOCAST
-from .kernels import layer_norm_stat_bytes, rms_norm_fused, target_name
+from memlab.core.precision import precision_bytes
+from memlab.policy.autocast import AUTOCAST
+from memlab.policy.kernels import layer_norm_stat_bytes, rms_norm_fused, target_name
 
 
 def op_bytes(target, op: str, input_bytes: int, precision: str,

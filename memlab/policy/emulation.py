@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from ..torch_private import (
+from memlab.core.torch_private import (
     AUTOCAST_CPU_KEYS,
     FakeTensor,
     aten_ops_with_kernel,
@@ -26,8 +26,8 @@ from ..torch_private import (
     tree_leaves,
     tree_map_only,
 )
-from .kernels import DTYPE_NAMES, rms_norm_fused, sdpa_backend
-from .target import Target, get_target
+from memlab.policy.kernels import DTYPE_NAMES, rms_norm_fused, sdpa_backend
+from memlab.policy.target import Target, get_target
 
 _aten = torch.ops.aten
 

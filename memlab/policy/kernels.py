@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cards import CARDS, REFERENCE_CARD, Card
+from memlab.core.cards import CARDS, REFERENCE_CARD, Card
 
 # torch dtypes by the names the card rules use (Card.sdpa_kernels)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -50,7 +50,7 @@ def sdpa_backend(target, elem_bytes: int, head_dim: int, last_dim_contiguous: bo
     kernel (fp16/fp32 below sm80, also bf16 from sm80; head dim a multiple of 16 bytes),
     else ``math`` (``sdp_utils.cpp``: ``priority_order``,
     ``check_last_dim_stride_equals_1_dense``, ``check_head_dim_size_flash``,
-    ``check_head_dim_size_mem_efficient``; the card's kernels: :meth:`memlab.cards.Card.sdpa_kernels`).
+    ``check_head_dim_size_mem_efficient``; the card's kernels: :meth:`memlab.core.cards.Card.sdpa_kernels`).
     ``dtype`` (``"bf16"``/``"fp16"``) tells the two 16-bit types apart; on sm75 bf16 runs
     ``math``. CPU runs its own flash kernel for any float dtype. ``target``: a name (CUDA
     then means the reference H200) or a :class:`~memlab.policy.Target` with its card.

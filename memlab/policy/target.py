@@ -6,12 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cards import CARDS, REFERENCE_CARD, Card, detect_card, get_card
-from ..errors import InputError
-from ..tracking import DeviceAccounting
-from .autocast import CPU_AUTOCAST, CUDA_AUTOCAST, AutocastPolicy
-from .kernels import DTYPE_NAMES, layer_norm_stat_bytes, sdpa_backend, sdpa_backward_workspace, sdpa_lse_bytes
-from .workspaces import CUDA_BLOCK_BYTES, MATMUL_THREADS, conv_workspace
+from memlab.core.cards import CARDS, REFERENCE_CARD, Card, detect_card, get_card
+from memlab.core.errors import InputError
+from memlab.policy.autocast import CPU_AUTOCAST, CUDA_AUTOCAST, AutocastPolicy
+from memlab.policy.kernels import (
+    DTYPE_NAMES,
+    layer_norm_stat_bytes,
+    sdpa_backend,
+    sdpa_backward_workspace,
+    sdpa_lse_bytes,
+)
+from memlab.policy.workspaces import CUDA_BLOCK_BYTES, MATMUL_THREADS, conv_workspace
+from memlab.tracking.tracker import DeviceAccounting
 
 TARGETS = ("cuda", "cpu")
 
@@ -53,7 +59,7 @@ class Target:
 def get_target(name: str = "cuda", budget: int | str | None = None,
                card: Card | str | None = None) -> Target:
     """The target named ``cuda`` or ``cpu``. A CUDA target is for one card: ``card`` (a
-    :class:`~memlab.cards.Card` or a preset name such as ``"T4-16GB"``), else the GPU preset
+    :class:`~memlab.core.cards.Card` or a preset name such as ``"T4-16GB"``), else the GPU preset
     given as the budget, else the reference H200 (sm90). The card decides the attention
     kernels and the cuBLAS workspace."""
     if name not in TARGETS:
@@ -74,7 +80,7 @@ def resolve_target(target: str | Target | None, budget: int | str | None = None,
     An explicit ``target`` (``"cpu"``, ``"cuda"`` or a :class:`Target`) wins. Without one the
     target follows what was asked for: a ``card`` (or a GPU preset given as ``budget``)
     means the CUDA target for that card; otherwise ``device`` (``"cuda"``/``"cpu"``, default:
-    the device this process would use, :func:`memlab.cards.detect_card`) decides: a CUDA
+    the device this process would use, :func:`memlab.core.cards.detect_card`) decides: a CUDA
     GPU present means the CUDA target for its card, none means the CPU target. So the CPU
     lessons, which name no card, are predicted with the CPU's rules on a CPU machine.
     """

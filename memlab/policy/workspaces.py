@@ -1,7 +1,7 @@
 """Memory the dispatcher never sees (category ``workspace``), and the allocator's blocks.
 
 Each thread that runs a matmul gets a cuBLAS workspace from the caching allocator, its size
-a rule of the card's capability (:func:`memlab.cards.cublas_workspace_bytes`, from
+a rule of the card's capability (:func:`memlab.core.cards.cublas_workspace_bytes`, from
 ``aten/src/ATen/cuda/CublasHandlePool.cpp``; cuBLAS docs, ``cublasSetWorkspace``: 32 MiB
 recommended on Hopper). A training step has two such threads (the caller's for forward and
 the autograd engine's device thread for backward), so 66 MiB on an H100/H200: the reference
@@ -18,8 +18,8 @@ The CUDA caching allocator rounds every block up to a multiple of 512 bytes
 """
 from __future__ import annotations
 
-from ..cards import cublas_workspace_bytes, cublaslt_workspace_bytes
-from .caching_allocator import kMinBlockSize
+from memlab.core.cards import cublas_workspace_bytes, cublaslt_workspace_bytes
+from memlab.policy.caching_allocator import kMinBlockSize
 
 
 def conv_workspace(in_channels: int, kernel: tuple[int, ...], out_spatial: tuple[int, ...],

@@ -1,0 +1,642 @@
+"""The estimate of a Hugging Face decoder, in closed form, from its ``config.json``.
+
+:func:`decoder_shape` reads any config of the decoder families below into what memory
+depends on (:class:`DecoderShape`), and :func:`estimate_hf` turns that into the bytes of one
+training step, by category, as :func:`memlab.estimate_step` does for memlab's own GPT. The
+terms are the tensors ``transformers``' code saves for backward, op by op, read off each
+family's ``modeling_*.py`` (transformers 5) and named where they are counted:
+
+* **norms**: HF's RMSNorms are Python (``x.float()``, ``pow``, ``rsqrt``, ``weight * x``):
+  they save their input in fp32 (a copy when it is 16-bit), an fp32 ``rsqrt`` per row and the
+  normalised rows (Llama-style in the input's dtype; Gemma-style, ``x * (1 + w)``, in fp32).
+  GPT-2's LayerNorm is the kernel: its input and two statistics per row.
+* **attention**: projections (separate or fused q/k/v, biases, q/k norms on each head,
+  DeepSeek's multi-head latent attention with its compressed q and kv and their norms), then
+  one of three paths. SDPA's fused kernels keep q, k, v, the output and a log-sum-exp; the
+  ``math`` composite (taken on CPU when dropout is on or when q/k and v head dims differ, as
+  in MLA) keeps fp32 scaled q and k, v, and the ``(b, a, s, s)`` probabilities, plus the
+  dropout mask and the dropped probabilities; HF's eager path (Gemma 2's logit softcapping,
+  which SDPA cannot do, gpt-oss's attention sinks) keeps q, k and v repeated to every head,
+  the softcap's ``tanh``, the fp32 softmax and its cast copy, and the dropout mask.
+* **MLP**: gated (SwiGLU/GeGLU: four hidden-size tensors a token) or GPT-2's ``gelu_new``
+  (five); dropout masks on the residual branches and the embeddings.
+* **mixtures of experts** (transformers' ``grouped_mm`` experts, :data:`memlab.hf.config.ROUTING_NOTE`):
+  the router's scores (softmax or DeepSeek's sigmoid with group top-k), top-k indices and
+  weights; the ``tokens x top_k`` gathered rows, their expert hidden states (in the experts'
+  weight dtype: the grouped GEMM is not autocast) and the sort and inverse-sort indices;
+  shared experts as a dense MLP. With balanced routing (the default) this does not depend on
+  which experts are picked; ``expert_parallel`` ranks each hold ``1/E`` of the experts' states
+  and receive the tokens routed to them through an all-to-all (``imbalance`` scales the
+  busiest rank's share).
+
+Parameter counts are the real class's (:meth:`memlab.models.decoder_shape.DecoderShape.num_params`,
+checked against the model built on the meta device). A config this module cannot count in
+closed form is refused with the field named and :func:`memlab.hf.simulate.simulate_hf`
+(``memlab simulate --hf-config``) pointed at.
+
+**LoRA** (:class:`memlab.step.decoder_states.Adapters`): every base weight frozen, a frozen ``Linear``
+keeps no input and its autocast weight copy only where its input needs a gradient; the first
+layer's inputs need none (the embedding is frozen); each adapter keeps its input as
+``lora_A`` reads it and its rank-r output (:func:`adapter_saved`). The model states of the run
+(full, LoRA, QLoRA, low-bit optimizers, ZeRO) are :mod:`memlab.step.decoder_states`'.
+
+Over 500 lines because one layer's saved tensors (dense, MLA, experts, LoRA) read best in
+one place, op by op, beside the peak moments they feed.
+"""
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+from memlab.core.errors import InputError
+from memlab.core.hardware import resolve_budget
+from memlab.hf.config import load_config
+from memlab.hf.shape import decoder_shape
+from memlab.models.chunked_loss import chunked_loss_bytes
+from memlab.models.decoder_shape import DecoderShape
+from memlab.policy import op_bytes, precision_bytes, resolve_target, sdpa_backend, sdpa_dtype, sdpa_lse_bytes
+from memlab.policy.kernels import layer_norm_stat_bytes, sdpa_backward_workspace
+from memlab.step.decoder_states import Adapters, adapter_shapes, adapters_for, run_states
+from memlab.step.fine_tune_config import LoraConfig, QuantConfig
+from memlab.step.states import ZeroBuckets
+from memlab.step.training_step import MemoryReport, StepConfig
+from memlab.tracking.tracker import CATEGORIES
+
+HF_CHECKPOINTING = ("none", "full")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Bytes per element of a step's tensors (from :mod:`memlab.policy` via :func:`memlab.lenses.estimate.dtypes`)."""
+
+    w: int          # weights (and the experts' grouped GEMMs, which autocast leaves alone)
+    c: int          # matmul outputs
+    r: int          # the residual stream
+    auto: bool      # under autocast: matmul inputs are cast copies, weights cast once
+    target: object
+    precision: str
+
+
+def _rms(z: Sizes, rows: int, width: int, in_bytes: int, style: str, input_counted: bool,
+         frozen: bool = False) -> float:
+    """Bytes an HF RMSNorm over ``rows x width`` saves: its input in fp32 (the input itself
+    when it is fp32 and counted elsewhere, else a new fp32 tensor), an fp32 rsqrt per row,
+    the normalised rows (Llama-style in the input's dtype, Gemma-style in fp32 with the
+    ``1 + w`` vector). A ``frozen`` weight needs no gradient: the weight's multiply keeps
+    no normalised rows (Gemma's still keeps ``1 + w`` for its input's gradient)."""
+    upcast = 0 if in_bytes == 4 and input_counted else rows * width * 4
+    normed = 0 if frozen else rows * width * (4 if style == "gemma" else in_bytes)
+    return upcast + 4 * rows + normed + (4 * width if style == "gemma" else 0)
+
+
+def _norm(z: Sizes, s: DecoderShape, rows: int, width: int, in_bytes: int, input_counted: bool = True,
+          frozen: bool = False) -> float:
+    if s.norm == "layer":  # the LayerNorm kernel: input and mean/rstd per row, frozen or not
+        return (0 if input_counted else rows * width * in_bytes) + 2 * rows * layer_norm_stat_bytes(z.target, in_bytes)
+    return _rms(z, rows, width, in_bytes, s.norm, input_counted, frozen)
+
+
+def _mask_bytes(z: Sizes, elem: int) -> int:
+    """A dropout mask per element: the CUDA kernel's bool mask, CPU's mask in the input's dtype
+    (``input * noise / (1 - p)``, ``Dropout.cpp``)."""
+    return 1 if getattr(z.target, "is_cuda", False) else elem
+
+
+def _linear_inputs(z: Sizes, t: int, width: int, consumers: int, in_bytes: int) -> float:
+    """What the linears reading one tensor save of it: under autocast a cast copy each when it
+    is fp32 (``cached_cast`` caches leaves only); else the tensor itself, counted by its maker."""
+    if z.auto and in_bytes != z.c:
+        return consumers * t * width * z.c
+    return 0
+
+
+def adapter_saved(z: Sizes, ad: Adapters, t: int, width: int, in_bytes: int, count: int,
+                  input_saved: bool, input_grad: bool = True) -> float:
+    """Bytes ``count`` adapters reading one ``t x width`` tensor (of ``in_bytes`` elements)
+    keep: peft casts the input to the adapters' dtype (``_cast_input_dtype``), drops it when
+    ``lora_dropout > 0`` (each adapter its own mask and copy), and ``lora_A`` saves what it
+    reads (a cast copy each under autocast; the tensor itself, once, when nothing changed
+    it and nothing else saves it); ``lora_B`` saves ``lora_A``'s output. Dropout keeps its mask
+    only for its input's gradient: not where the input needs none (``input_grad``)."""
+    if not count:
+        return 0.0
+    src, c = ad.a, (z.c if z.auto else ad.a)
+    n = count * t * ad.config.rank * c
+    if ad.config.dropout > 0:
+        mask = _mask_bytes(z, src) if input_grad else 0
+        n += count * t * width * (mask + (z.c if z.auto and z.c != src else src))
+    elif z.auto and z.c != src:
+        n += count * t * width * z.c
+    elif in_bytes != src:
+        n += count * t * width * src
+    elif not input_saved:
+        n += t * width * src
+    return n
+
+
+def attention_path(s: DecoderShape, z: Sizes, batch: int, seq: int, attention: str | None) -> str:
+    """Which attention code runs: ``eager`` (HF's own matmul-softmax: asked for, or the class
+    has no SDPA path, as Gemma 2 with its softcapping and gpt-oss with its sinks), or SDPA's
+    backend on the target: a fused kernel, or ``math`` where the target's kernels refuse the
+    inputs (CPU's flash kernel with dropout or unequal q/k and v head dims)."""
+    if attention == "naive" or s.eager_only:
+        return "eager"
+    if getattr(z.target, "is_cuda", False):
+        backend = sdpa_backend(z.target, z.c, max(s.head_dim, s.v_head_dim), dtype=sdpa_dtype(z.precision))
+        if backend == "flash" and s.head_dim != s.v_head_dim:
+            backend = "efficient"
+        return backend
+    if s.attn_dropout > 0 or s.head_dim != s.v_head_dim:
+        return "math"
+    return "cpu_flash"
+
+
+ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "q_a_proj", "kv_a_proj_with_mqa")
+MLP_INPUTS = ("gate_up_proj", "gate_proj", "up_proj", "c_fc")
+
+
+def _no_grad_inputs(s: DecoderShape, ad: Adapters) -> set[str]:
+    """The first layer's Linears whose input needs no gradient under LoRA (the embedding is
+    frozen: until an adapter's output joins, nothing needs one), whose weights' autocast copies
+    are therefore not kept."""
+    names = set(ATTENTION_INPUTS) | {"q_b_proj", "kv_b_proj"}
+    if ad.count(s, 0, *ATTENTION_INPUTS, "q_b_proj", "kv_b_proj"):
+        return names
+    names |= {"o_proj"} if s.mlp != "gelu_new" else set()
+    if ad.count(s, 0, "o_proj") or (s.mlp == "gelu_new" and "c_proj" in ad.names):
+        return names
+    names |= set(MLP_INPUTS)
+    if not ad.count(s, 0, *MLP_INPUTS):
+        names |= {"down_proj"}
+    return names
+
+
+def layer_activations(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int, path: str,
+                      ep: int = 1, imbalance: float = 1.0, adapters: Adapters | None = None,
+                      grad_in: bool = True) -> float:
+    """Bytes one decoder layer keeps for backward (see the module doc), ``i`` its index.
+
+    ``adapters``: a LoRA run (:class:`Adapters`); ``grad_in``: whether the layer's input needs
+    a gradient (under LoRA the first layer's does not: the embedding is frozen, so nothing
+    before the first adapter saves anything)."""
+    t, d, c, r = batch * seq, s.d, z.c, z.r
+    a, hd, vd = s.heads, s.head_dim, s.v_head_dim
+    q, kv = s.q_dim, s.kv_dim
+    ad = adapters
+    frozen = ad is not None
+
+    def w_only(x: float) -> float:  # kept only for a weight's gradient
+        return 0.0 if frozen else x
+
+    def lora(width: int, in_bytes: int, names: tuple[str, ...], input_saved: bool = False,
+             input_grad: bool = True) -> float:
+        return 0.0 if ad is None else adapter_saved(z, ad, t, width, in_bytes, ad.count(s, i, *names),
+                                                    input_saved, input_grad)
+
+    attn_grad = grad_in or (ad is not None and ad.count(s, i, *ATTENTION_INPUTS) > 0)
+    n = (t * d * r + _norm(z, s, t, d, r, frozen=frozen)) if grad_in else 0.0  # the input, its norm
+    normed = r  # the norm's output is in the residual's dtype (Gemma's: cast back by type_as)
+    # ---- attention projections
+    mla = s.kv_lora_rank is not None
+    if mla:
+        ql, kl, rope = s.q_lora_rank, s.kv_lora_rank, s.qk_rope_dim
+        n += w_only(_linear_inputs(z, t, d, 1 + (ql is not None), r) or t * d * r)   # q_a / kv_a inputs
+        n += lora(d, r, ("q_proj", "q_a_proj", "kv_a_proj_with_mqa"), input_grad=grad_in)
+        if ql is not None:
+            n += _rms(z, t, ql, c, "rms", False, frozen) if attn_grad else 0        # q_a's output, its norm
+            n += w_only(_linear_inputs(z, t, ql, 1, c) or t * ql * c)                # q_b's input
+            n += lora(ql, c, ("q_b_proj",))
+        # kv_a's output (t x (kl + rope)) in fp32 for the norm of its kl columns, rsqrt, normed
+        n += (t * (kl + rope) * 4 + 4 * t + (0 if frozen else t * kl * c)) if attn_grad else 0
+        n += w_only(_linear_inputs(z, t, kl, 1, c) or (t * kl * c if frozen else 0))  # kv_b's input
+        n += lora(kl, c, ("kv_b_proj",))
+    else:
+        consumers = 1 if s.fused_qkv else 3
+        n += w_only(_linear_inputs(z, t, d, consumers, r) or t * d * normed)
+        n += lora(d, normed, ("qkv_proj", "c_attn", "q_proj", "k_proj", "v_proj"), input_grad=grad_in)
+        if s.qk_norm:
+            for heads, names in ((a, ("q_proj",)), (s.kv_heads, ("k_proj",))):  # each head's q and k
+                if grad_in or (ad is not None and ad.count(s, i, *names)):
+                    n += _rms(z, t * heads, hd, c, s.norm, False, frozen)
+    # ---- the attention core (nothing is kept when none of q, k and v needs a gradient)
+    core = 0.0
+    hs = batch * a * seq * seq                      # scores per layer
+    rep_kv = t * a * hd * c                         # k or v repeated to every query head
+    o_in_saved = False                              # is o_proj's input a tensor the core keeps?
+    if path == "eager":
+        core += t * q * c + rep_kv + t * a * vd * c  # q, k and v repeated (matmul inputs)
+        if s.attn_softcap:
+            core += hs * c                          # tanh's output
+        cols = seq + 1 if s.sinks else seq
+        if s.sinks:
+            core += 8 * batch * a * seq             # the row max's indices (stabilised sinks)
+        core += batch * a * seq * cols * 4          # fp32 softmax
+        if s.attn_dropout > 0:
+            core += hs * _mask_bytes(z, c) + hs * c  # mask, dropped probabilities (matmul input)
+        elif c != 4:
+            core += hs * c                          # the probabilities cast for the matmul
+        o_in = t * a * vd * c                       # the transposed output, o_proj's input
+    elif path == "math":
+        # the composite in fp32: scaled q and k (k repeated for GQA), v, probabilities
+        core += t * a * hd * 4 * 2 + t * a * vd * 4 + hs * 4
+        if s.attn_dropout > 0:
+            core += hs * 4 + hs * 4                 # the mask (CPU: fp32) and dropped probabilities
+        o_in = t * a * vd * c                       # o_proj's input (a contiguous copy)
+    else:
+        core += t * q * c + 2 * t * kv * c + t * q * c  # q, k, v and the output (o_proj's input)
+        o_in, o_in_saved = 0, True
+        if s.fused_qkv:
+            o_in, o_in_saved = t * q * c, False  # q sliced from the fused output: the output is copied for o_proj
+        core += sdpa_lse_bytes(path if path != "cpu_flash" else "flash", batch, a, seq)
+    if path != "eager" and i in s.sliding_layers and seq > s.window:
+        core += batch * seq * seq * c  # the sliding window's mask, a tensor SDPA keeps (not is_causal)
+    n += core if attn_grad else 0.0
+    n += w_only(o_in + _linear_inputs(z, t, a * vd, 1, c))
+    n += lora(a * vd, c, ("o_proj",) if s.mlp != "gelu_new" else (), o_in_saved and attn_grad)
+    if s.mlp == "gelu_new" and ad is not None and "c_proj" in ad.names:  # GPT-2's attention c_proj
+        n += adapter_saved(z, ad, t, d, c, 1, False)
+    branch_grad = attn_grad or (ad is not None and ad.count(s, i, "o_proj", "c_proj") > 0)
+    mid_grad = grad_in or branch_grad
+    # ---- residual branch after attention
+    if s.resid_dropout > 0 and branch_grad:
+        n += t * d * _mask_bytes(z, c)
+    if s.norms_per_layer == 4:
+        if branch_grad:  # post-attention norm
+            n += _norm(z, s, t, d, c, input_counted=c == 4, frozen=frozen) + (t * d * c if c == 4 else 0)
+        n += (t * d * r + _norm(z, s, t, d, r, frozen=frozen)) if mid_grad else 0  # the sum, the pre-MLP norm
+    elif mid_grad:
+        n += t * d * r + _norm(z, s, t, d, r, frozen=frozen)  # the residual sum, the post-attention norm
+    # ---- MLP or experts
+    if i in s.moe_layers:
+        n += moe_activations(s, z, t, normed, ep, imbalance, frozen) if mid_grad else 0.0
+        n += lora(d, normed, ("gate_proj", "up_proj")) + lora(s.shared_ffn, c, ("down_proj",))
+    else:
+        n += _mlp(s, z, t, s.ffn, normed, frozen, ad, i, mid_grad)
+    if s.resid_dropout > 0:
+        n += t * d * _mask_bytes(z, c)
+    if s.norms_per_layer == 4:
+        n += _norm(z, s, t, d, c, input_counted=c == 4, frozen=frozen) + (t * d * c if c == 4 else 0)  # post-MLP norm
+    return n
+
+
+def _mlp(s: DecoderShape, z: Sizes, t: int, f: int, normed: int, frozen: bool = False,
+         ad: Adapters | None = None, i: int = 0, grad_in: bool = True) -> float:
+    """A dense MLP of hidden size ``f``: its input as the linears save it, then four hidden
+    tensors (gated: gate, up, act(gate), the product) or GPT-2's ``gelu_new`` five
+    (input, tanh, ``0.5 x``, ``1 + tanh``, the output), the ones CUDA's autocast runs in fp32
+    (``pow``'s consumers) at 4 bytes. ``frozen`` (LoRA): the linears keep no inputs, so
+    neither the MLP's input nor the down projection's (the product; GPT-2's output) is kept
+    but by an adapter."""
+    c = z.c
+
+    def lora(width: int, in_bytes: int, names: tuple[str, ...]) -> float:
+        return 0.0 if ad is None else adapter_saved(z, ad, t, width, in_bytes, ad.count(s, i, *names), False)
+
+    if s.mlp == "gelu_new":
+        n = 0.0 if frozen else (_linear_inputs(z, t, s.d, 1, normed) or t * s.d * normed)
+        p = op_bytes(z.target, "pow", c, z.precision)
+        hidden = t * f * (3 * c + 2 * p if p != c else 5 * c)
+        n += lora(s.d, normed, ("c_fc",))  # GPT-2's MLP c_proj adapter: counted with the attention's
+        if ad is not None and "c_proj" in ad.names:
+            n += adapter_saved(z, ad, t, f, c, 1, False)
+        grad = grad_in or ad is None or ad.count(s, i, "c_fc") > 0
+        return n + ((hidden - (t * f * c if frozen else 0)) if grad else 0.0)
+    fused = s.model_type == "phi3"
+    n = 0.0 if frozen else (_linear_inputs(z, t, s.d, 1 if fused else 2, normed) or t * s.d * normed)
+    n += lora(s.d, normed, ("gate_up_proj", "gate_proj", "up_proj")) + lora(f, c, ("down_proj",))
+    grad = grad_in or ad is None or ad.count(s, i, "gate_up_proj", "gate_proj", "up_proj") > 0
+    return n + ((3 if frozen else 4) * t * f * c if grad else 0.0)
+
+
+def moe_activations(s: DecoderShape, z: Sizes, t: int, normed: int, ep: int = 1,
+                    imbalance: float = 1.0, frozen: bool = False) -> float:
+    """An MoE block: the router (see the module doc), the grouped experts over ``t x top_k``
+    (token, expert) rows in the experts' weight dtype (``w``; on ``ep`` ranks a rank's rows
+    are ``imbalance / ep`` of all rows of the world, i.e. ``t k imbalance`` per rank when every
+    rank sends as many as it receives), and shared experts as a dense MLP. ``frozen`` (LoRA):
+    the gathered rows and the down projections' inputs are kept for the experts' weight
+    gradients only, and go."""
+    E, k, f, d, w, c = s.experts, s.top_k, s.moe_ffn, s.d, z.w, z.c
+    n = 0.0 if frozen else (_linear_inputs(z, t, d, 1 + (s.shared_ffn > 0) * 2, normed) or t * d * normed)
+    if s.router == "softmax":
+        n += t * E * 4 + t * k * 8 + t * 4 + t * k * 4    # fp32 softmax, top-k indices, sum, weights
+    elif s.router == "sigmoid_group":
+        g, tg = s.router_groups, s.router_topk_groups
+        n += t * E * 4 + t * g * 2 * 8 + t * tg * 8 + t * E + t * k * 8 + t * 4 + t * k * 4
+    else:  # gpt-oss: top-k of the logits, softmax over the k
+        n += t * k * 8 + t * k * 4
+    rows = t * k * imbalance if ep > 1 else t * k
+    idx = 4 if s.expert_bias else 3               # sort/gather/inverse-sort indices (+ bias gather)
+    hidden = 7 * f if s.gate == "clamped_glu" else 4 * f   # gate_up out, then act and product
+    if frozen:
+        hidden -= f                                # the product, the down projection's input
+    gathered = 0 if frozen else d * w
+    n += rows * (8 * idx + gathered + hidden * w + d * w + (4 if w == 4 or not z.auto else c))
+    if s.shared_ffn:
+        n += (3 if frozen else 4) * t * s.shared_ffn * c
+    return n
+
+
+def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool, params: float,
+          ep: int = 1, imbalance: float = 1.0,
+          adapters: Adapters | None = None, chunked: bool = False) -> tuple[float, list[float], float, float]:
+    """Activations alive when the forward reaches the loss (before its log-softmax), each
+    layer's, the embedding's, and the weights autocast casts (per rank of ``ep``). Under the
+    chunked loss (``chunked``) the head is no ``Linear``: it saves the final hidden states as
+    they are and a log-sum-exp per token, no cast input and no cast weight."""
+    t, V, D, L = seq * batch, s.vocab, s.d, s.n_layer
+    ad = adapters
+    frozen = ad is not None
+    layers = [layer_activations(s, z, i, batch, seq, path, ep, imbalance, ad, grad_in=not frozen or i > 0)
+              for i in range(L)]
+    # autocast's weight casts (saved by each linear; the experts' grouped GEMMs are not cast)
+    dense_w = params - s.vocab * D * (1 + (not s.tied)) - s.positions * D - (s.expert_total() / ep)
+    # a quantised base's head is 16-bit already; the chunked loss casts it per call, keeping nothing
+    head_copy = V * D * z.c if z.auto and not chunked and not (frozen and ad.quantized) else 0
+    if not frozen:
+        copies = (dense_w * z.c if z.auto and not full else 0) + head_copy
+    else:  # frozen weights are cast at every use, kept where the input needs a gradient
+        lin = sum(o * i_ for i in range(L) for ios in s.linears(i).values() for i_, o in ios)
+        pre = sum(o * i_ for n_, ios in s.linears(0).items() if n_ in _no_grad_inputs(s, ad) for i_, o in ios)
+        base = 0 if ad.quantized else lin - pre
+        cached = sum(r * c for r, c in adapter_shapes(s, ad))  # the adapters' cached casts
+        copies = ((base if not full else 0) * z.c + head_copy + cached * z.c) if z.auto else 0
+    embed = (t * D * s.embd_dropout and t * D * _mask_bytes(z, z.r)) if not frozen else 0
+    final = _norm(z, s, t, D, z.r, frozen=frozen) + t * D * z.r
+    head_in = 0 if frozen or chunked else (_linear_inputs(z, t, D, 1, z.r) or t * D * z.r)
+    head_in += 4 * t if chunked else 0  # linear_cross_entropy's log-sum-exp
+    # the token ids the embedding keeps (for its weight's gradient); the rotary table the first layer's rope keeps
+    rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
+    head_in += (0 if frozen else 8 * t) + 4 * t * rope
+    kept = sum(layers) if not full else L * t * D * z.r
+    A = embed + kept + final + head_in + copies
+    if s.final_softcap:
+        A += t * V * z.c  # tanh's output of the logits' softcap
+    return A, layers, embed, dense_w
+
+
+def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
+                        checkpointing: str | None = None, attention: str | None = None,
+                        target: str | None = None, lora: LoraConfig | None = None) -> int:
+    """Bytes of activations the step keeps when its forward reaches the loss (the logits'
+    log-softmax not included), by the same terms as :func:`estimate_hf`.
+
+    Args:
+        cfg, seq, batch, precision, checkpointing, attention, target, lora: as :func:`estimate_hf`.
+
+    Returns:
+        The bytes, an int.
+    """
+    s = decoder_shape(cfg)
+    param, compute, lower = precision_bytes(precision)
+    z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=resolve_target(target),
+              precision=precision)
+    path = attention_path(s, z, batch, seq, attention)
+    ad = None if lora is None else adapters_for(s, lora, precision)
+    return int(round(_kept(s, z, batch, seq, path, checkpointing == "full", s.num_params(), adapters=ad)[0]))
+
+
+#: tokens x hidden fp32 tensors alive at the peak of a Python RMSNorm's backward, read off the
+#: classes' code (``transformers`` 5, ``modeling_llama.py`` ``LlamaRMSNorm.forward``: ``x.float()``,
+#: ``pow(2).mean(-1)``, ``x * rsqrt(var + eps)``, ``weight * x``): in ``PowBackward0`` the incoming
+#: gradient, the ``x * rsqrt`` branch's input gradient, ``MeanBackward0``'s expanded gradient,
+#: ``2 * x`` and their product: 5. Gemma's ``x * (1 + weight.float())`` adds its fp32 factor's
+#: product and gradient: 7.
+NORM_BACKWARD_TEMPORARIES = {"rms": 5, "gemma": 7}
+
+
+def check_run(s: DecoderShape, *, attention: str | None, ep: int, zero: int, world_size: int, offload: str,
+              micro_batches: int, lora: LoraConfig | None) -> None:
+    """Refuse a run neither lens of a Hugging Face run counts, beyond :class:`memlab.step.training_step.StepConfig`'s
+    own checks (the estimate and the simulation both call this).
+
+    Raises:
+        InputError: the argument, its value and what is allowed.
+    """
+    if attention == "sdpa" and s.eager_only:
+        raise InputError(f"attention='sdpa': {s.model_type} has no SDPA path in transformers; allowed: naive")
+    if ep > 1 and (not s.experts or s.experts % ep):
+        allowed = [e for e in range(1, s.experts + 1) if s.experts % e == 0] if s.experts else [1]
+        raise InputError(f"expert_parallel={ep!r} for {s.experts} experts; allowed: "
+                         f"{', '.join(map(str, allowed))}")
+    if ep > 1 and (zero, world_size, offload, micro_batches, lora) != (0, 1, "none", 1, None):
+        raise InputError("expert_parallel counts one full-fine-tune step per expert-parallel rank; allowed "
+                         "with it: zero=0, world_size=1, offload='none', micro_batches=1, no LoRA")
+    if lora is not None and zero == 3:
+        raise InputError("LoRA under ZeRO-3 (the frozen base partitioned too) is not counted; allowed with "
+                         "LoRA: zero 0-2")
+
+
+def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
+                checkpointing: str | None = None, attention: str | None = None,
+                target: str | None = None, budget: int | str | None = None, card=None,
+                expert_parallel: int = 1, imbalance: float = 1.0, optimizer: str = "adamw",
+                zero: int = 0, world_size: int = 1, offload: str = "none",
+                micro_batches: int = 1, lora: LoraConfig | None = None,
+                quantization: QuantConfig | None = None, buckets: ZeroBuckets | None = None,
+                loss: str = "transformers", loss_chunk: int = 1024,
+                optimizer_in_backward: bool = False) -> MemoryReport:
+    """Closed-form peak bytes of one training step of the HF decoder of ``cfg``, per rank.
+
+    Args:
+        cfg: a config dict, config.json, its folder or a shipped name (:data:`memlab.hf.config.SHIPPED`).
+        seq, batch: tokens per sequence (up to the model's context) and sequences per rank.
+        precision: ``fp32``, ``bf16`` or ``fp16`` (autocast on fp32 weights; fp16's loss
+            scaler keeps one scalar) or ``pure-bf16``.
+        checkpointing: ``none`` or ``full`` (HF checkpoints each decoder layer).
+        attention: ``None`` (the class's SDPA where it has one), ``naive`` (eager) or ``sdpa``.
+        target: ``cpu`` or ``cuda`` (:func:`memlab.policy.resolve_target`).
+        expert_parallel: ranks the routed experts are divided across (an MoE config only).
+        imbalance: the busiest rank's tokens over the balanced share (>= 1).
+        optimizer: one of :data:`memlab.step.low_bit.OPTIMIZER_STATES` (8-bit, paged and Adafactor
+            state as bitsandbytes and transformers allocate it).
+        zero, world_size, offload: DeepSpeed's ZeRO stage over ``world_size`` data-parallel
+            ranks with its offload, whose model states and buffers :func:`memlab.step.states.model_states`
+            counts from the class's parameter tensors; in bf16 DeepSpeed runs the model cast to
+            16 bits, so the activations are pure bf16's.
+        micro_batches: ``batch`` split into this many accumulated micro-batches.
+        lora: LoRA adapters (:class:`memlab.step.fine_tune_config.LoraConfig`) on a frozen base (:class:`Adapters`).
+        quantization: the base in 4 or 8 bits (:class:`memlab.step.fine_tune_config.QuantConfig`; needs ``lora``).
+        buckets: DeepSpeed's buffer sizes as a run's config sets them (:class:`memlab.step.states.ZeroBuckets`).
+        loss: ``transformers`` (the class's own loss: the logits upcast to fp32, then
+            cross-entropy) or ``chunked`` (the final hidden states and the head's weight into
+            :func:`memlab.models.chunked_loss.linear_cross_entropy`, ``loss_chunk`` tokens at a time:
+            :data:`HF_LOSSES`).
+        optimizer_in_backward: the optimizer step fused into backward (:mod:`memlab.step.optimizer_in_backward`):
+            a full fine-tune of a dense decoder, one micro-batch, no ZeRO.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``estimate``) per rank.
+    """
+    s = decoder_shape(load_config(cfg))
+    run = StepConfig(s, seq=seq, batch=batch, precision=precision, checkpointing=checkpointing, attention=attention,
+                     optimizer=optimizer, micro_batches=micro_batches, zero=zero, world_size=world_size,
+                     offload=offload, lora=lora, quantization=quantization, loss=loss, loss_chunk=loss_chunk,
+                     expert_parallel=expert_parallel, expert_imbalance=imbalance, buckets=buckets,
+                     optimizer_in_backward=optimizer_in_backward)
+    return estimate_run(run, target=target, budget=budget, card=card)
+
+
+def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | str | None = None,
+                 card=None) -> MemoryReport:
+    """:func:`estimate_hf` of a run whose model is a decoder's shape (:class:`memlab.step.training_step.StepConfig`
+    with a :class:`memlab.models.decoder_shape.DecoderShape`): the one estimate of every fine-tune option.
+
+    Args:
+        run: the step; target, budget, card: as :func:`estimate_hf`.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``estimate``) per rank; its ``step`` is ``run``.
+
+    Raises:
+        InputError: ``run``'s model is not a decoder's shape, or a combination not counted.
+    """
+    s = run.model_config
+    if not isinstance(s, DecoderShape):
+        raise InputError(f"estimate_run counts a decoder's run (a DecoderShape model), got {type(s).__name__}; "
+                         f"memlab's own models: memlab.estimate_step")
+    seq, batch, precision, checkpointing = run.seq, run.batch, run.precision, run.checkpointing
+    attention, optimizer, zero = run.attention, run.optimizer, run.zero
+    world_size, offload = run.world_size, run.offload
+    lora, quantization, buckets, loss_chunk = run.lora, run.quantization, run.buckets, run.loss_chunk
+    ep, imbalance = run.expert_parallel, run.expert_imbalance
+    check_run(s, attention=attention, ep=ep, zero=zero, world_size=world_size, offload=offload,
+              micro_batches=run.micro_batches, lora=lora)
+    chunked = run.loss == "chunked"
+    if chunked and s.final_softcap:
+        raise InputError(f"loss='chunked' on {s.model_type}: its logits are soft-capped "
+                         f"(final_logit_softcapping={s.final_softcap}); allowed: loss='transformers'")
+    optimizer_in_backward = run.optimizer_in_backward
+    if optimizer_in_backward and (s.experts or lora is not None):
+        raise InputError("optimizer_in_backward is counted for a full fine-tune of a dense decoder (no "
+                         "experts, no LoRA)")
+    tgt = resolve_target(target, budget, card)
+    ad = None if lora is None else adapters_for(s, lora, precision, quantization is not None)
+    rs = run_states(s, precision=precision, optimizer=optimizer, zero=zero, world_size=world_size,
+                    offload=offload, ep=ep, ad=ad, quant=quantization, buckets=buckets)
+    param, compute, lower = precision_bytes(rs.run_precision)
+    if quantization is not None:  # the unquantised rest (embeddings, norms, head) is in the compute dtype
+        param = compute = quantization.compute_bytes
+    z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=tgt, precision=rs.run_precision)
+    k = run.micro_batches
+    batch //= k
+    t, V, D = seq * batch, s.vocab, s.d
+    path = attention_path(s, z, batch, seq, attention)
+    states = rs.inputs
+    P, G, opt = states["parameters"], states["gradients"], states["optimizer"]
+    scratch, gathered = states["step"], states["gathered"]
+    # DeepSpeed's gradient bytes held all step, and ZeRO-2's partition from the first bucket;
+    # with accumulation the earlier micro-batches' gradients are there from the start
+    held, late = states["held"], states["late"]
+    G_prev = G if k > 1 else 0.0
+    trains_base = ad is None
+    head_grad = min(G, V * D * z.w * (not s.tied) / (world_size if zero >= 2 else 1)) if trains_base else 0.0
+    full = checkpointing == "full"
+    params = s.num_params() - s.expert_total() * (1 - 1 / ep)
+    A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance, ad, chunked)
+    moment, best = _peak_moment(s, z, t, A=A, layers=layers, embed=embed, dense_w=dense_w, G=G, G_prev=G_prev,
+                                held=held, late=late, head_grad=head_grad, gathered=gathered, scratch=scratch,
+                                full=full, trains_base=trains_base, chunk=loss_chunk if chunked else None,
+                                largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None)
+    cats = dict.fromkeys(CATEGORIES, 0.0)
+    cats.update(parameters=P, optimizer=opt, other=16 * t, workspace=tgt.resident_workspace(), **best)
+    # the attention's backward workspace and a 4-bit weight dequantised live only while a layer's
+    # backward runs: at the loss's moments no layer runs (the simulation's timeline shows it)
+    if tgt.is_cuda and moment == "recomputed layer":
+        cats["workspace"] += sdpa_backward_workspace(path, batch, s.heads, seq, s.head_dim, s.kv_heads, z.c)
+    if ep > 1:  # the all-to-all's send and receive buffers of one MoE layer's rows
+        cats["temporaries"] += 2 * t * s.top_k * imbalance * D * z.c
+    if rs.dequantised and moment == "recomputed layer":
+        cats["temporaries"] += rs.dequantised  # MatMul4Bit dequantises its whole weight
+    cats = {k: int(round(v)) for k, v in cats.items()}
+    host = {c: int(round(rs.host.get(c, 0.0))) for c in CATEGORIES}
+    report = MemoryReport("estimate", run, f"formula ({tgt.name})", sum(cats.values()), cats,
+                          resolve_budget(budget), None, host_bytes=sum(host.values()), host_by_category=host)
+    report.notes.append(f"peak moment: {moment}; attention: {path}")
+    report.notes.extend(rs.notes)
+    if k > 1:
+        report.notes.append(f"{k} micro-batches of {batch}: activations of one, gradients held throughout")
+    if ad is not None and full:
+        report.notes.append("LoRA with full checkpointing: the first recomputed layer's backward is the peak, "
+                            "its gradient temporaries approximate (2-20% low against the real step on CPU); "
+                            "memlab simulate --hf-config runs it")
+    if s.experts:
+        report.notes.append(f"experts: {s.experts} routed, top-{s.top_k}; parameters "
+                            f"{s.num_params() / 1e9:.2f}B total, {s.active_params() / 1e9:.2f}B active; "
+                            f"routing balanced" + (f" x{imbalance} on the busiest rank" if imbalance != 1 else ""))
+    if ep > 1:
+        report.notes.append(f"expert parallel E={ep}: each rank holds {s.experts // ep} experts per layer "
+                            f"and the all-to-all's send and receive buffers")
+    return report
+
+
+def _largest_matrix(s: DecoderShape) -> int:
+    """Elements of a dense decoder layer's largest weight matrix (its MLP's or attention's)."""
+    return s.d * max(s.ffn, s.q_dim, s.kv_dim)
+
+
+def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,
+                 dense_w: float, G: float, G_prev: float, held: float, late: float, head_grad: float,
+                 gathered: float, scratch: float, full: bool, trains_base: bool,
+                 chunk: int | None = None, largest_grad: float | None = None) -> tuple[str, dict]:
+    """The moment of the step whose bytes are largest, and its categories: the loss
+    (HF's ``ForCausalMLoss``: ``logits.float()``, then cross-entropy in fp32; or, with a
+    ``chunk``, :func:`memlab.models.chunked_loss.chunked_loss_bytes`' two moments), the head's
+    backward, the end of backward, the optimizer step, a recomputed layer (the last one, layer 0,
+    with nearly every gradient; under LoRA, whose gradients are small, the first one, with every
+    layer's checkpointed input still held).
+
+    ``largest_grad`` (the optimizer step in backward, :mod:`memlab.step.optimizer_in_backward`): no moment holds
+    every gradient; a layer's backward holds the one being applied (at most ``largest_grad``) and a
+    tied head's, in flight until the embedding's backward; the optimizer-step moment is gone."""
+    V, D, L = s.vocab, s.d, s.n_layer
+    lsm = t * V * 4
+    cast = t * V * 4 if z.c != 4 else 0
+    # autocast's cache keeps every trained weight's 16-bit cast until the forward's autocast
+    # region closes, after the loss: under checkpointing nothing else keeps them
+    cache = dense_w * z.c if z.auto and full and trains_base else 0
+    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered + cache,
+                              gradients=G_prev + held),
+         # the 16-bit logits went with the model's output; the fp32 gradients of the loss and of the
+         # log-softmax are live (measured: tests/test_hf_simulate_run.py)
+         "log-softmax backward": dict(activations=A + lsm, gradients=G_prev + held,
+                                      temporaries=2 * t * V * 4 + gathered),
+         "head backward": dict(activations=A, temporaries=t * V * z.c + t * D * z.c + gathered,
+                               gradients=max(G_prev, head_grad + late) + held),
+         "end of backward": dict(gradients=G + held,
+                                 temporaries=(2 * V * D * z.w if trains_base and s.tied else 0) + t * D * z.r),
+         "optimizer step": dict(gradients=G + held, temporaries=scratch)}
+    if chunk is not None:  # no logits: the chunked loss's own moments replace the loss and the head's
+        for key in ("loss forward", "log-softmax backward", "head backward"):
+            del m[key]
+        loss = chunked_loss_bytes(V, D, chunk, t, compute=z.c, hidden=z.r, weight=z.w, head_grad=trains_base)
+        m["chunked loss forward"] = dict(activations=A, gradients=G_prev + held,
+                                         temporaries=loss["chunked loss forward"]["temporaries"] + gathered)
+        grad_w = max(G_prev, head_grad + late) if trains_base and not s.tied else G_prev
+        m["chunked loss backward"] = dict(activations=A, gradients=grad_w + held + (
+            loss["chunked loss backward"]["gradients"] if trains_base and s.tied else 0),
+            temporaries=loss["chunked loss backward"]["temporaries"] + gathered)
+        if s.norm in NORM_BACKWARD_TEMPORARIES:  # with no logits, the final norm's backward can be the peak
+            m["final norm backward"] = dict(
+                activations=A - 4 * t, gradients=grad_w + held + D * z.w * trains_base + (
+                    loss["chunked loss backward"]["gradients"] if trains_base and s.tied else 0),
+                temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered)
+    if full and not trains_base:  # LoRA: the gradients are small, the first recomputed layer is the peak
+        rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
+        m["recomputed layer"] = dict(activations=embed + L * t * D * z.r + 4 * t * rope + layers[-1],
+                                     gradients=G_prev + held, temporaries=t * D * z.r + t * s.ffn * z.c + gathered)
+    elif full:  # the last recomputed layer (layer 0) holds its activations with nearly all gradients
+        m["recomputed layer"] = dict(activations=embed + t * D * z.r + layers[0] + dense_w / L * z.c * z.auto,
+                                     gradients=max(G_prev, G * (1 - 1 / max(L, 1)), late) + held,
+                                     temporaries=t * max(s.ffn, s.moe_ffn * s.top_k) * z.c + gathered)
+    if largest_grad is not None:
+        embed_grad = V * D * z.w
+        for name, cats in m.items():
+            cats["gradients"] = {"head backward": head_grad, "end of backward": embed_grad,
+                                 "recomputed layer": largest_grad + embed_grad * s.tied}.get(name, 0.0)
+        del m["optimizer step"]
+    return max(m.items(), key=lambda kv: sum(kv[1].values()))
+
+
+__all__ = ["HF_CHECKPOINTING", "NORM_BACKWARD_TEMPORARIES", "Sizes", "adapter_saved", "attention_path", "check_run",
+           "forward_activations", "layer_activations", "moe_activations", "estimate_hf", "estimate_run"]

@@ -1,0 +1,218 @@
+"""Simulate: the measured step, run on fake tensors, for hardware you do not have.
+
+Under ``FakeTensorMode`` every op computes shapes, dtypes and strides but allocates nothing,
+so a gpt2-xl or llama-7b step "runs" on a laptop in seconds while
+:class:`~memlab.tracking.tracker.MemoryTracker` counts the bytes it would hold, exactly as it counts
+a real step (the two agree to the byte on the tiny model).
+
+The step always runs on the *fake CPU* device: on a CPU-only torch build, fake CUDA tensors
+cannot be initialised, and the first autograd op on one aborts the process. The device the
+bytes are counted for is the ``target``:
+
+* ``"cpu"`` (the function's default): CPU autocast and CPU kernels, exact bytes, equal to
+  :func:`~memlab.lenses.measure.measure_step` on this machine.
+* ``"cuda"`` (the CLI's default): :func:`memlab.policy.emulate` puts CUDA's autocast op lists
+  on the ``AutocastCPU`` dispatch key and CUDA's fused ``rms_norm`` on ``AutogradCPU`` for the
+  duration of the step, so autograd saves what it saves on a GPU; the tracker's
+  :class:`~memlab.policy.TargetAccounting` adds what no op returns (cuBLAS workspaces, cuDNN
+  convolution and FlashAttention backward workspaces, in the category ``workspace``),
+  CUDA's attention log-sum-exp and LayerNorm statistics, and rounds every storage to the
+  caching allocator's 512-byte blocks; the step's allocations are then replayed through the
+  allocator's block rules (:mod:`memlab.policy.caching_allocator`: a block too little larger than the
+  request is handed out whole), and what that adds goes to ``workspace``. Which cached block
+  a request finds depends on what the process ran before (``allocator=``). How close this
+  lands to ``torch.cuda.max_memory_allocated()`` on the H200 reference steps, in the
+  recording process and in a fresh one: ``docs/accuracy.md`` (``data/reference/``,
+  ``benchmarks/gpu_reference.py``).
+
+A GPU's capacity is applied as a budget, as on CPU.
+
+A step under DeepSpeed (ZeRO or offload) is simulated as DeepSpeed runs it as far as one
+process can: the model cast to its 16-bit (or fp32) dtype, no autocast; the model states of
+every moment are then put in DeepSpeed's layout (:func:`memlab.step.states.model_states`: sharded
+per rank, offloaded ones in ``host_bytes``). Those model-state bytes are the formula's, not
+the simulation's, and the report's ``notes`` say so (:data:`FORMULA_NOTE`): only the
+activations, temporaries and workspaces of such a report are simulated.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import replace
+
+import torch
+
+from memlab.core.cards import SPEEDS, Card, card_speeds
+from memlab.core.hardware import resolve_budget
+from memlab.core.torch_private import FakeTensorMode
+from memlab.core.units import fmt_bytes
+from memlab.lenses.measure import run_tracked_step
+from memlab.models.gpt_unet import GPTConfig, UNetConfig
+from memlab.policy import emulate, resolve_target
+from memlab.policy.caching_allocator import CachingAllocator, replay_steady_step
+from memlab.step.states import ModelStates, model_states
+from memlab.step.training_step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
+from memlab.time.elementwise import ElementwiseCounter
+from memlab.time.flops import PhaseFlopCounter
+from memlab.time.step_time import report_time
+from memlab.tracking.tracker import CATEGORIES, Event
+
+
+def _fake_batch(step: StepConfig) -> tuple:
+    cfg = step.model_config
+    if isinstance(cfg, UNetConfig):
+        x = torch.randn(step.batch, cfg.channels, step.seq, step.seq)
+        return x, torch.randint(0, 1000, (step.batch,)), torch.randn_like(x)
+    idx = torch.randint(0, cfg.vocab_size, (step.batch, step.seq))
+    return idx, torch.randint(0, cfg.vocab_size, (step.batch, step.seq))
+
+
+def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
+                  target: str | None = None, card: "Card | str | None" = None,
+                  allocator: CachingAllocator | None = None, **overrides) -> MemoryReport:
+    """Run one steady-state step on fake tensors and report its peak by category.
+
+    ``budget`` is bytes, a size string, or a GPU preset (``"A100-40GB"``): the report says
+    whether the step fits and, if not, where it ran out (``report.oom``). ``target`` is the
+    device the bytes are counted for: ``"cpu"`` (exactly what :func:`measure_step` sees on
+    this CPU) or ``"cuda"`` (CUDA's autocast policy, kernels, workspaces and 512-byte
+    blocks, see :mod:`memlab.policy`). Left out, it follows the card asked for (``card``, or
+    a GPU preset budget), else the GPU this process sees, else the CPU
+    (:func:`memlab.policy.resolve_target`): on a CPU machine the simulation still equals
+    the measurement to the byte.
+
+    ``allocator`` (CUDA target): the caching allocator of the process the step runs in,
+    with what its earlier steps left cached (:class:`memlab.policy.caching_allocator.CachingAllocator`;
+    pass the same one to each step a process runs, in order). Left out, the step runs in a
+    fresh process. A warm cache can hand out larger blocks, so a row recorded after others
+    lands closer replayed in its recording process than alone (``docs/accuracy.md``).
+
+    Args:
+        step: the step (``None``: ``StepConfig()``); ``overrides`` replace its fields.
+        budget, target, card, allocator: as above.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``"simulate"``); ``oom`` says where a step over budget ran out.
+
+    Raises:
+        InputError: a field, preset, budget or target that is not allowed.
+    """
+    tgt = resolve_target(target, budget, card)
+    step = resolve_step(step, **overrides)
+    budget_bytes = resolve_budget(budget)
+    start = time.perf_counter()
+    ms = model_states(step.model_config, precision=step.precision, optimizer=step.optimizer,
+                      zero=step.zero, world_size=step.world_size, offload=step.offload)
+    # DeepSpeed runs the model cast to one dtype, unsharded here; its states are put right below
+    run = replace(step, precision=ms.compute_precision, zero=0, offload="none",
+                  world_size=1) if ms.deepspeed else step
+    # One mode for building and running: mixing fake modes is not supported.
+    with FakeTensorMode(allow_non_fake_inputs=False), emulate(tgt):
+        trainer = build_trainer(run, "cpu", fake=True)
+        trainer.offload_to_host = tgt.is_cuda  # activation_offload: saved tensors leave a GPU
+        batch = batch_to(_fake_batch(run), run)
+        # the step's FLOPs, op by op (memlab.time.flops), and its elementwise bytes where memlab has no
+        # closed form (memlab.time.elementwise; a GPT's follows the target's kernels: a CPU step runs
+        # rms_norm's composite)
+        gpt = isinstance(step.model_config, GPTConfig)
+        with PhaseFlopCounter() as flops, contextlib.nullcontext() if gpt else ElementwiseCounter() as elementwise:
+            tracker, _, before, after = run_tracked_step(
+                trainer, batch, None if ms.deepspeed else budget_bytes, warmup="optimizer",
+                accounting=tgt.accounting())
+        report = MemoryReport("simulate", step, f"{tgt.name} (fake)", tracker.peak_bytes,
+                              tracker.peak_by_category(), budget_bytes, None, tracker.oom,
+                              tracker.timeline, {}, before, after,
+                              host_bytes=tracker.host_peak_bytes,
+                              host_by_category=tracker.host_peak_by_category())
+        if tgt.is_cuda and not ms.deepspeed and tracker.oom is None:
+            _add_unsplit_blocks(report, tracker, allocator)
+        del trainer, batch, tracker
+    if ms.deepspeed:
+        deepspeed_layout(report, ms, model_states(run.model_config, precision=run.precision,
+                                                   optimizer=run.optimizer).gradients)
+    report.time = report_time(step, tgt.card, flops=flops.flops(), elementwise=None if gpt else elementwise.work())
+    if step.activation_offload:
+        report.notes.append(_offload_note(report, tgt))
+    report.step_seconds = time.perf_counter() - start
+    report.notes.append("step_seconds is the wall time of the whole simulation")
+    return report
+
+
+def _offload_note(report: MemoryReport, tgt) -> str:
+    """What activation offloading moved, and its PCIe seconds on the card (not overlapped)."""
+    if not tgt.is_cuda:
+        return ("activation_offload on a CPU target: save_on_cpu packs with tensor.cpu(), the tensor "
+                "itself, so nothing moves and the peak is the plain step's")
+    moved = report.host_by_category.get("activations", 0)
+    note = (f"activation_offload: {fmt_bytes(moved)} of saved tensors in host memory at the host's peak "
+            f"(one copy per saved tensor, weights and views included), copied down in forward and up in backward")
+    sp = card_speeds(tgt.card) if tgt.card is not None and tgt.card.name in SPEEDS else None
+    if sp is not None and sp.pcie:
+        note += (f": {2 * moved / sp.pcie * 1e3:.1f} ms over PCIe at {sp.pcie / 1e9:.0f} GB/s each way "
+                 f"unless overlapped with compute (torchtune's OffloadActivations uses a second stream)")
+    return note
+
+
+def _add_unsplit_blocks(report: MemoryReport, tracker, allocator: CachingAllocator | None) -> None:
+    """Count what the CUDA caching allocator hands out beyond the rounded requests: the
+    step's allocations replayed through its block rules (warm-up, then the step measured,
+    :func:`memlab.policy.caching_allocator.replay_steady_step`); the excess of that peak over the
+    tracker's goes to ``workspace``, as :func:`memlab.lenses.measure.add_workspace` counts it on a GPU."""
+    extra = replay_steady_step(*tracker.allocation_log(), allocator).peak_allocated - report.peak_bytes
+    if extra > 0:
+        report.peak_bytes += extra
+        report.by_category["workspace"] = report.by_category.get("workspace", 0) + extra
+        report.notes.append(f"{fmt_bytes(extra)} of whole blocks the CUDA caching allocator "
+                            f"hands out unsplit (counted as workspace; the timeline is the tracker's)")
+
+
+#: The note a DeepSpeed simulation carries: which of its numbers are the formula's, not the
+#: fake step's. A test comparing the simulation with the estimate must leave these out.
+FORMULA_CATEGORIES = ("parameters", "gradients", "optimizer", "host")
+FORMULA_NOTE = ("from the formula (memlab.step.states.model_states), not simulated: parameters, "
+                "optimizer, gradients (the rank's share; only their growth through backward "
+                "is simulated), DeepSpeed's buffers, ZeRO-3's gathered parameters and the "
+                "step's fp32 gradient copy (in temporaries), and all host bytes; simulated: "
+                "activations, the other temporaries and workspaces")
+
+
+def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float) -> None:
+    """Put the simulated unsharded step's model states in DeepSpeed's layout, op by op.
+
+    Parameters and optimizer state are held all step; gradients grow through backward as
+    simulated (scaled to the rank's share), or are held from the first reduce bucket (ZeRO-2)
+    or all step (ZeRO-3); DeepSpeed's buffers are added everywhere, ZeRO-3's gathered
+    parameters in forward and backward, the fp32 gradient copy in the optimizer step.
+    """
+    i = {c: k for k, c in enumerate(CATEGORIES)}
+    events = []
+    for ev in report.timeline:
+        cats = list(ev.by_category)
+        grown = cats[i["gradients"]] / full_grads if full_grads else 0.0
+        if ms.gradients_from == "always" or (ms.gradients_from == "first bucket" and grown > 0):
+            grads = ms.gradients
+        else:
+            grads = grown * ms.gradients
+        cats[i["parameters"]] = ms.parameters
+        cats[i["optimizer"]] = ms.optimizer
+        cats[i["gradients"]] = grads + ms.buffers
+        if ev.phase in ("forward", "backward"):
+            cats[i["temporaries"]] += ms.gathered
+        elif ev.phase == "optimizer":
+            cats[i["temporaries"]] += ms.step_scratch
+        events.append(Event(ev.index, ev.op, ev.module, ev.phase,
+                            tuple(int(round(c)) for c in cats), ev.host_by_category))
+    if events:
+        top = max(events, key=lambda e: e.total)
+        report.timeline = events
+        report.peak_bytes = top.total
+        report.by_category = dict(zip(CATEGORIES, top.by_category, strict=True))
+    host = {c: int(round(ms.host.get(c, 0.0))) for c in CATEGORIES}
+    report.host_bytes, report.host_by_category = sum(host.values()), host
+    report.notes.append(f"DeepSpeed step: simulated in {ms.compute_precision} without autocast, "
+                        f"model states in DeepSpeed's layout (memlab.step.states)")
+    report.notes.append(FORMULA_NOTE)
+    report.notes.extend(ms.notes)
+
+
+__all__ = ["FORMULA_CATEGORIES", "FORMULA_NOTE", "deepspeed_layout", "simulate_step"]

@@ -1,0 +1,111 @@
+"""Low-bit and factored state, byte for byte: what bitsandbytes and Adafactor allocate.
+
+**8-bit optimizer state** (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
+Quantization", sec. 2.1 and 2.2): each Adam moment is stored in one byte, quantised in
+independent blocks that each keep one fp32 absolute maximum, with a 256-entry fp32 dynamic
+quantisation map per state. The paper uses blocks of 2048; bitsandbytes 0.50's ``AdamW8bit``
+uses 256 (``blocksize = 256`` in its ``Optimizer2State``), and keeps tensors under
+``min_8bit_size = 4096`` elements in fp32 (its documentation). :func:`adam_state_bytes` is
+that layout, byte for byte (the tests compare it with bitsandbytes where it runs).
+Its *paged* variants (``PagedAdamW8bit``, ``PagedAdamW``) allocate the same state with
+``bitsandbytes.functional.get_paged`` (``cget_managed_ptr``: CUDA unified memory, outside
+torch's caching allocator), which the driver pages out to host memory when the device is
+full: the estimate counts it as host bytes, never as the device peak. **Adafactor**
+(Shazeer and Stern 2018, sec. 3; ``transformers.optimization.Adafactor`` with its defaults,
+``beta1=None``) keeps a row and a column second-moment vector (fp32) per matrix and a full
+one per vector: ``4 (r + c)`` and ``4 n`` bytes.
+
+**Quantised base weights** (QLoRA, Dettmers et al. 2023, sec. 3; bitsandbytes 0.50
+``functional.quantize_4bit``): every ``Linear`` of the decoder is stored as NF4, two values
+per byte (``ceil(n / 2)`` bytes), with one absolute maximum per block of 64: fp32, or with
+double quantization (``compress_statistics=True``) the maxima less their mean quantised to
+uint8 by ``quantize_blockwise(blocksize=256)``, one fp32 maximum per 256 blocks and the fp32
+offset. transformers converts no embedding and keeps the head (``lm_head``) in 16 bits
+(``modules_to_not_convert``); norms too stay in the compute dtype. The backward of each
+4-bit matmul (``autograd/_functions.py``, ``MatMul4Bit.backward``) dequantises the whole
+weight to the compute dtype: one such weight is a temporary. ``load_in_8bit``
+(``Linear8bitLt``, ``Int8Params``): one int8 per element and one fp32 scale per output row
+(``SCB``). :func:`quantized_weight_bytes` is that layout (tests compare it with bitsandbytes).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from memlab.core.errors import InputError
+
+#: bitsandbytes 8-bit Adam layout (module doc)
+BNB_BLOCK = 256
+BNB_MIN_8BIT_SIZE = 4096
+QMAP_ENTRIES = 256
+OPTIMIZER_STATES = ("adamw", "adamw-8bit", "paged-adamw-8bit", "paged-adamw", "adafactor", "sgd")
+PAGED = ("paged-adamw-8bit", "paged-adamw")  # state in CUDA unified memory (host bytes here)
+#: Hugging Face ``TrainingArguments.optim`` names -> the state memlab counts
+HF_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+                 "adamw_apex_fused": "adamw", "adamw_torch_xla": "adamw",
+                 "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit",
+                 "paged_adamw_8bit": "paged-adamw-8bit", "paged_adamw_32bit": "paged-adamw",
+                 "paged_adamw": "paged-adamw", "adafactor": "adafactor", "sgd": "sgd"}
+#: bitsandbytes 4-bit layout (module doc)
+NF4_BLOCK = 64
+NESTED_BLOCK = 256
+QUANTIZATIONS = ("none", "4bit", "8bit")
+
+
+def adam_state_bytes(shapes: Iterable[int], kind: str = "adamw") -> int:
+    """Optimizer state bytes of Adam/AdamW over tensors of ``shapes`` (element counts):
+    ``"adamw"`` (and ``"paged-adamw"``) two fp32 moments (8 B per parameter); ``"adamw-8bit"``
+    (and ``"paged-adamw-8bit"``) bitsandbytes' layout (module doc): per tensor of n >= 4096
+    elements ``2 n`` bytes of moments and ``2 * 4 * ceil(n / 256)`` of block maxima, else fp32,
+    and the two 256-entry fp32 quantisation maps once (``Optimizer2State.init_state`` gives every
+    state the optimizer's own ``name2qmap`` tensors); ``"sgd"`` one fp32 momentum. The step
+    counters (a few bytes per tensor, or none) are not counted. Adafactor needs the matrix
+    shapes: :func:`adafactor_state_bytes`."""
+    if kind not in OPTIMIZER_STATES or kind == "adafactor":
+        allowed = ", ".join(k for k in OPTIMIZER_STATES if k != "adafactor")
+        raise InputError(f"optimizer state {kind!r} from element counts; allowed: {allowed}")
+    total, maps = 0, 0
+    for n in shapes:
+        if kind == "sgd":
+            total += 4 * n
+        elif kind in ("adamw", "paged-adamw") or n < BNB_MIN_8BIT_SIZE:
+            total += 8 * n
+        else:
+            total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
+            maps = 2 * 4 * QMAP_ENTRIES
+    return total + maps
+
+
+def adafactor_state_bytes(shapes: Iterable[tuple[int, ...]]) -> int:
+    """Adafactor's state (module doc) over parameters of ``shapes``: a matrix (the last two
+    dimensions factored, as transformers' ``_get_options`` decides for ``len(shape) >= 2``)
+    keeps ``4 (rows + cols)`` bytes per leading index, a vector ``4 n``."""
+    total = 0
+    for shape in shapes:
+        if len(shape) >= 2:
+            lead = math.prod(shape[:-2])
+            total += 4 * lead * (shape[-2] + shape[-1])
+        else:
+            total += 4 * math.prod(shape)
+    return total
+
+
+def quantized_weight_bytes(out_features: int, in_features: int, quantization: str = "4bit", *,
+                           double_quant: bool = True, blocksize: int = NF4_BLOCK) -> int:
+    """Bytes of one ``Linear(in, out)`` weight as bitsandbytes stores it (module doc):
+    ``"4bit"`` NF4 packed two per byte plus the block maxima (double quantised or fp32) and
+    the offset; ``"8bit"`` int8 plus one fp32 scale per row. The 16-entry NF4 code and the
+    256-entry map of the nested maxima are shared by every weight and not counted."""
+    n = out_features * in_features
+    if quantization == "8bit":
+        return n + 4 * out_features
+    if quantization != "4bit":
+        raise InputError(f"quantization {quantization!r}; allowed: 4bit, 8bit")
+    blocks = math.ceil(n / blocksize)
+    if not double_quant:
+        return math.ceil(n / 2) + 4 * blocks
+    return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4
+
+
+__all__ = ["BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "QMAP_ENTRIES", "OPTIMIZER_STATES", "PAGED", "HF_OPTIMIZERS", "NF4_BLOCK",
+           "NESTED_BLOCK", "QUANTIZATIONS", "adam_state_bytes", "adafactor_state_bytes", "quantized_weight_bytes"]

@@ -1,0 +1,330 @@
+"""Model states: the bytes of parameters, gradients and optimizer state per rank, and where
+they live. The one source for the estimate, the simulation's correction, the advisor, the
+report's ZeRO savings and lesson 10.
+
+Two layouts, decided by :func:`under_deepspeed`:
+
+**Plain PyTorch** (no ZeRO, no offload): the optimizer updates the model's own weights.
+fp32 and autocast (``bf16``/``fp16``: the weights stay fp32) keep 4 + 4 + 8 bytes per
+parameter with AdamW (weights, gradients, two fp32 moments); ``pure-bf16`` keeps 2 + 2 + 4;
+SGD with momentum has one moment instead of two.
+
+**DeepSpeed** (ZeRO stage 1-3 or offload): in ``bf16``/``fp16`` mode DeepSpeed casts the model
+to 16 bits (no autocast: activations are those of a pure 16-bit step) and its optimizer
+holds an fp32 master copy and fp32 moments: 2 + 2 + K bytes per parameter with K = 12 for
+Adam (Rajbhandari et al. 2020, "ZeRO", sec. 3.1 and 5.1). Stage 1 divides the K bytes by the
+N data-parallel ranks, stage 2 also the gradients, stage 3 also the parameters. In fp32 mode
+the weights and gradients take 4 + 4 and DeepSpeed's ZeRO optimizer still keeps a separate
+fp32 master partition (``single_partition_of_fp32_groups``, ``fp32_partitioned_groups_flat``,
+read by :func:`memlab.distributed.deepspeed_zero.zero_accounting`): K = 4 + 8; at stage 0 the fp32 model
+is the master and K = 8. What DeepSpeed 0.19 (``runtime/zero/stage_1_and_2.py``,
+``stage3.py``) holds besides, per rank:
+
+* stage 1: full 16-bit gradients through backward; at ``step()`` a flat copy of the rank's
+  gradient partition and its fp32 conversion (``single_grad_partition``);
+* stage 2: a contiguous 16-bit gradient partition (``grads_in_partition``), allocated when
+  the first reduce bucket is flushed early in backward, and the fp32 conversion at ``step()``;
+* stage 3: a persistent 16-bit gradient partition (``grad_partitions_flat_buffer``),
+  parameters below ``stage3_param_persistence_threshold`` elements kept whole on every rank,
+  and during forward/backward the gathered parameters of the running module;
+* stages 1-3: the gradient reduce bucket (``reduce_bucket_size`` elements).
+
+**Offload** (ZeRO-Offload, Ren et al. 2021, sec. 3.5 and 4.1, which offload the fp32 states and
+the fp16 gradients: 12 + 2 bytes per parameter): DeepSpeed's optimizer offload moves the fp32
+master, the moments *and an fp32 gradient partition* to host memory, 16 bytes per parameter / N
+(0.19.8 ``stage_1_and_2.py``: ``initialize_optimizer_states`` allocates the fp32 partition's
+``.grad`` on ``self.device``, ``'cpu'`` with offload; the gradient is cast to fp32 on the GPU
+before its copy down, ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``); the device keeps the 16-bit
+parameters and the 16-bit gradients in flight (the reduce bucket, and at stages 1-2 a
+staging buffer the size of the largest parameter). Parameter offload (stage 3 only;
+ZeRO-Infinity, Rajbhandari et al. 2021, sec. 5) also moves the 16-bit parameter partition to
+the host: the device keeps the small persistent parameters and the parameters gathered for
+the module that runs. Parameter offload alone (``offload_param`` without ``offload_optimizer``,
+:data:`PARAM_OFFLOAD`) moves only that partition: 0.19.8 ``stage3.py`` puts the fp32 master
+on ``self.device`` (line 333: the accelerator unless the optimizer is offloaded; line 1172:
+``converted = self.fp16_partitioned_groups_flat[i].to(self.device, ...)``), so the 12 bytes of
+master and moments and the 2-byte gradient partition stay on the device, divided by N, and
+only the 16-bit parameters go to the host (lines 967-1003: ``_create_param_groups_fp16_flat_cpu_memory``).
+DeepSpeed pins its host buffers (``pin_memory: bool = True`` in 0.19.8's
+``runtime/zero/offload_config.py``, for both offload configs; memlab's config leaves it unset), and
+the CUDA host allocator rounds each pinned block up to a power of two
+(``ATen/core/CachingHostAllocator.h``): host bytes count each pinned buffer at that size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from memlab.core.errors import InputError
+from memlab.core.precision import SIZES, check_precision
+from memlab.models.gpt_unet import build_model
+from memlab.step.zero import zero_formula
+
+BUCKET_ELEMENTS = 2**20  # memlab's DeepSpeed buckets (ZeRO-3's defaults allocate ~1.9 GiB/rank)
+PERSISTENCE_THRESHOLD = 10_000  # ZeRO-3 keeps parameters smaller than this whole on every rank
+SUB_GROUP_SIZE = 10**9  # DeepSpeed's default zero_optimization.sub_group_size (stage 3)
+PLAIN = {p: (w, w) for p, (w, _) in SIZES.items()}  # bytes of a weight and of its gradient
+MOMENTS = {"adamw": 2, "sgd": 1}
+OFFLOADS = ("none", "optimizer", "all")
+#: DeepSpeed's ``offload_param`` without ``offload_optimizer`` (a config reader's value; module doc)
+PARAM_OFFLOAD = "params"
+
+
+def under_deepspeed(zero: int, offload: str = "none") -> bool:
+    """Whether a step with this ZeRO stage and offload runs under DeepSpeed (else plain
+    PyTorch: autocast, ``torch.optim``)."""
+    return zero > 0 or offload != "none"
+
+
+def pinned_bytes(nbytes: float) -> int:
+    """Host bytes of a pinned buffer: the CUDA host allocator rounds it to a power of two."""
+    n = int(nbytes)
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def param_numels(cfg) -> list[int]:
+    """Elements of every parameter of a model config (GPT: closed form; UNet: built on the
+    ``meta`` device, which allocates nothing)."""
+    if hasattr(cfg, "param_numels"):
+        return cfg.param_numels()
+    with torch.device("meta"):
+        return [p.numel() for p in build_model(cfg).parameters()]
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Per-rank model-state bytes of one step, where they live and when.
+
+    Device bytes: ``parameters`` and ``optimizer`` (master copy and moments) are held all
+    step; ``gradients`` are what the step holds at the end of backward, and ``gradients_from``
+    says since when: ``"backward"`` (grown parameter by parameter), ``"first bucket"``
+    (allocated whole when the first reduce bucket is flushed: ZeRO-2) or ``"always"`` (a
+    persistent buffer: ZeRO-3). ``buffers``: DeepSpeed's gradient buffers held all step (the
+    reduce bucket, the offload staging buffer). ``gathered``: ZeRO-3's parameters gathered
+    for the running module (forward and backward). ``step_scratch``: what ``optimizer.step()``
+    adds (the gradient partition flattened and converted to fp32). ``host``: bytes in host
+    memory by category. ``compute_precision``: the precision the forward runs in
+    (``"pure-bf16"`` under DeepSpeed's 16-bit mode: no autocast, 16-bit weights).
+    """
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    deepspeed: bool
+    compute_precision: str
+    gradients_from: str = "backward"
+    buffers: float = 0.0
+    gathered: float = 0.0
+    step_scratch: float = 0.0
+    host: dict[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def host_bytes(self) -> float:
+        return float(sum(self.host.values()))
+
+    def as_dict(self) -> dict[str, float]:
+        """``parameters``, ``gradients``, ``optimizer`` (device) and ``host`` (all host
+        bytes): the shape :func:`model_state_bytes` returns."""
+        return {"parameters": self.parameters, "gradients": self.gradients,
+                "optimizer": self.optimizer, "host": self.host_bytes}
+
+    def peak_inputs(self) -> dict[str, float]:
+        """The quantities the estimate's peak moments use: ``parameters``, ``optimizer``,
+        ``gradients`` (grown through backward), ``held`` (gradient bytes held all step),
+        ``late`` (held from the first reduce bucket on), ``step`` (optimizer-step scratch),
+        ``gathered`` (ZeRO-3's gathered parameters in forward and backward)."""
+        always = self.gradients if self.gradients_from == "always" else 0.0
+        return {"parameters": self.parameters, "optimizer": self.optimizer,
+                "gradients": self.gradients - always, "held": self.buffers + always,
+                "late": self.gradients if self.gradients_from == "first bucket" else 0.0,
+                "step": self.step_scratch, "gathered": self.gathered}
+
+
+@dataclass(frozen=True)
+class ZeroBuckets:
+    """DeepSpeed's ``zero_optimization`` sizes that decide its buffers (elements), as a run's
+    config sets them (:mod:`memlab.hf.read_run_configs`); the defaults are memlab's own config's
+    (:func:`memlab.step.write_deepspeed_config.deepspeed_config`).
+
+    ``reduce``: ``reduce_bucket_size``, the contiguous gradient bucket (stages 1-3; two of
+    them at stages 1-2 with ``overlap_comm``, ``setup_buckets`` in ``stage_1_and_2.py``);
+    ``prefetch``: ``stage3_prefetch_bucket_size``, parameters gathered ahead of the running
+    module, capped by ``max_live`` (``stage3_max_live_parameters``); ``persistence``:
+    ``stage3_param_persistence_threshold``; ``pinned``: ``pin_memory`` of the offload;
+    ``sub_group``: ``sub_group_size``, the elements of a rank's partition that stage 3's
+    ``step()`` converts to fp32 and steps at a time (``stage3.py``: ``_create_fp16_sub_groups``
+    closes a group once it holds ``sub_group_size`` elements, ``_prepare_fp32_grad_for_sub_group``
+    converts its gradients, ``_release_sub_group`` frees them).
+    """
+
+    reduce: int = BUCKET_ELEMENTS
+    prefetch: int = BUCKET_ELEMENTS
+    max_live: int = 4 * BUCKET_ELEMENTS
+    persistence: int = PERSISTENCE_THRESHOLD
+    overlap_comm: bool = False
+    pinned: bool = True
+    sub_group: int = SUB_GROUP_SIZE
+
+
+def _count(model, persistence: int = PERSISTENCE_THRESHOLD) -> tuple[int, int, int]:
+    """(parameters, largest parameter, elements in ZeRO-3's persistent small parameters)."""
+    if isinstance(model, bool) or not isinstance(model, int):
+        sizes = param_numels(model)
+        return sum(sizes), max(sizes), sum(s for s in sizes if s < persistence)
+    if model < 0:
+        raise InputError(f"num_params must be >= 0, got {model}")
+    return model, 0, 0
+
+
+def _sub_groups(model, part: float, n: int, sub: int, largest: int) -> list[float]:
+    """Elements of each of ZeRO-3's optimizer sub-groups of a rank's partition of ``part``
+    elements. 0.19.8 ``stage3.py`` ``_create_fp16_sub_groups`` (lines 1210-1232) walks the
+    parameters and closes a group once it holds ``sub_group_size`` partition elements: groups
+    of about that size while it exceeds a parameter's partition; below that (a config's
+    ``sub_group_size: 0`` or 1) every parameter's partition is its own group, walked here
+    parameter by parameter (a parameter count alone: groups no smaller than the largest
+    partition, as nothing finer is known)."""
+    if sub >= part:
+        return [part]
+    if largest and sub < largest / n and not isinstance(model, int):
+        groups, acc = [], 0.0
+        for numel in param_numels(model):
+            acc += numel / n
+            if acc >= sub:
+                groups.append(acc)
+                acc = 0.0
+        return groups + ([acc] if acc else [])
+    sub = max(sub, largest / n if largest else part / 10_000)
+    return [sub] * int(part // sub) + [part % sub]
+
+
+def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", zero: int = 0,
+                 world_size: int = 1, offload: str = "none", deepspeed: bool | None = None,
+                 pinned: bool = True, bucket_elements: int = BUCKET_ELEMENTS,
+                 buckets: ZeroBuckets | None = None) -> ModelStates:
+    """Per-rank model states of a step (see the module docstring for the layouts).
+
+    ``model`` is a model config (exact largest and small parameters for DeepSpeed's buffers)
+    or a parameter count (buffers then left out). ``deepspeed=None`` decides by
+    :func:`under_deepspeed`; ``True`` gives DeepSpeed's layout at stage 0 too (what a
+    DeepSpeed config with stage 0 runs). ``pinned=False`` counts host buffers at their own
+    size (DeepSpeed's CPU accelerator does not pin). ``buckets`` (a :class:`ZeroBuckets`)
+    replaces ``bucket_elements`` and ``pinned`` with a run config's sizes.
+    """
+    if buckets is None:
+        buckets = ZeroBuckets(reduce=bucket_elements, prefetch=bucket_elements,
+                              max_live=4 * bucket_elements, pinned=pinned)
+    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+        raise InputError(f"ZeRO stage {zero!r} is outside 0-3")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InputError(f"world size {world_size!r} must be a positive integer")
+    check_precision(precision)
+    if optimizer not in MOMENTS:
+        raise InputError(f"optimizer={optimizer!r}; allowed: {', '.join(MOMENTS)}")
+    if offload not in (*OFFLOADS, PARAM_OFFLOAD):
+        raise InputError(f"offload={offload!r}; allowed: {', '.join((*OFFLOADS, PARAM_OFFLOAD))}")
+    if offload in ("all", PARAM_OFFLOAD) and zero != 3:
+        raise InputError(f"offload={offload!r} (parameters too) needs ZeRO stage 3, got stage {zero}")
+    if offload == "optimizer" and zero == 0:
+        raise InputError("offload='optimizer' needs ZeRO stage 1-3 (DeepSpeed's ZeRO optimizer), "
+                         "got stage 0")
+    psi, largest, small = _count(model, buckets.persistence)
+    moments = MOMENTS[optimizer]
+    ds = under_deepspeed(zero, offload) if deepspeed is None else deepspeed
+    if not ds:
+        if zero or offload != "none":
+            raise InputError("ZeRO and offload run under DeepSpeed: deepspeed=False needs zero=0 "
+                             "and offload='none'")
+        w, g = PLAIN[precision]
+        return ModelStates(w * psi, g * psi, moments * w * psi, False, precision)
+    e = 4 if precision == "fp32" else 2  # DeepSpeed's bf16/fp16 mode casts the model to 16 bits
+    compute = "fp32" if e == 4 else "pure-bf16"
+    master = 0 if (e == 4 and zero == 0) else 4  # fp32 stage 0: the model is the master
+    n = world_size
+    shard = n if zero >= 1 else 1
+    notes = [f"DeepSpeed layout: {e} + {e} + {master + 4 * moments} bytes per parameter "
+             f"(weights, gradients, fp32 master and moments), ZeRO-{zero} over {n} rank(s)"]
+    split = zero_formula(psi, zero, n, param_bytes=e, grad_bytes=e, k=master + 4 * moments)
+    params = split["parameters"] + (e * small if zero >= 3 else 0)
+    grads, opt = split["gradients"], split["optimizer"]
+    grads_from = {0: "backward", 1: "backward", 2: "first bucket", 3: "always"}[zero]
+    if zero == 2 and psi and buckets.reduce >= psi:
+        # the partition is allocated when the first bucket is flushed: a bucket as large as
+        # the model fills only with the last gradient, at the end of backward
+        grads_from = "backward"
+    # the reduce bucket, doubled at stages 1-2 under overlap_comm (stage 3 keeps one)
+    copies = 2 if buckets.overlap_comm and zero in (1, 2) else 1
+    bucket = copies * e * buckets.reduce if zero >= 1 else 0
+    buffers = bucket
+    ahead = min(buckets.prefetch, buckets.max_live, psi) if psi else buckets.prefetch
+    gathered = e * (largest + ahead) if zero >= 3 else 0.0
+    # step(): stage 1 (and stage 0's 16-bit optimizer) flattens the gradient partition, the
+    # 16-bit modes convert it to fp32; fp32 stage 0 is torch's own optimizer, no copy
+    flat = zero == 1 or (zero == 0 and e != 4)
+    scratch = (e * psi / shard if flat else 0.0) + (4 * psi / shard if e != 4 else 0.0)
+    if zero == 3 and e != 4:  # one sub-group's fp32 gradients at a time (ZeroBuckets.sub_group)
+        scratch = 4 * min(psi / shard, buckets.sub_group + largest / n)
+    host: dict[str, float] = {}
+    pin = pinned_bytes if buckets.pinned else (lambda b: int(b))
+
+    def add(category: str, nbytes: float) -> None:
+        host[category] = host.get(category, 0.0) + nbytes
+
+    if offload in ("optimizer", "all"):
+        part = psi / shard  # elements of this rank's partition
+        add("optimizer", 4 * moments * part)  # torch.optim's moments: ordinary host memory
+        opt, scratch = 0.0, 0.0
+        if zero <= 2:
+            add("optimizer", pin(4 * part))            # fp32 master partition (pinned)
+            add("gradients", pin(4 * part))            # fp32 gradient partition (pinned)
+            add("gradients", pin(4 * largest))         # host staging of one parameter's gradient
+            add("parameters", pin(e * part))           # 16-bit copy of the updated partition
+            buffers = bucket + e * largest             # device staging of one parameter's gradient
+            grads, grads_from = 0.0, "backward"
+        else:
+            add("optimizer", 4 * part)                 # fp32 master (unpinned clone)
+            chunks = _sub_groups(model, part, n, buckets.sub_group, largest)
+            add("gradients", sum(pin(4 * c) for c in chunks))  # fp32 gradients per sub-group
+            add("gradients", pin(e * part))            # the 16-bit gradient partition
+            grads = 0.0
+        notes.append("offload: fp32 master, moments and fp32 gradients in host memory")
+    if offload in ("all", PARAM_OFFLOAD):
+        add("parameters", pin(e * psi / n))            # the 16-bit parameter partition
+        params = e * small
+        notes.append("parameter offload: the device keeps the small persistent parameters and "
+                     "those gathered for the running module")
+    return ModelStates(params, grads, opt, True, compute, grads_from, buffers, gathered, scratch,
+                       host, tuple(notes))
+
+
+def step_model_states(step, buckets: ZeroBuckets | None = None) -> ModelStates:
+    """The model states of a :class:`memlab.step.training_step.StepConfig` (its model, precision,
+    optimizer, ZeRO stage, world size and offload), with a run config's ``buckets``."""
+    return model_states(step.model_config, precision=step.precision, optimizer=step.optimizer,
+                        zero=step.zero, world_size=step.world_size, offload=step.offload,
+                        buckets=buckets)
+
+
+def model_state_bytes(num_params: int, *, precision: str = "fp32", optimizer: str = "adamw",
+                      zero: int = 0, world_size: int = 1, offload: str = "none") -> dict[str, float]:
+    """Parameters, gradients and optimizer state per rank on the device, and the bytes in
+    host memory (``"host"``), for a model of ``num_params`` parameters: plain PyTorch without
+    ZeRO or offload, DeepSpeed's layout with them (:func:`model_states`)."""
+    return model_states(num_params, precision=precision, optimizer=optimizer, zero=zero,
+                        world_size=world_size, offload=offload).as_dict()
+
+
+def bytes_per_param(precision: str, stage: int, world_size: int, *, optimizer: str = "adamw",
+                    deepspeed: bool = True) -> dict[str, float]:
+    """Bytes per parameter on one rank: ``parameters``, ``gradients`` and ``optimizer`` (fp32
+    master and moments) as :func:`model_states` counts them (DeepSpeed's layout by default)."""
+    s = model_states(1, precision=precision, optimizer=optimizer, zero=stage,
+                     world_size=world_size, deepspeed=deepspeed)
+    return {"parameters": s.parameters, "gradients": s.gradients, "optimizer": s.optimizer}
+
+
+__all__ = ["ModelStates", "model_states", "model_state_bytes",
+           "under_deepspeed", "step_model_states", "bytes_per_param", "param_numels", "pinned_bytes",
+           "BUCKET_ELEMENTS", "PERSISTENCE_THRESHOLD", "PARAM_OFFLOAD", "SUB_GROUP_SIZE", "ZeroBuckets"]

@@ -1,0 +1,599 @@
+"""The training step and its report: the shared types every lens uses.
+
+A *step* is what an optimizer loop does once in steady state: forward, backward (over
+``micro_batches`` slices of the batch when accumulating), ``optimizer.step()`` and
+``zero_grad(set_to_none=True)``. :class:`StepConfig` says which step; :func:`build_trainer`
+builds its model and optimizer; :func:`make_batch` its inputs; :class:`MemoryReport` is what
+the estimate, the simulation and the measurement return about it.
+
+Over 500 lines because the run description every lens reads documents each of its fields
+where it is declared, beside the report those lenses return and the trainer that runs it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
+from html import escape
+from importlib import resources
+
+import torch
+import torch.nn as nn
+
+from memlab.core.errors import InputError
+from memlab.core.precision import PRECISIONS, check_precision
+from memlab.core.units import MiB, fmt_bytes
+from memlab.models.decoder_shape import DecoderShape
+from memlab.models.gpt_unet import GPTConfig, UNetConfig, build_model, get_config
+from memlab.step.activation_offload import offload_context
+from memlab.step.decoder_states import adapter_shapes, adapters_for
+from memlab.step.fine_tune_config import LoraConfig, QuantConfig
+from memlab.step.low_bit import OPTIMIZER_STATES
+from memlab.step.optimizer_in_backward import OptimizerInBackward
+from memlab.step.states import OFFLOADS, PARAM_OFFLOAD, ZeroBuckets
+from memlab.tracking.tracker import CATEGORIES, Event, OOMInfo
+
+OPTIMIZERS = ("adamw", "sgd")
+#: a Hugging Face decoder's steps (:class:`memlab.models.decoder_shape.DecoderShape` models) checkpoint whole layers
+DECODER_CHECKPOINTING = ("none", "full")
+#: a decoder's losses: its class's own (``None``: ``transformers``' upcast logits) or chunked
+DECODER_LOSSES = ("transformers", "chunked")
+#: what the step owns of its model's switches (see :class:`StepConfig`)
+SWITCHES = ("checkpointing", "attention")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Everything that decides the memory of one training step.
+
+    ``model`` is a preset name or a config. ``zero``, ``world_size`` and ``offload`` describe
+    data-parallel sharding: the single-process lenses account for them by formula.
+
+    ``checkpointing`` and ``attention`` are switches of the model config (a model built on
+    its own needs them); a step only chooses them for its step: what a lesson varies
+    (``replace(step, checkpointing="full")``) while the model stays the same. ``None`` (the
+    default) keeps the model's own; a value replaces it. :attr:`model_config` is the one place
+    where the two meet, and the one to read: ``step.model_config.checkpointing`` is what is
+    built and estimated. A UNet has no ``attention`` switch (SDPA at its lowest resolution):
+    ``attention`` must stay ``None``.
+
+    ``optimizer_in_backward``: the optimizer step fused into backward
+    (:class:`memlab.step.optimizer_in_backward.OptimizerInBackward`): each parameter is updated and its
+    gradient freed as soon as the gradient is ready. It needs one micro-batch, no fp16 loss
+    scaler and no ZeRO or offload (DeepSpeed owns the step there).
+
+    ``activation_offload``: every tensor forward saves copied to host memory and brought back
+    for backward (``torch.autograd.graph.save_on_cpu``, :mod:`memlab.step.activation_offload`, which
+    says what each lens counts: on a CPU device nothing moves).
+
+    Raises:
+        InputError: a field value that is not allowed (checked when the step is made).
+    """
+
+    model: str | GPTConfig | UNetConfig | DecoderShape = "tiny"
+    """A preset name, memlab's GPT or UNet config, or a decoder's shape (a Hugging Face config
+    read by :func:`memlab.hf.shape.decoder_shape`)."""
+    seq: int = 256
+    """Tokens per sequence (a UNet: the image side)."""
+    batch: int = 8
+    """Sequences per rank per optimizer step, all micro-batches together."""
+    precision: str = "fp32"
+    """``fp32``, ``bf16``/``fp16`` (autocast on fp32 weights) or ``pure-bf16``."""
+    checkpointing: str | None = None
+    """``None``: the model config's own; ``none``, ``full``, ``selective`` (memlab's GPT; a
+    decoder checkpoints whole layers: ``none`` or ``full``)."""
+    attention: str | None = None
+    """``None``: the model config's own (a decoder: its class's SDPA); ``naive`` or ``sdpa``."""
+    optimizer: str = "adamw"
+    """:data:`OPTIMIZERS` for memlab's models; a decoder also takes
+    :data:`memlab.step.low_bit.OPTIMIZER_STATES` (8-bit, paged, Adafactor)."""
+    micro_batches: int = 1
+    """Micro-batches accumulated into one optimizer step."""
+    zero: int = 0
+    """DeepSpeed's ZeRO stage (0-3)."""
+    world_size: int = 1
+    """Data-parallel ranks."""
+    offload: str = "none"
+    """DeepSpeed's offload: ``none``, ``optimizer``, ``all``."""
+    lora: LoraConfig | None = None
+    """LoRA adapters on a frozen base (a decoder's run; memlab's GPT: :mod:`memlab.techniques.finetune`)."""
+    quantization: QuantConfig | None = None
+    """The frozen base in bitsandbytes' 4- or 8-bit layout (needs ``lora``)."""
+    loss: str | None = None
+    """A decoder's loss: ``None``/``transformers`` (its class's) or ``chunked``."""
+    loss_chunk: int = 1024
+    """Tokens per chunk of the chunked loss."""
+    expert_parallel: int = 1
+    """Ranks a mixture of experts' routed experts are divided across."""
+    expert_imbalance: float = 1.0
+    """The busiest expert-parallel rank's tokens over the balanced share."""
+    buckets: ZeroBuckets | None = None
+    """DeepSpeed's buffer sizes as a run's config sets them (``None``: DeepSpeed's defaults)."""
+    optimizer_in_backward: bool = False
+    """Each parameter's optimizer step runs in backward, as its gradient is ready
+    (``register_post_accumulate_grad_hook``; torchtune's ``optimizer_in_bwd``): the gradients never
+    all exist at once. One micro-batch, no fp16 scaler, no DeepSpeed."""
+    activation_offload: bool = False
+    """Forward's saved tensors go to host memory (``torch.autograd.graph.save_on_cpu``), come back
+    for backward."""
+
+    def __post_init__(self) -> None:
+        for name in ("seq", "batch", "micro_batches", "world_size", "expert_parallel", "loss_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"{name.replace('_', ' ')} must be a positive integer, got {value!r}")
+        check_precision(self.precision)
+        # DeepSpeed's parameter-only offload is read from a decoder's DeepSpeed config
+        offloads = (*OFFLOADS, PARAM_OFFLOAD) if isinstance(self.model, DecoderShape) else OFFLOADS
+        if self.offload not in offloads:
+            raise InputError(f"offload={self.offload!r}; allowed: {', '.join(offloads)}")
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise InputError(f"ZeRO stage {self.zero!r} is outside 0-3")
+        if self.batch % self.micro_batches:
+            raise InputError(f"batch {self.batch} is not divisible into {self.micro_batches} "
+                             f"micro-batches; choose a divisor of the batch")
+        self._check_in_backward()
+        if not isinstance(self.activation_offload, bool):
+            raise InputError(f"activation_offload={self.activation_offload!r}; allowed: True, False")
+        if self.quantization is not None and self.lora is None:
+            raise InputError("a 4-/8-bit base is frozen: give LoRA adapters to train (lora=LoraConfig(...))")
+        if isinstance(self.model, DecoderShape):
+            self._check_decoder()
+            return
+        if self.optimizer not in OPTIMIZERS:
+            raise InputError(f"optimizer={self.optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
+        extras = {n: getattr(self, n) for n in ("lora", "quantization", "loss", "buckets")}
+        extras.update(expert_parallel=self.expert_parallel if self.expert_parallel != 1 else None,
+                      expert_imbalance=self.expert_imbalance if self.expert_imbalance != 1.0 else None)
+        given = [n for n, v in extras.items() if v is not None]
+        if given:
+            raise InputError(f"{', '.join(given)}: fields of a Hugging Face decoder's run (a DecoderShape "
+                             f"model); memlab's own models take LoRA and 8-bit state through "
+                             f"memlab.techniques.finetune and their loss from their config")
+        cfg = get_config(self.model) if isinstance(self.model, str) else self.model
+        for name in SWITCHES:
+            on_step = getattr(self, name)
+            if on_step is not None and name not in getattr(cfg, "__dataclass_fields__", {}):
+                raise InputError(f"{name}={on_step!r}: the model {cfg.name!r} has no {name} "
+                                 f"switch; leave {name} unset")
+        cfg = self.model_config  # validates the preset name and the switches' values
+        limit = cfg.block_size if isinstance(cfg, GPTConfig) else 4096
+        if self.seq > limit:
+            raise InputError(f"seq {self.seq} exceeds the model's block size; allowed: 1-{limit}")
+
+    def _check_decoder(self) -> None:
+        """The fields of a decoder's run (a :class:`DecoderShape` model)."""
+        s = self.model
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise InputError(f"optimizer={self.optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
+        if (self.checkpointing or "none") not in DECODER_CHECKPOINTING:
+            raise InputError(f"checkpointing={self.checkpointing!r} for a Hugging Face model; allowed: "
+                             f"{', '.join(DECODER_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
+        if self.attention not in (None, "naive", "sdpa"):
+            raise InputError(f"attention={self.attention!r}; allowed: naive, sdpa")
+        if (self.loss or "transformers") not in DECODER_LOSSES:
+            raise InputError(f"loss={self.loss!r}; allowed: {', '.join(DECODER_LOSSES)}")
+        if s.context is not None and self.seq > s.context:
+            raise InputError(f"seq {self.seq} exceeds the model's context of {s.context} tokens "
+                             f"(max_position_embeddings, rope-scaled where the config says so); "
+                             f"allowed: 1-{s.context}")
+        if not self.expert_imbalance >= 1.0:
+            raise InputError(f"expert_imbalance={self.expert_imbalance!r}; allowed: >= 1 (1 = balanced routing)")
+        if self.lora is not None:  # its target names checked against the layers' Linear modules
+            adapters_for(s, self.lora, self.precision, self.quantization is not None)
+
+    def _check_in_backward(self) -> None:
+        """The conditions the optimizer step in backward needs (see the field)."""
+        if not isinstance(self.optimizer_in_backward, bool):
+            raise InputError(f"optimizer_in_backward={self.optimizer_in_backward!r}; allowed: True, False")
+        if not self.optimizer_in_backward:
+            return
+        if self.micro_batches != 1:
+            raise InputError(f"optimizer_in_backward with micro_batches={self.micro_batches}: each gradient "
+                             f"is applied as it is made, so it cannot accumulate; allowed: micro_batches=1")
+        if self.precision == "fp16":
+            raise InputError("optimizer_in_backward with precision='fp16': the loss scaler unscales and "
+                             "checks every gradient before any step; allowed: fp32, bf16, pure-bf16")
+        if self.zero or self.offload != "none":
+            raise InputError(f"optimizer_in_backward with zero={self.zero}, offload={self.offload!r}: "
+                             f"DeepSpeed owns the optimizer step; allowed: zero=0, offload='none'")
+
+    @property
+    def model_config(self) -> GPTConfig | UNetConfig | DecoderShape:
+        """The model the step builds: its config with the switches the step sets (and, for a
+        UNet, ``seq`` as the image side); a decoder's shape as it is (its run's switches are
+        the step's own fields)."""
+        if isinstance(self.model, DecoderShape):
+            return self.model
+        cfg = get_config(self.model) if isinstance(self.model, str) else self.model
+        over = {n: getattr(self, n) for n in SWITCHES if getattr(self, n) is not None}
+        if isinstance(cfg, UNetConfig):
+            over["image_size"] = self.seq
+        return replace(cfg, **over) if over else cfg
+
+    @property
+    def checkpointing_used(self) -> str:
+        """The checkpointing the step runs with (the model's own, or the step's)."""
+        if isinstance(self.model, DecoderShape):
+            return self.checkpointing or "none"
+        return self.model_config.checkpointing
+
+    @property
+    def trainable_params(self) -> int:
+        """Parameters that train: the adapters under LoRA (a decoder's), else all of them."""
+        cfg = self.model_config
+        if isinstance(cfg, DecoderShape) and self.lora is not None:
+            ad = adapters_for(cfg, self.lora, self.precision, self.quantization is not None)
+            return sum(r * c for r, c in adapter_shapes(cfg, ad))
+        return cfg.num_params()
+
+    def describe(self) -> dict:
+        """The step as the JSON report's ``config``: every field, the model's name, its
+        config and parameter counts."""
+        cfg = self.model_config
+        d = {k: v for k, v in asdict(self).items() if k not in ("model", "lora", "quantization")}
+        d["model"] = cfg.name
+        d["model_config"] = asdict(cfg)
+        d["checkpointing"] = self.checkpointing_used
+        d["attention"] = self.attention if isinstance(cfg, DecoderShape) else getattr(cfg, "attention", None)
+        d["num_params"] = cfg.num_params() + (self.trainable_params if self.lora is not None else 0)
+        d["trainable_params"] = self.trainable_params
+        d["lora"] = None if self.lora is None else self.lora.to_dict()
+        d["quantization"] = None if self.quantization is None else self.quantization.to_dict()
+        return d
+
+
+@dataclass
+class MemoryReport:
+    """Bytes of one step by category at its peak, from one lens.
+
+    ``peak_bytes`` and ``by_category`` are the *device's* (the accelerator's; on a CPU-only
+    run the CPU is the device). ``host_bytes`` is the peak of what the step keeps in host
+    memory on an accelerator run (ZeRO-Offload's optimizer state and parameters,
+    ``save_on_cpu`` activations), split in ``host_by_category``. On CUDA the measure lens
+    adds the allocator's growth over the step that no tensor accounts for as ``workspace``
+    (:func:`memlab.lenses.measure.add_workspace`); ``tracked_peak_bytes`` keeps the tracker's exact
+    tensor bytes.
+
+    Args:
+        lens: ``"estimate"``, ``"simulate"`` or ``"measure"``; step: the step measured.
+        device, peak_bytes, by_category: where, and the peak's bytes by category.
+        budget_bytes, oom, timeline, allocator, per_rank, ...: as above; filled by the lenses.
+    """
+
+    lens: str
+    step: StepConfig
+    device: str
+    peak_bytes: int
+    by_category: dict[str, int]
+    budget_bytes: int | None = None
+    step_seconds: float | None = None
+    oom: OOMInfo | None = None
+    timeline: list[Event] = field(default_factory=list, repr=False)
+    allocator: dict[str, int] = field(default_factory=dict)
+    live_before: int | None = None
+    live_after: int | None = None
+    per_rank: list["MemoryReport"] | None = None
+    notes: list[str] = field(default_factory=list)
+    host_bytes: int = 0
+    host_by_category: dict[str, int] = field(default_factory=dict)
+    tracked_peak_bytes: int | None = None
+    #: the time lens (:class:`memlab.time.step_time.StepTime`): FLOPs, and seconds on a card
+    time: object | None = None
+
+    @property
+    def fits(self) -> bool | None:
+        if self.oom is not None:
+            return False
+        if self.budget_bytes is None:
+            return None
+        return self.peak_bytes <= self.budget_bytes
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        return None if self.budget_bytes is None else self.budget_bytes - self.peak_bytes
+
+    def to_dict(self) -> dict:
+        """The JSON shape of the CLI (keys fixed by the project's contract)."""
+        d = {
+            "lens": self.lens,
+            "config": self.step.describe(),
+            "seq": self.step.seq,
+            "batch": self.step.batch,
+            "device": self.device,
+            "peak_bytes": self.peak_bytes,
+            "by_category": {c: int(self.by_category.get(c, 0)) for c in CATEGORIES},
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+            "step_seconds": self.step_seconds,
+            "host_bytes": int(self.host_bytes),
+            "host_by_category": {c: int(self.host_by_category.get(c, 0)) for c in CATEGORIES},
+        }
+        if self.tracked_peak_bytes is not None:
+            d["tracked_peak_bytes"] = self.tracked_peak_bytes
+        if self.oom is not None:
+            d["oom"] = {"op": self.oom.op, "module": self.oom.module, "phase": self.oom.phase,
+                        "requested_bytes": self.oom.requested_bytes, "message": self.oom.message,
+                        "culprit": self.oom.culprit,
+                        "by_category": {c: int(self.oom.by_category.get(c, 0)) for c in CATEGORIES}}
+            if self.oom.allocator:
+                d["oom"]["allocator"] = dict(self.oom.allocator)
+        if self.allocator:
+            d["allocator"] = dict(self.allocator)
+        if self.per_rank is not None:
+            d["per_rank"] = [r.to_dict() for r in self.per_rank]
+        if self.notes:
+            d["notes"] = list(self.notes)
+        if self.time is not None:
+            d["time"] = self.time.to_dict()
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=_json_default)
+
+    # -- reading it ---------------------------------------------------------------------
+    def category_peaks(self) -> dict[str, int]:
+        """Each category's most bytes alive at any op of the step. The peak's split
+        (``by_category``) can miss a category: at a small batch the peak sits in the optimizer
+        step, after the activations are freed; this finds them at the end of forward. A
+        report without a timeline (the estimate, a rank's summary) has only the peak's split."""
+        peaks = {c: int(self.by_category.get(c, 0)) for c in CATEGORIES}
+        for e in self.timeline:
+            for c, b in zip(CATEGORIES, e.by_category, strict=False):
+                peaks[c] = max(peaks[c], int(b))
+        return peaks
+
+    def largest_category(self) -> tuple[str, int]:
+        """The largest category of the step and its bytes (its most at any op): what to
+        attack first. Ties go to the earlier category in :data:`CATEGORIES`. One category's
+        most is :func:`memlab.techniques.sweeps.category_max`."""
+        peaks = self.category_peaks()
+        name = max(CATEGORIES, key=lambda c: peaks[c])  # max keeps the first of equals
+        return name, peaks[name]
+
+    def mib(self, category: str | None = None) -> float:
+        """The peak in MiB, or one category's bytes at the peak (``by_category``) in MiB."""
+        if category is None:
+            return self.peak_bytes / MiB
+        if category not in CATEGORIES:
+            raise InputError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
+        return self.by_category.get(category, 0) / MiB
+
+    # -- showing it ----------------------------------------------------------------------
+    def _title(self) -> str:
+        cfg = self.step.model_config
+        return (f"{self.lens} | {cfg.name} | seq {self.step.seq} batch {self.step.batch} | "
+                f"{self.step.precision} | ckpt {self.step.checkpointing_used} | {self.device}")
+
+    def _verdict(self) -> str | None:
+        if self.oom is not None:
+            return "does NOT fit (out of memory)"
+        if self.budget_bytes is None:
+            return None
+        return "fits" if self.fits else "does NOT fit"
+
+    def table(self) -> str:
+        """A readable table: the categories at the peak, the peak, host bytes, the budget and
+        its verdict, the OOM, the allocator's figures, the step time, per-rank peaks, notes."""
+        lines = [self._title()]
+        for c in CATEGORIES:
+            lines.append(f"  {c:<12} {fmt_bytes(self.by_category.get(c, 0)):>12}")
+        lines.append(f"  {'peak':<12} {fmt_bytes(self.peak_bytes):>12}")
+        if self.tracked_peak_bytes is not None:
+            lines.append(f"  {'tracked':<12} {fmt_bytes(self.tracked_peak_bytes):>12}  (tensors only)")
+        if self.host_bytes:
+            host = ", ".join(f"{c} {fmt_bytes(v)}" for c, v in self.host_by_category.items() if v)
+            lines.append(f"  {'host':<12} {fmt_bytes(self.host_bytes):>12}  ({host})")
+        if self.budget_bytes is not None:
+            lines.append(f"  {'budget':<12} {fmt_bytes(self.budget_bytes):>12}  -> {self._verdict()}")
+        if self.oom is not None:
+            lines.append(f"  OOM: {self.oom.message}")
+        for name, value in self.allocator.items():
+            lines.append(f"  {name:<24} {fmt_bytes(value):>12}")
+        if self.step_seconds is not None:
+            lines.append(f"  step time   {self.step_seconds * 1e3:10.1f} ms")
+        if self.time is not None:
+            t = self.time
+            on = (f", predicted {t.seconds * 1e3:.1f} ms on {t.card}" if t.seconds is not None else "")
+            lines.append(f"  {'FLOPs':<12} {t.flops.total:>12.4g}{on}")
+        for i, r in enumerate(self.per_rank or []):
+            lines.append(f"  rank {i:<7} {fmt_bytes(r.peak_bytes):>12}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        top = sorted(((v, c) for c, v in self.by_category.items() if v), reverse=True)[:3]
+        parts = ", ".join(f"{c} {fmt_bytes(v)}" for v, c in top)
+        verdict = self._verdict()
+        return (f"<MemoryReport {self.lens} on {self.device}: peak {fmt_bytes(self.peak_bytes)}"
+                f"{f' ({parts})' if parts else ''}{f', {verdict}' if verdict else ''}"
+                f"{f', {len(self.notes)} note(s)' if self.notes else ''}>")
+
+    def _repr_html_(self) -> str:
+        """The table in a notebook: one row per category with its share of the peak."""
+        def row(*cells: str, bold: bool = False) -> str:
+            tag = ("<td><b>{}</b></td>" if bold else "<td>{}</td>")
+            return "<tr>" + "".join(tag.format(escape(c)) for c in cells) + "</tr>"
+
+        peak = self.peak_bytes
+        rows = [row(c, fmt_bytes(b), f"{b / peak:.0%}" if peak else "")
+                for c, b in ((c, int(self.by_category.get(c, 0))) for c in CATEGORIES)]
+        rows.append(row("peak", fmt_bytes(peak), "", bold=True))
+        if self.host_bytes:
+            rows.append(row("host", fmt_bytes(self.host_bytes), ""))
+        if self.budget_bytes is not None:
+            rows.append(row("budget", fmt_bytes(self.budget_bytes), self._verdict()))
+        after = [f"<p>OOM: {escape(self.oom.message)}</p>"] if self.oom is not None else []
+        if self.notes:
+            after.append("<ul>" + "".join(f"<li>{escape(n)}</li>" for n in self.notes) + "</ul>")
+        return (f"<table><caption>{escape(self._title())}</caption>"
+                f"<tr><th>category</th><th>bytes</th><th>of the peak</th></tr>{''.join(rows)}"
+                f"</table>{''.join(after)}")
+
+
+def _json_default(o):
+    if is_dataclass(o):
+        return asdict(o)
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+# --------------------------------------------------------------------------------------
+# Building and running a step
+# --------------------------------------------------------------------------------------
+def _corpus_tokens() -> torch.Tensor:
+    # package data, so that a wheel install outside the repository finds it too
+    data = resources.files("memlab").joinpath("data", "corpus.txt").read_bytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def make_batch(step: StepConfig, device: torch.device | str = "cpu", seed: int = 0) -> tuple:
+    """Inputs for one step: token windows from the package's ``data/corpus.txt`` for the GPT, noisy images
+    and timesteps for the UNet. Contents do not change memory; shapes do.
+
+    Args:
+        step: the step (its model, seq and batch); device: where the tensors go; seed: which windows.
+
+    Returns:
+        GPT: ``(idx, targets)``, each ``batch x seq`` token ids; UNet: its images, timesteps and noise.
+    """
+    cfg = step.model_config
+    g = torch.Generator().manual_seed(seed)
+    if isinstance(cfg, UNetConfig):
+        x = torch.randn(step.batch, cfg.channels, step.seq, step.seq, generator=g)
+        t = torch.randint(0, 1000, (step.batch,), generator=g)
+        return x.to(device), t.to(device), torch.randn(x.shape, generator=g).to(device)
+    tokens = _corpus_tokens() % cfg.vocab_size
+    starts = torch.randint(0, len(tokens) - step.seq - 1, (step.batch,), generator=g)
+    idx = torch.stack([tokens[s:s + step.seq] for s in starts.tolist()])
+    tgt = torch.stack([tokens[s + 1:s + step.seq + 1] for s in starts.tolist()])
+    return idx.to(device), tgt.to(device)
+
+
+def build_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    """AdamW (two moments per parameter) or SGD with momentum (one), as fused kernels.
+
+    Fused kernels update each parameter in one pass without full-size temporaries (the
+    ``foreach`` default on CUDA adds up to 4 bytes per parameter at the optimizer step), and
+    they are what large-model training uses (nanoGPT's ``configure_optimizers``, say).
+    """
+    return _optimizer(model.parameters(), name)
+
+
+def _optimizer(params, name: str) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, fused=True)
+    raise InputError(f"optimizer={name!r}; allowed: {', '.join(OPTIMIZERS)}")
+
+
+def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The forward context for a precision: autocast for ``bf16``/``fp16``, else nothing."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "fp16":
+        return torch.autocast(device.type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+@dataclass
+class Trainer:
+    """A model, its optimizer and the precision machinery, ready for :meth:`step`."""
+
+    step_config: StepConfig
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | OptimizerInBackward
+    scaler: torch.amp.GradScaler | None
+    fake: bool = False  # under FakeTensorMode: no data-dependent branches
+    #: with ``activation_offload``: whether saved tensors leave the device (a CUDA device, or
+    #: the simulation of a CUDA target, which sets it)
+    offload_to_host: bool = False
+
+    def warm_up_optimizer(self) -> None:
+        """Create the optimizer (and loss-scaler) state without a forward/backward pass."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.scale(torch.ones((), device=self.device))
+
+    def step(self, batch: tuple) -> torch.Tensor:
+        """One optimizer step over ``micro_batches`` slices; returns the detached loss."""
+        k = self.step_config.micro_batches
+        total = None
+        for micro in zip(*(t.chunk(k) for t in batch), strict=True):
+            offload = (offload_context(self.device, to_host=self.offload_to_host, fake=self.fake)
+                       if self.step_config.activation_offload else contextlib.nullcontext())
+            with offload, autocast_for(self.step_config.precision, self.device):
+                loss = self.model(*micro) / k
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            del loss
+        if self.scaler and self.fake:
+            # GradScaler.step skips the update when it finds inf/nan, which needs real values;
+            # fake tensors have none, so take the no-overflow path (same memory).
+            self.scaler.unscale_(self.optimizer)
+            self.optimizer.step()
+            self.scaler._per_optimizer_states.clear()
+        elif self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+
+def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: int = 0,
+                  fake: bool = False) -> Trainer:
+    """Model + optimizer for ``step`` on ``device``; ``fake=True`` under FakeTensorMode.
+
+    Args:
+        step: the step; device: where the model lives; seed: weight initialisation.
+        fake: build under ``FakeTensorMode`` (allocates nothing).
+
+    Returns:
+        A :class:`~memlab.step.training_step.Trainer` whose ``step(batch)`` runs one optimizer step.
+    """
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    # Build in the target dtype rather than calling model.to(): that fails under fake mode.
+    dtype = torch.bfloat16 if step.precision == "pure-bf16" else torch.get_default_dtype()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(step.model_config)
+    finally:
+        torch.set_default_dtype(previous)
+    scaler = torch.amp.GradScaler(device.type) if step.precision == "fp16" else None
+    if step.optimizer_in_backward:
+        opt = OptimizerInBackward(model.parameters(), lambda ps: _optimizer(ps, step.optimizer))
+    else:
+        opt = build_optimizer(model, step.optimizer)
+    return Trainer(step, device, model, opt, scaler, fake, offload_to_host=device.type == "cuda")
+
+
+def batch_to(batch: tuple, step: StepConfig) -> tuple:
+    """The batch in the dtype the step feeds its model: floating inputs in bf16 for ``pure-bf16``."""
+    if step.precision == "pure-bf16":
+        return tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in batch)
+    return batch
+
+
+def resolve_step(step: StepConfig | None = None, **overrides) -> StepConfig:
+    """``step`` (default :class:`StepConfig()`) with keyword ``overrides`` applied, validated."""
+    step = step or StepConfig()
+    return replace(step, **overrides) if overrides else step
+
+
+__all__ = ["StepConfig", "MemoryReport", "Trainer", "build_trainer", "build_optimizer", "make_batch",
+           "batch_to", "resolve_step", "autocast_for", "PRECISIONS", "OPTIMIZERS", "OFFLOADS"]
