@@ -117,7 +117,48 @@ QUESTIONS = {
     "where the DeepSpeed config is written": ("memlab/step/write_deepspeed_config.py",
                                               ("deepspeed_config",), "zero_optimization"),
     "where FSDP2 is simulated": ("memlab/distributed/fsdp.py", ("simulate_sharded",), "fully_shard"),
+    # issue 37's questions, asked of the tree laid out in layer packages (tools/relayout.py)
+    "where a DeepSpeed JSON is read": ("memlab/hf/read_run_configs.py", ("read_deepspeed",), "DeepSpeed config"),
+    "where peft's adapter_config.json is read": ("memlab/hf/read_run_configs.py", ("read_lora_config",),
+                                                 "adapter_config.json"),
+    "where QLoRA's 4-bit size is": ("memlab/step/low_bit.py", ("quantized_weight_bytes",), "NF4"),
+    "where an HF config is validated": ("memlab/hf/config_check.py", ("check_config",), "field"),
+    "where a mixture of experts' experts are counted": ("memlab/hf/shape.py", ("DecoderShape.expert_params",),
+                                                        "routed experts"),
+    "where a card's TFLOP/s are": ("memlab/core/cards.py", ("Speeds", "card_speeds"), "TFLOP/s"),
+    "where the fastest plan is picked": ("memlab/planning/plan_search.py", ("search_plans",), "fastest"),
+    "where the OOM ladder is": ("memlab/planning/oom_ladder.py", ("oom_ladder",), "ladder"),
 }
+
+#: question -> the words of its file's path that answer it (issue 37: "two clean by file name");
+#: each must be said by the question too, so the path and the question speak the same words
+BY_PATH = {
+    "where a DeepSpeed JSON is read": "read_run_configs",
+    "where peft's adapter_config.json is read": "read_run_configs",
+    "where an HF config is validated": "hf/config_check",
+    "where a card's TFLOP/s are": "core/cards",
+    "where the fastest plan is picked": "planning/plan_search",
+    "where the OOM ladder is": "oom_ladder",
+    "where the DeepSpeed config is written": "write_deepspeed_config",
+    "where a CUDA OOM message is read": "tracking/oom_messages",
+    "where FSDP2 is simulated": "distributed/fsdp",
+    "the caching allocator's replay": "policy/caching_allocator",
+}
+#: a path's word -> the question's word for it
+SAYS = {"read": "read", "run": "json", "configs": "json", "hf": "hf", "config": "config", "check": "validated",
+        "core": "card", "cards": "card", "planning": "plan", "plan": "plan", "search": "picked", "oom": "oom",
+        "ladder": "ladder", "write": "written", "deepspeed": "deepspeed", "tracking": "read", "messages": "message",
+        "distributed": "fsdp2", "fsdp": "fsdp2", "policy": "allocator", "caching": "caching", "allocator": "allocator"}
+
+
+@pytest.mark.parametrize("question", BY_PATH)
+def test_the_path_answers_the_question(question):
+    path = QUESTIONS[question][0]
+    assert BY_PATH[question] in path  # the file the table opens is the one named here
+    words = re.split(r"[/_]", BY_PATH[question])
+    assert [w for w in words if SAYS[w] not in question.lower()] == [], (question, path)
+    # and it sits in a layer package (not flat in memlab/), as tools/relayout.py --check holds
+    assert path.count("/") >= 2, path
 
 
 def _definition(tree: ast.Module, dotted: str) -> ast.AST | None:

@@ -66,3 +66,10 @@ def test_every_move_lands_in_a_package_of_the_layer_order():
     assert {new.split(".")[0] for new in relayout.MOVES.values()} <= set(relayout.PACKAGES)
     assert len(set(relayout.MOVES.values())) == len(relayout.MOVES)  # no two modules share a home
 
+
+def test_the_tree_is_laid_out_in_layer_packages():
+    """``relayout.py --check``: no flat module in memlab/, LAYERS one layer per package in
+    PACKAGES' order, and no module importing a package above its own."""
+    assert relayout.check() == []
+    assert sorted(p.name for p in relayout.PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(
+        [*relayout.PACKAGES, "data"])  # `ls memlab/` shows the layers
