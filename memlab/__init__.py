@@ -78,7 +78,7 @@ def __getattr__(name: str) -> Any:
     submodule (``ml.hf.config``) by its name."""
     module = _homes().get(name)
     if module is not None:
-        value = getattr(importlib.import_module(f".{module}", __name__), name)
+        value = getattr(importlib.import_module(module), name)
     elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         value = importlib.import_module(f".{name}", __name__)
     else:

@@ -204,7 +204,7 @@ LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "bitsan
 #: Modules whose functions may import memlab's own modules late: the CLI, where each command
 #: imports its lens when it runs (`memlab --help` and `estimate` stay near torch's own import:
 #: benchmarks/cli_startup.py, tests/test_startup.py).
-LATE_MEMLAB_OK = ("cli",)
+LATE_MEMLAB_OK = ("app.cli",)
 
 
 def _late_imports() -> dict[str, list[str]]:
@@ -222,7 +222,7 @@ def _late_imports() -> dict[str, list[str]]:
                 else:
                     continue
                 late = [n for n in names if not any(n == ok or n.startswith(ok + ".") for ok in LATE_OK)
-                        and not (name in LATE_MEMLAB_OK and n.startswith("."))]
+                        and not (name in LATE_MEMLAB_OK and n.startswith((".", "memlab.")))]
                 out.setdefault(name, []).extend(f"memlab/{path.relative_to(modmap.PACKAGE).as_posix()}:"
                                                  f"{node.lineno}: {n}" for n in late)
     return {k: v for k, v in out.items() if v}

@@ -31,7 +31,7 @@ HEAVY = ("transformers", "deepspeed", "peft", "bitsandbytes", "torchao", "matplo
 def _imported(runs: list[list[str]], watch: tuple[str, ...]) -> list[str]:
     """The modules of ``watch`` in sys.modules after ``memlab <argv>`` of each of ``runs`` ran,
     one after another, in one fresh Python (each must exit 0)."""
-    code = ("import sys, contextlib, io\nfrom memlab.cli import main\ncodes = []\n"
+    code = ("import sys, contextlib, io\nfrom memlab.app.cli import main\ncodes = []\n"
             f"for argv in {runs!r}:\n"
             "    with contextlib.redirect_stdout(io.StringIO()):\n"
             "        try:\n            codes.append(main(argv))\n"
@@ -72,7 +72,7 @@ def test_import_memlab_loads_no_lens():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           check=True, timeout=300)
     first, second = done.stdout.strip().splitlines()
-    assert first == "['memlab.core.quiet'] False"
+    assert first == "['memlab.core', 'memlab.core.quiet'] False"
     assert second == "True"
 
 
@@ -83,7 +83,7 @@ def test_every_front_door_name_is_its_home_modules_object():
     homes = ml._homes()
     assert set(homes) == set(ml.__all__)
     for name, module in homes.items():
-        assert getattr(ml, name) is getattr(importlib.import_module(f"memlab.{module}"), name), name
+        assert getattr(ml, name) is getattr(importlib.import_module(module), name), name
     assert set(ml.__all__) <= set(dir(ml))
     assert ml.hf.config is hf  # a submodule by attribute, as the eager imports left it
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
