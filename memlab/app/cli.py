@@ -42,7 +42,7 @@ from memlab.hf import simulation_bound
 from memlab.lenses.guard import HostMemoryError
 from memlab.models.gpt_unet import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
 from memlab.step import low_bit
-from memlab.step.training_step import OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
+from memlab.step.training_step import DECODER_LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
 
 if TYPE_CHECKING:  # annotations only: each command imports what it runs when it runs (startup)
     from memlab.classroom.technique_table import Table
@@ -67,7 +67,7 @@ def _add_run_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-dropout", type=float, default=0.0,
                    help="LoRA dropout (--hf-config): each adapter keeps a mask and a dropped copy of its input")
     p.add_argument("--lora-config", default=None, metavar="FILE", help="peft's adapter_config.json")
-    p.add_argument("--loss", choices=hf.HF_LOSSES, default="transformers",
+    p.add_argument("--loss", choices=DECODER_LOSSES, default="transformers",
                    help="--hf-config: the class's own loss (fp32 logits) or memlab's chunked linear "
                         "cross-entropy (no logits)")
     p.add_argument("--loss-chunk", type=_positive_int("loss-chunk"), default=1024,

@@ -36,7 +36,7 @@ from memlab.hf.config_check import check_config
 from memlab.models.chunked_loss import linear_cross_entropy
 from memlab.models.gpt_unet import GPTConfig
 from memlab.step.optimizer_in_backward import OptimizerInBackward
-from memlab.step.training_step import StepConfig, autocast_for
+from memlab.step.training_step import DECODER_CHECKPOINTING, DECODER_LOSSES, StepConfig, autocast_for
 
 #: model_type -> what memlab's GPT calls it; the estimate covers these.
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
@@ -46,7 +46,6 @@ SHIPPED = {name: f"{name}.json" for name in (
     # today's models: published config.json files (Gemma 3: the text model of gemma-3-12b-pt)
     "llama-3.1-8b", "llama-3.1-70b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b",
     "mistral-nemo-12b", "phi-3-mini", "deepseek-v3", "gpt-oss-20b")}
-HF_CHECKPOINTING = ("none", "full")  # HF checkpoints whole decoder layers (or nothing)
 
 
 def shipped_config(name: str) -> dict:
@@ -307,9 +306,9 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
     keywords; ``autocast_adapter_dtype`` peft's own), and ``optimizer(params)`` over the
     trainable parameters (default: a fused AdamW); with ``optimizer_in_backward`` one such
     optimizer per parameter, stepped in backward (:class:`memlab.step.optimizer_in_backward.OptimizerInBackward`)."""
-    if (checkpointing or "none") not in HF_CHECKPOINTING:
+    if (checkpointing or "none") not in DECODER_CHECKPOINTING:
         raise InputError(f"checkpointing={checkpointing!r} for a Hugging Face model; allowed: "
-                         f"{', '.join(HF_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
+                         f"{', '.join(DECODER_CHECKPOINTING)} (HF checkpoints whole decoder layers)")
     conf = hf_config(cfg)
     attn = attn_implementation(conf, attention)
 
@@ -332,11 +331,6 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
     return build
 
 
-#: the losses a Hugging Face step computes (:func:`causal_lm_step`): the class's own, and memlab's
-#: chunked linear cross-entropy
-HF_LOSSES = ("transformers", "chunked")
-
-
 def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | None = None,
                    micro_batches: int = 1, *, loss: str = "transformers", loss_chunk: int = 1024) -> Callable:
     """A ``step_fn(model, optimizer)``: ``micro_batches`` forwards and backwards of
@@ -351,10 +345,10 @@ def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | N
     same bytes), as a training loop that never makes the logits writes it.
 
     Raises:
-        InputError: a ``loss`` not in :data:`HF_LOSSES`.
+        InputError: a ``loss`` not in :data:`memlab.step.training_step.DECODER_LOSSES`.
     """
-    if loss not in HF_LOSSES:
-        raise InputError(f"loss={loss!r}; allowed: {', '.join(HF_LOSSES)}")
+    if loss not in DECODER_LOSSES:
+        raise InputError(f"loss={loss!r}; allowed: {', '.join(DECODER_LOSSES)}")
     k = micro_batches
 
     def step(model, optimizer):
@@ -375,7 +369,7 @@ def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | N
     return step
 
 
-__all__ = ["SUPPORTED", "SHIPPED", "HF_CHECKPOINTING", "HF_LOSSES", "ROUTING_NOTE", "shipped_config", "load_config",
+__all__ = ["SUPPORTED", "SHIPPED", "ROUTING_NOTE", "shipped_config", "load_config",
            "rope_parameters", "context_length", "check_seq", "is_moe", "fake_grouped_mm", "attn_implementation",
            "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "add_lora", "peft_model",
            "build_fn", "causal_lm_step"]

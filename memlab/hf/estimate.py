@@ -62,8 +62,6 @@ from memlab.step.states import ZeroBuckets
 from memlab.step.training_step import MemoryReport, StepConfig
 from memlab.tracking.tracker import CATEGORIES
 
-HF_CHECKPOINTING = ("none", "full")
-
 
 @dataclass(frozen=True)
 class Sizes:
@@ -461,7 +459,7 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
         loss: ``transformers`` (the class's own loss: the logits upcast to fp32, then
             cross-entropy) or ``chunked`` (the final hidden states and the head's weight into
             :func:`memlab.models.chunked_loss.linear_cross_entropy`, ``loss_chunk`` tokens at a time:
-            :data:`HF_LOSSES`).
+            :data:`memlab.step.training_step.DECODER_LOSSES`).
         optimizer_in_backward: the optimizer step fused into backward (:mod:`memlab.step.optimizer_in_backward`):
             a full fine-tune of a dense decoder, one micro-batch, no ZeRO.
 
@@ -638,5 +636,5 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     return max(m.items(), key=lambda kv: sum(kv[1].values()))
 
 
-__all__ = ["HF_CHECKPOINTING", "NORM_BACKWARD_TEMPORARIES", "Sizes", "adapter_saved", "attention_path", "check_run",
+__all__ = ["NORM_BACKWARD_TEMPORARIES", "Sizes", "adapter_saved", "attention_path", "check_run",
            "forward_activations", "layer_activations", "moe_activations", "estimate_hf", "estimate_run"]
