@@ -230,7 +230,9 @@ RATE_LEDGER: tuple[RateSource, ...] = (
     RateSource("A100 large-GEMM fraction of peak (A100-40GB, A100-80GB)", _A100_GEMM[0], _A100_GEMM[1],
                (), ("Narayanan et al. 2021, Table 1: all ten rows (tests/test_published_runs.py)",
                     "Korthikanti et al. 2022, abstract: 530B MFU with full and with selective "
-                    "recomputation (tests/test_published_runs.py)")),
+                    "recomputation; Tables 4 and 5 and Figure 8 (as a reading note quotes them): the "
+                    "time overheads of full and selective recomputation and of sequence parallelism, "
+                    "22B to 1T (tests/test_published_runs.py)")),
     RateSource("H100 large-GEMM fraction of peak", _H100_KERNEL[0], _H100_KERNEL[1],
                ("Shah et al. 2024, abstract (a kernel benchmark, no training run)",),
                ("Dubey et al. 2024 (Llama 3), Table 4: the 405B rows at 8,192 and 16,384 GPUs without "
@@ -254,7 +256,8 @@ RATE_LEDGER: tuple[RateSource, ...] = (
                ("Shoeybi et al. 2019, sec. 1",), ()),
     RateSource("HBM bandwidth (GEMM roofline, elementwise ops, LoRA's GEMMs, QLoRA's dequantisation)", 1.0,
                "each card's datasheet (SPEEDS)", (),
-               ("Narayanan et al. 2021, Table 1", "Korthikanti et al. 2022, abstract", "Dubey et al. 2024, Table 4",
+               ("Narayanan et al. 2021, Table 1", "Korthikanti et al. 2022, abstract, Tables 4-5, Figure 8",
+                "Dubey et al. 2024, Table 4",
                 "torchtune README, 1x 4090 LoRA and QLoRA")),
     RateSource("host launch per kernel, seconds (memlab.time.step_time.LAUNCH_SECONDS)", 10e-6,
                "susun-blog.com 'From Launch Overhead to CUDA Graph' (5 us a launch) plus a stated 5 us of "

@@ -746,11 +746,10 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     per_byte = elementwise_seconds(ew, rates) / share / ew.bytes if ew.bytes else 0.0
     extra = (0.0, 0.0)
     if not sequence_parallel and t > 1 and elementwise is None and isinstance(step.model_config, GPTConfig):
-        # without SP every TP rank runs the token-sized ops whole (the weights' casts and
-        # gradients stay sharded): those are what doubling the sequences per micro-batch adds
-        twice = step_elementwise(replace(step, batch=2 * step.batch), target or "cuda", deepspeed=on_ds)
-        extra = ((t - 1) * (twice.forward + twice.backward - ew.forward - ew.backward),
-                 (t - 1) * (twice.recompute - ew.recompute))
+        # without SP every TP rank runs the ops over the d-wide residual stream whole (norms,
+        # residual adds: outside TP's split, Korthikanti et al. 2022 sec. 4.2.1); the MLP's and
+        # attention's elementwise ops stay split over the TP ranks, as do the weights' casts
+        extra = ((t - 1) * ew.residual, (t - 1) * ew.residual_recompute)
     recompute += (ew.recompute + extra[1]) * per_byte
     elementwise_s = (ew.forward + ew.backward + extra[0]) * per_byte
     gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else sp.pcie
