@@ -72,6 +72,12 @@ class ElementwiseWork:
     activation_elements: int = 0
     source: str = "formula"
     notes: tuple[str, ...] = field(default=(), compare=False)
+    #: of ``forward + backward`` and of ``recompute``, the bytes of the ops over the d-wide residual
+    #: stream (norms, their casts, residual adds and their gradients): the ops Megatron-LM's tensor
+    #: parallelism leaves unsplit, which every TP rank runs whole without sequence parallelism
+    #: (Korthikanti et al. 2022, sec. 4.2.1-4.2.2); the MLP's and attention's ops are split
+    residual: int = field(default=0, compare=False)
+    residual_recompute: int = field(default=0, compare=False)
 
     @property
     def bytes(self) -> int:
@@ -173,10 +179,13 @@ class _Ledger:
 
     def __init__(self) -> None:
         self.parts = dict.fromkeys(PARTS, 0)
+        self.residual = dict.fromkeys(PARTS, 0)
         self.activation_bytes = self.activation_elements = 0
 
-    def op(self, part: str, nbytes: float, activation_elements: float = 0) -> None:
+    def op(self, part: str, nbytes: float, activation_elements: float = 0, *, residual: bool = False) -> None:
         self.parts[part] += int(nbytes)
+        if residual:  # an op over the d-wide residual stream: outside tensor parallelism's split
+            self.residual[part] += int(nbytes)
         if activation_elements:
             self.activation_bytes += int(nbytes)
             self.activation_elements += int(activation_elements)
@@ -203,13 +212,14 @@ def _norm_forward(led: _Ledger, part: str, cfg: GPTConfig, t: int, z: _Sizes) ->
     d, r, p = cfg.d_model, z.param, z.param
     weights = d * p * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     if cfg.norm == "layernorm":
-        led.op(part, t * d * r + weights + t * d * z.norm + 2 * t * layer_norm_stat_bytes(z.target, r))
+        led.op(part, t * d * r + weights + t * d * z.norm + 2 * t * layer_norm_stat_bytes(z.target, r),
+               residual=True)
     elif rms_norm_fused(z.target):
-        led.op(part, t * d * r + weights + t * d * z.norm + 4 * t)
+        led.op(part, t * d * r + weights + t * d * z.norm + 4 * t, residual=True)
     else:  # the composite (rms_norm_symint): in fp32, a 16-bit input upcast and cast back
         up = 6 * t * d if r == 2 else 0
         led.op(part, up + 2 * t * d * 4 + (t * d * 4 + 4 * t) + 2 * 4 * t + 2 * 4 * t
-               + (2 * t * d * 4 + 4 * t) + (2 * t * d * 4 + weights) + up)
+               + (2 * t * d * 4 + 4 * t) + (2 * t * d * 4 + weights) + up, residual=True)
 
 
 def _norm_backward(led: _Ledger, cfg: GPTConfig, t: int, z: _Sizes) -> None:
@@ -217,14 +227,14 @@ def _norm_backward(led: _Ledger, cfg: GPTConfig, t: int, z: _Sizes) -> None:
     weights = d * p * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     if cfg.norm == "layernorm":
         stats = 2 * t * layer_norm_stat_bytes(z.target, r)
-        led.op("backward", t * d * z.norm + t * d * r + stats + weights + t * d * r + weights)
+        led.op("backward", t * d * z.norm + t * d * r + stats + weights + t * d * r + weights, residual=True)
     elif rms_norm_fused(z.target):
-        led.op("backward", t * d * z.norm + t * d * r + 4 * t + weights + t * d * r + weights)
+        led.op("backward", t * d * z.norm + t * d * r + 4 * t + weights + t * d * r + weights, residual=True)
     else:  # the composite's autograd graph, op by op (fp32 inside)
         e = t * d * 4
         casts = (6 * t * d + 6 * t * d + 6 * d) if r == 2 else 0   # grad in, grad out, weight grad
         led.op("backward", casts + 3 * 3 * e + (2 * e + weights) + (e + 4 * d) + (2 * e + 4 * t) + (e + 4 * t)
-               + 2 * 4 * t + 2 * 4 * t + 3 * 4 * t + 2 * e + 2 * e + 2 * e + 3 * e)
+               + 2 * 4 * t + 2 * 4 * t + 3 * 4 * t + 2 * e + 2 * e + 2 * e + 3 * e, residual=True)
 
 
 def _weight_casts(led: _Ledger, part: str, z: _Sizes, elements: int) -> None:
@@ -303,7 +313,7 @@ def _block_forward(led: _Ledger, part: str, cfg: GPTConfig, s: int, rows: int, z
     q, kv = cfg.n_head * hd, cfg.kv_heads * hd
     _norm_forward(led, part, cfg, t, z)
     if z.casts_norm:
-        led.op(part, t * d * (z.norm + c))
+        led.op(part, t * d * (z.norm + c), residual=True)
     for w, b in _block_matmul_weights(cfg):
         _weight_casts(led, part, z, w + b)
     if cfg.position == "rope":
@@ -314,18 +324,18 @@ def _block_forward(led: _Ledger, part: str, cfg: GPTConfig, s: int, rows: int, z
     _core_forward(led, part, cfg, s, rows, z)
     if cfg.attention == "naive":
         led.op(part, 2 * t * q * c)  # (b, h, s, hd) back to (b, s, h * hd): a copy
-    led.op(part, t * d * (2 * r + c))  # x + attn(...)
+    led.op(part, t * d * (2 * r + c), residual=True)  # x + attn(...)
     _norm_forward(led, part, cfg, t, z)
     consumers = 2 if cfg.mlp == "swiglu" else 1
     if z.casts_norm:
-        led.op(part, consumers * t * d * (z.norm + c))
+        led.op(part, consumers * t * d * (z.norm + c), residual=True)
     if cfg.mlp == "swiglu":
         led.op(part, 2 * t * f * c, t * f)  # silu
         led.op(part, 3 * t * f * c)         # silu(gate) * up
     else:
         led.op(part, 2 * t * f * c, t * f)  # gelu
     if part != "recompute":
-        led.op(part, t * d * (2 * r + c))  # x + mlp(...)
+        led.op(part, t * d * (2 * r + c), residual=True)  # x + mlp(...)
 
 
 def _block_backward(led: _Ledger, cfg: GPTConfig, s: int, rows: int, z: _Sizes) -> None:
@@ -338,7 +348,7 @@ def _block_backward(led: _Ledger, cfg: GPTConfig, s: int, rows: int, z: _Sizes) 
             led.op(bw, t * b * c + b * c)  # the bias's gradient: a sum over tokens
         _weight_casts(led, bw, z, w + b)  # the gradients cast back to the weights' dtype
     # MLP branch
-    led.op(bw, branch_cast)
+    led.op(bw, branch_cast, residual=True)
     if cfg.mlp == "swiglu":
         led.op(bw, 2 * 3 * t * f * c)       # the product's two gradients
         led.op(bw, 3 * t * f * c, t * f)    # silu_backward
@@ -347,13 +357,13 @@ def _block_backward(led: _Ledger, cfg: GPTConfig, s: int, rows: int, z: _Sizes) 
     consumers = 2 if cfg.mlp == "swiglu" else 1
     into_norm = z.norm if z.casts_norm else c
     if z.casts_norm:
-        led.op(bw, consumers * t * d * (c + z.norm))
-    if consumers == 2:
-        led.op(bw, 3 * t * d * into_norm)   # the gate's and the up projection's input gradients summed
+        led.op(bw, consumers * t * d * (c + z.norm), residual=True)
+    if consumers == 2:  # the gate's and the up projection's input gradients summed
+        led.op(bw, 3 * t * d * into_norm, residual=True)
     _norm_backward(led, cfg, t, z)
-    led.op(bw, 3 * t * d * r)               # the residual's gradient and the branch's summed
+    led.op(bw, 3 * t * d * r, residual=True)  # the residual's gradient and the branch's summed
     # attention branch
-    led.op(bw, branch_cast)
+    led.op(bw, branch_cast, residual=True)
     _core_backward(led, cfg, s, rows, z)
     repeat = _repeats(cfg)
     if repeat:
@@ -372,9 +382,9 @@ def _block_backward(led: _Ledger, cfg: GPTConfig, s: int, rows: int, z: _Sizes) 
     led.op(bw, 2 * c * (t * q * copied_q + t * kv * (copied_k + copied_v)))
     led.op(bw, 2 * t * (q + 2 * kv) * c)    # the split's backward: a cat
     if z.casts_norm:
-        led.op(bw, t * d * (c + z.norm))
+        led.op(bw, t * d * (c + z.norm), residual=True)
     _norm_backward(led, cfg, t, z)
-    led.op(bw, 3 * t * d * r)
+    led.op(bw, 3 * t * d * r, residual=True)
 
 
 def _head_and_loss(led: _Ledger, cfg: GPTConfig, t: int, z: _Sizes) -> None:
@@ -478,9 +488,10 @@ def gpt_elementwise(cfg: GPTConfig, seq: int, batch: int, *, precision: str = "f
     # every micro-batch does the same; from the second on, each gradient is added to .grad
     parts = {k: v * micro_batches for k, v in led.parts.items()}
     parts[bw] += (micro_batches - 1) * 3 * cfg.num_params() * p
+    residual = {k: v * micro_batches for k, v in led.residual.items()}
     return ElementwiseWork(parts[fw], parts[bw], parts["recompute"], led.activation_bytes * micro_batches,
                            led.activation_elements * micro_batches, "formula",
-                           ("scalar ops left out",))
+                           ("scalar ops left out",), residual[fw] + residual[bw], residual["recompute"])
 
 
 def step_elementwise(step, target="cpu", *, deepspeed: bool = False) -> ElementwiseWork:

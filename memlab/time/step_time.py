@@ -46,7 +46,8 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
 * **LoRA and QLoRA** (``lora_rank``, ``qlora``): each adapter's small GEMMs are timed by their
   own roofline (:func:`adapter_time`; at rank 8-16 their bytes decide), and a 4-bit base
   weight's dequantisation crosses HBM each time a matmul reads it (:func:`dequant_4bit_bytes`,
-  bitsandbytes' dequantise-then-``F.linear`` path past 1536 rows), filed under compute and,
+  bitsandbytes' dequantise-then-``F.linear`` path past 1536 rows; torchtune's torchao ``NF4Tensor``,
+  eager or fused by torch.compile: :func:`dequant_nf4_torchao`), filed under compute and,
   for what checkpointing re-runs, recompute.
 
 * **engine**: the per-step work around the matmuls that the engine does over the parameters:
@@ -149,6 +150,71 @@ def dequant_4bit_bytes(elements: int, *, blocksize: int = 64, nested: bool = Tru
     return elements / 2 + absmax + elements * out_bytes
 
 
+#: where the 4-bit base's dequantisation runs: bitsandbytes' kernels (:func:`dequant_4bit_bytes`), or
+#: torchao's ``NF4Tensor`` (torchtune's QLoRA, :func:`dequant_nf4_torchao`) in eager ops or fused by torch.compile
+DEQUANT_BACKENDS = ("bitsandbytes", "torchao-eager", "torchao-compiled")
+
+
+@dataclass(frozen=True)
+class Dequant:
+    """One 4-bit weight's dequantisation for a matmul: HBM ``bytes`` read and written, kernel ``launches``."""
+
+    bytes: float
+    launches: int
+
+
+def dequant_nf4_torchao(elements: int, *, compiled: bool, block_size: int = 64, scaler_block_size: int = 256,
+                        out_bytes: int = 2) -> Dequant:
+    """What torchao's ``NF4Tensor`` moves to dequantise one weight of ``elements`` for a matmul.
+
+    torchtune's QLoRA (``torchtune/modules/peft/lora.py`` at 30b8519e, ``LoRALinear.forward``:
+    ``linear_nf4(input=x, weight=self.weight)``) runs torchao's ``LinearNF4``
+    (``torchao/dtypes/nf4tensor.py`` at 5e558f50, lines 1063-1074): forward ``F.linear(input,
+    weight.to(input.dtype))``, backward ``grad_output @ weight.to(grad_output.dtype)``: the whole
+    weight is dequantised to bf16 both times (``_to_copy`` -> ``get_original_weight``, lines 386-393,
+    855-889), then a plain GEMM reads it (counted with the GEMM). ``get_original_weight`` in eager
+    runs 13 kernels over ``n`` elements: ``>> 4`` and ``& 0b1111`` on the packed bytes (n/2 read, n/2
+    written each), each ``.to(torch.long)`` (n/2 read, 4n written), two ``nf4[idx]`` lookups (4n read,
+    n written each), ``dequantize_scalers`` over the n/64 int8 scalers (``/ factor``, ``+ mean``:
+    7n/64), ``repeated.flatten()`` twice, once per ``*``, each copying the expanded scalers (n/32
+    read, n written), two ``*`` (3n each), ``torch.stack`` (4n): about 33 bytes an element. Under
+    ``torch.compile`` (torchtune's README rows; ``NF4Tensor`` is a traceable subclass, so Inductor
+    fuses the chain into one kernel) it reads the packed weight (n/2), the int8 scalers (n/64) and
+    their bf16 factors (2n/16384) and writes the bf16 weight once: about 2.52 bytes an element.
+
+    Args:
+        elements: the weight's elements; compiled: under ``torch.compile`` (one fused kernel);
+        block_size, scaler_block_size: torchao's defaults (``to_nf4``: 64, 256); out_bytes: bf16's 2.
+
+    Returns:
+        :class:`Dequant`.
+    """
+    if elements < 1 or block_size < 1 or scaler_block_size < 1:
+        raise InputError(f"elements={elements!r}, block_size={block_size!r}, scaler_block_size={scaler_block_size!r}; "
+                         f"allowed: positive integers")
+    n = float(elements)
+    scalers = n / block_size
+    if compiled:
+        return Dequant(n / 2 + scalers + 2 * scalers / scaler_block_size + n * out_bytes, 1)
+    half = n / 2
+    unpack = 2 * (half + half) + 2 * (half + 8 * half)  # >> and &, then each .to(long)
+    lookup = 2 * (8 * half + out_bytes * half)  # nf4[first], nf4[second]
+    dq_scalers = (scalers + 2 * scalers) + (2 * scalers + 2 * scalers)  # int8 / factor -> bf16, + mean
+    repeat = 2 * (2 * scalers + out_bytes * half)  # each "* repeated.flatten()" copies the expanded scalers
+    scale = 2 * 3 * out_bytes * half  # dequantized_first * repeated, the same for second
+    stack = 2 * out_bytes * n  # torch.stack reads both halves, writes the weight
+    return Dequant(unpack + lookup + dq_scalers + repeat + scale + stack, 13)
+
+
+def dequant_time_bytes(elements: int, backend: str, *, out_bytes: int = 2) -> Dequant:
+    """One 4-bit weight's dequantisation on ``backend`` (one of :data:`DEQUANT_BACKENDS`)."""
+    if backend == "bitsandbytes":
+        return Dequant(dequant_4bit_bytes(elements, out_bytes=out_bytes), DEQUANT_4BIT_LAUNCHES)
+    if backend in ("torchao-eager", "torchao-compiled"):
+        return dequant_nf4_torchao(elements, compiled=backend == "torchao-compiled", out_bytes=out_bytes)
+    raise InputError(f"dequant={backend!r}; allowed: {', '.join(DEQUANT_BACKENDS)}")
+
+
 @dataclass(frozen=True)
 class AdapterTime:
     """LoRA's adapters in one step: their GEMMs by the roofline (``seconds``, of which
@@ -166,7 +232,8 @@ class AdapterTime:
 
 
 def adapter_time(cfg: GPTConfig, tokens: int, rank: int, targets, *, checkpointing: str, peak: float,
-                 achievable: float, hbm: float, elem_bytes: int = 2, qlora: bool = False) -> AdapterTime:
+                 achievable: float, hbm: float, elem_bytes: int = 2, qlora: bool = False,
+                 dequant: str = "bitsandbytes") -> AdapterTime:
     """LoRA's small GEMMs of one micro-batch of ``tokens`` and, with ``qlora``, the 4-bit base
     weights' dequantisation (:func:`dequant_4bit_bytes`), per the tuned matmuls of each layer.
 
@@ -180,7 +247,8 @@ def adapter_time(cfg: GPTConfig, tokens: int, rank: int, targets, *, checkpointi
     Args:
         cfg: the model; tokens: of one micro-batch; rank, targets: the adapters (HF names).
         checkpointing: ``none``, ``selective`` or ``full``; peak, achievable, hbm, elem_bytes:
-            as :func:`gemm_seconds`; qlora: the tuned Linears' base weights are 4-bit.
+            as :func:`gemm_seconds`; qlora: the tuned Linears' base weights are 4-bit;
+        dequant: whose kernels dequantise them (:data:`DEQUANT_BACKENDS`, :func:`dequant_time_bytes`).
 
     Returns:
         :class:`AdapterTime` of the whole model.
@@ -204,12 +272,12 @@ def adapter_time(cfg: GPTConfig, tokens: int, rank: int, targets, *, checkpointi
             fl_rec += a_f + (b_f if part != last else 0)
             launches += 2 if part != last else 1
         if qlora:
-            once = dequant_4bit_bytes(i * o, out_bytes=elem_bytes)
-            dq += 2 * once
-            launches += 2 * DEQUANT_4BIT_LAUNCHES
+            once = dequant_time_bytes(i * o, dequant, out_bytes=elem_bytes)
+            dq += 2 * once.bytes
+            launches += 2 * once.launches
             if checkpointing == "full" and part != last:
-                dq_rec += once
-                launches += DEQUANT_4BIT_LAUNCHES
+                dq_rec += once.bytes
+                launches += once.launches
     n = cfg.n_layer
     return AdapterTime(fw * n, rec * n, fl * n, fl_rec * n, dq * n, dq_rec * n, launches * n)
 
@@ -579,7 +647,7 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
               elementwise: ElementwiseWork | None = None, elementwise_rates: ElementwiseRates | None = None,
               target: str | None = None, gradient_sync: str = "micro-batch",
               sequence_parallel: bool = True, lora_rank: int | None = None, lora_targets=(),
-              qlora: bool = False) -> StepTime:
+              qlora: bool = False, dequant: str = "bitsandbytes") -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.training_step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
 
@@ -616,10 +684,14 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
             are timed by their own roofline (:func:`adapter_time`) instead of the matmuls' rate.
         qlora: the tuned Linears' base weights are 4-bit (bitsandbytes' NF4 with double
             quantisation): their dequantisation's bytes cross HBM each time a matmul reads them.
+        dequant: whose kernels dequantise them (:data:`DEQUANT_BACKENDS`): bitsandbytes' (peft,
+            the Trainer), torchao's NF4Tensor in eager ops or under torch.compile (torchtune).
 
     Returns:
         :class:`StepTime`.
     """
+    if dequant not in DEQUANT_BACKENDS:
+        raise InputError(f"dequant={dequant!r}; allowed: {', '.join(DEQUANT_BACKENDS)}")
     if gradient_sync not in ("micro-batch", "step"):
         raise InputError(f"gradient_sync={gradient_sync!r}; allowed: micro-batch, step")
     if engine not in (None, "deepspeed", "torch"):
@@ -663,7 +735,7 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         adapters = adapter_time(step.model_config, step.seq * step.batch // step.micro_batches, lora_rank,
                                 lora_targets, checkpointing=step.model_config.checkpointing,
                                 peak=large_gemm / sp.achievable, achievable=sp.achievable, hbm=sp.hbm,
-                                elem_bytes=2 if dtype in ("bf16", "fp16") else 4, qlora=qlora)
+                                elem_bytes=2 if dtype in ("bf16", "fp16") else 4, qlora=qlora, dequant=dequant)
         m_b = step.micro_batches / share
         compute += m_b * (adapters.seconds + adapters.dequant_bytes / sp.hbm
                           - adapters.flops * seconds_per_flop)
@@ -674,11 +746,10 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     per_byte = elementwise_seconds(ew, rates) / share / ew.bytes if ew.bytes else 0.0
     extra = (0.0, 0.0)
     if not sequence_parallel and t > 1 and elementwise is None and isinstance(step.model_config, GPTConfig):
-        # without SP every TP rank runs the token-sized ops whole (the weights' casts and
-        # gradients stay sharded): those are what doubling the sequences per micro-batch adds
-        twice = step_elementwise(replace(step, batch=2 * step.batch), target or "cuda", deepspeed=on_ds)
-        extra = ((t - 1) * (twice.forward + twice.backward - ew.forward - ew.backward),
-                 (t - 1) * (twice.recompute - ew.recompute))
+        # without SP every TP rank runs the ops over the d-wide residual stream whole (norms,
+        # residual adds: outside TP's split, Korthikanti et al. 2022 sec. 4.2.1); the MLP's and
+        # attention's elementwise ops stay split over the TP ranks, as do the weights' casts
+        extra = ((t - 1) * ew.residual, (t - 1) * ew.residual_recompute)
     recompute += (ew.recompute + extra[1]) * per_byte
     elementwise_s = (ew.forward + ew.backward + extra[0]) * per_byte
     gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else sp.pcie
@@ -743,7 +814,8 @@ def report_time(step, card: Card | None, *, flops: StepFlops | None = None,
 
 __all__ = ["report_time", "ADAMW_BYTES", "ADAMW_FOREACH_OPS", "DEEPSPEED_FP32_STAGE0",
            "DEEPSPEED_PASSES", "EnginePasses", "EngineTime",
-           "FOREACH_ELEMENTS", "LAUNCH_SECONDS", "AdapterTime", "DEQUANT_4BIT_LAUNCHES", "adapter_time",
+           "FOREACH_ELEMENTS", "LAUNCH_SECONDS", "AdapterTime", "DEQUANT_4BIT_LAUNCHES", "DEQUANT_BACKENDS", "Dequant",
+           "adapter_time", "dequant_nf4_torchao", "dequant_time_bytes",
            "dequant_4bit_bytes", "gemm_seconds", "matmul_rate", "OptimizerPass", "optimizer_pass",
            "SYNC_SECONDS", "engine_time", "parameter_tensors",
            "CALIBRATION_ENV", "CPU_ADAM_PARAMS_PER_S", "Calibration", "ElementwiseRates", "NODE_GPUS",
