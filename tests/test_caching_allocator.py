@@ -11,7 +11,6 @@ from memlab.policy.caching_allocator import (
     round_size,
     should_split,
 )
-
 from memlab.tracking.snapshot import load_snapshot
 
 MiB = 2**20

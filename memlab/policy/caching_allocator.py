@@ -255,7 +255,8 @@ class CachingAllocator:
         mapped = -(-nbytes // page) * page
         if mapped < b.size:
             rest = _Block()
-            rest.size, rest.addr, rest.small, rest.free, rest.mapped = b.size - mapped, b.addr + mapped, b.small, True, False
+            rest.size, rest.addr, rest.small = b.size - mapped, b.addr + mapped, b.small
+            rest.free, rest.mapped = True, False
             rest.prev, rest.next = b, b.next
             if b.next is not None:
                 b.next.prev = rest
@@ -440,5 +441,6 @@ def replay_fragmentation(expandable: bool, big_mib: int = 1024, piece_mib: int =
                                reserved, a.reserved, oom)
 
 
-__all__ = ["AllocatorOutOfMemory", "CachingAllocator", "FragmentationReplay", "replay_fragmentation", "allocation_size", "fresh_block_bytes", "kMinBlockSize",
+__all__ = ["AllocatorOutOfMemory", "CachingAllocator", "FragmentationReplay", "replay_fragmentation",
+           "allocation_size", "fresh_block_bytes", "kMinBlockSize",
            "kSmallSize", "replay_steady_step", "round_size", "should_split"]
