@@ -200,7 +200,8 @@ LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "bitsan
            "nbformat", "nbclient", "yaml", "trl", "datasets", "tokenizers",
            "memlab.classroom.plots",
            "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining",
-           "torch.distributed._tools", "torch.utils.cpp_extension", "resource")
+           "torch.distributed._tools", "torch.utils.cpp_extension", "resource",
+           "torch._inductor", "torch._functorch", "torch.profiler")  # compile and its profiler: heavy, on use
 #: Modules whose functions may import memlab's own modules late: the CLI, where each command
 #: imports its lens when it runs (`memlab --help` and `estimate` stay near torch's own import:
 #: benchmarks/cli_startup.py, tests/test_startup.py).

@@ -37,6 +37,7 @@ from memlab.lenses.estimate import estimate_step
 from memlab.lenses.measure import measure_trainer, time_steps
 from memlab.lenses.parallel_formulas import bubble_fraction
 from memlab.lenses.reference import REFERENCE_DIR, load_references
+from memlab.policy.caching_allocator import replay_fragmentation
 from memlab.step.training_step import StepConfig
 from memlab.step.zero import zero_saving  # one source for the ZeRO formula (re-exported)
 from memlab.techniques.compression import compressed_trainer
@@ -55,6 +56,17 @@ CLAIMS = {
     "offloading": ("very large", "IO bottleneck", None),
     "activation compression": ("30-60%", "decompression", (0.30, 0.60)),
     "recomputation (selective)": ("customisable", "repeated compute", None),
+}
+#: techniques beyond the curriculum (issue 39), measured on the same step: technique -> (what its
+#: source claims for memory, for compute, its source). The curriculum columns carry these claims.
+TODAY = {
+    "optimizer step in backward": ("the gradients never all exist", "none (same update)",
+                                   "PyTorch tutorial 'How to save memory by fusing the optimizer step "
+                                   "into the backward pass'; torchtune optimizer_in_bwd"),
+    "op-level checkpointing": ("between selective and full", "recompute of the unsaved ops",
+                               "torchtitan _apply_op_sac (matmul outputs saved by a policy)"),
+    "activation offload": ("saved activations leave the GPU", "PCIe copies, overlapped on a stream",
+                           "torchtune OffloadActivations; torch.autograd.graph.save_on_cpu"),
 }
 #: micro-batches of the pipeline row's 1F1B run (:func:`multi_rank`) and of its prediction
 PIPELINE_MICRO_BATCHES = 4
@@ -208,7 +220,10 @@ def single_device(step: StepConfig, repeats: int = 2) -> dict[str, dict]:
                 "checkpointing": (replace(step, checkpointing="full"), "none"),
                 "bf16": (replace(step, precision="bf16"), "none"),
                 "selective": (replace(step, checkpointing="selective"), "none"),
-                "int8": (step, "int8 per-row")}
+                "int8": (step, "int8 per-row"),
+                "in_backward": (replace(step, optimizer_in_backward=True), "none"),
+                "op": (replace(step, checkpointing="op"), "none"),
+                "offload": (replace(step, activation_offload=True), "none")}
     trainers = {name: compressed_trainer(s, v) for name, (s, v) in variants.items()}
     out = {}
     for name, (trainer, _, batch) in trainers.items():
@@ -437,8 +452,26 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
         f"attention scores are stored (naive attention, estimate: {naive:.0%} saved)",
         f"attention core recomputed: peak {one['selective']['peak_bytes'] / MiB:.1f} MiB "
         f"({step.model_config.attention} attention; with sdpa only the log-sum-exp is saved)")
+    for tech, name, cond in (
+            ("optimizer step in backward", "in_backward", "the gradients are a large share of the peak"),
+            ("op-level checkpointing", "op", "activations are most of the peak"),
+            ("activation offload", "offload", "the device is a GPU: on a CPU save_on_cpu keeps the "
+                                              "tensor itself, nothing moves")):
+        mem_claim, comp_claim, source = TODAY[tech]
+        mem = ratio(name)
+        rows.append(Row(tech, mem_claim, comp_claim, mem, tratio(name), verdict(1 - mem, None, cond),
+                        f"peak {one[name]['peak_bytes'] / MiB:.1f} MiB (source: {source})"))
     notes = [f"baseline peak {base['peak_bytes'] / MiB:.1f} MiB, activations "
              f"{base['activation_bytes'] / MiB:.1f} MiB ({act_share:.0%} of the peak)"]
+    frag = {e: replay_fragmentation(e) for e in (False, True)}
+    notes.append(f"expandable_segments:True (counted by the allocator's rules, not measured here): lesson 02's "
+                 f"fragmentation case {'fits' if frag[False].fits else 'OOMs'} by default with "
+                 f"{(frag[False].reserved_before - frag[False].allocated_before) / MiB:.0f} MiB reserved but "
+                 f"unallocated, and {'fits' if frag[True].fits else 'OOMs'} with expandable segments "
+                 f"(reserved {frag[True].reserved_before / MiB:.0f} -> {frag[True].reserved_after / MiB:.0f} MiB); "
+                 f"no time cost in the step (page mapping on growth)")
+    notes.append("torch.compile is not a row: inductor takes minutes per compile on a CPU; "
+                 "measure_step(compile=True) measures it and memlab.step.compiled counts its saved set")
     if distributed:
         placement = table_placement(world_size)
         multi = multi_rank(step, world_size, placement)

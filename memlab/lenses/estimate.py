@@ -407,6 +407,12 @@ ALLOCATOR_NOTE = ("the CUDA caching allocator's block choices are not in this fo
                   "to 1.5% more than this estimate (simulate_step replays the allocator)")
 
 
+#: what the estimate and the simulation say of a compiled step (memlab.step.compiled)
+COMPILE_NOTE = ("compile is not in this lens: the peak is the eager step's; what the min-cut partitioner "
+                "saves is counted from inductor's graphs (memlab.step.compiled.count_compiled_saved) and "
+                "the compiled step's peak is measured (measure)")
+
+
 def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
                   target: str | None = None, card: "Card | str | None" = None,
                   tensor_parallel: int = 1, trainable_params: int | None = None,
@@ -480,6 +486,8 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
                           resolve_budget(budget), None, host_bytes=sum(host.values()),
                           host_by_category=host)
     report.notes.append(f"peak moment: {moment}")
+    if step.compile:
+        report.notes.append(COMPILE_NOTE)
     if step.activation_offload:
         report.notes.append("activation_offload is not in this formula (the peak is the plain step's): "
                             "save_on_cpu copies every saved tensor, weights and views included; "
