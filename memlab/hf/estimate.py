@@ -584,7 +584,8 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
                             f"and norms whole on every rank) x data parallel {dp}")
     if s.experts:
         report.notes.append(f"experts: {s.experts} routed, top-{s.top_k}; parameters "
-                            f"{full_shape.num_params() / 1e9:.2f}B total, {full_shape.active_params() / 1e9:.2f}B active; "
+                            f"{full_shape.num_params() / 1e9:.2f}B total, "
+                            f"{full_shape.active_params() / 1e9:.2f}B active; "
                             f"routing balanced" + (f" x{imbalance} on the busiest rank" if imbalance != 1 else ""))
     if ep > 1:
         report.notes.append(f"expert parallel E={ep}: each rank holds {s.experts // ep} experts per layer "
