@@ -43,7 +43,8 @@ from memlab.core.hardware import GPU_PRESETS
 from memlab.core.units import GiB, MiB
 from memlab.distributed.parallel_common import ParallelResult
 from memlab.distributed.pipeline_parallel import pipeline_bubble, pipeline_run
-from memlab.hf.config import step_config
+from memlab.hf.estimate import estimate_run
+from memlab.hf.shape import decoder_shape
 from memlab.lenses.calculator import CHECKPOINTING, MODELS, calculator
 from memlab.lenses.estimate import estimate_step
 from memlab.lenses.guard import HostMemoryError
@@ -52,10 +53,10 @@ from memlab.models.chunked_loss import loss_spike_bytes
 from memlab.models.diffusion import unet_module_key
 from memlab.models.gpt_unet import PRESETS, UNetConfig, get_config
 from memlab.planning.advisor import advise
+from memlab.step.fine_tune_config import LoraConfig
 from memlab.step.states import model_states
 from memlab.step.training_step import PRECISIONS, MemoryReport, StepConfig
 from memlab.techniques.compression import VARIANTS, compare
-from memlab.techniques.finetune import estimate_finetune
 from memlab.techniques.sweeps import activations_by_module, category_max, lens_fn
 
 
@@ -583,8 +584,9 @@ class TensorParallelPanel(Panel):
 class FinetunePanel(Panel):
     """"Will my fine-tune fit?": a Hugging Face config (:mod:`memlab.hf.config`) on a GPU, with
     sequence and batch sliders and knobs for precision, checkpointing, LoRA and 8-bit AdamW.
-    Estimate only (:func:`memlab.techniques.finetune.estimate_finetune`), so every change redraws at
-    once; ``data`` holds the report drawn last."""
+    Estimate only: the decoder's run (:class:`memlab.step.training_step.StepConfig` with its
+    :class:`memlab.models.decoder_shape.DecoderShape`) through :func:`memlab.hf.estimate.estimate_run`,
+    so every change redraws at once; ``data`` holds the report drawn last."""
 
     LORA = {"off": None, "r=16 q,v": (16, ("q_proj", "v_proj")),
             "r=16 all linear": (16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -593,7 +595,7 @@ class FinetunePanel(Panel):
     def __init__(self, hf_config: str = "llama-3-8b", gpu: str = "RTX4090-24GB", *,
                  seqs: Sequence[int] = (512, 1024, 2048, 4096), batches: Sequence[int] = (1, 2, 4, 8),
                  draw: bool = True):
-        self.hf_config, self._estimate, self._step = hf_config, estimate_finetune, step_config
+        self.hf_config, self.shape = hf_config, decoder_shape(hf_config)
         def slider(opts, name):
             return W.SelectionSlider(options=list(opts), value=opts[0], description=name,
                                      continuous_update=False)
@@ -615,10 +617,15 @@ class FinetunePanel(Panel):
 
     def estimate(self) -> MemoryReport:
         """The estimate for the controls as they are now."""
-        step = self._step(self.hf_config, seq=self.seq.value, batch=self.batch.value,
-                          precision=self.precision.value, checkpointing=self.checkpointing.value)
-        return self._estimate(step, lora=self.LORA[self.lora.value], eight_bit=self.eight_bit.value,
-                              budget=self.gpu.value, target="cuda")
+        return estimate_run(self.run(), budget=self.gpu.value, target="cuda")
+
+    def run(self) -> StepConfig:
+        """The run the controls describe, as they are now."""
+        lora = self.LORA[self.lora.value]
+        return StepConfig(self.shape, seq=self.seq.value, batch=self.batch.value, precision=self.precision.value,
+                          checkpointing=self.checkpointing.value,
+                          optimizer="adamw-8bit" if self.eight_bit.value else "adamw",
+                          lora=None if lora is None else LoraConfig(rank=lora[0], targets=lora[1]))
 
     def refresh(self) -> dict:
         r = self.estimate()

@@ -58,7 +58,7 @@ from memlab.policy import op_bytes, precision_bytes, resolve_target, sdpa_backen
 from memlab.policy.kernels import layer_norm_stat_bytes, sdpa_backward_workspace
 from memlab.step.decoder_states import Adapters, adapter_shapes, adapters_for, run_states
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
-from memlab.step.states import ZeroBuckets
+from memlab.step.states import ZeroBuckets, data_parallel_ranks, tensor_parallel_share
 from memlab.step.training_step import MemoryReport, StepConfig
 from memlab.tracking.tracker import CATEGORIES
 
@@ -433,7 +433,7 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                 micro_batches: int = 1, lora: LoraConfig | None = None,
                 quantization: QuantConfig | None = None, buckets: ZeroBuckets | None = None,
                 loss: str = "transformers", loss_chunk: int = 1024,
-                optimizer_in_backward: bool = False) -> MemoryReport:
+                optimizer_in_backward: bool = False, tensor_parallel: int = 1) -> MemoryReport:
     """Closed-form peak bytes of one training step of the HF decoder of ``cfg``, per rank.
 
     Args:
@@ -462,6 +462,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
             :data:`memlab.step.training_step.DECODER_LOSSES`).
         optimizer_in_backward: the optimizer step fused into backward (:mod:`memlab.step.optimizer_in_backward`):
             a full fine-tune of a dense decoder, one micro-batch, no ZeRO.
+        tensor_parallel: Megatron-LM's tensor parallelism in groups of ``t`` of the
+            ``world_size`` ranks (:func:`estimate_run`).
 
     Returns:
         A :class:`MemoryReport` (lens ``estimate``) per rank.
@@ -472,16 +474,25 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                      offload=offload, lora=lora, quantization=quantization, loss=loss, loss_chunk=loss_chunk,
                      expert_parallel=expert_parallel, expert_imbalance=imbalance, buckets=buckets,
                      optimizer_in_backward=optimizer_in_backward)
-    return estimate_run(run, target=target, budget=budget, card=card)
+    return estimate_run(run, target=target, budget=budget, card=card, tensor_parallel=tensor_parallel)
 
 
 def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | str | None = None,
-                 card=None) -> MemoryReport:
+                 card=None, tensor_parallel: int = 1) -> MemoryReport:
     """:func:`estimate_hf` of a run whose model is a decoder's shape (:class:`memlab.step.training_step.StepConfig`
     with a :class:`memlab.models.decoder_shape.DecoderShape`): the one estimate of every fine-tune option.
 
+    ``tensor_parallel`` (t, dividing ``world_size``): Megatron-LM's layout in groups of ``t``
+    ranks, data parallelism (and ZeRO) across the ``world_size / t`` groups, as
+    :func:`memlab.estimate_step` counts it for memlab's GPT: a rank's model states are
+    :func:`memlab.step.states.tensor_parallel_share` of those over the data-parallel ranks, and its
+    activations those of :meth:`memlab.models.decoder_shape.DecoderShape.tensor_parallel_shard`
+    (``1/t`` of the heads, MLP columns and vocabulary; without sequence parallelism the residual
+    stream, the norms and the checkpointed layer inputs stay whole). A full fine-tune, no expert
+    parallelism.
+
     Args:
-        run: the step; target, budget, card: as :func:`estimate_hf`.
+        run: the step; target, budget, card: as :func:`estimate_hf`; tensor_parallel: as above.
 
     Returns:
         A :class:`MemoryReport` (lens ``estimate``) per rank; its ``step`` is ``run``.
@@ -500,6 +511,14 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     ep, imbalance = run.expert_parallel, run.expert_imbalance
     check_run(s, attention=attention, ep=ep, zero=zero, world_size=world_size, offload=offload,
               micro_batches=run.micro_batches, lora=lora)
+    tp = tensor_parallel
+    dp = data_parallel_ranks(world_size, tp)
+    if tp != 1:
+        s.check_tensor_parallel(tp)
+        if lora is not None or ep > 1 or run.optimizer_in_backward or offload != "none":
+            raise InputError(f"tensor_parallel={tp} is counted for a full fine-tune without offload; allowed "
+                             f"with it: no LoRA or quantisation, expert_parallel=1, optimizer_in_backward=False, "
+                             f"offload='none'")
     chunked = run.loss == "chunked"
     if chunked and s.final_softcap:
         raise InputError(f"loss='chunked' on {s.model_type}: its logits are soft-capped "
@@ -510,8 +529,9 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
                          "experts, no LoRA)")
     tgt = resolve_target(target, budget, card)
     ad = None if lora is None else adapters_for(s, lora, precision, quantization is not None)
-    rs = run_states(s, precision=precision, optimizer=optimizer, zero=zero, world_size=world_size,
+    rs = run_states(s, precision=precision, optimizer=optimizer, zero=zero, world_size=dp,
                     offload=offload, ep=ep, ad=ad, quant=quantization, buckets=buckets)
+    full_shape, s = s, s.tensor_parallel_shard(tp)  # from here on: what one TP rank runs
     param, compute, lower = precision_bytes(rs.run_precision)
     if quantization is not None:  # the unquantised rest (embeddings, norms, head) is in the compute dtype
         param = compute = quantization.compute_bytes
@@ -520,7 +540,7 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     batch //= k
     t, V, D = seq * batch, s.vocab, s.d
     path = attention_path(s, z, batch, seq, attention)
-    states = rs.inputs
+    states = tensor_parallel_share(rs.inputs, tp)
     P, G, opt = states["parameters"], states["gradients"], states["optimizer"]
     scratch, gathered = states["step"], states["gathered"]
     # DeepSpeed's gradient bytes held all step, and ZeRO-2's partition from the first bucket;
@@ -528,7 +548,7 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     held, late = states["held"], states["late"]
     G_prev = G if k > 1 else 0.0
     trains_base = ad is None
-    head_grad = min(G, V * D * z.w * (not s.tied) / (world_size if zero >= 2 else 1)) if trains_base else 0.0
+    head_grad = min(G, V * D * z.w * (not s.tied) / (dp if zero >= 2 else 1)) if trains_base else 0.0
     full = checkpointing == "full"
     params = s.num_params() - s.expert_total() * (1 - 1 / ep)
     A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance, ad, chunked)
@@ -547,7 +567,8 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     if rs.dequantised and moment == "recomputed layer":
         cats["temporaries"] += rs.dequantised  # MatMul4Bit dequantises its whole weight
     cats = {k: int(round(v)) for k, v in cats.items()}
-    host = {c: int(round(rs.host.get(c, 0.0))) for c in CATEGORIES}
+    host = {c: int(round(v)) for c, v in tensor_parallel_share(
+        {c: rs.host.get(c, 0.0) for c in CATEGORIES}, tp).items()}
     report = MemoryReport("estimate", run, f"formula ({tgt.name})", sum(cats.values()), cats,
                           resolve_budget(budget), None, host_bytes=sum(host.values()), host_by_category=host)
     report.notes.append(f"peak moment: {moment}; attention: {path}")
@@ -558,9 +579,13 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
         report.notes.append("LoRA with full checkpointing: the first recomputed layer's backward is the peak, "
                             "its gradient temporaries approximate (2-20% low against the real step on CPU); "
                             "memlab simulate --hf-config runs it")
+    if tp > 1:
+        report.notes.append(f"tensor parallel t={tp} (Megatron layout, no sequence parallelism: layer inputs "
+                            f"and norms whole on every rank) x data parallel {dp}")
     if s.experts:
         report.notes.append(f"experts: {s.experts} routed, top-{s.top_k}; parameters "
-                            f"{s.num_params() / 1e9:.2f}B total, {s.active_params() / 1e9:.2f}B active; "
+                            f"{full_shape.num_params() / 1e9:.2f}B total, "
+                            f"{full_shape.active_params() / 1e9:.2f}B active; "
                             f"routing balanced" + (f" x{imbalance} on the busiest rank" if imbalance != 1 else ""))
     if ep > 1:
         report.notes.append(f"expert parallel E={ep}: each rank holds {s.experts // ep} experts per layer "

@@ -55,7 +55,7 @@ from memlab.policy import (
     sdpa_lse_bytes,
     sdpa_math_extra_bytes,
 )
-from memlab.step.states import ZeroBuckets, step_model_states
+from memlab.step.states import ZeroBuckets, data_parallel_ranks, step_model_states, tensor_parallel_share
 from memlab.step.training_step import MemoryReport, StepConfig, autocast_for, resolve_step
 from memlab.time.step_time import report_time
 from memlab.tracking.tracker import CATEGORIES, MemoryTracker
@@ -464,12 +464,8 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
         if not isinstance(cfg, GPTConfig):
             raise InputError(f"tensor_parallel={tp!r} needs a GPT model, got {cfg.name!r}")
         cfg.check_tensor_parallel(tp)
-        if step.world_size % tp:
-            divisors = (str(k) for k in range(1, step.world_size + 1) if step.world_size % k == 0)
-            raise InputError(f"tensor_parallel={tp} must divide world_size={step.world_size}; "
-                             f"allowed: {', '.join(divisors)}")
-    ms = step_model_states(replace(step, world_size=step.world_size // tp), buckets)
-    states = {k: x / tp for k, x in ms.peak_inputs().items()}
+    ms = step_model_states(replace(step, world_size=data_parallel_ranks(step.world_size, tp)), buckets)
+    states = tensor_parallel_share(ms.peak_inputs(), tp)
     if trainable_params is not None:  # bytes per parameter are uniform: scale by the count
         share = trainable_params / cfg.num_params()
         states.update(parameters=states["parameters"] * (1 + share), frozen=frozen_activation_bytes,
@@ -481,7 +477,8 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     else:
         cats, moment = _gpt_peak(run, cfg, states, tgt, tp)
     cats = {c: int(round(v)) for c, v in cats.items()}
-    host = {c: int(round(ms.host.get(c, 0.0) / tp)) for c in CATEGORIES}
+    host = {c: int(round(v)) for c, v in tensor_parallel_share(
+        {c: ms.host.get(c, 0.0) for c in CATEGORIES}, tp).items()}
     report = MemoryReport("estimate", step, f"formula ({tgt.name})", sum(cats.values()), cats,
                           resolve_budget(budget), None, host_bytes=sum(host.values()),
                           host_by_category=host)

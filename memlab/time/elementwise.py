@@ -28,7 +28,8 @@ Two ways to the number, each checking the other (``tests/test_elementwise.py``):
   on fake tensors or real ones, filed by part as :class:`memlab.time.flops.PhaseFlopCounter` files
   FLOPs (forward, backward, recompute).
 * **Closed form** (:func:`gpt_elementwise`): memlab's GPT block written out op by op in the
-  element sizes of the step's precision on a target (:mod:`memlab.policy`).
+  element sizes of the step's precision on a target (:mod:`memlab.policy`); a Hugging Face
+  decoder's shape through the same op list at its widths (:func:`decoder_elementwise`).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from torch.utils import flop_counter
 
 from memlab.core.errors import InputError
 from memlab.core.torch_private import TorchDispatchMode, in_backward, tree_leaves
+from memlab.models.decoder_shape import DecoderShape
 from memlab.models.gpt_unet import GPTConfig
 from memlab.policy import layer_norm_stat_bytes, op_bytes, precision_bytes, rms_norm_fused
 from memlab.time.flops import CPU_SDPA, PARTS, PhaseFlopCounter, StepFlops, run_counted_step
@@ -436,7 +438,82 @@ def _chunked_loss(led: _Ledger, cfg: GPTConfig, t: int, z: _Sizes) -> None:
     led.op(bw, chunks * V * d * (2 * p + dt))           # grad_w.add_(g^T h), a chunk at a time
 
 
-def gpt_elementwise(cfg: GPTConfig, seq: int, batch: int, *, precision: str = "fp32", micro_batches: int = 1,
+@dataclass(frozen=True)
+class _DecoderBlock:
+    """A decoder's shape in the terms the op-by-op closed form reads (the fields of memlab's
+    GPT block it uses), so that one list of ops counts both; see :func:`decoder_elementwise`."""
+
+    d_model: int
+    hidden: int
+    head_dim: int
+    n_head: int
+    kv_heads: int
+    norm: str
+    bias: bool
+    has_qkv_bias: bool
+    mlp: str
+    position: str
+    attention: str
+    gqa: str
+    n_layer: int
+    vocab_size: int
+    tie_embeddings: bool
+    loss: str
+    loss_chunk: int
+    block_size: int
+    params: int
+    checkpointing: str = "none"
+
+    def num_params(self) -> int:
+        return self.params
+
+
+def _decoder_block(s: DecoderShape, seq: int, attention: str | None, loss: str | None,
+                   loss_chunk: int) -> _DecoderBlock:
+    """The op list's view of a decoder: its widths and switches; a mixture of experts' MLP
+    width is what one token's rows go through (``top_k`` experts and the shared ones),
+    averaged over the layers (DeepSeek's first layers are dense)."""
+    widths = [s.top_k * s.moe_ffn + s.shared_ffn if i in s.moe_layers else s.ffn for i in range(s.n_layer)]
+    attn = "naive" if attention == "naive" or s.eager_only else "sdpa"
+    return _DecoderBlock(
+        d_model=s.d, hidden=round(sum(widths) / max(1, s.n_layer)), head_dim=s.head_dim, n_head=s.heads,
+        kv_heads=s.kv_heads, norm="layernorm" if s.norm == "layer" else "rmsnorm",
+        bias=s.mlp_bias or s.o_bias, has_qkv_bias=s.qkv_bias, mlp="gelu" if s.mlp == "gelu_new" else "swiglu",
+        position="learned" if s.positions else "rope", attention=attn,
+        # transformers' SDPA path passes grouped k and v with enable_gqa; its eager path repeats them
+        gqa="native" if attn == "sdpa" else "repeat", n_layer=s.n_layer, vocab_size=s.vocab,
+        tie_embeddings=s.tied, loss="chunked" if loss == "chunked" else "full", loss_chunk=loss_chunk,
+        block_size=s.positions or seq, params=s.num_params())
+
+
+def decoder_elementwise(s: DecoderShape, seq: int, batch: int, *, precision: str = "fp32",
+                        micro_batches: int = 1, target="cpu", checkpointing: str | None = None,
+                        attention: str | None = None, loss: str | None = None,
+                        loss_chunk: int = 1024) -> ElementwiseWork:
+    """Closed-form elementwise bytes of one training step of a Hugging Face decoder, from its
+    shape: the op list of :func:`gpt_elementwise` at the decoder's widths (heads, kv heads and
+    head dim, the MLP's width, GELU or gated, LayerNorm or RMSNorm, biases, learned or rotary
+    positions, tied head, the loss), in the step's element sizes on ``target``.
+
+    What it does not follow of ``transformers``' code: HF's RMSNorm is Python (an fp32 upcast
+    and four ops where memlab's fused norm is one), Gemma's extra norms and softcaps, q/k norms,
+    dropout, the routers and the experts' gather and scatter; these move bytes this count
+    leaves out (``notes`` says so). Checkpointing is ``none`` or ``full``.
+
+    Returns:
+        :class:`ElementwiseWork` (``source="formula"``).
+    """
+    ckpt = checkpointing or "none"
+    if ckpt not in ("none", "full"):
+        raise InputError(f"checkpointing={ckpt!r} for a decoder; allowed: none, full")
+    work = gpt_elementwise(_decoder_block(s, seq, attention, loss, loss_chunk), seq, batch, precision=precision,
+                           micro_batches=micro_batches, target=target, checkpointing=ckpt)
+    return replace(work, notes=work.notes + ("memlab's op list at the decoder's widths: HF's Python norms, "
+                                              "extra norms, dropout and routing are not counted",))
+
+
+def gpt_elementwise(cfg: GPTConfig | _DecoderBlock, seq: int, batch: int, *, precision: str = "fp32",
+                    micro_batches: int = 1,
                     target="cpu", checkpointing: str | None = None) -> ElementwiseWork:
     """Closed-form elementwise bytes of one training step of memlab's GPT (module doc's rule).
 
@@ -496,8 +573,8 @@ def gpt_elementwise(cfg: GPTConfig, seq: int, batch: int, *, precision: str = "f
 
 def step_elementwise(step, target="cpu", *, deepspeed: bool = False) -> ElementwiseWork:
     """The elementwise bytes of a :class:`memlab.step.training_step.StepConfig`: in closed form
-    (:func:`gpt_elementwise`) for memlab's GPT with SDPA and the unchunked loss, else counted on
-    fake tensors (:func:`count_elementwise`, by the CPU's autocast lists).
+    (:func:`gpt_elementwise`) for memlab's GPT, a decoder's shape (:func:`decoder_elementwise`),
+    else counted on fake tensors (:func:`count_elementwise`, by the CPU's autocast lists).
 
     Args:
         step: the step (its model, seq, batch, precision, micro-batches, checkpointing).
@@ -510,6 +587,10 @@ def step_elementwise(step, target="cpu", *, deepspeed: bool = False) -> Elementw
     """
     cfg = step.model_config
     precision = deepspeed_precision(step) if deepspeed else step.precision
+    if isinstance(cfg, DecoderShape):
+        return decoder_elementwise(cfg, step.seq, step.batch, precision=precision, micro_batches=step.micro_batches,
+                                   target=target, checkpointing=step.checkpointing_used, attention=step.attention,
+                                   loss=step.loss, loss_chunk=step.loss_chunk)
     if isinstance(cfg, GPTConfig):
         return gpt_elementwise(cfg, step.seq, step.batch, precision=precision,
                                micro_batches=step.micro_batches, target=target)
@@ -532,4 +613,4 @@ def count_flops_and_elementwise(step) -> tuple[StepFlops, ElementwiseWork]:
 
 __all__ = ["ACTIVATIONS", "NO_TRAFFIC", "WRITE_ONLY", "ElementwiseCounter", "ElementwiseWork", "count_elementwise",
            "count_flops_and_elementwise", "deepspeed_precision",
-           "gpt_elementwise", "op_traffic", "step_elementwise"]
+           "decoder_elementwise", "gpt_elementwise", "op_traffic", "step_elementwise"]

@@ -80,11 +80,12 @@ from dataclasses import dataclass, field, replace
 
 from memlab.core.cards import SPEEDS, Card, Speeds, card_speeds, get_card
 from memlab.core.errors import InputError
-from memlab.models.gpt_unet import GPTConfig
+from memlab.models.decoder_shape import DecoderShape
+from memlab.models.gpt_unet import GPTConfig, UNetConfig
 from memlab.step.states import under_deepspeed
 from memlab.time.communication import StepComm, step_communication
 from memlab.time.elementwise import ElementwiseWork, count_flops_and_elementwise, deepspeed_precision, step_elementwise
-from memlab.time.flops import StepFlops, block_matmuls, lora_matmuls, step_flops_formula
+from memlab.time.flops import StepFlops, block_matmuls, layer_matmuls, lora_matmuls, step_flops_formula
 
 #: torch.optim.AdamW on the host, parameters per second, used when ``memlab doctor
 #: --calibrate`` has not measured this host: the H200 reference's host ran ZeRO-Offload's
@@ -231,8 +232,8 @@ class AdapterTime:
     launches: float = 0.0
 
 
-def adapter_time(cfg: GPTConfig, tokens: int, rank: int, targets, *, checkpointing: str, peak: float,
-                 achievable: float, hbm: float, elem_bytes: int = 2, qlora: bool = False,
+def adapter_time(cfg: GPTConfig | DecoderShape, tokens: int, rank: int, targets, *, checkpointing: str,
+                 peak: float, achievable: float, hbm: float, elem_bytes: int = 2, qlora: bool = False,
                  dequant: str = "bitsandbytes") -> AdapterTime:
     """LoRA's small GEMMs of one micro-batch of ``tokens`` and, with ``qlora``, the 4-bit base
     weights' dequantisation (:func:`dequant_4bit_bytes`), per the tuned matmuls of each layer.
@@ -245,7 +246,8 @@ def adapter_time(cfg: GPTConfig, tokens: int, rank: int, targets, *, checkpointi
     backward, and on recompute except for that last matmul.
 
     Args:
-        cfg: the model; tokens: of one micro-batch; rank, targets: the adapters (HF names).
+        cfg: memlab's GPT or a decoder's shape; tokens: of one micro-batch; rank, targets: the
+            adapters (HF names; a decoder also takes ``"all-linear"``).
         checkpointing: ``none``, ``selective`` or ``full``; peak, achievable, hbm, elem_bytes:
             as :func:`gemm_seconds`; qlora: the tuned Linears' base weights are 4-bit;
         dequant: whose kernels dequantise them (:data:`DEQUANT_BACKENDS`, :func:`dequant_time_bytes`).
@@ -256,29 +258,32 @@ def adapter_time(cfg: GPTConfig, tokens: int, rank: int, targets, *, checkpointi
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise InputError(f"lora rank={rank!r}; allowed: a positive integer")
     fw = rec = fl = fl_rec = dq = dq_rec = launches = 0.0
-    last = block_matmuls(cfg)[-1][0]
 
     def g(m, k, n):
         return gemm_seconds(m, k, n, peak=peak, achievable=achievable, hbm=hbm, elem_bytes=elem_bytes), 2 * m * k * n
 
-    for part, i, o in lora_matmuls(cfg, targets):
-        (a_s, a_f), (b_s, b_f) = g(tokens, i, rank), g(tokens, rank, o)
-        back = [g(rank, tokens, o), g(tokens, o, rank), g(i, tokens, rank), g(tokens, rank, i)]
-        fw += a_s + b_s + sum(x for x, _ in back)
-        fl += a_f + b_f + sum(f for _, f in back)
-        launches += 6
-        if checkpointing == "full":
-            rec += a_s + (b_s if part != last else 0.0)
-            fl_rec += a_f + (b_f if part != last else 0)
-            launches += 2 if part != last else 1
-        if qlora:
-            once = dequant_time_bytes(i * o, dequant, out_bytes=elem_bytes)
-            dq += 2 * once.bytes
-            launches += 2 * once.launches
-            if checkpointing == "full" and part != last:
-                dq_rec += once.bytes
-                launches += once.launches
-    n = cfg.n_layer
+    # memlab's GPT: every block alike (one counted, times the layers); a decoder's layers differ
+    layers = range(cfg.n_layer) if isinstance(cfg, DecoderShape) else range(1)
+    for layer in layers:
+        last = block_matmuls(cfg, layer)[-1][0]
+        for part, i, o in lora_matmuls(cfg, targets, layer):
+            (a_s, a_f), (b_s, b_f) = g(tokens, i, rank), g(tokens, rank, o)
+            back = [g(rank, tokens, o), g(tokens, o, rank), g(i, tokens, rank), g(tokens, rank, i)]
+            fw += a_s + b_s + sum(x for x, _ in back)
+            fl += a_f + b_f + sum(f for _, f in back)
+            launches += 6
+            if checkpointing == "full":
+                rec += a_s + (b_s if part != last else 0.0)
+                fl_rec += a_f + (b_f if part != last else 0)
+                launches += 2 if part != last else 1
+            if qlora:
+                once = dequant_time_bytes(i * o, dequant, out_bytes=elem_bytes)
+                dq += 2 * once.bytes
+                launches += 2 * once.launches
+                if checkpointing == "full" and part != last:
+                    dq_rec += once.bytes
+                    launches += once.launches
+    n = 1 if isinstance(cfg, DecoderShape) else cfg.n_layer
     return AdapterTime(fw * n, rec * n, fl * n, fl_rec * n, dq * n, dq_rec * n, launches * n)
 
 
@@ -361,7 +366,10 @@ def parameter_tensors(cfg) -> int | None:
     off memlab's GPT modules (:class:`memlab.models.gpt_unet.GPT`): per block the fused qkv and output
     projections, the MLP's two (three with SwiGLU) Linears, each with a bias where the config
     has one, and two norms (LayerNorm's bias too); then the token (and learned position)
-    embedding, the final norm and an untied head. ``None`` for other models."""
+    embedding, the final norm and an untied head; a decoder's from its shape
+    (:meth:`memlab.models.decoder_shape.DecoderShape.param_numels`). ``None`` for other models."""
+    if isinstance(cfg, DecoderShape):
+        return len(cfg.param_numels())
     if not isinstance(cfg, GPTConfig):
         return None
     bias = int(cfg.bias)
@@ -615,15 +623,16 @@ def gemm_seconds(m: int, k: int, n: int, *, peak: float, achievable: float, hbm:
     return max(2 * m * k * n / (peak * achievable), elem_bytes * (m * k + k * n + m * n) / hbm)
 
 
-def matmul_rate(cfg: GPTConfig, tokens: int, *, tensor_parallel: int, peak: float, achievable: float,
+def matmul_rate(cfg: GPTConfig | DecoderShape, tokens: int, *, tensor_parallel: int, peak: float, achievable: float,
                 hbm: float, elem_bytes: int) -> float:
-    """FLOP/s a GPT's matmuls reach together: each block GEMM and the head timed by
+    """FLOP/s a model's matmuls reach together: each layer's GEMM and the head timed by
     :func:`gemm_seconds` on one rank's shard (Megatron-LM's split, Narayanan et al. 2021 sec.
     2.3: the first Linear of attention and of the MLP split by columns, the second by rows, the
     head by the vocabulary), their FLOPs over their seconds.
 
     Args:
-        cfg: the model; tokens: tokens of one micro-batch; tensor_parallel: the TP degree.
+        cfg: memlab's GPT or a decoder's shape (a routed expert's GEMM on its ``top_k / experts``
+            share of the rows: balanced routing); tokens: of one micro-batch; tensor_parallel: the TP degree.
         peak, achievable, hbm, elem_bytes: as :func:`gemm_seconds`.
 
     Returns:
@@ -631,11 +640,20 @@ def matmul_rate(cfg: GPTConfig, tokens: int, *, tensor_parallel: int, peak: floa
     """
     t = tensor_parallel
     column = {"qkv", "q", "k", "v", "up", "gate"}
-    shapes = [(i, max(1, o // t)) if part in column else (max(1, i // t), o) for part, i, o in block_matmuls(cfg)]
-    shapes = [*shapes * cfg.n_layer, (cfg.d_model, max(1, cfg.vocab_size // t))]
-    flops = sum(2 * tokens * k * n for k, n in shapes)
-    seconds = sum(gemm_seconds(tokens, k, n, peak=peak, achievable=achievable, hbm=hbm, elem_bytes=elem_bytes)
-                  for k, n in shapes)
+    decoder = isinstance(cfg, DecoderShape)
+    shapes: list[tuple[int, int, int]] = []  # (rows, in, out) of each GEMM of one rank
+    for layer in range(cfg.n_layer if decoder else 1):
+        for part, i, o, _, rows in layer_matmuls(cfg, layer):
+            m = tokens if rows == 1 else max(1, tokens * rows // cfg.experts)  # one expert's rows
+            k, n = ((i, max(1, o // t)) if part in column else (i, o) if part == "router" else (max(1, i // t), o))
+            shapes += [(m, k, n)] * (cfg.experts if rows != 1 else 1)
+    if not decoder:
+        shapes = shapes * cfg.n_layer
+    d, vocab = (cfg.d, cfg.vocab) if decoder else (cfg.d_model, cfg.vocab_size)
+    shapes.append((tokens, d, max(1, vocab // t)))
+    flops = sum(2 * m * k * n for m, k, n in shapes)
+    seconds = sum(gemm_seconds(m, k, n, peak=peak, achievable=achievable, hbm=hbm, elem_bytes=elem_bytes)
+                  for m, k, n in shapes)
     return flops / seconds
 
 
@@ -697,7 +715,12 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     if engine not in (None, "deepspeed", "torch"):
         raise InputError(f"engine={engine!r}; allowed: deepspeed, torch")
     on_ds = under_deepspeed(step.zero, step.offload) if engine is None else engine == "deepspeed"
-    if not isinstance(step.model_config, GPTConfig) and flops is None and elementwise is None and \
+    closed = isinstance(step.model_config, (GPTConfig, DecoderShape))  # the closed forms read it
+    if isinstance(step.model_config, DecoderShape) and lora_rank is None and step.lora is not None:
+        # a decoder's run carries its adapters and its 4-bit base
+        lora_rank, lora_targets = step.lora.rank, step.lora.targets
+        qlora = qlora or (step.quantization is not None and step.quantization.bits == 4)
+    if isinstance(step.model_config, UNetConfig) and flops is None and elementwise is None and \
             (card is not None or speeds is not None):
         # no closed form (a UNet): both counted in one fake step
         flops, elementwise = count_flops_and_elementwise(
@@ -715,7 +738,7 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     dtype = compute_dtype(step)
     rate = calibrated_rate(name, dtype, calibration) or sp.peak(dtype) * sp.achievable
     large_gemm = rate  # what a large GEMM reaches, before the per-shape roofline below
-    if card is not None and isinstance(step.model_config, GPTConfig):
+    if card is not None and closed:
         # each GEMM under its roofline (gemm_seconds), at the large-GEMM rate found above
         rate = matmul_rate(step.model_config, step.seq * step.batch // step.micro_batches,
                            tensor_parallel=tensor_parallel, peak=rate / sp.achievable, achievable=sp.achievable,
@@ -730,10 +753,10 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     compute = flops.model / share * seconds_per_flop
     recompute = flops.recompute / share * seconds_per_flop
     adapters = None
-    if lora_rank is not None and card is not None and isinstance(step.model_config, GPTConfig):
+    if lora_rank is not None and card is not None and closed:
         # the adapters' FLOPs leave the matmuls' rate for their own roofline, plus QLoRA's dequantisation
         adapters = adapter_time(step.model_config, step.seq * step.batch // step.micro_batches, lora_rank,
-                                lora_targets, checkpointing=step.model_config.checkpointing,
+                                lora_targets, checkpointing=step.checkpointing_used,
                                 peak=large_gemm / sp.achievable, achievable=sp.achievable, hbm=sp.hbm,
                                 elem_bytes=2 if dtype in ("bf16", "fp16") else 4, qlora=qlora, dequant=dequant)
         m_b = step.micro_batches / share
@@ -745,7 +768,7 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     rates = elementwise_rates or calibrated_elementwise(name, dtype, calibration) or ElementwiseRates(sp.hbm)
     per_byte = elementwise_seconds(ew, rates) / share / ew.bytes if ew.bytes else 0.0
     extra = (0.0, 0.0)
-    if not sequence_parallel and t > 1 and elementwise is None and isinstance(step.model_config, GPTConfig):
+    if not sequence_parallel and t > 1 and elementwise is None and closed:
         # without SP every TP rank runs the ops over the d-wide residual stream whole (norms,
         # residual adds: outside TP's split, Korthikanti et al. 2022 sec. 4.2.1); the MLP's and
         # attention's elementwise ops stay split over the TP ranks, as do the weights' casts
