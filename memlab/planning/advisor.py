@@ -279,7 +279,7 @@ def mixed_precision_for(target) -> str:
     return card.precision if card is not None else "bf16"
 
 
-def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_size: int = 1,
+def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_size: int = 1,  # noqa: PLR0913 the run's fields and the planner's knobs, as the CLI's flags
            seq: int = 256, batch: int = 8, *, attention: str | None = None,
            optimizer: str = "adamw", headroom: float = 0.10, simulate: bool | None = None,
            simulate_seconds: float = 30.0, target: str | None = None,

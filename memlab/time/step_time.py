@@ -571,7 +571,7 @@ def matmul_rate(cfg: GPTConfig, tokens: int, *, tensor_parallel: int, peak: floa
     return flops / seconds
 
 
-def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None = None,
+def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None = None,  # noqa: PLR0913 keyword-only: the time lens's knobs, each documented
               tensor_parallel: int = 1, pipeline_parallel: int = 1,
               speeds: Speeds | None = None, calibration: Calibration | None = None,
               cpu_adam_params_per_s: float | None = None, engine: str | None = None,

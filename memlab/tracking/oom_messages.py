@@ -222,7 +222,7 @@ def _find(pattern: str, text: str, flags: int = 0) -> re.Match | None:
     return re.search(pattern, text, flags)
 
 
-def _read_cuda(text: str, out: OOMMessage) -> None:
+def _read_cuda(text: str, out: OOMMessage) -> None:  # noqa: C901 one match per figure of CUDA's message
     """The caching allocator's message (CUDACachingAllocator.cpp), either era; ``text`` starts
     at its "out of memory. Tried to allocate"."""
     if m := _find(r"Tried to allocate " + _SIZE, text):
@@ -584,7 +584,13 @@ def _versions_advice(m: OOMMessage) -> str:
             "cache's free pages can be remapped")
 
 
-def _explain_cuda(m: OOMMessage, lines: list[str], advice: list[str]) -> str:
+def _explain_cuda(m: OOMMessage, lines: list[str], advice: list[str]) -> str:  # noqa: C901 one branch per line of the explanation
+    """A CUDA OOM message explained: its figures appended to ``lines``, what to try to
+    ``advice``; returns the cause.
+
+    Over 80 lines because it writes the explanation's lines in the order a reader checks them
+    (the card, PyTorch's cache, the request, the cause), one line each.
+    """
     req = m.requested or 0
     seg = m.segment or 0
     if m.total is not None:
