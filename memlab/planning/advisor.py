@@ -32,6 +32,10 @@ weights *and* adds bf16 copies) is tried, reported, and left out of the plan; on
 equal (ZeRO-2 when the peak sits where gradients do not exist yet) is kept, as later stages build on
 it; tensor parallelism is kept only when it lowers the peak by at least 1% (``TP_MIN_SAVING``).
 
+Over 500 lines because the advisor's answer is typed rows (:class:`PlanStep`, :class:`HeldBack`,
+:class:`LadderRung`, :class:`PlanCheck`), each field documented, beside the walk that makes them;
+the fastest-fit search lives in :mod:`memlab.planning.plan_search`.
+
 >>> a = advise("llama-7b", "A100-40GB", world_size=8, seq=4096, batch=1)
 >>> a.plan, a.fits
 (['bf16', 'checkpointing', 'zero-1', 'zero-2', 'zero-3'], True)
