@@ -150,15 +150,15 @@ def test_will_it_fit_panel_redraws_with_the_estimate():
     pytest.importorskip("ipywidgets")
     from memlab.classroom.widgets import FinetunePanel
     panel = FinetunePanel("llama-3-8b", "A100-80GB")
-    full = panel.data["peak_bytes"]
+    full = panel.data.peak_bytes
     panel.lora.value = "r=16 all linear"  # a click, from code
     lora = LoraConfig(rank=16, targets=finetune.LLAMA_TARGETS)
     expected = estimate_hf("llama-3-8b", seq=512, batch=1, precision="bf16", checkpointing="none",
                            lora=lora, budget="A100-80GB", target="cuda")
-    assert panel.data["peak_bytes"] == expected.peak_bytes < full
-    assert panel.data["fits"] is True and "fits" in panel.status.value
+    assert panel.data.peak_bytes == expected.peak_bytes < full
+    assert panel.data.fits is True and "fits" in panel.status.value
     panel.seq.value = 4096
-    assert panel.data["peak_bytes"] == estimate_hf(
+    assert panel.data.peak_bytes == estimate_hf(
         "llama-3-8b", seq=4096, batch=1, precision="bf16", checkpointing="none", lora=lora,
         budget="A100-80GB", target="cuda").peak_bytes
 

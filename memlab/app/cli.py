@@ -597,7 +597,7 @@ def _check_measure(step: StepConfig, args: argparse.Namespace) -> None:
                          f"{args.device} there is none: use --device cuda, or drop it")
 
 
-def run(args: argparse.Namespace) -> Result:
+def run(args: argparse.Namespace) -> Result:  # noqa: C901 one branch per subcommand's output
     """Compute what a subcommand asks for: a :class:`MemoryReport` (estimate, simulate,
     measure), an :class:`~memlab.planning.advisor.Advice` (advise) or a
     :class:`~memlab.classroom.technique_table.Table` (report)."""

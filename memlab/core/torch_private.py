@@ -125,6 +125,8 @@ def memory_snapshot() -> dict:
     """The CUDA allocator's snapshot (``torch.cuda.memory._snapshot``): segments and traces.
 
     Checked: as :func:`record_memory_history`.
+
+    A dict because it is torch's own snapshot format (``torch.cuda.memory._snapshot``).
     """
     return torch.cuda.memory._snapshot()
 

@@ -133,6 +133,9 @@ def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq:
 
     Returns:
         :class:`PlanSearch`.
+
+    Over 80 lines because its docstring states the search's rules; the body, about 60 lines,
+    enumerates and prices the candidates.
     """
     name = card if isinstance(card, str) else card.name
     if name not in SPEEDS:
@@ -196,7 +199,7 @@ def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq:
     return out
 
 
-def _add_plan(out: PlanSearch, base: StepConfig, cfg: GPTConfig, card: str, prec: str, ckpt: str, m: int,
+def _add_plan(out: PlanSearch, base: StepConfig, cfg: GPTConfig, card: str, prec: str, ckpt: str, m: int,  # noqa: PLR0913 one candidate's dimensions, from search_plans' loops
               zero: int, off: str, t: int, p: int, rank_batch: int, world_size: int, usable_bytes: int,
               target) -> None:
     """Estimate and time one plan (``rank_batch`` sequences per data-parallel replica) and

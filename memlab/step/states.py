@@ -212,6 +212,9 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     DeepSpeed config with stage 0 runs). ``pinned=False`` counts host buffers at their own
     size (DeepSpeed's CPU accelerator does not pin). ``buckets`` (a :class:`ZeroBuckets`)
     replaces ``bucket_elements`` and ``pinned`` with a run config's sizes.
+
+    Over 80 lines because it is the layouts' table (plain PyTorch, DeepSpeed stages 0-3, offload),
+    one line per state and layout.
     """
     if buckets is None:
         buckets = ZeroBuckets(reduce=bucket_elements, prefetch=bucket_elements,

@@ -240,7 +240,10 @@ class StepConfig:
 
     def describe(self) -> dict:
         """The step as the JSON report's ``config``: every field, the model's name, its
-        config and parameter counts."""
+        config and parameter counts.
+
+        A dict because it is the JSON report's ``config``.
+        """
         cfg = self.model_config
         d = {k: v for k, v in asdict(self).items() if k not in ("model", "lora", "quantization")}
         d["model"] = cfg.name

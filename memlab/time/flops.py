@@ -324,6 +324,9 @@ def gpt_step_flops(cfg: GPTConfig, seq: int, batch: int, *, checkpointing: str |
 
     Returns:
         :class:`StepFlops` (``source="formula"``).
+
+    Over 80 lines because it is the FLOP count's closed form, one line per matmul and attention term
+    (module doc's rules).
     """
     ckpt = checkpointing or cfg.checkpointing
     if ckpt not in ("none", "full", "selective", "op"):

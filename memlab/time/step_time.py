@@ -657,7 +657,7 @@ def matmul_rate(cfg: GPTConfig | DecoderShape, tokens: int, *, tensor_parallel: 
     return flops / seconds
 
 
-def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None = None,
+def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None = None,  # noqa: PLR0913 keyword-only: the time lens's knobs, each documented
               tensor_parallel: int = 1, pipeline_parallel: int = 1,
               speeds: Speeds | None = None, calibration: Calibration | None = None,
               cpu_adam_params_per_s: float | None = None, engine: str | None = None,
@@ -668,6 +668,10 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
               qlora: bool = False, dequant: str = "bitsandbytes") -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.training_step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
+
+    Over 80 lines because its docstring documents each of the time lens's knobs; the body,
+    about 70 lines, sums the parts its helpers time (:func:`_adapter_seconds`,
+    :func:`_elementwise_parts`, :func:`_communication_seconds`, :func:`_offload_seconds`).
 
     Args:
         step: the step.
@@ -736,8 +740,8 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     sp = speeds or card_speeds(card)
     calibration = calibration if calibration is not None else load_calibration()
     dtype = compute_dtype(step)
-    rate = calibrated_rate(name, dtype, calibration) or sp.peak(dtype) * sp.achievable
-    large_gemm = rate  # what a large GEMM reaches, before the per-shape roofline below
+    large_gemm = calibrated_rate(name, dtype, calibration) or sp.peak(dtype) * sp.achievable
+    rate = large_gemm
     if card is not None and closed:
         # each GEMM under its roofline (gemm_seconds), at the large-GEMM rate found above
         rate = matmul_rate(step.model_config, step.seq * step.batch // step.micro_batches,
@@ -752,64 +756,28 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     seconds_per_flop = ((flops.total - flops.attention) / rate + flops.attention / attn_rate) / total
     compute = flops.model / share * seconds_per_flop
     recompute = flops.recompute / share * seconds_per_flop
-    adapters = None
     if lora_rank is not None and card is not None and closed:
-        # the adapters' FLOPs leave the matmuls' rate for their own roofline, plus QLoRA's dequantisation
-        adapters = adapter_time(step.model_config, step.seq * step.batch // step.micro_batches, lora_rank,
-                                lora_targets, checkpointing=step.checkpointing_used,
-                                peak=large_gemm / sp.achievable, achievable=sp.achievable, hbm=sp.hbm,
-                                elem_bytes=2 if dtype in ("bf16", "fp16") else 4, qlora=qlora, dequant=dequant)
-        m_b = step.micro_batches / share
-        compute += m_b * (adapters.seconds + adapters.dequant_bytes / sp.hbm
-                          - adapters.flops * seconds_per_flop)
-        recompute += m_b * (adapters.recompute_seconds + adapters.dequant_recompute_bytes / sp.hbm
-                            - adapters.recompute_flops * seconds_per_flop)
+        more, more_recompute = _adapter_seconds(step, sp, share, lora_rank, lora_targets, qlora=qlora,
+                                                dequant=dequant, peak=large_gemm / sp.achievable, dtype=dtype,
+                                                seconds_per_flop=seconds_per_flop)
+        compute, recompute = compute + more, recompute + more_recompute
     ew = elementwise or step_elementwise(step, target or ("cuda" if card is not None else "cpu"), deepspeed=on_ds)
     rates = elementwise_rates or calibrated_elementwise(name, dtype, calibration) or ElementwiseRates(sp.hbm)
-    per_byte = elementwise_seconds(ew, rates) / share / ew.bytes if ew.bytes else 0.0
-    extra = (0.0, 0.0)
-    if not sequence_parallel and t > 1 and elementwise is None and closed:
-        # without SP every TP rank runs the ops over the d-wide residual stream whole (norms,
-        # residual adds: outside TP's split, Korthikanti et al. 2022 sec. 4.2.1); the MLP's and
-        # attention's elementwise ops stay split over the TP ranks, as do the weights' casts
-        extra = ((t - 1) * ew.residual, (t - 1) * ew.residual_recompute)
-    recompute += (ew.recompute + extra[1]) * per_byte
-    elementwise_s = (ew.forward + ew.backward + extra[0]) * per_byte
-    gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else sp.pcie
-    comm_s = comm.gpu_bytes / gpu_link if comm.gpu_bytes else 0.0
-    tp_bytes = comm.by_kind.get("tensor-parallel all-reduces", 0.0)
-    if tp_bytes and sp.nvlink and t <= NODE_GPUS:
-        # TP's groups sit inside a node (Megatron-LM, Narayanan et al. 2021 sec. 3.2): NVLink
-        comm_s += tp_bytes / sp.nvlink - tp_bytes / gpu_link
-    overlap = "none"
-    if step.zero == 0 and not under_deepspeed(step.zero, step.offload):
-        dp_bytes = comm.by_kind.get("data-parallel all-reduce", 0.0)
-        dp_s = dp_bytes / gpu_link
-        backward = flops.backward / share / rate / (step.micro_batches if gradient_sync == "step" else 1)
-        comm_s = comm_s - dp_s + max(0.0, dp_s - backward)
-        overlap = "DDP overlaps its all-reduce with backward"
+    elementwise_s, elementwise_recompute = _elementwise_parts(
+        step, ew, rates, share, tensor_parallel=t, whole_sequence=not sequence_parallel and elementwise is None,
+        target=target or "cuda", on_ds=on_ds, closed=closed)
+    recompute += elementwise_recompute
+    comm_s, gpu_link, overlap = _communication_seconds(
+        step, comm, sp, t, backward=flops.backward / share / rate / (step.micro_batches if gradient_sync == "step"
+                                                                      else 1))
     m = step.micro_batches
     bubble = (p - 1) / m * (compute + recompute + elementwise_s) if p > 1 else 0.0
     eng = engine_time(step, sp.hbm, deepspeed=on_ds, hidden=compute + recompute + elementwise_s,
                       optimizer=optimizer, model_parallel=share)
     gpu = compute + recompute + elementwise_s + comm_s + bubble + eng.seconds
-    offload, bound = 0.0, "gpu"
-    if step.offload != "none":
-        cal_adam = calibration.cpu_adam_params_per_s if calibration is not None else None
-        adam_rate = cpu_adam_params_per_s or cal_adam or CPU_ADAM_PARAMS_PER_S
-        n = step.world_size // share
-        shard = step.model_config.num_params() / share / n
-        pcie_s = comm.pcie_bytes / sp.pcie
-        adam_s = shard / adam_rate
-        if on_ds:
-            # DeepSpeed's step() runs the host's Adam, then sends the weights up, after backward
-            # (stage_1_and_2.py:3078-3097; no delayed parameter update configured): in series
-            offload = pcie_s + adam_s
-            bound = "cpu adam" if adam_s >= max(gpu, pcie_s) else ("pcie" if pcie_s >= gpu else "gpu")
-        else:
-            slowest = max(gpu, pcie_s, adam_s)
-            bound = "gpu" if slowest == gpu else ("pcie" if slowest == pcie_s else "cpu adam")
-            offload = slowest - gpu
+    offload, bound = _offload_seconds(step, comm, sp, gpu, share, on_ds=on_ds, adam_rate=(
+        cpu_adam_params_per_s or (calibration.cpu_adam_params_per_s if calibration is not None else None)
+        or CPU_ADAM_PARAMS_PER_S))
     seconds = gpu + offload
     tokens = step.seq * step.batch * (step.world_size // share)  # the data-parallel replicas' tokens
     peak_all = sp.peak(dtype) * step.world_size
@@ -824,6 +792,77 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
             f"bubble (p-1)/m")
     return StepTime(flops, seconds, parts, tokens / seconds if seconds > 0 else None, mfu, name, bound,
                     comm, rule, ew)
+
+
+def _adapter_seconds(step, sp: Speeds, share: int, lora_rank: int, lora_targets, *, qlora: bool, dequant: str,
+                     peak: float, dtype: str, seconds_per_flop: float) -> tuple[float, float]:
+    """Seconds LoRA's adapters add per rank, outside recomputation and inside it: their FLOPs
+    leave the matmuls' rate (``seconds_per_flop``) for their own roofline
+    (:func:`adapter_time`, at the large-GEMM ``peak``), plus QLoRA's dequantisation bytes."""
+    adapters = adapter_time(step.model_config, step.seq * step.batch // step.micro_batches, lora_rank,
+                            lora_targets, checkpointing=step.checkpointing_used,
+                            peak=peak, achievable=sp.achievable, hbm=sp.hbm,
+                            elem_bytes=2 if dtype in ("bf16", "fp16") else 4, qlora=qlora, dequant=dequant)
+    m_b = step.micro_batches / share
+    return (m_b * (adapters.seconds + adapters.dequant_bytes / sp.hbm - adapters.flops * seconds_per_flop),
+            m_b * (adapters.recompute_seconds + adapters.dequant_recompute_bytes / sp.hbm
+                   - adapters.recompute_flops * seconds_per_flop))
+
+
+def _elementwise_parts(step, ew: ElementwiseWork, rates: ElementwiseRates, share: int, *, tensor_parallel: int,
+                       whole_sequence: bool, target: str, on_ds: bool, closed: bool) -> tuple[float, float]:
+    """Seconds of the step's elementwise work per rank, outside recomputation and inside it.
+
+    ``whole_sequence``: without sequence parallelism every TP rank runs the ops over the d-wide
+    residual stream whole (norms, residual adds: outside TP's split, Korthikanti et al. 2022
+    sec. 4.2.1), ``tensor_parallel - 1`` more times; the MLP's and attention's elementwise ops
+    stay split over the TP ranks, as do the weights' casts. ``closed``: ``ew`` is a closed form
+    (memlab's GPT or a decoder's shape), which tells the residual stream's bytes apart.
+    """
+    t = tensor_parallel
+    per_byte = elementwise_seconds(ew, rates) / share / ew.bytes if ew.bytes else 0.0
+    extra = (0.0, 0.0)
+    if whole_sequence and t > 1 and closed:
+        extra = ((t - 1) * ew.residual, (t - 1) * ew.residual_recompute)
+    return (ew.forward + ew.backward + extra[0]) * per_byte, (ew.recompute + extra[1]) * per_byte
+
+
+def _communication_seconds(step, comm, sp: Speeds, tensor_parallel: int, *,
+                           backward: float) -> tuple[float, float, str]:
+    """Seconds the step's collectives take on the GPUs' link, the link's bytes/s, and what
+    overlaps them: NVLink inside a node (and for TP's groups, which sit inside one: Megatron-LM,
+    Narayanan et al. 2021 sec. 3.2), else PCIe; DDP hides its all-reduce behind ``backward``
+    seconds (plain PyTorch without ZeRO)."""
+    gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else sp.pcie
+    comm_s = comm.gpu_bytes / gpu_link if comm.gpu_bytes else 0.0
+    tp_bytes = comm.by_kind.get("tensor-parallel all-reduces", 0.0)
+    if tp_bytes and sp.nvlink and tensor_parallel <= NODE_GPUS:
+        comm_s += tp_bytes / sp.nvlink - tp_bytes / gpu_link
+    overlap = "none"
+    if step.zero == 0 and not under_deepspeed(step.zero, step.offload):
+        dp_s = comm.by_kind.get("data-parallel all-reduce", 0.0) / gpu_link
+        comm_s = comm_s - dp_s + max(0.0, dp_s - backward)
+        overlap = "DDP overlaps its all-reduce with backward"
+    return comm_s, gpu_link, overlap
+
+
+def _offload_seconds(step, comm, sp: Speeds, gpu: float, share: int, *, on_ds: bool,
+                     adam_rate: float) -> tuple[float, str]:
+    """Seconds offloading adds to ``gpu`` seconds of device work, and what bounds the step.
+
+    DeepSpeed's step() runs the host's Adam (``adam_rate`` parameters/s), then sends the weights
+    up, after backward (stage_1_and_2.py:3078-3097; no delayed parameter update configured): in
+    series. Otherwise the slowest of the GPU, PCIe and the host's Adam bounds the step."""
+    if step.offload == "none":
+        return 0.0, "gpu"
+    shard = step.model_config.num_params() / share / (step.world_size // share)
+    pcie_s = comm.pcie_bytes / sp.pcie
+    adam_s = shard / adam_rate
+    if on_ds:
+        bound = "cpu adam" if adam_s >= max(gpu, pcie_s) else ("pcie" if pcie_s >= gpu else "gpu")
+        return pcie_s + adam_s, bound
+    slowest = max(gpu, pcie_s, adam_s)
+    return slowest - gpu, "gpu" if slowest == gpu else ("pcie" if slowest == pcie_s else "cpu adam")
 
 
 def report_time(step, card: Card | None, *, flops: StepFlops | None = None,
