@@ -46,13 +46,7 @@ def _measured(name: str, prec: str, dropout: float):
     return model, track_step(lambda: step(model, opt), model=model, optimizer=opt)
 
 
-#: bf16 steps whose real peak is the loss forward, where the estimate is low (issue 36: open)
-LOSS_FORWARD_GAP = pytest.mark.xfail(strict=True, reason=(
-    "estimate_hf misses forward-only bytes of these families at the loss forward (~t x d x 16 B on qwen3, "
-    "independent of the vocabulary), which a 16-bit logits term at the log-softmax backward hid until the "
-    "real step showed that term absent (tests/test_hf_simulate_run.py)"))
-CASES = [pytest.param(n, p, d, marks=LOSS_FORWARD_GAP) if p == "bf16" and n in ("qwen3", "gemma3", "phi3")
-         else (n, p, d) for n in CONFIGS for p in ("fp32", "bf16") for d in (0.0, 0.1)]
+CASES = [(n, p, d) for n in CONFIGS for p in ("fp32", "bf16") for d in (0.0, 0.1)]
 
 
 @pytest.mark.parametrize("name,prec,dropout", CASES)

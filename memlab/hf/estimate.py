@@ -94,6 +94,15 @@ def _norm(z: Sizes, s: DecoderShape, rows: int, width: int, in_bytes: int, input
     return _rms(z, rows, width, in_bytes, s.norm, input_counted, frozen)
 
 
+def _norm_input(s: DecoderShape, rows: int, width: int, in_bytes: int) -> int:
+    """The residual stream a norm reads, as the norm keeps it: GPT-2's LayerNorm kernel saves
+    it; an HF RMSNorm saves only ``x.float()`` (``modeling_llama.py`` ``LlamaRMSNorm.forward``:
+    ``pow`` and the ``rsqrt`` multiply read the fp32 copy, counted by :func:`_rms`), which is
+    the input itself when it is fp32, a new tensor when it is 16-bit (pure bf16, a QLoRA base in
+    its compute dtype): then nothing keeps the 16-bit input (a residual add saves nothing)."""
+    return rows * width * in_bytes if s.norm == "layer" or in_bytes == 4 else 0
+
+
 def _mask_bytes(z: Sizes, elem: int) -> int:
     """A dropout mask per element: the CUDA kernel's bool mask, CPU's mask in the input's dtype
     (``input * noise / (1 - p)``, ``Dropout.cpp``)."""
@@ -130,6 +139,12 @@ def adapter_saved(z: Sizes, ad: Adapters, t: int, width: int, in_bytes: int, cou
     elif not input_saved:
         n += t * width * src
     return n
+
+
+def sdpa_masked(s: DecoderShape, i: int, seq: int) -> bool:
+    """Whether layer ``i``'s SDPA call gets a mask tensor: a sliding-window layer over a sequence
+    longer than its window (a causal mask alone is SDPA's ``is_causal``)."""
+    return i in s.sliding_layers and seq > (s.window or seq)
 
 
 def attention_path(s: DecoderShape, z: Sizes, batch: int, seq: int, attention: str | None) -> str:
@@ -215,7 +230,7 @@ def layer_activations(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int, p
     ly = _Layer(s, z, i, t, adapters)
     frozen = ly.frozen
     attn_grad = grad_in or ly.adapted(*ATTENTION_INPUTS)
-    n = (t * d * r + _norm(z, s, t, d, r, frozen=frozen)) if grad_in else 0.0  # the input, its norm
+    n = (_norm_input(s, t, d, r) + _norm(z, s, t, d, r, frozen=frozen)) if grad_in else 0.0  # the input, its norm
     normed = r  # the norm's output is in the residual's dtype (Gemma's: cast back by type_as)
     n += _attention_inputs(ly, normed, grad_in, attn_grad)
     core, o_in, o_in_saved = _attention_core(s, z, i, batch, seq, path)
@@ -233,9 +248,9 @@ def layer_activations(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int, p
     if s.norms_per_layer == 4:
         if branch_grad:  # post-attention norm
             n += _norm(z, s, t, d, c, input_counted=c == 4, frozen=frozen) + (t * d * c if c == 4 else 0)
-        n += (t * d * r + _norm(z, s, t, d, r, frozen=frozen)) if mid_grad else 0  # the sum, the pre-MLP norm
+        n += (_norm_input(s, t, d, r) + _norm(z, s, t, d, r, frozen=frozen)) if mid_grad else 0  # the sum, its norm
     elif mid_grad:
-        n += t * d * r + _norm(z, s, t, d, r, frozen=frozen)  # the residual sum, the post-attention norm
+        n += _norm_input(s, t, d, r) + _norm(z, s, t, d, r, frozen=frozen)  # the residual sum, its norm
     # ---- MLP or experts
     if i in s.moe_layers:
         n += moe_activations(s, z, t, normed, ep, imbalance, frozen) if mid_grad else 0.0
@@ -308,12 +323,16 @@ def _attention_core(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int,
             core += hs * 4 + hs * 4                 # the mask (CPU: fp32) and dropped probabilities
         o_in, o_in_saved = t * a * vd * c, False    # o_proj's input (a contiguous copy)
     else:
-        core += t * s.q_dim * c + 2 * t * s.kv_dim * c + t * s.q_dim * c  # q, k, v and the output (o_proj's input)
+        # k and v as SDPA reads them: each kv head once (enable_gqa), or repeated to every query
+        # head where a mask is passed (transformers' sdpa_attention.py use_gqa_in_sdpa: masked
+        # GQA takes repeat_kv)
+        kv_read = t * a * (hd + vd) * c if sdpa_masked(s, i, seq) and s.kv_heads < a else 2 * t * s.kv_dim * c
+        core += t * s.q_dim * c + kv_read + t * s.q_dim * c  # q, k, v and the output (o_proj's input)
         o_in, o_in_saved = 0, True
         if s.fused_qkv:
             o_in, o_in_saved = t * s.q_dim * c, False  # q sliced from the fused output: copied for o_proj
         core += sdpa_lse_bytes(path if path != "cpu_flash" else "flash", batch, a, seq)
-    if path != "eager" and i in s.sliding_layers and seq > s.window:
+    if path != "eager" and sdpa_masked(s, i, seq):
         core += batch * seq * seq * c  # the sliding window's mask, a tensor SDPA keeps (not is_causal)
     return core, o_in, o_in_saved
 
@@ -401,7 +420,7 @@ def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool
         cached = sum(r * c for r, c in adapter_shapes(s, ad))  # the adapters' cached casts
         copies = ((base if not full else 0) * z.c + head_copy + cached * z.c) if z.auto else 0
     embed = (t * D * s.embd_dropout and t * D * _mask_bytes(z, z.r)) if not frozen else 0
-    final = _norm(z, s, t, D, z.r, frozen=frozen) + t * D * z.r
+    final = _norm(z, s, t, D, z.r, frozen=frozen) + _norm_input(s, t, D, z.r)
     head_in = 0 if frozen or chunked else (_linear_inputs(z, t, D, 1, z.r) or t * D * z.r)
     head_in += 4 * t if chunked else 0  # linear_cross_entropy's log-sum-exp
     # the token ids the embedding keeps (for its weight's gradient); the rotary table the first layer's rope keeps
@@ -412,6 +431,50 @@ def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool
     if s.final_softcap:
         A += t * V * z.c  # tanh's output of the logits' softcap
     return A, layers, embed, dense_w
+
+
+def output_held(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, frozen: bool, full: bool,
+                chunked: bool) -> float:
+    """Bytes the model's output holds at the loss forward that no backward saves, gone with
+    the output before backward (``transformers`` 5.23, read in the installed package):
+
+    * ``last_hidden_state``: the final norm's output (``modeling_qwen3.py`` ``Qwen3Model.forward``
+      line 415 returns it; ``Qwen3ForCausalLM.forward`` keeps ``outputs`` through the loss, line
+      485), saved by no one when the head reads a cast copy of it (autocast) or keeps no input
+      (a frozen head under LoRA).
+    * the KV cache: ``use_cache`` is the config's (True by default) and a training forward
+      without checkpointing builds a ``DynamicCache`` (``modeling_qwen3.py`` line 375;
+      checkpointing turns it off, ``modeling_layers.py`` line 98); each layer's ``update``
+      concatenates its keys and values into new tensors (``cache_utils.py`` lines 136-137;
+      the sliding window's full states, lines 242-243, kept through its slices). The cache
+      takes the keys' dtype (``lazy_initialization``, line 114): fp32 under autocast over an
+      fp32 residual once rope (fp32 ``cos``/``sin``) has run, and ``torch.cat`` promotes the
+      values to it. A cache
+      tensor the attention saves as it is costs nothing more: SDPA's fused kernels save it when
+      its dtype is the compute dtype; the eager path's ``repeat_kv`` returns it unrepeated when
+      every head has its own; the ``math`` composite scales k (and upcasts a 16-bit v).
+      DeepSeek's MLA caches its latent (``kv_a_layernorm``'s output, which ``kv_b_proj`` saves
+      when its dtype is the compute dtype and the weight trains) and the rope key (expanded to
+      every head, so never saved as cached): ``modeling_deepseek_v3.py`` lines 444-459.
+    """
+    t, n = batch * seq, 0.0
+    if not chunked and (frozen or _linear_inputs(z, t, s.d, 1, z.r)):
+        n += t * s.d * z.r
+    if not s.use_cache or full:
+        return n
+    # the keys' dtype: rope's fp32 under autocast over an fp32 residual (``cos``/``sin`` take the
+    # residual's dtype, modeling_llama.py line 116), else the projections'
+    elem = 4 if z.auto and z.r == 4 and not s.positions else z.c
+    if s.kv_lora_rank is not None:
+        latent_saved = elem == z.c and not frozen
+        return n + s.n_layer * t * elem * (s.kv_lora_rank * (not latent_saved) + s.qk_rope_dim)
+    mha = s.kv_heads == s.heads
+    for i in range(s.n_layer):
+        fused = path not in ("eager", "math") and (mha or not sdpa_masked(s, i, seq))  # else repeat_kv's copies
+        k_as_is = elem == z.c and (fused or (path == "eager" and mha))
+        v_as_is = elem == z.c and (fused or (mha and (path == "eager" or elem == 4)))
+        n += t * elem * s.kv_heads * (s.head_dim * (not k_as_is) + s.v_head_dim * (not v_as_is))
+    return n
 
 
 def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
@@ -599,7 +662,8 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     moment, best = _peak_moment(s, z, t, A=A, layers=layers, embed=embed, dense_w=dense_w, G=G, G_prev=G_prev,
                                 held=held, late=late, head_grad=head_grad, gathered=gathered, scratch=scratch,
                                 full=full, trains_base=trains_base, chunk=loss_chunk if chunked else None,
-                                largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None)
+                                largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None,
+                                out_held=output_held(s, z, batch, seq, path, ad is not None, full, chunked))
     cats = dict.fromkeys(CATEGORIES, 0.0)
     cats.update(parameters=P, optimizer=opt, other=16 * t, workspace=tgt.resident_workspace(), **best)
     # the attention's backward workspace and a 4-bit weight dequantised live only while a layer's
@@ -645,7 +709,8 @@ def _largest_matrix(s: DecoderShape) -> int:
 def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
                  dense_w: float, G: float, G_prev: float, held: float, late: float, head_grad: float,
                  gathered: float, scratch: float, full: bool, trains_base: bool,
-                 chunk: int | None = None, largest_grad: float | None = None) -> tuple[str, dict]:
+                 chunk: int | None = None, largest_grad: float | None = None,
+                 out_held: float = 0.0) -> tuple[str, dict]:
     """The moment of the step whose bytes are largest, and its categories: the loss
     (HF's ``ForCausalMLoss``: ``logits.float()``, then cross-entropy in fp32; or, with a
     ``chunk``, :func:`memlab.models.chunked_loss.chunked_loss_bytes`' two moments), the head's
@@ -662,7 +727,7 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     # autocast's cache keeps every trained weight's 16-bit cast until the forward's autocast
     # region closes, after the loss: under checkpointing nothing else keeps them
     cache = dense_w * z.c if z.auto and full and trains_base else 0
-    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered + cache,
+    m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered + cache + out_held,
                               gradients=G_prev + held),
          # the 16-bit logits went with the model's output; the fp32 gradients of the loss and of the
          # log-softmax are live (measured: tests/test_hf_simulate_run.py)
@@ -705,5 +770,5 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     return max(m.items(), key=lambda kv: sum(kv[1].values()))
 
 
-__all__ = ["NORM_BACKWARD_TEMPORARIES", "Sizes", "adapter_saved", "attention_path", "check_run",
-           "forward_activations", "layer_activations", "moe_activations", "estimate_hf", "estimate_run"]
+__all__ = ["NORM_BACKWARD_TEMPORARIES", "Sizes", "adapter_saved", "attention_path", "check_run", "output_held",
+           "sdpa_masked", "forward_activations", "layer_activations", "moe_activations", "estimate_hf", "estimate_run"]

@@ -72,7 +72,8 @@ def decoder_shape(cfg: dict | str | pathlib.Path) -> DecoderShape:
                             o_bias=True, fused_qkv=True, mlp="gelu_new", mlp_bias=True,
                             positions=_need(cfg, "n_positions"),
                             attn_dropout=cfg.get("attn_pdrop", 0.1), resid_dropout=cfg.get("resid_pdrop", 0.1),
-                            embd_dropout=cfg.get("embd_pdrop", 0.1), context=context_length(given))
+                            embd_dropout=cfg.get("embd_pdrop", 0.1), context=context_length(given),
+                            use_cache=bool(cfg.get("use_cache", True)))
     d, heads = _need(cfg, "hidden_size"), _need(cfg, "num_attention_heads")
     kv = cfg.get("num_key_value_heads") or heads
     hd = cfg.get("head_dim") or d // heads
@@ -86,7 +87,7 @@ def decoder_shape(cfg: dict | str | pathlib.Path) -> DecoderShape:
         if (cfg.get(field) or 0) > 0 and not (kind == "phi3" or field == "attention_dropout"):
             raise _refuse(cfg, field, "dropout is counted for GPT-2 and Phi-3")
     gemma = kind.startswith("gemma")
-    common = dict(context=context_length(given),
+    common = dict(context=context_length(given), use_cache=bool(cfg.get("use_cache", True)),
                   norm="gemma" if gemma else "rms", norms_per_layer=4 if kind in ("gemma2", "gemma3_text") else 2,
                   qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
                   qkv_bias=bool(cfg.get("attention_bias", kind == "qwen2")) or kind == "qwen2",

@@ -64,6 +64,7 @@ class DecoderShape:
     expert_bias: bool = False
     gate: str = "glu"       # "glu" (act(gate) * up) or "clamped_glu" (gpt-oss)
     context: int | None = None  # the longest sequence the config allows (None: not bounded)
+    use_cache: bool = True  # the config's use_cache: a training forward builds a DynamicCache
 
     @property
     def q_dim(self) -> int:
