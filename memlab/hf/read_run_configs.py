@@ -748,6 +748,15 @@ def read_lora_config(path: str | pathlib.Path | dict, cfg: GPTConfig | tuple[str
                     alpha=d.get("lora_alpha"))
 
 
+def trainer_precision(bf16, fp16) -> str:
+    """The precision of TrainingArguments' ``bf16`` and ``fp16`` flags: ``"bf16"``, ``"fp16"`` or
+    ``"fp32"`` (neither: no autocast); both on is refused, as TrainingArguments refuses it
+    (transformers 5 ``training_args.py``: "At most one of fp16 and bf16 can be True")."""
+    if bf16 and fp16:
+        raise InputError("--training-args sets bf16 and fp16; allowed: one of them")
+    return "bf16" if bf16 else "fp16" if fp16 else "fp32"
+
+
 #: TrainingArguments (and TRL SFTConfig) fields the step is read from
 MODELLED = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16",
             "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_checkpointing",
@@ -1054,9 +1063,7 @@ def read_training_args(path: str | pathlib.Path | dict) -> TrainingRun:
     if micro < 1 or accumulation < 1:
         raise InputError(f"--training-args per_device_train_batch_size={micro}, gradient_accumulation_steps="
                          f"{accumulation}; allowed: positive integers")
-    if get("bf16") and get("fp16"):
-        raise InputError("--training-args sets bf16 and fp16; allowed: one of them")
-    precision = "bf16" if get("bf16") else "fp16" if get("fp16") else "fp32"
+    precision = trainer_precision(get("bf16"), get("fp16"))
     if launcher == "trainer":
         lora, quant, attention, trl_notes = _trl_model_args(d, precision)
         notes.append("read by the Trainer's rules (TrainingArguments; TRL's ModelConfig fields "
@@ -1120,4 +1127,5 @@ def read_training_args(path: str | pathlib.Path | dict) -> TrainingRun:
 __all__ = ["DeepSpeedRun", "LoraSpec", "TrainingRun", "HIDDEN_AUTO", "DS_PRECISIONS", "MODELLED",
            "load_file", "resolve_auto", "read_deepspeed", "read_lora_config", "lora_targets_for",
            "read_training_args", "LAUNCHERS", "TRL_MODEL_ARGS", "launcher_of", "is_accelerate_config",
-           "accelerate_precision", "AccelerateRun", "read_accelerate", "PLAIN_ZERO", "PLAIN_OFFLOAD", "plain_reading"]
+           "accelerate_precision", "AccelerateRun", "read_accelerate", "PLAIN_ZERO", "PLAIN_OFFLOAD", "plain_reading",
+           "trainer_precision"]
