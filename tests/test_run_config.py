@@ -227,3 +227,87 @@ def test_bucket_sizes_change_a_real_deepspeed_run_as_the_estimate_says(tmp_path,
     accounted = out[2**22][1]["allocator"]["comm_buffers"] - out[2**20][1]["allocator"]["comm_buffers"]
     assert est == accounted == 4 * (2**22 - 2**20)
     assert real == pytest.approx(est, rel=0.05)
+
+
+def _plain_cases() -> list[dict]:
+    """Configs read from the JSON alone: the curriculum's, memlab's writer's at every stage and
+    offload, the benchmark's, and ones that set ZeRO fields away from DeepSpeed's defaults."""
+    cases = [json.loads(open(CURRICULUM).read()),
+             {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 2}},
+             {"train_micro_batch_size_per_gpu": 3, "zero_optimization": {
+                 "stage": 3, "overlap_comm": None, "reduce_bucket_size": 5e8, "stage3_max_reuse_distance": 10,
+                 "allgather_bucket_size": 7, "stage3_prefetch_bucket_size": 1000}},
+             {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+                 "stage": 1, "contiguous_gradients": False, "overlap_comm": True,
+                 "offload_optimizer": {"device": "cpu", "pin_memory": False}}}]
+    for zero, offload in ((0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "all")):
+        for precision in ("fp32", "bf16"):
+            cases.append(deepspeed_config(StepConfig(zero=zero, offload=offload, world_size=2, batch=4,
+                                                     micro_batches=2, precision=precision)))
+    return cases
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_plain_config_reads_as_deepspeed_reads_it(world_size):
+    """The JSON reading (run_config.plain_reading) is DeepSpeed's own: each config, on 1 and 2
+    ranks, gives the same DeepSpeedRun (stage, offload, precision, batch sizes DeepSpeed derives,
+    bucket sizes with its defaults, the notes of fields away from its defaults) as
+    DeepSpeedConfig, or the same refusal in the same words."""
+    plain = 0
+    for config in _plain_cases():
+        runs = []
+        for via in (False, True):
+            try:
+                runs.append(run_config.read_deepspeed(json.loads(json.dumps(config)), world_size=world_size,
+                                                      hidden_size=64, via_deepspeed=via))
+            except InputError as e:
+                runs.append(str(e))
+        assert runs[0] == runs[1], config
+        try:
+            plain += run_config.plain_reading(config, world_size) is not None
+        except InputError:
+            plain += 1
+    assert plain == len(_plain_cases())  # each was read without DeepSpeed
+
+
+@pytest.mark.parametrize("config", [
+    {"train_batch_size": 8, "gradient_accumulation_steps": 3},
+    {"gradient_accumulation_steps": 2},
+    {"train_batch_size": 1, "gradient_accumulation_steps": 1},
+    {"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}},
+    {"train_batch_size": 8, "zero_optimization": {"stage": 5}},
+    {"train_batch_size": 8, "zero_optimization": {"stage": 2, "reduce_bucket_size": 0}},
+])
+def test_a_refused_config_is_refused_in_deepspeeds_words_either_way(config):
+    """DeepSpeed's batch rule (runtime/config.py _batch_assertion, written once in
+    write_deepspeed_config.deepspeed_batch_sizes), its fp16-with-bf16 assertion and its pydantic
+    refusals (read by DeepSpeed itself: plain_reading leaves them to it) say the same words."""
+    words = []
+    for via in (False, True):
+        with pytest.raises(InputError) as e:
+            run_config.read_deepspeed(config, world_size=2, hidden_size=64, via_deepspeed=via)
+        words.append(str(e.value))
+    assert words[0] == words[1] and words[0].startswith("DeepSpeed rejects this config: ")
+
+
+def test_plain_zero_fields_are_deepspeeds_own():
+    """Each ZeRO field the JSON reading knows has DeepSpeedZeroConfig's alias and default, in the
+    class's order, and the offload sections' defaults are its offload configs' (a DeepSpeed
+    upgrade that moves one fails here)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
+    fields, default = DeepSpeedZeroConfig.model_fields, DeepSpeedZeroConfig()
+    assert list(run_config.PLAIN_ZERO) == [n for n in fields if n in run_config.PLAIN_ZERO]
+    for name, (alias, value, _) in run_config.PLAIN_ZERO.items():
+        assert fields[name].alias == alias, name
+        want = getattr(default, name) if name != "overlap_comm" else fields[name].default
+        assert value == want, name
+    for name, cls in (("offload_optimizer", DeepSpeedZeroOffloadOptimizerConfig),
+                      ("offload_param", DeepSpeedZeroOffloadParamConfig)):
+        sec = cls()
+        for key, value in run_config.PLAIN_OFFLOAD[name].items():
+            assert str(getattr(getattr(sec, key), "value", getattr(sec, key))) == str(value), (name, key)

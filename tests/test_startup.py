@@ -47,14 +47,20 @@ def _imported(runs: list[list[str]], watch: tuple[str, ...]) -> list[str]:
 
 def test_estimate_of_a_shipped_config_imports_no_hf_library(tmp_path):
     """estimate --hf-config, alone, with --training-args (YAML), with LoRA on a 4-bit base, and
-    of a config whose check needs its class's defaults (Mixtral), never imports transformers,
-    DeepSpeed, peft or bitsandbytes (seconds each). (--deepspeed still does: the file is read
-through DeepSpeed's own DeepSpeedConfig, its validation.)"""
+    of a config whose check needs its class's defaults (Mixtral), and with a --deepspeed JSON
+    (the benchmark's and the curriculum's, read from the JSON by DeepSpeed's rules:
+    read_run_configs.plain_reading), never imports transformers, DeepSpeed, peft or bitsandbytes
+    (seconds each)."""
     ta = tmp_path / "args.yaml"
     ta.write_text("per_device_train_batch_size: 2\ngradient_accumulation_steps: 4\nbf16: true\n")
+    ds = tmp_path / "ds_config.json"
+    ds.write_text('{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, '
+                  '"bf16": {"enabled": true}, "zero_optimization": {"stage": 2}}')
+    curriculum = str(ROOT / "memlab" / "data" / "deepspeed" / "curriculum.json")
     base = ["estimate", "--hf-config", "mistral-7b"]
     runs = [base, [*base, "--training-args", str(ta)], [*base, "--lora-rank", "16", "--load-in-4bit"],
-            ["estimate", "--hf-config", "mixtral-8x7b"]]
+            ["estimate", "--hf-config", "mixtral-8x7b"], [*base, "--deepspeed", str(ds), "--world-size", "2"],
+            [*base, "--deepspeed", curriculum, "--world-size", "2"]]
     assert _imported(runs, HEAVY) == []
 
 

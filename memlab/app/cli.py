@@ -665,8 +665,6 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
     :func:`memlab.hf.estimate.estimate_hf` or :func:`memlab.hf.simulate.simulate_hf`."""
     if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
         raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
-    from memlab.hf.estimate import estimate_hf
-    from memlab.hf.simulate import simulate_hf
     if getattr(args, "training_args", None) is not None:
         from memlab.hf import post_training
         from memlab.hf import read_run_configs as run_config
@@ -682,7 +680,10 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
             report.notes.extend(lora_notes)
             return report
     run, notes = _hf_run(args)
-    lens = estimate_hf if args.command == "estimate" else simulate_hf
+    if args.command == "estimate":  # the simulation's modules (the tracker, transformers' glue) only for it
+        from memlab.hf.estimate import estimate_hf as lens
+    else:
+        from memlab.hf.simulate import simulate_hf as lens
     report = lens(args.hf_config, budget=budget, target=target, **run)
     report.notes.extend(notes)
     return report

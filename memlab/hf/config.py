@@ -32,7 +32,7 @@ import torch
 
 from memlab.core.errors import InputError
 from memlab.core.torch_private import FakeTensor, parse_to
-from memlab.hf.config_check import check_config
+from memlab.hf.config_check import check_config, expert_count, field_value
 from memlab.models.chunked_loss import linear_cross_entropy
 from memlab.models.gpt_unet import GPTConfig
 from memlab.step.optimizer_in_backward import OptimizerInBackward
@@ -105,7 +105,7 @@ def context_length(cfg: dict | str | pathlib.Path) -> int:
     A factor without the original context is not applied: Gemma 3 and Llama 3.1 already give
     the stretched length as ``max_position_embeddings``."""
     cfg = load_config(cfg)
-    context = int(_get(cfg, "max_position_embeddings", "n_positions"))
+    context = int(field_value(cfg, "max_position_embeddings", "n_positions"))
     rope = rope_parameters(cfg)
     if rope.get("original_max_position_embeddings") and rope.get("factor"):
         context = max(context, int(rope["factor"] * rope["original_max_position_embeddings"]))
@@ -124,7 +124,7 @@ def check_seq(cfg: dict, seq: int | None) -> None:
 def is_moe(cfg: dict) -> bool:
     """Whether the config routes tokens to experts (any of the fields transformers' mixtures
     of experts use for the number of routed experts)."""
-    return any((cfg.get(k) or 0) > 1 for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    return expert_count(cfg) > 1
 
 
 #: How the simulation routes tokens, said in every mixture-of-experts report.
@@ -178,13 +178,6 @@ def attn_implementation(conf, attention: str | None) -> str:
     return "sdpa"
 
 
-def _get(cfg: dict, *names: str):
-    for n in names:
-        if cfg.get(n) is not None:
-            return cfg[n]
-    raise InputError(f"config.json of model_type {cfg['model_type']!r} lacks {names[0]!r}")
-
-
 def maps_to_gpt(cfg: dict | str | pathlib.Path) -> bool:
     """Whether :func:`gpt_config` maps the config to memlab's GPT (a family it knows, with
     ``head_dim`` equal to ``hidden_size / num_attention_heads``)."""
@@ -209,16 +202,16 @@ def gpt_config(cfg: dict | str | pathlib.Path, seq: int | None = None) -> GPTCon
     check_seq(cfg, seq)
     name = cfg.get("_name_or_path") or (cfg.get("architectures") or [kind])[0]
     if kind == "gpt2":
-        return GPTConfig(n_layer=_get(cfg, "n_layer"), n_head=_get(cfg, "n_head"),
-                         d_model=_get(cfg, "n_embd"), vocab_size=_get(cfg, "vocab_size"),
+        return GPTConfig(n_layer=field_value(cfg, "n_layer"), n_head=field_value(cfg, "n_head"),
+                         d_model=field_value(cfg, "n_embd"), vocab_size=field_value(cfg, "vocab_size"),
                          block_size=context, mlp_hidden=cfg.get("n_inner"), name=name)
-    d, heads = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
+    d, heads = field_value(cfg, "hidden_size"), field_value(cfg, "num_attention_heads")
     if cfg.get("head_dim") not in (None, d // heads):
         raise InputError(f"head_dim={cfg['head_dim']} differs from hidden_size/num_attention_heads "
                          f"= {d // heads}; memlab's GPT needs them equal (use simulate)")
-    return GPTConfig(n_layer=_get(cfg, "num_hidden_layers"), n_head=heads, d_model=d,
-                     vocab_size=_get(cfg, "vocab_size"), block_size=seq or context, mlp="swiglu",
-                     mlp_hidden=_get(cfg, "intermediate_size"), norm="rmsnorm", position="rope",
+    return GPTConfig(n_layer=field_value(cfg, "num_hidden_layers"), n_head=heads, d_model=d,
+                     vocab_size=field_value(cfg, "vocab_size"), block_size=seq or context, mlp="swiglu",
+                     mlp_hidden=field_value(cfg, "intermediate_size"), norm="rmsnorm", position="rope",
                      bias=False, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                      name=name, n_kv_head=cfg.get("num_key_value_heads") or heads,
                      qkv_bias=True if kind == "qwen2" else bool(cfg.get("attention_bias", False)),

@@ -101,6 +101,9 @@ FIELDS: tuple[Field, ...] = (
     Field(("rope_parameters",), "rope"),
 )
 BY_NAME = {f.name: f for f in FIELDS}
+#: The spellings of a mixture of experts' routed-expert count (Qwen3-MoE's ``num_experts``,
+#: Mixtral's and gpt-oss's ``num_local_experts``, DeepSeek-V3's ``n_routed_experts``).
+EXPERT_FIELDS = BY_NAME["num_experts"].names
 #: model_types whose every left-out field, given the core ones, is computed from the fields
 #: given, not a fixed default of the class, once these are present too: their estimate needs
 #: no ``transformers`` import (tests/test_hf_config_check.py checks this against the classes).
@@ -207,6 +210,21 @@ def given_fields(cfg: dict) -> dict:
         if spelled:
             given[f.name] = spelled[0][1]
     return given
+
+
+def expert_count(cfg: dict) -> int:
+    """The routed experts a config names under any of :data:`EXPERT_FIELDS` (0 for a dense
+    model; :func:`given_fields` refuses two spellings that disagree)."""
+    return max((cfg.get(k) or 0) for k in EXPERT_FIELDS)
+
+
+def field_value(cfg: dict, *names: str, hint: str = ""):
+    """The value of the first of ``names`` the config sets (not null); a config without any
+    of them is refused, naming the first (``hint`` is added to the message: what to use instead)."""
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    raise InputError(f"config.json of model_type {cfg['model_type']!r} lacks {names[0]!r}" + hint)
 
 
 def _divisors(n: int) -> str:
@@ -462,6 +480,7 @@ def _construct(kind: str, cfg: dict, cls):
                          f"the fields and values {cls.__name__} accepts") from None
 
 
-__all__ = ["MAX_COUNT", "MODEL_TYPE", "Field", "FIELDS", "BY_NAME", "FIXED_DEFAULTS", "CheckedConfig",
+__all__ = ["MAX_COUNT", "MODEL_TYPE", "Field", "FIELDS", "BY_NAME", "EXPERT_FIELDS", "expert_count", "field_value",
+           "FIXED_DEFAULTS", "CheckedConfig",
            "model_type", "given_fields", "check_relations", "check_config", "recorded", "live_transformers",
            "record", "RECORDED"]

@@ -42,6 +42,7 @@ from memlab.core.hardware import resolve_budget
 from memlab.core.precision import precision_bytes
 from memlab.hf.config import check_seq, load_config
 from memlab.hf.estimate import forward_activations
+from memlab.hf.read_run_configs import trainer_precision
 from memlab.hf.shape import decoder_shape
 from memlab.policy import resolve_target
 from memlab.step.decoder_states import adapters_for, run_states
@@ -380,9 +381,8 @@ def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
                          f"allowed: positive integers")
     fp16 = bool(d.get("fp16"))
     bf16 = d.get("bf16")
-    if bf16 and fp16:
-        raise InputError("--training-args sets bf16 and fp16; allowed: one of them")
-    precision = "fp16" if fp16 else "bf16" if bf16 is None or bf16 else "fp32"
+    # TRL's own default (trl/trainer/base_config.py __post_init__): bf16 left out is not fp16
+    precision = trainer_precision(not fp16 if bf16 is None else bf16, fp16)
     # TRL loads the model in fp32 unless model_init_kwargs says otherwise (trl/trainer/utils.py line 1332)
     init = d.get("model_init_kwargs") or {}
     if isinstance(init, dict) and init.get("dtype", init.get("torch_dtype")) in ("bfloat16", "auto"):

@@ -11,7 +11,14 @@ own ``DeepSpeedConfig`` as rank 0 of the world size on a fake process group
 (:func:`memlab.distributed.deepspeed_rank0.fake_ranks`): the batch sizes DeepSpeed derives,
 its defaults for every key the file leaves out (``reduce_bucket_size`` 5e8,
 ``stage3_prefetch_bucket_size`` 5e7, ...), and its refusal, in its own words, of a config it
-would reject. The result, :class:`DeepSpeedRun`, is a :class:`~memlab.step.training_step.StepConfig`
+would reject. A config of the keys and values DeepSpeed's reading is written out for here
+(:func:`plain_reading`: the batch keys, fp16/bf16 ``enabled``, the ZeRO fields of
+:data:`PLAIN_ZERO` with plain values, ``cpu`` offload, activation checkpointing's switches, an
+optimizer section) is read from the JSON itself, with DeepSpeed's rules and words
+(:func:`memlab.step.write_deepspeed_config.deepspeed_batch_sizes`, its defaults), so the estimate
+does not import DeepSpeed (seconds); any other config, or one that breaks a pydantic rule, is
+read by ``DeepSpeedConfig`` itself (tests/test_run_config.py checks both readings agree). The
+result, :class:`DeepSpeedRun`, is a :class:`~memlab.step.training_step.StepConfig`
 (stage, offload, precision, micro-batch and accumulation) and the
 :class:`~memlab.step.states.ZeroBuckets` the estimate honours.
 
@@ -60,6 +67,7 @@ from memlab.step.decoder_states import LM_HEAD
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 from memlab.step.low_bit import HF_OPTIMIZERS
 from memlab.step.states import PARAM_OFFLOAD, ZeroBuckets
+from memlab.step.write_deepspeed_config import deepspeed_batch_sizes
 from memlab.techniques.finetune import GPT2_TARGETS, LLAMA_TARGETS
 
 #: "auto" keys a DeepSpeed config may leave to the Trainer and that memlab fills as it does
@@ -197,14 +205,18 @@ class _DataParallel:
         return self.world_size
 
 
-def _deepspeed_reading(config: dict, world_size: int):
+def _deepspeed_reading(config: dict, world_size: int, via_deepspeed: bool = False):
     """DeepSpeed's ``DeepSpeedConfig`` of ``config`` for ``world_size`` data-parallel ranks;
     its refusal (an assertion or a pydantic validation error) as one line of bad input.
+    :func:`plain_reading`'s, from the JSON, where it reads the config (unless ``via_deepspeed``).
 
     DeepSpeedConfig reads the world size from an ``mpu`` once ``deepspeed.comm.get_rank``
     answers; no process group exists here, so for this call that answers rank 0 (a fake process
     group, :func:`memlab.distributed.deepspeed_rank0.fake_ranks`, would also start DeepSpeed's
     communication backend, which waits on a TCP port)."""
+    plain = None if via_deepspeed else plain_reading(config, world_size)
+    if plain is not None:
+        return plain
     set_cache_env()  # DS_ACCELERATOR=cpu without a GPU: DeepSpeed then prints no detection warning
     # its logger writes to stdout (the CLI's JSON), its first import's op probes run the
     # compiler and linker (their output on the file descriptors): quiet_build keeps both
@@ -220,6 +232,148 @@ def _deepspeed_reading(config: dict, world_size: int):
                  if line.strip() and not line.strip().startswith("For further information")]
         # pydantic: "1 validation error for DeepSpeedZeroConfig / stage / Input should be ..."
         raise InputError(f"DeepSpeed rejects this config: {'; '.join(lines[:4]) or type(e).__name__}") from None
+
+
+#: DeepSpeed 0.19's ZeRO fields (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig, in its
+#: order) that :func:`plain_reading` reads without it: name -> (its JSON alias or None, its
+#: default, the values taken: "stage" 0-3, "bool", "count" an integer >= 0, "positive" > 0,
+#: "offload" an offload section). Left out: the fields with a validator that reads other fields
+#: (compute_grad_norm), one that logs (elastic_checkpoint), the deprecated ones, ZeRO++ and the
+#: rest; a config that sets them is read by DeepSpeed. tests/test_run_config.py checks each
+#: alias and default against DeepSpeedZeroConfig.
+PLAIN_ZERO: dict[str, tuple[str | None, object, str]] = {
+    "stage": (None, 0, "stage"),
+    "contiguous_gradients": (None, True, "bool"),
+    "reduce_scatter": (None, True, "bool"),
+    "reduce_bucket_size": (None, 500_000_000, "positive"),
+    "use_multi_rank_bucket_allreduce": (None, True, "bool"),
+    "allgather_partitions": (None, True, "bool"),
+    "allgather_bucket_size": (None, 500_000_000, "count"),
+    "overlap_comm": (None, None, "bool"),  # None: the validator's stage == 3
+    "offload_param": (None, None, "offload"),
+    "offload_optimizer": (None, None, "offload"),
+    "sub_group_size": (None, 1_000_000_000, "count"),
+    "prefetch_bucket_size": ("stage3_prefetch_bucket_size", 50_000_000, "count"),
+    "param_persistence_threshold": ("stage3_param_persistence_threshold", 100_000, "count"),
+    "max_live_parameters": ("stage3_max_live_parameters", 1_000_000_000, "count"),
+    "max_reuse_distance": ("stage3_max_reuse_distance", 1_000_000_000, "count"),
+    "gather_16bit_weights_on_model_save": ("stage3_gather_16bit_weights_on_model_save", False, "bool"),
+    "stage3_gather_fp16_weights_on_model_save": (None, False, "bool"),
+    "ignore_unused_parameters": (None, True, "bool"),
+    "round_robin_gradients": (None, False, "bool"),
+}
+#: an offload section's defaults (deepspeed/runtime/zero/offload_config.py) that it reads
+PLAIN_OFFLOAD = {"offload_optimizer": {"device": "none", "pin_memory": True, "buffer_count": 4, "ratio": 1.0,
+                                       "nvme_path": None},
+                 "offload_param": {"device": "none", "pin_memory": True, "buffer_count": 5,
+                                   "buffer_size": 100_000_000, "nvme_path": None}}
+#: top-level keys read without DeepSpeed: -> what they may hold (DeepSpeedConfig reads the
+#: scalars as they are, get_scalar_param)
+_PLAIN_TOP = {"train_batch_size": "batch", "train_micro_batch_size_per_gpu": "batch",
+              "gradient_accumulation_steps": "batch", "fp16": "enabled", "bf16": "enabled",
+              "zero_optimization": "zero", "optimizer": "optimizer", "activation_checkpointing": "checkpointing",
+              "zero_allow_untested_optimizer": "bool", "zero_force_ds_cpu_optimizer": "bool",
+              "wall_clock_breakdown": "bool", "steps_per_print": "int", "gradient_clipping": "number"}
+_CHECKPOINTING_KEYS = ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                       "synchronize_checkpoint_boundary", "profile")
+
+
+def _plain_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _plain_count(v, kind: str):
+    """``v`` as DeepSpeed's pydantic int field takes it (an integral float too), or None."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _plain_int(v) or v < (1 if kind == "positive" else 0):
+        return None
+    return v
+
+
+def _plain_offload(name: str, sec):
+    """An offload section with the defaults filled, or None where DeepSpeed must read it."""
+    if sec is None:
+        return None
+    if not isinstance(sec, dict) or set(sec) - {"device", "pin_memory"}:
+        return False
+    if sec.get("device", "none") not in ("cpu", "none") or not isinstance(sec.get("pin_memory", True), bool):
+        return False
+    return SimpleNamespace(**{**PLAIN_OFFLOAD[name], **sec})
+
+
+def _plain_zero(sec) -> SimpleNamespace | None:
+    """The ZeRO section as DeepSpeedZeroConfig reads it (:data:`PLAIN_ZERO`), or None."""
+    if sec is None:
+        sec = {}
+    if not isinstance(sec, dict):
+        return None
+    spelled = {alias or name: name for name, (alias, _, _) in PLAIN_ZERO.items()}
+    spelled.update({name: name for name in PLAIN_ZERO})
+    if set(sec) - set(spelled) or len({spelled[k] for k in sec}) < len(sec):
+        return None
+    values = {name: default for name, (_, default, _) in PLAIN_ZERO.items()}
+    for key, v in sec.items():
+        name = spelled[key]
+        kind = PLAIN_ZERO[name][2]
+        if kind == "offload":
+            v = _plain_offload(name, v)
+            ok = v is not False
+        elif kind == "stage":
+            ok = _plain_int(v) and 0 <= v <= 3
+        elif kind == "bool":
+            ok = isinstance(v, bool) or (v is None and name == "overlap_comm")
+        else:
+            v = _plain_count(v, kind)
+            ok = v is not None
+        if not ok:
+            return None
+        values[name] = v
+    if values["overlap_comm"] is None:
+        values["overlap_comm"] = values["stage"] == 3
+    return SimpleNamespace(**values)
+
+
+def plain_reading(config: dict, world_size: int):
+    """What ``DeepSpeedConfig(config)`` reads of a config on ``world_size`` data-parallel ranks
+    (the attributes :func:`read_deepspeed` uses), from the JSON alone, or None where the config
+    holds anything beyond the keys and values written out here (module doc); DeepSpeed's own
+    refusals of the batch sizes and of fp16 with bf16, in its words, as InputError."""
+    if set(config) - set(_PLAIN_TOP):
+        return None
+    for key, v in config.items():
+        kind = _PLAIN_TOP[key]
+        if kind == "batch" and not (v is None or _plain_int(v)):
+            return None
+        if kind == "enabled" and not (isinstance(v, dict) and set(v) <= {"enabled"}
+                                      and isinstance(v.get("enabled", False), bool)):
+            return None
+        if kind in ("bool", "int", "number") and not (
+                isinstance(v, bool) if kind == "bool" else _plain_int(v) if kind == "int" else
+                isinstance(v, (int, float)) and not isinstance(v, bool)):
+            return None
+        if kind == "optimizer" and not (isinstance(v, dict) and set(v) <= {"type", "params"}
+                                        and isinstance(v.get("type"), str) and isinstance(v.get("params", {}), dict)):
+            return None
+        if kind == "checkpointing" and not (isinstance(v, dict) and set(v) <= set(_CHECKPOINTING_KEYS)
+                                            and all(isinstance(x, bool) for x in v.values())):
+            return None
+    z = _plain_zero(config.get("zero_optimization"))
+    if z is None:
+        return None
+    fp16, bf16 = (bool((config.get(k) or {}).get("enabled", False)) for k in ("fp16", "bf16"))
+    if fp16 and bf16:  # deepspeed/runtime/config.py, DeepSpeedConfig._initialize_params
+        raise InputError("DeepSpeed rejects this config: bfloat16 and fp16 modes cannot be simultaneously enabled")
+    train, micro, accumulation = deepspeed_batch_sizes(
+        config.get("train_batch_size"), config.get("train_micro_batch_size_per_gpu"),
+        config.get("gradient_accumulation_steps"), world_size)
+    checkpointing = config.get("activation_checkpointing") or {}
+    return SimpleNamespace(zero_config=z, zero_enabled=z.stage > 0,
+                           float16_config=SimpleNamespace(enabled=fp16), bfloat16_config=SimpleNamespace(enabled=bf16),
+                           activation_checkpointing_config=SimpleNamespace(
+                               partition_activations=checkpointing.get("partition_activations", False)),
+                           train_batch_size=train, train_micro_batch_size_per_gpu=micro,
+                           gradient_accumulation_steps=accumulation)
 
 
 def _name(path) -> str:
@@ -292,21 +446,30 @@ _ZERO_WHY = {
 }
 
 
-def _unmodelled_deepspeed(raw: dict, z, stage: int, tp: int, world_size: int) -> list[str]:
-    """Notes naming every DeepSpeed setting that moves memory and that the estimate does not
-    count: a ``zero_optimization`` field away from DeepSpeed's default (by DeepSpeed's own
-    ``DeepSpeedZeroConfig``), AutoTP, and top-level sections memlab does not read. None is
-    dropped silently (module doc)."""
+def _zero_fields(ds) -> list[tuple[str, str, object, object]]:
+    """``(name, JSON key, value, DeepSpeed's default)`` of each ZeRO field of a reading, in
+    DeepSpeedZeroConfig's order: :data:`PLAIN_ZERO`'s for :func:`plain_reading`, else every
+    field of DeepSpeed's own class."""
+    z = ds.zero_config
+    if isinstance(z, SimpleNamespace):
+        return [(n, alias or n, getattr(z, n), default) for n, (alias, default, _) in PLAIN_ZERO.items()]
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     default = DeepSpeedZeroConfig()
+    return [(n, f.alias or n, getattr(z, n), getattr(default, n)) for n, f in type(z).model_fields.items()]
+
+
+def _unmodelled_deepspeed(raw: dict, fields: list[tuple[str, str, object, object]], tp: int,
+                          world_size: int) -> list[str]:
+    """Notes naming every DeepSpeed setting that moves memory and that the estimate does not
+    count: a ``zero_optimization`` field away from DeepSpeed's default (``fields``:
+    :func:`_zero_fields`), AutoTP, and top-level sections memlab does not read. None is
+    dropped silently (module doc)."""
     notes = []
-    for name, f in type(z).model_fields.items():
+    for name, key, value, base in fields:
         if name in _ZERO_MODELLED or name in _ZERO_NO_MEMORY:
             continue
-        value, base = getattr(z, name), getattr(default, name)
         if value == base or (name == "zero_hpz_partition_size" and int(value) <= 1):
             continue
-        key = f.alias or name
         notes.append(f"zero_optimization.{key}={value!r} moves memory memlab does not model"
                      + (f": {_ZERO_WHY[name]}" if name in _ZERO_WHY else ""))
     if tp > 1:
@@ -333,7 +496,7 @@ def read_deepspeed(path: str | pathlib.Path | dict, *, world_size: int = 1, hidd
                    batch: int | None = None, micro_batches: int | None = None,
                    precision: str | None = None,
                    trainer_args: SimpleNamespace | None = None,
-                   mixed_precision: str | None = None) -> DeepSpeedRun:
+                   mixed_precision: str | None = None, via_deepspeed: bool = False) -> DeepSpeedRun:
     """Read a DeepSpeed config for ``world_size`` data-parallel ranks of a model of width
     ``hidden_size`` (module doc). ``batch`` (per rank), ``micro_batches`` and ``precision``
     fill what the config leaves to the Trainer (``"auto"``), as TrainingArguments would;
@@ -342,6 +505,8 @@ def read_deepspeed(path: str | pathlib.Path | dict, *, world_size: int = 1, hidd
     ``mixed_precision`` (an accelerate launch's ``no``/``fp16``/``bf16``) is applied as
     accelerate's ``DeepSpeedPlugin.set_mixed_precision`` applies it (:func:`accelerate_precision`);
     a Trainer launch (``trainer_args``, or ``"auto"`` values) applies it from the precision.
+    ``via_deepspeed``: read through DeepSpeed's ``DeepSpeedConfig`` even where the JSON alone
+    is read (:func:`plain_reading`; the tests compare the two).
 
     Returns: a :class:`DeepSpeedRun`. Raises :class:`InputError` with DeepSpeed's (or HF's)
     reason for a config they would reject, or for an accelerate config given in its place.
@@ -373,7 +538,7 @@ def read_deepspeed(path: str | pathlib.Path | dict, *, world_size: int = 1, hidd
     if mixed_precision is not None:
         config, launcher_notes = accelerate_precision(
             config, SimpleNamespace(bf16=mixed_precision in ("bf16", "fp8"), fp16=mixed_precision == "fp16"))
-    ds = _deepspeed_reading(config, world_size)
+    ds = _deepspeed_reading(config, world_size, via_deepspeed)
     z = ds.zero_config
     stage = int(z.stage)
     notes: list[str] = list(launcher_notes)
@@ -426,7 +591,7 @@ def read_deepspeed(path: str | pathlib.Path | dict, *, world_size: int = 1, hidd
         raise InputError("zero_optimization.offload_optimizer needs ZeRO stage 1-3 (DeepSpeed's ZeRO "
                          "optimizer), got stage 0")
     tp = int((raw.get("tensor_parallel") or {}).get("autotp_size") or 1)
-    notes += _unmodelled_deepspeed(raw, z, stage, tp, world_size)
+    notes += _unmodelled_deepspeed(raw, _zero_fields(ds), tp, world_size)
     return DeepSpeedRun(config=config, world_size=world_size, zero=stage, offload=offload,
                         precision=precision_ds, micro_batch=int(ds.train_micro_batch_size_per_gpu),
                         accumulation=int(ds.gradient_accumulation_steps),
@@ -593,6 +758,15 @@ def read_lora_config(path: str | pathlib.Path | dict, cfg: GPTConfig | tuple[str
         raise InputError(f"--lora-config lora_dropout={dropout!r}; allowed: 0 <= dropout < 1")
     return LoraSpec(rank=rank, targets=targets, notes=tuple(notes), dropout=float(dropout),
                     alpha=d.get("lora_alpha"))
+
+
+def trainer_precision(bf16, fp16) -> str:
+    """The precision of TrainingArguments' ``bf16`` and ``fp16`` flags: ``"bf16"``, ``"fp16"`` or
+    ``"fp32"`` (neither: no autocast); both on is refused, as TrainingArguments refuses it
+    (transformers 5 ``training_args.py``: "At most one of fp16 and bf16 can be True")."""
+    if bf16 and fp16:
+        raise InputError("--training-args sets bf16 and fp16; allowed: one of them")
+    return "bf16" if bf16 else "fp16" if fp16 else "fp32"
 
 
 #: TrainingArguments (and TRL SFTConfig) fields the step is read from
@@ -905,9 +1079,7 @@ def read_training_args(path: str | pathlib.Path | dict) -> TrainingRun:  # noqa:
     if micro < 1 or accumulation < 1:
         raise InputError(f"--training-args per_device_train_batch_size={micro}, gradient_accumulation_steps="
                          f"{accumulation}; allowed: positive integers")
-    if get("bf16") and get("fp16"):
-        raise InputError("--training-args sets bf16 and fp16; allowed: one of them")
-    precision = "bf16" if get("bf16") else "fp16" if get("fp16") else "fp32"
+    precision = trainer_precision(get("bf16"), get("fp16"))
     if launcher == "trainer":
         lora, quant, attention, trl_notes = _trl_model_args(d, precision)
         notes.append("read by the Trainer's rules (TrainingArguments; TRL's ModelConfig fields "
@@ -971,4 +1143,5 @@ def read_training_args(path: str | pathlib.Path | dict) -> TrainingRun:  # noqa:
 __all__ = ["DeepSpeedRun", "LoraSpec", "TrainingRun", "HIDDEN_AUTO", "DS_PRECISIONS", "MODELLED",
            "load_file", "resolve_auto", "read_deepspeed", "read_lora_config", "lora_targets_for",
            "read_training_args", "LAUNCHERS", "TRL_MODEL_ARGS", "launcher_of", "is_accelerate_config",
-           "accelerate_precision", "AccelerateRun", "read_accelerate"]
+           "accelerate_precision", "AccelerateRun", "read_accelerate", "PLAIN_ZERO", "PLAIN_OFFLOAD", "plain_reading",
+           "trainer_precision"]

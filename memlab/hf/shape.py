@@ -15,21 +15,18 @@ import pathlib
 
 from memlab.core.errors import InputError
 from memlab.hf.config import attn_implementation, context_length, hf_config, load_config
-from memlab.hf.config_check import recorded
+from memlab.hf.config_check import expert_count, field_value, recorded
 from memlab.models.decoder_shape import DecoderShape
 
 #: model_type -> the family's layout; these are what the closed form counts.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2",
             "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
-_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+#: what a config the closed form cannot read is told (field_value's hint)
+SIMULATE_HINT = "; the estimate needs it (memlab simulate --hf-config builds the model itself)"
 
 
 def _need(cfg: dict, *names: str):
-    for n in names:
-        if cfg.get(n) is not None:
-            return cfg[n]
-    raise InputError(f"config.json of model_type {cfg['model_type']!r} lacks {names[0]!r}; the "
-                     f"estimate needs it (memlab simulate --hf-config builds the model itself)")
+    return field_value(cfg, *names, hint=SIMULATE_HINT)
 
 
 def _refuse(cfg: dict, field: str, why: str) -> InputError:
@@ -111,7 +108,7 @@ def decoder_shape(cfg: dict | str | pathlib.Path) -> DecoderShape:
     ffn = cfg.get("intermediate_size") or 0
     tied = bool(cfg.get("tie_word_embeddings", gemma))
     moe = {}
-    experts = max((cfg.get(k) or 0) for k in _MOE_FIELDS)
+    experts = expert_count(cfg)
     if experts > 1:
         top_k = _need(cfg, "num_experts_per_tok", "experts_per_token")
         moe_ffn = cfg.get("moe_intermediate_size") or ffn

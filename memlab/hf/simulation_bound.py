@@ -25,6 +25,7 @@ from memlab.core.cards import CARDS
 from memlab.core.errors import InputError
 from memlab.core.units import fmt_bytes
 from memlab.hf.config import load_config
+from memlab.hf.config_check import expert_count
 from memlab.hf.estimate import estimate_run
 from memlab.hf.shape import decoder_shape
 from memlab.step.training_step import StepConfig
@@ -103,7 +104,7 @@ def rough_params(cfg: dict) -> int:
     head_dim = cfg.get("head_dim") or max(d // heads, 1)
     kv = cfg.get("num_key_value_heads") or heads
     ff = cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * d
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+    experts = expert_count(cfg)
     mlp = 3 * d * ff if not experts else 3 * d * (cfg.get("moe_intermediate_size") or ff) * experts
     attention = 2 * d * heads * head_dim + 2 * d * kv * head_dim
     vocab = cfg.get("vocab_size") or 0

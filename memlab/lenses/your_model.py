@@ -32,6 +32,7 @@ from memlab.core.torch_private import FakeTensorMode
 from memlab.core.units import fmt_bytes
 from memlab.lenses.measure import add_workspace, run_tracked_step
 from memlab.policy import emulate, resolve_target
+from memlab.step.low_bit import moment_bytes
 from memlab.step.training_step import MemoryReport
 from memlab.tracking.tracker import CATEGORIES, MemoryTracker, OOMInfo
 
@@ -114,9 +115,9 @@ def state_bytes_per_param(optimizer) -> int:
     8 for Adam/AdamW (two moments), 4 for SGD with momentum, 0 for plain SGD and for an
     optimizer memlab does not know (then the guard counts no state)."""
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return 8
+        return moment_bytes("adamw")
     if isinstance(optimizer, torch.optim.SGD):
-        return 4 if optimizer.defaults.get("momentum", 0) else 0
+        return moment_bytes("sgd") if optimizer.defaults.get("momentum", 0) else 0
     return 0
 
 

@@ -519,23 +519,12 @@ def _best(steps: list[PlanStep]) -> PlanStep:
 
 
 def _ds_config(step: StepConfig, tp: int) -> dict:
-    """DeepSpeed's config for the plan, from :func:`memlab.step.write_deepspeed_config.deepspeed_config`;
-    empty for a plan that runs as plain PyTorch (its peak is estimated as such)."""
+    """DeepSpeed's config for the plan on its card, from :func:`memlab.step.write_deepspeed_config.deepspeed_config`
+    (fp16 with DeepSpeed's dynamic loss scaling, AutoTP over ``tp`` ranks); empty for a plan that
+    runs as plain PyTorch (its peak is estimated as such)."""
     if not under_deepspeed(step.zero, step.offload):
         return {}
-    if step.precision == "fp16":
-        # the writer's fp16 refusal is about DeepSpeed's CPU accelerator; a card runs fp16 with
-        # DeepSpeed's dynamic loss scaling (loss_scale 0), the same 2 + 2 + 12 bytes as bf16
-        cfg = deepspeed_config(replace(step, precision="bf16"))
-        cfg["bf16"] = {"enabled": False}
-        cfg["fp16"] = {"enabled": True, "loss_scale": 0}
-    else:
-        cfg = deepspeed_config(step)
-    if tp > 1:
-        # AutoTP (DeepSpeed >= 0.16.4) splits the Linear layers; the data-parallel degree is N/t
-        cfg["tensor_parallel"] = {"autotp_size": tp}
-        cfg["train_batch_size"] = step.batch * step.world_size // tp
-    return cfg
+    return deepspeed_config(step, accelerator="cuda", tensor_parallel=tp)
 
 
 def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,

@@ -28,6 +28,7 @@ from memlab.core.units import fmt_bytes
 from memlab.lenses.estimate import estimate_step
 from memlab.models.gpt_unet import GPTConfig
 from memlab.step.training_step import StepConfig
+from memlab.step.write_deepspeed_config import CPU_PRECISIONS
 from memlab.techniques.finetune import GPT2_TARGETS, LLAMA_TARGETS, estimate_finetune, lora_shapes
 from memlab.time.flops import gpt_step_flops
 from memlab.time.step_time import optimizer_pass, parameter_tensors, step_time
@@ -158,8 +159,8 @@ def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq:
         # t x p GPUs per replica has world_size / (t p) replicas, each taking t p times as many
         rank_batch = batch * t * p
         for m in sorted({1, rank_batch} | ({2} if rank_batch % 2 == 0 else set())):
-            if (zero or off != "none") and prec == "fp16":
-                continue  # memlab's DeepSpeed config runs bf16 or fp32 (no fp16 loss scaling on its CPU path)
+            if (zero or off != "none") and prec not in CPU_PRECISIONS:
+                continue  # the plans memlab's DeepSpeed ranks can rehearse on a CPU (no fp16 loss scaling)
             if p > 1 and m == 1:
                 continue  # a pipeline without micro-batches is all bubble
             dp = world_size // (t * p)

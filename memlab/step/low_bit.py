@@ -39,6 +39,9 @@ BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 QMAP_ENTRIES = 256
 OPTIMIZER_STATES = ("adamw", "adamw-8bit", "paged-adamw-8bit", "paged-adamw", "adafactor", "sgd")
+#: moments an optimizer keeps per parameter, each the parameter's size: Adam/AdamW's first and
+#: second moment (Kingma and Ba 2015, Algorithm 1: m and v), SGD's momentum buffer
+MOMENTS = {"adamw": 2, "sgd": 1}
 PAGED = ("paged-adamw-8bit", "paged-adamw")  # state in CUDA unified memory (host bytes here)
 #: Hugging Face ``TrainingArguments.optim`` names -> the state memlab counts
 HF_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
@@ -50,6 +53,14 @@ HF_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf
 NF4_BLOCK = 64
 NESTED_BLOCK = 256
 QUANTIZATIONS = ("none", "4bit", "8bit")
+
+
+def moment_bytes(optimizer: str, element_bytes: int = 4) -> int:
+    """Optimizer state bytes per parameter of ``optimizer`` (a key of :data:`MOMENTS`) whose
+    moments are ``element_bytes`` each: 8 for AdamW's two fp32 moments, 4 for SGD's momentum."""
+    if optimizer not in MOMENTS:
+        raise InputError(f"optimizer={optimizer!r}; allowed: {', '.join(MOMENTS)}")
+    return MOMENTS[optimizer] * element_bytes
 
 
 def adam_state_bytes(shapes: Iterable[int], kind: str = "adamw") -> int:
@@ -67,9 +78,9 @@ def adam_state_bytes(shapes: Iterable[int], kind: str = "adamw") -> int:
     total, maps = 0, 0
     for n in shapes:
         if kind == "sgd":
-            total += 4 * n
+            total += moment_bytes("sgd") * n
         elif kind in ("adamw", "paged-adamw") or n < BNB_MIN_8BIT_SIZE:
-            total += 8 * n
+            total += moment_bytes("adamw") * n
         else:
             total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
             maps = 2 * 4 * QMAP_ENTRIES
@@ -107,5 +118,6 @@ def quantized_weight_bytes(out_features: int, in_features: int, quantization: st
     return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4
 
 
-__all__ = ["BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "QMAP_ENTRIES", "OPTIMIZER_STATES", "PAGED", "HF_OPTIMIZERS", "NF4_BLOCK",
+__all__ = ["BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "QMAP_ENTRIES", "OPTIMIZER_STATES", "MOMENTS", "moment_bytes",
+           "PAGED", "HF_OPTIMIZERS", "NF4_BLOCK",
            "NESTED_BLOCK", "QUANTIZATIONS", "adam_state_bytes", "adafactor_state_bytes", "quantized_weight_bytes"]

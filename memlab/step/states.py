@@ -59,13 +59,13 @@ import torch
 from memlab.core.errors import InputError
 from memlab.core.precision import SIZES, check_precision
 from memlab.models.gpt_unet import build_model
+from memlab.step.low_bit import moment_bytes
 from memlab.step.zero import zero_formula
 
 BUCKET_ELEMENTS = 2**20  # memlab's DeepSpeed buckets (ZeRO-3's defaults allocate ~1.9 GiB/rank)
 PERSISTENCE_THRESHOLD = 10_000  # ZeRO-3 keeps parameters smaller than this whole on every rank
 SUB_GROUP_SIZE = 10**9  # DeepSpeed's default zero_optimization.sub_group_size (stage 3)
 PLAIN = {p: (w, w) for p, (w, _) in SIZES.items()}  # bytes of a weight and of its gradient
-MOMENTS = {"adamw": 2, "sgd": 1}
 OFFLOADS = ("none", "optimizer", "all")
 #: DeepSpeed's ``offload_param`` without ``offload_optimizer`` (a config reader's value; module doc)
 PARAM_OFFLOAD = "params"
@@ -224,8 +224,7 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world size {world_size!r} must be a positive integer")
     check_precision(precision)
-    if optimizer not in MOMENTS:
-        raise InputError(f"optimizer={optimizer!r}; allowed: {', '.join(MOMENTS)}")
+    moment_bytes(optimizer)  # refuses an optimizer memlab keeps no moments of, before the layout
     if offload not in (*OFFLOADS, PARAM_OFFLOAD):
         raise InputError(f"offload={offload!r}; allowed: {', '.join((*OFFLOADS, PARAM_OFFLOAD))}")
     if offload in ("all", PARAM_OFFLOAD) and zero != 3:
@@ -234,22 +233,21 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
         raise InputError("offload='optimizer' needs ZeRO stage 1-3 (DeepSpeed's ZeRO optimizer), "
                          "got stage 0")
     psi, largest, small = _count(model, buckets.persistence)
-    moments = MOMENTS[optimizer]
     ds = under_deepspeed(zero, offload) if deepspeed is None else deepspeed
     if not ds:
         if zero or offload != "none":
             raise InputError("ZeRO and offload run under DeepSpeed: deepspeed=False needs zero=0 "
                              "and offload='none'")
         w, g = PLAIN[precision]
-        return ModelStates(w * psi, g * psi, moments * w * psi, False, precision)
+        return ModelStates(w * psi, g * psi, moment_bytes(optimizer, w) * psi, False, precision)
     e = 4 if precision == "fp32" else 2  # DeepSpeed's bf16/fp16 mode casts the model to 16 bits
     compute = "fp32" if e == 4 else "pure-bf16"
     master = 0 if (e == 4 and zero == 0) else 4  # fp32 stage 0: the model is the master
     n = world_size
     shard = n if zero >= 1 else 1
-    notes = [f"DeepSpeed layout: {e} + {e} + {master + 4 * moments} bytes per parameter "
+    notes = [f"DeepSpeed layout: {e} + {e} + {master + moment_bytes(optimizer)} bytes per parameter "
              f"(weights, gradients, fp32 master and moments), ZeRO-{zero} over {n} rank(s)"]
-    split = zero_formula(psi, zero, n, param_bytes=e, grad_bytes=e, k=master + 4 * moments)
+    split = zero_formula(psi, zero, n, param_bytes=e, grad_bytes=e, k=master + moment_bytes(optimizer))
     params = split["parameters"] + (e * small if zero >= 3 else 0)
     grads, opt = split["gradients"], split["optimizer"]
     grads_from = {0: "backward", 1: "backward", 2: "first bucket", 3: "always"}[zero]
@@ -277,7 +275,7 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
 
     if offload in ("optimizer", "all"):
         part = psi / shard  # elements of this rank's partition
-        add("optimizer", 4 * moments * part)  # torch.optim's moments: ordinary host memory
+        add("optimizer", moment_bytes(optimizer) * part)  # torch.optim's moments: ordinary host memory
         opt, scratch = 0.0, 0.0
         if zero <= 2:
             add("optimizer", pin(4 * part))            # fp32 master partition (pinned)

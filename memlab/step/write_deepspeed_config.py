@@ -6,6 +6,12 @@ like the curriculum's config, with memlab's bucket sizes (:data:`memlab.step.sta
 ``paper_collectives=True`` adds the keys under which DeepSpeed moves the ZeRO paper's bytes
 (:data:`REDUCE_TO_OWNER`, :data:`GATHER_EVERY_USE`; :mod:`memlab.time.communication`'s
 ``engine="deepspeed-reduce-scatter"`` is their formula); the default leaves DeepSpeed's own.
+``accelerator="cuda"`` writes the config a card runs (fp16 with DeepSpeed's dynamic loss
+scaling, which its CPU accelerator lacks), ``tensor_parallel`` DeepSpeed's AutoTP degree.
+
+:func:`deepspeed_batch_sizes` is DeepSpeed's own batch rule (``train_batch_size = micro-batch x
+accumulation x data-parallel ranks``, each derived from the other two), which the writer
+follows and :func:`memlab.hf.read_run_configs.read_deepspeed` applies to a config it reads.
 """
 from __future__ import annotations
 
@@ -24,11 +30,62 @@ REDUCE_TO_OWNER: dict[str, Any] = {"use_multi_rank_bucket_allreduce": False, "re
 #: until their use): every module gathers its weights in forward and again in backward
 GATHER_EVERY_USE: dict[str, Any] = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
                                     "stage3_prefetch_bucket_size": 0}
+#: the precisions a config for DeepSpeed's CPU accelerator may run: it has no fp16 loss scaling
+CPU_PRECISIONS = ("fp32", "bf16")
+#: the precisions a config for a card may run: fp16 with DeepSpeed's dynamic loss scaling too
+CUDA_PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def deepspeed_batch_sizes(train: int | None, micro: int | None, accumulation: int | None,
+                          world_size: int) -> tuple[int, int, int]:
+    """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)`` as
+    DeepSpeed derives them from those a config gives on ``world_size`` data-parallel ranks, and
+    refuses them, in its own words (DeepSpeed 0.19 ``deepspeed/runtime/config.py``,
+    ``DeepSpeedConfig._set_batch_related_parameters`` and ``_batch_assertion``): any two give the
+    third (integer division), the train batch alone means no accumulation, the micro-batch alone
+    too; then ``train = micro x accumulation x world_size``, each positive."""
+    if train is not None and micro is not None and accumulation is not None:
+        pass
+    elif train is not None and micro is not None:
+        accumulation = train // micro // world_size
+    elif train is not None and accumulation is not None:
+        micro = train // world_size // accumulation
+    elif micro is not None and accumulation is not None:
+        train = micro * accumulation * world_size
+    elif train is not None:
+        accumulation, micro = 1, train // world_size
+    elif micro is not None:
+        train, accumulation = micro * world_size, 1
+    else:
+        raise InputError("DeepSpeed rejects this config: Either train_batch_size or "
+                         "train_micro_batch_size_per_gpu needs to be provided")
+    for value, what in ((train, "Train batch size"), (micro, "Micro batch size per gpu"),
+                        (accumulation, "Gradient accumulation steps")):
+        if not value > 0:
+            raise InputError(f"DeepSpeed rejects this config: {what}: {value} has to be greater than 0")
+    if train != micro * accumulation * world_size:
+        raise InputError(f"DeepSpeed rejects this config: Check batch related parameters. train_batch_size "
+                         f"is not equal to micro_batch_per_gpu * gradient_acc_step * world_size {train} != "
+                         f"{micro} * {accumulation} * {world_size}")
+    return train, micro, accumulation
+
+
+def check_accelerator_precision(precision: str, accelerator: str) -> None:
+    """Refuse (:class:`InputError`) an accelerator other than ``"cpu"``/``"cuda"``, or a precision
+    DeepSpeed cannot run on it (:data:`CPU_PRECISIONS`, :data:`CUDA_PRECISIONS`)."""
+    if accelerator not in ("cpu", "cuda"):
+        raise InputError(f"accelerator={accelerator!r}; allowed: cpu, cuda")
+    if precision not in (CPU_PRECISIONS if accelerator == "cpu" else CUDA_PRECISIONS):
+        if accelerator == "cpu":
+            raise InputError(f"precision={precision!r} for DeepSpeed here; allowed: fp32, bf16 "
+                             f"(fp16 loss scaling is not supported by DeepSpeed's CPU accelerator)")
+        raise InputError(f"precision={precision!r} for DeepSpeed; allowed: {', '.join(CUDA_PRECISIONS)}")
 
 
 def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
                      persistence_threshold: int = PERSISTENCE_THRESHOLD,
-                     torch_adam: bool = True, paper_collectives: bool = False) -> dict:
+                     torch_adam: bool = True, paper_collectives: bool = False,
+                     accelerator: str = "cpu", tensor_parallel: int = 1) -> dict:
     """The DeepSpeed config for ``step`` (a :class:`~memlab.step.training_step.StepConfig`).
 
     Modelled on the curriculum's config (course/curriculum.md, section 5) (train_batch_size,
@@ -38,13 +95,19 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
     state lives where ZeRO puts it. ``torch_adam=False`` (offload only) lets DeepSpeed run its
     compiled ``DeepSpeedCPUAdam``. ``paper_collectives`` adds :data:`REDUCE_TO_OWNER` (stages
     1-2) or :data:`GATHER_EVERY_USE` (stage 3): the ZeRO paper's collectives (sec. 7), at the
-    cost of ZeRO-3 re-gathering what it could keep.
+    cost of ZeRO-3 re-gathering what it could keep. ``accelerator``: ``"cpu"`` (DeepSpeed's CPU
+    accelerator: :data:`CPU_PRECISIONS`) or ``"cuda"`` (a card: fp16 too, with dynamic loss
+    scaling, ``loss_scale`` 0). ``tensor_parallel``: DeepSpeed's AutoTP degree t (DeepSpeed >=
+    0.16.4 splits the Linear layers; the data-parallel degree, which the train batch counts, is
+    world_size / t).
 
     A dict because it is a DeepSpeed config, as ``deepspeed.initialize`` reads it.
     """
-    if step.precision not in ("fp32", "bf16"):
-        raise InputError(f"precision={step.precision!r} for DeepSpeed here; allowed: fp32, bf16 "
-                         f"(fp16 loss scaling is not supported by DeepSpeed's CPU accelerator)")
+    check_accelerator_precision(step.precision, accelerator)
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1 \
+            or step.world_size % tensor_parallel:
+        raise InputError(f"tensor_parallel={tensor_parallel!r} on {step.world_size} ranks; allowed: a "
+                         f"divisor of the world size")
     if step.optimizer != "adamw":
         raise InputError(f"optimizer={step.optimizer!r} for DeepSpeed here; allowed: adamw")
     if step.offload == "all" and step.zero != 3:
@@ -72,12 +135,15 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
         zero["offload_optimizer"] = {"device": "cpu"}
     if step.offload == "all":
         zero["offload_param"] = {"device": "cpu"}
+    train, micro, accumulation = deepspeed_batch_sizes(None, step.batch // step.micro_batches,
+                                                       step.micro_batches, step.world_size // tensor_parallel)
+    fp16 = {"enabled": True, "loss_scale": 0} if step.precision == "fp16" else {"enabled": False}
     cfg = {
-        "train_batch_size": step.batch * step.world_size,
-        "train_micro_batch_size_per_gpu": step.batch // step.micro_batches,
-        "gradient_accumulation_steps": step.micro_batches,
+        "train_batch_size": train,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": torch_adam}},
-        "fp16": {"enabled": False},
+        "fp16": fp16,
         "bf16": {"enabled": step.precision == "bf16"},
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
@@ -88,4 +154,6 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
     if step.model_config.checkpointing != "none":
         cfg["activation_checkpointing"] = {"partition_activations": step.zero == 3,
                                            "contiguous_memory_optimization": False}
+    if tensor_parallel > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tensor_parallel}
     return cfg
