@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memlab.core.errors import InputError
 from memlab.hf.config import attn_implementation, check_seq, fake_grouped_mm, hf_config, load_config
-from memlab.hf.post_training import Objective, trl_defaults
+from memlab.hf.post_training import Objective, TRLRun, trl_defaults
 from memlab.hf.shape import decoder_shape
 from memlab.hf.simulate import build_run
 from memlab.lenses.your_model import simulate_model
@@ -286,6 +286,8 @@ def _grpo_step(o: Objective, batch: int, vocab: int, precision: str, lora):
                     inputs["ref_per_token_logps"] = me._get_per_token_logps_and_entropies(
                         model, ids, mask, o.completion_len, batch_size=batch)[0]
                 del ids, mask
+            if gen > batch:  # TRL buffers the generation batch and trains on one slice per step
+                inputs = {k: v[:batch] if v.dim() else v for k, v in inputs.items()}
             loss = me._compute_loss(policy, inputs)
             loss.backward()
             del loss, inputs
@@ -364,5 +366,29 @@ def simulate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
     return report
 
 
+def simulate_trl_run(cfg: dict | str | pathlib.Path, run: TRLRun, *, lora: LoraConfig | None = None,
+                     card: int | str | None = None, target: str | None = None) -> MemoryReport:
+    """:func:`simulate_post_training` of a :class:`memlab.hf.post_training.TRLRun` (a ``DPOConfig`` or
+    ``GRPOConfig`` read by ``--training-args``), its budget the card.
+
+    Raises:
+        InputError: a run that generates in vLLM (its engine is not simulated), or accumulates.
+    """
+    if run.vllm_share is not None:
+        raise InputError("--training-args use_vllm: vLLM's generation is not simulated; allowed: use_vllm false "
+                         "(transformers' generate), or memlab estimate (which takes vLLM's share)")
+    if run.accumulation != 1:
+        raise InputError(f"--training-args gradient_accumulation_steps={run.accumulation}: one micro-batch is "
+                         f"simulated; allowed: 1 (the peak of each micro-batch is the same)")
+    precision = "bf16" if run.precision == "fp16" else run.precision
+    report = simulate_post_training(cfg, run.objective, batch=run.batch, precision=precision, lora=lora,
+                                    checkpointing=run.checkpointing, target=target or ("cuda" if card else "cpu"),
+                                    optimizer=run.optimizer, budget=card)
+    report.notes.extend(run.notes)
+    if run.precision == "fp16":
+        report.notes.append("fp16 simulated as bf16 autocast (same bytes; the loss scaler's scalar aside)")
+    return report
+
+
 __all__ = ["KnownData", "MAX_GRAD_NORM", "accelerate_forward", "dpo_loss", "fixed_length_generation", "known_masks",
-           "simulate_post_training", "trainer_stand_in"]
+           "simulate_post_training", "simulate_trl_run", "trainer_stand_in"]
