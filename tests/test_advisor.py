@@ -26,7 +26,7 @@ def test_tiny_plan_is_what_a_real_step_needs():
     usable = int(150 * MiB * 0.9)
     assert a.fits and a.budget_bytes == 150 * MiB and a.usable_bytes == usable
     assert a.plan == ["bf16", "checkpointing"]
-    assert [s["technique"] for s in a.steps] == ["baseline", "bf16", "checkpointing"]
+    assert [s.technique for s in a.steps] == ["baseline", "bf16", "checkpointing"]
     base = StepConfig(model="tiny", seq=256, batch=8)
     bf16 = replace(base, precision="bf16")
     both = replace(bf16, checkpointing="full")
@@ -34,10 +34,10 @@ def test_tiny_plan_is_what_a_real_step_needs():
     assert a.step.model_config == both.model_config
     real = [measure_step(s).peak_bytes for s in (base, bf16, both)]
     assert real[0] > real[1] > usable >= real[2]
-    for planned, measured in zip((s["peak_bytes"] for s in a.steps), real, strict=True):
+    for planned, measured in zip((s.peak_bytes for s in a.steps), real, strict=True):
         assert measured <= planned <= 1.02 * measured
-    assert [s["fits"] for s in a.steps] == [False, False, True]
-    assert all(s["simulated_bytes"] is not None for s in a.steps)  # one rank, small: simulated
+    assert [s.fits for s in a.steps] == [False, False, True]
+    assert all(s.simulated_bytes is not None for s in a.steps)  # one rank, small: simulated
 
 
 def test_a_plan_that_fits_already_is_empty():
@@ -100,7 +100,7 @@ def test_tensor_parallel_when_zero_3_is_not_enough():
     ds = a.deepspeed_config
     assert ds["tensor_parallel"] == {"autotp_size": 8} and ds["train_batch_size"] == 1
     assert ds["zero_optimization"]["stage"] == 3
-    kept = [s["peak_bytes"] for s in a.steps if s["kept"]]
+    kept = [s.peak_bytes for s in a.steps if s.kept]
     assert kept == sorted(kept, reverse=True)
 
 
@@ -110,7 +110,7 @@ def test_tensor_parallel_is_kept_where_zero3_leaves_activations_to_divide():
     not at the optimizer step; tensor parallelism divides the activations and is kept, lowering
     the peak by the 8192 tokens' activations it splits."""
     a = advise("llama-3-70b", "H100-80GB", world_size=8, seq=8192, batch=1)
-    by = {s["technique"].split(" ")[0]: s for s in a.steps}
+    by = {s.technique.split(" ")[0]: s for s in a.steps}
     tp, z3 = by["tensor-parallel"], by["zero-3"]
     assert tp["kept"] and "tensor-parallel" in a.plan and a.tensor_parallel == 8
     assert 0.9 * z3["peak_bytes"] < tp["peak_bytes"] < z3["peak_bytes"]
@@ -197,8 +197,9 @@ def test_bad_arguments_in_python():
 
 def test_check_plan_measures_the_plan_it_gives():
     out = check_plan("tiny", 256, 8, device="cpu", budget="150MiB")
-    assert out["advice_fits"] and out["measure_fits"]
-    assert abs(out["measure_peak_bytes"] - out["estimate_peak_bytes"]) < 0.05 * out["estimate_peak_bytes"]
+    assert out.advice_fits and out.measure_fits
+    assert abs(out.measure_peak_bytes - out.estimate_peak_bytes) < 0.05 * out.estimate_peak_bytes
+    assert out.to_dict()["measure_peak_bytes"] == out.measure_peak_bytes  # gpu_check.json's record
 
 
 @pytest.mark.cuda
@@ -210,7 +211,7 @@ def test_plan_for_the_card_at_hand_fits_when_measured():
         pytest.skip("needs a card of 24 GB or more")
     # an RTX 4090's 24 GB: the plan is bf16 + checkpointing, which one process can run
     out = check_plan("gpt2-medium", 1024, 16, device="cuda", budget="RTX4090-24GB")
-    assert out["plan"] == ["bf16", "checkpointing"] and out["advice_fits"] and out["measure_fits"]
+    assert out.plan == ["bf16", "checkpointing"] and out.advice_fits and out.measure_fits
 
 
 def test_plot_advice_reads_bytes_on_a_linear_axis_from_zero():
@@ -221,7 +222,7 @@ def test_plot_advice_reads_bytes_on_a_linear_axis_from_zero():
     ax = plot_advice(a)
     assert ax.get_yscale() == "linear" and ax.get_ylim()[0] == 0
     heights = [b.get_height() for b in ax.patches]
-    assert heights == pytest.approx([s["peak_bytes"] / 2**30 for s in a.steps])
+    assert heights == pytest.approx([s.peak_bytes / 2**30 for s in a.steps])
     assert ax.get_ylim()[1] >= max(heights)
 
 
@@ -305,10 +306,11 @@ def test_finetune_ladder_goes_down_each_rung():
     than half of the full fine-tune it starts from (the plan's step)."""
     a = advise("llama-3-8b", "A100-80GB", seq=2048, batch=1, simulate=False, finetune=True)
     full = estimate_step(replace(a.step, zero=0, offload="none"), target=a.target).peak_bytes
-    peaks = [r["peak_bytes"] for r in a.ladder]
-    assert [r["technique"] for r in a.ladder] == ["8-bit AdamW", "LoRA r=16", "QLoRA r=16 (NF4)"]
+    peaks = [r.peak_bytes for r in a.ladder]
+    assert [r.technique for r in a.ladder] == ["8-bit AdamW", "LoRA r=16", "QLoRA r=16 (NF4)"]
     assert full > peaks[0] > peaks[1] > peaks[2] and peaks[1] < full / 2
-    assert a.to_dict()["ladder"] == a.ladder
+    assert a.to_dict()["ladder"] == [{"technique": r.technique, "peak_bytes": r.peak_bytes, "fits": r.fits}
+                                     for r in a.ladder]
 
 
 def test_a_plan_the_host_cannot_hold_is_not_a_plan_that_fits():
@@ -322,11 +324,11 @@ def test_a_plan_the_host_cannot_hold_is_not_a_plan_that_fits():
                    simulate=False)
     limit = 64 * 2**30
     assert small.host_limit_bytes == limit and not small.fits
-    assert all(estimate_host_bytes(small.step) <= limit for s in small.steps if s["kept"])
+    assert all(estimate_host_bytes(small.step) <= limit for s in small.steps if s.kept)
     assert small.search is None or all(c.host_bytes <= limit for c in small.search.candidates if c.fits)
     held = small.held_back[0]
-    assert held["technique"] == "offload-optimizer" and held["fits"] and held["host_bytes"] > limit
+    assert held.technique == "offload-optimizer" and held.fits and held.host_bytes > limit
     assert "offload-optimizer would fit" in small.message and "64.00 GiB (--host-memory)" in small.message
     big = advise(hf_config="llama-3.1-8b", gpu="RTX4090-24GB", seq=2048, batch=2, host_memory="1TiB",
                  simulate=False)
-    assert big.fits and "offload-optimizer" in big.plan and big.host_bytes == held["host_bytes"]
+    assert big.fits and "offload-optimizer" in big.plan and big.host_bytes == held.host_bytes

@@ -81,9 +81,9 @@ def test_a_real_oom_inside_an_op_is_dissected_like_a_simulated_one():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_expandable_segments_serve_what_fragmentation_refused():
     default, expandable = fragmentation(False), fragmentation(True)
-    assert not default["fits"] and expandable["fits"]
-    r = read_oom(default["oom"])
+    assert not default.fits and expandable.fits
+    r = read_oom(default.oom)
     # 9 of 17 60-MiB pieces live; the cached 1 GiB block holds the 8 holes and the 4 MiB tail
     assert r["allocated"] == 9 * 60 * MiB and r["reserved_unallocated"] == 484 * MiB
-    assert r["allocated"] + r["requested"] < default["cap_bytes"]  # it would have fitted
-    assert expandable["reserved_after"] <= expandable["cap_bytes"]
+    assert r["allocated"] + r["requested"] < default.cap_bytes  # it would have fitted
+    assert expandable.reserved_after <= expandable.cap_bytes

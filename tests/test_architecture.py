@@ -201,7 +201,8 @@ LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "bitsan
            "nbformat", "nbclient", "yaml", "trl", "datasets", "tokenizers", "accelerate",
            "memlab.classroom.plots",
            "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining",
-           "torch.distributed._tools", "torch.utils.cpp_extension", "resource")
+           "torch.distributed._tools", "torch.utils.cpp_extension", "resource",
+           "torch._inductor", "torch._functorch", "torch.profiler")  # compile and its profiler: heavy, on use
 #: Modules whose functions may import memlab's own modules late: the CLI, where each command
 #: imports its lens when it runs (`memlab --help` and `estimate` stay near torch's own import:
 #: benchmarks/cli_startup.py, tests/test_startup.py).
@@ -248,3 +249,28 @@ def test_a_module_over_500_lines_says_why_in_its_docstring():
         if len(text.splitlines()) > LONG and f"Over {LONG} lines because" not in doc:
             long[name] = len(text.splitlines())
     assert long == {}, f"split it, or say why not in its docstring ('Over {LONG} lines because ...')"
+
+
+#: issue 36: the callers of the Hugging Face -> memlab GPT mapping still left (the advisor's
+#: ``--hf-config`` and the CLI's estimate of a fine-tune); the set only shrinks, to nothing
+GPT_MAPPING_CALLERS = {"planning/advisor.py", "app/cli.py"}
+
+
+def test_the_hf_to_gpt_mapping_has_only_its_known_callers():
+    """No module but those in GPT_MAPPING_CALLERS maps a Hugging Face config onto memlab's GPT
+    (``hf.config.gpt_config``, ``step_config``, ``maps_to_gpt``): the time lens, the ladder, the
+    simulation bound and the fine-tune panel read the decoder's shape."""
+    names = {"gpt_config", "step_config", "maps_to_gpt"}
+    callers = set()
+    for path in _modules():
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel == "hf/config.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                base = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+                if name in names and (isinstance(f, ast.Name) or base in ("hf", "config")):
+                    callers.add(rel)
+    assert callers == GPT_MAPPING_CALLERS

@@ -72,25 +72,25 @@ def test_calculator_panel_redraws_when_a_control_changes():
     from memlab.classroom.widgets import CalculatorPanel
     panel = CalculatorPanel("gpt2-xl", seq=1024, batch=8, precision="fp32", gpu="A100-40GB")
     first = panel.data
-    assert first["fits"] is False and "does not fit" in panel.status.value
+    assert first.fits is False and "does not fit" in panel.status.value
     panel.checkpointing.value = "full"
-    assert panel.data["checkpointing"] == "full"
-    assert panel.data["by_category"]["activations"] < first["by_category"]["activations"] / 4
+    assert panel.data.checkpointing == "full"
+    assert panel.data.by_category["activations"] < first.by_category["activations"] / 4
     panel.gpu.value = "H200-141GB"
-    assert panel.data["calculation"].card_bytes == GPU_PRESETS["H200-141GB"] and panel.data["fits"]
+    assert panel.data.calculation.card_bytes == GPU_PRESETS["H200-141GB"] and panel.data.fits
     bars = panel.figure.axes[0].patches  # the figure drawn is the new setting's
-    assert sum(b.get_width() for b in bars) == pytest.approx(panel.data["peak_bytes"] / GiB)
+    assert sum(b.get_width() for b in bars) == pytest.approx(panel.data.peak_bytes / GiB)
     # the panel's numbers are estimate_step's for its settings
     e = estimate_step(StepConfig(model="gpt2-xl", seq=1024, batch=8, precision="fp32",
                                  checkpointing="full"), budget="H200-141GB", target="cuda")
-    assert panel.data["peak_bytes"] == e.peak_bytes
+    assert panel.data.peak_bytes == e.peak_bytes
     panel.tensor_parallel.value = 8          # ranks 1: not a valid setting, said in the panel
-    assert panel.data["error"] and "multiple" in panel.data["error"]
+    assert panel.data.error and "multiple" in panel.data.error
     panel.ranks.value = 8                    # 25 heads: t = 8 is refused by the formulas too
-    assert "allowed: 1, 5, 25" in panel.data["error"] and "not a valid" in panel.status.value
+    assert "allowed: 1, 5, 25" in panel.data.error and "not a valid" in panel.status.value
     panel.tensor_parallel.value = 1
     panel.zero.value = 3                     # ZeRO-3 over 8 ranks shards the model states
-    assert panel.data["error"] is None and panel.data["peak_bytes"] < e.peak_bytes / 2
+    assert panel.data.error is None and panel.data.peak_bytes < e.peak_bytes / 2
     plt.close("all")
 
 

@@ -24,7 +24,7 @@ def reports():
 
 def test_levels_halve_the_side():
     lv = dif.unet_levels(CFG, 32)
-    assert [(x["side"], x["channels"], x["tokens"]) for x in lv] == [(32, 32, 1024), (16, 64, 256),
+    assert [(x.side, x.channels, x.tokens) for x in lv] == [(32, 32, 1024), (16, 64, 256),
                                                                       (8, 64, 64)]
     with pytest.raises(ValueError, match="not divisible by 4"):
         dif.unet_levels(CFG, 30)
@@ -95,12 +95,12 @@ def test_unet_panel_redraws_by_module():
     panel = UNetPanel(ml.StepConfig(model="unet-small", seq=16, batch=2), images=(16, 32),
                       batches=(1, 2))
     small = panel.data
-    assert small["seq"] == 16 and "encoder 16px" in small["by_module"]
+    assert small.seq == 16 and "encoder 16px" in small.by_module
     panel.seq.value = 32
-    assert "encoder 32px" in panel.data["by_module"]
-    assert panel.data["max_activations"] > 3.5 * small["max_activations"]
+    assert "encoder 32px" in panel.data.by_module
+    assert panel.data.max_activations > 3.5 * small.max_activations
     panel.technique.value = "full"
-    assert panel.data["max_activations"] < 0.5 * panel.history[1]["max_activations"]
+    assert panel.data.max_activations < 0.5 * panel.history[1].max_activations
     assert panel.figure.axes[0].get_xlim()[0] == 0
     plt.close("all")
     with pytest.raises(ValueError, match="UNetPanel needs a UNet step"):

@@ -16,13 +16,13 @@ def props(name="X", gb=80, major=8, minor=0):
                                                   (9, 0, True), (7, 0, False)])
 def test_bf16_is_native_from_ampere(major, minor, native):
     facts = doctor.gpu_facts(props(major=major, minor=minor))
-    assert facts["bf16_native"] is native
-    assert facts["capability"] == f"{major}.{minor}"
+    assert facts.bf16_native is native
+    assert facts.capability == f"{major}.{minor}"
 
 
 @pytest.mark.parametrize("gb", [16, 24, 40, 80, 141])
 def test_memory_is_read_from_the_props(gb):
-    assert doctor.gpu_facts(props(gb=gb))["memory"] == gb * 10**9
+    assert doctor.gpu_facts(props(gb=gb)).memory == gb * 10**9
 
 
 def test_no_gpu_everything_on_the_cpu(monkeypatch):

@@ -97,7 +97,7 @@ def test_kv_cache_names_query_heads_instead_of_kv_heads():
 # 17: a UNet's skip tensors, against a measured step
 # --------------------------------------------------------------------------------------
 def skip_bytes(levels, batch):
-    return sum(batch * lv["channels"] * lv["side"] ** 2 * 4 for lv in levels)
+    return sum(batch * lv.channels * lv.side ** 2 * 4 for lv in levels)
 
 
 def test_skip_bytes_passes_the_measurement():

@@ -10,6 +10,7 @@ pytest.importorskip("peft")
 
 from memlab import measure_step
 from memlab.hf import config as hf
+from memlab.hf.estimate import estimate_hf
 from memlab.hf.simulate import simulate_hf
 from memlab.lenses.your_model import track_step
 from memlab.models.gpt_unet import GPT, PRESETS
@@ -149,17 +150,17 @@ def test_will_it_fit_panel_redraws_with_the_estimate():
     pytest.importorskip("ipywidgets")
     from memlab.classroom.widgets import FinetunePanel
     panel = FinetunePanel("llama-3-8b", "A100-80GB")
-    full = panel.data["peak_bytes"]
+    full = panel.data.peak_bytes
     panel.lora.value = "r=16 all linear"  # a click, from code
-    step = hf.step_config("llama-3-8b", seq=512, batch=1, precision="bf16", checkpointing="none")
-    expected = finetune.estimate_lora(step, rank=16, targets=finetune.LLAMA_TARGETS,
-                                      budget="A100-80GB", target="cuda")
-    assert panel.data["peak_bytes"] == expected.peak_bytes < full
-    assert panel.data["fits"] is True and "fits" in panel.status.value
+    lora = LoraConfig(rank=16, targets=finetune.LLAMA_TARGETS)
+    expected = estimate_hf("llama-3-8b", seq=512, batch=1, precision="bf16", checkpointing="none",
+                           lora=lora, budget="A100-80GB", target="cuda")
+    assert panel.data.peak_bytes == expected.peak_bytes < full
+    assert panel.data.fits is True and "fits" in panel.status.value
     panel.seq.value = 4096
-    assert panel.data["peak_bytes"] == finetune.estimate_lora(
-        hf.step_config("llama-3-8b", seq=4096, batch=1, precision="bf16", checkpointing="none"),
-        rank=16, targets=finetune.LLAMA_TARGETS, budget="A100-80GB", target="cuda").peak_bytes
+    assert panel.data.peak_bytes == estimate_hf(
+        "llama-3-8b", seq=4096, batch=1, precision="bf16", checkpointing="none", lora=lora,
+        budget="A100-80GB", target="cuda").peak_bytes
 
 
 def _cli_json(capsys, argv):

@@ -258,16 +258,16 @@ def test_panel_refuses_a_size_the_host_cannot_hold_then_measures_the_next(monkey
     real_build = measure.build_trainer
     monkeypatch.setattr(measure, "build_trainer", lambda *a, **k: builds.append(1) or real_build(*a, **k))
     panel = StepPanel(StepConfig(seq=32, batch=2), seqs=(32, 64, 1024), batches=(2,))
-    assert panel.data["refused"] is None and len(builds) == 1
+    assert panel.data.refused is None and len(builds) == 1
     panel.seq.value = 1024
-    assert panel.data["refused"].startswith("refused: measuring this step needs about")
-    assert panel.data["seq"] == 1024 and panel.data["report"] is None
+    assert panel.data.refused.startswith("refused: measuring this step needs about")
+    assert panel.data.seq == 1024 and panel.data.report is None
     assert len(builds) == 1  # nothing was built
-    assert [o["text"] for o in panel.output.outputs] == [panel.data["refused"] + "\n"]
+    assert [o["text"] for o in panel.output.outputs] == [panel.data.refused + "\n"]
     assert "refused" in panel.status.value
     panel.seq.value = 64
-    assert panel.data["refused"] is None and panel.data["seq"] == 64 and len(builds) == 2
-    assert panel.data["report"].peak_bytes > 0 and panel.figure is not None
+    assert panel.data.refused is None and panel.data.seq == 64 and len(builds) == 2
+    assert panel.data.report.peak_bytes > 0 and panel.figure is not None
 
 
 def test_compression_panel_refuses_then_measures(monkeypatch):
@@ -275,11 +275,11 @@ def test_compression_panel_refuses_then_measures(monkeypatch):
     monkeypatch.setattr(guard, "process_headroom_bytes", lambda: None)
     monkeypatch.setattr(guard, "host_available_bytes", lambda: 10 * MiB)
     panel = CompressionPanel(StepConfig(seq=32, batch=2), seqs=(32, 64))
-    assert panel.data["refused"].startswith("refused: measuring this step needs about")
+    assert panel.data.refused.startswith("refused: measuring this step needs about")
     monkeypatch.setattr(guard, "host_available_bytes", lambda: 64 * GiB)
     panel.seq.value = 64
-    assert panel.data["refused"] is None and panel.data["seq"] == 64
-    assert panel.data["activation_bytes"] == panel.data["baseline_activation_bytes"]  # "none"
+    assert panel.data.refused is None and panel.data.seq == 64
+    assert panel.data.activation_bytes == panel.data.baseline_activation_bytes  # "none"
 
 
 def test_the_guard_counts_this_process_cached_blocks_as_available(monkeypatch):

@@ -29,7 +29,7 @@ def test_a_baseline_is_measured_once_for_every_technique(monkeypatch):
     bf16 = tt.measure_saving(STEP, "mixed precision")
     again = tt.measure_saving(STEP, "gradient checkpointing")
     assert len(calls) == 3  # the baseline once, each technique once; the repeat measures nothing
-    assert ckpt == again and ckpt["baseline"] == bf16["baseline"]
+    assert ckpt == again and ckpt.baseline == bf16.baseline
 
 
 def test_the_cached_numbers_are_the_measured_ones_and_keyed_by_the_step():
@@ -37,9 +37,9 @@ def test_the_cached_numbers_are_the_measured_ones_and_keyed_by_the_step():
     small = tt.measure_saving(STEP, "gradient checkpointing")
     larger = replace(STEP, batch=4)
     big = tt.measure_saving(larger, "gradient checkpointing")
-    assert small["baseline"]["peak_bytes"] == _fresh_peak(STEP)
-    assert big["baseline"]["peak_bytes"] == _fresh_peak(larger)
+    assert small.baseline.peak_bytes == _fresh_peak(STEP)
+    assert big.baseline.peak_bytes == _fresh_peak(larger)
     # four times the batch holds more activations: a key that dropped the batch would not see it
-    assert big["baseline"]["activation_bytes"] > 3 * small["baseline"]["activation_bytes"]
-    small["baseline"]["by_category"]["parameters"] = -1  # a caller's edit stays its own
-    assert tt.measure_saving(STEP, "gradient checkpointing")["baseline"]["by_category"]["parameters"] > 0
+    assert big.baseline.activation_bytes > 3 * small.baseline.activation_bytes
+    small.baseline.by_category["parameters"] = -1  # a caller's edit stays its own
+    assert tt.measure_saving(STEP, "gradient checkpointing").baseline.by_category["parameters"] > 0

@@ -104,7 +104,7 @@ def test_tensor_parallel_halves_block_params_and_matches_one_process():
         assert r["block_param_bytes"] / r["full_block_param_bytes"] == pytest.approx(0.5, abs=0.01)
         assert r["layer_activation"] == pytest.approx(r["formula"]["total"], rel=0.01)
     assert res.report().per_rank[0].peak_bytes == res.per_rank[0]["peak_bytes"]
-    sim = simulate_tensor_parallel(ml.StepConfig(seq=64, batch=4), tensor_parallel=2)
+    sim = simulate_tensor_parallel(ml.StepConfig(seq=64, batch=4), tensor_parallel=2).per_rank[0]
     assert sim["peak_bytes"] == pytest.approx(res.per_rank[0]["peak_bytes"], rel=0.01)
     assert sim["layer_activation"] == pytest.approx(sim["formula"]["total"], rel=1e-3)
 
@@ -215,7 +215,9 @@ def test_gqa_tensor_parallel_simulated_per_rank(kv, t, attention):
     """Fake process group: every weight of a block is split (none held twice, also with
     replicated kv heads), and each layer keeps what the formula counts."""
     cfg = _llama_like(kv, n_head=8, attention=attention)
-    sim = simulate_tensor_parallel(ml.StepConfig(model=cfg, seq=32, batch=2), tensor_parallel=t)
+    res = simulate_tensor_parallel(ml.StepConfig(model=cfg, seq=32, batch=2), tensor_parallel=t)
+    assert len(res.per_rank) == 1 and res.report().peak_bytes == res.per_rank[0]["peak_bytes"]
+    sim = res.per_rank[0]
     d, f, hd, L = cfg.d_model, cfg.hidden, cfg.head_dim, cfg.n_layer
     weights = (cfg.n_head + 2 * kv) * hd * d + d * d + 3 * d * f  # qkv, proj, fc, gate, out
     assert sim["block_param_bytes"] == 4 * L * (weights / t + 2 * d)  # + the two RMSNorms

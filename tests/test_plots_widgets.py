@@ -91,13 +91,13 @@ def test_panel_remeasures_when_controls_change():
                       techniques={"none": {}, "full": {"checkpointing": "full"}},
                       precisions=["fp32", "bf16"])
     first = panel.data
-    assert first["seq"] == 64 and first["technique"] == "none"
+    assert first.seq == 64 and first.technique == "none"
     panel.seq.value = 32
-    assert panel.data["seq"] == 32
-    assert panel.data["max_activations"] < first["max_activations"] / 1.8
+    assert panel.data.seq == 32
+    assert panel.data.max_activations < first.max_activations / 1.8
     panel.technique.value = "full"
-    assert panel.data["report"].step.model_config.checkpointing == "full"
-    assert panel.data["max_activations"] < panel.history[1]["max_activations"] / 2
+    assert panel.data.report.step.model_config.checkpointing == "full"
+    assert panel.data.max_activations < panel.history[1].max_activations / 2
     assert len(panel.history) == 3
     assert "ckpt full" in panel.figure.axes[0].get_title()  # the figure drawn is the new step
     plt.close("all")
@@ -106,7 +106,7 @@ def test_panel_remeasures_when_controls_change():
 def test_panel_without_optional_controls():
     panel = StepPanel(StepConfig(seq=32, batch=2), seqs=(32,), batches=(2,), budget="1GiB")
     assert panel.technique is None and panel.precision is None
-    assert panel.data["fits"] is True
+    assert panel.data.fits is True
     assert "fits" in panel.status.value
 
 
@@ -114,33 +114,33 @@ def test_advisor_panel_replans_when_controls_change():
     from memlab.classroom.widgets import AdvisorPanel
     panel = AdvisorPanel("gpt2-xl", "T4-16GB", 1, 1024, 8)
     small = panel.data
-    assert small["gpu"] == "T4-16GB" and small["plan"]  # 1.5B parameters need techniques on 16 GB
+    assert small.gpu == "T4-16GB" and small.plan  # 1.5B parameters need techniques on 16 GB
     panel.gpu.value = "H200-141GB"
     big = panel.data
-    assert big["gpu"] == "H200-141GB" and big["advice"].budget_bytes == 143771 * MiB
+    assert big.gpu == "H200-141GB" and big.advice.budget_bytes == 143771 * MiB
     # the flowchart is walked in one order: a larger card stops earlier on the same path
-    assert big["plan"] == small["plan"][:len(big["plan"])] and len(big["plan"]) < len(small["plan"])
+    assert big.plan == small.plan[:len(big.plan)] and len(big.plan) < len(small.plan)
     panel.model.value = "gpt2-small"
-    assert panel.data["model"] == "gpt2-small" and panel.data["plan"] == []  # fits as it is
+    assert panel.data.model == "gpt2-small" and panel.data.plan == []  # fits as it is
     panel.seq.value = 4096
-    assert panel.data["seq"] == 1024  # clipped to GPT-2's block size
-    assert panel.status.value == panel.data["advice"].message
+    assert panel.data.seq == 1024  # clipped to GPT-2's block size
+    assert panel.status.value == panel.data.advice.message
     plt.close("all")
 
 
 def test_compression_panel_remeasures_when_controls_change():
     from memlab.classroom.widgets import CompressionPanel
     panel = CompressionPanel(StepConfig(seq=32, batch=2), seqs=(32, 64))
-    assert panel.data["variant"] == "none" and panel.data["grad_error"] == 0
+    assert panel.data.variant == "none" and panel.data.grad_error == 0
     panel.variant.value = "bf16"
     at32 = panel.data
-    assert at32["variant"] == "bf16" and at32["seq"] == 32
-    assert at32["activation_bytes"] < at32["baseline_activation_bytes"] and at32["grad_error"] > 0
+    assert at32.variant == "bf16" and at32.seq == 32
+    assert at32.activation_bytes < at32.baseline_activation_bytes and at32.grad_error > 0
     panel.seq.value = 64
-    assert panel.data["seq"] == 64
+    assert panel.data.seq == 64
     # twice the tokens: more activations kept, with and without compression
-    assert panel.data["baseline_activation_bytes"] > at32["baseline_activation_bytes"]
-    assert panel.data["activation_bytes"] > at32["activation_bytes"]
+    assert panel.data.baseline_activation_bytes > at32.baseline_activation_bytes
+    assert panel.data.activation_bytes > at32.activation_bytes
     plt.close("all")
 
 
@@ -148,13 +148,13 @@ def test_table_panel_remeasures_when_controls_change():
     from memlab.classroom.widgets import TablePanel
     step = StepConfig(seq=32, batch=1)
     panel = TablePanel(step, batches=(1, 2))
-    assert panel.data["technique"] == "gradient checkpointing" and panel.data["batch"] == 1
+    assert panel.data.technique == "gradient checkpointing" and panel.data.batch == 1
     panel.technique.value = "mixed precision"
     base, bf16 = measure_step(step).peak_bytes, measure_step(step, precision="bf16").peak_bytes
-    assert panel.data["technique"] == "mixed precision"
-    assert panel.data["saving"] == pytest.approx(1 - bf16 / base, rel=1e-12)
+    assert panel.data.technique == "mixed precision"
+    assert panel.data.saving == pytest.approx(1 - bf16 / base, rel=1e-12)
     panel.batch.value = 2
-    assert panel.data["batch"] == 2 and "saved" in panel.status.value
+    assert panel.data.batch == 2 and "saved" in panel.status.value
     plt.close("all")
 
 
@@ -163,11 +163,11 @@ def test_table_panel_sequence_slider_remeasures():
     step = StepConfig(seq=32, batch=1)
     panel = TablePanel(step, batches=(1,), seqs=(32, 64))
     panel.technique.value = "mixed precision"
-    assert panel.data["seq"] == 32
+    assert panel.data.seq == 32
     panel.seq.value = 64
     base = measure_step(StepConfig(seq=64, batch=1)).peak_bytes
     bf16 = measure_step(StepConfig(seq=64, batch=1), precision="bf16").peak_bytes
-    assert panel.data["seq"] == 64 and panel.data["saving"] == pytest.approx(1 - bf16 / base, rel=1e-12)
+    assert panel.data.seq == 64 and panel.data.saving == pytest.approx(1 - bf16 / base, rel=1e-12)
     plt.close("all")
 
 
@@ -177,16 +177,16 @@ def test_pipeline_panel_redraws_when_controls_change():
     from memlab.distributed.pipeline_parallel import measure_pipeline
     result = measure_pipeline(StepConfig(seq=32, batch=4), 2, micro_batches=(1, 2, 4), repeats=1)
     panel = PipelinePanel(result)
-    assert panel.data["m"] == 2 and panel.data["schedule"] == "gpipe"
+    assert panel.data.m == 2 and panel.data.schedule == "gpipe"
     panel.schedule.value = "1f1b"
     # GPipe's bubble (p - 1) / (m + p - 1) with p = 2 stages; 1F1B holds at most p micro-batches
-    assert panel.data["schedule"] == "1f1b" and panel.data["formula"] == pytest.approx(1 / 3)
-    assert panel.data["in_flight"] <= 2
+    assert panel.data.schedule == "1f1b" and panel.data.formula == pytest.approx(1 / 3)
+    assert panel.data.in_flight <= 2
     panel.m.value = 4
-    assert panel.data["m"] == 4 and panel.data["formula"] == pytest.approx(1 / 5)
+    assert panel.data.m == 4 and panel.data.formula == pytest.approx(1 / 5)
     panel.m.value = 1
-    assert panel.data["schedule"] == "gpipe"  # 1F1B needs m >= p: below that it is GPipe
-    assert 0 <= panel.data["bubble"] < 1
+    assert panel.data.schedule == "gpipe"  # 1F1B needs m >= p: below that it is GPipe
+    assert 0 <= panel.data.bubble < 1
 
 
 def test_loss_spike_panel_follows_vocabulary_and_sequence():
@@ -198,12 +198,12 @@ def test_loss_spike_panel_follows_vocabulary_and_sequence():
                       checkpointing="full", zero=2, offload="optimizer")
     panel = LossSpikePanel(step)
     big = panel.data
-    assert big["vocab"] == 128256 and big["spike_bytes"] == 8192 * 128256 * 4
-    assert big["plain_moment"] == "log-softmax backward" and big["saving"] > 0
+    assert big.vocab == 128256 and big.spike_bytes == 8192 * 128256 * 4
+    assert big.plain_moment == "log-softmax backward" and big.saving > 0
     panel.vocab.value = 256000
-    assert panel.data["saving"] >= panel.data["spike_bytes"] * 0.9 > big["saving"]
+    assert panel.data.saving >= panel.data.spike_bytes * 0.9 > big.saving
     panel.vocab.value = 32000
-    assert panel.data["saving"] == 0 and panel.data["plain_moment"] == panel.data["chunked_moment"]
+    assert panel.data.saving == 0 and panel.data.plain_moment == panel.data.chunked_moment
     plt.close("all")
 
 
@@ -215,13 +215,13 @@ def test_tensor_parallel_panel_redraws_with_the_formula():
     assert panel.t.options == (1, 2, 4, 8, 16)           # 16 heads, MLP 4096
     panel.t.value = 4
     f = tp_activation_bytes(get_config("gpt2-medium"), 1024, 1, 4)
-    assert panel.data["t"] == 4 and panel.data["total"] == f["total"]
+    assert panel.data.t == 4 and panel.data.total == f["total"]
     # Korthikanti et al. 2022 sec. 4.2.1, fp32 without dropout: 16 sbh stay whole on every rank
     h = get_config("gpt2-medium").d_model
-    assert panel.data["replicated"] >= 16 * 1024 * h
+    assert panel.data.replicated >= 16 * 1024 * h
     panel.model.value = "gpt2-xl"                         # 25 heads: 2 and 4 are not allowed
-    assert panel.t.options == (1,) and panel.data["t"] == 1 and panel.data["model"] == "gpt2-xl"
+    assert panel.t.options == (1,) and panel.data.t == 1 and panel.data.model == "gpt2-xl"
     panel.seq.value = 2048
-    assert panel.data["seq"] == 2048 and panel.data["total"] == \
+    assert panel.data.seq == 2048 and panel.data.total == \
         tp_activation_bytes(get_config("gpt2-xl"), 2048, 1, 1)["total"]
     plt.close("all")

@@ -22,7 +22,8 @@ def table(tmp_path_factory):
 def test_single_device_rows_are_measured(table):
     techs = [r.technique for r in table.rows]
     assert techs == ["gradient checkpointing", "mixed precision", "activation compression",
-                     "recomputation (selective)"]
+                     "recomputation (selective)", "optimizer step in backward", "op-level checkpointing",
+                     "activation offload"]
     ck = table.row("gradient checkpointing")
     assert 0.2 < ck.saving < 0.9 and ck.time_ratio > 0
     assert table.row("activation compression").saving > 0.15
@@ -133,3 +134,17 @@ def test_cli_report_bad_input(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_todays_techniques_are_rows_with_memory_and_time(table):
+    """Issue 39's rows, each against facts found outside memlab: save_on_cpu keeps the tensor
+    itself on a CPU (so the peak is the plain step's to the byte); torchtitan's op-level policy
+    saves more than full checkpointing and less than none (its peak lies between the two rows);
+    fusing the step into backward frees each gradient once applied (a lower peak)."""
+    off, op = table.row("activation offload"), table.row("op-level checkpointing")
+    assert off.memory_ratio == 1.0 and off.verdict.startswith("holds only when the device is a GPU")
+    full = table.row("gradient checkpointing").memory_ratio
+    assert full < op.memory_ratio < 1.0
+    assert table.row("optimizer step in backward").memory_ratio < 1.0
+    assert all(r.time_ratio > 0 for r in table.rows[-3:])
+    assert any("expandable_segments" in n and "OOMs by default" in n and "fits with" in n for n in table.notes)

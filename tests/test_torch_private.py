@@ -155,3 +155,14 @@ def test_private_torch_apis_only_through_torch_private():
             defined = {n.name for n in ast.walk(ast.parse(path.read_text()))
                        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
             assert not defined & set(tp.__all__), (path, defined & set(tp.__all__))
+
+
+def test_the_compile_wrappers_set_the_budget_and_see_allocations():
+    import torch._functorch.config as functorch_config
+
+    from memlab.core.torch_private import activation_memory_budget, profiler_memory_events
+    with activation_memory_budget(0.5):
+        assert functorch_config.activation_memory_budget == 0.5
+    assert functorch_config.activation_memory_budget == 1.0
+    events = profiler_memory_events(lambda: torch.empty(1000, dtype=torch.uint8))
+    assert [n for _, n in events] == [1000, -1000]   # the tensor made and freed, its exact bytes

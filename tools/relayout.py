@@ -510,7 +510,7 @@ def plan_moves() -> list[tuple[str, pathlib.Path, pathlib.Path]]:
     return moves
 
 
-def run(dry: bool) -> int:
+def run(dry: bool) -> int:  # noqa: C901 the tool's steps in order, each with its dry-run branch
     unknown = unknown_modules()
     if unknown:
         print("relayout: modules MOVES does not know (add each to MOVES and its owns line to LAYERS):", file=sys.stderr)

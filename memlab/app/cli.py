@@ -331,6 +331,11 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = F
                    help="the optimizer step fused into backward: each gradient applied and freed as it is made")
     p.add_argument("--activation-offload", action="store_true",
                    help="save_on_cpu: forward's saved tensors copied to host memory, brought back for backward")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile (inductor): the min-cut partitioner chooses what forward saves "
+                        "(measured from the allocator's events; estimate and simulate count the eager step)")
+    p.add_argument("--activation-memory-budget", type=float, default=None, metavar="FRACTION",
+                   help="torch._functorch.config.activation_memory_budget for --compile, in (0, 1]")
     p.add_argument("--gpu", default=None, help=f"budget from a card: {', '.join(GPU_PRESETS)}")
     p.add_argument("--budget", default=None, help="budget as a size: 512MiB, 40GB, 1073741824")
     if target:
@@ -547,7 +552,8 @@ def step_from_args(args: argparse.Namespace) -> StepConfig:
                       optimizer=_step_optimizer(args.optimizer), micro_batches=args.micro_batches, zero=args.zero,
                       world_size=args.world_size, offload=args.offload,
                       optimizer_in_backward=args.optimizer_in_backward,
-                      activation_offload=args.activation_offload)
+                      activation_offload=args.activation_offload, compile=args.compile,
+                      activation_memory_budget=args.activation_memory_budget)
 
 
 def _budget(args: argparse.Namespace) -> int | None:
@@ -591,7 +597,7 @@ def _check_measure(step: StepConfig, args: argparse.Namespace) -> None:
                          f"{args.device} there is none: use --device cuda, or drop it")
 
 
-def run(args: argparse.Namespace) -> Result:
+def run(args: argparse.Namespace) -> Result:  # noqa: C901 one branch per subcommand's output
     """Compute what a subcommand asks for: a :class:`MemoryReport` (estimate, simulate,
     measure), an :class:`~memlab.planning.advisor.Advice` (advise) or a
     :class:`~memlab.classroom.technique_table.Table` (report)."""

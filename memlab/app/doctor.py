@@ -62,12 +62,25 @@ class Check:
         return f"{self.status:<4}  {self.name}: {self.detail}"
 
 
-def gpu_facts(props) -> dict:
+@dataclass(frozen=True)
+class GpuFacts:
+    """What the doctor reports of one GPU (:func:`gpu_facts`)."""
+
+    name: str
+    """The device's name."""
+    memory: int
+    """Its total memory in bytes."""
+    capability: str
+    """The compute capability, ``"major.minor"``."""
+    bf16_native: bool
+    """Whether it runs bf16 natively (from :data:`BF16_NATIVE_FROM`)."""
+
+
+def gpu_facts(props) -> GpuFacts:
     """Name, memory, capability and native bf16 of one GPU, from ``torch.cuda.get_device_properties``."""
     capability = (int(props.major), int(props.minor))
-    return {"name": props.name, "memory": int(props.total_memory),
-            "capability": f"{capability[0]}.{capability[1]}",
-            "bf16_native": capability >= BF16_NATIVE_FROM}
+    return GpuFacts(name=props.name, memory=int(props.total_memory),
+                    capability=f"{capability[0]}.{capability[1]}", bf16_native=capability >= BF16_NATIVE_FROM)
 
 
 def lesson_places(gpus: int) -> dict[str, str]:
@@ -179,8 +192,8 @@ def collect(build: bool = True) -> tuple[list[Check], dict[str, str]]:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         for i in range(gpus):
             f = gpu_facts(torch.cuda.get_device_properties(i))
-            checks.append(Check(f"gpu {i}", "ok", f"{f['name']}, {fmt_bytes(f['memory'])}, capability "
-                                f"{f['capability']}, bf16 {'native' if f['bf16_native'] else 'emulated/slow'}"))
+            checks.append(Check(f"gpu {i}", "ok", f"{f.name}, {fmt_bytes(f.memory)}, capability "
+                                f"{f.capability}, bf16 {'native' if f.bf16_native else 'emulated/slow'}"))
         if gpus == 0:
             checks.append(Check("gpu", "ok", f"none (torch {torch.__version__}, CUDA "
                                 f"{torch.version.cuda or 'not built'}): every lesson runs on the CPU"))

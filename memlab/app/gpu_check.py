@@ -107,7 +107,10 @@ def lens_row(step: StepConfig, timed: bool = False, process: CachingAllocator | 
     is recorded with its error and the check goes on. ``process``: the simulated caching
     allocator of this process, so that each row is simulated with the cache the rows
     measured before it left (the timing trainer's steps repeat the same blocks and are not
-    replayed)."""
+    replayed).
+
+    A dict because it is a row of ``gpu_check.json``, the file it is written to.
+    """
     try:
         real = measure_step(step, device="cuda")
         row = {"config": step.describe(),
@@ -159,7 +162,10 @@ def deepspeed_step(card: Card) -> StepConfig:
 def collect(card: Card, cases=CASES, variants=VARIANTS,
             process: CachingAllocator | None = None) -> dict:
     """``gpu_check.json``: three lenses, the allocator and the step time per case and variant
-    the card holds, and the advisor's plan for a 24 GB card (or this one) run for real."""
+    the card holds, and the advisor's plan for a 24 GB card (or this one) run for real.
+
+    A dict because it is ``gpu_check.json``, the file it is written to.
+    """
     rows = []
     process = CachingAllocator() if process is None else process
     for st in sized_cases(card, cases, variants):
@@ -169,7 +175,7 @@ def collect(card: Card, cases=CASES, variants=VARIANTS,
             kw["checkpointing"] = st.model_config.checkpointing
         rows.append({"model": st.model_config.name, "seq": st.seq, "batch": st.batch, **kw, **row})
     try:
-        plan = check_plan("gpt2-medium", 1024, 16, budget=min(card.memory, 24564 * 2**20))
+        plan = check_plan("gpt2-medium", 1024, 16, budget=min(card.memory, 24564 * 2**20)).to_dict()
     except Exception as e:  # the plan check failing is a row of the record, not the end of it
         plan = {"error": f"{type(e).__name__}: {e}"[:2000]}
     return {**_header(), "card": card.describe(), "total_memory": card.memory, "rows": rows,
@@ -197,6 +203,8 @@ def deepspeed_one_gpu_worker(rank: int, world_size: int, step: StepConfig,
     DeepSpeed's buffers), ``device_peak`` its ``max_memory_allocated`` over the next step.
     ``step_seconds`` is the median of ``timed_steps`` more steps, each in
     ``step_seconds_samples`` (records before these two fields' split hold the peak's step).
+
+    A dict because it is a row of ``zero_offload_one_gpu.json``, the file it is written to.
     """
     import deepspeed  # optional and heavy: only this rank worker needs it
     deepspeed.init_distributed(dist_backend=default_backend())
@@ -236,7 +244,10 @@ def deepspeed_one_gpu_worker(rank: int, world_size: int, step: StepConfig,
 
 def collect_deepspeed(step: StepConfig = DEEPSPEED_STEP, cases=DEEPSPEED_CASES) -> list[dict]:
     """``zero_offload_one_gpu.json``: each case in its own one-rank launch (a fresh process,
-    so host RSS and the allocator start clean), with memlab's estimate beside it."""
+    so host RSS and the allocator start clean), with memlab's estimate beside it.
+
+    A dict because it is ``zero_offload_one_gpu.json``, the file it is written to.
+    """
     rows = []
     for zero, offload in cases:
         s = replace(step, zero=zero, offload=offload)

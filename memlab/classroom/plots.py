@@ -376,15 +376,15 @@ def plot_advice(advice: Advice, ax=None):
     that a bar's height reads as bytes (a log axis made a 52 GiB bar look empty beside
     100 GiB ones)."""
     ax = ax or plt.subplots(figsize=(8, 3.4))[1]
-    names = [s["technique"] for s in advice.steps]
-    peaks = [s["peak_bytes"] / GiB for s in advice.steps]
-    colors = ["#55a868" if s["fits"] else ("#c44e52" if s["kept"] else "#dddddd") for s in advice.steps]
+    names = [s.technique for s in advice.steps]
+    peaks = [s.peak_bytes / GiB for s in advice.steps]
+    colors = ["#55a868" if s.fits else ("#c44e52" if s.kept else "#dddddd") for s in advice.steps]
     bars = ax.bar(range(len(names)), peaks, color=colors, edgecolor="k", lw=0.5)
     for b, s in zip(bars, advice.steps, strict=True):
-        if not s["kept"]:
+        if not s.kept:
             b.set_hatch("//")
-        if s["simulated_bytes"] is not None:
-            ax.plot(b.get_x() + b.get_width() / 2, s["simulated_bytes"] / GiB, "kD", ms=4)
+        if s.simulated_bytes is not None:
+            ax.plot(b.get_x() + b.get_width() / 2, s.simulated_bytes / GiB, "kD", ms=4)
     ax.axhline(advice.budget_bytes / GiB, color="k", lw=1, label="card memory")
     ax.axhline(advice.usable_bytes / GiB, color="k", ls="--", lw=1,
                label=f"usable ({advice.headroom:.0%} headroom)")

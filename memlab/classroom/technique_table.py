@@ -37,6 +37,7 @@ from memlab.lenses.estimate import estimate_step
 from memlab.lenses.measure import measure_trainer, time_steps
 from memlab.lenses.parallel_formulas import bubble_fraction
 from memlab.lenses.reference import REFERENCE_DIR, load_references
+from memlab.policy.caching_allocator import replay_fragmentation
 from memlab.step.training_step import StepConfig
 from memlab.step.zero import zero_saving  # one source for the ZeRO formula (re-exported)
 from memlab.techniques.compression import compressed_trainer
@@ -55,6 +56,17 @@ CLAIMS = {
     "offloading": ("very large", "IO bottleneck", None),
     "activation compression": ("30-60%", "decompression", (0.30, 0.60)),
     "recomputation (selective)": ("customisable", "repeated compute", None),
+}
+#: techniques beyond the curriculum (issue 39), measured on the same step: technique -> (what its
+#: source claims for memory, for compute, its source). The curriculum columns carry these claims.
+TODAY = {
+    "optimizer step in backward": ("the gradients never all exist", "none (same update)",
+                                   "PyTorch tutorial 'How to save memory by fusing the optimizer step "
+                                   "into the backward pass'; torchtune optimizer_in_bwd"),
+    "op-level checkpointing": ("between selective and full", "recompute of the unsaved ops",
+                               "torchtitan _apply_op_sac (matmul outputs saved by a policy)"),
+    "activation offload": ("saved activations leave the GPU", "PCIe copies, overlapped on a stream",
+                           "torchtune OffloadActivations; torch.autograd.graph.save_on_cpu"),
 }
 #: micro-batches of the pipeline row's 1F1B run (:func:`multi_rank`) and of its prediction
 PIPELINE_MICRO_BATCHES = 4
@@ -199,26 +211,119 @@ def ranks_for(stage: int, target: float, limit: int = 4096) -> int | None:
 
 
 # --------------------------------------------------------------------------------------
+# Measured results
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VariantRun:
+    """One single-device variant of the table's step, measured (:func:`single_device`)."""
+
+    peak_bytes: int
+    """Peak of one tracked step."""
+    activation_bytes: int
+    """The step's largest activations held at once (:func:`memlab.techniques.sweeps.category_max`)."""
+    seconds: float | None = None
+    """Median untracked step time (``None`` when not timed)."""
+
+
+@dataclass(frozen=True)
+class ZeroRun:
+    """One DeepSpeed engine's step of the table's multi-rank rows (:func:`multi_rank`)."""
+
+    peak_bytes: int
+    """The rank's whole-step peak."""
+    seconds: float
+    """The rank's step time."""
+    allocator: dict[str, int]
+    """DeepSpeed's exact accounting (:attr:`memlab.distributed.deepspeed_zero.RankResult.allocator`)."""
+
+
+@dataclass(frozen=True)
+class TensorParallelRun:
+    """The tensor-parallel row's run: the largest rank's figures (:func:`multi_rank`)."""
+
+    peak_bytes: int
+    """The largest rank peak."""
+    param_bytes: int
+    """The largest rank's parameter bytes (its shards and the layers kept whole)."""
+    full_param_bytes: int
+    """The parameter bytes of the whole model on one device."""
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """The pipeline row's 1F1B run (:data:`PIPELINE_MICRO_BATCHES` micro-batches)."""
+
+    peak_bytes: int
+    """The largest stage peak."""
+    bubble: float
+    """The stages' mean idle share of the step."""
+
+
+@dataclass(frozen=True)
+class MultiRank:
+    """The multi-rank rows' runs, each on the same ranks (:func:`multi_rank`)."""
+
+    zero: dict[int, ZeroRun]
+    """ZeRO stage (0-3) -> its engine's step."""
+    offload: ZeroRun
+    """ZeRO-2 with the optimizer offloaded to the host."""
+    tp: TensorParallelRun
+    """The tensor-parallel run."""
+    pp: PipelineRun
+    """The pipeline run."""
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """One step's measured bytes (:func:`measure_saving`)."""
+
+    peak_bytes: int
+    """Peak of the step."""
+    by_category: dict[str, int]
+    """Peak bytes by tracker category."""
+    activation_bytes: int
+    """The step's largest activations held at once."""
+
+
+@dataclass(frozen=True)
+class Saving:
+    """A single-device technique's saving on the step's peak (:func:`measure_saving`)."""
+
+    technique: str
+    """The row of the table (a key of :data:`SINGLE`)."""
+    baseline: StepBytes
+    """The step without the technique."""
+    with_technique: StepBytes
+    """The step with it."""
+    saving: float
+    """``1 - peak with / peak without``."""
+    verdict: str
+    """The curriculum claim's verdict (:func:`verdict`)."""
+
+
+# --------------------------------------------------------------------------------------
 # Measuring
 # --------------------------------------------------------------------------------------
-def single_device(step: StepConfig, repeats: int = 2) -> dict[str, dict]:
+def single_device(step: StepConfig, repeats: int = 2) -> dict[str, VariantRun]:
     """Peak (one tracked step) and median untracked step time of the baseline and of each
     single-device technique; one trainer per variant serves both."""
     variants = {"baseline": (step, "none"),
                 "checkpointing": (replace(step, checkpointing="full"), "none"),
                 "bf16": (replace(step, precision="bf16"), "none"),
                 "selective": (replace(step, checkpointing="selective"), "none"),
-                "int8": (step, "int8 per-row")}
+                "int8": (step, "int8 per-row"),
+                "in_backward": (replace(step, optimizer_in_backward=True), "none"),
+                "op": (replace(step, checkpointing="op"), "none"),
+                "offload": (replace(step, activation_offload=True), "none")}
     trainers = {name: compressed_trainer(s, v) for name, (s, v) in variants.items()}
     out = {}
     for name, (trainer, _, batch) in trainers.items():
         rep = measure_trainer(trainer, batch)
-        out[name] = {"peak_bytes": rep.peak_bytes,
-                     "activation_bytes": category_max(rep, "activations")}
+        out[name] = VariantRun(rep.peak_bytes, category_max(rep, "activations"))
     if repeats:
         runs = {name: (trainer, batch) for name, (trainer, _, batch) in trainers.items()}
         for name, secs in time_steps(runs, repeats).items():
-            out[name]["seconds"] = secs
+            out[name] = replace(out[name], seconds=secs)
     for _, comp, _ in trainers.values():
         if comp is not None:
             comp.remove()
@@ -231,7 +336,7 @@ def table_placement(world_size: int) -> Placement:
     return place_ranks(world_size, gpus=0)
 
 
-def multi_rank(step: StepConfig, world_size: int = 2, placement: Placement | None = None) -> dict:
+def multi_rank(step: StepConfig, world_size: int = 2, placement: Placement | None = None) -> MultiRank:
     """ZeRO 0-3 and ZeRO-2 + optimizer offload in one DeepSpeed launch; one tensor-parallel
     and one pipeline (1F1B, 4 micro-batches) run. Each on ``world_size`` ranks, placed by
     ``placement`` (default :func:`table_placement`)."""
@@ -240,23 +345,21 @@ def multi_rank(step: StepConfig, world_size: int = 2, placement: Placement | Non
     zs = [replace(s, zero=z) for z in (0, 0, 1, 2, 3)] + [replace(s, zero=2, offload="optimizer")]
     # the launch's first engine is slow to start: time the second
     reps = measure_zero(zs, placement=placement)[1:]
-    out = {f"zero{z}": {"peak_bytes": r.peak_bytes, "seconds": r.step_seconds,
-                        "allocator": dict(r.allocator)} for z, r in zip((0, 1, 2, 3), reps[:4], strict=True)}
+    zero = {z: ZeroRun(r.peak_bytes, r.step_seconds, dict(r.allocator))
+            for z, r in zip((0, 1, 2, 3), reps[:4], strict=True)}
     off = reps[-1]
-    out["offload"] = {"peak_bytes": off.peak_bytes, "seconds": off.step_seconds,
-                      "allocator": dict(off.allocator)}
     tp = measure_tensor_parallel(replace(step, world_size=1), world_size, check=False,
                                  placement=placement)
-    out["tp"] = {"peak_bytes": max(r["peak_bytes"] for r in tp.per_rank),
-                 "param_bytes": max(r["param_bytes"] for r in tp.per_rank),
-                 "full_param_bytes": tp.per_rank[0]["full_param_bytes"]}
+    tp_run = TensorParallelRun(peak_bytes=max(r["peak_bytes"] for r in tp.per_rank),
+                               param_bytes=max(r["param_bytes"] for r in tp.per_rank),
+                               full_param_bytes=tp.per_rank[0]["full_param_bytes"])
     pp = measure_pipeline(replace(step, world_size=1), world_size,
                           micro_batches=(PIPELINE_MICRO_BATCHES,),
                           schedules=("1f1b",), repeats=1, placement=placement)
     runs = [r["runs"][0] for r in pp.per_rank]
-    out["pp"] = {"peak_bytes": max(r["peak_bytes"] for r in runs),
-                 "bubble": sum(r["bubble"] for r in runs) / len(runs)}
-    return out
+    return MultiRank(zero=zero, offload=ZeroRun(off.peak_bytes, off.step_seconds, dict(off.allocator)),
+                     tp=tp_run, pp=PipelineRun(peak_bytes=max(r["peak_bytes"] for r in runs),
+                                               bubble=sum(r["bubble"] for r in runs) / len(runs)))
 
 
 @dataclass(frozen=True)
@@ -397,6 +500,9 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
 
     Returns:
         A :class:`~memlab.classroom.technique_table.Table` of the rows, measured.
+
+    Over 80 lines because each row's evidence sentence is written beside the measurement it cites
+    (the measuring itself is :func:`single_device` and :func:`multi_rank`).
     """
     start = time.perf_counter()
     step = step or StepConfig()
@@ -405,14 +511,14 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
                          f"{step.precision!r}, checkpointing={step.model_config.checkpointing!r}")
     one = single_device(step, repeats)
     base = one["baseline"]
-    act_share = base["activation_bytes"] / base["peak_bytes"]
+    act_share = base.activation_bytes / base.peak_bytes
     rows = []
 
     def ratio(name, key="peak_bytes"):
-        return one[name][key] / base[key]
+        return getattr(one[name], key) / getattr(base, key)
 
     def tratio(name):
-        return one[name]["seconds"] / base["seconds"] if repeats else None
+        return one[name].seconds / base.seconds if repeats else None
 
     def add(tech, name, cond, evidence):
         """The row of ``tech``, measured as the single-device case ``name``."""
@@ -423,64 +529,82 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
     add("gradient checkpointing", "checkpointing",
         f"activations are most of the peak (here {act_share:.0%}; activations alone fell "
         f"{1 - ratio('checkpointing', 'activation_bytes'):.0%})",
-        f"peak {base['peak_bytes'] / MiB:.1f} -> {one['checkpointing']['peak_bytes'] / MiB:.1f} MiB")
+        f"peak {base.peak_bytes / MiB:.1f} -> {one['checkpointing'].peak_bytes / MiB:.1f} MiB")
     add("mixed precision", "bf16",
         f"activations dominate and weights are stored in 16 bits (autocast keeps fp32 weights; "
         f"activations fell {1 - ratio('bf16', 'activation_bytes'):.0%})",
-        f"peak {one['bf16']['peak_bytes'] / MiB:.1f} MiB; CPU bf16 matmuls are not faster")
+        f"peak {one['bf16'].peak_bytes / MiB:.1f} MiB; CPU bf16 matmuls are not faster")
     add("activation compression", "int8",
         f"activations are most of the peak (int8 cut activations "
         f"{1 - ratio('int8', 'activation_bytes'):.0%})",
-        f"int8 per-row saved-tensor hooks: peak {one['int8']['peak_bytes'] / MiB:.1f} MiB")
+        f"int8 per-row saved-tensor hooks: peak {one['int8'].peak_bytes / MiB:.1f} MiB")
     naive = _selective_estimate(step)
     add("recomputation (selective)", "selective",
         f"attention scores are stored (naive attention, estimate: {naive:.0%} saved)",
-        f"attention core recomputed: peak {one['selective']['peak_bytes'] / MiB:.1f} MiB "
+        f"attention core recomputed: peak {one['selective'].peak_bytes / MiB:.1f} MiB "
         f"({step.model_config.attention} attention; with sdpa only the log-sum-exp is saved)")
-    notes = [f"baseline peak {base['peak_bytes'] / MiB:.1f} MiB, activations "
-             f"{base['activation_bytes'] / MiB:.1f} MiB ({act_share:.0%} of the peak)"]
+    for tech, name, cond in (
+            ("optimizer step in backward", "in_backward", "the gradients are a large share of the peak"),
+            ("op-level checkpointing", "op", "activations are most of the peak"),
+            ("activation offload", "offload", "the device is a GPU: on a CPU save_on_cpu keeps the "
+                                              "tensor itself, nothing moves")):
+        mem_claim, comp_claim, source = TODAY[tech]
+        mem = ratio(name)
+        rows.append(Row(tech, mem_claim, comp_claim, mem, tratio(name), verdict(1 - mem, None, cond),
+                        f"peak {one[name].peak_bytes / MiB:.1f} MiB (source: {source})"))
+    notes = [f"baseline peak {base.peak_bytes / MiB:.1f} MiB, activations "
+             f"{base.activation_bytes / MiB:.1f} MiB ({act_share:.0%} of the peak)"]
+    frag = {e: replay_fragmentation(e) for e in (False, True)}
+    notes.append(f"expandable_segments:True (counted by the allocator's rules, not measured here): lesson 02's "
+                 f"fragmentation case {'fits' if frag[False].fits else 'OOMs'} by default with "
+                 f"{(frag[False].reserved_before - frag[False].allocated_before) / MiB:.0f} MiB reserved but "
+                 f"unallocated, and {'fits' if frag[True].fits else 'OOMs'} with expandable segments "
+                 f"(reserved {frag[True].reserved_before / MiB:.0f} -> {frag[True].reserved_after / MiB:.0f} MiB); "
+                 f"no time cost in the step (page mapping on growth)")
+    notes.append("torch.compile is not a row: inductor takes minutes per compile on a CPU; "
+                 "measure_step(compile=True) measures it and memlab.step.compiled counts its saved set")
     if distributed:
         placement = table_placement(world_size)
         multi = multi_rank(step, world_size, placement)
-        z0 = multi["zero0"]
-        s0 = _model_states(z0["allocator"])
+        z0 = multi.zero[0]
+        s0 = _model_states(z0.allocator)
         for z, tech in ((1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")):
-            zr = multi[f"zero{z}"]
-            states = 1 - _model_states(zr["allocator"]) / s0
+            zr = multi.zero[z]
+            states = 1 - _model_states(zr.allocator) / s0
             n_needed = ranks_for(z, CLAIMS[tech][2][0] - 0.05)
             cur_mem, cur_comp, claim = CLAIMS[tech]
             v = verdict(states, claim, f"N >= {n_needed} ranks (formula, mixed-precision Adam: "
                                        f"{zero_saving(z, world_size):.0%} at N={world_size}, "
                                        f"{zero_saving(z, 64):.0%} at N=64)")
-            rows.append(Row(tech, cur_mem, cur_comp, 1 - states, zr["seconds"] / z0["seconds"], v,
+            rows.append(Row(tech, cur_mem, cur_comp, 1 - states, zr.seconds / z0.seconds, v,
                             f"model states per rank -{states:.0%} (fp32 training, DeepSpeed adds an "
                             f"fp32 master partition); whole step peak "
-                            f"{z0['peak_bytes'] / MiB:.1f} -> {zr['peak_bytes'] / MiB:.1f} MiB "
+                            f"{z0.peak_bytes / MiB:.1f} -> {zr.peak_bytes / MiB:.1f} MiB "
                             f"(activations and buckets unchanged); time vs DeepSpeed stage 0"))
-        tp = multi["tp"]
-        m = tp["peak_bytes"] / base["peak_bytes"]
+        tp = multi.tp
+        m = tp.peak_bytes / base.peak_bytes
         rows.append(Row("tensor parallelism", *CLAIMS["tensor parallelism"][:2], m, None,
                         "holds only when the split layers dominate (parameters "
-                        f"{tp['param_bytes'] / tp['full_param_bytes']:.0%} per rank at "
+                        f"{tp.param_bytes / tp.full_param_bytes:.0%} per rank at "
                         f"t={world_size}; embeddings, norms and the loss stay whole)"
                         if m > 1 - 0.8 / world_size else "holds",
-                        f"rank peak {tp['peak_bytes'] / MiB:.1f} MiB vs one device "
-                        f"{base['peak_bytes'] / MiB:.1f} MiB; not timed"))
-        pp = multi["pp"]
-        m = pp["peak_bytes"] / base["peak_bytes"]
+                        f"rank peak {tp.peak_bytes / MiB:.1f} MiB vs one device "
+                        f"{base.peak_bytes / MiB:.1f} MiB; not timed"))
+        pp = multi.pp
+        m = pp.peak_bytes / base.peak_bytes
         rows.append(Row("pipeline parallelism", *CLAIMS["pipeline parallelism"][:2], m,
-                        1 / (1 - pp["bubble"]), "holds" if m < 1 else "does not hold",
+                        1 / (1 - pp.bubble), "holds" if m < 1 else "does not hold",
                         f"1F1B, {PIPELINE_MICRO_BATCHES} micro-batches, {world_size} stages: stage peak "
-                        f"{pp['peak_bytes'] / MiB:.1f} MiB, bubble {pp['bubble']:.0%} "
+                        f"{pp.peak_bytes / MiB:.1f} MiB, bubble {pp.bubble:.0%} "
                         f"(formula {bubble_fraction(world_size, PIPELINE_MICRO_BATCHES):.0%})"))
-        off, z2 = multi["offload"], multi["zero2"]
-        dev = off["allocator"]["device_peak_bytes"]
-        m = dev / z2["peak_bytes"]
-        rows.append(Row("offloading", *CLAIMS["offloading"][:2], m, off["seconds"] / z2["seconds"],
+        off, z2 = multi.offload, multi.zero[2]
+        dev = off.allocator["device_peak_bytes"]
+        m = dev / z2.peak_bytes
+        rows.append(Row("offloading", *CLAIMS["offloading"][:2], m, off.seconds / z2.seconds,
                         "holds" if m < 0.75 else "holds only when optimizer state dominates "
                         "(large models, small activations)",
                         f"ZeRO-2 + optimizer offload: device peak {dev / MiB:.1f} MiB, host "
-                        f"{off['allocator']['host_bytes'] / MiB:.1f} MiB; memory and time vs ZeRO-2"))
+                        f"{off.allocator['host_bytes'] / MiB:.1f} MiB; memory and time vs ZeRO-2"))
         notes.append(f"multi-rank rows: {placement.reason}; ZeRO rows give the model "
                      f"states per rank (what ZeRO shards) against stage 0")
     refs = reference_ratios(load_references(reference_dir))
@@ -514,28 +638,28 @@ def _measured_bytes(step: StepConfig, variant: str) -> tuple[int, tuple, int]:
     return rep.peak_bytes, tuple(rep.by_category.items()), category_max(rep, "activations")
 
 
-def measure_saving(step: StepConfig, technique: str) -> dict:
+def measure_saving(step: StepConfig, technique: str) -> Saving:
     """Peak and activations of ``step`` without and with one single-device technique (each
     step measured once per process: :func:`_measured_bytes`)."""
     if technique not in SINGLE:
         raise InputError(f"technique={technique!r}; allowed: {', '.join(SINGLE)}")
     over, variant = SINGLE[technique]
-    out = {}
-    for name, (s, v) in {"baseline": (step, "none"), technique: (replace(step, **over), variant)}.items():
-        peak, by_category, acts = _measured_bytes(s, v)
-        out[name] = {"peak_bytes": peak, "by_category": dict(by_category), "activation_bytes": acts}
-    out["saving"] = 1 - out[technique]["peak_bytes"] / out["baseline"]["peak_bytes"]
-    out["verdict"] = verdict(out["saving"], CLAIMS[technique][2], "activations dominate the peak")
-    return out
+    base, tech = (StepBytes(peak, dict(by_category), acts)
+                  for peak, by_category, acts in (_measured_bytes(step, "none"),
+                                                  _measured_bytes(replace(step, **over), variant)))
+    saving = 1 - tech.peak_bytes / base.peak_bytes
+    return Saving(technique, base, tech, saving,
+                  verdict(saving, CLAIMS[technique][2], "activations dominate the peak"))
 
 
-def write_report(out: str | Path, step: StepConfig | None = None, **kwargs) -> tuple[Table, dict]:
+def write_report(out: str | Path, step: StepConfig | None = None, **kwargs) -> tuple[Table, dict[str, Path]]:
     """Measure the table and write it to ``out`` as Markdown, JSON and PNG."""
     table = measure_table(step, **kwargs)
     return table, table.save(out)
 
 
-__all__ = ["PIPELINE_MICRO_BATCHES", "PredictedTime", "predicted_times", "Row", "Table", "CLAIMS", "SINGLE",
+__all__ = ["PIPELINE_MICRO_BATCHES", "PredictedTime", "VariantRun", "ZeroRun", "TensorParallelRun",
+           "PipelineRun", "MultiRank", "StepBytes", "Saving", "predicted_times", "Row", "Table", "CLAIMS", "SINGLE",
            "measure_saving", "measure_table", "write_report",
            "reference_ratios", "verdict", "zero_saving", "ranks_for", "single_device",
            "multi_rank", "table_placement"]

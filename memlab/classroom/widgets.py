@@ -4,14 +4,14 @@
 ...                   techniques={"none": {}, "full": {"checkpointing": "full"}})
 >>> panel                       # sliders, drop-downs and the figure, in a notebook
 >>> panel.seq.value = 256       # moving a control re-measures and redraws ...
->>> panel.data["peak_bytes"]    # ... and ``data`` holds what was just drawn
+>>> panel.data.peak_bytes      # ... and ``data`` holds what was just drawn (a StepView)
 
 Setting a widget's value from code fires the same callback as a click, synchronously, so a
 following cell can assert on :attr:`StepPanel.data` headless (under nbval).
 
 A size this machine cannot hold is refused before anything is built
 (:class:`~memlab.lenses.guard.HostMemoryError`): the panel shows the one-line refusal in its
-output, ``data["refused"]`` holds it, and the next size that fits measures as usual.
+output, ``data.refused`` holds it, and the next size that fits measures as usual.
 
 Over 500 lines because this is the one module allowed to import ipywidgets
 (tests/test_architecture.py), so every panel lives here; each is a thin shell over a lens or
@@ -20,7 +20,7 @@ a domain function, with its figure in :mod:`memlab.classroom.plots`.
 from __future__ import annotations
 
 import traceback
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from typing import Mapping, Sequence
 
 import ipywidgets as W
@@ -43,20 +43,234 @@ from memlab.core.hardware import GPU_PRESETS
 from memlab.core.units import GiB, MiB
 from memlab.distributed.parallel_common import ParallelResult
 from memlab.distributed.pipeline_parallel import pipeline_bubble, pipeline_run
-from memlab.hf.config import step_config
-from memlab.lenses.calculator import CHECKPOINTING, MODELS, calculator
+from memlab.hf.estimate import estimate_run
+from memlab.hf.shape import decoder_shape
+from memlab.lenses.calculator import CHECKPOINTING, MODELS, Calculation, calculator
 from memlab.lenses.estimate import estimate_step
 from memlab.lenses.guard import HostMemoryError
 from memlab.lenses.parallel_formulas import bubble_fraction, tp_activation_bytes
 from memlab.models.chunked_loss import loss_spike_bytes
 from memlab.models.diffusion import unet_module_key
 from memlab.models.gpt_unet import PRESETS, UNetConfig, get_config
-from memlab.planning.advisor import advise
+from memlab.planning.advisor import Advice, advise
+from memlab.step.fine_tune_config import LoraConfig
 from memlab.step.states import model_states
 from memlab.step.training_step import PRECISIONS, MemoryReport, StepConfig
 from memlab.techniques.compression import VARIANTS, compare
-from memlab.techniques.finetune import estimate_finetune
 from memlab.techniques.sweeps import activations_by_module, category_max, lens_fn
+
+
+# --------------------------------------------------------------------------------------
+# What each panel drew last (its ``data``): one frozen record per panel
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepView:
+    """What :class:`StepPanel` (and :class:`UNetPanel`) drew last."""
+
+    seq: int
+    """The sequence length (a UNet: the image side)."""
+    batch: int
+    """The batch."""
+    precision: str
+    """The step's precision."""
+    technique: str | None
+    """The technique drop-down's label (``None`` when the panel offers none)."""
+    peak_bytes: int | None = None
+    """The step's peak (``None`` when refused)."""
+    by_category: dict[str, int] | None = None
+    """Peak bytes by category."""
+    max_activations: int | None = None
+    """Most activation bytes alive at any point of the step (:func:`max_activations`)."""
+    fits: bool | None = None
+    """Whether the peak fits the budget (``None``: no budget, or refused)."""
+    report: MemoryReport | None = None
+    """The lens's report."""
+    refused: str | None = None
+    """The one-line refusal when this machine cannot hold the step (:meth:`Panel.refuse`)."""
+    by_module: dict[str, int] | None = None
+    """A UNet's bars: what each part keeps for backward, by resolution (:class:`UNetPanel`)."""
+
+
+@dataclass(frozen=True)
+class AdvisorView:
+    """What :class:`AdvisorPanel` drew last."""
+
+    model: str
+    """The preset."""
+    gpu: str
+    """The card."""
+    seq: int
+    """The sequence length (clipped to the model's block size)."""
+    world_size: int
+    """Ranks."""
+    batch: int
+    """The batch."""
+    plan: list[str]
+    """The advisor's techniques, in order (empty when the step fits as it is)."""
+    fits: bool
+    """Whether the plan fits the card."""
+    peak_bytes: int
+    """The plan's estimated peak."""
+    advice: Advice
+    """The advisor's whole answer (:func:`memlab.planning.advisor.advise`)."""
+
+
+@dataclass(frozen=True)
+class CalculatorSettings:
+    """The keyword arguments of :func:`memlab.lenses.calculator.calculator` the controls describe."""
+
+    model: str
+    """The model preset."""
+    seq: int
+    """Tokens per sequence."""
+    batch: int
+    """Sequences per rank."""
+    precision: str
+    """The step's precision."""
+    checkpointing: str
+    """Checkpointing."""
+    zero: int
+    """ZeRO stage."""
+    ranks: int
+    """Data-parallel ranks."""
+    tensor_parallel: int
+    """Tensor-parallel degree."""
+    pipeline: int
+    """Pipeline stages."""
+    gpu: str
+    """The card."""
+
+
+@dataclass(frozen=True)
+class CalculatorView(CalculatorSettings):
+    """What :class:`CalculatorPanel` drew last: its settings and the calculation (or the error)."""
+
+    error: str | None = None
+    """The formulas' refusal of the setting (``None`` when valid)."""
+    calculation: Calculation | None = None
+    """The calculator's result (``None`` when refused)."""
+    peak_bytes: int | None = None
+    """The peak per rank."""
+    by_category: dict[str, int] | None = None
+    """The peak by category."""
+    fits: bool | None = None
+    """Whether the peak fits the card."""
+    moment: str | None = None
+    """Where the peak falls in the step."""
+
+
+@dataclass(frozen=True)
+class LossSpikeView:
+    """What :class:`LossSpikePanel` drew last."""
+
+    vocab: int
+    """The vocabulary size."""
+    seq: int
+    """Tokens per sequence."""
+    target: str
+    """``cpu`` or ``cuda`` (the estimate's device)."""
+    plain_peak: int
+    """The step's peak with the plain loss."""
+    chunked_peak: int
+    """... with the chunked loss."""
+    saving: int
+    """``plain_peak - chunked_peak``."""
+    spike_bytes: int
+    """The logits and log-softmax the plain loss holds (:func:`memlab.models.chunked_loss.loss_spike_bytes`)."""
+    plain_moment: str
+    """Where the plain loss's peak falls."""
+    chunked_moment: str
+    """Where the chunked loss's peak falls."""
+
+
+@dataclass(frozen=True)
+class CompressionView:
+    """What :class:`CompressionPanel` drew last."""
+
+    variant: str
+    """The compression variant."""
+    seq: int
+    """Tokens per sequence."""
+    peak_bytes: int | None = None
+    """The step's peak with the variant (``None`` when refused)."""
+    activation_bytes: int | None = None
+    """Activations kept with the variant."""
+    baseline_activation_bytes: int | None = None
+    """... without compression."""
+    grad_error: float | None = None
+    """The gradient's relative error against the uncompressed step."""
+    refused: str | None = None
+    """The one-line refusal when this machine cannot hold the step."""
+
+
+@dataclass(frozen=True)
+class TableView:
+    """What :class:`TablePanel` drew last."""
+
+    technique: str
+    """The row of the table."""
+    batch: int
+    """The batch."""
+    seq: int
+    """Tokens per sequence."""
+    saving: float | None = None
+    """``1 - peak with / peak without`` (``None`` when refused)."""
+    verdict: str | None = None
+    """The curriculum claim's verdict at this size."""
+    refused: str | None = None
+    """The one-line refusal when this machine cannot hold the step."""
+
+
+@dataclass(frozen=True)
+class PipelineView:
+    """What :class:`PipelinePanel` drew last."""
+
+    schedule: str
+    """``gpipe`` or ``1f1b`` (1F1B below ``m >= p`` is drawn as GPipe)."""
+    m: int
+    """Micro-batches."""
+    bubble: float
+    """The measured bubble."""
+    formula: float
+    """The bubble by formula, ``(p - 1) / (m + p - 1)``."""
+    in_flight: int
+    """Most micro-batches in flight on a stage."""
+    peak_bytes: int | None
+    """The stage's measured peak (``None`` when not measured)."""
+
+
+@dataclass(frozen=True)
+class TensorParallelView:
+    """What :class:`TensorParallelPanel` drew last (bytes of one layer's activations per rank)."""
+
+    model: str
+    """The preset."""
+    seq: int
+    """Tokens per sequence."""
+    batch: int
+    """The batch."""
+    t: int
+    """The tensor-parallel degree."""
+    replicated: float
+    """What stays whole on every rank (norms, block inputs)."""
+    sharded: float
+    """What ``t`` divides."""
+    total: float
+    """``replicated + sharded``."""
+
+
+@dataclass(frozen=True)
+class FinetuneView:
+    """What :class:`FinetunePanel` drew last."""
+
+    peak_bytes: int
+    """The estimated peak."""
+    fits: bool | None
+    """Whether it fits the card."""
+    by_category: dict[str, int]
+    """The peak by category."""
+    report: MemoryReport
+    """The estimate's report."""
 
 
 class Panel:
@@ -65,7 +279,7 @@ class Panel:
 
     box: W.Box
     output: W.Output
-    data: dict | None = None
+    data: object | None = None
 
     def show(self, fig) -> None:
         """Replace the figure in the Output widget; close it so it shows only there."""
@@ -74,10 +288,11 @@ class Panel:
             display(fig)
         plt.close(fig)
 
-    def refuse(self, error: HostMemoryError, **data) -> dict:
+    def refuse(self, error: HostMemoryError, data):
         """Show a refusal instead of a figure: one line in the output (and the status, if
-        any); ``data`` becomes ``{**data, "refused": line}``. Nothing was built, and the
-        traceback's frames are cleared so that nothing it saw stays alive."""
+        any); ``data`` (the panel's record of the controls, with a ``refused`` field) becomes
+        that record with ``refused`` set. Nothing was built, and the traceback's frames are
+        cleared so that nothing it saw stays alive."""
         traceback.clear_frames(error.__traceback__)
         line = f"refused: {error}"
         self.output.outputs = ()
@@ -85,7 +300,7 @@ class Panel:
         status = getattr(self, "status", None)
         if status is not None:
             status.value = "<b>refused</b>: does not fit this machine (see below)"
-        self.data = {**data, "refused": line}
+        self.data = replace(data, refused=line)
         return self.data
 
     def _repr_mimebundle_(self, **kwargs):
@@ -121,8 +336,8 @@ class StepPanel(Panel):
                                      description="precision") if precisions else None)
         self.status = W.HTML()
         self.output = W.Output()
-        self.data: dict | None = None
-        self.history: list[dict] = []
+        self.data: StepView | None = None
+        self.history: list[StepView] = []
         self.figure = None
         for w in self.controls:
             w.observe(self._changed, names="value")
@@ -151,26 +366,23 @@ class StepPanel(Panel):
         kwargs = {"device": self.device} if self.lens == "measure" else {}
         return lens_fn(self.lens)(step, budget=self.budget, **kwargs)
 
-    def refresh(self) -> dict:
+    def refresh(self) -> StepView:
         """Re-run the step for the current controls, redraw, and return the new data."""
         step = self.current_step()
-        controls = {"seq": step.seq, "batch": step.batch, "precision": step.precision,
-                    "technique": self.technique.value if self.technique is not None else None}
+        controls = StepView(seq=step.seq, batch=step.batch, precision=step.precision,
+                            technique=self.technique.value if self.technique is not None else None)
         try:
             report = self.run(step)
         except HostMemoryError as e:
             self.figure = None
-            self.history.append(self.refuse(e, **controls, fits=None, report=None))
+            self.history.append(self.refuse(e, controls))
             return self.data
-        self.data = {
-            **controls, "peak_bytes": report.peak_bytes, "by_category": dict(report.by_category),
-            "max_activations": max_activations(report), "fits": report.fits, "report": report,
-            "refused": None,
-        }
-        self.history.append(self.data)
+        self.data = replace(controls, peak_bytes=report.peak_bytes, by_category=dict(report.by_category),
+                            max_activations=max_activations(report), fits=report.fits, report=report)
         verdict = {True: "fits", False: "<b>OOM</b>", None: ""}[report.fits]
         self.status.value = f"peak {report.peak_bytes / MiB:.1f} MiB {verdict}"
         self.draw(report)
+        self.history.append(self.data)  # after draw: a UNet's draw adds its bars
         return self.data
 
     def draw(self, report: MemoryReport) -> None:
@@ -187,7 +399,7 @@ class UNetPanel(StepPanel):
     """A diffusion UNet's step: sliders for the image side and the batch, drop-downs for
     precision and checkpointing; the Output shows what each part of the UNet keeps for
     backward, by resolution (:func:`memlab.techniques.sweeps.activations_by_module`), and the
-    step's peak by category. ``data["by_module"]`` holds the bars drawn last."""
+    step's peak by category. ``data.by_module`` holds the bars drawn last."""
 
     def __init__(self, step: StepConfig, *, images: Sequence[int] = (16, 32, 48),
                  batches: Sequence[int] = (1, 2, 4, 8),
@@ -208,7 +420,7 @@ class UNetPanel(StepPanel):
     def draw(self, report: MemoryReport) -> None:
         step = report.step
         by = activations_by_module(report, unet_module_key(step.model_config, step.seq))
-        self.data["by_module"] = by
+        self.data = replace(self.data, by_module=by)
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8), width_ratios=(2, 1))
         plot_module_bytes(by, ax1, title=f"image {step.seq}px, batch {step.batch}, "
                           f"{step.precision}, checkpointing {step.model_config.checkpointing}")
@@ -237,7 +449,7 @@ class AdvisorPanel(Panel):
                                        description="batch", continuous_update=False)
         self.status = W.HTML()
         self.output = W.Output()
-        self.data: dict | None = None
+        self.data: AdvisorView | None = None
         controls = [self.model, self.gpu, self.world_size, self.seq, self.batch]
         for w in controls:
             w.observe(lambda change: self.refresh(), names="value")
@@ -245,14 +457,14 @@ class AdvisorPanel(Panel):
         if draw:
             self.refresh()
 
-    def refresh(self) -> dict:
+    def refresh(self) -> AdvisorView:
+        """Advise for the current controls, redraw, and return the new data."""
         seq = min(self.seq.value, get_config(self.model.value).block_size)
         a = advise(self.model.value, self.gpu.value, self.world_size.value, seq,
                    self.batch.value, simulate=False)
-        self.data = {"model": self.model.value, "gpu": self.gpu.value, "seq": seq,
-                     "world_size": self.world_size.value, "batch": self.batch.value,
-                     "plan": list(a.plan), "fits": a.fits, "peak_bytes": a.peak_bytes,
-                     "advice": a}
+        self.data = AdvisorView(model=self.model.value, gpu=self.gpu.value, seq=seq,
+                                world_size=self.world_size.value, batch=self.batch.value,
+                                plan=list(a.plan), fits=a.fits, peak_bytes=a.peak_bytes, advice=a)
         self.status.value = a.message
         fig, ax = plt.subplots(figsize=(8, 3.4))
         plot_advice(a, ax)
@@ -289,7 +501,7 @@ class CalculatorPanel(Panel):
         self.gpu = W.Dropdown(options=list(GPU_PRESETS), value=gpu, description="GPU")
         self.status = W.HTML()
         self.output = W.Output()
-        self.data: dict | None = None
+        self.data: CalculatorView | None = None
         for w in self.controls:
             w.observe(lambda change: self.refresh(), names="value")
         c = self.controls
@@ -302,26 +514,25 @@ class CalculatorPanel(Panel):
         return [self.model, self.gpu, self.seq, self.batch, self.precision, self.checkpointing,
                 self.zero, self.ranks, self.tensor_parallel, self.pipeline]
 
-    def settings(self) -> dict:
-        """The keyword arguments of :func:`memlab.lenses.calculator.calculator` the controls describe."""
-        return {"model": self.model.value, "seq": self.seq.value, "batch": self.batch.value,
-                "precision": self.precision.value, "checkpointing": self.checkpointing.value,
-                "zero": self.zero.value, "ranks": self.ranks.value,
-                "tensor_parallel": self.tensor_parallel.value, "pipeline": self.pipeline.value,
-                "gpu": self.gpu.value}
+    def settings(self) -> CalculatorSettings:
+        """The calculator's arguments the controls describe."""
+        return CalculatorSettings(**{name: getattr(self, name).value  # each setting's control has its name
+                                     for name in CalculatorSettings.__dataclass_fields__})
 
-    def refresh(self) -> dict:
-        kw = self.settings()
+    def refresh(self) -> CalculatorView:
+        """Calculate for the current controls, redraw, and return the new data."""
+        settings = self.settings()
+        kw = asdict(settings)
         try:
             c = calculator(**kw)
         except InputError as e:
             self.output.outputs = ()
             self.output.append_stdout(f"not a valid setting: {e}\n")
             self.status.value = "<b>not a valid setting</b> (see below)"
-            self.data = {**kw, "error": str(e), "calculation": None}
+            self.data = CalculatorView(**kw, error=str(e))
             return self.data
-        self.data = {**kw, "error": None, "calculation": c, "peak_bytes": c.peak_bytes,
-                     "by_category": c.by_category, "fits": c.fits, "moment": c.moment}
+        self.data = CalculatorView(**kw, calculation=c, peak_bytes=c.peak_bytes,
+                                   by_category=c.by_category, fits=c.fits, moment=c.moment)
         verdict = "fits" if c.fits else "<b>does not fit</b>"
         host = f"; host {c.host_bytes / 2**30:.1f} GiB" if c.host_bytes else ""
         self.status.value = (f"peak {c.peak_bytes / 2**30:.2f} GiB per rank at {c.moment}: "
@@ -363,7 +574,8 @@ class LossSpikePanel(Panel):
         if draw:
             self.refresh()
 
-    def refresh(self) -> dict:
+    def refresh(self) -> LossSpikeView:
+        """Estimate both losses for the current controls, redraw, and return the new data."""
         vocab, seq, target = self.vocab.value, self.seq.value, self.target.value
         cfg = self.step.model_config
         reports = {}
@@ -375,14 +587,14 @@ class LossSpikePanel(Panel):
         run = model_states(cfg, precision=s.precision, optimizer=s.optimizer, zero=s.zero,
                            world_size=s.world_size, offload=s.offload).compute_precision
         spike = loss_spike_bytes(seq * s.batch, vocab, run)
-        self.data = {"vocab": vocab, "seq": seq, "target": target,
-                     "plain_peak": plain.peak_bytes, "chunked_peak": chunked.peak_bytes,
-                     "saving": plain.peak_bytes - chunked.peak_bytes, "spike_bytes": spike,
-                     "plain_moment": plain.notes[0].removeprefix("peak moment: "),
-                     "chunked_moment": chunked.notes[0].removeprefix("peak moment: ")}
-        self.status.value = (f"plain {plain.peak_bytes / GiB:.2f} GiB at {self.data['plain_moment']}; "
+        self.data = LossSpikeView(vocab=vocab, seq=seq, target=target, plain_peak=plain.peak_bytes,
+                                  chunked_peak=chunked.peak_bytes,
+                                  saving=plain.peak_bytes - chunked.peak_bytes, spike_bytes=spike,
+                                  plain_moment=plain.notes[0].removeprefix("peak moment: "),
+                                  chunked_moment=chunked.notes[0].removeprefix("peak moment: "))
+        self.status.value = (f"plain {plain.peak_bytes / GiB:.2f} GiB at {self.data.plain_moment}; "
                              f"chunked {chunked.peak_bytes / GiB:.2f} GiB at "
-                             f"{self.data['chunked_moment']}; logits + log-softmax "
+                             f"{self.data.chunked_moment}; logits + log-softmax "
                              f"{spike / GiB:.2f} GiB")
         fig, ax = plt.subplots(figsize=(6.5, 3.2))
         plot_lenses(reports, ax, title=f"{cfg.name}: vocab {vocab}, {seq} tokens x {self.step.batch} "
@@ -409,7 +621,8 @@ class CompressionPanel(Panel):
         if draw:
             self.refresh()
 
-    def refresh(self) -> dict:
+    def refresh(self) -> CompressionView:
+        """Measure the variant at the current sequence (once each), redraw, and return the new data."""
         step = replace(self.step, seq=self.seq.value)
         v = self.variant.value
         key = (step.seq, v)
@@ -417,20 +630,18 @@ class CompressionPanel(Panel):
             try:
                 rows = compare(step, [v], repeats=0)
             except HostMemoryError as e:
-                return self.refuse(e, variant=v, seq=step.seq)
+                return self.refuse(e, CompressionView(variant=v, seq=step.seq))
             self._rows.update({(step.seq, k): r for k, r in rows.items()})
         row, base = self._rows[key], self._rows[(step.seq, "none")]
-        self.data = {"variant": v, "seq": step.seq, "peak_bytes": row["peak_bytes"],
-                     "activation_bytes": row["activation_bytes"],
-                     "baseline_activation_bytes": base["activation_bytes"],
-                     "grad_error": row["grad_error"], "refused": None}
+        self.data = CompressionView(variant=v, seq=step.seq, peak_bytes=row.peak_bytes,
+                                    activation_bytes=row.activation_bytes,
+                                    baseline_activation_bytes=base.activation_bytes, grad_error=row.grad_error)
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 2.8))
-        a1.bar(["none", v], [base["activation_bytes"] / MiB, row["activation_bytes"] / MiB],
-               color="#c44e52")
+        a1.bar(["none", v], [base.activation_bytes / MiB, row.activation_bytes / MiB], color="#c44e52")
         a1.set_ylabel("activations kept (MiB)")
-        a2.bar(["none", v], [base["peak_bytes"] / MiB, row["peak_bytes"] / MiB], color="#4c72b0")
+        a2.bar(["none", v], [base.peak_bytes / MiB, row.peak_bytes / MiB], color="#4c72b0")
         a2.set_ylabel("step peak (MiB)")
-        fig.suptitle(f"seq {step.seq}, {v}: gradient error {row['grad_error']:.1e}", fontsize=9)
+        fig.suptitle(f"seq {step.seq}, {v}: gradient error {row.grad_error:.1e}", fontsize=9)
         fig.tight_layout()
         self.show(fig)
         return self.data
@@ -458,20 +669,19 @@ class TablePanel(Panel):
         if draw:
             self.refresh()
 
-    def refresh(self) -> dict:
+    def refresh(self) -> TableView:
+        """Measure the step with and without the technique (once per size), redraw, and return the new data."""
         key = (self.technique.value, self.batch.value, self.seq.value)
         if key not in self._cache:
             try:
                 self._cache[key] = measure_saving(replace(self.step, batch=key[1], seq=key[2]), key[0])
             except HostMemoryError as e:
-                return self.refuse(e, technique=key[0], batch=key[1], seq=key[2])
+                return self.refuse(e, TableView(technique=key[0], batch=key[1], seq=key[2]))
         res = self._cache[key]
-        self.data = {"technique": key[0], "batch": key[1], "seq": key[2], "saving": res["saving"],
-                     "verdict": res["verdict"], "refused": None}
-        self.status.value = (f"saved {res['saving']:.0%} (curriculum: {CLAIMS[key[0]][0]}): "
-                             f"{res['verdict']}")
-        reports = {name: MemoryReport("measure", self.step, "cpu", r["peak_bytes"], r["by_category"])
-                   for name, r in res.items() if isinstance(r, dict)}
+        self.data = TableView(technique=key[0], batch=key[1], seq=key[2], saving=res.saving, verdict=res.verdict)
+        self.status.value = f"saved {res.saving:.0%} (curriculum: {CLAIMS[key[0]][0]}): {res.verdict}"
+        reports = {name: MemoryReport("measure", self.step, "cpu", r.peak_bytes, r.by_category)
+                   for name, r in (("baseline", res.baseline), (key[0], res.with_technique))}
         fig, ax = plt.subplots(figsize=(6.5, 3.2))
         plot_lenses(reports, ax, title=f"batch {key[1]}, seq {key[2]}: peak by category")
         fig.tight_layout()
@@ -492,21 +702,22 @@ class PipelinePanel(Panel):
         scheds = sorted({r["schedule"] for r in result.per_rank[0]["runs"]})
         self.schedule = W.Dropdown(options=scheds, value=scheds[-1], description="schedule")
         self.output = W.Output()
-        self.data: dict | None = None
+        self.data: PipelineView | None = None
         for w in (self.m, self.schedule):
             w.observe(lambda change: self.refresh(), names="value")
         self.box = W.VBox([W.HBox([self.m, self.schedule]), self.output])
         if draw:
             self.refresh()
 
-    def refresh(self) -> None:
+    def refresh(self) -> PipelineView:
+        """Redraw the chosen schedule and micro-batches and return the new data."""
         sched, m = self.schedule.value, self.m.value
         if pipeline_run(self.result, sched, m) is None:
             sched = "gpipe"  # 1F1B needs m >= p; below that it is GPipe
         run = pipeline_run(self.result, sched, m)
-        self.data = {"schedule": sched, "m": m, "bubble": pipeline_bubble(self.result, sched, m),
-                     "formula": bubble_fraction(len(self.result.per_rank), m),
-                     "in_flight": run["in_flight"], "peak_bytes": run.get("peak_bytes")}
+        self.data = PipelineView(schedule=sched, m=m, bubble=pipeline_bubble(self.result, sched, m),
+                                 formula=bubble_fraction(len(self.result.per_rank), m),
+                                 in_flight=run["in_flight"], peak_bytes=run.get("peak_bytes"))
         fig = plt.figure(figsize=(10, 5))
         plot_pipeline(self.result, sched, m, fig.add_subplot(2, 1, 1))
         plot_bubble(self.result, fig.add_subplot(2, 2, 3), highlight=(sched, m))
@@ -515,6 +726,7 @@ class PipelinePanel(Panel):
             ax.plot(m, run["peak_bytes"] / MiB, "r*", ms=14)
         fig.tight_layout()
         self.show(fig)
+        return self.data
 
 
 class TensorParallelPanel(Panel):
@@ -556,13 +768,14 @@ class TensorParallelPanel(Panel):
             self.t.value = _pick(options, t)
         self.refresh()
 
-    def refresh(self) -> dict:
+    def refresh(self) -> TensorParallelView:
+        """Redraw every degree's activations for the current controls and return the chosen one's."""
         cfg, seq, t = get_config(self.model.value), self.seq.value, self.t.value
         parts = {d: tp_activation_bytes(cfg, seq, self.batch, d) for d in self.t.options}
         f = parts[t]
-        self.data = {"model": self.model.value, "seq": seq, "batch": self.batch, "t": t,
-                     "replicated": f["replicated"], "sharded": f["total"] - f["replicated"],
-                     "total": f["total"]}
+        self.data = TensorParallelView(model=self.model.value, seq=seq, batch=self.batch, t=t,
+                                       replicated=f["replicated"], sharded=f["total"] - f["replicated"],
+                                       total=f["total"])
         labels = [str(d) for d in parts]
         rep = [parts[d]["replicated"] / 2**20 for d in parts]
         rest = [(parts[d]["total"] - parts[d]["replicated"]) / 2**20 for d in parts]
@@ -583,8 +796,9 @@ class TensorParallelPanel(Panel):
 class FinetunePanel(Panel):
     """"Will my fine-tune fit?": a Hugging Face config (:mod:`memlab.hf.config`) on a GPU, with
     sequence and batch sliders and knobs for precision, checkpointing, LoRA and 8-bit AdamW.
-    Estimate only (:func:`memlab.techniques.finetune.estimate_finetune`), so every change redraws at
-    once; ``data`` holds the report drawn last."""
+    Estimate only: the decoder's run (:class:`memlab.step.training_step.StepConfig` with its
+    :class:`memlab.models.decoder_shape.DecoderShape`) through :func:`memlab.hf.estimate.estimate_run`,
+    so every change redraws at once; ``data`` holds the report drawn last."""
 
     LORA = {"off": None, "r=16 q,v": (16, ("q_proj", "v_proj")),
             "r=16 all linear": (16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -593,7 +807,7 @@ class FinetunePanel(Panel):
     def __init__(self, hf_config: str = "llama-3-8b", gpu: str = "RTX4090-24GB", *,
                  seqs: Sequence[int] = (512, 1024, 2048, 4096), batches: Sequence[int] = (1, 2, 4, 8),
                  draw: bool = True):
-        self.hf_config, self._estimate, self._step = hf_config, estimate_finetune, step_config
+        self.hf_config, self.shape = hf_config, decoder_shape(hf_config)
         def slider(opts, name):
             return W.SelectionSlider(options=list(opts), value=opts[0], description=name,
                                      continuous_update=False)
@@ -615,15 +829,20 @@ class FinetunePanel(Panel):
 
     def estimate(self) -> MemoryReport:
         """The estimate for the controls as they are now."""
-        step = self._step(self.hf_config, seq=self.seq.value, batch=self.batch.value,
-                          precision=self.precision.value, checkpointing=self.checkpointing.value)
-        return self._estimate(step, lora=self.LORA[self.lora.value], eight_bit=self.eight_bit.value,
-                              budget=self.gpu.value, target="cuda")
+        return estimate_run(self.run(), budget=self.gpu.value, target="cuda")
 
-    def refresh(self) -> dict:
+    def run(self) -> StepConfig:
+        """The run the controls describe, as they are now."""
+        lora = self.LORA[self.lora.value]
+        return StepConfig(self.shape, seq=self.seq.value, batch=self.batch.value, precision=self.precision.value,
+                          checkpointing=self.checkpointing.value,
+                          optimizer="adamw-8bit" if self.eight_bit.value else "adamw",
+                          lora=None if lora is None else LoraConfig(rank=lora[0], targets=lora[1]))
+
+    def refresh(self) -> FinetuneView:
+        """Estimate the controls' fine-tune, redraw, and return the new data."""
         r = self.estimate()
-        self.data = {"peak_bytes": r.peak_bytes, "fits": r.fits, "by_category": dict(r.by_category),
-                     "report": r}
+        self.data = FinetuneView(peak_bytes=r.peak_bytes, fits=r.fits, by_category=dict(r.by_category), report=r)
         self.status.value = (f"{r.peak_bytes / 2**30:.1f} GiB on {self.gpu.value} "
                              f"({r.budget_bytes / 2**30:.0f} GiB): "
                              f"<b>{'fits' if r.fits else 'does NOT fit'}</b>")
@@ -647,5 +866,7 @@ def _pick(options: Sequence, value):
     return value if value in options else options[0]
 
 
-__all__ = ["Panel", "StepPanel", "CalculatorPanel", "UNetPanel", "AdvisorPanel", "CompressionPanel",
-           "PipelinePanel", "TablePanel", "TensorParallelPanel", "FinetunePanel", "max_activations"]
+__all__ = ["StepView", "AdvisorView", "CalculatorSettings", "CalculatorView", "LossSpikeView",
+           "CompressionView", "TableView", "PipelineView", "TensorParallelView", "FinetuneView", "Panel",
+           "StepPanel", "CalculatorPanel", "UNetPanel", "AdvisorPanel", "CompressionPanel", "PipelinePanel",
+           "TablePanel", "TensorParallelPanel", "FinetunePanel", "max_activations"]

@@ -230,7 +230,9 @@ RATE_LEDGER: tuple[RateSource, ...] = (
     RateSource("A100 large-GEMM fraction of peak (A100-40GB, A100-80GB)", _A100_GEMM[0], _A100_GEMM[1],
                (), ("Narayanan et al. 2021, Table 1: all ten rows (tests/test_published_runs.py)",
                     "Korthikanti et al. 2022, abstract: 530B MFU with full and with selective "
-                    "recomputation (tests/test_published_runs.py)")),
+                    "recomputation; Tables 4 and 5 and Figure 8 (as a reading note quotes them): the "
+                    "time overheads of full and selective recomputation and of sequence parallelism, "
+                    "22B to 1T (tests/test_published_runs.py)")),
     RateSource("H100 large-GEMM fraction of peak", _H100_KERNEL[0], _H100_KERNEL[1],
                ("Shah et al. 2024, abstract (a kernel benchmark, no training run)",),
                ("Dubey et al. 2024 (Llama 3), Table 4: the 405B rows at 8,192 and 16,384 GPUs without "
@@ -239,17 +241,23 @@ RATE_LEDGER: tuple[RateSource, ...] = (
                ("Dubey et al. 2024, Table 4 (so its rows cannot test it: they run on the H100 profile)",),
                ("the H200 reference's one-GPU DeepSpeed rows (tests/test_step_time.py)",)),
     RateSource("RTX 4090 large-GEMM fraction of peak", _ADA_GEMM[0], _ADA_GEMM[1], (),
-               ("torchtune README (pytorch/torchtune@a9ea6d5), Llama 3.1 8B on 1x 4090: LoRA 3,083 and QLoRA "
+               ("torchtune README (pytorch/torchtune@30b8519e), Llama 3.1 8B on 1x 4090: LoRA 3,083 and QLoRA "
                 "2,413 tokens/s (tests/test_published_runs.py)",)),
-    RateSource("QLoRA dequantisation: bytes per 4-bit weight per matmul", 2.766,
+    RateSource("QLoRA dequantisation under bitsandbytes: bytes per 4-bit weight per matmul", 2.766,
                "bitsandbytes 0.50.2 backends/default/ops.py:323-345, backends/cuda/ops.py:926-954, "
-               "autograd/_functions.py:384 (memlab.time.step_time.dequant_4bit_bytes)", (),
-               ("torchtune README, QLoRA vs LoRA on 1x 4090",)),
+               "autograd/_functions.py:384 (memlab.time.step_time.dequant_4bit_bytes)", (), ()),
+    RateSource("QLoRA dequantisation under torchao's NF4Tensor, fused by torch.compile: bytes per weight "
+               "element per matmul (eager: 33.2 in 13 kernels)", 2.516,
+               "torchao/dtypes/nf4tensor.py at pytorch/ao@5e558f50, LinearNF4 (lines 1063-1074) and "
+               "get_original_weight (855-889), recounted on torchao 0.18's own ops "
+               "(memlab.time.step_time.dequant_nf4_torchao)", (),
+               ("torchtune README, QLoRA vs LoRA on 1x 4090 (tests/test_published_runs.py)",)),
     RateSource("fraction of peak on T4, V100, RTX 3090, L4, A10G, L40S", _V100_RUN[0], _V100_RUN[1],
                ("Shoeybi et al. 2019, sec. 1",), ()),
     RateSource("HBM bandwidth (GEMM roofline, elementwise ops, LoRA's GEMMs, QLoRA's dequantisation)", 1.0,
                "each card's datasheet (SPEEDS)", (),
-               ("Narayanan et al. 2021, Table 1", "Korthikanti et al. 2022, abstract", "Dubey et al. 2024, Table 4",
+               ("Narayanan et al. 2021, Table 1", "Korthikanti et al. 2022, abstract, Tables 4-5, Figure 8",
+                "Dubey et al. 2024, Table 4",
                 "torchtune README, 1x 4090 LoRA and QLoRA")),
     RateSource("host launch per kernel, seconds (memlab.time.step_time.LAUNCH_SECONDS)", 10e-6,
                "susun-blog.com 'From Launch Overhead to CUDA Graph' (5 us a launch) plus a stated 5 us of "

@@ -125,6 +125,8 @@ def memory_snapshot() -> dict:
     """The CUDA allocator's snapshot (``torch.cuda.memory._snapshot``): segments and traces.
 
     Checked: as :func:`record_memory_history`.
+
+    A dict because it is torch's own snapshot format (``torch.cuda.memory._snapshot``).
     """
     return torch.cuda.memory._snapshot()
 
@@ -139,7 +141,57 @@ def fsdp2_mem_tracker() -> type:
     return FSDPMemTracker
 
 
-__all__ = ["AUTOCAST_CPU_KEYS", "FakeStore", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
+
+def activation_memory_budget(budget: float | None) -> contextlib.AbstractContextManager:
+    """``torch._functorch.config.activation_memory_budget`` set for what is compiled inside
+    (the min-cut partitioner reads it when AOT autograd partitions a graph, at the first call
+    of a compiled module); ``None``: the default (1.0, save what min-cut chooses).
+    Checked: 2.13."""
+    if budget is None:
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+    return functorch_config.patch(activation_memory_budget=budget)
+
+
+def inductor_backend_seeing_graphs(on_graph) -> object:
+    """A ``torch.compile`` backend that is inductor (``compile_fx``) with its inner compile
+    step wrapped: ``on_graph(graph_module, is_backward)`` sees each partitioned forward and
+    backward graph before inductor compiles it. AOT autograd's cache is bypassed for such a
+    backend (so the graphs are always seen). Checked: 2.13 (CPU inductor)."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(gm, example_inputs, **kwargs):
+        on_graph(gm, bool(kwargs.get("is_backward")))
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def backend(gm, example_inputs):
+        import torch._functorch.config as functorch_config
+        with functorch_config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=inner)
+    return backend
+
+
+def reset_compiled() -> None:
+    """``torch._dynamo.reset()``: forget every compiled frame. Dynamo reuses a module class's
+    compiled code for a new instance (parameters are graph inputs) and does not guard on the
+    functorch config, so a model compiled under another activation_memory_budget would run the
+    old partition. Checked: 2.13."""
+    torch._dynamo.reset()
+
+
+def profiler_memory_events(fn) -> list[tuple[int, int]]:
+    """``(time_ns, bytes)`` of every allocation (positive) and free (negative) the c10
+    allocators report to the profiler while ``fn()`` runs, in time order: what compiled
+    (inductor) code allocates too, which no dispatch mode sees. Checked: 2.13 (CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]"]
+    return sorted(events)
+
+__all__ = ["activation_memory_budget", "inductor_backend_seeing_graphs", "profiler_memory_events",
+           "reset_compiled", "AUTOCAST_CPU_KEYS", "FakeStore", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
            "aten_ops_with_kernel", "current_autograd_node", "exclude_dispatch_keys", "fsdp2_mem_tracker",
            "dump_memory_snapshot", "in_backward", "is_traceable_wrapper_subclass", "memory_snapshot",
            "op_schema", "parse_to", "record_memory_history", "stop_memory_history", "tensor_version",

@@ -120,7 +120,11 @@ def pp_worker(rank: int, world_size: int, *, model: str = "tiny", seq: int = 256
               schedules=SCHEDULES, repeats: int = 2, track: bool = True,
               check: bool = True) -> dict:
     """One pipeline stage: for each schedule and micro-batch count, a timed step (busy
-    intervals, wall time) and a tracked step (peak bytes). Rank ``r`` is stage ``r``."""
+    intervals, wall time) and a tracked step (peak bytes). Rank ``r`` is stage ``r``.
+
+    Over 80 lines because one spawned rank runs its whole stage (reference check, then each schedule
+    timed and tracked) over locals the steps share.
+    """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     set_rank_threads(world_size)
     dev = rank_device()

@@ -236,12 +236,17 @@ def tp_worker(rank: int, world_size: int, *, model: str | GPTConfig = "tiny", se
 
 
 def simulate_tensor_parallel(step: StepConfig | None = None, tensor_parallel: int = 2, *,
-                             tp: int | None = None) -> dict:
+                             tp: int | None = None) -> ParallelResult:
     """Rank 0 of a ``tensor_parallel``-way step, in this process, without the memory:
     a fake process group (collectives return at once) and fake tensors, tracked exactly.
 
     Every rank holds the same shapes, so rank 0 stands for all; the numbers equal a real
     run's (lesson 12 checks it on the tiny model), for models no laptop could hold.
+
+    Returns:
+        A :class:`~memlab.distributed.parallel_common.ParallelResult` as
+        :func:`measure_tensor_parallel` returns, whose ``per_rank`` holds rank 0 alone (the
+        same keys as a measured rank's, without the loss check) and whose ``device`` is ``fake``.
     """
     tp = tensor_parallel if tp is None else tp  # ``tp=``: the old spelling lesson 12 uses
     step = step or StepConfig()
@@ -262,7 +267,7 @@ def simulate_tensor_parallel(step: StepConfig | None = None, tensor_parallel: in
             out = tp_tracked_step(model, opt, idx, tgt)
     out.update(rank=0, world_size=tp, config=cfg.name,
                formula=tp_activation_bytes(cfg, step.seq, step.batch, tp))
-    return out
+    return ParallelResult("tensor parallel, simulated (rank 0 stands for all)", step, [out], "fake")
 
 
 def measure_tensor_parallel(step: StepConfig | None = None, tensor_parallel: int = 2, *,

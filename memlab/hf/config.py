@@ -49,7 +49,10 @@ SHIPPED = {name: f"{name}.json" for name in (
 
 
 def shipped_config(name: str) -> dict:
-    """One of the shipped published configs (:data:`SHIPPED`) as a dict."""
+    """One of the shipped published configs (:data:`SHIPPED`) as a dict.
+
+    A dict because it is a Hugging Face ``config.json``, as published.
+    """
     if name not in SHIPPED:
         raise InputError(f"no shipped config {name!r}; allowed: {', '.join(SHIPPED)}")
     text = resources.files("memlab").joinpath("data", "hf_configs", SHIPPED[name]).read_text()
@@ -60,7 +63,10 @@ def load_config(path: str | pathlib.Path | dict, *, checked: bool = True) -> dic
     """A ``config.json`` as a dict: ``path`` is the file, a folder holding it, the name of a
     shipped config (``"llama-3-8b"``), or already a dict. ``checked``: every field memlab reads
     checked and transformers' fixed defaults of left-out ones written in
-    (:func:`memlab.hf.config_check.check_config`); False: as read."""
+    (:func:`memlab.hf.config_check.check_config`); False: as read.
+
+    A dict because it is a Hugging Face ``config.json``, which transformers reads.
+    """
     if isinstance(path, dict):
         cfg = dict(path)
     elif str(path) in SHIPPED:
@@ -84,7 +90,10 @@ def load_config(path: str | pathlib.Path | dict, *, checked: bool = True) -> dic
 
 def rope_parameters(cfg: dict) -> dict:
     """The config's rope scaling (``rope_scaling``, which transformers 5 calls
-    ``rope_parameters``), or an empty dict."""
+    ``rope_parameters``), or an empty dict.
+
+    A dict because it is a section of a Hugging Face ``config.json``.
+    """
     return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
 
 

@@ -147,7 +147,7 @@ def _refuse(key: str, value, allowed: str) -> InputError:
     return InputError(f"config.json field {key}={shown}; allowed: {allowed}")
 
 
-def _check_value(key: str, value, kind: str) -> None:
+def _check_value(key: str, value, kind: str) -> None:  # noqa: C901 one branch per kind of config value
     """Refuse ``value`` unless it is what a field of ``kind`` holds (null is checked before)."""
     if kind in ("count", "count0"):
         low = 1 if kind == "count" else 0
@@ -192,7 +192,10 @@ def model_type(cfg: dict) -> str:
 
 def given_fields(cfg: dict) -> dict:
     """Canonical field name -> value for each field of :data:`FIELDS` the config sets (not
-    null), each value checked; two spellings of one field must agree."""
+    null), each value checked; two spellings of one field must agree.
+
+    A dict because it is fields of a Hugging Face ``config.json``, by their canonical names.
+    """
     given = {}
     for f in FIELDS:
         spelled = [(k, cfg[k]) for k in f.names if cfg.get(k) is not None]
@@ -432,6 +435,8 @@ def record(run: Callable[[], None]) -> dict:
 
     Returns:
         ``{"transformers": version, "answers": {key: answer}}``.
+
+    A dict because it is ``memlab/data/hf_resolved.json``'s format, which it is written to.
     """
     global _RECORDING
     _RECORDING = {}

@@ -58,7 +58,7 @@ from memlab.policy import op_bytes, precision_bytes, resolve_target, sdpa_backen
 from memlab.policy.kernels import layer_norm_stat_bytes, sdpa_backward_workspace
 from memlab.step.decoder_states import Adapters, adapter_shapes, adapters_for, run_states
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
-from memlab.step.states import ZeroBuckets
+from memlab.step.states import ZeroBuckets, data_parallel_ranks, tensor_parallel_share
 from memlab.step.training_step import MemoryReport, StepConfig
 from memlab.tracking.tracker import CATEGORIES
 
@@ -169,6 +169,38 @@ def _no_grad_inputs(s: DecoderShape, ad: Adapters) -> set[str]:
     return names
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """What every part of one decoder layer's count shares: the shape ``s``, the sizes ``z``,
+    the layer's index ``i``, its ``t`` tokens and LoRA's adapters ``ad`` (``None``: a full run)."""
+
+    s: DecoderShape
+    z: Sizes
+    i: int
+    t: int
+    ad: Adapters | None
+
+    @property
+    def frozen(self) -> bool:
+        """Under LoRA the base weights are frozen: nothing is kept for their gradients."""
+        return self.ad is not None
+
+    def w_only(self, x: float) -> float:
+        """``x``, kept only for a weight's gradient."""
+        return 0.0 if self.frozen else x
+
+    def lora(self, width: int, in_bytes: int, names: tuple[str, ...], input_saved: bool = False,
+             input_grad: bool = True) -> float:
+        """What the adapters on ``names`` of this layer keep (:func:`adapter_saved`)."""
+        ad = self.ad
+        return 0.0 if ad is None else adapter_saved(self.z, ad, self.t, width, in_bytes,
+                                                    ad.count(self.s, self.i, *names), input_saved, input_grad)
+
+    def adapted(self, *names: str) -> bool:
+        """Whether LoRA adapts any of ``names`` in this layer."""
+        return self.ad is not None and self.ad.count(self.s, self.i, *names) > 0
+
+
 def layer_activations(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int, path: str,
                       ep: int = 1, imbalance: float = 1.0, adapters: Adapters | None = None,
                       grad_in: bool = True) -> float:
@@ -176,84 +208,24 @@ def layer_activations(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int, p
 
     ``adapters``: a LoRA run (:class:`Adapters`); ``grad_in``: whether the layer's input needs
     a gradient (under LoRA the first layer's does not: the embedding is frozen, so nothing
-    before the first adapter saves anything)."""
+    before the first adapter saves anything). The parts: :func:`_attention_inputs` (the
+    input, its norm, the projections), :func:`_attention_core` (scores, softmax, o_proj's
+    input), then the residual branch and the MLP or experts."""
     t, d, c, r = batch * seq, s.d, z.c, z.r
-    a, hd, vd = s.heads, s.head_dim, s.v_head_dim
-    q, kv = s.q_dim, s.kv_dim
-    ad = adapters
-    frozen = ad is not None
-
-    def w_only(x: float) -> float:  # kept only for a weight's gradient
-        return 0.0 if frozen else x
-
-    def lora(width: int, in_bytes: int, names: tuple[str, ...], input_saved: bool = False,
-             input_grad: bool = True) -> float:
-        return 0.0 if ad is None else adapter_saved(z, ad, t, width, in_bytes, ad.count(s, i, *names),
-                                                    input_saved, input_grad)
-
-    attn_grad = grad_in or (ad is not None and ad.count(s, i, *ATTENTION_INPUTS) > 0)
+    ly = _Layer(s, z, i, t, adapters)
+    frozen = ly.frozen
+    attn_grad = grad_in or ly.adapted(*ATTENTION_INPUTS)
     n = (t * d * r + _norm(z, s, t, d, r, frozen=frozen)) if grad_in else 0.0  # the input, its norm
     normed = r  # the norm's output is in the residual's dtype (Gemma's: cast back by type_as)
-    # ---- attention projections
-    mla = s.kv_lora_rank is not None
-    if mla:
-        ql, kl, rope = s.q_lora_rank, s.kv_lora_rank, s.qk_rope_dim
-        n += w_only(_linear_inputs(z, t, d, 1 + (ql is not None), r) or t * d * r)   # q_a / kv_a inputs
-        n += lora(d, r, ("q_proj", "q_a_proj", "kv_a_proj_with_mqa"), input_grad=grad_in)
-        if ql is not None:
-            n += _rms(z, t, ql, c, "rms", False, frozen) if attn_grad else 0        # q_a's output, its norm
-            n += w_only(_linear_inputs(z, t, ql, 1, c) or t * ql * c)                # q_b's input
-            n += lora(ql, c, ("q_b_proj",))
-        # kv_a's output (t x (kl + rope)) in fp32 for the norm of its kl columns, rsqrt, normed
-        n += (t * (kl + rope) * 4 + 4 * t + (0 if frozen else t * kl * c)) if attn_grad else 0
-        n += w_only(_linear_inputs(z, t, kl, 1, c) or (t * kl * c if frozen else 0))  # kv_b's input
-        n += lora(kl, c, ("kv_b_proj",))
-    else:
-        consumers = 1 if s.fused_qkv else 3
-        n += w_only(_linear_inputs(z, t, d, consumers, r) or t * d * normed)
-        n += lora(d, normed, ("qkv_proj", "c_attn", "q_proj", "k_proj", "v_proj"), input_grad=grad_in)
-        if s.qk_norm:
-            for heads, names in ((a, ("q_proj",)), (s.kv_heads, ("k_proj",))):  # each head's q and k
-                if grad_in or (ad is not None and ad.count(s, i, *names)):
-                    n += _rms(z, t * heads, hd, c, s.norm, False, frozen)
-    # ---- the attention core (nothing is kept when none of q, k and v needs a gradient)
-    core = 0.0
-    hs = batch * a * seq * seq                      # scores per layer
-    rep_kv = t * a * hd * c                         # k or v repeated to every query head
-    o_in_saved = False                              # is o_proj's input a tensor the core keeps?
-    if path == "eager":
-        core += t * q * c + rep_kv + t * a * vd * c  # q, k and v repeated (matmul inputs)
-        if s.attn_softcap:
-            core += hs * c                          # tanh's output
-        cols = seq + 1 if s.sinks else seq
-        if s.sinks:
-            core += 8 * batch * a * seq             # the row max's indices (stabilised sinks)
-        core += batch * a * seq * cols * 4          # fp32 softmax
-        if s.attn_dropout > 0:
-            core += hs * _mask_bytes(z, c) + hs * c  # mask, dropped probabilities (matmul input)
-        elif c != 4:
-            core += hs * c                          # the probabilities cast for the matmul
-        o_in = t * a * vd * c                       # the transposed output, o_proj's input
-    elif path == "math":
-        # the composite in fp32: scaled q and k (k repeated for GQA), v, probabilities
-        core += t * a * hd * 4 * 2 + t * a * vd * 4 + hs * 4
-        if s.attn_dropout > 0:
-            core += hs * 4 + hs * 4                 # the mask (CPU: fp32) and dropped probabilities
-        o_in = t * a * vd * c                       # o_proj's input (a contiguous copy)
-    else:
-        core += t * q * c + 2 * t * kv * c + t * q * c  # q, k, v and the output (o_proj's input)
-        o_in, o_in_saved = 0, True
-        if s.fused_qkv:
-            o_in, o_in_saved = t * q * c, False  # q sliced from the fused output: the output is copied for o_proj
-        core += sdpa_lse_bytes(path if path != "cpu_flash" else "flash", batch, a, seq)
-    if path != "eager" and i in s.sliding_layers and seq > s.window:
-        core += batch * seq * seq * c  # the sliding window's mask, a tensor SDPA keeps (not is_causal)
-    n += core if attn_grad else 0.0
-    n += w_only(o_in + _linear_inputs(z, t, a * vd, 1, c))
-    n += lora(a * vd, c, ("o_proj",) if s.mlp != "gelu_new" else (), o_in_saved and attn_grad)
-    if s.mlp == "gelu_new" and ad is not None and "c_proj" in ad.names:  # GPT-2's attention c_proj
-        n += adapter_saved(z, ad, t, d, c, 1, False)
-    branch_grad = attn_grad or (ad is not None and ad.count(s, i, "o_proj", "c_proj") > 0)
+    n += _attention_inputs(ly, normed, grad_in, attn_grad)
+    core, o_in, o_in_saved = _attention_core(s, z, i, batch, seq, path)
+    n += core if attn_grad else 0.0  # nothing is kept when none of q, k and v needs a gradient
+    a, vd = s.heads, s.v_head_dim
+    n += ly.w_only(o_in + _linear_inputs(z, t, a * vd, 1, c))
+    n += ly.lora(a * vd, c, ("o_proj",) if s.mlp != "gelu_new" else (), o_in_saved and attn_grad)
+    if s.mlp == "gelu_new" and adapters is not None and "c_proj" in adapters.names:  # GPT-2's attention c_proj
+        n += adapter_saved(z, adapters, t, d, c, 1, False)
+    branch_grad = attn_grad or ly.adapted("o_proj", "c_proj")
     mid_grad = grad_in or branch_grad
     # ---- residual branch after attention
     if s.resid_dropout > 0 and branch_grad:
@@ -267,14 +239,83 @@ def layer_activations(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int, p
     # ---- MLP or experts
     if i in s.moe_layers:
         n += moe_activations(s, z, t, normed, ep, imbalance, frozen) if mid_grad else 0.0
-        n += lora(d, normed, ("gate_proj", "up_proj")) + lora(s.shared_ffn, c, ("down_proj",))
+        n += ly.lora(d, normed, ("gate_proj", "up_proj")) + ly.lora(s.shared_ffn, c, ("down_proj",))
     else:
-        n += _mlp(s, z, t, s.ffn, normed, frozen, ad, i, mid_grad)
+        n += _mlp(s, z, t, s.ffn, normed, frozen, adapters, i, mid_grad)
     if s.resid_dropout > 0:
         n += t * d * _mask_bytes(z, c)
     if s.norms_per_layer == 4:
         n += _norm(z, s, t, d, c, input_counted=c == 4, frozen=frozen) + (t * d * c if c == 4 else 0)  # post-MLP norm
     return n
+
+
+def _attention_inputs(ly: _Layer, normed: int, grad_in: bool, attn_grad: bool) -> float:
+    """What the attention's projections keep: their inputs (for the weights' gradients), their
+    adapters', and MLA's low-rank ``q_a``/``kv_a`` outputs and norms, or q and k's per-head
+    norms (``qk_norm``)."""
+    s, z, t, frozen = ly.s, ly.z, ly.t, ly.frozen
+    d, c, r = s.d, z.c, z.r
+    n = 0.0
+    if s.kv_lora_rank is not None:  # multi-head latent attention
+        ql, kl, rope = s.q_lora_rank, s.kv_lora_rank, s.qk_rope_dim
+        n += ly.w_only(_linear_inputs(z, t, d, 1 + (ql is not None), r) or t * d * r)   # q_a / kv_a inputs
+        n += ly.lora(d, r, ("q_proj", "q_a_proj", "kv_a_proj_with_mqa"), input_grad=grad_in)
+        if ql is not None:
+            n += _rms(z, t, ql, c, "rms", False, frozen) if attn_grad else 0        # q_a's output, its norm
+            n += ly.w_only(_linear_inputs(z, t, ql, 1, c) or t * ql * c)             # q_b's input
+            n += ly.lora(ql, c, ("q_b_proj",))
+        # kv_a's output (t x (kl + rope)) in fp32 for the norm of its kl columns, rsqrt, normed
+        n += (t * (kl + rope) * 4 + 4 * t + (0 if frozen else t * kl * c)) if attn_grad else 0
+        n += ly.w_only(_linear_inputs(z, t, kl, 1, c) or (t * kl * c if frozen else 0))  # kv_b's input
+        n += ly.lora(kl, c, ("kv_b_proj",))
+        return n
+    consumers = 1 if s.fused_qkv else 3
+    n += ly.w_only(_linear_inputs(z, t, d, consumers, r) or t * d * normed)
+    n += ly.lora(d, normed, ("qkv_proj", "c_attn", "q_proj", "k_proj", "v_proj"), input_grad=grad_in)
+    if s.qk_norm:
+        for heads, name in ((s.heads, "q_proj"), (s.kv_heads, "k_proj")):  # each head's q and k
+            if grad_in or ly.adapted(name):
+                n += _rms(z, t * heads, s.head_dim, c, s.norm, False, frozen)
+    return n
+
+
+def _attention_core(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int,
+                    path: str) -> tuple[float, float, bool]:
+    """The attention core of layer ``i`` on ``path`` (``eager``, ``math`` or an SDPA kernel):
+    the bytes it keeps, o_proj's input when that is a tensor of its own, and whether o_proj's
+    input is one the core already keeps (an SDPA output)."""
+    t, c = batch * seq, z.c
+    a, hd, vd = s.heads, s.head_dim, s.v_head_dim
+    hs = batch * a * seq * seq                      # scores per layer
+    core = 0.0
+    if path == "eager":
+        core += t * s.q_dim * c + t * a * hd * c + t * a * vd * c  # q, k and v repeated (matmul inputs)
+        if s.attn_softcap:
+            core += hs * c                          # tanh's output
+        cols = seq + 1 if s.sinks else seq
+        if s.sinks:
+            core += 8 * batch * a * seq             # the row max's indices (stabilised sinks)
+        core += batch * a * seq * cols * 4          # fp32 softmax
+        if s.attn_dropout > 0:
+            core += hs * _mask_bytes(z, c) + hs * c  # mask, dropped probabilities (matmul input)
+        elif c != 4:
+            core += hs * c                          # the probabilities cast for the matmul
+        o_in, o_in_saved = t * a * vd * c, False    # the transposed output, o_proj's input
+    elif path == "math":
+        # the composite in fp32: scaled q and k (k repeated for GQA), v, probabilities
+        core += t * a * hd * 4 * 2 + t * a * vd * 4 + hs * 4
+        if s.attn_dropout > 0:
+            core += hs * 4 + hs * 4                 # the mask (CPU: fp32) and dropped probabilities
+        o_in, o_in_saved = t * a * vd * c, False    # o_proj's input (a contiguous copy)
+    else:
+        core += t * s.q_dim * c + 2 * t * s.kv_dim * c + t * s.q_dim * c  # q, k, v and the output (o_proj's input)
+        o_in, o_in_saved = 0, True
+        if s.fused_qkv:
+            o_in, o_in_saved = t * s.q_dim * c, False  # q sliced from the fused output: copied for o_proj
+        core += sdpa_lse_bytes(path if path != "cpu_flash" else "flash", batch, a, seq)
+    if path != "eager" and i in s.sliding_layers and seq > s.window:
+        core += batch * seq * seq * c  # the sliding window's mask, a tensor SDPA keeps (not is_causal)
+    return core, o_in, o_in_saved
 
 
 def _mlp(s: DecoderShape, z: Sizes, t: int, f: int, normed: int, frozen: bool = False,
@@ -425,7 +466,7 @@ def check_run(s: DecoderShape, *, attention: str | None, ep: int, zero: int, wor
                          "LoRA: zero 0-2")
 
 
-def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
+def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",  # noqa: PLR0913 keyword-only: the run's fields, as the CLI's flags
                 checkpointing: str | None = None, attention: str | None = None,
                 target: str | None = None, budget: int | str | None = None, card=None,
                 expert_parallel: int = 1, imbalance: float = 1.0, optimizer: str = "adamw",
@@ -433,7 +474,7 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                 micro_batches: int = 1, lora: LoraConfig | None = None,
                 quantization: QuantConfig | None = None, buckets: ZeroBuckets | None = None,
                 loss: str = "transformers", loss_chunk: int = 1024,
-                optimizer_in_backward: bool = False) -> MemoryReport:
+                optimizer_in_backward: bool = False, tensor_parallel: int = 1) -> MemoryReport:
     """Closed-form peak bytes of one training step of the HF decoder of ``cfg``, per rank.
 
     Args:
@@ -462,6 +503,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
             :data:`memlab.step.training_step.DECODER_LOSSES`).
         optimizer_in_backward: the optimizer step fused into backward (:mod:`memlab.step.optimizer_in_backward`):
             a full fine-tune of a dense decoder, one micro-batch, no ZeRO.
+        tensor_parallel: Megatron-LM's tensor parallelism in groups of ``t`` of the
+            ``world_size`` ranks (:func:`estimate_run`).
 
     Returns:
         A :class:`MemoryReport` (lens ``estimate``) per rank.
@@ -472,22 +515,34 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                      offload=offload, lora=lora, quantization=quantization, loss=loss, loss_chunk=loss_chunk,
                      expert_parallel=expert_parallel, expert_imbalance=imbalance, buckets=buckets,
                      optimizer_in_backward=optimizer_in_backward)
-    return estimate_run(run, target=target, budget=budget, card=card)
+    return estimate_run(run, target=target, budget=budget, card=card, tensor_parallel=tensor_parallel)
 
 
 def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | str | None = None,
-                 card=None) -> MemoryReport:
+                 card=None, tensor_parallel: int = 1) -> MemoryReport:
     """:func:`estimate_hf` of a run whose model is a decoder's shape (:class:`memlab.step.training_step.StepConfig`
     with a :class:`memlab.models.decoder_shape.DecoderShape`): the one estimate of every fine-tune option.
 
+    ``tensor_parallel`` (t, dividing ``world_size``): Megatron-LM's layout in groups of ``t``
+    ranks, data parallelism (and ZeRO) across the ``world_size / t`` groups, as
+    :func:`memlab.estimate_step` counts it for memlab's GPT: a rank's model states are
+    :func:`memlab.step.states.tensor_parallel_share` of those over the data-parallel ranks, and its
+    activations those of :meth:`memlab.models.decoder_shape.DecoderShape.tensor_parallel_shard`
+    (``1/t`` of the heads, MLP columns and vocabulary; without sequence parallelism the residual
+    stream, the norms and the checkpointed layer inputs stay whole). A full fine-tune, no expert
+    parallelism.
+
     Args:
-        run: the step; target, budget, card: as :func:`estimate_hf`.
+        run: the step; target, budget, card: as :func:`estimate_hf`; tensor_parallel: as above.
 
     Returns:
         A :class:`MemoryReport` (lens ``estimate``) per rank; its ``step`` is ``run``.
 
     Raises:
         InputError: ``run``'s model is not a decoder's shape, or a combination not counted.
+
+    Over 80 lines because it is the one place every fine-tune option (LoRA, quantisation, ZeRO,
+    offload, the loss) meets the decoder's closed form, one short term each.
     """
     s = run.model_config
     if not isinstance(s, DecoderShape):
@@ -500,6 +555,14 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     ep, imbalance = run.expert_parallel, run.expert_imbalance
     check_run(s, attention=attention, ep=ep, zero=zero, world_size=world_size, offload=offload,
               micro_batches=run.micro_batches, lora=lora)
+    tp = tensor_parallel
+    dp = data_parallel_ranks(world_size, tp)
+    if tp != 1:
+        s.check_tensor_parallel(tp)
+        if lora is not None or ep > 1 or run.optimizer_in_backward or offload != "none":
+            raise InputError(f"tensor_parallel={tp} is counted for a full fine-tune without offload; allowed "
+                             f"with it: no LoRA or quantisation, expert_parallel=1, optimizer_in_backward=False, "
+                             f"offload='none'")
     chunked = run.loss == "chunked"
     if chunked and s.final_softcap:
         raise InputError(f"loss='chunked' on {s.model_type}: its logits are soft-capped "
@@ -510,8 +573,9 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
                          "experts, no LoRA)")
     tgt = resolve_target(target, budget, card)
     ad = None if lora is None else adapters_for(s, lora, precision, quantization is not None)
-    rs = run_states(s, precision=precision, optimizer=optimizer, zero=zero, world_size=world_size,
+    rs = run_states(s, precision=precision, optimizer=optimizer, zero=zero, world_size=dp,
                     offload=offload, ep=ep, ad=ad, quant=quantization, buckets=buckets)
+    full_shape, s = s, s.tensor_parallel_shard(tp)  # from here on: what one TP rank runs
     param, compute, lower = precision_bytes(rs.run_precision)
     if quantization is not None:  # the unquantised rest (embeddings, norms, head) is in the compute dtype
         param = compute = quantization.compute_bytes
@@ -520,7 +584,7 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     batch //= k
     t, V, D = seq * batch, s.vocab, s.d
     path = attention_path(s, z, batch, seq, attention)
-    states = rs.inputs
+    states = tensor_parallel_share(rs.inputs, tp)
     P, G, opt = states["parameters"], states["gradients"], states["optimizer"]
     scratch, gathered = states["step"], states["gathered"]
     # DeepSpeed's gradient bytes held all step, and ZeRO-2's partition from the first bucket;
@@ -528,7 +592,7 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     held, late = states["held"], states["late"]
     G_prev = G if k > 1 else 0.0
     trains_base = ad is None
-    head_grad = min(G, V * D * z.w * (not s.tied) / (world_size if zero >= 2 else 1)) if trains_base else 0.0
+    head_grad = min(G, V * D * z.w * (not s.tied) / (dp if zero >= 2 else 1)) if trains_base else 0.0
     full = checkpointing == "full"
     params = s.num_params() - s.expert_total() * (1 - 1 / ep)
     A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance, ad, chunked)
@@ -547,7 +611,8 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     if rs.dequantised and moment == "recomputed layer":
         cats["temporaries"] += rs.dequantised  # MatMul4Bit dequantises its whole weight
     cats = {k: int(round(v)) for k, v in cats.items()}
-    host = {c: int(round(rs.host.get(c, 0.0))) for c in CATEGORIES}
+    host = {c: int(round(v)) for c, v in tensor_parallel_share(
+        {c: rs.host.get(c, 0.0) for c in CATEGORIES}, tp).items()}
     report = MemoryReport("estimate", run, f"formula ({tgt.name})", sum(cats.values()), cats,
                           resolve_budget(budget), None, host_bytes=sum(host.values()), host_by_category=host)
     report.notes.append(f"peak moment: {moment}; attention: {path}")
@@ -558,9 +623,13 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
         report.notes.append("LoRA with full checkpointing: the first recomputed layer's backward is the peak, "
                             "its gradient temporaries approximate (2-20% low against the real step on CPU); "
                             "memlab simulate --hf-config runs it")
+    if tp > 1:
+        report.notes.append(f"tensor parallel t={tp} (Megatron layout, no sequence parallelism: layer inputs "
+                            f"and norms whole on every rank) x data parallel {dp}")
     if s.experts:
         report.notes.append(f"experts: {s.experts} routed, top-{s.top_k}; parameters "
-                            f"{s.num_params() / 1e9:.2f}B total, {s.active_params() / 1e9:.2f}B active; "
+                            f"{full_shape.num_params() / 1e9:.2f}B total, "
+                            f"{full_shape.active_params() / 1e9:.2f}B active; "
                             f"routing balanced" + (f" x{imbalance} on the busiest rank" if imbalance != 1 else ""))
     if ep > 1:
         report.notes.append(f"expert parallel E={ep}: each rank holds {s.experts // ep} experts per layer "
@@ -573,7 +642,7 @@ def _largest_matrix(s: DecoderShape) -> int:
     return s.d * max(s.ffn, s.q_dim, s.kv_dim)
 
 
-def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,
+def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
                  dense_w: float, G: float, G_prev: float, held: float, late: float, head_grad: float,
                  gathered: float, scratch: float, full: bool, trains_base: bool,
                  chunk: int | None = None, largest_grad: float | None = None) -> tuple[str, dict]:

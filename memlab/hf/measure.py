@@ -24,7 +24,7 @@ from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 from memlab.step.training_step import PRECISIONS, MemoryReport
 
 
-def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
+def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",  # noqa: PLR0913 keyword-only: the run's fields, as estimate_hf's
                checkpointing: str | None = None, attention: str | None = None,
                device: str = "cpu", budget: int | str | None = None, optimizer: str = "adamw",
                micro_batches: int = 1, lora: LoraConfig | None = None,

@@ -69,7 +69,10 @@ DS_PRECISIONS = ("fp32", "bf16", "fp16")
 
 def load_file(path: str | pathlib.Path | dict, what: str = "config") -> dict:
     """A JSON or YAML file (by its suffix; JSON first otherwise) as a dict, or ``path`` if it
-    is one already. A missing or unreadable file is bad input naming it."""
+    is one already. A missing or unreadable file is bad input naming it.
+
+    A dict because it is a run's own config file (DeepSpeed, accelerate, peft), as written.
+    """
     if isinstance(path, dict):
         return json.loads(json.dumps(path))  # a deep copy: the readers fill values in
     p = pathlib.Path(path)
@@ -120,7 +123,7 @@ class DeepSpeedRun:
         """Sequences per rank per optimizer step (memlab's ``batch``): micro-batch x accumulation."""
         return self.micro_batch * self.accumulation
 
-    def step_fields(self) -> dict:
+    def step_fields(self) -> dict[str, int | str]:
         """The :class:`~memlab.step.training_step.StepConfig` fields this config decides."""
         return {"batch": self.batch, "micro_batches": self.accumulation, "precision": self.precision,
                 "zero": self.zero, "offload": self.offload, "world_size": self.world_size}
@@ -165,7 +168,10 @@ def _trainer_args(config: dict, world_size: int, batch: int | None, micro_batche
 def resolve_auto(config: dict, args: SimpleNamespace, hidden_size: int) -> dict:
     """``config`` with its ``"auto"`` values filled by transformers' ``HfTrainerDeepSpeedConfig``
     from ``args`` (TrainingArguments' fields) and the model's ``hidden_size``, as the Trainer
-    does; a value that contradicts the arguments is HF's mismatch error, as bad input."""
+    does; a value that contradicts the arguments is HF's mismatch error, as bad input.
+
+    A dict because it is a DeepSpeed config, as DeepSpeed reads it.
+    """
     set_cache_env()
     with quiet_build(stream=sys.stderr):  # deepspeed's import logs to stdout and runs the linker
         from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
@@ -231,7 +237,10 @@ def accelerate_precision(config: dict, args: SimpleNamespace) -> tuple[dict, lis
     -> ``mixed_precision = "bf16"``; accelerate 1.15 ``utils/dataclasses.py`` lines 1415-1445:
     a ``bf16`` (``fp16``) section ``{"enabled": True}`` added when the config has none, an
     absent one written disabled, ``"auto"`` filled). So ``"fp16": {"enabled": "auto"}`` with no
-    ``bf16`` section under ``bf16: true`` runs bf16. Returns the config and a note naming the rule."""
+    ``bf16`` section under ``bf16: true`` runs bf16. Returns the config and a note naming the rule.
+
+    A dict because it is a DeepSpeed config, as accelerate leaves it.
+    """
     mixed = "fp16" if getattr(args, "fp16", False) else "bf16" if getattr(args, "bf16", False) else "no"
     out = json.loads(json.dumps(config))
     other = "bf16" if mixed == "fp16" else "fp16"
@@ -336,6 +345,9 @@ def read_deepspeed(path: str | pathlib.Path | dict, *, world_size: int = 1, hidd
 
     Returns: a :class:`DeepSpeedRun`. Raises :class:`InputError` with DeepSpeed's (or HF's)
     reason for a config they would reject, or for an accelerate config given in its place.
+
+    Over 80 lines because it follows the Trainer's own order of DeepSpeed's fields (batch,
+    accumulation, precision, ZeRO, offload), one refusal each.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world size must be a positive integer, got {world_size!r}")
@@ -447,7 +459,7 @@ class AccelerateRun:
 _FSDP_STAGES = {"FULL_SHARD": 3, "HYBRID_SHARD": 3, "SHARD_GRAD_OP": 2, "HYBRID_SHARD_ZERO2": 2, "NO_SHARD": 0}
 
 
-def read_accelerate(path: str | pathlib.Path | dict) -> AccelerateRun:
+def read_accelerate(path: str | pathlib.Path | dict) -> AccelerateRun:  # noqa: C901 one branch per accelerate field read
     """Read an accelerate config the way ``accelerate launch`` and its ``DeepSpeedPlugin`` do
     (accelerate 1.15 ``utils/dataclasses.py``, ``DeepSpeedPlugin.__post_init__``): with
     ``deepspeed_config_file`` that file is the config (relative to the working directory, as
@@ -861,12 +873,16 @@ def _beside(ds, path):
     return str(here / pathlib.Path(ds).name) if (here / pathlib.Path(ds).name).is_file() else ds
 
 
-def read_training_args(path: str | pathlib.Path | dict) -> TrainingRun:
+def read_training_args(path: str | pathlib.Path | dict) -> TrainingRun:  # noqa: C901 one branch per launcher's spelling of a field
     """A training YAML (or JSON) as one of :data:`LAUNCHERS` writes it: a ``TrainingArguments``
     or TRL config (``args.to_json_string()``), with TRL's ``ModelConfig`` fields beside it as the
     handbooks' recipes put them; a LLaMA-Factory recipe; an axolotl config (:func:`launcher_of`).
     Returns a :class:`TrainingRun` whose note names the launcher whose rules were applied; an
-    ``optim`` memlab does not count is bad input naming those it does."""
+    ``optim`` memlab does not count is bad input naming those it does.
+
+    Over 80 lines because it reads each launcher's spelling of the same fields (TrainingArguments,
+    TRL, LLaMA-Factory, axolotl) in one pass, one field a line.
+    """
     d = load_file(path, "--training-args")
     if is_accelerate_config(d):
         raise InputError("--training-args: this is an accelerate config (compute_environment/"

@@ -278,7 +278,7 @@ def build_run(cfg: dict, *, precision: str = "fp32", checkpointing: str | None =
                     optimizer_in_backward=optimizer_in_backward)
 
 
-def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
+def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",  # noqa: PLR0913 keyword-only: the run's fields, as estimate_hf's
                 checkpointing: str | None = None, attention: str | None = None,
                 target: str | None = "cuda", budget: int | str | None = None, card=None,
                 expert_parallel: int = 1, imbalance: float = 1.0, optimizer: str = "adamw",

@@ -24,8 +24,10 @@ from tqdm import tqdm
 from memlab.core.cards import CARDS
 from memlab.core.errors import InputError
 from memlab.core.units import fmt_bytes
-from memlab.hf.config import load_config, step_config
-from memlab.lenses.estimate import estimate_step
+from memlab.hf.config import load_config
+from memlab.hf.estimate import estimate_run
+from memlab.hf.shape import decoder_shape
+from memlab.step.training_step import StepConfig
 
 #: Seconds of a simulation, measured on the development machine (2 shared cores, fp32 Llama
 #: configs on fake tensors, target cuda, batch 1): 2 layers 3.9 s, 4 layers 5.2 s and 16
@@ -127,9 +129,9 @@ def simulation_bound(cfg, *, seq: int, batch: int, precision: str = "fp32",
     seconds = SECONDS_BASE + layers * (SECONDS_PER_LAYER + tokens * SECONDS_PER_LAYER_TOKEN)
     estimate_bytes, params = None, rough_params(d)
     try:
-        step = step_config(d, seq=seq, batch=batch, precision=precision, checkpointing=checkpointing,
-                           attention=attention)
-        estimate_bytes = estimate_step(step, target=target).peak_bytes
+        step = StepConfig(decoder_shape(d), seq=seq, batch=batch, precision=precision,
+                          checkpointing=checkpointing, attention=attention)
+        estimate_bytes = estimate_run(step, target=target).peak_bytes
         params = step.model_config.num_params()
     except InputError:
         pass  # the estimate does not cover this model_type: the sizes' count stands

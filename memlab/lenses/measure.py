@@ -24,6 +24,7 @@ import torch
 from memlab.core.cards import detect_card
 from memlab.core.errors import InputError
 from memlab.core.hardware import pick_device, resolve_budget
+from memlab.core.torch_private import profiler_memory_events
 from memlab.core.units import fmt_bytes
 from memlab.lenses.guard import HostMemoryError, preflight
 from memlab.step.training_step import (
@@ -198,6 +199,12 @@ def measure_trainer(trainer: Trainer, batch: tuple, *, budget: int | str | None 
     a warm-up step, then one tracked step, reported. Under a budget the warm-up only creates
     the optimizer state, so that every op of the step runs under the budget."""
     budget_bytes = resolve_budget(budget)
+    if trainer.step_config.compile:
+        if budget_bytes is not None or cuda_history or snapshot_path:
+            raise InputError("a compiled step is measured from the allocator's events, without a budget "
+                             "or a CUDA history (the tracker, a dispatch mode, would run it eagerly); "
+                             "allowed: budget=None, no snapshot")
+        return measure_compiled(trainer, batch)
     tracker, seconds, before, after = run_tracked_step(
         trainer, batch, budget_bytes, cuda_history=cuda_history or bool(snapshot_path),
         warmup=True if budget_bytes is None else "optimizer")
@@ -211,6 +218,59 @@ def measure_trainer(trainer: Trainer, batch: tuple, *, budget: int | str | None 
     card = detect_card() if trainer.device.type == "cuda" else None
     report.time = report_time(trainer.step_config, card)  # the prediction beside step_seconds
     return add_workspace(report)
+
+
+def allocator_peak(events: list[tuple[int, int]]) -> tuple[int, int]:
+    """The highest running sum of allocator events ``(time, bytes)`` over the start, and the
+    sum at the end (what the step left allocated)."""
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak, live
+
+
+def measure_compiled(trainer: Trainer, batch: tuple) -> MemoryReport:
+    """A compiled step (``StepConfig.compile``, :mod:`memlab.step.compiled`): two warm-up steps
+    (the first compiles forward and backward, the second is steady), the state held before
+    the step counted by the tracker, then one step whose peak is read from the allocator's
+    events (:func:`memlab.core.torch_private.profiler_memory_events`, on CPU; on CUDA
+    ``max_memory_allocated``). The step's growth is reported as ``activations``: inside
+    compiled code activations, gradients and temporaries are not told apart."""
+    trainer.step(batch)
+    trainer.step(batch)
+    gc.collect()
+    holder = MemoryTracker(device=trainer.device)
+    with holder:
+        holder.track_model(trainer.model)
+        holder.track_optimizer(trainer.optimizer)
+        holder.track_tensors(batch, "other")
+        before, held = holder.live_bytes, holder.by_category()
+    start = time.perf_counter()
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize()
+        at_start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        trainer.step(batch)
+        torch.cuda.synchronize()
+        growth, left = torch.cuda.max_memory_allocated() - at_start, torch.cuda.memory_allocated() - at_start
+    else:
+        growth, left = allocator_peak(profiler_memory_events(lambda: trainer.step(batch)))
+    seconds = time.perf_counter() - start
+    by_category = {c: int(held.get(c, 0)) for c in CATEGORIES}
+    by_category["activations"] += growth
+    report = MemoryReport("measure", trainer.step_config, trainer.device.type, before + growth, by_category,
+                          None, seconds, live_before=before, live_after=before + left)
+    budget = trainer.step_config.activation_memory_budget
+    budget = "default" if budget is None else budget
+    report.notes.append(f"compiled with inductor (activation_memory_budget {budget}): "
+                        f"the peak is the allocator's (profiler memory events) over the tracked state; "
+                        f"the step's growth, {fmt_bytes(growth)}, is under activations (activations, "
+                        f"gradients and temporaries are not told apart inside compiled code); step_seconds "
+                        f"includes the profiler's overhead")
+    card = detect_card() if trainer.device.type == "cuda" else None
+    report.time = report_time(trainer.step_config, card)
+    return report
 
 
 def add_workspace(report: MemoryReport) -> MemoryReport:
@@ -282,5 +342,6 @@ def time_steps(runs: dict[str, tuple[Trainer, tuple]], repeats: int = 3, *,
     return {name: min(t) if fastest else sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
-__all__ = ["measure_step", "measure_trainer", "time_step", "time_steps", "run_tracked_step",
+__all__ = ["measure_step", "measure_trainer", "measure_compiled", "allocator_peak", "time_step", "time_steps",
+           "run_tracked_step",
            "add_workspace", "cuda_budget", "is_host_oom", "HostMemoryError", "InputError"]

@@ -112,6 +112,8 @@ def load_references(directory: str | Path = REFERENCE_DIR) -> list[dict]:
 
     Returns:
         One dict per GPU, by folder name.
+
+    A dict because it is the JSON files ``make gpu-check`` records, as written.
     """
     directory = Path(directory)
     if not directory.is_dir():

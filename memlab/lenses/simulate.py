@@ -46,6 +46,7 @@ from memlab.core.cards import SPEEDS, Card, card_speeds
 from memlab.core.hardware import resolve_budget
 from memlab.core.torch_private import FakeTensorMode
 from memlab.core.units import fmt_bytes
+from memlab.lenses.estimate import COMPILE_NOTE
 from memlab.lenses.measure import run_tracked_step
 from memlab.models.gpt_unet import GPTConfig, UNetConfig
 from memlab.policy import emulate, resolve_target
@@ -133,6 +134,8 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     report.time = report_time(step, tgt.card, flops=flops.flops(), elementwise=None if gpt else elementwise.work())
     if step.activation_offload:
         report.notes.append(_offload_note(report, tgt))
+    if step.compile:
+        report.notes.append(COMPILE_NOTE)
     report.step_seconds = time.perf_counter() - start
     report.notes.append("step_seconds is the wall time of the whole simulation")
     return report

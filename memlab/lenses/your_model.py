@@ -59,6 +59,11 @@ class ModelStep:
         return self.checkpointing
 
     def describe(self) -> dict:
+        """The step as the JSON report's ``config``: the model's name and parameter counts, and
+        what the caller stated.
+
+        A dict because it is the JSON report's ``config``.
+        """
         return {"model": self.name, "num_params": self.num_params,
                 "trainable_params": self.trainable_params, "seq": self.seq, "batch": self.batch,
                 "precision": self.precision, "checkpointing": self.checkpointing}

@@ -10,7 +10,9 @@ states (:mod:`memlab.step.decoder_states`) and a run (:class:`memlab.step.traini
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from memlab.core.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,37 @@ class DecoderShape:
         """Every layer's ``Linear`` module names (:meth:`linears`), in order, each once: what
         peft's ``all-linear`` adapts on a decoder."""
         return tuple(dict.fromkeys(k for i in range(self.n_layer) for k in self.linears(i)))
+
+    def check_tensor_parallel(self, tensor_parallel: int) -> None:
+        """Refuse a tensor-parallel degree Megatron-LM's layout cannot split this decoder by:
+        it must divide the query and key/value heads and every MLP width (dense, routed experts',
+        shared experts'). (memlab's GPT also replicates key/value heads past their number;
+        for a decoder's shape that layout is not counted.)"""
+        t = tensor_parallel
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise InputError(f"tensor-parallel degree must be a positive integer, got {t!r}")
+        widths = [w for w in (self.heads, self.kv_heads, self.ffn, self.moe_ffn, self.shared_ffn) if w]
+        allowed = [k for k in range(1, self.heads + 1) if all(w % k == 0 for w in widths)]
+        if t not in allowed:
+            raise InputError(f"tensor-parallel degree t={t} must divide the {self.heads} query heads, the "
+                             f"{self.kv_heads} key/value heads and the MLP widths; allowed: "
+                             f"{', '.join(map(str, allowed))}")
+
+    def tensor_parallel_shard(self, tensor_parallel: int) -> "DecoderShape":
+        """What one of ``t`` tensor-parallel ranks runs of each layer, as a shape (Megatron-LM,
+        Shoeybi et al. 2019, sec. 3; Korthikanti et al. 2022, sec. 4.2.1 without sequence
+        parallelism): the column-parallel q/k/v and gate/up projections and the row-parallel
+        o/down ones leave it ``1/t`` of the query heads, of the key/value heads and of every MLP
+        width, and the vocabulary-parallel head and loss ``1/t`` of the vocabulary (rounded up);
+        the residual width, the norms and what they keep stay whole. Multi-head latent
+        attention's compressed q and kv (``q_lora_rank``, ``kv_lora_rank``) stay whole too."""
+        self.check_tensor_parallel(tensor_parallel)
+        t = tensor_parallel
+        if t == 1:
+            return self
+        return replace(self, heads=self.heads // t, kv_heads=self.kv_heads // t, ffn=self.ffn // t,
+                       moe_ffn=self.moe_ffn // t, shared_ffn=self.shared_ffn // t, vocab=-(-self.vocab // t),
+                       name=f"{self.name} (1/{t} tensor-parallel rank)")
 
     def expert_total(self) -> int:
         """Parameters of all routed experts (what expert parallelism divides)."""

@@ -26,7 +26,21 @@ from memlab.tracking.tracker import Event
 REFERENCE = ("data", "reference", "NVIDIA-H200", "devset.json")
 
 
-def unet_levels(cfg: UNetConfig, image: int) -> list[dict]:
+@dataclass(frozen=True)
+class UNetLevel:
+    """One resolution level of a UNet (:func:`unet_levels`)."""
+
+    level: int
+    """0 at full resolution, one more per halving."""
+    side: int
+    """The feature map's side in pixels."""
+    channels: int
+    """The level's channels (``base x mult``)."""
+    tokens: int
+    """``side ** 2``: the positions self-attention at this level would attend over."""
+
+
+def unet_levels(cfg: UNetConfig, image: int) -> list[UNetLevel]:
     """Per resolution level: its side in pixels, its channels and its token count (what
     self-attention at that level would attend over)."""
     if isinstance(image, bool) or not isinstance(image, int) or image < 1:
@@ -37,14 +51,14 @@ def unet_levels(cfg: UNetConfig, image: int) -> list[dict]:
     out = []
     for i, m in enumerate(cfg.mults):
         side = image // 2**i
-        out.append({"level": i, "side": side, "channels": cfg.base * m, "tokens": side * side})
+        out.append(UNetLevel(level=i, side=side, channels=cfg.base * m, tokens=side * side))
     return out
 
 
 def skip_bytes(cfg: UNetConfig, image: int, batch: int, element_bytes: int = 4) -> int:
     """Bytes of the skip tensors (each encoder block's output) that the forward holds until
     the decoder reads them: ``sum_i batch * channels_i * side_i^2 * element_bytes``."""
-    return sum(batch * lv["channels"] * lv["tokens"] * element_bytes
+    return sum(batch * lv.channels * lv.tokens * element_bytes
                for lv in unet_levels(cfg, image))
 
 
@@ -63,7 +77,7 @@ def unet_module_key(cfg: UNetConfig, image: int) -> Callable[[Event], str]:
     time embedding; after it, each concatenation is the skip concat of the next decoder
     level (deepest first); ``mse_loss`` is the loss and ends the forward.
     """
-    sides = [lv["side"] for lv in unet_levels(cfg, image)]
+    sides = [lv.side for lv in unet_levels(cfg, image)]
     last = len(sides) - 1
     state = {"past_middle": False, "concats": 0}
 
@@ -159,5 +173,5 @@ def allocator_gaps(model: str | None = "unet-small") -> list[AllocatorGap]:
     return out
 
 
-__all__ = ["unet_levels", "skip_bytes", "attention_score_bytes", "unet_module_key",
+__all__ = ["UNetLevel", "unet_levels", "skip_bytes", "attention_score_bytes", "unet_module_key",
            "AllocatorGap", "allocator_gaps"]

@@ -32,6 +32,10 @@ weights *and* adds bf16 copies) is tried, reported, and left out of the plan; on
 equal (ZeRO-2 when the peak sits where gradients do not exist yet) is kept, as later stages build on
 it; tensor parallelism is kept only when it lowers the peak by at least 1% (``TP_MIN_SAVING``).
 
+Over 500 lines because the advisor's answer is typed rows (:class:`PlanStep`, :class:`HeldBack`,
+:class:`LadderRung`, :class:`PlanCheck`), each field documented, beside the walk that makes them;
+the fastest-fit search lives in :mod:`memlab.planning.plan_search`.
+
 >>> a = advise("llama-7b", "A100-40GB", world_size=8, seq=4096, batch=1)
 >>> a.plan, a.fits
 (['bf16', 'checkpointing', 'zero-1', 'zero-2', 'zero-3'], True)
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -68,6 +72,84 @@ TP_MIN_SAVING = 0.01  # ... and is worth that only if it lowers the peak by 1% o
 MIXED = ("bf16", "fp16")  # the flowchart's mixed precision: the card's (Card.precision)
 
 
+@dataclass(frozen=True)
+class PlanStep:
+    """One technique the advisor tried (a row of :attr:`Advice.steps`)."""
+
+    technique: str
+    """The flowchart's name (``baseline``, ``bf16``, ``zero-2``, ``tensor-parallel (t=4)``, ...)."""
+    peak_bytes: int
+    """The step's peak with this technique on top of those kept: the larger of the two lenses."""
+    fits: bool
+    """Whether ``peak_bytes`` fits the usable budget."""
+    kept: bool
+    """Whether the plan kept it (it lowered the peak, and the host holds what it offloads)."""
+    estimate_bytes: int
+    """The estimate lens's peak."""
+    simulated_bytes: int | None
+    """The simulate lens's peak (``None``: not simulated)."""
+
+
+@dataclass(frozen=True)
+class HeldBack:
+    """An offload step the host could not hold (a row of :attr:`Advice.held_back`)."""
+
+    technique: str
+    """``offload-optimizer`` or ``offload-all``."""
+    host_bytes: int
+    """Host bytes it needs for the ranks one host runs."""
+    peak_bytes: int
+    """The card's peak it would have."""
+    fits: bool
+    """Whether that peak would fit the card."""
+
+
+@dataclass(frozen=True)
+class LadderRung:
+    """A rung of the fine-tuner's ladder (:func:`finetune_ladder`, :attr:`Advice.ladder`)."""
+
+    technique: str
+    """``8-bit AdamW``, ``LoRA r=16``, ``QLoRA r=16 (NF4)``."""
+    peak_bytes: int
+    """The estimated peak with this rung and those below it."""
+    fits: bool
+    """Whether it fits the usable budget."""
+
+
+@dataclass(frozen=True)
+class PlanCheck:
+    """The advisor's plan for a card, run for real (:func:`check_plan`)."""
+
+    model: str
+    """The preset planned."""
+    seq: int
+    """Tokens per sequence."""
+    batch: int
+    """Sequences per step."""
+    budget_bytes: int
+    """The card's memory (or the budget given)."""
+    plan: list[str]
+    """The techniques the advisor kept."""
+    advice_fits: bool
+    """Whether the advisor says the plan fits."""
+    estimate_peak_bytes: int
+    """The plan's peak by the advisor's lenses."""
+    measure_peak_bytes: int
+    """The plan's peak, measured."""
+    measure_fits: bool
+    """Whether the measured peak fits the budget."""
+    host_bytes: int
+    """Host bytes the measured run offloaded."""
+    advice_host_bytes: int
+    """Host bytes the advisor said the plan offloads."""
+    allocator: dict[str, int]
+    """The measured run's allocator figures (:attr:`memlab.step.training_step.MemoryReport.allocator`)."""
+
+    def to_dict(self) -> dict:
+        """``gpu_check.json``'s ``plan_check`` record."""
+        return asdict(self)
+
+
 @dataclass
 class Advice:
     """What :func:`advise` found: every step tried, the plan kept, and its DeepSpeed config.
@@ -78,7 +160,7 @@ class Advice:
         tensor_parallel, deepspeed_config, message, host_bytes, target: the rest of the plan.
     """
 
-    steps: list[dict]
+    steps: list[PlanStep]
     plan: list[str]
     step: StepConfig
     peak_bytes: int
@@ -91,10 +173,10 @@ class Advice:
     message: str = ""
     host_bytes: int = 0  # host memory the plan's offloaded model states take, per rank
     target: object = None  # the policy.Target the plan was estimated for (its card)
-    ladder: list[dict] = field(default_factory=list)  # the fine-tuner's ladder (finetune_ladder)
+    ladder: list[LadderRung] = field(default_factory=list)  # the fine-tuner's ladder (finetune_ladder)
     search: object = None  # memlab.planning.plan_search.PlanSearch: every candidate, the fastest fit
     host_limit_bytes: int | None = None  # the host memory plans were held to (None: no bound)
-    held_back: list[dict] = field(default_factory=list)  # offload steps the host could not hold
+    held_back: list[HeldBack] = field(default_factory=list)  # offload steps the host could not hold
 
     @property
     def short_bytes(self) -> int:
@@ -103,15 +185,15 @@ class Advice:
 
     def to_dict(self) -> dict:
         """The CLI's JSON (keys fixed by the project's contract, plus a few extras)."""
-        return {"steps": [dict(s) for s in self.steps], "plan": list(self.plan),
+        return {"steps": [asdict(s) for s in self.steps], "plan": list(self.plan),
                 "peak_bytes": self.peak_bytes, "budget_bytes": self.budget_bytes,
                 "usable_bytes": self.usable_bytes, "headroom": self.headroom,
                 "fits": self.fits, "short_bytes": self.short_bytes,
                 "tensor_parallel": self.tensor_parallel, "message": self.message,
                 "host_bytes": self.host_bytes, "host_limit_bytes": self.host_limit_bytes,
-                "held_back": [dict(h) for h in self.held_back],
+                "held_back": [asdict(h) for h in self.held_back],
                 "config": self.step.describe(), "deepspeed_config": self.deepspeed_config,
-                "ladder": [dict(r) for r in self.ladder],
+                "ladder": [asdict(r) for r in self.ladder],
                 **(self.search.to_dict() if self.search is not None else {})}
 
     def to_json(self) -> str:
@@ -123,18 +205,17 @@ class Advice:
                  f"{self.step.world_size} rank(s) | budget {fmt_bytes(self.budget_bytes)} "
                  f"(usable {fmt_bytes(self.usable_bytes)}, {self.headroom:.0%} headroom)"]
         for s in self.steps:
-            held = s["technique"].startswith("offload") and any(h["technique"] == s["technique"]
-                                                               for h in self.held_back)
-            mark = "host short" if held else "fits" if s["fits"] else ("kept" if s["kept"] else "not kept")
-            sim = "" if s["simulated_bytes"] is None else f"  (simulated {fmt_bytes(s['simulated_bytes'])})"
-            lines.append(f"  + {s['technique']:<22} {fmt_bytes(s['peak_bytes']):>12}  {mark}{sim}")
+            held = s.technique.startswith("offload") and any(h.technique == s.technique for h in self.held_back)
+            mark = "host short" if held else "fits" if s.fits else ("kept" if s.kept else "not kept")
+            sim = "" if s.simulated_bytes is None else f"  (simulated {fmt_bytes(s.simulated_bytes)})"
+            lines.append(f"  + {s.technique:<22} {fmt_bytes(s.peak_bytes):>12}  {mark}{sim}")
         lines.append(f"  plan: {' + '.join(self.plan) or 'nothing to add'}")
         lines.append(f"  {self.message}")
         if self.ladder:
             lines.append("  fine-tuner's ladder (from the plan's step, plain PyTorch):")
             for r in self.ladder:
-                lines.append(f"  + {r['technique']:<22} {fmt_bytes(r['peak_bytes']):>12}  "
-                             f"{'fits' if r['fits'] else 'does not fit'}")
+                lines.append(f"  + {r.technique:<22} {fmt_bytes(r.peak_bytes):>12}  "
+                             f"{'fits' if r.fits else 'does not fit'}")
         if self.search is not None:
             lines.append(f"  fastest that fits: {self.search.why}")
         return "\n".join(lines)
@@ -158,7 +239,7 @@ def tensor_parallel_degree(cfg: GPTConfig, world_size: int, limit: int = TP_MAX)
     return max(t for t in range(1, min(limit, world_size) + 1) if allowed(t))
 
 
-def flowchart(world_size: int, mixed: str = "bf16") -> list[tuple[str, dict]]:
+def flowchart(world_size: int, mixed: str = "bf16") -> list[tuple[str, dict[str, int | str]]]:
     """The curriculum's flowchart as ``(technique, StepConfig overrides)``, in order.
 
     ``mixed`` is the card's 16-bit mixed precision (:attr:`memlab.core.cards.Card.precision`):
@@ -202,7 +283,7 @@ def mixed_precision_for(target) -> str:
     return card.precision if card is not None else "bf16"
 
 
-def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_size: int = 1,
+def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_size: int = 1,  # noqa: PLR0913 the run's fields and the planner's knobs, as the CLI's flags
            seq: int = 256, batch: int = 8, *, attention: str | None = None,
            optimizer: str = "adamw", headroom: float = 0.10, simulate: bool | None = None,
            simulate_seconds: float = 30.0, target: str | None = None,
@@ -261,63 +342,11 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     host_limit = (None if host_memory is None else host_total_bytes() if host_memory == "here"
                   else parse_size(host_memory))
     local_ranks = min(world_size, RANKS_PER_HOST)
-    held_back: list[dict] = []
     if simulate is None:
         simulate = world_size == 1 and cfg.num_params() < SIMULATE_MAX_PARAMS
-    tp = tensor_parallel_degree(cfg, world_size) if world_size > 1 else 1
-    started = time.perf_counter()
-
-    def peak_of(s: StepConfig, t: int) -> tuple[int, int | None]:
-        est = estimate_step(s, tensor_parallel=t, target=tgt).peak_bytes
-        sim = None
-        if simulate and t == 1 and time.perf_counter() - started < simulate_seconds:
-            sim = _simulate(s, tgt)
-        return est, sim
-
-    def record(technique: str, s: StepConfig, t: int, kept: bool) -> dict:
-        est, sim = peak_of(s, t)
-        peak = max(est, sim or 0)
-        return {"technique": technique, "peak_bytes": peak, "fits": peak <= usable,
-                "kept": kept, "estimate_bytes": est, "simulated_bytes": sim}
-
-    steps = [record("baseline", step, 1, True)]
-    plan: list[str] = []
-    current, t_now = step, 1
-    for technique, over in flowchart(world_size, mixed_precision_for(tgt)):
-        if _best(steps)["fits"]:
-            break
-        if "zero" in over and technique.startswith("offload"):
-            over = {**over, "zero": max(over["zero"], current.zero)}  # never a lower stage
-        cand, t_cand = replace(current, **over), t_now
-        if technique == "tensor-parallel":
-            if tp == 1:
-                continue
-            t_cand = tp
-        row = record(technique + (f" (t={tp})" if technique == "tensor-parallel" else ""),
-                     cand, t_cand, True)
-        need = estimate_host_bytes(cand) * local_ranks if technique.startswith("offload") else 0
-        if host_limit is not None and need > host_limit:  # a plan the host cannot hold does not fit
-            row["kept"] = False
-            held_back.append({"technique": technique, "host_bytes": need, "peak_bytes": row["peak_bytes"],
-                              "fits": row["fits"]})
-            steps.append(row)
-            continue
-        before = _best(steps)["peak_bytes"]
-        # an equal peak keeps a ZeRO stage (the next builds on it); tensor parallelism costs
-        # two all-reduces per layer each way, so it must save at least TP_MIN_SAVING (it saves
-        # nothing when the peak is the optimizer step: ZeRO-3 already divides those states
-        # by every rank)
-        if t_cand != t_now:
-            keep = row["peak_bytes"] <= before * (1 - TP_MIN_SAVING)
-        else:
-            keep = row["peak_bytes"] <= before
-        if keep:
-            plan.append(technique)
-            current, t_now = cand, t_cand
-        else:
-            row["kept"] = False
-        steps.append(row)
-    peak = _best(steps)["peak_bytes"]
+    lenses = _Lenses(tgt, usable, simulate, simulate_seconds, time.perf_counter())
+    steps, plan, held_back, current, t_now = _walk(step, lenses, host_limit, local_ranks)
+    peak = _best(steps).peak_bytes
     host = estimate_host_bytes(current)
     ladder = (finetune_ladder(current, usable, tgt, rank=lora_rank, targets=lora_targets)
               if finetune else [])
@@ -331,15 +360,77 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
                                       host_limit))
 
 
-def _held_back_message(held_back: list[dict], host_limit: int, local_ranks: int) -> str:
+@dataclass(frozen=True)
+class _Lenses:
+    """How :func:`advise` prices a step: on ``target`` against ``usable`` bytes, simulating
+    (when ``simulate``) until ``simulate_seconds`` after ``started`` are spent."""
+
+    target: object
+    usable: int
+    simulate: bool
+    simulate_seconds: float
+    started: float
+
+    def record(self, technique: str, s: StepConfig, t: int) -> PlanStep:
+        """The row of ``technique``: ``s`` on ``t`` tensor-parallel ranks, estimated and, on
+        one rank while time is left, simulated; its peak is the larger."""
+        est = estimate_step(s, tensor_parallel=t, target=self.target).peak_bytes
+        sim = None
+        if self.simulate and t == 1 and time.perf_counter() - self.started < self.simulate_seconds:
+            sim = _simulate(s, self.target)
+        peak = max(est, sim or 0)
+        return PlanStep(technique, peak_bytes=peak, fits=peak <= self.usable, kept=True, estimate_bytes=est,
+                        simulated_bytes=sim)
+
+
+def _walk(step: StepConfig, lenses: _Lenses, host_limit: int | None,
+          local_ranks: int) -> tuple[list[PlanStep], list[str], list[HeldBack], StepConfig, int]:
+    """The flowchart from ``step`` until the plan fits: every row tried, the techniques kept,
+    the offload steps the host could not hold, and the plan's step and tensor-parallel degree."""
+    cfg, world_size = step.model_config, step.world_size
+    tp = tensor_parallel_degree(cfg, world_size) if world_size > 1 else 1
+    steps = [lenses.record("baseline", step, 1)]
+    plan: list[str] = []
+    held_back: list[HeldBack] = []
+    current, t_now = step, 1
+    for technique, over in flowchart(world_size, mixed_precision_for(lenses.target)):
+        if _best(steps).fits:
+            break
+        if "zero" in over and technique.startswith("offload"):
+            over = {**over, "zero": max(over["zero"], current.zero)}  # never a lower stage
+        cand, t_cand = replace(current, **over), t_now
+        if technique == "tensor-parallel":
+            if tp == 1:
+                continue
+            t_cand = tp
+        row = lenses.record(technique + (f" (t={tp})" if technique == "tensor-parallel" else ""), cand, t_cand)
+        need = estimate_host_bytes(cand) * local_ranks if technique.startswith("offload") else 0
+        if host_limit is not None and need > host_limit:  # a plan the host cannot hold does not fit
+            held_back.append(HeldBack(technique, host_bytes=need, peak_bytes=row.peak_bytes, fits=row.fits))
+            steps.append(replace(row, kept=False))
+            continue
+        before = _best(steps).peak_bytes
+        # an equal peak keeps a ZeRO stage (the next builds on it); tensor parallelism costs
+        # two all-reduces per layer each way, so it must save at least TP_MIN_SAVING (it saves
+        # nothing when the peak is the optimizer step: ZeRO-3 already divides those states
+        # by every rank)
+        keep = row.peak_bytes <= (before * (1 - TP_MIN_SAVING) if t_cand != t_now else before)
+        if keep:
+            plan.append(technique)
+            current, t_now = cand, t_cand
+        steps.append(replace(row, kept=keep))
+    return steps, plan, held_back, current, t_now
+
+
+def _held_back_message(held_back: list[HeldBack], host_limit: int, local_ranks: int) -> str:
     """What more host memory would have allowed: the first offload step held back."""
     if not held_back:
         return ""
     h = held_back[0]
     ranks = f" for {local_ranks} ranks" if local_ranks > 1 else ""
-    verdict = "would fit" if h["fits"] else "would still not fit"
-    return (f"; {h['technique']} {verdict} ({fmt_bytes(h['peak_bytes'])} a card) but needs "
-            f"{fmt_bytes(h['host_bytes'])} of host memory{ranks}, more than this host's "
+    verdict = "would fit" if h.fits else "would still not fit"
+    return (f"; {h.technique} {verdict} ({fmt_bytes(h.peak_bytes)} a card) but needs "
+            f"{fmt_bytes(h.host_bytes)} of host memory{ranks}, more than this host's "
             f"{fmt_bytes(host_limit)} (--host-memory)")
 
 
@@ -377,13 +468,13 @@ def _message(step: StepConfig, tp: int, tgt, plan: list[str], peak: int, budget:
 
 
 def finetune_ladder(step: StepConfig, usable: int, target, *, rank: int = 16,
-                    targets: tuple[str, ...] | None = None) -> list[dict]:
+                    targets: tuple[str, ...] | None = None) -> list[LadderRung]:
     """The fine-tuner's ladder beside the flowchart, each rung on top of the last, from
     ``step`` run as plain PyTorch (no ZeRO, no offload: bitsandbytes' optimizers and weights
     are not DeepSpeed's): 8-bit AdamW over every parameter, LoRA of ``rank`` on ``targets``
     (all the attention and MLP projections by default) with 8-bit AdamW, QLoRA (NF4 base
-    with double quantization). Each row: technique, peak_bytes, fits
-    (:func:`memlab.techniques.finetune.estimate_finetune`)."""
+    with double quantization). Each rung's peak is
+    :func:`memlab.techniques.finetune.estimate_finetune`'s."""
     plain = replace(step, zero=0, offload="none")
     cfg = plain.model_config
     targets = tuple(targets or (GPT2_TARGETS if cfg.mlp == "gelu" else LLAMA_TARGETS))
@@ -394,7 +485,7 @@ def finetune_ladder(step: StepConfig, usable: int, target, *, rank: int = 16,
     rows = []
     for name, kw in rungs:
         peak = estimate_finetune(plain, target=target, **kw).peak_bytes
-        rows.append({"technique": name, "peak_bytes": peak, "fits": peak <= usable})
+        rows.append(LadderRung(name, peak_bytes=peak, fits=peak <= usable))
     return rows
 
 
@@ -422,9 +513,9 @@ def _runs_as(step: StepConfig, tp: int, host_bytes: int) -> str:
     return text
 
 
-def _best(steps: list[dict]) -> dict:
+def _best(steps: list[PlanStep]) -> PlanStep:
     """The last step the plan kept (the plan's current peak)."""
-    return [s for s in steps if s["kept"]][-1]
+    return [s for s in steps if s.kept][-1]
 
 
 def _ds_config(step: StepConfig, tp: int) -> dict:
@@ -448,7 +539,7 @@ def _ds_config(step: StepConfig, tp: int) -> dict:
 
 
 def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,
-               device: str = "cuda", budget: int | str | None = None) -> dict:
+               device: str = "cuda", budget: int | str | None = None) -> PlanCheck:
     """Advise for the card at hand (its total memory, or ``budget``), then run the plan for
     real on ``device`` with that budget enforced. Returns the plan, both peaks and the verdict
     (``make gpu-check`` records it under ``build/gpu-check/<card>/``). A plan under DeepSpeed (ZeRO,
@@ -465,12 +556,11 @@ def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,
         real.budget_bytes = a.budget_bytes
     else:
         real = measure_step(a.step, device=device, budget=a.budget_bytes)
-    return {"model": model, "seq": seq, "batch": batch, "budget_bytes": a.budget_bytes,
-            "plan": a.plan, "advice_fits": a.fits, "estimate_peak_bytes": a.peak_bytes,
-            "measure_peak_bytes": real.peak_bytes, "measure_fits": bool(real.fits),
-            "host_bytes": real.host_bytes, "advice_host_bytes": a.host_bytes,
-            "allocator": dict(real.allocator)}
+    return PlanCheck(model=model, seq=seq, batch=batch, budget_bytes=a.budget_bytes, plan=list(a.plan),
+                     advice_fits=a.fits, estimate_peak_bytes=a.peak_bytes, measure_peak_bytes=real.peak_bytes,
+                     measure_fits=bool(real.fits), host_bytes=real.host_bytes, advice_host_bytes=a.host_bytes,
+                     allocator=dict(real.allocator))
 
 
-__all__ = ["Advice", "advise", "check_plan", "flowchart", "tensor_parallel_degree",
-           "estimate_host_bytes", "finetune_ladder", "mixed_precision_for", "MIXED"]
+__all__ = ["Advice", "PlanStep", "HeldBack", "LadderRung", "PlanCheck", "advise", "check_plan", "flowchart",
+           "tensor_parallel_degree", "estimate_host_bytes", "finetune_ladder", "mixed_precision_for", "MIXED"]

@@ -31,10 +31,11 @@ before what changes the training:
    trainable.
 
 Time is the step-time lens (:func:`memlab.time.step_time.step_time`) on the card: seconds of one
-rank's optimizer step, LoRA's FLOPs counted by :func:`memlab.time.flops.gpt_step_flops` with the
-adapters. The time lens reads memlab's GPT of the config's shapes (:func:`memlab.hf.config.step_config`;
-a family without one has no time); not in it: QLoRA's dequantisation of each weight in forward
-and backward, and the chunked loss's recomputed logits under LoRA.
+rank's optimizer step of the rung's run, the decoder's shape and every field of the rung
+(:class:`memlab.step.training_step.StepConfig` with a :class:`memlab.models.decoder_shape.DecoderShape`):
+its FLOPs from the shape's own GEMMs (:func:`memlab.time.flops.decoder_step_flops`, LoRA's adapters
+and the chunked loss's recomputed logits included), the adapters' small GEMMs by their roofline and
+QLoRA's dequantisation of each weight (:func:`memlab.time.step_time.adapter_time`), for every family.
 """
 from __future__ import annotations
 
@@ -43,16 +44,14 @@ from typing import Sequence
 
 from memlab.core.cards import Card, get_card
 from memlab.core.errors import InputError
-from memlab.hf.config import load_config, maps_to_gpt, step_config
+from memlab.hf.config import load_config
 from memlab.hf.estimate import estimate_hf
-from memlab.hf.read_run_configs import lora_targets_for
 from memlab.hf.shape import decoder_shape
 from memlab.step.decoder_states import adapter_shapes, adapters_for
 from memlab.step.fine_tune_config import ALL_LINEAR, LoraConfig, QuantConfig
 from memlab.step.training_step import MemoryReport, StepConfig
 from memlab.techniques.batching import fixed_batches, packed_batches, sample_lengths
-from memlab.time.flops import gpt_step_flops
-from memlab.time.step_time import report_time, step_time
+from memlab.time.step_time import report_time
 
 #: the cards of issue 28's "OOM now": a 24 GB, a 48 GB and an 80 GB card
 DEFAULT_CARDS = ("RTX4090-24GB", "L40S-48GB", "A100-80GB")
@@ -227,20 +226,10 @@ class Ladder:
         return "\n".join(lines)
 
 
-def _time_step(cfg: str, seq: int, batch: int, run: dict) -> StepConfig | None:
-    """The step the time lens times for one rung: memlab's GPT of the config's shapes
-    (:func:`memlab.hf.config.step_config`; the step-time lens reads memlab's GPT), ``None`` for a
-    family it has no GPT of."""
-    if not maps_to_gpt(cfg):
-        return None
-    step = step_config(cfg, seq=seq, batch=batch, precision=run.get("precision", "bf16"),
-                       checkpointing=run.get("checkpointing"))
-    step = replace(step, micro_batches=run.get("micro_batches", 1), zero=run.get("zero", 0),
-                   world_size=run.get("world_size", 1), offload=run.get("offload", "none"),
-                   optimizer_in_backward=run.get("optimizer_in_backward", False))
-    if run.get("loss") == "chunked":
-        step = replace(step, model=replace(step.model_config, loss="chunked"))
-    return step
+def _time_step(shape, seq: int, batch: int, run: dict) -> StepConfig:
+    """The run the time lens times for one rung: the decoder's shape with the rung's fields
+    (the same keywords :func:`memlab.hf.estimate.estimate_hf` takes)."""
+    return StepConfig(shape, seq=seq, batch=batch, **{"precision": "bf16", **run})
 
 
 def _card_ladder(cfg: str, card: Card, seq: int, batch: int, rank: int, gain: PackingGain,
@@ -254,16 +243,10 @@ def _card_ladder(cfg: str, card: Card, seq: int, batch: int, rank: int, gain: Pa
     adapters = sum(r * c for r, c in adapter_shapes(shape, adapters_for(shape, lora_cfg, "pure-bf16")))
 
     def seconds(run: dict) -> float | None:
-        step = _time_step(cfg, seq, batch, run)
-        if step is None:
-            return None
-        if run.get("lora") is None:
-            return report_time(step, card).seconds
-        flops = gpt_step_flops(step.model_config, step.seq, step.batch, lora_rank=rank,
-                               lora_targets=lora_targets_for(step.model_config))
+        step = _time_step(shape, seq, batch, run)
         try:
-            return step_time(step, card, flops=flops).seconds
-        except InputError:  # a card without speeds
+            return report_time(step, card).seconds
+        except InputError:  # a run the time lens does not count (LoRA on DeepSeek's latent attention)
             return None
 
     def result(rung: Rung, run: dict, note: str = "", real_tokens: float = unpacked) -> RungResult:

@@ -64,6 +64,8 @@ class Candidate:
             parts.append(f"{p['checkpointing']} checkpointing")
         if p["micro_batches"] > 1:
             parts.append(f"{p['micro_batches']} micro-batches")
+        if p.get("optimizer_in_backward"):
+            parts.append("optimizer step in backward")
         if p["zero"]:
             parts.append(f"ZeRO-{p['zero']}")
         if p["offload"] != "none":
@@ -131,6 +133,9 @@ def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq:
 
     Returns:
         :class:`PlanSearch`.
+
+    Over 80 lines because its docstring states the search's rules; the body, about 60 lines,
+    enumerates and prices the candidates.
     """
     name = card if isinstance(card, str) else card.name
     if name not in SPEEDS:
@@ -142,7 +147,8 @@ def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq:
         raise InputError(f"the plan search covers GPT models, got {cfg.name!r}")
     profile = get_card(name)
     precisions = ("fp32", "bf16") if profile.bf16_native else ("fp32", "fp16")
-    ckpts = ("none", "full", "selective") if cfg.attention == "naive" else ("none", "full")
+    # op: torchtitan's op-level policy (matmul outputs saved), between selective and full
+    ckpts = ("none", "full", "selective", "op") if cfg.attention == "naive" else ("none", "full", "op")
     degrees = [d for d in range(1, world_size + 1) if world_size % d == 0]
     pairs = [(t, p) for t in degrees for p in degrees
              if world_size % (t * p) == 0 and t <= TP_MAX and p <= cfg.n_layer and _tp_ok(cfg, t)]
@@ -193,7 +199,7 @@ def search_plans(model: str | GPTConfig, card: Card | str, world_size: int, seq:
     return out
 
 
-def _add_plan(out: PlanSearch, base: StepConfig, cfg: GPTConfig, card: str, prec: str, ckpt: str, m: int,
+def _add_plan(out: PlanSearch, base: StepConfig, cfg: GPTConfig, card: str, prec: str, ckpt: str, m: int,  # noqa: PLR0913 one candidate's dimensions, from search_plans' loops
               zero: int, off: str, t: int, p: int, rank_batch: int, world_size: int, usable_bytes: int,
               target) -> None:
     """Estimate and time one plan (``rank_batch`` sequences per data-parallel replica) and
@@ -209,9 +215,17 @@ def _add_plan(out: PlanSearch, base: StepConfig, cfg: GPTConfig, card: str, prec
                       flops=report.time.flops if report.time is not None else None)
     plan = {"precision": prec, "checkpointing": ckpt, "micro_batches": m, "zero": zero, "offload": off,
             "tensor_parallel": t, "pipeline_parallel": p, "batch": rank_batch, "loss": cfg.loss,
-            "optimizer_state": "adamw", "lora": None}
+            "optimizer_state": "adamw", "lora": None, "optimizer_in_backward": False}
     out.candidates.append(Candidate(plan, int(peak), peak <= usable_bytes, timed.seconds, timed.bound,
                                     host_bytes=int(report.host_bytes)))
+    if t == 1 and p == 1 and m == 1 and not zero and off == "none" and prec != "fp16":
+        # the optimizer step in backward (memlab.step.optimizer_in_backward): the same update and FLOPs,
+        # no moment with every gradient
+        fused = replace(step, optimizer_in_backward=True)
+        peak_fused = estimate_step(fused, target=target).peak_bytes
+        out.candidates.append(Candidate({**plan, "optimizer_in_backward": True}, int(peak_fused),
+                                        peak_fused <= usable_bytes, timed.seconds, timed.bound,
+                                        host_bytes=int(report.host_bytes)))
     if t == 1 and p == 1 and cfg.loss != "chunked":
         out.candidates.append(_chunked(step, plan, card, usable_bytes, target))
 

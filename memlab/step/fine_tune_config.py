@@ -62,7 +62,10 @@ class LoraConfig:
     def peft_kwargs(self, linears: tuple[str, ...] | None = None) -> dict:
         """The keywords of ``peft.LoraConfig`` this describes; ``linears`` (the model's
         ``Linear`` module names) spells ``all-linear`` out, so that peft adapts exactly those
-        (on a mixture of experts its own ``all-linear`` also wraps the experts' 3-d parameters)."""
+        (on a mixture of experts its own ``all-linear`` also wraps the experts' 3-d parameters).
+
+        A dict because it is the keywords of ``peft.LoraConfig``.
+        """
         targets = list(linears) if self.targets == ALL_LINEAR and linears else self.targets
         return {"r": self.rank, "target_modules": targets if isinstance(targets, str) else list(targets),
                 "lora_alpha": self.alpha or 2 * self.rank, "lora_dropout": float(self.dropout)}

@@ -42,12 +42,18 @@ class OptimizerInBackward:
 
     @property
     def param_groups(self) -> list[dict]:
-        """Every per-parameter optimizer's groups, in parameter order."""
+        """Every per-parameter optimizer's groups, in parameter order.
+
+        A dict because it is torch's ``Optimizer.param_groups``, which callers read as such.
+        """
         return [g for o in self.optimizers.values() for g in o.param_groups]
 
     @property
     def state(self) -> dict:
-        """Every parameter's optimizer state, by parameter."""
+        """Every parameter's optimizer state, by parameter.
+
+        A dict because it is torch's ``Optimizer.state``, which callers read as such.
+        """
         return {p: s for o in self.optimizers.values() for p, s in o.state.items()}
 
     def step(self) -> None:

@@ -212,6 +212,9 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     DeepSpeed config with stage 0 runs). ``pinned=False`` counts host buffers at their own
     size (DeepSpeed's CPU accelerator does not pin). ``buckets`` (a :class:`ZeroBuckets`)
     replaces ``bucket_elements`` and ``pinned`` with a run config's sizes.
+
+    Over 80 lines because it is the layouts' table (plain PyTorch, DeepSpeed stages 0-3, offload),
+    one line per state and layout.
     """
     if buckets is None:
         buckets = ZeroBuckets(reduce=bucket_elements, prefetch=bucket_elements,
@@ -299,6 +302,32 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
                        host, tuple(notes))
 
 
+def data_parallel_ranks(world_size: int, tensor_parallel: int) -> int:
+    """The data-parallel degree left when groups of ``tensor_parallel`` ranks split each layer
+    (Megatron-LM): ``world_size / t``, the ranks ZeRO shards over.
+
+    Raises:
+        InputError: ``t`` is not a positive integer dividing ``world_size``.
+    """
+    t = tensor_parallel
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+        raise InputError(f"tensor_parallel must be a positive integer, got {t!r}")
+    if world_size % t:
+        divisors = (str(k) for k in range(1, world_size + 1) if world_size % k == 0)
+        raise InputError(f"tensor_parallel={t} must divide world_size={world_size}; "
+                         f"allowed: {', '.join(divisors)}")
+    return world_size // t
+
+
+def tensor_parallel_share(states: dict[str, float], tensor_parallel: int) -> dict[str, float]:
+    """One tensor-parallel rank's model states: those of the model over its
+    :func:`data_parallel_ranks` (ZeRO's sharding), divided by ``t``, as Megatron-LM splits each
+    weight matrix (Shoeybi et al. 2019, sec. 3) and with it its gradient and optimizer state.
+    The norm weights, which every TP rank keeps whole, are counted as split: a fraction of a
+    percent. Both estimates (memlab's GPT, a decoder's shape) take their per-rank states here."""
+    return {k: v / tensor_parallel for k, v in states.items()}
+
+
 def step_model_states(step, buckets: ZeroBuckets | None = None) -> ModelStates:
     """The model states of a :class:`memlab.step.training_step.StepConfig` (its model, precision,
     optimizer, ZeRO stage, world size and offload), with a run config's ``buckets``."""
@@ -325,6 +354,6 @@ def bytes_per_param(precision: str, stage: int, world_size: int, *, optimizer: s
     return {"parameters": s.parameters, "gradients": s.gradients, "optimizer": s.optimizer}
 
 
-__all__ = ["ModelStates", "model_states", "model_state_bytes",
+__all__ = ["data_parallel_ranks", "tensor_parallel_share", "ModelStates", "model_states", "model_state_bytes",
            "under_deepspeed", "step_model_states", "bytes_per_param", "param_numels", "pinned_bytes",
            "BUCKET_ELEMENTS", "PERSISTENCE_THRESHOLD", "PARAM_OFFLOAD", "SUB_GROUP_SIZE", "ZeroBuckets"]

@@ -22,10 +22,12 @@ import torch.nn as nn
 
 from memlab.core.errors import InputError
 from memlab.core.precision import PRECISIONS, check_precision
+from memlab.core.torch_private import activation_memory_budget
 from memlab.core.units import MiB, fmt_bytes
 from memlab.models.decoder_shape import DecoderShape
 from memlab.models.gpt_unet import GPTConfig, UNetConfig, build_model, get_config
 from memlab.step.activation_offload import offload_context
+from memlab.step.compiled import check_budget, compile_model
 from memlab.step.decoder_states import adapter_shapes, adapters_for
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 from memlab.step.low_bit import OPTIMIZER_STATES
@@ -116,6 +118,12 @@ class StepConfig:
     activation_offload: bool = False
     """Forward's saved tensors go to host memory (``torch.autograd.graph.save_on_cpu``), come back
     for backward."""
+    compile: bool = False
+    """The model under ``torch.compile`` (inductor): the min-cut partitioner chooses what forward
+    saves (:mod:`memlab.step.compiled` says what each lens counts)."""
+    activation_memory_budget: float | None = None
+    """``torch._functorch.config.activation_memory_budget`` for the compile (``None``: its default,
+    1.0); 0.5 keeps about half of what the default saves and recomputes the rest. Needs ``compile``."""
 
     def __post_init__(self) -> None:
         for name in ("seq", "batch", "micro_batches", "world_size", "expert_parallel", "loss_chunk"):
@@ -135,6 +143,9 @@ class StepConfig:
         self._check_in_backward()
         if not isinstance(self.activation_offload, bool):
             raise InputError(f"activation_offload={self.activation_offload!r}; allowed: True, False")
+        if not isinstance(self.compile, bool):
+            raise InputError(f"compile={self.compile!r}; allowed: True, False")
+        check_budget(self.activation_memory_budget, self.compile)
         if self.quantization is not None and self.lora is None:
             raise InputError("a 4-/8-bit base is frozen: give LoRA adapters to train (lora=LoraConfig(...))")
         if isinstance(self.model, DecoderShape):
@@ -229,7 +240,10 @@ class StepConfig:
 
     def describe(self) -> dict:
         """The step as the JSON report's ``config``: every field, the model's name, its
-        config and parameter counts."""
+        config and parameter counts.
+
+        A dict because it is the JSON report's ``config``.
+        """
         cfg = self.model_config
         d = {k: v for k, v in asdict(self).items() if k not in ("model", "lora", "quantization")}
         d["model"] = cfg.name
@@ -532,7 +546,8 @@ class Trainer:
         for micro in zip(*(t.chunk(k) for t in batch), strict=True):
             offload = (offload_context(self.device, to_host=self.offload_to_host, fake=self.fake)
                        if self.step_config.activation_offload else contextlib.nullcontext())
-            with offload, autocast_for(self.step_config.precision, self.device):
+            budget = activation_memory_budget(self.step_config.activation_memory_budget)
+            with offload, budget, autocast_for(self.step_config.precision, self.device):
                 loss = self.model(*micro) / k
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
@@ -579,6 +594,8 @@ def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: in
         opt = OptimizerInBackward(model.parameters(), lambda ps: _optimizer(ps, step.optimizer))
     else:
         opt = build_optimizer(model, step.optimizer)
+    if step.compile and not fake:  # the simulation runs the eager step (memlab.step.compiled)
+        model = compile_model(model)
     return Trainer(step, device, model, opt, scaler, fake, offload_to_host=device.type == "cuda")
 
 

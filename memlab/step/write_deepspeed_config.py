@@ -39,6 +39,8 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
     compiled ``DeepSpeedCPUAdam``. ``paper_collectives`` adds :data:`REDUCE_TO_OWNER` (stages
     1-2) or :data:`GATHER_EVERY_USE` (stage 3): the ZeRO paper's collectives (sec. 7), at the
     cost of ZeRO-3 re-gathering what it could keep.
+
+    A dict because it is a DeepSpeed config, as ``deepspeed.initialize`` reads it.
     """
     if step.precision not in ("fp32", "bf16"):
         raise InputError(f"precision={step.precision!r} for DeepSpeed here; allowed: fp32, bf16 "

@@ -27,7 +27,7 @@ Four things a naive hook gets wrong (all found on CPU, all handled here):
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import torch
@@ -258,8 +258,28 @@ def _grads_of(trainer, batch) -> list[torch.Tensor]:
     return grads
 
 
+@dataclass(frozen=True)
+class CompressedRun:
+    """One variant's step in :func:`compare`, with memory and time as ratios to ``"none"``."""
+
+    peak_bytes: int
+    """Peak of one tracked step."""
+    activation_bytes: int
+    """Most activations alive at once."""
+    grad_error: float
+    """``||g - g_ref|| / ||g_ref||`` of all gradients against the step without compression."""
+    seconds: float | None
+    """Median untracked step time (``None`` when not timed)."""
+    peak_ratio: float
+    """Peak against ``"none"``'s."""
+    activation_ratio: float
+    """Activations against ``"none"``'s."""
+    time_ratio: float | None
+    """Step time against ``"none"``'s (``None`` when not timed)."""
+
+
 def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARIANTS), *,
-            repeats: int = 3, **overrides) -> dict[str, dict]:
+            repeats: int = 3, **overrides) -> dict[str, CompressedRun]:
     """For each variant: peak, most activations alive, gradient error and step time, with
     memory and time as ratios to ``"none"``.
 
@@ -269,29 +289,23 @@ def compare(step: StepConfig | None = None, variants: Iterable[str] = tuple(VARI
     """
     step = resolve_step(step, **overrides)
     variants = list(dict.fromkeys(["none", *variants]))
-    runs, rows, ref = {}, {}, None
+    runs, measured, ref = {}, {}, None
     for v in variants:
         trainer, comp, batch = runs[v] = compressed_trainer(step, v)
         grads = _grads_of(trainer, batch)
         ref = grads if v == "none" else ref
         rep = measure_trainer(trainer, batch)
-        rows[v] = {"peak_bytes": rep.peak_bytes,
-                   "activation_bytes": category_max(rep, "activations"),
-                   "grad_error": relative_error(grads, ref), "seconds": None}
-    if repeats:
-        timed = time_steps({v: (trainer, batch) for v, (trainer, _, batch) in runs.items()}, repeats)
-        for v, seconds in timed.items():
-            rows[v]["seconds"] = seconds
+        measured[v] = (rep.peak_bytes, category_max(rep, "activations"), relative_error(grads, ref))
+    timed = (time_steps({v: (trainer, batch) for v, (trainer, _, batch) in runs.items()}, repeats)
+             if repeats else {})
     for _, comp, _ in runs.values():
         if comp is not None:
             comp.remove()
-    base = rows["none"]
-    for r in rows.values():
-        r["peak_ratio"] = r["peak_bytes"] / base["peak_bytes"]
-        r["activation_ratio"] = r["activation_bytes"] / base["activation_bytes"]
-        r["time_ratio"] = r["seconds"] / base["seconds"] if repeats else None
-    return rows
+    base_peak, base_acts, _ = measured["none"]
+    return {v: CompressedRun(peak, acts, err, timed.get(v), peak / base_peak, acts / base_acts,
+                             timed[v] / timed["none"] if repeats else None)
+            for v, (peak, acts, err) in measured.items()}
 
 
 __all__ = ["ActivationCompressor", "compressed_trainer", "quantize", "measure_compressed", "gradients",
-           "gradient_error", "compare", "MODES", "GRANULARITIES", "VARIANTS"]
+           "gradient_error", "compare", "CompressedRun", "MODES", "GRANULARITIES", "VARIANTS"]

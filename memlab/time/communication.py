@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 from memlab.core.errors import InputError
 from memlab.core.precision import precision_bytes
+from memlab.models.decoder_shape import DecoderShape
 from memlab.models.gpt_unet import GPTConfig
 from memlab.step.states import PERSISTENCE_THRESHOLD, param_numels, under_deepspeed
 
@@ -178,7 +179,8 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
         out.append(Transfer(f"ZeRO-{step.zero} weight all-gather", "all_gather", int(e * psi), n))
     elif n > 1 and step.zero == 3:
         if engine == "deepspeed-reduce-scatter":  # nothing persists; a tied weight: once per module
-            tied = cfg.vocab_size * cfg.d_model if isinstance(cfg, GPTConfig) and cfg.tie_embeddings else 0
+            tied = (cfg.vocab_size * cfg.d_model if isinstance(cfg, GPTConfig) and cfg.tie_embeddings else
+                    cfg.vocab * cfg.d if isinstance(cfg, DecoderShape) and cfg.tied else 0)
             gathered = (sum(numels) + tied) / (t * p)
         else:
             gathered = (sum(numels) - sum(x for x in numels if x < PERSISTENCE_THRESHOLD)) / (t * p)
@@ -190,18 +192,19 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
         shard = psi / n
         out.append(Transfer("offload: fp32 gradients to the host", "copy", int(4 * shard), 1, "pcie"))
         out.append(Transfer("offload: 16-bit weights to the device", "copy", int(e * shard), 1, "pcie"))
-    if isinstance(cfg, GPTConfig) and (t > 1 or p > 1):
+    if isinstance(cfg, (GPTConfig, DecoderShape)) and (t > 1 or p > 1):
         tokens = step.seq * step.batch  # over all micro-batches
         act = (4 if step.precision == "fp32" else 2) if ds or step.precision != "fp32" else 4
+        width = cfg.d if isinstance(cfg, DecoderShape) else cfg.d_model
         if t > 1:
-            per_layer = 4 + (1 if cfg.checkpointing == "full" else 0)
+            per_layer = 4 + (1 if step.checkpointing_used == "full" else 0)
             out.append(Transfer("tensor-parallel all-reduces", "all_reduce",
-                                int(per_layer * cfg.n_layer / p * tokens * cfg.d_model * act), t))
+                                int(per_layer * cfg.n_layer / p * tokens * width * act), t))
         if p > 1:
             residual = precision_bytes(step.precision)[0] if not ds else e
             sends = 2 if p > 2 else 1
             out.append(Transfer("pipeline activations and their gradients", "send",
-                                int(sends * tokens * cfg.d_model * residual / t), 2))
+                                int(sends * tokens * width * residual / t), 2))
     return StepComm(tuple(out))
 
 

@@ -28,7 +28,8 @@ Two ways to the number, each checking the other (``tests/test_elementwise.py``):
   on fake tensors or real ones, filed by part as :class:`memlab.time.flops.PhaseFlopCounter` files
   FLOPs (forward, backward, recompute).
 * **Closed form** (:func:`gpt_elementwise`): memlab's GPT block written out op by op in the
-  element sizes of the step's precision on a target (:mod:`memlab.policy`).
+  element sizes of the step's precision on a target (:mod:`memlab.policy`); a Hugging Face
+  decoder's shape through the same op list at its widths (:func:`decoder_elementwise`).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from torch.utils import flop_counter
 
 from memlab.core.errors import InputError
 from memlab.core.torch_private import TorchDispatchMode, in_backward, tree_leaves
+from memlab.models.decoder_shape import DecoderShape
 from memlab.models.gpt_unet import GPTConfig
 from memlab.policy import layer_norm_stat_bytes, op_bytes, precision_bytes, rms_norm_fused
 from memlab.time.flops import CPU_SDPA, PARTS, PhaseFlopCounter, StepFlops, run_counted_step
@@ -72,6 +74,12 @@ class ElementwiseWork:
     activation_elements: int = 0
     source: str = "formula"
     notes: tuple[str, ...] = field(default=(), compare=False)
+    #: of ``forward + backward`` and of ``recompute``, the bytes of the ops over the d-wide residual
+    #: stream (norms, their casts, residual adds and their gradients): the ops Megatron-LM's tensor
+    #: parallelism leaves unsplit, which every TP rank runs whole without sequence parallelism
+    #: (Korthikanti et al. 2022, sec. 4.2.1-4.2.2); the MLP's and attention's ops are split
+    residual: int = field(default=0, compare=False)
+    residual_recompute: int = field(default=0, compare=False)
 
     @property
     def bytes(self) -> int:
@@ -173,10 +181,13 @@ class _Ledger:
 
     def __init__(self) -> None:
         self.parts = dict.fromkeys(PARTS, 0)
+        self.residual = dict.fromkeys(PARTS, 0)
         self.activation_bytes = self.activation_elements = 0
 
-    def op(self, part: str, nbytes: float, activation_elements: float = 0) -> None:
+    def op(self, part: str, nbytes: float, activation_elements: float = 0, *, residual: bool = False) -> None:
         self.parts[part] += int(nbytes)
+        if residual:  # an op over the d-wide residual stream: outside tensor parallelism's split
+            self.residual[part] += int(nbytes)
         if activation_elements:
             self.activation_bytes += int(nbytes)
             self.activation_elements += int(activation_elements)
@@ -203,13 +214,14 @@ def _norm_forward(led: _Ledger, part: str, cfg: GPTConfig, t: int, z: _Sizes) ->
     d, r, p = cfg.d_model, z.param, z.param
     weights = d * p * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     if cfg.norm == "layernorm":
-        led.op(part, t * d * r + weights + t * d * z.norm + 2 * t * layer_norm_stat_bytes(z.target, r))
+        led.op(part, t * d * r + weights + t * d * z.norm + 2 * t * layer_norm_stat_bytes(z.target, r),
+               residual=True)
     elif rms_norm_fused(z.target):
-        led.op(part, t * d * r + weights + t * d * z.norm + 4 * t)
+        led.op(part, t * d * r + weights + t * d * z.norm + 4 * t, residual=True)
     else:  # the composite (rms_norm_symint): in fp32, a 16-bit input upcast and cast back
         up = 6 * t * d if r == 2 else 0
         led.op(part, up + 2 * t * d * 4 + (t * d * 4 + 4 * t) + 2 * 4 * t + 2 * 4 * t
-               + (2 * t * d * 4 + 4 * t) + (2 * t * d * 4 + weights) + up)
+               + (2 * t * d * 4 + 4 * t) + (2 * t * d * 4 + weights) + up, residual=True)
 
 
 def _norm_backward(led: _Ledger, cfg: GPTConfig, t: int, z: _Sizes) -> None:
@@ -217,14 +229,14 @@ def _norm_backward(led: _Ledger, cfg: GPTConfig, t: int, z: _Sizes) -> None:
     weights = d * p * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     if cfg.norm == "layernorm":
         stats = 2 * t * layer_norm_stat_bytes(z.target, r)
-        led.op("backward", t * d * z.norm + t * d * r + stats + weights + t * d * r + weights)
+        led.op("backward", t * d * z.norm + t * d * r + stats + weights + t * d * r + weights, residual=True)
     elif rms_norm_fused(z.target):
-        led.op("backward", t * d * z.norm + t * d * r + 4 * t + weights + t * d * r + weights)
+        led.op("backward", t * d * z.norm + t * d * r + 4 * t + weights + t * d * r + weights, residual=True)
     else:  # the composite's autograd graph, op by op (fp32 inside)
         e = t * d * 4
         casts = (6 * t * d + 6 * t * d + 6 * d) if r == 2 else 0   # grad in, grad out, weight grad
         led.op("backward", casts + 3 * 3 * e + (2 * e + weights) + (e + 4 * d) + (2 * e + 4 * t) + (e + 4 * t)
-               + 2 * 4 * t + 2 * 4 * t + 3 * 4 * t + 2 * e + 2 * e + 2 * e + 3 * e)
+               + 2 * 4 * t + 2 * 4 * t + 3 * 4 * t + 2 * e + 2 * e + 2 * e + 3 * e, residual=True)
 
 
 def _weight_casts(led: _Ledger, part: str, z: _Sizes, elements: int) -> None:
@@ -303,7 +315,7 @@ def _block_forward(led: _Ledger, part: str, cfg: GPTConfig, s: int, rows: int, z
     q, kv = cfg.n_head * hd, cfg.kv_heads * hd
     _norm_forward(led, part, cfg, t, z)
     if z.casts_norm:
-        led.op(part, t * d * (z.norm + c))
+        led.op(part, t * d * (z.norm + c), residual=True)
     for w, b in _block_matmul_weights(cfg):
         _weight_casts(led, part, z, w + b)
     if cfg.position == "rope":
@@ -314,18 +326,18 @@ def _block_forward(led: _Ledger, part: str, cfg: GPTConfig, s: int, rows: int, z
     _core_forward(led, part, cfg, s, rows, z)
     if cfg.attention == "naive":
         led.op(part, 2 * t * q * c)  # (b, h, s, hd) back to (b, s, h * hd): a copy
-    led.op(part, t * d * (2 * r + c))  # x + attn(...)
+    led.op(part, t * d * (2 * r + c), residual=True)  # x + attn(...)
     _norm_forward(led, part, cfg, t, z)
     consumers = 2 if cfg.mlp == "swiglu" else 1
     if z.casts_norm:
-        led.op(part, consumers * t * d * (z.norm + c))
+        led.op(part, consumers * t * d * (z.norm + c), residual=True)
     if cfg.mlp == "swiglu":
         led.op(part, 2 * t * f * c, t * f)  # silu
         led.op(part, 3 * t * f * c)         # silu(gate) * up
     else:
         led.op(part, 2 * t * f * c, t * f)  # gelu
     if part != "recompute":
-        led.op(part, t * d * (2 * r + c))  # x + mlp(...)
+        led.op(part, t * d * (2 * r + c), residual=True)  # x + mlp(...)
 
 
 def _block_backward(led: _Ledger, cfg: GPTConfig, s: int, rows: int, z: _Sizes) -> None:
@@ -338,7 +350,7 @@ def _block_backward(led: _Ledger, cfg: GPTConfig, s: int, rows: int, z: _Sizes) 
             led.op(bw, t * b * c + b * c)  # the bias's gradient: a sum over tokens
         _weight_casts(led, bw, z, w + b)  # the gradients cast back to the weights' dtype
     # MLP branch
-    led.op(bw, branch_cast)
+    led.op(bw, branch_cast, residual=True)
     if cfg.mlp == "swiglu":
         led.op(bw, 2 * 3 * t * f * c)       # the product's two gradients
         led.op(bw, 3 * t * f * c, t * f)    # silu_backward
@@ -347,13 +359,13 @@ def _block_backward(led: _Ledger, cfg: GPTConfig, s: int, rows: int, z: _Sizes) 
     consumers = 2 if cfg.mlp == "swiglu" else 1
     into_norm = z.norm if z.casts_norm else c
     if z.casts_norm:
-        led.op(bw, consumers * t * d * (c + z.norm))
-    if consumers == 2:
-        led.op(bw, 3 * t * d * into_norm)   # the gate's and the up projection's input gradients summed
+        led.op(bw, consumers * t * d * (c + z.norm), residual=True)
+    if consumers == 2:  # the gate's and the up projection's input gradients summed
+        led.op(bw, 3 * t * d * into_norm, residual=True)
     _norm_backward(led, cfg, t, z)
-    led.op(bw, 3 * t * d * r)               # the residual's gradient and the branch's summed
+    led.op(bw, 3 * t * d * r, residual=True)  # the residual's gradient and the branch's summed
     # attention branch
-    led.op(bw, branch_cast)
+    led.op(bw, branch_cast, residual=True)
     _core_backward(led, cfg, s, rows, z)
     repeat = _repeats(cfg)
     if repeat:
@@ -372,9 +384,9 @@ def _block_backward(led: _Ledger, cfg: GPTConfig, s: int, rows: int, z: _Sizes) 
     led.op(bw, 2 * c * (t * q * copied_q + t * kv * (copied_k + copied_v)))
     led.op(bw, 2 * t * (q + 2 * kv) * c)    # the split's backward: a cat
     if z.casts_norm:
-        led.op(bw, t * d * (c + z.norm))
+        led.op(bw, t * d * (c + z.norm), residual=True)
     _norm_backward(led, cfg, t, z)
-    led.op(bw, 3 * t * d * r)
+    led.op(bw, 3 * t * d * r, residual=True)
 
 
 def _head_and_loss(led: _Ledger, cfg: GPTConfig, t: int, z: _Sizes) -> None:
@@ -426,7 +438,82 @@ def _chunked_loss(led: _Ledger, cfg: GPTConfig, t: int, z: _Sizes) -> None:
     led.op(bw, chunks * V * d * (2 * p + dt))           # grad_w.add_(g^T h), a chunk at a time
 
 
-def gpt_elementwise(cfg: GPTConfig, seq: int, batch: int, *, precision: str = "fp32", micro_batches: int = 1,
+@dataclass(frozen=True)
+class _DecoderBlock:
+    """A decoder's shape in the terms the op-by-op closed form reads (the fields of memlab's
+    GPT block it uses), so that one list of ops counts both; see :func:`decoder_elementwise`."""
+
+    d_model: int
+    hidden: int
+    head_dim: int
+    n_head: int
+    kv_heads: int
+    norm: str
+    bias: bool
+    has_qkv_bias: bool
+    mlp: str
+    position: str
+    attention: str
+    gqa: str
+    n_layer: int
+    vocab_size: int
+    tie_embeddings: bool
+    loss: str
+    loss_chunk: int
+    block_size: int
+    params: int
+    checkpointing: str = "none"
+
+    def num_params(self) -> int:
+        return self.params
+
+
+def _decoder_block(s: DecoderShape, seq: int, attention: str | None, loss: str | None,
+                   loss_chunk: int) -> _DecoderBlock:
+    """The op list's view of a decoder: its widths and switches; a mixture of experts' MLP
+    width is what one token's rows go through (``top_k`` experts and the shared ones),
+    averaged over the layers (DeepSeek's first layers are dense)."""
+    widths = [s.top_k * s.moe_ffn + s.shared_ffn if i in s.moe_layers else s.ffn for i in range(s.n_layer)]
+    attn = "naive" if attention == "naive" or s.eager_only else "sdpa"
+    return _DecoderBlock(
+        d_model=s.d, hidden=round(sum(widths) / max(1, s.n_layer)), head_dim=s.head_dim, n_head=s.heads,
+        kv_heads=s.kv_heads, norm="layernorm" if s.norm == "layer" else "rmsnorm",
+        bias=s.mlp_bias or s.o_bias, has_qkv_bias=s.qkv_bias, mlp="gelu" if s.mlp == "gelu_new" else "swiglu",
+        position="learned" if s.positions else "rope", attention=attn,
+        # transformers' SDPA path passes grouped k and v with enable_gqa; its eager path repeats them
+        gqa="native" if attn == "sdpa" else "repeat", n_layer=s.n_layer, vocab_size=s.vocab,
+        tie_embeddings=s.tied, loss="chunked" if loss == "chunked" else "full", loss_chunk=loss_chunk,
+        block_size=s.positions or seq, params=s.num_params())
+
+
+def decoder_elementwise(s: DecoderShape, seq: int, batch: int, *, precision: str = "fp32",
+                        micro_batches: int = 1, target="cpu", checkpointing: str | None = None,
+                        attention: str | None = None, loss: str | None = None,
+                        loss_chunk: int = 1024) -> ElementwiseWork:
+    """Closed-form elementwise bytes of one training step of a Hugging Face decoder, from its
+    shape: the op list of :func:`gpt_elementwise` at the decoder's widths (heads, kv heads and
+    head dim, the MLP's width, GELU or gated, LayerNorm or RMSNorm, biases, learned or rotary
+    positions, tied head, the loss), in the step's element sizes on ``target``.
+
+    What it does not follow of ``transformers``' code: HF's RMSNorm is Python (an fp32 upcast
+    and four ops where memlab's fused norm is one), Gemma's extra norms and softcaps, q/k norms,
+    dropout, the routers and the experts' gather and scatter; these move bytes this count
+    leaves out (``notes`` says so). Checkpointing is ``none`` or ``full``.
+
+    Returns:
+        :class:`ElementwiseWork` (``source="formula"``).
+    """
+    ckpt = checkpointing or "none"
+    if ckpt not in ("none", "full"):
+        raise InputError(f"checkpointing={ckpt!r} for a decoder; allowed: none, full")
+    work = gpt_elementwise(_decoder_block(s, seq, attention, loss, loss_chunk), seq, batch, precision=precision,
+                           micro_batches=micro_batches, target=target, checkpointing=ckpt)
+    return replace(work, notes=work.notes + ("memlab's op list at the decoder's widths: HF's Python norms, "
+                                              "extra norms, dropout and routing are not counted",))
+
+
+def gpt_elementwise(cfg: GPTConfig | _DecoderBlock, seq: int, batch: int, *, precision: str = "fp32",
+                    micro_batches: int = 1,
                     target="cpu", checkpointing: str | None = None) -> ElementwiseWork:
     """Closed-form elementwise bytes of one training step of memlab's GPT (module doc's rule).
 
@@ -478,15 +565,16 @@ def gpt_elementwise(cfg: GPTConfig, seq: int, batch: int, *, precision: str = "f
     # every micro-batch does the same; from the second on, each gradient is added to .grad
     parts = {k: v * micro_batches for k, v in led.parts.items()}
     parts[bw] += (micro_batches - 1) * 3 * cfg.num_params() * p
+    residual = {k: v * micro_batches for k, v in led.residual.items()}
     return ElementwiseWork(parts[fw], parts[bw], parts["recompute"], led.activation_bytes * micro_batches,
                            led.activation_elements * micro_batches, "formula",
-                           ("scalar ops left out",))
+                           ("scalar ops left out",), residual[fw] + residual[bw], residual["recompute"])
 
 
 def step_elementwise(step, target="cpu", *, deepspeed: bool = False) -> ElementwiseWork:
     """The elementwise bytes of a :class:`memlab.step.training_step.StepConfig`: in closed form
-    (:func:`gpt_elementwise`) for memlab's GPT with SDPA and the unchunked loss, else counted on
-    fake tensors (:func:`count_elementwise`, by the CPU's autocast lists).
+    (:func:`gpt_elementwise`) for memlab's GPT, a decoder's shape (:func:`decoder_elementwise`),
+    else counted on fake tensors (:func:`count_elementwise`, by the CPU's autocast lists).
 
     Args:
         step: the step (its model, seq, batch, precision, micro-batches, checkpointing).
@@ -499,6 +587,10 @@ def step_elementwise(step, target="cpu", *, deepspeed: bool = False) -> Elementw
     """
     cfg = step.model_config
     precision = deepspeed_precision(step) if deepspeed else step.precision
+    if isinstance(cfg, DecoderShape):
+        return decoder_elementwise(cfg, step.seq, step.batch, precision=precision, micro_batches=step.micro_batches,
+                                   target=target, checkpointing=step.checkpointing_used, attention=step.attention,
+                                   loss=step.loss, loss_chunk=step.loss_chunk)
     if isinstance(cfg, GPTConfig):
         return gpt_elementwise(cfg, step.seq, step.batch, precision=precision,
                                micro_batches=step.micro_batches, target=target)
@@ -521,4 +613,4 @@ def count_flops_and_elementwise(step) -> tuple[StepFlops, ElementwiseWork]:
 
 __all__ = ["ACTIVATIONS", "NO_TRAFFIC", "WRITE_ONLY", "ElementwiseCounter", "ElementwiseWork", "count_elementwise",
            "count_flops_and_elementwise", "deepspeed_precision",
-           "gpt_elementwise", "op_traffic", "step_elementwise"]
+           "decoder_elementwise", "gpt_elementwise", "op_traffic", "step_elementwise"]

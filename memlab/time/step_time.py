@@ -46,7 +46,8 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
 * **LoRA and QLoRA** (``lora_rank``, ``qlora``): each adapter's small GEMMs are timed by their
   own roofline (:func:`adapter_time`; at rank 8-16 their bytes decide), and a 4-bit base
   weight's dequantisation crosses HBM each time a matmul reads it (:func:`dequant_4bit_bytes`,
-  bitsandbytes' dequantise-then-``F.linear`` path past 1536 rows), filed under compute and,
+  bitsandbytes' dequantise-then-``F.linear`` path past 1536 rows; torchtune's torchao ``NF4Tensor``,
+  eager or fused by torch.compile: :func:`dequant_nf4_torchao`), filed under compute and,
   for what checkpointing re-runs, recompute.
 
 * **engine**: the per-step work around the matmuls that the engine does over the parameters:
@@ -79,11 +80,12 @@ from dataclasses import dataclass, field, replace
 
 from memlab.core.cards import SPEEDS, Card, Speeds, card_speeds, get_card
 from memlab.core.errors import InputError
-from memlab.models.gpt_unet import GPTConfig
+from memlab.models.decoder_shape import DecoderShape
+from memlab.models.gpt_unet import GPTConfig, UNetConfig
 from memlab.step.states import under_deepspeed
 from memlab.time.communication import StepComm, step_communication
 from memlab.time.elementwise import ElementwiseWork, count_flops_and_elementwise, deepspeed_precision, step_elementwise
-from memlab.time.flops import StepFlops, block_matmuls, lora_matmuls, step_flops_formula
+from memlab.time.flops import StepFlops, block_matmuls, layer_matmuls, lora_matmuls, step_flops_formula
 
 #: torch.optim.AdamW on the host, parameters per second, used when ``memlab doctor
 #: --calibrate`` has not measured this host: the H200 reference's host ran ZeRO-Offload's
@@ -149,6 +151,71 @@ def dequant_4bit_bytes(elements: int, *, blocksize: int = 64, nested: bool = Tru
     return elements / 2 + absmax + elements * out_bytes
 
 
+#: where the 4-bit base's dequantisation runs: bitsandbytes' kernels (:func:`dequant_4bit_bytes`), or
+#: torchao's ``NF4Tensor`` (torchtune's QLoRA, :func:`dequant_nf4_torchao`) in eager ops or fused by torch.compile
+DEQUANT_BACKENDS = ("bitsandbytes", "torchao-eager", "torchao-compiled")
+
+
+@dataclass(frozen=True)
+class Dequant:
+    """One 4-bit weight's dequantisation for a matmul: HBM ``bytes`` read and written, kernel ``launches``."""
+
+    bytes: float
+    launches: int
+
+
+def dequant_nf4_torchao(elements: int, *, compiled: bool, block_size: int = 64, scaler_block_size: int = 256,
+                        out_bytes: int = 2) -> Dequant:
+    """What torchao's ``NF4Tensor`` moves to dequantise one weight of ``elements`` for a matmul.
+
+    torchtune's QLoRA (``torchtune/modules/peft/lora.py`` at 30b8519e, ``LoRALinear.forward``:
+    ``linear_nf4(input=x, weight=self.weight)``) runs torchao's ``LinearNF4``
+    (``torchao/dtypes/nf4tensor.py`` at 5e558f50, lines 1063-1074): forward ``F.linear(input,
+    weight.to(input.dtype))``, backward ``grad_output @ weight.to(grad_output.dtype)``: the whole
+    weight is dequantised to bf16 both times (``_to_copy`` -> ``get_original_weight``, lines 386-393,
+    855-889), then a plain GEMM reads it (counted with the GEMM). ``get_original_weight`` in eager
+    runs 13 kernels over ``n`` elements: ``>> 4`` and ``& 0b1111`` on the packed bytes (n/2 read, n/2
+    written each), each ``.to(torch.long)`` (n/2 read, 4n written), two ``nf4[idx]`` lookups (4n read,
+    n written each), ``dequantize_scalers`` over the n/64 int8 scalers (``/ factor``, ``+ mean``:
+    7n/64), ``repeated.flatten()`` twice, once per ``*``, each copying the expanded scalers (n/32
+    read, n written), two ``*`` (3n each), ``torch.stack`` (4n): about 33 bytes an element. Under
+    ``torch.compile`` (torchtune's README rows; ``NF4Tensor`` is a traceable subclass, so Inductor
+    fuses the chain into one kernel) it reads the packed weight (n/2), the int8 scalers (n/64) and
+    their bf16 factors (2n/16384) and writes the bf16 weight once: about 2.52 bytes an element.
+
+    Args:
+        elements: the weight's elements; compiled: under ``torch.compile`` (one fused kernel);
+        block_size, scaler_block_size: torchao's defaults (``to_nf4``: 64, 256); out_bytes: bf16's 2.
+
+    Returns:
+        :class:`Dequant`.
+    """
+    if elements < 1 or block_size < 1 or scaler_block_size < 1:
+        raise InputError(f"elements={elements!r}, block_size={block_size!r}, scaler_block_size={scaler_block_size!r}; "
+                         f"allowed: positive integers")
+    n = float(elements)
+    scalers = n / block_size
+    if compiled:
+        return Dequant(n / 2 + scalers + 2 * scalers / scaler_block_size + n * out_bytes, 1)
+    half = n / 2
+    unpack = 2 * (half + half) + 2 * (half + 8 * half)  # >> and &, then each .to(long)
+    lookup = 2 * (8 * half + out_bytes * half)  # nf4[first], nf4[second]
+    dq_scalers = (scalers + 2 * scalers) + (2 * scalers + 2 * scalers)  # int8 / factor -> bf16, + mean
+    repeat = 2 * (2 * scalers + out_bytes * half)  # each "* repeated.flatten()" copies the expanded scalers
+    scale = 2 * 3 * out_bytes * half  # dequantized_first * repeated, the same for second
+    stack = 2 * out_bytes * n  # torch.stack reads both halves, writes the weight
+    return Dequant(unpack + lookup + dq_scalers + repeat + scale + stack, 13)
+
+
+def dequant_time_bytes(elements: int, backend: str, *, out_bytes: int = 2) -> Dequant:
+    """One 4-bit weight's dequantisation on ``backend`` (one of :data:`DEQUANT_BACKENDS`)."""
+    if backend == "bitsandbytes":
+        return Dequant(dequant_4bit_bytes(elements, out_bytes=out_bytes), DEQUANT_4BIT_LAUNCHES)
+    if backend in ("torchao-eager", "torchao-compiled"):
+        return dequant_nf4_torchao(elements, compiled=backend == "torchao-compiled", out_bytes=out_bytes)
+    raise InputError(f"dequant={backend!r}; allowed: {', '.join(DEQUANT_BACKENDS)}")
+
+
 @dataclass(frozen=True)
 class AdapterTime:
     """LoRA's adapters in one step: their GEMMs by the roofline (``seconds``, of which
@@ -165,8 +232,9 @@ class AdapterTime:
     launches: float = 0.0
 
 
-def adapter_time(cfg: GPTConfig, tokens: int, rank: int, targets, *, checkpointing: str, peak: float,
-                 achievable: float, hbm: float, elem_bytes: int = 2, qlora: bool = False) -> AdapterTime:
+def adapter_time(cfg: GPTConfig | DecoderShape, tokens: int, rank: int, targets, *, checkpointing: str,
+                 peak: float, achievable: float, hbm: float, elem_bytes: int = 2, qlora: bool = False,
+                 dequant: str = "bitsandbytes") -> AdapterTime:
     """LoRA's small GEMMs of one micro-batch of ``tokens`` and, with ``qlora``, the 4-bit base
     weights' dequantisation (:func:`dequant_4bit_bytes`), per the tuned matmuls of each layer.
 
@@ -178,9 +246,11 @@ def adapter_time(cfg: GPTConfig, tokens: int, rank: int, targets, *, checkpointi
     backward, and on recompute except for that last matmul.
 
     Args:
-        cfg: the model; tokens: of one micro-batch; rank, targets: the adapters (HF names).
+        cfg: memlab's GPT or a decoder's shape; tokens: of one micro-batch; rank, targets: the
+            adapters (HF names; a decoder also takes ``"all-linear"``).
         checkpointing: ``none``, ``selective`` or ``full``; peak, achievable, hbm, elem_bytes:
-            as :func:`gemm_seconds`; qlora: the tuned Linears' base weights are 4-bit.
+            as :func:`gemm_seconds`; qlora: the tuned Linears' base weights are 4-bit;
+        dequant: whose kernels dequantise them (:data:`DEQUANT_BACKENDS`, :func:`dequant_time_bytes`).
 
     Returns:
         :class:`AdapterTime` of the whole model.
@@ -188,29 +258,32 @@ def adapter_time(cfg: GPTConfig, tokens: int, rank: int, targets, *, checkpointi
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise InputError(f"lora rank={rank!r}; allowed: a positive integer")
     fw = rec = fl = fl_rec = dq = dq_rec = launches = 0.0
-    last = block_matmuls(cfg)[-1][0]
 
     def g(m, k, n):
         return gemm_seconds(m, k, n, peak=peak, achievable=achievable, hbm=hbm, elem_bytes=elem_bytes), 2 * m * k * n
 
-    for part, i, o in lora_matmuls(cfg, targets):
-        (a_s, a_f), (b_s, b_f) = g(tokens, i, rank), g(tokens, rank, o)
-        back = [g(rank, tokens, o), g(tokens, o, rank), g(i, tokens, rank), g(tokens, rank, i)]
-        fw += a_s + b_s + sum(x for x, _ in back)
-        fl += a_f + b_f + sum(f for _, f in back)
-        launches += 6
-        if checkpointing == "full":
-            rec += a_s + (b_s if part != last else 0.0)
-            fl_rec += a_f + (b_f if part != last else 0)
-            launches += 2 if part != last else 1
-        if qlora:
-            once = dequant_4bit_bytes(i * o, out_bytes=elem_bytes)
-            dq += 2 * once
-            launches += 2 * DEQUANT_4BIT_LAUNCHES
-            if checkpointing == "full" and part != last:
-                dq_rec += once
-                launches += DEQUANT_4BIT_LAUNCHES
-    n = cfg.n_layer
+    # memlab's GPT: every block alike (one counted, times the layers); a decoder's layers differ
+    layers = range(cfg.n_layer) if isinstance(cfg, DecoderShape) else range(1)
+    for layer in layers:
+        last = block_matmuls(cfg, layer)[-1][0]
+        for part, i, o in lora_matmuls(cfg, targets, layer):
+            (a_s, a_f), (b_s, b_f) = g(tokens, i, rank), g(tokens, rank, o)
+            back = [g(rank, tokens, o), g(tokens, o, rank), g(i, tokens, rank), g(tokens, rank, i)]
+            fw += a_s + b_s + sum(x for x, _ in back)
+            fl += a_f + b_f + sum(f for _, f in back)
+            launches += 6
+            if checkpointing == "full":
+                rec += a_s + (b_s if part != last else 0.0)
+                fl_rec += a_f + (b_f if part != last else 0)
+                launches += 2 if part != last else 1
+            if qlora:
+                once = dequant_time_bytes(i * o, dequant, out_bytes=elem_bytes)
+                dq += 2 * once.bytes
+                launches += 2 * once.launches
+                if checkpointing == "full" and part != last:
+                    dq_rec += once.bytes
+                    launches += once.launches
+    n = 1 if isinstance(cfg, DecoderShape) else cfg.n_layer
     return AdapterTime(fw * n, rec * n, fl * n, fl_rec * n, dq * n, dq_rec * n, launches * n)
 
 
@@ -293,7 +366,10 @@ def parameter_tensors(cfg) -> int | None:
     off memlab's GPT modules (:class:`memlab.models.gpt_unet.GPT`): per block the fused qkv and output
     projections, the MLP's two (three with SwiGLU) Linears, each with a bias where the config
     has one, and two norms (LayerNorm's bias too); then the token (and learned position)
-    embedding, the final norm and an untied head. ``None`` for other models."""
+    embedding, the final norm and an untied head; a decoder's from its shape
+    (:meth:`memlab.models.decoder_shape.DecoderShape.param_numels`). ``None`` for other models."""
+    if isinstance(cfg, DecoderShape):
+        return len(cfg.param_numels())
     if not isinstance(cfg, GPTConfig):
         return None
     bias = int(cfg.bias)
@@ -547,15 +623,16 @@ def gemm_seconds(m: int, k: int, n: int, *, peak: float, achievable: float, hbm:
     return max(2 * m * k * n / (peak * achievable), elem_bytes * (m * k + k * n + m * n) / hbm)
 
 
-def matmul_rate(cfg: GPTConfig, tokens: int, *, tensor_parallel: int, peak: float, achievable: float,
+def matmul_rate(cfg: GPTConfig | DecoderShape, tokens: int, *, tensor_parallel: int, peak: float, achievable: float,
                 hbm: float, elem_bytes: int) -> float:
-    """FLOP/s a GPT's matmuls reach together: each block GEMM and the head timed by
+    """FLOP/s a model's matmuls reach together: each layer's GEMM and the head timed by
     :func:`gemm_seconds` on one rank's shard (Megatron-LM's split, Narayanan et al. 2021 sec.
     2.3: the first Linear of attention and of the MLP split by columns, the second by rows, the
     head by the vocabulary), their FLOPs over their seconds.
 
     Args:
-        cfg: the model; tokens: tokens of one micro-batch; tensor_parallel: the TP degree.
+        cfg: memlab's GPT or a decoder's shape (a routed expert's GEMM on its ``top_k / experts``
+            share of the rows: balanced routing); tokens: of one micro-batch; tensor_parallel: the TP degree.
         peak, achievable, hbm, elem_bytes: as :func:`gemm_seconds`.
 
     Returns:
@@ -563,15 +640,24 @@ def matmul_rate(cfg: GPTConfig, tokens: int, *, tensor_parallel: int, peak: floa
     """
     t = tensor_parallel
     column = {"qkv", "q", "k", "v", "up", "gate"}
-    shapes = [(i, max(1, o // t)) if part in column else (max(1, i // t), o) for part, i, o in block_matmuls(cfg)]
-    shapes = [*shapes * cfg.n_layer, (cfg.d_model, max(1, cfg.vocab_size // t))]
-    flops = sum(2 * tokens * k * n for k, n in shapes)
-    seconds = sum(gemm_seconds(tokens, k, n, peak=peak, achievable=achievable, hbm=hbm, elem_bytes=elem_bytes)
-                  for k, n in shapes)
+    decoder = isinstance(cfg, DecoderShape)
+    shapes: list[tuple[int, int, int]] = []  # (rows, in, out) of each GEMM of one rank
+    for layer in range(cfg.n_layer if decoder else 1):
+        for part, i, o, _, rows in layer_matmuls(cfg, layer):
+            m = tokens if rows == 1 else max(1, tokens * rows // cfg.experts)  # one expert's rows
+            k, n = ((i, max(1, o // t)) if part in column else (i, o) if part == "router" else (max(1, i // t), o))
+            shapes += [(m, k, n)] * (cfg.experts if rows != 1 else 1)
+    if not decoder:
+        shapes = shapes * cfg.n_layer
+    d, vocab = (cfg.d, cfg.vocab) if decoder else (cfg.d_model, cfg.vocab_size)
+    shapes.append((tokens, d, max(1, vocab // t)))
+    flops = sum(2 * m * k * n for m, k, n in shapes)
+    seconds = sum(gemm_seconds(m, k, n, peak=peak, achievable=achievable, hbm=hbm, elem_bytes=elem_bytes)
+                  for m, k, n in shapes)
     return flops / seconds
 
 
-def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None = None,
+def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None = None,  # noqa: PLR0913 keyword-only: the time lens's knobs, each documented
               tensor_parallel: int = 1, pipeline_parallel: int = 1,
               speeds: Speeds | None = None, calibration: Calibration | None = None,
               cpu_adam_params_per_s: float | None = None, engine: str | None = None,
@@ -579,9 +665,13 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
               elementwise: ElementwiseWork | None = None, elementwise_rates: ElementwiseRates | None = None,
               target: str | None = None, gradient_sync: str = "micro-batch",
               sequence_parallel: bool = True, lora_rank: int | None = None, lora_targets=(),
-              qlora: bool = False) -> StepTime:
+              qlora: bool = False, dequant: str = "bitsandbytes") -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.training_step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
+
+    Over 80 lines because its docstring documents each of the time lens's knobs; the body,
+    about 70 lines, sums the parts its helpers time (:func:`_adapter_seconds`,
+    :func:`_elementwise_parts`, :func:`_communication_seconds`, :func:`_offload_seconds`).
 
     Args:
         step: the step.
@@ -616,16 +706,25 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
             are timed by their own roofline (:func:`adapter_time`) instead of the matmuls' rate.
         qlora: the tuned Linears' base weights are 4-bit (bitsandbytes' NF4 with double
             quantisation): their dequantisation's bytes cross HBM each time a matmul reads them.
+        dequant: whose kernels dequantise them (:data:`DEQUANT_BACKENDS`): bitsandbytes' (peft,
+            the Trainer), torchao's NF4Tensor in eager ops or under torch.compile (torchtune).
 
     Returns:
         :class:`StepTime`.
     """
+    if dequant not in DEQUANT_BACKENDS:
+        raise InputError(f"dequant={dequant!r}; allowed: {', '.join(DEQUANT_BACKENDS)}")
     if gradient_sync not in ("micro-batch", "step"):
         raise InputError(f"gradient_sync={gradient_sync!r}; allowed: micro-batch, step")
     if engine not in (None, "deepspeed", "torch"):
         raise InputError(f"engine={engine!r}; allowed: deepspeed, torch")
     on_ds = under_deepspeed(step.zero, step.offload) if engine is None else engine == "deepspeed"
-    if not isinstance(step.model_config, GPTConfig) and flops is None and elementwise is None and \
+    closed = isinstance(step.model_config, (GPTConfig, DecoderShape))  # the closed forms read it
+    if isinstance(step.model_config, DecoderShape) and lora_rank is None and step.lora is not None:
+        # a decoder's run carries its adapters and its 4-bit base
+        lora_rank, lora_targets = step.lora.rank, step.lora.targets
+        qlora = qlora or (step.quantization is not None and step.quantization.bits == 4)
+    if isinstance(step.model_config, UNetConfig) and flops is None and elementwise is None and \
             (card is not None or speeds is not None):
         # no closed form (a UNet): both counted in one fake step
         flops, elementwise = count_flops_and_elementwise(
@@ -641,9 +740,9 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     sp = speeds or card_speeds(card)
     calibration = calibration if calibration is not None else load_calibration()
     dtype = compute_dtype(step)
-    rate = calibrated_rate(name, dtype, calibration) or sp.peak(dtype) * sp.achievable
-    large_gemm = rate  # what a large GEMM reaches, before the per-shape roofline below
-    if card is not None and isinstance(step.model_config, GPTConfig):
+    large_gemm = calibrated_rate(name, dtype, calibration) or sp.peak(dtype) * sp.achievable
+    rate = large_gemm
+    if card is not None and closed:
         # each GEMM under its roofline (gemm_seconds), at the large-GEMM rate found above
         rate = matmul_rate(step.model_config, step.seq * step.batch // step.micro_batches,
                            tensor_parallel=tensor_parallel, peak=rate / sp.achievable, achievable=sp.achievable,
@@ -657,65 +756,28 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     seconds_per_flop = ((flops.total - flops.attention) / rate + flops.attention / attn_rate) / total
     compute = flops.model / share * seconds_per_flop
     recompute = flops.recompute / share * seconds_per_flop
-    adapters = None
-    if lora_rank is not None and card is not None and isinstance(step.model_config, GPTConfig):
-        # the adapters' FLOPs leave the matmuls' rate for their own roofline, plus QLoRA's dequantisation
-        adapters = adapter_time(step.model_config, step.seq * step.batch // step.micro_batches, lora_rank,
-                                lora_targets, checkpointing=step.model_config.checkpointing,
-                                peak=large_gemm / sp.achievable, achievable=sp.achievable, hbm=sp.hbm,
-                                elem_bytes=2 if dtype in ("bf16", "fp16") else 4, qlora=qlora)
-        m_b = step.micro_batches / share
-        compute += m_b * (adapters.seconds + adapters.dequant_bytes / sp.hbm
-                          - adapters.flops * seconds_per_flop)
-        recompute += m_b * (adapters.recompute_seconds + adapters.dequant_recompute_bytes / sp.hbm
-                            - adapters.recompute_flops * seconds_per_flop)
+    if lora_rank is not None and card is not None and closed:
+        more, more_recompute = _adapter_seconds(step, sp, share, lora_rank, lora_targets, qlora=qlora,
+                                                dequant=dequant, peak=large_gemm / sp.achievable, dtype=dtype,
+                                                seconds_per_flop=seconds_per_flop)
+        compute, recompute = compute + more, recompute + more_recompute
     ew = elementwise or step_elementwise(step, target or ("cuda" if card is not None else "cpu"), deepspeed=on_ds)
     rates = elementwise_rates or calibrated_elementwise(name, dtype, calibration) or ElementwiseRates(sp.hbm)
-    per_byte = elementwise_seconds(ew, rates) / share / ew.bytes if ew.bytes else 0.0
-    extra = (0.0, 0.0)
-    if not sequence_parallel and t > 1 and elementwise is None and isinstance(step.model_config, GPTConfig):
-        # without SP every TP rank runs the token-sized ops whole (the weights' casts and
-        # gradients stay sharded): those are what doubling the sequences per micro-batch adds
-        twice = step_elementwise(replace(step, batch=2 * step.batch), target or "cuda", deepspeed=on_ds)
-        extra = ((t - 1) * (twice.forward + twice.backward - ew.forward - ew.backward),
-                 (t - 1) * (twice.recompute - ew.recompute))
-    recompute += (ew.recompute + extra[1]) * per_byte
-    elementwise_s = (ew.forward + ew.backward + extra[0]) * per_byte
-    gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else sp.pcie
-    comm_s = comm.gpu_bytes / gpu_link if comm.gpu_bytes else 0.0
-    tp_bytes = comm.by_kind.get("tensor-parallel all-reduces", 0.0)
-    if tp_bytes and sp.nvlink and t <= NODE_GPUS:
-        # TP's groups sit inside a node (Megatron-LM, Narayanan et al. 2021 sec. 3.2): NVLink
-        comm_s += tp_bytes / sp.nvlink - tp_bytes / gpu_link
-    overlap = "none"
-    if step.zero == 0 and not under_deepspeed(step.zero, step.offload):
-        dp_bytes = comm.by_kind.get("data-parallel all-reduce", 0.0)
-        dp_s = dp_bytes / gpu_link
-        backward = flops.backward / share / rate / (step.micro_batches if gradient_sync == "step" else 1)
-        comm_s = comm_s - dp_s + max(0.0, dp_s - backward)
-        overlap = "DDP overlaps its all-reduce with backward"
+    elementwise_s, elementwise_recompute = _elementwise_parts(
+        step, ew, rates, share, tensor_parallel=t, whole_sequence=not sequence_parallel and elementwise is None,
+        target=target or "cuda", on_ds=on_ds, closed=closed)
+    recompute += elementwise_recompute
+    comm_s, gpu_link, overlap = _communication_seconds(
+        step, comm, sp, t, backward=flops.backward / share / rate / (step.micro_batches if gradient_sync == "step"
+                                                                      else 1))
     m = step.micro_batches
     bubble = (p - 1) / m * (compute + recompute + elementwise_s) if p > 1 else 0.0
     eng = engine_time(step, sp.hbm, deepspeed=on_ds, hidden=compute + recompute + elementwise_s,
                       optimizer=optimizer, model_parallel=share)
     gpu = compute + recompute + elementwise_s + comm_s + bubble + eng.seconds
-    offload, bound = 0.0, "gpu"
-    if step.offload != "none":
-        cal_adam = calibration.cpu_adam_params_per_s if calibration is not None else None
-        adam_rate = cpu_adam_params_per_s or cal_adam or CPU_ADAM_PARAMS_PER_S
-        n = step.world_size // share
-        shard = step.model_config.num_params() / share / n
-        pcie_s = comm.pcie_bytes / sp.pcie
-        adam_s = shard / adam_rate
-        if on_ds:
-            # DeepSpeed's step() runs the host's Adam, then sends the weights up, after backward
-            # (stage_1_and_2.py:3078-3097; no delayed parameter update configured): in series
-            offload = pcie_s + adam_s
-            bound = "cpu adam" if adam_s >= max(gpu, pcie_s) else ("pcie" if pcie_s >= gpu else "gpu")
-        else:
-            slowest = max(gpu, pcie_s, adam_s)
-            bound = "gpu" if slowest == gpu else ("pcie" if slowest == pcie_s else "cpu adam")
-            offload = slowest - gpu
+    offload, bound = _offload_seconds(step, comm, sp, gpu, share, on_ds=on_ds, adam_rate=(
+        cpu_adam_params_per_s or (calibration.cpu_adam_params_per_s if calibration is not None else None)
+        or CPU_ADAM_PARAMS_PER_S))
     seconds = gpu + offload
     tokens = step.seq * step.batch * (step.world_size // share)  # the data-parallel replicas' tokens
     peak_all = sp.peak(dtype) * step.world_size
@@ -732,6 +794,77 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
                     comm, rule, ew)
 
 
+def _adapter_seconds(step, sp: Speeds, share: int, lora_rank: int, lora_targets, *, qlora: bool, dequant: str,
+                     peak: float, dtype: str, seconds_per_flop: float) -> tuple[float, float]:
+    """Seconds LoRA's adapters add per rank, outside recomputation and inside it: their FLOPs
+    leave the matmuls' rate (``seconds_per_flop``) for their own roofline
+    (:func:`adapter_time`, at the large-GEMM ``peak``), plus QLoRA's dequantisation bytes."""
+    adapters = adapter_time(step.model_config, step.seq * step.batch // step.micro_batches, lora_rank,
+                            lora_targets, checkpointing=step.checkpointing_used,
+                            peak=peak, achievable=sp.achievable, hbm=sp.hbm,
+                            elem_bytes=2 if dtype in ("bf16", "fp16") else 4, qlora=qlora, dequant=dequant)
+    m_b = step.micro_batches / share
+    return (m_b * (adapters.seconds + adapters.dequant_bytes / sp.hbm - adapters.flops * seconds_per_flop),
+            m_b * (adapters.recompute_seconds + adapters.dequant_recompute_bytes / sp.hbm
+                   - adapters.recompute_flops * seconds_per_flop))
+
+
+def _elementwise_parts(step, ew: ElementwiseWork, rates: ElementwiseRates, share: int, *, tensor_parallel: int,
+                       whole_sequence: bool, target: str, on_ds: bool, closed: bool) -> tuple[float, float]:
+    """Seconds of the step's elementwise work per rank, outside recomputation and inside it.
+
+    ``whole_sequence``: without sequence parallelism every TP rank runs the ops over the d-wide
+    residual stream whole (norms, residual adds: outside TP's split, Korthikanti et al. 2022
+    sec. 4.2.1), ``tensor_parallel - 1`` more times; the MLP's and attention's elementwise ops
+    stay split over the TP ranks, as do the weights' casts. ``closed``: ``ew`` is a closed form
+    (memlab's GPT or a decoder's shape), which tells the residual stream's bytes apart.
+    """
+    t = tensor_parallel
+    per_byte = elementwise_seconds(ew, rates) / share / ew.bytes if ew.bytes else 0.0
+    extra = (0.0, 0.0)
+    if whole_sequence and t > 1 and closed:
+        extra = ((t - 1) * ew.residual, (t - 1) * ew.residual_recompute)
+    return (ew.forward + ew.backward + extra[0]) * per_byte, (ew.recompute + extra[1]) * per_byte
+
+
+def _communication_seconds(step, comm, sp: Speeds, tensor_parallel: int, *,
+                           backward: float) -> tuple[float, float, str]:
+    """Seconds the step's collectives take on the GPUs' link, the link's bytes/s, and what
+    overlaps them: NVLink inside a node (and for TP's groups, which sit inside one: Megatron-LM,
+    Narayanan et al. 2021 sec. 3.2), else PCIe; DDP hides its all-reduce behind ``backward``
+    seconds (plain PyTorch without ZeRO)."""
+    gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else sp.pcie
+    comm_s = comm.gpu_bytes / gpu_link if comm.gpu_bytes else 0.0
+    tp_bytes = comm.by_kind.get("tensor-parallel all-reduces", 0.0)
+    if tp_bytes and sp.nvlink and tensor_parallel <= NODE_GPUS:
+        comm_s += tp_bytes / sp.nvlink - tp_bytes / gpu_link
+    overlap = "none"
+    if step.zero == 0 and not under_deepspeed(step.zero, step.offload):
+        dp_s = comm.by_kind.get("data-parallel all-reduce", 0.0) / gpu_link
+        comm_s = comm_s - dp_s + max(0.0, dp_s - backward)
+        overlap = "DDP overlaps its all-reduce with backward"
+    return comm_s, gpu_link, overlap
+
+
+def _offload_seconds(step, comm, sp: Speeds, gpu: float, share: int, *, on_ds: bool,
+                     adam_rate: float) -> tuple[float, str]:
+    """Seconds offloading adds to ``gpu`` seconds of device work, and what bounds the step.
+
+    DeepSpeed's step() runs the host's Adam (``adam_rate`` parameters/s), then sends the weights
+    up, after backward (stage_1_and_2.py:3078-3097; no delayed parameter update configured): in
+    series. Otherwise the slowest of the GPU, PCIe and the host's Adam bounds the step."""
+    if step.offload == "none":
+        return 0.0, "gpu"
+    shard = step.model_config.num_params() / share / (step.world_size // share)
+    pcie_s = comm.pcie_bytes / sp.pcie
+    adam_s = shard / adam_rate
+    if on_ds:
+        bound = "cpu adam" if adam_s >= max(gpu, pcie_s) else ("pcie" if pcie_s >= gpu else "gpu")
+        return pcie_s + adam_s, bound
+    slowest = max(gpu, pcie_s, adam_s)
+    return slowest - gpu, "gpu" if slowest == gpu else ("pcie" if slowest == pcie_s else "cpu adam")
+
+
 def report_time(step, card: Card | None, *, flops: StepFlops | None = None,
                 tensor_parallel: int = 1, elementwise: ElementwiseWork | None = None) -> StepTime:
     """The ``time`` of a lens's report: on ``card`` when memlab has its figures, else the
@@ -743,7 +876,8 @@ def report_time(step, card: Card | None, *, flops: StepFlops | None = None,
 
 __all__ = ["report_time", "ADAMW_BYTES", "ADAMW_FOREACH_OPS", "DEEPSPEED_FP32_STAGE0",
            "DEEPSPEED_PASSES", "EnginePasses", "EngineTime",
-           "FOREACH_ELEMENTS", "LAUNCH_SECONDS", "AdapterTime", "DEQUANT_4BIT_LAUNCHES", "adapter_time",
+           "FOREACH_ELEMENTS", "LAUNCH_SECONDS", "AdapterTime", "DEQUANT_4BIT_LAUNCHES", "DEQUANT_BACKENDS", "Dequant",
+           "adapter_time", "dequant_nf4_torchao", "dequant_time_bytes",
            "dequant_4bit_bytes", "gemm_seconds", "matmul_rate", "OptimizerPass", "optimizer_pass",
            "SYNC_SECONDS", "engine_time", "parameter_tensors",
            "CALIBRATION_ENV", "CPU_ADAM_PARAMS_PER_S", "Calibration", "ElementwiseRates", "NODE_GPUS",

@@ -222,7 +222,7 @@ def _find(pattern: str, text: str, flags: int = 0) -> re.Match | None:
     return re.search(pattern, text, flags)
 
 
-def _read_cuda(text: str, out: OOMMessage) -> None:
+def _read_cuda(text: str, out: OOMMessage) -> None:  # noqa: C901 one match per figure of CUDA's message
     """The caching allocator's message (CUDACachingAllocator.cpp), either era; ``text`` starts
     at its "out of memory. Tried to allocate"."""
     if m := _find(r"Tried to allocate " + _SIZE, text):
@@ -584,7 +584,13 @@ def _versions_advice(m: OOMMessage) -> str:
             "cache's free pages can be remapped")
 
 
-def _explain_cuda(m: OOMMessage, lines: list[str], advice: list[str]) -> str:
+def _explain_cuda(m: OOMMessage, lines: list[str], advice: list[str]) -> str:  # noqa: C901 one branch per line of the explanation
+    """A CUDA OOM message explained: its figures appended to ``lines``, what to try to
+    ``advice``; returns the cause.
+
+    Over 80 lines because it writes the explanation's lines in the order a reader checks them
+    (the card, PyTorch's cache, the request, the cause), one line each.
+    """
     req = m.requested or 0
     seg = m.segment or 0
     if m.total is not None:
@@ -821,8 +827,30 @@ def explain_last() -> OOMExplanation:
 # --------------------------------------------------------------------------------------
 # Fragmentation, provoked on purpose (CUDA only)
 # --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fragmentation:
+    """One provoked fragmentation run (:func:`fragment_once`, :func:`fragmentation`)."""
+
+    expandable: bool
+    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` had ``expandable_segments:True``."""
+    cap_bytes: int
+    """The per-process cap set on the GPU."""
+    request_bytes: int
+    """The request made after the holes were left."""
+    allocated_before: int
+    """``torch.cuda.memory_allocated`` before the request (the pieces kept)."""
+    reserved_before: int
+    """``torch.cuda.memory_reserved`` before the request."""
+    fits: bool
+    """Whether the request was served."""
+    oom: str | None
+    """The OOM message's first line when it was not (``None`` when it fits)."""
+    reserved_after: int
+    """``torch.cuda.memory_reserved`` after the request."""
+
+
 def fragment_once(big_mib: int = 1024, piece_mib: int = 60, request_mib: int = 200,
-                  cap_mib: int = 1100) -> dict:
+                  cap_mib: int = 1100) -> Fragmentation:
     """In this process (fresh, nothing else on the GPU): cap it at ``cap_mib``, make one
     ``big_mib`` block and free it (the allocator keeps it reserved), carve it into
     ``piece_mib`` tensors, free every other one, then ask for ``request_mib``.
@@ -843,21 +871,20 @@ def fragment_once(big_mib: int = 1024, piece_mib: int = 60, request_mib: int = 2
     del big
     pieces = [torch.empty(piece_mib * MiB, **u8) for _ in range(big_mib // piece_mib)]
     del pieces[1::2]
-    out = {"expandable": "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-           "cap_bytes": cap_mib * MiB, "request_bytes": request_mib * MiB,
-           "allocated_before": torch.cuda.memory_allocated(dev),
-           "reserved_before": torch.cuda.memory_reserved(dev), "oom": None}
+    allocated, reserved = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+    oom = None
     try:
         extra = torch.empty(request_mib * MiB, **u8)
-        out["fits"] = True
         del extra
     except torch.OutOfMemoryError as e:
-        out["fits"], out["oom"] = False, str(e).split("\n")[0]
-    out["reserved_after"] = torch.cuda.memory_reserved(dev)
-    return out
+        oom = str(e).split("\n")[0]
+    return Fragmentation(expandable="expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                         cap_bytes=cap_mib * MiB, request_bytes=request_mib * MiB, allocated_before=allocated,
+                         reserved_before=reserved, fits=oom is None, oom=oom,
+                         reserved_after=torch.cuda.memory_reserved(dev))
 
 
-def fragmentation(expandable: bool, timeout: float = 120.0, **sizes) -> dict:
+def fragmentation(expandable: bool, timeout: float = 120.0, **sizes) -> Fragmentation:
     """:func:`fragment_once` in a fresh Python process, with or without
     ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (read when CUDA starts, so it needs
     its own process; the notebook's allocator stays as it is)."""
@@ -871,7 +898,7 @@ def fragmentation(expandable: bool, timeout: float = 120.0, **sizes) -> dict:
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"the fragmentation run failed: {done.stderr.strip()[-600:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return Fragmentation(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -888,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"memlab.tracking.oom_messages: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(out))
+    print(json.dumps(asdict(out)))  # the line fragmentation() reads back
     return 0
 
 
@@ -897,6 +924,7 @@ if __name__ == "__main__":
 
 
 __all__ = ["CAUSES", "DRIVER_SLACK", "KINDS", "MPS_HIGH_WATERMARK_DEFAULT", "OOMBalance", "OOMExplanation",
-           "OOMMessage", "OOM_MESSAGE_DIR", "ROUNDING_BYTES", "RecordedOOM", "explain_last", "explain_oom",
+           "OOMMessage", "OOM_MESSAGE_DIR", "Fragmentation", "ROUNDING_BYTES", "RecordedOOM", "explain_last",
+           "explain_oom",
            "fragment_once", "fragmentation", "last_exception_text", "oom_balance", "parse_oom", "read_oom",
            "recorded_oom", "recorded_oom_names", "requested_bytes", "segment_bytes"]

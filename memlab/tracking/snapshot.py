@@ -56,7 +56,10 @@ def load_snapshot(path: str | Path | None = None) -> dict:
     """A snapshot from ``path`` (``.pickle`` or gzip'ed ``.pickle.gz``), or the H200
     reference shipped with memlab. Only plain containers, strings and numbers are unpickled
     (:class:`PlainUnpickler`): a file that would import or call anything is refused with an
-    InputError, so a snapshot from someone else cannot run code here."""
+    InputError, so a snapshot from someone else cannot run code here.
+
+    A dict because it is torch's snapshot format, as ``torch.cuda.memory._dump_snapshot`` writes it.
+    """
     if path is None:
         data = resources.files("memlab").joinpath(*REFERENCE_SNAPSHOT).read_bytes()
         where = "/".join(REFERENCE_SNAPSHOT)

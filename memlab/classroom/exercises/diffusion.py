@@ -13,9 +13,10 @@ from memlab.techniques.sweeps import activations_by_module
 
 def check_skip_bytes(skip_bytes: Callable, *, image: int = 32, batch: int = 2) -> CheckResult:
     """``skip_bytes(levels, batch)`` returns the bytes of a UNet's skip tensors (each encoder
-    level's fp32 output, kept until the decoder reads it) from ``levels``, the list
-    :func:`memlab.models.diffusion.unet_levels` returns. Checked against a measurement: with every
-    ResBlock checkpointed, what the encoder keeps for backward is exactly its outputs."""
+    level's fp32 output, kept until the decoder reads it) from ``levels``, the list of
+    :class:`~memlab.models.diffusion.UNetLevel` that :func:`memlab.models.diffusion.unet_levels`
+    returns. Checked against a measurement: with every ResBlock checkpointed, what the encoder
+    keeps for backward is exactly its outputs."""
     name = "UNet skip tensors"
     require(name, "skip_bytes", skip_bytes, "a function (levels, batch) returning bytes")
     step = StepConfig(model="unet-small", seq=image, batch=batch)
@@ -31,7 +32,7 @@ def check_skip_bytes(skip_bytes: Callable, *, image: int = 32, batch: int = 2) -
             fail(name, f"{fmt_bytes(have)}, measured {fmt_bytes(kept)}: one image's worth; "
                        f"multiply by the batch ({batch})")
         fail(name, f"{fmt_bytes(have)}, measured {fmt_bytes(kept)}: one map per level, "
-                   f"batch x channels x side^2 x 4 bytes ('tokens' is side^2)")
+                   f"batch x channels x side^2 x 4 bytes (``tokens`` is side^2)")
     return CheckResult(name, {"skip_bytes": have, "measured": kept},
                        [f"{fmt_bytes(have)} = what the checkpointed encoder kept, measured "
                         f"({image}px, batch {batch})"])

@@ -29,13 +29,13 @@ def check_peak_saving(peak_saving: Callable) -> CheckResult:
             ref = measure_saving(step, row)
             have = call_learner(name, "peak_saving", functools.partial(peak_saving, **{key: value}), step)
             got[f"{key}={value} seq {step.seq} batch {step.batch}"] = have
-            want = ref["saving"]
+            want = ref.saving
             if abs(have - want) <= SAVING_TOLERANCE:
                 continue
             where = f"{key}={value!r} at seq {step.seq}, batch {step.batch}: you said {have:.3f}, " \
                     f"measured {want:.3f}"
-            base, tech = ref["baseline"], ref[row]
-            acts = 1 - tech["activation_bytes"] / base["activation_bytes"]
+            base, tech = ref.baseline, ref.with_technique
+            acts = 1 - tech.activation_bytes / base.activation_bytes
             if abs(have - acts) <= SAVING_TOLERANCE:
                 fail(name, f"{where}: {have:.3f} is the saving on the activations; the table's row "
                            f"is the saving on the step's peak, where the model states count too")

@@ -1,0 +1,109 @@
+"""``torch.compile`` as a field of the run (``StepConfig.compile``,
+``StepConfig.activation_memory_budget``): what a compiled step saves, counted from the graphs
+inductor compiles, and how its peak is measured.
+
+A compiled step saves what AOT autograd's min-cut partitioner chooses, not what eager
+autograd saves: it recomputes cheap pointwise ops in backward rather than keep their
+outputs, and with ``torch._functorch.config.activation_memory_budget`` below 1 it trades
+more recompute for memory (0.5: about half of what the default keeps). Inductor also fuses
+pointwise chains, so their intermediates never exist.
+
+What each lens does with it, precisely:
+
+* **measure** (a real CPU or CUDA step): the model is wrapped in ``torch.compile``
+  (inductor); memlab's tracker, a dispatch mode, would make dynamo run the model eagerly,
+  so the compiled step's peak is read from the allocator's own events (the profiler's
+  memory events, :func:`memlab.core.torch_private.profiler_memory_events`) on top of the
+  state tracked before the step. The categories inside the compiled step are not separated.
+* **counted** (:func:`count_compiled_saved`): the tensors forward saves for backward are
+  the backward graph's inputs other than the parameters and the incoming gradients; their
+  bytes, one storage counted once, are read from the graph inductor receives. Counting
+  needs a real compile on this CPU (a tiny model: minutes on two cores).
+* **estimate** and **simulate** count the eager step and say so in their notes: fake
+  tensors cannot run inductor's generated kernels, and the partitioner's choice is the
+  compiled graph's, not a formula's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from memlab.core.errors import InputError
+from memlab.core.torch_private import activation_memory_budget, inductor_backend_seeing_graphs, reset_compiled
+
+
+def check_budget(budget: float | None, compile: bool) -> None:
+    """``activation_memory_budget`` is a fraction in (0, 1] and needs ``compile``."""
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+        raise InputError(f"activation_memory_budget={budget!r}; allowed: None or a fraction in (0, 1]")
+    if not compile:
+        raise InputError(f"activation_memory_budget={budget!r} without compile: the partitioner that "
+                         f"reads it runs only under torch.compile; allowed: compile=True")
+
+
+def compile_model(model: nn.Module, backend: object = "inductor") -> nn.Module:
+    """``torch.compile(model)``: compiled at its first call (under the budget the step sets).
+    Dynamo's cache is reset first, so the model is partitioned afresh under this step's budget
+    (:func:`memlab.core.torch_private.reset_compiled`)."""
+    reset_compiled()
+    return torch.compile(model, backend=backend)
+
+
+@dataclass
+class CompiledSaved:
+    """What a compiled forward saves for backward, from the backward graph's inputs."""
+
+    #: bytes of the saved tensors' storages, each storage once (parameters excluded)
+    saved_bytes: int
+    #: how many saved tensors the backward graph takes (views of one storage counted apart)
+    tensors: int
+    #: the budget the partitioner ran under (``None``: its default)
+    budget: float | None
+
+
+def saved_storages(gm: torch.fx.GraphModule) -> dict[int, int]:
+    """``{storage id: bytes}`` of a partitioned backward graph's saved inputs: its
+    placeholders other than ``primals_*`` (parameters and inputs, kept anyway) and
+    ``tangents_*`` (the incoming gradients)."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node.name.startswith(("primals", "tangents")):
+            continue
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            out[id(storage)] = storage.nbytes()
+    return out
+
+
+def count_compiled_saved(model: nn.Module, batch: tuple, budget: float | None = None) -> CompiledSaved:
+    """Compile ``model`` with inductor on this machine, run one forward and backward of
+    ``batch``, and count what the partitioned forward saved (:class:`CompiledSaved`).
+
+    Args:
+        model: a module returning the loss (memlab's models do, given targets).
+        batch: its inputs. budget: ``activation_memory_budget`` (``None``: the default).
+    """
+    check_budget(budget, True)
+    storages: dict[int, int] = {}
+    counted = [0]
+
+    def on_graph(gm: torch.fx.GraphModule, is_backward: bool) -> None:
+        if is_backward:
+            found = saved_storages(gm)
+            storages.update(found)
+            counted[0] += sum(1 for n in gm.graph.nodes if n.op == "placeholder"
+                              and not n.name.startswith(("primals", "tangents")))
+
+    compiled = compile_model(model, inductor_backend_seeing_graphs(on_graph))
+    with activation_memory_budget(budget):
+        compiled(*batch).backward()
+    model.zero_grad(set_to_none=True)
+    return CompiledSaved(sum(storages.values()), counted[0], budget)
+
+
+__all__ = ["CompiledSaved", "check_budget", "compile_model", "count_compiled_saved", "saved_storages"]
