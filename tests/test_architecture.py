@@ -194,10 +194,11 @@ def test_every_table_starts_with_its_header(page):
 #: ``resource``, nbformat/nbclient (the lab extra, for ``memlab class`` only), PyYAML (comes with
 #: the hf extra's transformers; --training-args YAML only), bitsandbytes (the hf extra; a run's
 #: 8-bit optimizers and 4-bit base only), trl with its datasets and tokenizers (the hf extra; the
-#: post-training measure lens only); memlab's ``plots`` is matplotlib.
+#: post-training measure lens only), accelerate (the hf extra; the post-training simulation's
+#: autocast wrap only); memlab's ``plots`` is matplotlib.
 #: Everything else is imported at the top, where a reader sees it.
 LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "bitsandbytes", "matplotlib", "tqdm.auto",
-           "nbformat", "nbclient", "yaml", "trl", "datasets", "tokenizers",
+           "nbformat", "nbclient", "yaml", "trl", "datasets", "tokenizers", "accelerate",
            "memlab.classroom.plots",
            "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining",
            "torch.distributed._tools", "torch.utils.cpp_extension", "resource",

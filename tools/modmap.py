@@ -130,6 +130,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         'hf.post_training': "a DPO or GRPO step (TRL 1.16) in closed form: the reference, the fused log-probabilities, generation's KV cache, the vLLM share",
         'hf.evaluation': "`Trainer.evaluate`'s accumulated logits: the estimate and the real loop on CPU",
         'hf.trl_measure': "the measure lens of a DPO or GRPO step: TRL's real trainer for one step, tracked on CPU",
+        'hf.trl_simulate': "the simulation lens of a DPO or GRPO step: TRL's own loss code and transformers' generate on fake tensors",
         'hf.read_run_configs': "a run as its configs write it: a DeepSpeed JSON (auto values, DeepSpeed's reading, buckets), peft's adapter_config.json",
         'hf.callbacks': "the learner's own run: a transformers `TrainerCallback` and `memory_watch` for a plain loop (first steps by category, CUDA history, OOMs explained)",
         'hf.simulation_bound': "the bound before a long HF simulation (seconds, parameters, 64-bit bytes), its progress bar",

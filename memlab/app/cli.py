@@ -671,12 +671,13 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
         from memlab.hf.shape import decoder_shape
         trl_args = run_config.load_file(args.training_args, "--training-args")
         if post_training.trl_kind(trl_args) is not None:  # a GRPOConfig or DPOConfig: memlab.hf.post_training
-            if args.command != "estimate":
-                raise InputError("--training-args is a DPO or GRPO config: its step is estimated "
-                                 "(memlab estimate); allowed with simulate: an SFT or Trainer config")
             run = post_training.read_trl_args(trl_args, prompt_len=args.seq)
             lora, lora_notes = _hf_lora(args, decoder_shape(args.hf_config))
-            report = post_training.estimate_trl_run(args.hf_config, run, lora=lora, card=budget, target=target)
+            if args.command == "estimate":
+                report = post_training.estimate_trl_run(args.hf_config, run, lora=lora, card=budget, target=target)
+            else:
+                from memlab.hf.trl_simulate import simulate_trl_run
+                report = simulate_trl_run(args.hf_config, run, lora=lora, card=budget, target=target)
             report.notes.extend(lora_notes)
             return report
     run, notes = _hf_run(args)

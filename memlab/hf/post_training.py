@@ -342,13 +342,15 @@ def trl_kind(d: dict) -> str | None:
     return None
 
 
-def _trl_defaults(kind: str) -> dict:
+def trl_defaults(kind: str) -> dict:
     """The config class's field defaults (no instance: that would probe devices)."""
     from trl import DPOConfig, GRPOConfig
     out = {}
     for f in dataclasses.fields(GRPOConfig if kind == "grpo" else DPOConfig):
         if f.default is not dataclasses.MISSING:
             out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
     return out
 
 
@@ -417,7 +419,7 @@ def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
         notes.append(f"DPO: chosen and rejected at max_length={total} tokens (the worst case)")
     common = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "gradient_checkpointing",
               "optim", "model_init_kwargs")
-    defaults = _trl_defaults(kind)
+    defaults = trl_defaults(kind)
     left = sorted(k for k, v in d.items() if k not in modelled and k not in common
                   and not k.startswith(TRL_NO_MEMORY) and v not in (None, "", [], {})
                   and not (k in defaults and v == defaults[k]))
@@ -461,5 +463,5 @@ def estimate_trl_run(cfg: dict | str | pathlib.Path, run: TRLRun, *, lora: LoraC
 
 __all__ = ["CACHES", "CPU_TILE_BYTES", "DPO_MODELLED", "GRPO_MODELLED", "KINDS", "Objective", "TOKEN_TILE",
            "TRLRun", "TRL_NO_MEMORY", "VOCAB_TILE", "estimate_post_training", "estimate_trl_run",
-           "fused_head_backward", "fused_head_saved", "kv_cache_bytes", "read_trl_args", "trl_kind",
+           "fused_head_backward", "fused_head_saved", "kv_cache_bytes", "read_trl_args", "trl_defaults", "trl_kind",
            "vllm_training_budget"]
