@@ -22,7 +22,7 @@ EXTERNAL = {
     "hf.config.shipped_config", "hf.config.load_config", "hf.config.rope_parameters",
     "hf.config_check.given_fields", "hf.config_check.record",
     "hf.read_run_configs.load_file", "hf.read_run_configs.resolve_auto",
-    "hf.read_run_configs.accelerate_precision",
+    "hf.read_run_configs.accelerate_precision", "hf.post_training.trl_defaults",
     "step.write_deepspeed_config.deepspeed_config", "step.fine_tune_config.LoraConfig.peft_kwargs",
     "step.optimizer_in_backward.OptimizerInBackward.param_groups",
     "step.optimizer_in_backward.OptimizerInBackward.state",

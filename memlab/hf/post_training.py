@@ -343,7 +343,8 @@ def trl_kind(d: dict) -> str | None:
 
 
 def trl_defaults(kind: str) -> dict:
-    """The config class's field defaults (no instance: that would probe devices)."""
+    """The config class's field defaults (no instance: that would probe devices). A dict because
+    it is TRL's ``GRPOConfig``/``DPOConfig`` fields by name, as a ``--training-args`` file has them."""
     from trl import DPOConfig, GRPOConfig
     out = {}
     for f in dataclasses.fields(GRPOConfig if kind == "grpo" else DPOConfig):
