@@ -3,6 +3,8 @@ reported in one line within its bound, the notebook runs again in a fresh kernel
 goes on; a computing kernel is never called stalled; each lesson has its bound on 2 cores."""
 import pathlib
 import re
+import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -150,3 +152,26 @@ def test_nbval_under_the_watchdog_reports_the_hang_and_retries_the_notebook(tmp_
     assert len(lines) == 2 and lines[0] == lines[1]     # live, and in the closing summary
     assert re.match(r"watchdog: planted\.ipynb cell 1: no reply for 3 s and the kernel idle \(busy", lines[0])
     assert lines[0].endswith("retrying the notebook in a fresh kernel")
+
+
+# A parent that runs two CPU-bound children one after the other (as ninja runs compilers), then
+# waits: its tree's CPU seconds must not fall when a child ends, or a build reads as idle.
+BUILD = """
+import subprocess, sys, time
+burn = "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.6: pass"
+for _ in range(2):
+    subprocess.run([sys.executable, "-c", burn], check=True)
+print("built", flush=True)
+time.sleep(30)
+"""
+
+
+def test_a_tree_keeps_the_cpu_of_children_that_ended():
+    proc = subprocess.Popen([sys.executable, "-c", BUILD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "built"   # both children burned 0.6 s and ended
+        seconds = watchdog.tree_cpu_seconds(proc.pid)
+        assert seconds is not None and seconds >= 2 * 0.6  # their time, reaped by the parent
+    finally:
+        proc.kill()
+        proc.wait()

@@ -36,7 +36,12 @@ IDLE_CPU_SHARE = 0.05
 
 def tree_cpu_seconds(pid: int | None) -> float | None:
     """CPU seconds (user + system) of process ``pid`` and every process under it, or None
-    when it cannot be read (no such process)."""
+    when it cannot be read (no such process).
+
+    Each process's reaped children count too (``children_user``/``children_system``): a rank's
+    op build runs compilers that end one by one, and a sum over the live processes alone drops
+    a finished compiler's minutes, so a busy tree read as idle (lesson 10 stalled so in a fresh
+    clone's ``make site``, while DeepSpeed built its ``deepspeed_shm_comm`` op)."""
     if pid is None:
         return None
     try:
@@ -48,7 +53,7 @@ def tree_cpu_seconds(pid: int | None) -> float | None:
     for p in procs:
         try:
             t = p.cpu_times()
-            total += t.user + t.system
+            total += t.user + t.system + t.children_user + t.children_system
         except psutil.Error:   # a child that ended between the listing and the read
             continue
     return total
