@@ -112,8 +112,8 @@ def test_tensor_parallel_is_kept_where_zero3_leaves_activations_to_divide():
     a = advise("llama-3-70b", "H100-80GB", world_size=8, seq=8192, batch=1)
     by = {s.technique.split(" ")[0]: s for s in a.steps}
     tp, z3 = by["tensor-parallel"], by["zero-3"]
-    assert tp["kept"] and "tensor-parallel" in a.plan and a.tensor_parallel == 8
-    assert 0.9 * z3["peak_bytes"] < tp["peak_bytes"] < z3["peak_bytes"]
+    assert tp.kept and "tensor-parallel" in a.plan and a.tensor_parallel == 8
+    assert 0.9 * z3.peak_bytes < tp.peak_bytes < z3.peak_bytes
 
 
 @pytest.mark.parametrize("model, world", [("llama-3-8b", 1), ("llama-3-70b", 8)])

@@ -555,7 +555,7 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
     notes = [f"baseline peak {base.peak_bytes / MiB:.1f} MiB, activations "
              f"{base.activation_bytes / MiB:.1f} MiB ({act_share:.0%} of the peak)"]
     frag = {e: replay_fragmentation(e) for e in (False, True)}
-    notes.append(f"expandable_segments:True (counted by the allocator's rules, not measured here): lesson 02's "
+    notes.append(f"expandable_segments:True (counted by the allocator's rules, not measured here): the "
                  f"fragmentation case {'fits' if frag[False].fits else 'OOMs'} by default with "
                  f"{(frag[False].reserved_before - frag[False].allocated_before) / MiB:.0f} MiB reserved but "
                  f"unallocated, and {'fits' if frag[True].fits else 'OOMs'} with expandable segments "
@@ -612,7 +612,7 @@ def measure_table(step: StepConfig | None = None, *, world_size: int = 2, distri
         r.reference = refs.get(r.technique, "")
     if not refs:
         notes.append("no GPU reference figures in data/reference/<gpu>/ yet (make gpu-check)")
-    order = list(CLAIMS)
+    order = list(CLAIMS) + [t for t in TODAY if t not in CLAIMS]
     rows.sort(key=lambda r: order.index(r.technique))
     return Table(rows, step, world_size if distributed else 1, time.perf_counter() - start, notes)
 

@@ -40,7 +40,7 @@ def tree_cpu_seconds(pid: int | None) -> float | None:
 
     Each process's reaped children count too (``children_user``/``children_system``): a rank's
     op build runs compilers that end one by one, and a sum over the live processes alone drops
-    a finished compiler's minutes, so a busy tree read as idle (lesson 10 stalled so in a fresh
+    a finished compiler's minutes, so a busy tree read as idle (a notebook stalled so in a fresh
     clone's ``make site``, while DeepSpeed built its ``deepspeed_shm_comm`` op)."""
     if pid is None:
         return None

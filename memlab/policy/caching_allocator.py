@@ -417,7 +417,7 @@ class FragmentationReplay:
 
 def replay_fragmentation(expandable: bool, big_mib: int = 1024, piece_mib: int = 60,
                          request_mib: int = 200, cap_mib: int = 1100) -> FragmentationReplay:
-    """Lesson 02's fragmentation case (:func:`memlab.tracking.oom_messages.fragment_once`, the same
+    """The fragmentation case (:func:`memlab.tracking.oom_messages.fragment_once`, the same
     sizes) through the allocator's rules, with or without expandable segments: one
     ``big_mib`` block made and freed, carved into ``piece_mib`` pieces, every other one freed,
     then ``request_mib`` asked for under a cap of ``cap_mib``. No GPU needed."""
