@@ -9,15 +9,10 @@ import torch
 from memlab.core.errors import InputError
 from memlab.core.hardware import resolve_budget
 from memlab.hf.post_training import Objective, estimate_post_training, kv_cache_bytes, vllm_training_budget
-from memlab.step.fine_tune_config import LoraConfig
 
 pytest.importorskip("trl")
 
-TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-# backbone activations and weights outweigh TRL's 32768-wide tile here
-WIDE = dict(TINY, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
-LORA = LoraConfig(rank=8, targets=("q_proj", "v_proj"))
+from tiny_llama import LORA, TINY, WIDE  # noqa: E402
 
 CASES = {
     "dpo-ref": (Objective("dpo", 16, 16), None, 4),

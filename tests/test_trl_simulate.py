@@ -8,15 +8,10 @@ import torch
 
 from memlab.core.errors import InputError
 from memlab.hf.post_training import Objective
-from memlab.step.fine_tune_config import LoraConfig
 
 pytest.importorskip("trl")
 
-TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-# the backbone's activations and weights outweigh TRL's 32768-wide tile here
-WIDE = dict(TINY, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
-LORA = LoraConfig(rank=8, targets=("q_proj", "v_proj"))
+from tiny_llama import LORA, TINY, WIDE  # noqa: E402
 
 # DPO and GRPO x {a reference, none} x {LoRA, full}: under LoRA the reference is the disabled
 # adapter (no weights of its own); "none" is DPO's precomputed log-probabilities, GRPO's beta 0
