@@ -11,6 +11,8 @@ from torch_reference import memtracker_peak
 
 pytest.importorskip("transformers")
 
+from hf_gpt_mapping import gpt_config, step_config
+
 from memlab import estimate_step
 from memlab.app.cli import main
 from memlab.hf import config as hf
@@ -92,7 +94,7 @@ def test_budget_oom_is_explained_and_released():
 def test_shipped_configs_have_the_published_parameter_counts(name, total):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
-    assert hf.gpt_config(name).num_params() == total
+    assert gpt_config(name).num_params() == total
     with FakeTensorMode():
         model = AutoModelForCausalLM.from_config(hf.hf_config(name))
         assert sum(p.numel() for p in model.parameters()) == total
@@ -102,7 +104,7 @@ def test_shipped_configs_have_the_published_parameter_counts(name, total):
                                       ("mistral-7b", 2048)])  # 3-10 s each on fake tensors
 def test_estimate_within_5_percent_of_simulate_for_shipped(name, seq):
     kw = dict(seq=seq, batch=1, precision="bf16", checkpointing="full")
-    est = estimate_step(hf.step_config(name, **kw), target="cuda")
+    est = estimate_step(step_config(name, **kw), target="cuda")
     sim = simulate_hf(name, target="cuda", **kw)
     assert est.peak_bytes == pytest.approx(sim.peak_bytes, rel=0.05)
 
@@ -123,7 +125,7 @@ def test_simulate_refuses_model_states_over_the_budget():
     rep = simulate_hf("qwen2.5-7b", seq=4096, batch=1, precision="bf16", checkpointing="full",
                          budget="A100-80GB")
     assert rep.fits is False and rep.oom.phase == "build"
-    assert rep.peak_bytes == 16 * hf.gpt_config("qwen2.5-7b").num_params()
+    assert rep.peak_bytes == 16 * gpt_config("qwen2.5-7b").num_params()
 
 
 def test_a_rope_theta_left_null_is_transformers_default():
@@ -131,4 +133,4 @@ def test_a_rope_theta_left_null_is_transformers_default():
     default base 10000, as transformers' Llama config fills it, instead of a TypeError."""
     cfg = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
            "num_hidden_layers": 2, "num_attention_heads": 4, "rope_theta": None}
-    assert hf.gpt_config(cfg).rope_theta == 10000.0
+    assert gpt_config(cfg).rope_theta == 10000.0

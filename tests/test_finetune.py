@@ -8,6 +8,8 @@ import torch
 
 pytest.importorskip("peft")
 
+from hf_gpt_mapping import gpt_config, step_config
+
 from memlab import measure_step
 from memlab.hf import config as hf
 from memlab.hf.estimate import estimate_hf
@@ -47,7 +49,7 @@ def test_lora_count_equals_peft(cfg, targets):
     torch.manual_seed(0)
     model, _ = hf.build_fn(cfg, lora=_lora(targets))()
     trainable, _ = model.get_nb_trainable_parameters()
-    assert finetune.lora_params(hf.gpt_config(cfg), 8, targets) == trainable
+    assert finetune.lora_params(gpt_config(cfg), 8, targets) == trainable
 
 
 def test_lora_step_keeps_state_only_for_adapters():
@@ -73,7 +75,7 @@ def test_lora_estimate_tracks_the_measured_step(targets, ckpt, precision, band):
     measured error (+1.5%, +9.7%, -5.3%, +2.8% here): a drift of 1.5% either way fails; the
     frozen weights byte for byte, the adapters' AdamW moments to the fused step's counters."""
     model, _, report = _measure(SMALL, precision, lora=_lora(targets), checkpointing=ckpt)
-    est = finetune.estimate_lora(hf.step_config(SMALL, seq=SEQ, batch=BATCH, checkpointing=ckpt,
+    est = finetune.estimate_lora(step_config(SMALL, seq=SEQ, batch=BATCH, checkpointing=ckpt,
                                                 precision=precision), rank=8, targets=targets)
     error = est.peak_bytes / report.peak_bytes - 1
     assert band[0] <= error <= band[1], error
@@ -86,7 +88,7 @@ def test_lora_estimate_of_llama_3_8b_within_3_percent_of_simulate():
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     kw = dict(seq=2048, batch=1, precision="bf16", checkpointing="full")
     sim = simulate_hf("llama-3-8b", target="cuda", lora=LoraConfig(rank=16, targets=tuple(targets)), **kw)
-    est = finetune.estimate_lora(hf.step_config("llama-3-8b", **kw), rank=16, targets=targets,
+    est = finetune.estimate_lora(step_config("llama-3-8b", **kw), rank=16, targets=targets,
                                  target="cuda")
     assert est.peak_bytes == pytest.approx(sim.peak_bytes, rel=0.03)
     assert sim.by_category["optimizer"] < 0.01 * sim.by_category["parameters"]
@@ -94,7 +96,7 @@ def test_lora_estimate_of_llama_3_8b_within_3_percent_of_simulate():
 
 def test_lora_rejects_unknown_targets():
     with pytest.raises(ValueError, match="allowed: q_proj"):
-        finetune.lora_params(hf.gpt_config(SMALL), 8, ["qkv"])
+        finetune.lora_params(gpt_config(SMALL), 8, ["qkv"])
 
 
 def test_hf_checkpointing_keeps_what_memlab_full_keeps():
@@ -104,7 +106,7 @@ def test_hf_checkpointing_keeps_what_memlab_full_keeps():
     kept = {}
     for ckpt in ("none", "full"):
         _, _, hf_rep = _measure(SMALL, checkpointing=ckpt)
-        ml = measure_step(hf.step_config(SMALL, seq=SEQ, batch=BATCH, checkpointing=ckpt))
+        ml = measure_step(step_config(SMALL, seq=SEQ, batch=BATCH, checkpointing=ckpt))
         kept[ckpt] = [max(e.by_category[ACT] for e in r.timeline) for r in (hf_rep, ml)]
     assert kept["full"][0] == pytest.approx(kept["full"][1], rel=0.05)
     assert kept["full"][0] < kept["none"][0] / 6

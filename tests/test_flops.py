@@ -3,6 +3,7 @@ FlopCounterMode on the real step, part by part and in total."""
 from __future__ import annotations
 
 import pytest
+from hf_gpt_mapping import gpt_config
 from torch.utils.flop_counter import FlopCounterMode
 
 from memlab.core.errors import InputError
@@ -62,7 +63,7 @@ def hf_step_counts(ckpt: str, attention: str, lora: dict | None):
         step(model, opt)
     with FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as counter:
         step(model, opt)
-    return hf.gpt_config(d, seq=32), phases.flops(), counter.get_total_flops()
+    return gpt_config(d, seq=32), phases.flops(), counter.get_total_flops()
 
 
 def tiny_hf_llama() -> dict:

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hf_gpt_mapping import gpt_config, step_config
 
 from memlab.core.cards import card_speeds
 from memlab.core.errors import InputError
@@ -175,7 +176,7 @@ def test_lora_with_the_chunked_loss_holds_only_the_adapters_gradients():
     """The head is frozen under LoRA: at the chunked loss's backward the gradients are the
     adapters' alone (2 bytes each in pure bf16, all there: accumulation), no V x d head gradient."""
     from memlab.techniques.finetune import LLAMA_TARGETS, estimate_finetune
-    step = replace(hf.step_config(CONFIG, seq=4096, batch=4, precision="pure-bf16", checkpointing="full"),
+    step = replace(step_config(CONFIG, seq=4096, batch=4, precision="pure-bf16", checkpointing="full"),
                    micro_batches=4)
     step = replace(step, model=replace(step.model_config, loss="chunked"))
     rep = estimate_finetune(step, lora=(16, LLAMA_TARGETS), budget="RTX4090-24GB", target="cuda")
@@ -192,7 +193,7 @@ TORCHTUNE_8B_FULL_4090 = 18.9 * 2**30
 def test_a_full_fine_tune_fits_a_24gb_card_as_torchtunes_recipe_does(ladder):
     small = oom_ladder(CONFIG, ("RTX4090-24GB",), seq=2048, batch=2).cards[0]
     rung = small.result("in-backward")
-    assert small.first_fit("full") is rung and rung.trainable == hf.gpt_config(CONFIG).num_params()
+    assert small.first_fit("full") is rung and rung.trainable == gpt_config(CONFIG).num_params()
     assert abs(rung.peak_bytes - TORCHTUNE_8B_FULL_4090) <= 0.10 * TORCHTUNE_8B_FULL_4090
     # the 8-bit state is two bytes per parameter, none of it on the device
     assert rung.host_bytes >= 2 * rung.trainable

@@ -25,6 +25,7 @@ import pathlib
 from dataclasses import replace
 
 import pytest
+from hf_gpt_mapping import gpt_config
 
 from memlab.core.cards import RATE_LEDGER
 from memlab.models.gpt_unet import GPTConfig
@@ -249,7 +250,6 @@ def llama3_405b_tflops(gpus: int) -> float:
     import json
     from importlib import resources
 
-    from memlab.hf.config import gpt_config
     hf = json.loads((resources.files("memlab") / "data" / "hf_configs" / "llama-3.1-70b.json").read_text())
     hf.update(num_hidden_layers=126, hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
               num_key_value_heads=8, vocab_size=128256)
@@ -291,7 +291,6 @@ TT_LORA_TARGETS = ("q_proj", "v_proj")
 def torchtune_4090(qlora: bool, targets: tuple[str, ...] | None = None) -> StepTime:
     """The lens's step of torchtune's Llama 3.1 8B LoRA (or QLoRA) recipe on one RTX 4090."""
     targets = targets or (TT_QLORA_TARGETS if qlora else TT_LORA_TARGETS)
-    from memlab.hf.config import gpt_config
     from memlab.time.flops import lora_matmuls
     from memlab.time.step_time import Calibration, optimizer_pass
     cfg = gpt_config(str(pathlib.Path(__file__).parents[1] / "memlab/data/hf_configs/llama-3.1-8b.json"), seq=2048)
@@ -393,7 +392,6 @@ def test_dequant_bytes_match_bitsandbytes_quant_state():
 def test_lora_adapter_gemms_are_bandwidth_bound():
     """A rank-8 adapter's GEMMs on a 4096-token micro-batch take their bytes' time, above what
     their FLOPs would at the large-GEMM rate: what the lens adds over the matmuls' rate."""
-    from memlab.hf.config import gpt_config
     from memlab.time.step_time import adapter_time
     cfg = gpt_config(str(pathlib.Path(__file__).parents[1] / "memlab/data/hf_configs/llama-3.1-8b.json"), seq=2048)
     a = adapter_time(cfg, 4096, 8, ("q_proj",), checkpointing="none", peak=165.2e12, achievable=0.8, hbm=1008e9)

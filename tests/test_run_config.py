@@ -5,6 +5,7 @@ import json
 from importlib import resources
 
 import pytest
+from hf_gpt_mapping import gpt_config
 
 from memlab.app.cli import main
 from memlab.core.errors import InputError
@@ -116,7 +117,7 @@ def test_bucket_sizes_change_the_estimate_by_deepspeeds_accounting():
 
 
 def test_lora_config_is_read_as_peft_writes_it(tmp_path):
-    cfg = hf.gpt_config("llama-3-8b")
+    cfg = gpt_config("llama-3-8b")
     path = tmp_path / "adapter_config.json"
     path.write_text(json.dumps({"peft_type": "LORA", "r": 16, "target_modules": ["q_proj", "v_proj"],
                                 "lora_alpha": 32, "modules_to_save": ["lm_head"]}))

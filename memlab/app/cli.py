@@ -188,15 +188,7 @@ def _configured_step(args: argparse.Namespace):
     """The step, the DeepSpeed run (or None) and its notes: --deepspeed decides the stage,
     offload, precision and batch keys (the flags fill only its "auto" values)."""
     from memlab.hf import read_run_configs as run_config
-    if getattr(args, "hf_config", None) is not None:
-        if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
-            raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
-        step = hf.step_config(args.hf_config, seq=args.seq, batch=args.batch, precision=args.precision,
-                              checkpointing=args.checkpointing, attention=args.attention,
-                              micro_batches=args.micro_batches, zero=args.zero,
-                              world_size=args.world_size, offload=args.offload)
-    else:
-        step = step_from_args(args)
+    step = step_from_args(args)
     step = replace(step, optimizer=_step_optimizer(args.optimizer),
                    optimizer_in_backward=args.optimizer_in_backward)
     if args.deepspeed is None:
@@ -472,9 +464,10 @@ def _hf_measure(args: argparse.Namespace, budget: int | None) -> MemoryReport:
     from memlab.hf.measure import measure_hf
     if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
         raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
-    if not _hf_plain(args) or args.snapshot is not None:
+    if not _hf_plain(args) or args.snapshot is not None or _configured(args):
         raise InputError("measure --hf-config runs one AdamW step in this process; allowed: no "
-                         "--micro-batches/--zero/--world-size/--offload/--optimizer/--snapshot")
+                         "--micro-batches/--zero/--world-size/--offload/--optimizer/--snapshot, no "
+                         "--deepspeed/--training-args/LoRA or 4/8-bit flags (estimate and simulate take them)")
     return measure_hf(args.hf_config, seq=args.seq, batch=args.batch, precision=args.precision,
                          checkpointing=args.checkpointing, attention=args.attention, device=args.device,
                          budget=args.gpu if args.gpu is not None else budget,
@@ -648,10 +641,10 @@ def run(args: argparse.Namespace) -> Result:  # noqa: C901 one branch per subcom
         return _measure_fsdp(step, args, budget)
     if args.cpu_offload or not args.reshard_after_forward:
         raise InputError("--cpu-offload and --no-reshard-after-forward are FSDP2's: add --fsdp")
-    if _configured(args):
-        return _run_configured(args, budget, None)
     if getattr(args, "hf_config", None) is not None:
         return _hf_measure(args, budget)
+    if _configured(args):
+        return _run_configured(args, budget, None)
     _check_measure(step, args)
     if _multi_rank(step):
         from memlab.distributed.deepspeed_zero import measure_distributed

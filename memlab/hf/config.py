@@ -3,20 +3,14 @@
 A Hugging Face model is fully described, for memory, by its ``config.json``. This module
 reads one (a file, or a folder holding one) and gives the two lenses what they need:
 
-* :func:`gpt_config` maps the architectures memlab's GPT covers onto a
-  :class:`~memlab.models.gpt_unet.GPTConfig` for the estimate: Llama, Mistral and Qwen2 (SwiGLU,
-  RMSNorm, rotary positions, grouped-query attention; Qwen2 with q/k/v biases) and GPT-2
-  (GELU, LayerNorm, learned positions, tied head). Any other ``model_type`` is refused with
-  the list of those supported.
+* :func:`load_config` reads it (a path, a folder or a :data:`SHIPPED` name), checked; the
+  estimate reads its decoder's shape (:func:`memlab.hf.shape.decoder_shape`).
 * :func:`build_fn` builds the real ``transformers`` class (``AutoModelForCausalLM``), on
   fake tensors for :func:`memlab.hf.simulate.simulate_hf` (through
   :func:`memlab.lenses.your_model.simulate_model`), so any causal LM whose code ``transformers`` has
   can be simulated, and real for :func:`memlab.hf.measure.measure_hf`.
 
-Hugging Face computes the rotary ``cos``/``sin`` for the tokens of each forward instead of
-keeping tables of ``max_position_embeddings`` rows per layer as memlab's GPT does, so the
-mapped config's ``block_size`` is the sequence length of the step (the context length still
-bounds it). The published ``config.json`` of Llama-3-8B, Qwen2.5-7B, Mistral-7B-v0.1 and
+The published ``config.json`` of Llama-3-8B, Qwen2.5-7B, Mistral-7B-v0.1 and
 GPT-2 ship in ``memlab/data/hf_configs`` (:data:`SHIPPED`).
 """
 from __future__ import annotations
@@ -34,12 +28,9 @@ from memlab.core.errors import InputError
 from memlab.core.torch_private import FakeTensor, parse_to
 from memlab.hf.config_check import check_config, expert_count, field_value
 from memlab.models.chunked_loss import linear_cross_entropy
-from memlab.models.gpt_unet import GPTConfig
 from memlab.step.optimizer_in_backward import OptimizerInBackward
-from memlab.step.training_step import DECODER_CHECKPOINTING, DECODER_LOSSES, StepConfig, autocast_for
+from memlab.step.training_step import DECODER_CHECKPOINTING, DECODER_LOSSES, autocast_for
 
-#: model_type -> what memlab's GPT calls it; the estimate covers these.
-SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
 #: Shipped configs: name -> file in memlab/data/hf_configs.
 SHIPPED = {name: f"{name}.json" for name in (
     "llama-3-8b", "qwen2.5-7b", "mistral-7b", "gpt2",
@@ -176,53 +167,6 @@ def attn_implementation(conf, attention: str | None) -> str:
         raise InputError(f"attention='sdpa': {cls.__name__} does not support SDPA in transformers; "
                          f"allowed: naive (eager)")
     return "sdpa"
-
-
-def maps_to_gpt(cfg: dict | str | pathlib.Path) -> bool:
-    """Whether :func:`gpt_config` maps the config to memlab's GPT (a family it knows, with
-    ``head_dim`` equal to ``hidden_size / num_attention_heads``)."""
-    cfg = load_config(cfg)
-    if cfg["model_type"] not in SUPPORTED:
-        return False
-    d, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
-    return cfg["model_type"] == "gpt2" or cfg.get("head_dim") in (None, d // heads if d and heads else None)
-
-
-def gpt_config(cfg: dict | str | pathlib.Path, seq: int | None = None) -> GPTConfig:
-    """memlab's GPT of the same shapes as a Hugging Face config (see the module doc);
-    ``seq`` sets ``block_size`` (HF's per-forward rotary tables), checked against the context."""
-    cfg = load_config(cfg)
-    kind = cfg["model_type"]
-    if kind not in SUPPORTED:
-        raise InputError(f"model_type {kind!r} has no memlab GPT equivalent, which LoRA/QLoRA, 8-bit "
-                         f"optimizers, --deepspeed/--training-args and advise estimate on; supported: "
-                         f"{', '.join(SUPPORTED)} (memlab estimate --hf-config without those flags, "
-                         f"ZeRO, offload and accumulation included, and simulate read any decoder)")
-    context = context_length(cfg)
-    check_seq(cfg, seq)
-    name = cfg.get("_name_or_path") or (cfg.get("architectures") or [kind])[0]
-    if kind == "gpt2":
-        return GPTConfig(n_layer=field_value(cfg, "n_layer"), n_head=field_value(cfg, "n_head"),
-                         d_model=field_value(cfg, "n_embd"), vocab_size=field_value(cfg, "vocab_size"),
-                         block_size=context, mlp_hidden=cfg.get("n_inner"), name=name)
-    d, heads = field_value(cfg, "hidden_size"), field_value(cfg, "num_attention_heads")
-    if cfg.get("head_dim") not in (None, d // heads):
-        raise InputError(f"head_dim={cfg['head_dim']} differs from hidden_size/num_attention_heads "
-                         f"= {d // heads}; memlab's GPT needs them equal (use simulate)")
-    return GPTConfig(n_layer=field_value(cfg, "num_hidden_layers"), n_head=heads, d_model=d,
-                     vocab_size=field_value(cfg, "vocab_size"), block_size=seq or context, mlp="swiglu",
-                     mlp_hidden=field_value(cfg, "intermediate_size"), norm="rmsnorm", position="rope",
-                     bias=False, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                     name=name, n_kv_head=cfg.get("num_key_value_heads") or heads,
-                     qkv_bias=True if kind == "qwen2" else bool(cfg.get("attention_bias", False)),
-                     rope_theta=float(10000.0 if cfg.get("rope_theta") is None else cfg["rope_theta"]))
-
-
-def step_config(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
-                checkpointing: str | None = None, attention: str | None = None, **more) -> StepConfig:
-    """A :class:`StepConfig` of the mapped GPT, for :func:`memlab.estimate_step`."""
-    return StepConfig(model=gpt_config(cfg, seq), seq=seq, batch=batch, precision=precision,
-                      checkpointing=checkpointing, attention=attention, **more)
 
 
 def hf_config(cfg: dict | str | pathlib.Path):
@@ -371,7 +315,7 @@ def causal_lm_step(seq: int, batch: int, precision: str = "fp32", vocab: int | N
     return step
 
 
-__all__ = ["SUPPORTED", "SHIPPED", "ROUTING_NOTE", "shipped_config", "load_config",
+__all__ = ["SHIPPED", "ROUTING_NOTE", "shipped_config", "load_config",
            "rope_parameters", "context_length", "check_seq", "is_moe", "fake_grouped_mm", "attn_implementation",
-           "gpt_config", "step_config", "hf_config", "enable_hf_checkpointing", "add_lora", "peft_model",
+           "hf_config", "enable_hf_checkpointing", "add_lora", "peft_model",
            "build_fn", "causal_lm_step"]

@@ -26,6 +26,7 @@ from memlab.core.errors import InputError
 from memlab.core.units import fmt_bytes
 from memlab.hf.config import load_config
 from memlab.hf.config_check import expert_count
+from memlab.hf.estimate import estimate_run
 from memlab.hf.shape import decoder_shape
 from memlab.step.training_step import StepConfig
 
@@ -128,7 +129,6 @@ def simulation_bound(cfg, *, seq: int, batch: int, precision: str = "fp32",
     tokens = seq * batch
     seconds = SECONDS_BASE + layers * (SECONDS_PER_LAYER + tokens * SECONDS_PER_LAYER_TOKEN)
     estimate_bytes, params = None, rough_params(d)
-    from memlab.hf.estimate import estimate_run  # here: the CLI's start-up reads this module
     try:
         step = StepConfig(decoder_shape(d), seq=seq, batch=batch, precision=precision,
                           checkpointing=checkpointing, attention=attention)

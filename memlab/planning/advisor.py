@@ -53,14 +53,19 @@ from memlab.core.errors import InputError
 from memlab.core.hardware import GPU_PRESETS, resolve_budget
 from memlab.core.units import fmt_bytes, parse_size
 from memlab.distributed.deepspeed_zero import measure_distributed
-from memlab.hf.config import gpt_config
+from memlab.hf.config import load_config
+from memlab.hf.estimate import estimate_run
+from memlab.hf.shape import decoder_shape
+from memlab.hf.simulate import simulate_hf
 from memlab.lenses.estimate import estimate_step
 from memlab.lenses.guard import host_total_bytes
 from memlab.lenses.measure import measure_step
 from memlab.lenses.simulate import simulate_step
+from memlab.models.decoder_shape import DecoderShape
 from memlab.models.gpt_unet import GPTConfig, get_config
 from memlab.planning.plan_search import RANKS_PER_HOST, search_plans
 from memlab.policy import resolve_target
+from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 from memlab.step.states import under_deepspeed
 from memlab.step.training_step import StepConfig
 from memlab.step.write_deepspeed_config import deepspeed_config
@@ -224,15 +229,16 @@ class Advice:
         return self.table()
 
 
-def tensor_parallel_degree(cfg: GPTConfig, world_size: int, limit: int = TP_MAX) -> int:
+def tensor_parallel_degree(cfg: GPTConfig | DecoderShape, world_size: int, limit: int = TP_MAX) -> int:
     """Largest ``t <= limit`` dividing the world size that the model allows
     (:meth:`memlab.models.gpt_unet.GPTConfig.check_tensor_parallel`: the heads and the MLP width, and
-    the key/value heads split or replicated)."""
+    the key/value heads split or replicated; a decoder's shape:
+    :meth:`memlab.models.decoder_shape.DecoderShape.check_tensor_parallel`)."""
 
     def allowed(t: int) -> bool:
         try:
             cfg.check_tensor_parallel(t)
-        except ValueError:
+        except ValueError:  # InputError is one
             return False
         return world_size % t == 0
 
@@ -262,10 +268,32 @@ def flowchart(world_size: int, mixed: str = "bf16") -> list[tuple[str, dict[str,
     return chain
 
 
-def _simulate(step: StepConfig, target) -> int:
+def estimate_plan(step: StepConfig, tensor_parallel: int, target):
+    """The estimate of a planned step on ``tensor_parallel`` ranks: memlab's GPT by
+    :func:`memlab.lenses.estimate.estimate_step`, a Hugging Face decoder's shape by
+    :func:`memlab.hf.estimate.estimate_run` (the one estimate ``memlab estimate --hf-config`` gives).
+
+    Args:
+        step: the step; tensor_parallel: its tensor-parallel degree; target: a :class:`memlab.policy.Target`.
+
+    Returns:
+        The :class:`~memlab.step.training_step.MemoryReport` per rank.
+    """
+    if isinstance(step.model_config, DecoderShape):
+        return estimate_run(step, tensor_parallel=tensor_parallel, target=target)
+    return estimate_step(step, tensor_parallel=tensor_parallel, target=target)
+
+
+def _simulate(step: StepConfig, target, hf: dict | None = None) -> int:
     """Simulated peak of ``step`` on ``target``: a DeepSpeed step runs in its own dtype on fake
-    tensors with its model states in DeepSpeed's layout (:func:`memlab.lenses.simulate.simulate_step`)."""
-    return simulate_step(step, target=target).peak_bytes
+    tensors with its model states in DeepSpeed's layout (:func:`memlab.lenses.simulate.simulate_step`;
+    a Hugging Face config ``hf``: its own class, :func:`memlab.hf.simulate.simulate_hf`)."""
+    if hf is None:
+        return simulate_step(step, target=target).peak_bytes
+    return simulate_hf(hf, seq=step.seq, batch=step.batch, precision=step.precision,
+                       checkpointing=step.checkpointing, attention=step.attention, target=target,
+                       optimizer=step.optimizer, zero=step.zero, world_size=step.world_size,
+                       offload=step.offload, micro_batches=step.micro_batches).peak_bytes
 
 
 def _model(model: str | GPTConfig) -> GPTConfig:
@@ -303,8 +331,9 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     fp16 where bf16 is not native); a size plans for the GPU present, else the CPU
     (``target`` names one outright).
 
-    ``hf_config``: a Hugging Face ``config.json`` (a path or a shipped name,
-    :func:`memlab.hf.config.gpt_config`) instead of ``model``. ``finetune``: also walk the
+    ``hf_config``: a Hugging Face ``config.json`` (a path or a shipped name) instead of ``model``:
+    its decoder's shape (:func:`memlab.hf.shape.decoder_shape`), estimated as ``memlab estimate
+    --hf-config`` does (:func:`estimate_plan`) and simulated in its own class. ``finetune``: also walk the
     fine-tuner's ladder (:func:`finetune_ladder`: 8-bit AdamW, LoRA of ``lora_rank`` on
     ``lora_targets``, QLoRA) from the flowchart's plan; its rows are ``Advice.ladder``.
 
@@ -335,7 +364,8 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     if budget is None:
         raise InputError(f"gpu {gpu!r}: give a GPU preset ({', '.join(GPU_PRESETS)}) or a size")
     tgt = resolve_target(target, gpu if isinstance(gpu, str) else None, card)
-    cfg = _model(model) if hf_config is None else gpt_config(hf_config, seq)
+    hf = None if hf_config is None else load_config(hf_config)
+    cfg = _model(model) if hf is None else decoder_shape(hf)
     step = StepConfig(model=cfg, seq=seq, batch=batch, attention=attention, optimizer=optimizer,
                       world_size=world_size)
     usable = int(budget * (1 - headroom))
@@ -344,7 +374,7 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     local_ranks = min(world_size, RANKS_PER_HOST)
     if simulate is None:
         simulate = world_size == 1 and cfg.num_params() < SIMULATE_MAX_PARAMS
-    lenses = _Lenses(tgt, usable, simulate, simulate_seconds, time.perf_counter())
+    lenses = _Lenses(tgt, usable, simulate, simulate_seconds, time.perf_counter(), hf)
     steps, plan, held_back, current, t_now = _walk(step, lenses, host_limit, local_ranks)
     peak = _best(steps).peak_bytes
     host = estimate_host_bytes(current)
@@ -370,14 +400,15 @@ class _Lenses:
     simulate: bool
     simulate_seconds: float
     started: float
+    hf: dict | None = None  # a Hugging Face config: simulated in its own class
 
     def record(self, technique: str, s: StepConfig, t: int) -> PlanStep:
         """The row of ``technique``: ``s`` on ``t`` tensor-parallel ranks, estimated and, on
         one rank while time is left, simulated; its peak is the larger."""
-        est = estimate_step(s, tensor_parallel=t, target=self.target).peak_bytes
+        est = estimate_plan(s, t, self.target).peak_bytes
         sim = None
         if self.simulate and t == 1 and time.perf_counter() - self.started < self.simulate_seconds:
-            sim = _simulate(s, self.target)
+            sim = _simulate(s, self.target, self.hf)
         peak = max(est, sim or 0)
         return PlanStep(technique, peak_bytes=peak, fits=peak <= self.usable, kept=True, estimate_bytes=est,
                         simulated_bytes=sim)
@@ -399,6 +430,8 @@ def _walk(step: StepConfig, lenses: _Lenses, host_limit: int | None,
         if "zero" in over and technique.startswith("offload"):
             over = {**over, "zero": max(over["zero"], current.zero)}  # never a lower stage
         cand, t_cand = replace(current, **over), t_now
+        if technique.startswith("offload") and t_now > 1 and isinstance(cfg, DecoderShape):
+            continue  # a decoder's shape is estimated with tensor parallelism only without offload
         if technique == "tensor-parallel":
             if tp == 1:
                 continue
@@ -437,7 +470,10 @@ def _held_back_message(held_back: list[HeldBack], host_limit: int, local_ranks: 
 def _fastest_fit(cfg, gpu, tgt, world_size: int, seq: int, batch: int, usable: int,
                  attention: str | None, optimizer: str, host_limit: int | None = None):
     """The fastest plan that fits (:mod:`memlab.planning.plan_search`), on a card with datasheet
-    figures (the GPU preset named, else the target's card); ``None`` on a bare size."""
+    figures (the GPU preset named, else the target's card); ``None`` on a bare size, and for a
+    Hugging Face decoder (the search prices memlab's GPT: its time lens and pipeline stages)."""
+    if isinstance(cfg, DecoderShape):
+        return None
     name = gpu if isinstance(gpu, str) and gpu in SPEEDS else getattr(getattr(tgt, "card", None), "name", None)
     if name not in SPEEDS:
         return None
@@ -457,7 +493,7 @@ def _message(step: StepConfig, tp: int, tgt, plan: list[str], peak: int, budget:
                 f"usable ({fmt_bytes(budget)} less {headroom:.0%} headroom): short by "
                 f"{fmt_bytes(peak - usable)}; use more ranks, a shorter sequence "
                 f"or a smaller batch (with gradient accumulation)")
-        cats = estimate_step(step, tensor_parallel=tp, target=tgt).by_category
+        cats = estimate_plan(step, tp, tgt).by_category
         if max(cats, key=cats.get) == "activations":
             text += ("; the activations are the largest part: sequence parallelism (Korthikanti et "
                      "al. 2022, sec. 4.2.2) would split the block inputs tensor parallelism keeps "
@@ -474,9 +510,19 @@ def finetune_ladder(step: StepConfig, usable: int, target, *, rank: int = 16,
     are not DeepSpeed's): 8-bit AdamW over every parameter, LoRA of ``rank`` on ``targets``
     (all the attention and MLP projections by default) with 8-bit AdamW, QLoRA (NF4 base
     with double quantization). Each rung's peak is
-    :func:`memlab.techniques.finetune.estimate_finetune`'s."""
+    :func:`memlab.techniques.finetune.estimate_finetune`'s; for a Hugging Face decoder's shape
+    :func:`memlab.hf.estimate.estimate_run`'s, LoRA on every ``Linear`` of its layers by default
+    (peft's ``all-linear``)."""
     plain = replace(step, zero=0, offload="none")
     cfg = plain.model_config
+    if isinstance(cfg, DecoderShape):
+        lora = LoraConfig(rank=rank, targets=targets or "all-linear")
+        runs = [("8-bit AdamW", replace(plain, optimizer="adamw-8bit")),
+                (f"LoRA r={rank}", replace(plain, optimizer="adamw-8bit", lora=lora)),
+                (f"QLoRA r={rank} (NF4)", replace(plain, optimizer="adamw-8bit", lora=lora,
+                                                  quantization=QuantConfig(bits=4)))]
+        return [LadderRung(name, peak_bytes=p, fits=p <= usable)
+                for name, p in ((n, estimate_run(r, target=target).peak_bytes) for n, r in runs)]
     targets = tuple(targets or (GPT2_TARGETS if cfg.mlp == "gelu" else LLAMA_TARGETS))
     rungs = [("8-bit AdamW", dict(optimizer="adamw-8bit")),
              (f"LoRA r={rank}", dict(optimizer="adamw-8bit", lora=(rank, targets))),
@@ -491,7 +537,7 @@ def finetune_ladder(step: StepConfig, usable: int, target, *, rank: int = 16,
 
 def estimate_host_bytes(step: StepConfig) -> int:
     """Host bytes per rank of the model states ``step`` offloads (0 without offload)."""
-    return estimate_step(step, target="cpu").host_bytes  # host bytes: the same on any target
+    return estimate_plan(step, 1, "cpu").host_bytes  # host bytes: the same on any target
 
 
 def _runs_as(step: StepConfig, tp: int, host_bytes: int) -> str:

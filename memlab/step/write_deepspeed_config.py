@@ -151,7 +151,9 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if step.model_config.checkpointing != "none":
+    # a GPT's switch lives in its config; a decoder's shape has none, its step holds it
+    checkpointing = getattr(step.model_config, "checkpointing", None) or step.checkpointing or "none"
+    if checkpointing != "none":
         cfg["activation_checkpointing"] = {"partition_activations": step.zero == 3,
                                            "contiguous_memory_optimization": False}
     if tensor_parallel > 1:
