@@ -19,15 +19,16 @@ MiB = 2**20
 
 def test_tiny_plan_is_what_a_real_step_needs():
     """The plan judged by a lens the advisor does not call: the tracked real step
-    (measure_step). The baseline and bf16 alone overflow the usable 90% of 150 MiB, bf16 with
+    (measure_step). The baseline and bf16 alone overflow the usable 90% of 75 MiB, bf16 with
     checkpointing fits; the advisor's peak of each step is on the safe side of the measured
-    one, within 2% (achieved: exact, exact, +1.6%)."""
-    a = advise("tiny", "150MiB", seq=256, batch=8)
-    usable = int(150 * MiB * 0.9)
-    assert a.fits and a.budget_bytes == 150 * MiB and a.usable_bytes == usable
+    one, within 2% (achieved: exact, exact, +0.8%). 128 x 4 tokens: a CPU's bf16 matmuls are
+    slow (at 256 x 8 the two bf16 steps took 68 s to measure)."""
+    a = advise("tiny", "75MiB", seq=128, batch=4)
+    usable = int(75 * MiB * 0.9)
+    assert a.fits and a.budget_bytes == 75 * MiB and a.usable_bytes == usable
     assert a.plan == ["bf16", "checkpointing"]
     assert [s.technique for s in a.steps] == ["baseline", "bf16", "checkpointing"]
-    base = StepConfig(model="tiny", seq=256, batch=8)
+    base = StepConfig(model="tiny", seq=128, batch=4)
     bf16 = replace(base, precision="bf16")
     both = replace(bf16, checkpointing="full")
     assert a.step.precision == "bf16" and a.step.checkpointing == "full"
@@ -196,7 +197,7 @@ def test_bad_arguments_in_python():
 
 
 def test_check_plan_measures_the_plan_it_gives():
-    out = check_plan("tiny", 256, 8, device="cpu", budget="150MiB")
+    out = check_plan("tiny", 128, 4, device="cpu", budget="75MiB")  # bf16 + checkpointing, as above
     assert out.advice_fits and out.measure_fits
     assert abs(out.measure_peak_bytes - out.estimate_peak_bytes) < 0.05 * out.estimate_peak_bytes
     assert out.to_dict()["measure_peak_bytes"] == out.measure_peak_bytes  # gpu_check.json's record
