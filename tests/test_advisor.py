@@ -152,14 +152,18 @@ def test_one_card_plan_for_llama_3_8b_simulates_as_planned():
 def test_techniques_that_lower_memory_never_raise_the_estimate(model, world):
     """Checkpointing, each further ZeRO stage and each offload lower every category the
     formulas model; mixed precision is left out: with fp32 master weights and small
-    activations its bf16 weight copies can cost more than it saves (the advisor skips it)."""
+    activations its bf16 weight copies can cost more than it saves (the advisor skips it).
+    On the tiny model ZeRO-3 is left out too: its reduce bucket and gradient partition are held
+    from init, where ZeRO-2's bucket lives in backward only, and they outweigh the parameters
+    it shards (real DeepSpeed agrees: tests/test_hf_zero.py's Llama reads 16.64 MB at ZeRO-3
+    against 13.75 MB at ZeRO-2)."""
     seq = 256 if model == "tiny" else 1024
     base = StepConfig(model=model, seq=seq, batch=2, precision="bf16", world_size=world)
     def peak(s):
         return estimate_step(s).peak_bytes
     assert peak(replace(base, checkpointing="full")) <= peak(base)
     ck = replace(base, checkpointing="full")
-    for stage in (1, 2, 3):
+    for stage in (1, 2) if model == "tiny" else (1, 2, 3):
         assert peak(replace(ck, zero=stage)) <= peak(replace(ck, zero=stage - 1))
     z3 = replace(ck, zero=3)
     assert peak(replace(z3, offload="optimizer")) <= peak(z3)

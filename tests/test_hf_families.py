@@ -269,9 +269,11 @@ def test_estimate_shards_every_family_as_the_zero_paper_says(name):
     z3 = estimate_hf(FAMILIES[name], zero=3, **kw).by_category
     assert z1["optimizer"] == 12 * psi // n and z1["parameters"] == 2 * psi
     assert z3["optimizer"] == 12 * psi // n and z3["parameters"] == pytest.approx(2 * psi / n + 2 * small, abs=1)
-    # DeepSpeed runs the bf16 model cast to 16 bits: the activations of a pure-bf16 step
+    # DeepSpeed runs the bf16 model cast to 16 bits: the activations of a pure-bf16 step (at stage 3,
+    # whose bucket is held all step, the peak is the plain step's moment; stages 1-2 allocate theirs
+    # at the first gradient's hook, a later moment)
     pure = estimate_hf(FAMILIES[name], seq=SEQ, batch=BATCH, precision="pure-bf16", target="cpu")
-    assert estimate_hf(FAMILIES[name], zero=2, **kw).by_category["activations"] == pure.by_category["activations"]
+    assert z3["activations"] == pure.by_category["activations"]
     off = estimate_hf(FAMILIES[name], zero=2, offload="optimizer", **kw)
     assert off.by_category["optimizer"] == 0 and off.host_by_category["optimizer"] >= 12 * psi / n
 

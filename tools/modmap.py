@@ -126,6 +126,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         'hf.shape': "an HF decoder config read into what memory depends on; its parameter counts",
         'hf.estimate': "the estimate of any HF decoder config in closed form: dense, MLA, mixtures of experts; LoRA, QLoRA, low-bit state, ZeRO",
         'hf.measure': "the measure lens of an HF config: its real step under the guard",
+        'hf.deepspeed_measure': "the measure lens of an HF config's ZeRO run: real DeepSpeed on its ranks",
         'hf.simulate': "the simulate lens of a whole HF run: accumulation, every optimizer, QLoRA, ZeRO, on fake tensors",
         'hf.post_training': "a DPO or GRPO step (TRL 1.16) in closed form: the reference, the fused log-probabilities, generation's KV cache, the vLLM share",
         'hf.evaluation': "`Trainer.evaluate`'s accumulated logits: the estimate and the real loop on CPU",

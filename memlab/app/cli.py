@@ -460,13 +460,26 @@ def _hf_plain(args: argparse.Namespace) -> bool:
 
 
 def _hf_measure(args: argparse.Namespace, budget: int | None) -> MemoryReport:
-    """``measure --hf-config``: the HF model's real step (:func:`memlab.hf.measure.measure_hf`)."""
+    """``measure --hf-config``: the HF model's real step (:func:`memlab.hf.measure.measure_hf`), or
+    with ``--zero``/``--world-size`` real DeepSpeed on that many ranks
+    (:func:`memlab.hf.deepspeed_measure.measure_zero_hf`)."""
     from memlab.hf.measure import measure_hf
     if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
         raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
+    deepspeed_run = args.zero > 0 or args.world_size > 1
+    if deepspeed_run and args.optimizer == "adamw" and args.snapshot is None and not _configured(args) \
+            and not args.optimizer_in_backward:
+        from memlab.hf.deepspeed_measure import measure_zero_hf
+        from memlab.hf.shape import decoder_shape
+        step = StepConfig(decoder_shape(args.hf_config), seq=args.seq, batch=args.batch, precision=args.precision,
+                          checkpointing=args.checkpointing, attention=args.attention,
+                          micro_batches=args.micro_batches, zero=args.zero, world_size=args.world_size,
+                          offload=args.offload)
+        return measure_zero_hf(args.hf_config, [step], device=args.device, budget=budget)[0]
     if not _hf_plain(args) or args.snapshot is not None or _configured(args):
-        raise InputError("measure --hf-config runs one AdamW step in this process; allowed: no "
-                         "--micro-batches/--zero/--world-size/--offload/--optimizer/--snapshot, no "
+        raise InputError("measure --hf-config runs one AdamW step in this process, or with --zero/--world-size "
+                         "DeepSpeed's AdamW on that many ranks; allowed: no --optimizer/--snapshot, no "
+                         "--micro-batches/--offload without --zero or --world-size, no "
                          "--deepspeed/--training-args/LoRA or 4/8-bit flags (estimate and simulate take them)")
     return measure_hf(args.hf_config, seq=args.seq, batch=args.batch, precision=args.precision,
                          checkpointing=args.checkpointing, attention=args.attention, device=args.device,

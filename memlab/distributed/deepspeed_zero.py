@@ -19,6 +19,7 @@ import logging
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -66,7 +67,9 @@ def zero_accounting(engine, stage: int) -> dict[str, int]:
     partition the optimizer updates; optimizer_state: Adam's moments; comm_buffers: the
     contiguous gradient reduce bucket (configured elements x dtype size; it exists only
     during backward, so the tracker sees it as a temporary); host_gradients: the fp32 gradient
-    partition ZeRO-Offload keeps beside the master (:func:`host_gradient_bytes`). Read it after
+    partition ZeRO-Offload keeps beside the master (:func:`host_gradient_bytes`); host_staging:
+    stages 1-2's host buffer of one parameter's gradient under offload
+    (``temp_grad_buffer_for_cpu_offload``, made at init). Read it after
     the last backward of a step, where the gradients are held.
     """
     opt = engine.optimizer
@@ -91,7 +94,8 @@ def zero_accounting(engine, stage: int) -> dict[str, int]:
     comm = bucket * (2 if engine.bfloat16_enabled() else 4)
     return {"parameters": p_bytes, "gradients": grads, "fp32_master": _nbytes(master),
             "optimizer_state": _nbytes(state), "comm_buffers": comm,
-            "host_gradients": host_gradient_bytes(engine)}
+            "host_gradients": host_gradient_bytes(engine),
+            "host_staging": _nbytes(_ds_tensors(opt, "temp_grad_buffer_for_cpu_offload"))}
 
 
 def host_gradient_bytes(engine) -> int:
@@ -187,15 +191,23 @@ class RankResult:
         return cls(**kw)
 
 
-def _build_engine(step: StepConfig, rank: int, torch_adam: bool, ds_config: dict | None = None):
+def _build_engine(step: StepConfig, rank: int, torch_adam: bool, ds_config: dict | None = None,
+                  model_fn: Callable[[StepConfig], torch.nn.Module] | None = None):
     """DeepSpeed's engine for ``step`` on this rank's device (with a run's own ``ds_config``,
-    else memlab's), this rank's batch (seeded by the rank) and its micro-batches."""
+    else memlab's), this rank's batch (seeded by the rank) and its micro-batches; the model is
+    ``model_fn(step)``'s where given, else memlab's."""
     import deepspeed
 
-    trainer = build_trainer(step, rank_device())
-    model = trainer.model
-    del trainer
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    if model_fn is None:
+        trainer = build_trainer(step, rank_device())
+        model = trainer.model
+        del trainer
+    else:
+        with torch.device(rank_device()):
+            model = model_fn(step)
+    # a frozen base (LoRA) is not the optimizer's: DeepSpeed partitions what it is given
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable,
                                       config=_run_config(step, ds_config, torch_adam))
     batch = make_batch(step, engine.device, seed=rank)
     micro = list(zip(*(t.chunk(step.micro_batches) for t in batch), strict=True))  # one batch dim
@@ -230,7 +242,8 @@ def track_engine(tracker: MemoryTracker, engine, stage: int, batch) -> None:
     Args:
         tracker: the tracker the step will run under.
         engine: the DeepSpeed engine (``.module``, ``.optimizer``).
-        stage: the engine's ZeRO stage (3: the parameters' ``ds_tensor`` shards).
+        stage: the engine's ZeRO stage (3: the parameters' ``ds_tensor`` shards, the gradient
+            partition and the reduce bucket, all held from init).
         batch: the step's input tensors (category ``other``).
     """
     opt = engine.optimizer
@@ -238,6 +251,15 @@ def track_engine(tracker: MemoryTracker, engine, stage: int, batch) -> None:
     tracker.track_model(engine.module)
     if stage == 3:
         tracker.track_tensors((p.ds_tensor for p in engine.module.parameters()), "parameters")
+        # stage 3's gradient partition and reduce bucket are allocated once, at init, and first
+        # written in backward: unregistered, the tracker would count them only from then on
+        persistent = [getattr(opt, "grad_partitions_flat_buffer", None)]
+        persistent += [getattr(b, "buffer", None) for b in getattr(opt, "ipg_buckets", {}).values()]
+        tracker.track_tensors((t for t in persistent if isinstance(t, torch.Tensor)), "gradients")
+    # stages 1-2's offload staging buffers (one parameter's gradient, device and host), likewise
+    staging = [getattr(opt, n, None) for n in ("temp_grad_buffer_for_gpu_offload",
+                                               "temp_grad_buffer_for_cpu_offload")]
+    tracker.track_tensors((t for t in staging if isinstance(t, torch.Tensor)), "gradients")
     tracker.track_tensors(_ds_tensors(opt, "single_partition_of_fp32_groups")
                           + _ds_tensors(opt, "fp32_partitioned_groups_flat"), "optimizer")
     if isinstance(inner, torch.optim.Optimizer):
@@ -289,7 +311,8 @@ def _record_peaks(res: RankResult, tracker: MemoryTracker) -> None:
 
 def zero_rank_step(rank: int, world_size: int, step: StepConfig, steps: int = 2,
                    budget: int | str | None = None, *, torch_adam: bool = True,
-                   track: bool = True, ds_config: dict | None = None) -> RankResult:
+                   track: bool = True, ds_config: dict | None = None,
+                   model_fn: Callable[[StepConfig], torch.nn.Module] | None = None) -> RankResult:
     """Build a DeepSpeed engine for ``step`` on this rank's device, warm up, then one timed
     step and, with ``track``, one tracked step (peak by category, device and host).
 
@@ -310,6 +333,9 @@ def zero_rank_step(rank: int, world_size: int, step: StepConfig, steps: int = 2,
         ds_config: a run's own DeepSpeed config (:mod:`memlab.hf.read_run_configs`) instead of
             memlab's; without an optimizer section torch's AdamW is added, as the Trainer
             passes one.
+        model_fn: builds the model of ``step`` on this rank (a top-level function or a
+            ``functools.partial`` of one: it crosses to the spawned ranks), whose forward takes
+            the batch's ``(idx, targets)`` and returns the loss; ``None``: memlab's model.
 
     Returns:
         The rank's :class:`RankResult`.
@@ -320,7 +346,7 @@ def zero_rank_step(rank: int, world_size: int, step: StepConfig, steps: int = 2,
     if device.type == "cuda":  # what an earlier engine of this launch left behind is not this step's
         torch.cuda.synchronize(device)
         held_before = torch.cuda.memory_allocated(device)
-    engine, batch, micro = _build_engine(step, rank, torch_adam, ds_config)
+    engine, batch, micro = _build_engine(step, rank, torch_adam, ds_config, model_fn)
     budget_bytes = resolve_budget(budget)
     on_cuda = held_before is not None
     # host memory is whatever is not on the engine's device (offloaded master, moments, grads)
@@ -363,10 +389,11 @@ def _run_config(step, ds_config: dict | None, torch_adam: bool) -> dict:
 
 def zero_worker(rank: int, world_size: int, steps: list, budget: int | None = None, *,
                 torch_adam: bool = True, track: bool = True,
-                threads: int | None = None, ds_config: dict | None = None) -> list[RankResult]:
+                threads: int | None = None, ds_config: dict | None = None,
+                model_fn: Callable[[StepConfig], torch.nn.Module] | None = None) -> list[RankResult]:
     """Run each :class:`StepConfig` in ``steps`` with DeepSpeed on this rank, one after
     another in one process group (one launch for several stages saves start-up time);
-    ``budget`` is each rank's (see :func:`zero_rank_step`). ``threads``: torch's CPU threads
+    ``budget`` and ``model_fn`` as :func:`zero_rank_step`. ``threads``: torch's CPU threads
     in this rank (the host optimizer of offload uses them)."""
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -377,7 +404,7 @@ def zero_worker(rank: int, world_size: int, steps: list, budget: int | None = No
     deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized()
                                else default_backend(world_size))
     return [zero_rank_step(rank, world_size, s, budget=budget, torch_adam=torch_adam, track=track,
-                           ds_config=ds_config) for s in steps]
+                           ds_config=ds_config, model_fn=model_fn) for s in steps]
 
 
 def _rank_report(step: StepConfig, res: RankResult, budget_bytes: int | None = None) -> MemoryReport:
@@ -394,9 +421,10 @@ def _rank_report(step: StepConfig, res: RankResult, budget_bytes: int | None = N
     acc["device_bytes"] = res.device_account_bytes()
     if res.device == "cpu":
         # host and device are one memory: what a GPU would hold is the peak less the
-        # offloaded accounts (parameters are gathered back for compute, so they stay)
+        # offloaded accounts (parameters are gathered back for compute, so they stay) and
+        # offload's host staging buffer
         acc["device_peak_bytes"] = res.peak_bytes - (
-            sum(acc[k] for k in res.host_accounts if k != "parameters"))
+            sum(acc[k] for k in res.host_accounts if k != "parameters") + acc.get("host_staging", 0))
     else:
         acc["device_peak_bytes"] = res.peak_bytes  # the tracker counted the device alone
     acc.update(res.cuda_stats)
@@ -429,7 +457,9 @@ def _oom_after_failure(error: RankError, step, device: str, budget_bytes: int | 
 
 def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placement | None = None,
                  timeout: float = 600.0, budget: int | str | None = None,
-                 ds_config: dict | None = None) -> list:
+                 ds_config: dict | None = None,
+                 model_fn: Callable[[StepConfig], torch.nn.Module] | None = None,
+                 estimates: list[MemoryReport] | None = None) -> list:
     """Measure several ZeRO configurations in one multi-rank launch.
 
     All ``steps`` must share ``world_size``. The ranks run where ``placement`` says, else on
@@ -444,6 +474,10 @@ def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placemen
     Args:
         steps: the ZeRO configurations, one ``StepConfig`` each, all with one ``world_size``.
         device, placement, timeout, budget: as above.
+        ds_config, model_fn: as :func:`zero_rank_step` (a Hugging Face decoder's model:
+            :func:`memlab.hf.deepspeed_measure.measure_zero_hf`).
+        estimates: one estimate per step for the pre-flight check (a model of ``model_fn``'s,
+            which memlab's GPT estimate cannot read); ``None``: memlab's estimate of each.
 
     Returns:
         One :class:`MemoryReport` per step, in order.
@@ -464,13 +498,15 @@ def measure_zero(steps: list, *, device: str | None = "cpu", placement: Placemen
     placement = resolve_placement(world, device=device, placement=placement)
     device, backend = placement.device_type, placement.backend
     budget_bytes = resolve_budget(budget)
-    refused = {i: preflight(s, device, budget_bytes, spawned=True) for i, s in enumerate(steps)}
+    ests = estimates or [None] * len(steps)
+    refused = {i: preflight(s, device, budget_bytes, spawned=True, estimate=e)
+               for i, (s, e) in enumerate(zip(steps, ests, strict=True))}
     todo = [s for i, s in enumerate(steps) if refused[i] is None]
     ranks = []
     if todo:
         try:
             ranks = run_ranks(zero_worker, world, kwargs={"steps": todo, "budget": budget_bytes,
-                                                          "ds_config": ds_config},
+                                                          "ds_config": ds_config, "model_fn": model_fn},
                               timeout=timeout, placement=placement)
         except RankError as e:
             if len(todo) > 1:

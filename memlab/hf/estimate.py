@@ -652,7 +652,9 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     scratch, gathered = states["step"], states["gathered"]
     # DeepSpeed's gradient bytes held all step, and ZeRO-2's partition from the first bucket;
     # with accumulation the earlier micro-batches' gradients are there from the start
-    held, late = states["held"], states["late"]
+    held, late, bucket = states["held"], states["late"], states["bucket"]
+    # ZeRO-2's partition comes at its first flush: with the head's gradient only if that fills a bucket
+    early_late = late if V * D * z.w * (not s.tied) * (ad is None) >= states["flush"] else 0.0
     G_prev = G if k > 1 else 0.0
     trains_base = ad is None
     head_grad = min(G, V * D * z.w * (not s.tied) / (dp if zero >= 2 else 1)) if trains_base else 0.0
@@ -660,7 +662,9 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     params = s.num_params() - s.expert_total() * (1 - 1 / ep)
     A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance, ad, chunked)
     moment, best = _peak_moment(s, z, t, A=A, layers=layers, embed=embed, dense_w=dense_w, G=G, G_prev=G_prev,
-                                held=held, late=late, head_grad=head_grad, gathered=gathered, scratch=scratch,
+                                held=held, late=late, early_late=early_late, bucket=bucket,
+                                partitioned=zero >= 2, head_grad=head_grad,
+                                gathered=gathered, scratch=scratch,
                                 full=full, trains_base=trains_base, chunk=loss_chunk if chunked else None,
                                 largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None,
                                 out_held=output_held(s, z, batch, seq, path, ad is not None, full, chunked))
@@ -707,8 +711,8 @@ def _largest_matrix(s: DecoderShape) -> int:
 
 
 def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
-                 dense_w: float, G: float, G_prev: float, held: float, late: float, head_grad: float,
-                 gathered: float, scratch: float, full: bool, trains_base: bool,
+                 dense_w: float, G: float, G_prev: float, held: float, late: float, early_late: float,
+                 bucket: float, partitioned: bool, head_grad: float, gathered: float, scratch: float, full: bool, trains_base: bool,
                  chunk: int | None = None, largest_grad: float | None = None,
                  out_held: float = 0.0) -> tuple[str, dict]:
     """The moment of the step whose bytes are largest, and its categories: the loss
@@ -716,7 +720,10 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     ``chunk``, :func:`memlab.models.chunked_loss.chunked_loss_bytes`' two moments), the head's
     backward, the end of backward, the optimizer step, a recomputed layer (the last one, layer 0,
     with nearly every gradient; under LoRA, whose gradients are small, the first one, with every
-    layer's checkpointed input still held).
+    layer's checkpointed input still held). ``bucket``: stages 1-2's reduce bucket, there from
+    the first trained parameter's gradient to the end of backward; ``early_late``: ``late`` where
+    the head's gradient alone fills ZeRO-2's first bucket, else 0; ``partitioned``: ZeRO-2 or 3
+    (a gradient leaves ``param.grad`` at its hook).
 
     ``largest_grad`` (the optimizer step in backward, :mod:`memlab.step.optimizer_in_backward`): no moment holds
     every gradient; a layer's backward holds the one being applied (at most ``largest_grad``) and a
@@ -734,8 +741,8 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
          "log-softmax backward": dict(activations=A + lsm, gradients=G_prev + held,
                                       temporaries=2 * t * V * 4 + gathered),
          "head backward": dict(activations=A, temporaries=t * V * z.c + t * D * z.c + gathered,
-                               gradients=max(G_prev, head_grad + late) + held),
-         "end of backward": dict(gradients=G + held,
+                               gradients=max(G_prev, head_grad + early_late) + held),
+         "end of backward": dict(gradients=G + held + bucket,
                                  temporaries=(2 * V * D * z.w if trains_base and s.tied else 0) + t * D * z.r),
          "optimizer step": dict(gradients=G + held, temporaries=scratch)}
     if chunk is not None:  # no logits: the chunked loss's own moments replace the loss and the head's
@@ -745,21 +752,32 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
         m["chunked loss forward"] = dict(activations=A, gradients=G_prev + held,
                                          temporaries=loss["chunked loss forward"]["temporaries"] + gathered)
         grad_w = max(G_prev, head_grad + late) if trains_base and not s.tied else G_prev
-        m["chunked loss backward"] = dict(activations=A, gradients=grad_w + held + (
+        head_hook = bucket if trains_base and not s.tied else 0.0
+        m["chunked loss backward"] = dict(activations=A, gradients=grad_w + held + head_hook + (
             loss["chunked loss backward"]["gradients"] if trains_base and s.tied else 0),
             temporaries=loss["chunked loss backward"]["temporaries"] + gathered)
         if s.norm in NORM_BACKWARD_TEMPORARIES:  # with no logits, the final norm's backward can be the peak
             m["final norm backward"] = dict(
-                activations=A - 4 * t, gradients=grad_w + held + D * z.w * trains_base + (
+                activations=A - 4 * t, gradients=grad_w + held + bucket * trains_base + D * z.w * trains_base + (
                     loss["chunked loss backward"]["gradients"] if trains_base and s.tied else 0),
                 temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered)
+    if bucket and chunk is None and s.norm in NORM_BACKWARD_TEMPORARIES:
+        # the first trained gradient's hook allocates stages 1-2's bucket while nearly every
+        # activation is alive: the final norm's backward (its weight's hook, or the last layer's
+        # first adapter's under LoRA); ZeRO-1 keeps the head's gradient, ZeRO-2 copied it into
+        # the bucket (the partition is there once a bucket was flushed: ``late``)
+        kept = 0.0 if partitioned else head_grad + D * z.w * trains_base
+        # the head's input (autocast's cast) and the norm's normalised input went with their backward
+        m["first gradient hook"] = dict(activations=A - 4 * t - t * D * (z.c + z.r),
+                                        gradients=max(G_prev, kept + early_late) + held + bucket,
+                                        temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered)
     if full and not trains_base:  # LoRA: the gradients are small, the first recomputed layer is the peak
         rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
         m["recomputed layer"] = dict(activations=embed + L * t * D * z.r + 4 * t * rope + layers[-1],
                                      gradients=G_prev + held, temporaries=t * D * z.r + t * s.ffn * z.c + gathered)
     elif full:  # the last recomputed layer (layer 0) holds its activations with nearly all gradients
         m["recomputed layer"] = dict(activations=embed + t * D * z.r + layers[0] + dense_w / L * z.c * z.auto,
-                                     gradients=max(G_prev, G * (1 - 1 / max(L, 1)), late) + held,
+                                     gradients=max(G_prev, G * (1 - 1 / max(L, 1)), late) + held + bucket,
                                      temporaries=t * max(s.ffn, s.moe_ffn * s.top_k) * z.c + gathered)
     if largest_grad is not None:
         embed_grad = V * D * z.w

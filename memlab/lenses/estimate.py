@@ -269,8 +269,14 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     P, G, Opt = states["parameters"], states["gradients"], states["optimizer"]
     # DeepSpeed's own buffers (memlab.step.states.ModelStates.peak_inputs; zero for plain PyTorch):
     # gradient bytes held all step, a gradient partition allocated at the first reduce bucket
-    # (ZeRO-2), the optimizer step's scratch, ZeRO-3's gathered parameters
+    # (ZeRO-2), stages 1-2's reduce bucket (from backward's first gradient to its end), the
+    # optimizer step's scratch, ZeRO-3's gathered parameters
     held, late = states.get("held", 0.0), states.get("late", 0.0)
+    bucket = states.get("bucket", 0.0)
+    # ZeRO-2's partition comes at its first flush: in the last block's backward only if the head's
+    # gradient and that block's (unsharded bytes) fill a bucket
+    made = d.grad * (v * h * (not cfg.tie_embeddings) + (cfg.num_params() - v * h) / max(L, 1))
+    early_late = late if made >= states.get("flush", 0.0) else 0.0
     scratch, gathered = states.get("step", 0.0), states.get("gathered", 0.0)
     acts = activation_bytes(cfg, seq, batch, step.precision, target, tp)
     A = sum(acts.values()) - states.get("frozen", 0.0)
@@ -291,7 +297,8 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
         for moment, cats in chunked_loss_moments(replace(cfg, vocab_size=v), t, step.precision,
                                                  target, head_grad="frozen" not in states).items():
             forward = moment.endswith("forward")
-            m[moment] = dict(activations=A, gradients=G_prev + held + cats.get("gradients", 0),
+            in_bwd = bucket if cats.get("gradients", 0) and not forward else 0.0
+            m[moment] = dict(activations=A, gradients=G_prev + held + in_bwd + cats.get("gradients", 0),
                              temporaries=cats["temporaries"] + gathered
                              + (cached if forward else 0))
     else:
@@ -311,11 +318,11 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     if cfg.checkpointing == "full":
         # the block recomputed last (block 0) holds its activations again, with nearly all grads
         m["recomputed block"] = dict(activations=acts["embedding"],
-                                     gradients=max(G_prev, G - layer_grad, late) + held,
+                                     gradients=max(G_prev, G - layer_grad, late) + held + bucket,
                                      temporaries=layer + transient + gathered)
         m["first recomputed block"] = dict(
             activations=A - lse - acts["final_norm"],
-            gradients=max(G_prev, head_grad + late) + held,
+            gradients=max(G_prev, head_grad + early_late) + held + bucket,
             temporaries=layer + transient + gathered)
     elif cfg.checkpointing == "op":
         # the last block's backward re-runs what its policy did not save, beside every block's
@@ -323,15 +330,15 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
         redo = max(0.0, layer - op_layer_bytes(cfg, seq, batch, step.precision, target))
         m["first recomputed block"] = dict(
             activations=A - lse - acts["final_norm"],
-            gradients=max(G_prev, head_grad + late + f * h * d.grad) + held,
+            gradients=max(G_prev, head_grad + early_late + f * h * d.grad) + held + bucket,
             temporaries=redo + transient + gathered)
     else:
         m["first block backward"] = dict(activations=A - lse - acts["final_norm"],
-                                         gradients=max(G_prev, head_grad + late) + held,
+                                         gradients=max(G_prev, head_grad + early_late) + held + bucket,
                                          temporaries=transient + t * f * d.compute + gathered)
     # end of backward: all gradients; a tied embedding adds its dense gradient, then the sum
     tied = 2 * head_grad if cfg.tie_embeddings else 0.0
-    m["end of backward"] = dict(gradients=G + held, temporaries=tied + t * h * d.residual)
+    m["end of backward"] = dict(gradients=G + held + bucket, temporaries=tied + t * h * d.residual)
     m["optimizer step"] = dict(gradients=G + held, temporaries=scratch)
     if step.optimizer_in_backward:
         _in_backward_gradients(m, cfg, d.grad / tp, head_grad)

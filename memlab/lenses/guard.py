@@ -215,9 +215,16 @@ class StepEstimate:
     by_category: dict = field(default_factory=dict)
 
 
-def estimate_for(step: StepConfig, target: str = "cpu") -> StepEstimate:
+def estimate_for(step: StepConfig, target: str = "cpu", estimate: MemoryReport | None = None) -> StepEstimate:
     """The figures :func:`preflight` works from, per rank, from the closed-form estimate for
-    the device the step will run on (``target``: ``"cpu"`` or ``"cuda"``)."""
+    the device the step will run on (``target``: ``"cpu"`` or ``"cuda"``); ``estimate``: one
+    made elsewhere (a Hugging Face decoder's, :func:`memlab.hf.estimate.estimate_run`), whose
+    categories give the model states."""
+    if estimate is not None:
+        cats = estimate.by_category
+        held = int(cats["parameters"] + cats["gradients"] + cats["optimizer"])
+        return StepEstimate(estimate.peak_bytes, int(cats["parameters"]), int(cats["optimizer"]), held,
+                            int(estimate.host_bytes or 0), None, dict(cats))
     est = estimate_step(step, target=target)
     ms = step_model_states(step)  # the estimate's own model states: one ZeRO division
     held = int(ms.parameters + ms.gradients + ms.optimizer)
@@ -360,12 +367,13 @@ def build_oom_report(step: StepConfig, device: str, budget_bytes: int,
 
 
 def preflight(step: StepConfig, device: torch.device | str = "cpu",
-              budget_bytes: int | None = None, *, spawned: bool = False) -> MemoryReport | None:
+              budget_bytes: int | None = None, *, spawned: bool = False,
+              estimate: MemoryReport | None = None) -> MemoryReport | None:
     """Check ``step`` before building it: a build-phase OOM report when a budget cannot hold
     its model states, :class:`HostMemoryError` when this machine cannot hold the step, else
-    ``None`` (go ahead)."""
+    ``None`` (go ahead). ``estimate``: as :func:`estimate_for`."""
     device = torch.device(device)
-    est = estimate_for(step, target_for(device))
+    est = estimate_for(step, target_for(device), estimate)
     if budget_bytes is not None:
         refused = build_oom_report(step, device.type, budget_bytes, est)
         if refused is not None:

@@ -179,26 +179,44 @@ FORMULA_NOTE = ("from the formula (memlab.step.states.model_states), not simulat
                 "activations, the other temporaries and workspaces")
 
 
+#: the module name the tracker gives an op of autograd's gradient accumulation into ``.grad``
+ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+
+
 def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float) -> None:
     """Put the simulated unsharded step's model states in DeepSpeed's layout, op by op.
 
     Parameters and optimizer state are held all step; gradients grow through backward as
     simulated (scaled to the rank's share), or are held from the first reduce bucket (ZeRO-2)
-    or all step (ZeRO-3); DeepSpeed's buffers are added everywhere, ZeRO-3's gathered
+    or all step (ZeRO-3); DeepSpeed's buffers are added everywhere (stages 1-2's reduce bucket
+    from backward's first gradient to its end, ``ModelStates.bucket``), ZeRO-3's gathered
     parameters in forward and backward, the fp32 gradient copy in the optimizer step.
     """
     i = {c: k for k, c in enumerate(CATEGORIES)}
     events = []
+    # stages 1-2's bucket comes at the first gradient's hook in each backward: DeepSpeed hooks the
+    # parameters' AccumulateGrad nodes, so the bucket is there from the op after the first one
+    armed, hooked = False, False
     for ev in report.timeline:
         cats = list(ev.by_category)
         grown = cats[i["gradients"]] / full_grads if full_grads else 0.0
-        if ms.gradients_from == "always" or (ms.gradients_from == "first bucket" and grown > 0):
+        accumulates = ev.module == ACCUMULATE_GRAD
+        if ev.phase != "backward":
+            armed, hooked = False, False
+        elif armed and not accumulates:
+            hooked = True
+        armed = armed or (ev.phase == "backward" and accumulates)
+        in_backward = ms.bucket if hooked else 0.0
+        flushed = grown > 0 and grown * full_grads >= ms.flush  # ZeRO-2's first bucket is full
+        if ms.gradients_from == "always" or (ms.gradients_from == "first bucket" and flushed):
             grads = ms.gradients
+        elif ms.gradients_from == "end of backward":
+            grads = ms.gradients if ev.phase == "optimizer" else 0.0
         else:
             grads = grown * ms.gradients
         cats[i["parameters"]] = ms.parameters
         cats[i["optimizer"]] = ms.optimizer
-        cats[i["gradients"]] = grads + ms.buffers
+        cats[i["gradients"]] = grads + ms.buffers + in_backward
         if ev.phase in ("forward", "backward"):
             cats[i["temporaries"]] += ms.gathered
         elif ev.phase == "optimizer":

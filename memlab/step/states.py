@@ -99,9 +99,15 @@ class ModelStates:
     Device bytes: ``parameters`` and ``optimizer`` (master copy and moments) are held all
     step; ``gradients`` are what the step holds at the end of backward, and ``gradients_from``
     says since when: ``"backward"`` (grown parameter by parameter), ``"first bucket"``
-    (allocated whole when the first reduce bucket is flushed: ZeRO-2) or ``"always"`` (a
-    persistent buffer: ZeRO-3). ``buffers``: DeepSpeed's gradient buffers held all step (the
-    reduce bucket, the offload staging buffer). ``gathered``: ZeRO-3's parameters gathered
+    (allocated whole when the first reduce bucket is flushed: ZeRO-2), ``"end of backward"``
+    (ZeRO-2 whose bucket holds the whole model: flushed once, by the last hook) or ``"always"`` (a
+    persistent buffer: ZeRO-3). ``buffers``: DeepSpeed's gradient buffers held all step
+    (ZeRO-3's reduce bucket, the offload staging buffer). ``bucket``: stages 1-2's reduce
+    bucket, which lives in backward only: 0.19.8 ``stage_1_and_2.py`` allocates it at the first
+    gradient's hook (``process_gradients`` -> ``setup_buckets``) and frees it when the last hook
+    has run (``independent_gradient_partition_epilogue`` -> ``_release_ipg_buffers``), every
+    backward, before the optimizer step. ``flush``: ZeRO-2's gradient bytes made before its first
+    bucket is full and flushed, which allocates the partition (``"first bucket"``). ``gathered``: ZeRO-3's parameters gathered
     for the running module (forward and backward). ``step_scratch``: what ``optimizer.step()``
     adds (the gradient partition flattened and converted to fp32). ``host``: bytes in host
     memory by category. ``compute_precision``: the precision the forward runs in
@@ -119,6 +125,8 @@ class ModelStates:
     step_scratch: float = 0.0
     host: dict[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    bucket: float = 0.0
+    flush: float = 0.0
 
     @property
     def host_bytes(self) -> float:
@@ -133,13 +141,16 @@ class ModelStates:
     def peak_inputs(self) -> dict[str, float]:
         """The quantities the estimate's peak moments use: ``parameters``, ``optimizer``,
         ``gradients`` (grown through backward), ``held`` (gradient bytes held all step),
-        ``late`` (held from the first reduce bucket on), ``step`` (optimizer-step scratch),
-        ``gathered`` (ZeRO-3's gathered parameters in forward and backward)."""
+        ``late`` (held from the first reduce bucket on), ``bucket`` (held from the first
+        gradient to the end of backward), ``flush`` (gradient bytes made before ``late`` is
+        allocated), ``step`` (optimizer-step scratch), ``gathered``
+        (ZeRO-3's gathered parameters in forward and backward)."""
         always = self.gradients if self.gradients_from == "always" else 0.0
         return {"parameters": self.parameters, "optimizer": self.optimizer,
                 "gradients": self.gradients - always, "held": self.buffers + always,
                 "late": self.gradients if self.gradients_from == "first bucket" else 0.0,
-                "step": self.step_scratch, "gathered": self.gathered}
+                "bucket": self.bucket, "flush": self.flush, "step": self.step_scratch,
+                "gathered": self.gathered}
 
 
 @dataclass(frozen=True)
@@ -253,14 +264,17 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     grads_from = {0: "backward", 1: "backward", 2: "first bucket", 3: "always"}[zero]
     if zero == 2 and psi and buckets.reduce >= psi:
         # the partition is allocated when the first bucket is flushed: a bucket as large as
-        # the model fills only with the last gradient, at the end of backward
-        grads_from = "backward"
+        # the model fills only with the last gradient, at the end of backward; until then each
+        # gradient is copied into the bucket at its hook and freed
+        grads_from = "end of backward"
     # the reduce bucket, doubled at stages 1-2 under overlap_comm (stage 3 keeps one)
     copies = 2 if buckets.overlap_comm and zero in (1, 2) else 1
     bucket = copies * e * buckets.reduce if zero >= 1 else 0
-    buffers = bucket
+    # stage 3 keeps its bucket all step; stages 1-2 allocate theirs in each backward
+    buffers, in_backward = (bucket, 0.0) if zero >= 3 else (0.0, bucket)
     ahead = min(buckets.prefetch, buckets.max_live, psi) if psi else buckets.prefetch
-    gathered = e * (largest + ahead) if zero >= 3 else 0.0
+    # never more than the whole model (a small one is gathered whole)
+    gathered = e * min(largest + ahead, psi) if zero >= 3 else 0.0
     # step(): stage 1 (and stage 0's 16-bit optimizer) flattens the gradient partition, the
     # 16-bit modes convert it to fp32; fp32 stage 0 is torch's own optimizer, no copy
     flat = zero == 1 or (zero == 0 and e != 4)
@@ -282,7 +296,7 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
             add("gradients", pin(4 * part))            # fp32 gradient partition (pinned)
             add("gradients", pin(4 * largest))         # host staging of one parameter's gradient
             add("parameters", pin(e * part))           # 16-bit copy of the updated partition
-            buffers = bucket + e * largest             # device staging of one parameter's gradient
+            buffers = e * largest                      # device staging of one parameter's gradient
             grads, grads_from = 0.0, "backward"
         else:
             add("optimizer", 4 * part)                 # fp32 master (unpinned clone)
@@ -296,8 +310,9 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
         params = e * small
         notes.append("parameter offload: the device keeps the small persistent parameters and "
                      "those gathered for the running module")
+    flush = e * buckets.reduce if grads_from == "first bucket" else 0.0
     return ModelStates(params, grads, opt, True, compute, grads_from, buffers, gathered, scratch,
-                       host, tuple(notes))
+                       host, tuple(notes), in_backward, flush)
 
 
 def data_parallel_ranks(world_size: int, tensor_parallel: int) -> int:

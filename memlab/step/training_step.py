@@ -473,7 +473,7 @@ def make_batch(step: StepConfig, device: torch.device | str = "cpu", seed: int =
         step: the step (its model, seq and batch); device: where the tensors go; seed: which windows.
 
     Returns:
-        GPT: ``(idx, targets)``, each ``batch x seq`` token ids; UNet: its images, timesteps and noise.
+        GPT or a decoder: ``(idx, targets)``, each ``batch x seq`` token ids; UNet: its images, timesteps and noise.
     """
     cfg = step.model_config
     g = torch.Generator().manual_seed(seed)
@@ -481,7 +481,7 @@ def make_batch(step: StepConfig, device: torch.device | str = "cpu", seed: int =
         x = torch.randn(step.batch, cfg.channels, step.seq, step.seq, generator=g)
         t = torch.randint(0, 1000, (step.batch,), generator=g)
         return x.to(device), t.to(device), torch.randn(x.shape, generator=g).to(device)
-    tokens = _corpus_tokens() % cfg.vocab_size
+    tokens = _corpus_tokens() % (cfg.vocab if isinstance(cfg, DecoderShape) else cfg.vocab_size)
     starts = torch.randint(0, len(tokens) - step.seq - 1, (step.batch,), generator=g)
     idx = torch.stack([tokens[s:s + step.seq] for s in starts.tolist()])
     tgt = torch.stack([tokens[s + 1:s + step.seq + 1] for s in starts.tolist()])

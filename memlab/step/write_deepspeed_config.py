@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from memlab.core.errors import InputError
-from memlab.step.states import BUCKET_ELEMENTS, PERSISTENCE_THRESHOLD
+from memlab.step.states import BUCKET_ELEMENTS, PERSISTENCE_THRESHOLD, ZeroBuckets
 
 #: ZeRO-1/2: each gradient slice is reduced to the rank that owns its partition (``dist.reduce``
 #: in ``average_tensor`` of DeepSpeed 0.19's ``stage_1_and_2.py``), which together is the
@@ -101,6 +101,9 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
     0.16.4 splits the Linear layers; the data-parallel degree, which the train batch counts, is
     world_size / t).
 
+    A run's own buffer sizes (``step.buckets``, a decoder's run) replace ``bucket_elements`` and
+    ``persistence_threshold``: the config writes the run the lenses count.
+
     A dict because it is a DeepSpeed config, as ``deepspeed.initialize`` reads it.
     """
     check_accelerator_precision(step.precision, accelerator)
@@ -119,14 +122,14 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
     if not torch_adam and step.offload == "none":
         raise InputError("torch_adam=False selects DeepSpeedCPUAdam, which runs on the host: "
                          "it needs offload='optimizer' or 'all'")
-    zero: dict[str, Any] = {"stage": step.zero, "reduce_bucket_size": bucket_elements,
-                            "allgather_bucket_size": bucket_elements,
-                            "contiguous_gradients": True, "overlap_comm": False}
+    b = step.buckets or ZeroBuckets(reduce=bucket_elements, prefetch=bucket_elements, max_live=4 * bucket_elements,
+                                    persistence=persistence_threshold)
+    zero: dict[str, Any] = {"stage": step.zero, "reduce_bucket_size": b.reduce, "allgather_bucket_size": b.reduce,
+                            "contiguous_gradients": True, "overlap_comm": b.overlap_comm}
     if step.zero == 3:
-        zero.update(stage3_prefetch_bucket_size=bucket_elements,
-                    stage3_param_persistence_threshold=persistence_threshold,
-                    stage3_max_live_parameters=4 * bucket_elements,
-                    stage3_max_reuse_distance=4 * bucket_elements)
+        zero.update(stage3_prefetch_bucket_size=b.prefetch, stage3_param_persistence_threshold=b.persistence,
+                    stage3_max_live_parameters=b.max_live, stage3_max_reuse_distance=b.max_live,
+                    sub_group_size=b.sub_group)
     if paper_collectives and step.zero in (1, 2):
         zero.update(REDUCE_TO_OWNER)
     if paper_collectives and step.zero == 3:

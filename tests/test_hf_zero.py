@@ -1,0 +1,123 @@
+"""ZeRO on a Hugging Face decoder: the simulation and the estimate against real DeepSpeed.
+
+Each family's small config (tests/hf_families.py) runs one fp32 step of ``transformers``' class
+with real DeepSpeed 0.19.8 on 2 gloo ranks (:func:`memlab.hf.deepspeed_measure.measure_zero_hf`)
+at ZeRO-1, ZeRO-2, ZeRO-3 and ZeRO-2 with the optimizer offloaded; each rank's peak is the
+tracker's. What the lenses must get right at this size is DeepSpeed's buffers, which are a
+quarter of these peaks: stages 1-2's reduce bucket lives from the first gradient's hook to the
+end of backward, stage 3's bucket and gradient partition from init
+(:class:`memlab.step.states.ModelStates`). Llama runs by default; the other families are ``slow``.
+
+Achieved, simulation (estimate) against the largest rank's peak:
+
+================  =============  =============  ==============  =================
+family            ZeRO-1         ZeRO-2         ZeRO-3          ZeRO-2 + offload
+================  =============  =============  ==============  =================
+llama             -0.01 (+0.01)  -0.01 (+0.01)  +0.78 (+0.80)   -0.02 (+0.00)
+qwen3, phi3       -0.01 (+0.01)  -0.01 (+0.01)  -1.71, -1.47    -0.02 (+0.0)
+gemma2, gemma3    -0.01 (+3.1,   -0.01 (+3.1,   +0.68, +0.55    -0.02 (up to
+                  +3.7)          +3.7)                          +4.2)
+gpt2              -0.01 (-17.2)  -0.01 (-16.2)  -3.66           -0.02 (-18.8)
+MoE (4 families)  -0.01 (-1.3..  -0.01 (-0.8..  -2.8..-6.2      (not run)
+                  -0.6)          -0.3)
+================  =============  =============  ==============  =================
+
+ZeRO-3's gathered parameters follow DeepSpeed's prefetch and reuse policy, which the layout
+counts as one bound (the running module's largest parameter and the prefetch bucket, at most the
+model): 4% on the dense families, 6.5% on the mixtures of experts, whose experts gather more at
+their forward. GPT-2's estimate misses its last MLP's ``gelu_new`` backward with the bucket
+alive (the closed form has no such moment, see tests/test_hf_chunked_loss.py); Gemma's estimate
+is high in fp32 as everywhere (tests/test_hf_families.py).
+"""
+import functools
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from hf_families import FAMILIES  # noqa: E402
+from test_hf_lora import CONFIGS  # noqa: E402
+
+from memlab.hf.deepspeed_measure import measure_zero_hf  # noqa: E402
+from memlab.hf.estimate import estimate_run  # noqa: E402
+from memlab.hf.shape import decoder_shape  # noqa: E402
+from memlab.hf.simulate import simulate_hf  # noqa: E402
+from memlab.step.training_step import StepConfig  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+SEQ, BATCH = 128, 2
+RUNS = {"zero1": dict(zero=1), "zero2": dict(zero=2), "zero3": dict(zero=3),
+        "zero2-offload": dict(zero=2, offload="optimizer")}
+MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+#: the estimate's band where it is not [-2%, +3%] (the module doc says why)
+ESTIMATE_BAND = {"gemma2": (-0.02, 0.045), "gemma3": (-0.02, 0.045), "gpt2": (-0.19, -0.15)}
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(name: str) -> dict:
+    """One launch of 2 gloo ranks for every run of the family (MoE: no offload)."""
+    s = decoder_shape(CONFIGS[name])
+    runs = {k: r for k, r in RUNS.items() if not (name in MOE and "offload" in k)}
+    steps = [StepConfig(s, seq=SEQ, batch=BATCH, world_size=2, **r) for r in runs.values()]
+    return dict(zip(runs, measure_zero_hf(CONFIGS[name], steps, timeout=900), strict=True))
+
+
+def _device_peak(report) -> int:
+    """The largest rank's device peak: on CPU host and device are one memory, so offload's host
+    accounts (DeepSpeed's own, :func:`memlab.distributed.deepspeed_zero.zero_accounting`) come off."""
+    return max(r.allocator["device_peak_bytes"] for r in report.per_rank)
+
+
+def _check(name: str, run: str) -> None:
+    real = _measured(name)[run]
+    assert len(real.per_rank) == 2
+    peak = _device_peak(real)
+    sim = simulate_hf(CONFIGS[name], seq=SEQ, batch=BATCH, target="cpu", world_size=2, **RUNS[run])
+    rel = 0.005 if run != "zero3" else (0.065 if name in MOE else 0.04)
+    assert sim.peak_bytes == pytest.approx(peak, rel=rel), (sim.by_category, real.by_category)
+    if run == "zero3" or (name in MOE and run != "zero1" and run != "zero2"):
+        return
+    est = estimate_run(StepConfig(decoder_shape(CONFIGS[name]), seq=SEQ, batch=BATCH, world_size=2,
+                                  **RUNS[run]), target="cpu")
+    low, high = ESTIMATE_BAND.get(name, (-0.02, 0.03))
+    assert low <= est.peak_bytes / peak - 1 <= high, (est.notes[0], est.by_category, real.by_category)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_simulation_and_estimate_hold_to_real_deepspeed(run):
+    _check("llama", run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,run", [(n, r) for n in FAMILIES for r in RUNS
+                                      if not (n in MOE and "offload" in r)])
+def test_every_family_holds_to_real_deepspeed(name, run):
+    _check(name, run)
+
+
+def test_a_step_of_another_model_is_refused():
+    """The ranks build the config's class: a step must carry that config's shape."""
+    from memlab.core.errors import InputError
+    other = StepConfig(decoder_shape(CONFIGS["qwen3"]), seq=SEQ, batch=BATCH, zero=2, world_size=2)
+    with pytest.raises(InputError, match="is not the shape of config"):
+        measure_zero_hf(CONFIGS["llama"], [other])
+
+
+def test_the_cli_measures_a_zero_run_of_a_config_as_simulate_counts_it(tmp_path, capsys):
+    """``measure --hf-config --zero 2 --world-size 2`` runs real DeepSpeed on 2 ranks; ``simulate``
+    with the same flags on target cpu lands within 0.5% of each rank's peak."""
+    import json
+
+    from memlab.app.cli import main
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIGS["llama"]))
+    flags = ["--hf-config", str(path), "--seq", str(SEQ), "--batch", str(BATCH), "--zero", "2",
+             "--world-size", "2", "--json"]
+    assert main(["measure", *flags]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert main(["simulate", *flags, "--target", "cpu"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert len(measured["per_rank"]) == 2
+    for rank in measured["per_rank"]:
+        assert simulated["peak_bytes"] == pytest.approx(rank["peak_bytes"], rel=0.005)
