@@ -712,7 +712,8 @@ def _largest_matrix(s: DecoderShape) -> int:
 
 def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
                  dense_w: float, G: float, G_prev: float, held: float, late: float, early_late: float,
-                 bucket: float, partitioned: bool, head_grad: float, gathered: float, scratch: float, full: bool, trains_base: bool,
+                 bucket: float, partitioned: bool, head_grad: float, gathered: float, scratch: float, full: bool,
+                 trains_base: bool,
                  chunk: int | None = None, largest_grad: float | None = None,
                  out_held: float = 0.0) -> tuple[str, dict]:
     """The moment of the step whose bytes are largest, and its categories: the loss

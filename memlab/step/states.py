@@ -107,9 +107,10 @@ class ModelStates:
     gradient's hook (``process_gradients`` -> ``setup_buckets``) and frees it when the last hook
     has run (``independent_gradient_partition_epilogue`` -> ``_release_ipg_buffers``), every
     backward, before the optimizer step. ``flush``: ZeRO-2's gradient bytes made before its first
-    bucket is full and flushed, which allocates the partition (``"first bucket"``). ``gathered``: ZeRO-3's parameters gathered
-    for the running module (forward and backward). ``step_scratch``: what ``optimizer.step()``
-    adds (the gradient partition flattened and converted to fp32). ``host``: bytes in host
+    bucket is full and flushed, which allocates the partition (``"first bucket"``). ``gathered``:
+    ZeRO-3's parameters gathered for the running module (forward and backward).
+    ``step_scratch``: what ``optimizer.step()`` adds (the gradient partition flattened and
+    converted to fp32). ``host``: bytes in host
     memory by category. ``compute_precision``: the precision the forward runs in
     (``"pure-bf16"`` under DeepSpeed's 16-bit mode: no autocast, 16-bit weights).
     """
