@@ -753,8 +753,7 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
         m["chunked loss forward"] = dict(activations=A, gradients=G_prev + held,
                                          temporaries=loss["chunked loss forward"]["temporaries"] + gathered)
         grad_w = max(G_prev, head_grad + late) if trains_base and not s.tied else G_prev
-        head_hook = bucket if trains_base and not s.tied else 0.0
-        m["chunked loss backward"] = dict(activations=A, gradients=grad_w + held + head_hook + (
+        m["chunked loss backward"] = dict(activations=A, gradients=grad_w + held + (
             loss["chunked loss backward"]["gradients"] if trains_base and s.tied else 0),
             temporaries=loss["chunked loss backward"]["temporaries"] + gathered)
         if s.norm in NORM_BACKWARD_TEMPORARIES:  # with no logits, the final norm's backward can be the peak
