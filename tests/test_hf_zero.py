@@ -76,7 +76,7 @@ def _check(name: str, run: str) -> None:
     sim = simulate_hf(CONFIGS[name], seq=SEQ, batch=BATCH, target="cpu", world_size=2, **RUNS[run])
     rel = 0.005 if run != "zero3" else (0.065 if name in MOE else 0.04)
     assert sim.peak_bytes == pytest.approx(peak, rel=rel), (sim.by_category, real.by_category)
-    if run == "zero3" or (name in MOE and run != "zero1" and run != "zero2"):
+    if run == "zero3":  # the estimate is held to the simulation there (tests/test_hf_simulate_run.py)
         return
     est = estimate_run(StepConfig(decoder_shape(CONFIGS[name]), seq=SEQ, batch=BATCH, world_size=2,
                                   **RUNS[run]), target="cpu")
