@@ -17,7 +17,7 @@ from memlab.hf.simulate import simulate_hf
 from memlab.lenses.your_model import track_step
 from memlab.models.gpt_unet import GPT, PRESETS
 from memlab.step import low_bit
-from memlab.step.fine_tune_config import LoraConfig
+from memlab.step.fine_tune_config import GPT2_TARGETS, LLAMA_TARGETS, LoraConfig
 from memlab.techniques import finetune
 from memlab.tracking.tracker import CATEGORIES
 
@@ -43,8 +43,8 @@ def _measure(cfg, precision="fp32", **kw):
 
 
 @pytest.mark.parametrize("cfg,targets", [(SMALL, ["q_proj", "v_proj"]),
-                                         (SMALL, finetune.LLAMA_TARGETS),
-                                         (GPT2, finetune.GPT2_TARGETS)])
+                                         (SMALL, LLAMA_TARGETS),
+                                         (GPT2, GPT2_TARGETS)])
 def test_lora_count_equals_peft(cfg, targets):
     torch.manual_seed(0)
     model, _ = hf.build_fn(cfg, lora=_lora(targets))()
@@ -68,8 +68,8 @@ def test_lora_step_keeps_state_only_for_adapters():
     (["q_proj", "v_proj"], None, "fp32", (0.0, 0.03)),
     # bf16 under HF's checkpointing: the estimate keeps 1.7 MB more temporaries than the step
     (["q_proj", "v_proj"], "full", "bf16", (0.08, 0.11)),
-    (finetune.LLAMA_TARGETS, None, "bf16", (-0.07, -0.035)),
-    (finetune.LLAMA_TARGETS, "full", "fp32", (0.01, 0.04))])
+    (LLAMA_TARGETS, None, "bf16", (-0.07, -0.035)),
+    (LLAMA_TARGETS, "full", "fp32", (0.01, 0.04))])
 def test_lora_estimate_tracks_the_measured_step(targets, ckpt, precision, band):
     """The estimate against the real step tracked, each case within a band around its
     measured error (+1.5%, +9.7%, -5.3%, +2.8% here): a drift of 1.5% either way fails; the
@@ -154,7 +154,7 @@ def test_will_it_fit_panel_redraws_with_the_estimate():
     panel = FinetunePanel("llama-3-8b", "A100-80GB")
     full = panel.data.peak_bytes
     panel.lora.value = "r=16 all linear"  # a click, from code
-    lora = LoraConfig(rank=16, targets=finetune.LLAMA_TARGETS)
+    lora = LoraConfig(rank=16, targets=LLAMA_TARGETS)
     expected = estimate_hf("llama-3-8b", seq=512, batch=1, precision="bf16", checkpointing="none",
                            lora=lora, budget="A100-80GB", target="cuda")
     assert panel.data.peak_bytes == expected.peak_bytes < full

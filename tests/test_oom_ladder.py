@@ -175,7 +175,8 @@ def test_the_table_has_a_row_per_rung_and_a_column_per_card(ladder):
 def test_lora_with_the_chunked_loss_holds_only_the_adapters_gradients():
     """The head is frozen under LoRA: at the chunked loss's backward the gradients are the
     adapters' alone (2 bytes each in pure bf16, all there: accumulation), no V x d head gradient."""
-    from memlab.techniques.finetune import LLAMA_TARGETS, estimate_finetune
+    from memlab.step.fine_tune_config import LLAMA_TARGETS
+    from memlab.techniques.finetune import estimate_finetune
     step = replace(step_config(CONFIG, seq=4096, batch=4, precision="pure-bf16", checkpointing="full"),
                    micro_batches=4)
     step = replace(step, model=replace(step.model_config, loss="chunked"))

@@ -149,17 +149,18 @@ def _file_fine_tune(args: argparse.Namespace, lora, quant):
 def _fine_tune(args: argparse.Namespace, cfg) -> tuple[dict | None, list[str]]:
     """``estimate_finetune``'s keywords from the flags (None: a plain step) and the notes of
     what a --lora-config does not model."""
-    from memlab.hf import read_run_configs as run_config
+    from memlab.step.fine_tune_config import lora_targets_for
     kind = low_bit.HF_OPTIMIZERS.get(args.optimizer, args.optimizer)
     lora, notes = None, []
     if args.lora_config is not None:
         if args.lora_rank is not None or args.lora_targets is not None:
             raise InputError("give --lora-config or --lora-rank/--lora-targets, not both")
+        from memlab.hf import read_run_configs as run_config
         spec = run_config.read_lora_config(args.lora_config, cfg)
         lora, notes = (spec.rank, spec.targets), list(spec.notes)
     elif args.lora_rank is not None or args.lora_targets is not None:
         targets = (tuple(args.lora_targets.split(",")) if args.lora_targets
-                   else run_config.lora_targets_for(cfg))
+                   else lora_targets_for(cfg))
         lora = (args.lora_rank or 8, targets)  # 8: peft's default r
     if args.load_in_4bit and args.load_in_8bit:
         raise InputError("give --load-in-4bit or --load-in-8bit, not both")

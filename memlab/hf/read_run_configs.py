@@ -64,11 +64,10 @@ from memlab.distributed.ranks import set_cache_env
 from memlab.hf.config_check import recorded
 from memlab.models.gpt_unet import GPTConfig
 from memlab.step.decoder_states import LM_HEAD
-from memlab.step.fine_tune_config import LoraConfig, QuantConfig
+from memlab.step.fine_tune_config import LoraConfig, QuantConfig, lora_targets_for
 from memlab.step.low_bit import HF_OPTIMIZERS
 from memlab.step.states import PARAM_OFFLOAD, ZeroBuckets
 from memlab.step.write_deepspeed_config import deepspeed_batch_sizes
-from memlab.techniques.finetune import GPT2_TARGETS, LLAMA_TARGETS
 
 #: "auto" keys a DeepSpeed config may leave to the Trainer and that memlab fills as it does
 HIDDEN_AUTO = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
@@ -712,11 +711,6 @@ class LoraSpec:
         return LoraConfig(rank=self.rank, targets=self.targets, dropout=self.dropout, alpha=self.alpha)
 
 
-def lora_targets_for(cfg: GPTConfig) -> tuple[str, ...]:
-    """The target module names of ``cfg``'s family (GPT-2's or Llama's)."""
-    return GPT2_TARGETS if cfg.mlp == "gelu" else LLAMA_TARGETS
-
-
 def read_lora_config(path: str | pathlib.Path | dict, cfg: GPTConfig | tuple[str, ...]) -> LoraSpec:
     """peft's ``adapter_config.json`` (``peft_type`` LORA): ``r``, ``lora_dropout``,
     ``lora_alpha`` and ``target_modules`` (a list of names, ``"all-linear"``, or a regular
@@ -1141,7 +1135,7 @@ def read_training_args(path: str | pathlib.Path | dict) -> TrainingRun:  # noqa:
 
 
 __all__ = ["DeepSpeedRun", "LoraSpec", "TrainingRun", "HIDDEN_AUTO", "DS_PRECISIONS", "MODELLED",
-           "load_file", "resolve_auto", "read_deepspeed", "read_lora_config", "lora_targets_for",
+           "load_file", "resolve_auto", "read_deepspeed", "read_lora_config",
            "read_training_args", "LAUNCHERS", "TRL_MODEL_ARGS", "launcher_of", "is_accelerate_config",
            "accelerate_precision", "AccelerateRun", "read_accelerate", "PLAIN_ZERO", "PLAIN_OFFLOAD", "plain_reading",
            "trainer_precision"]

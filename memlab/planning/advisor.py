@@ -65,11 +65,11 @@ from memlab.models.decoder_shape import DecoderShape
 from memlab.models.gpt_unet import GPTConfig, get_config
 from memlab.planning.plan_search import RANKS_PER_HOST, search_plans
 from memlab.policy import resolve_target
-from memlab.step.fine_tune_config import LoraConfig, QuantConfig
+from memlab.step.fine_tune_config import LoraConfig, QuantConfig, lora_targets_for
 from memlab.step.states import under_deepspeed
 from memlab.step.training_step import StepConfig
 from memlab.step.write_deepspeed_config import deepspeed_config
-from memlab.techniques.finetune import GPT2_TARGETS, LLAMA_TARGETS, estimate_finetune
+from memlab.techniques.finetune import estimate_finetune
 
 SIMULATE_MAX_PARAMS = 2_000_000_000  # gpt2-xl (1.6B) simulates in ~4 s on 2 cores
 TP_MAX = 8  # tensor parallelism all-reduces twice per layer each way: keep it inside a node
@@ -523,7 +523,7 @@ def finetune_ladder(step: StepConfig, usable: int, target, *, rank: int = 16,
                                                   quantization=QuantConfig(bits=4)))]
         return [LadderRung(name, peak_bytes=p, fits=p <= usable)
                 for name, p in ((n, estimate_run(r, target=target).peak_bytes) for n, r in runs)]
-    targets = tuple(targets or (GPT2_TARGETS if cfg.mlp == "gelu" else LLAMA_TARGETS))
+    targets = tuple(targets or lora_targets_for(cfg))
     rungs = [("8-bit AdamW", dict(optimizer="adamw-8bit")),
              (f"LoRA r={rank}", dict(optimizer="adamw-8bit", lora=(rank, targets))),
              (f"QLoRA r={rank} (NF4)", dict(optimizer="adamw-8bit", lora=(rank, targets),

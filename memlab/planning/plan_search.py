@@ -27,9 +27,10 @@ from memlab.core.errors import InputError
 from memlab.core.units import fmt_bytes
 from memlab.lenses.estimate import estimate_step
 from memlab.models.gpt_unet import GPTConfig
+from memlab.step.fine_tune_config import lora_targets_for
 from memlab.step.training_step import StepConfig
 from memlab.step.write_deepspeed_config import CPU_PRECISIONS
-from memlab.techniques.finetune import GPT2_TARGETS, LLAMA_TARGETS, estimate_finetune, lora_shapes
+from memlab.techniques.finetune import estimate_finetune, lora_shapes
 from memlab.time.flops import gpt_step_flops
 from memlab.time.step_time import optimizer_pass, parameter_tensors, step_time
 
@@ -268,7 +269,7 @@ def _changed_training(step: StepConfig, card: str, usable: int, target) -> list[
     out.append(Candidate({**base, "precision": "bf16", "optimizer_state": "adamw-8bit", "lora": None}, int(peak),
                          peak <= usable, t.seconds, t.bound, True,
                          "exact Adam moments: they are quantised to 8 bits per block"))
-    targets = LLAMA_TARGETS if cfg.mlp == "swiglu" else GPT2_TARGETS
+    targets = lora_targets_for(cfg)
     peak = estimate_finetune(mixed, lora=(LORA_RANK, targets), target=target or "cuda").peak_bytes
     flops = gpt_step_flops(cfg, step.seq, step.batch, checkpointing=base["checkpointing"], attention=cfg.attention,
                            lora_rank=LORA_RANK, lora_targets=targets)

@@ -21,6 +21,20 @@ ADAPTER_DTYPES = ("fp32", "base")
 QUANT_BITS = (4, 8)
 QUANT_TYPES = ("nf4", "fp4")
 COMPUTE_DTYPES = ("bf16", "fp16", "fp32")
+#: LoRA target module names per family of memlab's GPT (every Linear of a layer, as peft names them)
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GPT2_TARGETS = ("c_attn", "c_proj", "c_fc")
+
+
+def lora_targets_for(cfg) -> tuple[str, ...]:
+    """The LoRA target module names of a memlab GPT config's family.
+
+    Args:
+        cfg: a :class:`memlab.models.gpt_unet.GPTConfig` (its ``mlp``: ``"gelu"`` is GPT-2's).
+    Returns:
+        :data:`GPT2_TARGETS` for a GELU MLP, else :data:`LLAMA_TARGETS` (SwiGLU).
+    """
+    return GPT2_TARGETS if cfg.mlp == "gelu" else LLAMA_TARGETS
 
 
 @dataclass(frozen=True)
@@ -130,5 +144,5 @@ def _known(cls, d: dict, what: str) -> dict:
     return dict(d)
 
 
-__all__ = ["ALL_LINEAR", "ADAPTER_DTYPES", "QUANT_BITS", "QUANT_TYPES", "COMPUTE_DTYPES", "LoraConfig",
-           "QuantConfig"]
+__all__ = ["ALL_LINEAR", "ADAPTER_DTYPES", "QUANT_BITS", "QUANT_TYPES", "COMPUTE_DTYPES", "LLAMA_TARGETS",
+           "GPT2_TARGETS", "lora_targets_for", "LoraConfig", "QuantConfig"]

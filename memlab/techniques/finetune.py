@@ -32,10 +32,6 @@ from memlab.step.low_bit import (
 )
 from memlab.step.training_step import MemoryReport, StepConfig, resolve_step
 
-#: LoRA target module names per family: name -> (in_features, out_features) of one layer.
-LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GPT2_TARGETS = ("c_attn", "c_proj", "c_fc")
-
 
 def _shapes(cfg: GPTConfig) -> dict[str, list[tuple[int, int]]]:
     """(in, out) of every Linear a target name matches in one layer."""
@@ -251,6 +247,6 @@ def _lora_matrix_shapes(cfg: GPTConfig, rank: int, targets: Iterable[str]) -> li
     return cfg.n_layer * [m for t in set(targets) for i, o in shapes[t] for m in ((rank, i), (o, rank))]
 
 
-__all__ = ["LLAMA_TARGETS", "GPT2_TARGETS", "lora_shapes", "lora_params", "frozen_saved_bytes", "estimate_lora",
+__all__ = ["lora_shapes", "lora_params", "frozen_saved_bytes", "estimate_lora",
            "param_shapes", "optimizer_state_of", "quantized_model_bytes", "optimizer_state_bytes", "estimate_8bit",
            "estimate_finetune"]
