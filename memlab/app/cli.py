@@ -39,7 +39,6 @@ from memlab.core.hardware import GPU_PRESETS, resolve_budget
 from memlab.core.units import fmt_bytes
 from memlab.hf import config as hf
 from memlab.hf import simulation_bound
-from memlab.lenses.guard import HostMemoryError
 from memlab.models.gpt_unet import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
 from memlab.step import low_bit
 from memlab.step.training_step import DECODER_LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
@@ -749,10 +748,10 @@ def _hf_run(args: argparse.Namespace) -> tuple[dict, list[str]]:
 def _hf_lora(args: argparse.Namespace, shape) -> tuple[LoraConfig | None, list[str]]:
     """The LoRA of --lora-config or --lora-rank/--lora-targets/--lora-dropout on a Hugging Face
     decoder (every ``Linear`` of its layers by default, as peft's ``all-linear``)."""
-    from memlab.hf import read_run_configs as run_config
     from memlab.step.fine_tune_config import LoraConfig
     names = shape.linear_names()
     if args.lora_config is not None:
+        from memlab.hf import read_run_configs as run_config
         if args.lora_rank is not None or args.lora_targets is not None:
             raise InputError("give --lora-config or --lora-rank/--lora-targets, not both")
         spec = run_config.read_lora_config(args.lora_config, names)
@@ -862,15 +861,15 @@ def main(argv: list[str] | None = None) -> int:
             from memlab.classroom import collect as classroom
             return classroom.main(args.rest)
         result = run(args)
-    except HostMemoryError as e:
-        step = None
-        try:
-            step = step_from_args(args)
-        except (InputError, AttributeError):
-            pass
-        _one_line(e.with_way_out(way_out(argv, step)))
-        return 2
     except InputError as e:
+        # the guard's refusal can only come from a command that imported the guard, so a
+        # command that does not need it (estimate, --help) never pays for its imports
+        guard = sys.modules.get("memlab.lenses.guard")
+        if guard is not None and isinstance(e, guard.HostMemoryError):
+            step = None
+            with contextlib.suppress(InputError, AttributeError):
+                step = step_from_args(args)
+            e = e.with_way_out(way_out(argv, step))
         _one_line(e)
         return 2
     except Exception:  # a bug, not the user's input: show where
