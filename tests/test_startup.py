@@ -26,6 +26,13 @@ from memlab.hf.estimate import estimate_hf
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEAVY = ("transformers", "deepspeed", "peft", "bitsandbytes", "torchao", "matplotlib")
+#: memlab's own modules a closed-form estimate of an HF config never needs: the guard (and its
+#: psutil: only a real measurement asks for host memory), the other lenses, the time lens (FLOPs
+#: and seconds: memlab's GPT and --card), the techniques (memlab's GPT), DeepSpeed's ranks
+NOT_FOR_AN_ESTIMATE = ("psutil", "memlab.lenses.guard", "memlab.lenses.estimate", "memlab.lenses.simulate",
+                       "memlab.lenses.measure", "memlab.time.step_time", "memlab.time.flops",
+                       "memlab.techniques.finetune", "memlab.hf.simulate", "memlab.hf.measure",
+                       "memlab.distributed.deepspeed_zero")
 
 
 def _imported(runs: list[list[str]], watch: tuple[str, ...]) -> list[str]:
@@ -50,7 +57,7 @@ def test_estimate_of_a_shipped_config_imports_no_hf_library(tmp_path):
     of a config whose check needs its class's defaults (Mixtral), and with a --deepspeed JSON
     (the benchmark's and the curriculum's, read from the JSON by DeepSpeed's rules:
     read_run_configs.plain_reading), never imports transformers, DeepSpeed, peft or bitsandbytes
-    (seconds each)."""
+    (seconds each), nor memlab's modules of the other lenses (:data:`NOT_FOR_AN_ESTIMATE`)."""
     ta = tmp_path / "args.yaml"
     ta.write_text("per_device_train_batch_size: 2\ngradient_accumulation_steps: 4\nbf16: true\n")
     ds = tmp_path / "ds_config.json"
@@ -61,14 +68,14 @@ def test_estimate_of_a_shipped_config_imports_no_hf_library(tmp_path):
     runs = [base, [*base, "--training-args", str(ta)], [*base, "--lora-rank", "16", "--load-in-4bit"],
             ["estimate", "--hf-config", "mixtral-8x7b"], [*base, "--deepspeed", str(ds), "--world-size", "2"],
             [*base, "--deepspeed", curriculum, "--world-size", "2"]]
-    assert _imported(runs, HEAVY) == []
+    assert _imported(runs, HEAVY + NOT_FOR_AN_ESTIMATE) == []
 
 
 def test_help_imports_no_lens_beyond_the_parser():
     """--help builds the parser only: no DeepSpeed launcher, no advisor, no run readers. (The HF
     estimate may load with the simulation bound the parser reads: its inputs are loaded already,
     it adds one module and ~10 ms, ``python -X importtime``.)"""
-    watch = (*HEAVY, "memlab.planning.advisor", "memlab.distributed.deepspeed_zero", "memlab.hf.read_run_configs",
+    watch = (*HEAVY, *NOT_FOR_AN_ESTIMATE, "memlab.planning.advisor", "memlab.hf.read_run_configs",
              "memlab.classroom.technique_table", "memlab.app.doctor")
     assert _imported([["--help"]], watch) == []
 
