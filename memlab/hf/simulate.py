@@ -386,10 +386,7 @@ def _page_out(report: MemoryReport, optimizer: str) -> None:
         cats[i] = 0
         events.append(Event(ev.index, ev.op, ev.module, ev.phase, tuple(cats), ev.host_by_category))
     if events:
-        top = max(events, key=lambda e: e.total)
-        report.timeline = events
-        report.peak_bytes = top.total
-        report.by_category = dict(zip(CATEGORIES, top.by_category, strict=True))
+        report.replace_timeline(events)
     else:
         report.peak_bytes -= report.by_category.get("optimizer", 0)
         report.by_category["optimizer"] = 0

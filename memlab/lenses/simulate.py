@@ -223,11 +223,7 @@ def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float) -
             cats[i["temporaries"]] += ms.step_scratch
         events.append(Event(ev.index, ev.op, ev.module, ev.phase,
                             tuple(int(round(c)) for c in cats), ev.host_by_category))
-    if events:
-        top = max(events, key=lambda e: e.total)
-        report.timeline = events
-        report.peak_bytes = top.total
-        report.by_category = dict(zip(CATEGORIES, top.by_category, strict=True))
+    report.replace_timeline(events)
     host = {c: int(round(ms.host.get(c, 0.0))) for c in CATEGORIES}
     report.host_bytes, report.host_by_category = sum(host.values()), host
     report.notes.append(f"DeepSpeed step: simulated in {ms.compute_precision} without autocast, "

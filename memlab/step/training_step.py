@@ -307,6 +307,19 @@ class MemoryReport:
     def headroom_bytes(self) -> int | None:
         return None if self.budget_bytes is None else self.budget_bytes - self.peak_bytes
 
+    def replace_timeline(self, events: list[Event]) -> None:
+        """Put ``events`` (a lens's timeline with its bytes rewritten) in place of the timeline;
+        the peak and its categories become those of the largest event. No events: nothing changes.
+
+        Args:
+            events: the new timeline, in step order.
+        """
+        if not events:
+            return
+        top = max(events, key=lambda e: e.total)
+        self.timeline, self.peak_bytes = events, top.total
+        self.by_category = dict(zip(CATEGORIES, top.by_category, strict=True))
+
     def to_dict(self) -> dict:
         """The JSON shape of the CLI (keys fixed by the project's contract)."""
         d = {
