@@ -49,6 +49,10 @@ if TYPE_CHECKING:  # annotations only: each command imports what it runs when it
     from memlab.step.fine_tune_config import LoraConfig
     from memlab.tracking.oom_messages import OOMExplanation
 
+#: --hf-config's help wherever a command takes it (the shipped names from memlab.hf.config.SHIPPED)
+HF_CONFIG_HELP = ("a Hugging Face config.json (or its folder, or a shipped name: "
+                  f"{', '.join(hf.SHIPPED)}) instead of --model")
+
 # -- a run as its configs write it (memlab.hf.read_run_configs, memlab.techniques.finetune) ---------------------
 #: --optimizer: the step's own optimizers, the fine-tuner's states, and HF's optim names
 OPTIMIZER_CHOICES = tuple(dict.fromkeys([*OPTIMIZERS, *low_bit.OPTIMIZER_STATES,
@@ -332,8 +336,7 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = F
     p.add_argument("--budget", default=None, help="budget as a size: 512MiB, 40GB, 1073741824")
     if target:
         p.add_argument("--hf-config", default=None, metavar="PATH",
-                       help="a Hugging Face config.json (or its folder, or a shipped name: "
-                            f"{', '.join(hf.SHIPPED)}) instead of --model")
+                       help=HF_CONFIG_HELP)
         p.add_argument("--target", default="cuda",
                        help="device whose autocast policy, kernels and workspaces are counted: "
                             "cuda (default) or cpu")
@@ -517,8 +520,7 @@ def _add_advise_args(p: argparse.ArgumentParser) -> None:
 def _add_advise_finetune_args(p: argparse.ArgumentParser) -> None:
     """advise's Hugging Face config and the fine-tuner's ladder."""
     p.add_argument("--hf-config", default=None, metavar="PATH",
-                   help="a Hugging Face config.json (or its folder, or a shipped name: "
-                        "llama-3-8b, qwen2.5-7b, mistral-7b, gpt2) instead of --model")
+                   help=HF_CONFIG_HELP)
     p.add_argument("--finetune", action="store_true",
                    help="also the fine-tuner's ladder: 8-bit AdamW, LoRA, QLoRA")
     p.add_argument("--lora-rank", type=_positive_int("lora-rank"), default=16,
