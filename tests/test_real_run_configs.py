@@ -508,3 +508,35 @@ def test_grpo_simulate_refuses_a_quantised_base(tmp_path):
         except SystemExit as e:
             code = e.code
     assert code == 2 and "--load-in-4bit" in err.getvalue().strip().splitlines()[-1]
+
+
+# -- no key silently dropped ----------------------------------------------------------------------
+def _yaml(name: str) -> dict:
+    return rc.load_file(f(name), "--training-args")
+
+
+@pytest.mark.parametrize("name,added", [
+    ("axolotl/lora-8b.yml", {"liger_fused_linear_cross_entropy": True, "tokens": ["<tool>"]}),
+    ("axolotl/fft-8b.yaml", {"plugins": ["axolotl.integrations.liger.LigerPlugin"], "unfrozen_parameters": ["^lm_head"]}),
+    ("llama-factory/qwen3_lora_sft.yaml", {"use_unsloth": True, "rope_scaling": "linear"}),
+])
+def test_a_key_the_reader_does_not_model_is_named(name, added):
+    """Keys that change memory in each launcher's schema, added to a real recipe: each is named in a note."""
+    def named(d: dict) -> set[str]:
+        return {k.strip() for n in rc.read_training_args(d).notes if "not modelled: " in n
+                for k in n.split("not modelled: ", 1)[1].split(",")}
+    assert not named(_yaml(name)) & set(added)
+    assert named({**_yaml(name), **added}) >= set(added)
+
+
+def test_axolotl_attention_switches_are_read():
+    """axolotl spelled the attention as flash_attention: true before e4032fc9 (the 15f7910 file)
+    and attn_implementation after; eager_attention is HF's own attention, which memlab counts
+    with its scores (--attention naive)."""
+    assert rc.read_training_args(f("axolotl/lora-8b-15f7910.yml")).attention == "flash_attention_2"
+    assert rc.read_training_args(f("axolotl/lora-8b.yml")).attention == "flash_attention_2"
+    d = {k: v for k, v in _yaml("axolotl/fft-8b.yaml").items() if k != "attn_implementation"}
+    eager = rc.read_training_args({**d, "eager_attention": True})
+    assert eager.attention == "eager"
+    code, flash = cli("--hf-config", "llama-3.1-8b", "--training-args", f("axolotl/fft-8b.yaml"), "--gpu", "L40S-48GB")
+    assert code == 0 and "attention: flash" in flash["notes"][0]

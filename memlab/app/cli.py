@@ -97,6 +97,8 @@ def _with_training_args(args: argparse.Namespace) -> argparse.Namespace:
     new.seq = tr.seq or args.seq
     new.trainer_args, new.run_notes = tr.args, list(tr.notes)
     new.file_lora, new.file_quant = tr.lora, tr.quantization
+    if tr.attention == "eager":  # HF's own attention keeps its scores; the fused kernels are the default
+        new.attention = "naive"
     if tr.deepspeed is not None:
         if args.deepspeed is not None:
             raise InputError("--training-args names a deepspeed config: drop --deepspeed")
