@@ -517,7 +517,8 @@ def _yaml(name: str) -> dict:
 
 @pytest.mark.parametrize("name,added", [
     ("axolotl/lora-8b.yml", {"liger_fused_linear_cross_entropy": True, "tokens": ["<tool>"]}),
-    ("axolotl/fft-8b.yaml", {"plugins": ["axolotl.integrations.liger.LigerPlugin"], "unfrozen_parameters": ["^lm_head"]}),
+    ("axolotl/fft-8b.yaml", {"plugins": ["axolotl.integrations.liger.LigerPlugin"],
+                             "unfrozen_parameters": ["^lm_head"]}),
     ("llama-factory/qwen3_lora_sft.yaml", {"use_unsloth": True, "rope_scaling": "linear"}),
 ])
 def test_a_key_the_reader_does_not_model_is_named(name, added):
