@@ -15,8 +15,12 @@ import io
 import json
 import math
 import pathlib
+import sys
 
 import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+import readers_table  # noqa: E402 the table of issue 38, in tools/
 
 from memlab.app.cli import main
 from memlab.core.errors import InputError
@@ -437,32 +441,6 @@ def test_unmodelled_keys_are_named(key, value, tmp_path):
 
 
 # -- the GRPO recipe that runs on a 16 GB T4 -------------------------------------------------------
-def _notebook_call(nb: dict, name: str) -> dict:
-    """The literal keyword arguments of the first ``name(...)`` call in a notebook's code cells
-    (a keyword whose value is a variable, such as ``output_dir=output_dir``, is left out)."""
-    for cell in nb["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        src = "".join(cell["source"])
-        if name + "(" not in src:
-            continue
-        tree = ast.parse("\n".join(line for line in src.splitlines() if not line.lstrip().startswith("!")))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == name:
-                out = {}
-                for kw in node.keywords:
-                    with contextlib.suppress(ValueError):
-                        out[kw.arg] = ast.literal_eval(kw.value)
-                return out
-    raise AssertionError(f"no {name}(...) call in the notebook")
-
-
-def _notebook_output(nb: dict, pattern: str) -> float:
-    import re
-    text = "".join("".join(o.get("text", [])) for c in nb["cells"] for o in c.get("outputs", []))
-    return float(re.search(pattern, text).group(1))
-
-
 def test_grpo_qlora_recipe_on_a_t4_fits_as_it_ran(tmp_path):
     """TRL's GRPO QLoRA notebook (index.json): a 7B Qwen2 in NF4 (bnb double quantisation), LoRA
     r=32 on every projection, 8 completions of 256 tokens, paged 8-bit AdamW, checkpointing, on
@@ -471,11 +449,12 @@ def test_grpo_qlora_recipe_on_a_t4_fits_as_it_ran(tmp_path):
     near the measured peak: the allocator's reserve holds the estimate's allocated bytes plus
     its rounding, so within 15%."""
     nb = json.loads((DATA / "trl/grpo_trl_lora_qlora.ipynb").read_text())
-    grpo, lora = _notebook_call(nb, "GRPOConfig"), _notebook_call(nb, "LoraConfig")
-    bnb = _notebook_call(nb, "BitsAndBytesConfig")
+    grpo, lora = readers_table.notebook_call(nb, "GRPOConfig"), readers_table.notebook_call(nb, "LoraConfig")
+    bnb = readers_table.notebook_call(nb, "BitsAndBytesConfig")
     assert bnb["load_in_4bit"] and bnb["bnb_4bit_quant_type"] == "nf4" and bnb["bnb_4bit_use_double_quant"]
-    peak = _notebook_output(nb, r"Peak reserved memory = ([\d.]+) GB") * GIB  # max_memory_reserved / 1024**3
-    total = _notebook_output(nb, r"Max memory = ([\d.]+) GB") * GIB
+    # max_memory_reserved() / 1024**3, printed as "GB"
+    peak = readers_table.notebook_number(nb, r"Peak reserved memory = ([\d.]+) GB") * GIB
+    total = readers_table.notebook_number(nb, r"Max memory = ([\d.]+) GB") * GIB
     path = tmp_path / "grpo.json"
     path.write_text(json.dumps(grpo))
     # Qwen2.5-7B's config is Qwen2-7B's shape (3584 wide, 28 layers, 152,064 tokens); the notebook
@@ -497,7 +476,7 @@ def test_grpo_qlora_recipe_on_a_t4_fits_as_it_ran(tmp_path):
 
 
 def test_grpo_simulate_refuses_a_quantised_base(tmp_path):
-    grpo = _notebook_call(json.loads((DATA / "trl/grpo_trl_lora_qlora.ipynb").read_text()), "GRPOConfig")
+    grpo = readers_table.notebook_call(json.loads((DATA / "trl/grpo_trl_lora_qlora.ipynb").read_text()), "GRPOConfig")
     path = tmp_path / "grpo.json"
     path.write_text(json.dumps(grpo))
     out, err = io.StringIO(), io.StringIO()
@@ -541,3 +520,42 @@ def test_axolotl_attention_switches_are_read():
     assert eager.attention == "eager"
     code, flash = cli("--hf-config", "llama-3.1-8b", "--training-args", f("axolotl/fft-8b.yaml"), "--gpu", "L40S-48GB")
     assert code == 0 and "attention: flash" in flash["notes"][0]
+
+
+# -- the table: every real file against its source's own statement ---------------------------------
+def test_every_real_file_has_a_row_in_the_table():
+    assert set(readers_table.RUNS) == set(INDEX)
+
+
+@pytest.mark.parametrize("expect,code,rep,ok", [
+    ("fits", 0, {"peak_bytes": GIB, "budget_bytes": 2 * GIB, "fits": True}, True),
+    ("fits", 0, {"peak_bytes": 3 * GIB, "budget_bytes": 2 * GIB, "fits": False}, False),
+    ("near:10:0.15", 0, {"peak_bytes": 11 * GIB}, True),
+    ("near:10:0.15", 0, {"peak_bytes": 12 * GIB}, False),
+    ("above:12.37", 0, {"peak_bytes": 12 * GIB}, False),
+    ("refuse:LoRA under ZeRO-3", 2, "memlab: error: LoRA under ZeRO-3 (...) is not counted", True),
+    ("refuse:LoRA under ZeRO-3", 2, "memlab: error: something else", False),
+    ("fits", 2, "memlab: error: LoRA under ZeRO-3", False),
+])
+def test_the_table_judges_an_answer_by_its_sources_statement(expect, code, rep, ok):
+    assert readers_table.judge(expect, code, rep)[1] is ok
+
+
+def test_lora_8b_floor_is_the_files_arithmetic():
+    """Llama 3 8B: 32 layers x (4096 x 10240 attention + 3 x 4096 x 14336 MLP) linear weights at
+    a byte, the embedding and head (2 x 128,256 x 4096) and 65 norms of 4096 at two, and
+    2 x 4096 x 128,256 fp32 logits: 12.37 GiB before activations, adapters or optimizer, above
+    the README's 11 GB (written for the Llama-2-7B file of 15f7910)."""
+    linear = 32 * (4096 * 10240 + 3 * 4096 * 14336)
+    rest = 2 * 128_256 * 4096 + 65 * 4096
+    assert readers_table.lora_8b_floor() == pytest.approx((linear + 2 * rest + 4 * 2 * 4096 * 128_256) / GIB,
+                                                          rel=1e-12)
+    assert readers_table.lora_8b_floor() > 11e9 / GIB
+
+
+def test_every_real_file_agrees_with_its_source():
+    """The whole table (tools/readers_table.py --configs): 38 estimates, under 3 s once the
+    readers are loaded."""
+    rows = readers_table.run_config_rows()
+    assert len(rows) >= 30
+    assert [r.file for r in rows if not r.consistent] == []
