@@ -216,6 +216,10 @@ def estimate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
     w, c, auto = precision_bytes(precision)
     quantized = quantization is not None
     ad = None if lora is None else adapters_for(s, lora, precision, quantized)
+    if ad is not None and quantized:
+        # both trainers cast what trains on a 4-/8-bit base to bf16 (QLoRA's recommendation):
+        # trl 1.16 grpo_trainer.py lines 538-541, dpo_trainer.py lines 725-729
+        ad = dataclasses.replace(ad, a=2)
     rs = run_states(s, precision=precision, optimizer=optimizer, zero=0, world_size=1, offload="none",
                     ep=1, ad=ad, quant=quantization)
     st = rs.inputs

@@ -126,7 +126,8 @@ def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, wo
     else:
         mats = adapter_shapes(s, ad)
         trainable = [r * c for r, c in mats]
-        own = precision if (zero or ad.a == 2) else "fp32"  # peft's fp32 adapters outside DeepSpeed
+        # peft's fp32 adapters outside DeepSpeed; 16-bit adapters (ad.a == 2) hold 16-bit states
+        own = "pure-bf16" if ad.a == 2 else precision if zero else "fp32"
         ms = model_states(sum(trainable), precision=own, optimizer=base, zero=zero, world_size=world_size,
                           offload=offload, buckets=buckets)
     run = ms.compute_precision if ms.deepspeed else precision
