@@ -577,3 +577,21 @@ def test_every_real_file_agrees_with_its_source():
     rows = readers_table.run_config_rows()
     assert len(rows) >= 30
     assert [r.file for r in rows if not r.consistent] == []
+
+
+def test_qlora_under_autocast_saves_no_16bit_copy_of_the_base():
+    """Issue 38's case: Llama 3 8B at 224 tokens, bf16 autocast, no checkpointing. Over an fp32
+    base each frozen Linear whose input needs a gradient saves its weight's bf16 cast (all but
+    the first layer's q, k, v, gate and up: 2 x (6.98e9 - 0.14e9) bytes, 12.7 GiB); over an NF4
+    base bitsandbytes' MatMul4Bit saves only the packed weight (ctx.tensors = (None, B)), so the
+    QLoRA run keeps at least that much less, and its activations are under 2 GiB."""
+    base = ["--hf-config", "llama-3-8b", "--seq", "224", "--batch", "1", "--precision", "bf16",
+            "--checkpointing", "none", "--lora-rank", "16"]
+    code, lora = cli(*base)
+    code4, qlora = cli(*base, "--load-in-4bit")
+    assert code == code4 == 0
+    linear = 32 * (4096 * 10240 + 3 * 4096 * 14336)
+    first = 4096 * (4096 + 1024 + 1024) + 2 * 4096 * 14336  # layer 0's inputs come from the frozen embedding
+    copies = 2 * (linear - first)
+    assert lora["by_category"]["activations"] - qlora["by_category"]["activations"] >= copies
+    assert qlora["by_category"]["activations"] < 2 * GIB
