@@ -433,3 +433,12 @@ def test_cli_explains_an_mps_message(capsys):
     assert cli.main(["oom", str(REAL / "mps-pinokio-m1-16gb.txt")]) == 0
     out = capsys.readouterr().out
     assert out.startswith("out of memory (mps): mps watermark") and "10.66 GiB" in out
+
+
+def test_the_table_of_real_messages_agrees_with_every_thread():
+    """tools/readers_table.py --oom: one row a message, every cause the one its thread implies."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import readers_table
+    rows = readers_table.oom_rows()
+    assert len(rows) == len(REAL_NAMES) >= 20
+    assert [r.file for r in rows if not r.consistent] == []

@@ -100,6 +100,8 @@ def _with_training_args(args: argparse.Namespace) -> argparse.Namespace:
     new.seq = tr.seq or args.seq
     new.trainer_args, new.run_notes = tr.args, list(tr.notes)
     new.file_lora, new.file_quant = tr.lora, tr.quantization
+    if tr.attention == "eager":  # HF's own attention keeps its scores; the fused kernels are the default
+        new.attention = "naive"
     if tr.deepspeed is not None:
         if args.deepspeed is not None:
             raise InputError("--training-args names a deepspeed config: drop --deepspeed")
@@ -681,8 +683,13 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
         if post_training.trl_kind(trl_args) is not None:  # a GRPOConfig or DPOConfig: memlab.hf.post_training
             run = post_training.read_trl_args(trl_args, prompt_len=args.seq)
             lora, lora_notes = _hf_lora(args, decoder_shape(args.hf_config))
+            quant = _quant_flags(args)
             if args.command == "estimate":
-                report = post_training.estimate_trl_run(args.hf_config, run, lora=lora, card=budget, target=target)
+                report = post_training.estimate_trl_run(args.hf_config, run, lora=lora, card=budget, target=target,
+                                                        quantization=quant)
+            elif quant is not None:
+                raise InputError(f"simulate of a {run.objective.kind.upper()} step over a {quant.name} base is "
+                                 f"not built; allowed: memlab estimate, or drop --load-in-4bit/--load-in-8bit")
             else:
                 from memlab.hf.trl_simulate import simulate_trl_run
                 report = simulate_trl_run(args.hf_config, run, lora=lora, card=budget, target=target)
@@ -703,7 +710,6 @@ def _hf_run(args: argparse.Namespace) -> tuple[dict, list[str]]:
     as the keyword arguments both lenses of a Hugging Face config take, and the notes of where
     each came from."""
     from memlab.hf.shape import FAMILIES, decoder_shape
-    from memlab.step.fine_tune_config import QuantConfig
     notes: list[str] = []
     acc = None
     if getattr(args, "accelerate_config", None) is not None:
@@ -736,15 +742,21 @@ def _hf_run(args: argparse.Namespace) -> tuple[dict, list[str]]:
                  f"{ds.micro_batch} x {ds.accumulation} accumulation x {ds.world_size} rank(s) "
                  f"= train_batch_size {ds.train_batch}", *notes, *ds.notes]
     lora, lora_notes = _hf_lora(args, shape) if shape is not None else (None, [])
-    if args.load_in_4bit and args.load_in_8bit:
-        raise InputError("give --load-in-4bit or --load-in-8bit, not both")
-    quant = QuantConfig(bits=4) if args.load_in_4bit else QuantConfig(bits=8) if args.load_in_8bit else None
+    quant = _quant_flags(args)
     lora, quant = _file_fine_tune(args, lora, quant)
     optimizer = low_bit.HF_OPTIMIZERS.get(args.optimizer, args.optimizer)
     run.update(expert_parallel=getattr(args, "expert_parallel", 1), imbalance=getattr(args, "expert_imbalance", 1.0),
                optimizer=optimizer, lora=lora, quantization=quant, buckets=buckets, loss=args.loss,
                loss_chunk=args.loss_chunk)
     return {**kw, **run}, notes + lora_notes
+
+
+def _quant_flags(args: argparse.Namespace):
+    """The :class:`memlab.step.fine_tune_config.QuantConfig` of --load-in-4bit/--load-in-8bit, or None."""
+    from memlab.step.fine_tune_config import QuantConfig
+    if args.load_in_4bit and args.load_in_8bit:
+        raise InputError("give --load-in-4bit or --load-in-8bit, not both")
+    return QuantConfig(bits=4) if args.load_in_4bit else QuantConfig(bits=8) if args.load_in_8bit else None
 
 
 def _hf_lora(args: argparse.Namespace, shape) -> tuple[LoraConfig | None, list[str]]:

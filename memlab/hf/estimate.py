@@ -479,12 +479,14 @@ def output_held(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, froz
 
 def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",
                         checkpointing: str | None = None, attention: str | None = None,
-                        target: str | None = None, lora: LoraConfig | None = None) -> int:
+                        target: str | None = None, lora: LoraConfig | None = None,
+                        quantized: bool = False) -> int:
     """Bytes of activations the step keeps when its forward reaches the loss (the logits'
     log-softmax not included), by the same terms as :func:`estimate_hf`.
 
     Args:
         cfg, seq, batch, precision, checkpointing, attention, target, lora: as :func:`estimate_hf`.
+        quantized: the base is in 4 or 8 bits (bitsandbytes' matmul saves the packed weight, no cast copy).
 
     Returns:
         The bytes, an int.
@@ -494,7 +496,7 @@ def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int,
     z = Sizes(w=param, c=compute, r=param, auto=lower is not None, target=resolve_target(target),
               precision=precision)
     path = attention_path(s, z, batch, seq, attention)
-    ad = None if lora is None else adapters_for(s, lora, precision)
+    ad = None if lora is None else adapters_for(s, lora, precision, quantized)
     return int(round(_kept(s, z, batch, seq, path, checkpointing == "full", s.num_params(), adapters=ad)[0]))
 
 

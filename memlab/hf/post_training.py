@@ -46,7 +46,7 @@ from memlab.hf.read_run_configs import trainer_precision
 from memlab.hf.shape import decoder_shape
 from memlab.policy import resolve_target
 from memlab.step.decoder_states import adapters_for, run_states
-from memlab.step.fine_tune_config import LoraConfig
+from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 from memlab.step.low_bit import HF_OPTIMIZERS
 from memlab.step.training_step import MemoryReport, StepConfig
 from memlab.tracking.tracker import CATEGORIES
@@ -180,7 +180,8 @@ def fused_head_saved(n: int, d: int, hidden: int) -> float:
 def estimate_post_training(cfg: dict | str | pathlib.Path, objective: Objective, *, batch: int,
                            precision: str = "bf16", lora: LoraConfig | None = None,
                            checkpointing: str | None = None, target: str | None = None,
-                           optimizer: str = "adamw", budget: int | str | None = None) -> MemoryReport:
+                           optimizer: str = "adamw", budget: int | str | None = None,
+                           quantization: QuantConfig | None = None) -> MemoryReport:
     """Closed-form peak bytes of one TRL step of ``objective`` on the HF decoder of ``cfg``.
 
     Args:
@@ -193,6 +194,8 @@ def estimate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
         target: ``cpu`` or ``cuda`` (CUDA scores only completion tokens, in Triton).
         optimizer: as :func:`memlab.hf.estimate.estimate_hf`.
         budget: a device size to compare against.
+        quantization: the base in 4 or 8 bits (needs ``lora``): bitsandbytes' packed linears, the
+            rest in :attr:`QuantConfig.rest_dtype`, and no autocast copy of a base weight saved.
 
     Returns:
         A :class:`MemoryReport` (lens ``estimate``); its notes name the peak moment.
@@ -211,9 +214,14 @@ def estimate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
     tgt = resolve_target(target, budget)
     cuda = getattr(tgt, "is_cuda", False)
     w, c, auto = precision_bytes(precision)
-    ad = None if lora is None else adapters_for(s, lora, precision)
+    quantized = quantization is not None
+    ad = None if lora is None else adapters_for(s, lora, precision, quantized)
+    if ad is not None and quantized:
+        # both trainers cast what trains on a 4-/8-bit base to bf16 (QLoRA's recommendation):
+        # trl 1.16 grpo_trainer.py lines 538-541, dpo_trainer.py lines 725-729
+        ad = dataclasses.replace(ad, a=2)
     rs = run_states(s, precision=precision, optimizer=optimizer, zero=0, world_size=1, offload="none",
-                    ep=1, ad=ad, quant=None)
+                    ep=1, ad=ad, quant=quantization)
     st = rs.inputs
     P, G, opt, scratch = st["parameters"], st["gradients"], st["optimizer"], st["step"]
     ref = s.num_params() * w if o.holds_reference(lora) else 0
@@ -223,10 +231,10 @@ def estimate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
     V, D = s.vocab, s.d
     scored = fwd_rows * (seq - 1) if not cuda else fwd_rows * o.completion_len
     A = forward_activations(d_cfg, seq=seq, batch=fwd_rows, precision=precision, checkpointing=checkpointing,
-                            target=target, lora=lora)
-    # estimate_hf's head terms: the head's input and its autocast weight copy, which the fused
-    # head saves neither of (it keeps its own hidden rows, below)
-    A -= (0 if lora is not None else fwd_rows * seq * D * w) + (V * D * c if auto else 0)
+                            target=target, lora=lora, quantized=quantized)
+    # estimate_hf's head terms: the head's input and its autocast weight copy (not counted over a
+    # quantised base), which the fused head saves neither of (it keeps its own hidden rows, below)
+    A -= (0 if lora is not None else fwd_rows * seq * D * w) + (V * D * c if auto and not quantized else 0)
     A += fused_head_saved(scored, D, w)
     if o.kind == "dpo" and not o.concatenated:
         A *= 2  # both halves' graphs are alive when the loss's backward starts
@@ -262,6 +270,7 @@ def estimate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
                           resolve_budget(budget))
     report.notes.append(f"{o.kind} (TRL 1.16): peak moment: {moment}; {rows} rows of {seq} tokens"
                         + ("; a reference model held" if ref else ""))
+    report.notes.extend(n for n in rs.notes if n.startswith("load_in_"))
     return report
 
 
@@ -430,7 +439,8 @@ def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
 
 
 def estimate_trl_run(cfg: dict | str | pathlib.Path, run: TRLRun, *, lora: LoraConfig | None = None,
-                     card: int | str | None = None, target: str | None = None) -> MemoryReport:
+                     card: int | str | None = None, target: str | None = None,
+                     quantization: QuantConfig | None = None) -> MemoryReport:
     """:func:`estimate_post_training` of a :class:`TRLRun`, its budget the card less vLLM's share.
 
     Args:
@@ -439,6 +449,8 @@ def estimate_trl_run(cfg: dict | str | pathlib.Path, run: TRLRun, *, lora: LoraC
         lora: adapters (the reference is the disabled adapter).
         card: the GPU (bytes or a preset); with a colocated vLLM the budget is what it leaves.
         target: ``cpu`` or ``cuda`` (a card implies ``cuda``).
+        quantization: a 4- or 8-bit base; with no ``base_dtype`` the rest is in the dtype TRL
+            loads (fp32 under bf16/fp16 autocast, bf16 under ``model_init_kwargs`` dtype bf16).
 
     Returns:
         The estimate's :class:`MemoryReport`, its notes the run's.
@@ -451,9 +463,12 @@ def estimate_trl_run(cfg: dict | str | pathlib.Path, run: TRLRun, *, lora: LoraC
         o = Objective(o.kind, o.prompt_len, o.completion_len, beta=o.beta, reference=o.reference,
                       num_generations=o.num_generations, generation_batch=1, cache=o.cache)
     precision = "bf16" if run.precision == "fp16" else run.precision
+    if quantization is not None and quantization.base_dtype is None:
+        # the modules bitsandbytes leaves alone keep the dtype the model was loaded in
+        quantization = dataclasses.replace(quantization, base_dtype="bf16" if precision == "pure-bf16" else "fp32")
     report = estimate_post_training(cfg, o, batch=run.batch, precision=precision, lora=lora,
                                     checkpointing=run.checkpointing, target=target or ("cuda" if card else None),
-                                    optimizer=run.optimizer, budget=budget)
+                                    optimizer=run.optimizer, budget=budget, quantization=quantization)
     report.notes.extend(run.notes)
     if run.precision == "fp16":
         report.notes.append("fp16 counted as bf16 autocast (same bytes; the loss scaler's scalar aside)")

@@ -875,6 +875,24 @@ def _quant(bits, *, where: str, key: str, compute: str | None, double: bool = Tr
                        compute_dtype=compute or "bf16")
 
 
+#: LLaMA-Factory's own keys this reader turns into the run (``hparams`` at ff6d4d1), and those
+#: that decide nothing a training step holds (data, templates, output)
+_LF_READ = frozenset({"model_name_or_path", "quantization_bit", "quantization_method", "quantization_type",
+                      "double_quantization", "trust_remote_code", "stage", "finetuning_type", "lora_rank",
+                      "lora_alpha", "lora_dropout", "lora_target", "cutoff_len", "pure_bf16",
+                      "disable_gradient_checkpointing", "flash_attn"})
+_LF_NO_MEMORY = frozenset({"dataset", "eval_dataset", "template", "max_samples", "preprocessing_num_workers",
+                           "overwrite_cache", "plot_loss", "overwrite_output_dir", "save_only_model", "ddp_timeout",
+                           "val_size", "tokenized_path", "enable_thinking", "dataset_dir", "media_dir"})
+
+
+def _named_fields(d: dict, defaults: dict, known: set | frozenset) -> list[str]:
+    """The fields of a training YAML that change a step's memory and that no reader models: a
+    TrainingArguments field set away from its default, or a field TrainingArguments does not have."""
+    return sorted(k for k, v in d.items() if k not in known and not k.startswith(_NO_MEMORY)
+                  and v not in (None, "", [], {}) and (k not in defaults or v != defaults[k]))
+
+
 def _llamafactory(d: dict) -> tuple[dict, LoraConfig | None, QuantConfig | None, int, list[str], str | None]:
     """A LLaMA-Factory YAML as TrainingArguments fields, its LoRA and quantisation, the sequence
     length and the notes; defaults from LLaMA-Factory's ``hparams`` (``finetuning_type`` "lora",
@@ -921,12 +939,47 @@ def _llamafactory(d: dict) -> tuple[dict, LoraConfig | None, QuantConfig | None,
         precision = "pure-bf16" if d.get("bf16") else None
         notes.append("LoRA: the base stays in its bf16 dtype, the adapters are upcast to fp32 "
                      "(LLaMA-Factory's cast_trainable_params_to_fp32)")
+    left = _named_fields(d, _defaults(), _LF_READ | _LF_NO_MEMORY | set(MODELLED))
+    if left:
+        notes.append(f"LLaMA-Factory keys not modelled: {', '.join(left)}")
     return ta, lora, quant, seq, notes, precision
 
 
 _AXOLOTL_OPTIM = {"adamw_bnb_8bit": "adamw_bnb_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
                   "paged_adamw_32bit": "paged_adamw_32bit", "adamw_torch": "adamw_torch",
                   "adamw_torch_fused": "adamw_torch_fused", "adamw_8bit": "adamw_8bit", "sgd": "sgd"}
+
+
+#: axolotl keys this reader turns into the run (the rest of :func:`_axolotl`'s body), and the
+#: attention switches of its schema (``flash_attention``, ``sdp_attention``, ``xformers_attention``,
+#: ``eager_attention`` before e4032fc9, ``attn_implementation`` after)
+_AXOLOTL_READ = frozenset({
+    "base_model", "model_type", "tokenizer_type", "load_in_8bit", "load_in_4bit", "adapter", "lora_r",
+    "lora_alpha", "lora_dropout", "lora_target_linear", "lora_target_modules", "lora_modules_to_save",
+    "sequence_len", "sample_packing", "pad_to_sequence_len", "micro_batch_size", "gradient_accumulation_steps",
+    "optimizer", "bf16", "fp16", "gradient_checkpointing", "gradient_checkpointing_kwargs", "deepspeed", "fsdp",
+    "fsdp_config", "learning_rate", "attn_implementation", "flash_attention", "sdp_attention",
+    "xformers_attention", "eager_attention"})
+#: axolotl keys that do not change a training step's device memory: data, paths, logging,
+#: schedule, evaluation and saving (a run's eval and save are not its training step)
+_AXOLOTL_NO_MEMORY = frozenset({
+    "datasets", "dataset_prepared_path", "val_set_size", "output_dir", "hub_model_id", "num_epochs", "max_steps",
+    "lr_scheduler", "warmup_ratio", "warmup_steps", "logging_steps", "evals_per_epoch", "saves_per_epoch",
+    "eval_steps", "save_steps", "eval_table_size", "eval_max_new_tokens", "eval_sample_packing",
+    "resume_from_checkpoint", "strict", "train_on_inputs", "group_by_length", "weight_decay", "tf32",
+    "local_rank", "early_stopping_patience", "debug", "lora_model_dir", "lora_fan_in_fan_out", "save_first_step",
+    "chat_template", "seed", "save_total_limit", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon"})
+
+
+def _axolotl_attention(d: dict) -> str | None:
+    """``attn_implementation`` from axolotl's own spelling of it (``eager`` is HF's own attention)."""
+    if d.get("attn_implementation"):
+        return str(d["attn_implementation"])
+    for key, name in (("flash_attention", "flash_attention_2"), ("sdp_attention", "sdpa"),
+                      ("xformers_attention", "xformers"), ("eager_attention", "eager")):
+        if d.get(key):
+            return name
+    return None
 
 
 def _axolotl(d: dict) -> tuple[dict, LoraConfig | None, QuantConfig | None, int, list[str], str | None]:
@@ -979,10 +1032,15 @@ def _axolotl(d: dict) -> tuple[dict, LoraConfig | None, QuantConfig | None, int,
         ta["fsdp"] = d["fsdp"]  # the Trainer's own fsdp list: read as the TrainingArguments' fsdp
         if (d.get("fsdp_config") or {}).get("fsdp_offload_params"):
             notes.append("axolotl fsdp_config.fsdp_offload_params: FSDP's CPU offload is not modelled")
-    for key in ("liger_kernel", "unsloth_lora_mlp", "cut_cross_entropy",
-                "tensor_parallel_size", "context_parallel_size", "lora_mlp_kernel"):
-        if d.get(key):
-            notes.append(f"axolotl {key} is not modelled")
+    special = d.get("special_tokens")
+    left = sorted(k for k, v in d.items() if k not in _AXOLOTL_READ and k not in _AXOLOTL_NO_MEMORY
+                  and k not in ("special_tokens", "tokens") and v not in (None, "", [], {}, False))
+    if isinstance(special, dict) and set(special) - {"pad_token", "bos_token", "eos_token", "unk_token"}:
+        left.append("special_tokens")
+    if d.get("tokens"):
+        left.append("tokens")  # new tokens resize the embeddings and the head
+    if left:
+        notes.append(f"axolotl keys not modelled: {', '.join(left)}")
     # axolotl loads the base in bf16 under bf16 (its torch_dtype): a LoRA base and a full
     # fine-tune alike hold 16-bit weights
     precision = "pure-bf16" if bf16 and quant is None and not d.get("deepspeed") else None
@@ -1082,8 +1140,14 @@ def read_training_args(path: str | pathlib.Path | dict) -> TrainingRun:  # noqa:
         pure = _DTYPES.get(d.get("dtype") or d.get("torch_dtype")) == "bf16"
         if pure and lora is None and quant is None and precision == "bf16" and not get("deepspeed"):
             forced = "pure-bf16"  # a bf16-loaded model: autocast changes nothing, states are 16-bit
-    else:
-        attention = own.get("attn_implementation")
+    elif launcher == "axolotl":
+        attention = _axolotl_attention(own)
+    else:  # LLaMA-Factory's flash_attn (hparams/model_args.py): disabled is HF's eager attention
+        attention = {"disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2"}.get(own.get("flash_attn"))
+    if launcher != "trainer" and attention:
+        notes.append(f"attention {attention}: " + ("HF's own attention (its scores kept)" if attention == "eager"
+                                                    else "counted as the fused kernel (SDPA's saved q, k, v, "
+                                                         "output and log-sum-exp)"))
     if forced == "pure-bf16" and precision != "pure-bf16":
         precision = "pure-bf16"
         notes.append("the model is loaded in bf16 (the launcher's dtype rule): weights"

@@ -75,12 +75,13 @@ def adapter_shapes(s: DecoderShape, ad: Adapters) -> list[tuple[int, int]]:
 def quantized_base_bytes(s: DecoderShape, quant: QuantConfig) -> tuple[int, int]:
     """``(bytes, largest dequantised weight)`` of the base loaded in 4 or 8 bits: every decoder
     ``Linear`` in bitsandbytes' layout (:func:`memlab.step.low_bit.quantized_weight_bytes`), the rest
-    (embeddings, head, norms, routed experts, which are not ``Linear`` modules) in the compute
-    dtype; a 4-bit matmul dequantises its weight to the compute dtype."""
+    (embeddings, head, norms, routed experts, which are not ``Linear`` modules) in the dtype the
+    model was loaded in (:attr:`QuantConfig.rest_dtype`); a 4-bit matmul dequantises its weight
+    to the compute dtype."""
     ios = [io for i in range(s.n_layer) for v in s.linears(i).values() for io in v]
     packed = sum(quantized_weight_bytes(o, i, quant.name, double_quant=quant.double_quant) for i, o in ios)
     rest = s.num_params() - sum(i * o for i, o in ios)
-    return packed + rest * quant.compute_bytes, max(i * o for i, o in ios) * quant.compute_bytes
+    return packed + rest * quant.rest_bytes, max(i * o for i, o in ios) * quant.compute_bytes
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, wo
     else:
         mats = adapter_shapes(s, ad)
         trainable = [r * c for r, c in mats]
-        own = precision if (zero or ad.a == 2) else "fp32"  # peft's fp32 adapters outside DeepSpeed
+        # peft's fp32 adapters outside DeepSpeed; 16-bit adapters (ad.a == 2) hold 16-bit states
+        own = "pure-bf16" if ad.a == 2 else precision if zero else "fp32"
         ms = model_states(sum(trainable), precision=own, optimizer=base, zero=zero, world_size=world_size,
                           offload=offload, buckets=buckets)
     run = ms.compute_precision if ms.deepspeed else precision
@@ -136,7 +138,7 @@ def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, wo
             frozen, largest = quantized_base_bytes(s, quant)
             dequantised = largest if quant.bits == 4 else 0.0
             notes.append(f"load_in_{quant.name}: base {frozen / s.num_params():.3f} B per parameter "
-                         f"(bitsandbytes' layout; embeddings, head and norms in {quant.compute_dtype})")
+                         f"(bitsandbytes' layout; embeddings, head and norms in {quant.rest_dtype})")
         else:
             frozen = s.num_params() * precision_bytes(run)[0]
         inputs["parameters"] += frozen

@@ -110,6 +110,10 @@ class QuantConfig:
     """``bnb_4bit_quant_type``: the same bytes either way (two values a byte)."""
     compute_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     """``bnb_4bit_compute_dtype``: the dtype a 4-bit weight is dequantised to for its matmul."""
+    base_dtype: Literal["bf16", "fp16", "fp32"] | None = None
+    """``from_pretrained``'s ``dtype``: what bitsandbytes leaves unquantised (embeddings, head,
+    norms) is stored in it, whatever the compute dtype; ``None``: the compute dtype (a recipe
+    that loads in the dtype it computes in)."""
 
     def __post_init__(self) -> None:
         if self.bits not in QUANT_BITS or isinstance(self.bits, bool):
@@ -118,6 +122,8 @@ class QuantConfig:
             raise InputError(f"bnb_4bit_quant_type={self.quant_type!r}; allowed: {', '.join(QUANT_TYPES)}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise InputError(f"bnb_4bit_compute_dtype={self.compute_dtype!r}; allowed: {', '.join(COMPUTE_DTYPES)}")
+        if self.base_dtype is not None and self.base_dtype not in COMPUTE_DTYPES:
+            raise InputError(f"base dtype={self.base_dtype!r}; allowed: {', '.join(COMPUTE_DTYPES)}")
 
     @property
     def name(self) -> str:
@@ -127,6 +133,15 @@ class QuantConfig:
     @property
     def compute_bytes(self) -> int:
         return 4 if self.compute_dtype == "fp32" else 2
+
+    @property
+    def rest_dtype(self) -> str:
+        """The dtype of the modules bitsandbytes does not quantise."""
+        return self.base_dtype or self.compute_dtype
+
+    @property
+    def rest_bytes(self) -> int:
+        return 4 if self.rest_dtype == "fp32" else 2
 
     def to_dict(self) -> dict:
         return asdict(self)
