@@ -41,7 +41,8 @@ from memlab.core.errors import InputError
 from memlab.core.hardware import resolve_budget
 from memlab.core.precision import precision_bytes
 from memlab.hf.config import check_seq, load_config
-from memlab.hf.estimate import forward_activations
+from memlab.hf.estimate import (NORM_BACKWARD_TEMPORARIES, Sizes, attention_path, forward_activations,
+                                 kept_activations, recomputed_layer)
 from memlab.hf.read_run_configs import trainer_precision
 from memlab.hf.shape import decoder_shape
 from memlab.policy import resolve_target
@@ -51,7 +52,7 @@ from memlab.step.low_bit import HF_OPTIMIZERS
 from memlab.step.training_step import MemoryReport, StepConfig
 from memlab.tracking.tracker import CATEGORIES
 
-KINDS = ("supervised", "dpo", "grpo")
+KINDS = ("supervised", "dpo", "grpo", "reward")
 #: ``trl/kernels/chunked_logprob.py``: tokens per projection tile, and the vocabulary tile
 #: (``_CHUNKED_LOGPROB_CHUNK_SIZE`` in ``trl/trainer/utils.py``)
 TOKEN_TILE = 4096
@@ -71,12 +72,13 @@ class Objective:
     """
 
     kind: str = "supervised"
-    """``supervised`` (memlab's own step), ``dpo`` or ``grpo``."""
+    """``supervised`` (memlab's own step), ``dpo``, ``grpo`` or ``reward`` (``RewardTrainer``: a
+    sequence-classification head scoring chosen and rejected, one ``2 x batch`` forward)."""
     prompt_len: int = 128
     """Prompt tokens per row (the padded prompt)."""
     completion_len: int = 128
-    """Completion tokens per row: DPO the longer of chosen and rejected (EOS included), GRPO
-    ``max_completion_length``."""
+    """Completion tokens per row: DPO and the reward model the longer of chosen and rejected (EOS
+    included), GRPO ``max_completion_length``."""
     beta: float = 0.1
     """The KL coefficient. GRPO keeps (and runs) a reference model only when it is not 0
     (TRL's GRPO default is 0.0); DPO always needs the reference's log-probabilities."""
@@ -120,7 +122,7 @@ class Objective:
 
     def holds_reference(self, lora: LoraConfig | None) -> bool:
         """Whether the step holds a reference model's weights beside the policy."""
-        if lora is not None or self.kind == "supervised":
+        if lora is not None or self.kind in ("supervised", "reward"):
             return False
         if self.kind == "dpo":
             return self.reference and not self.precompute_ref_log_probs
@@ -209,6 +211,9 @@ def estimate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
     s = decoder_shape(d_cfg)
     check_seq(d_cfg, o.seq)
     tgt = resolve_target(target, budget)
+    if o.kind == "reward":
+        return estimate_reward_step(d_cfg, o, batch=batch, precision=precision, lora=lora,
+                                    checkpointing=checkpointing, target=tgt, optimizer=optimizer, budget=budget)
     cuda = getattr(tgt, "is_cuda", False)
     w, c, auto = precision_bytes(precision)
     ad = None if lora is None else adapters_for(s, lora, precision)
@@ -262,6 +267,68 @@ def estimate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
                           resolve_budget(budget))
     report.notes.append(f"{o.kind} (TRL 1.16): peak moment: {moment}; {rows} rows of {seq} tokens"
                         + ("; a reference model held" if ref else ""))
+    return report
+
+
+def estimate_reward_step(cfg: dict, objective: Objective, *, batch: int, precision: str, lora: LoraConfig | None,
+                         checkpointing: str | None, target, optimizer: str,
+                         budget: int | str | None) -> MemoryReport:
+    """Closed-form peak bytes of one step of TRL 1.16's ``RewardTrainer``: the decoder with a
+    ``score`` head of ``hidden x 1`` in place of the LM head (``AutoModelForSequenceClassification``
+    with ``num_labels=1``, ``reward_trainer.py`` line 396; ``transformers``'
+    ``GenericForSequenceClassification``), chosen and rejected one ``2 x batch`` forward (the
+    collator stacks them, ``reward_trainer.py`` line 209), the pairwise loss
+    ``-logsigmoid(r_chosen - r_rejected)`` on the rewards pooled at each row's last token. No
+    logits over the vocabulary: the peak is the final norm's backward with every activation
+    held, the end of backward, the optimizer step, or (checkpointed) a recomputed layer.
+
+    Args:
+        cfg: the config dict; objective: the ``reward`` :class:`Objective`; batch: pairs.
+        precision, lora, checkpointing, optimizer, budget: as :func:`estimate_post_training`.
+        target: the resolved target.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``estimate``).
+    """
+    s = decoder_shape(cfg)
+    rm = dataclasses.replace(s, tied=True)  # no LM head: the vocabulary's one matrix is the embedding
+    w, c, auto = precision_bytes(precision)
+    z = Sizes(w=w, c=c, r=w, auto=auto is not None, target=target, precision=precision)
+    rows, seq, D = 2 * batch, objective.seq, s.d
+    t = rows * seq
+    ad = None if lora is None else adapters_for(s, lora, precision)
+    st = run_states(rm, precision=precision, optimizer=optimizer, zero=0, world_size=1, offload="none", ep=1,
+                    ad=ad, quant=None).inputs
+    # the score (hidden x 1) trains; peft's SEQ_CLS task keeps a trained copy beside the frozen one
+    P = st["parameters"] + D * w * (2 if lora is not None else 1)
+    G, opt, scratch = st["gradients"] + D * w, st["optimizer"] + 2 * D * w, st["step"] + D * w
+    path = attention_path(s, z, rows, seq, None)
+    full = checkpointing == "full"
+    A, layers, embed, dense_w = kept_activations(s, z, rows, seq, path, full, s.num_params(), adapters=ad)
+    # the LM head's terms out (its autocast weight copy; its input, with the final norm's normalised
+    # input, gone with their backward by the norm's: a frozen norm and head under LoRA saved neither)
+    A -= s.vocab * D * c * z.auto + (0 if lora is not None else 4 * t + t * D * (c + w))
+    norm_grads = D * w * (2 if lora is None else 1)  # the score's gradient, and the norm weight's
+    moments = {
+        "final norm backward": dict(activations=A, gradients=norm_grads,
+                                    temporaries=NORM_BACKWARD_TEMPORARIES.get(s.norm, 0) * t * D * 4),
+        "end of backward": dict(gradients=G, temporaries=t * D * w),
+        "optimizer step": dict(gradients=G, temporaries=scratch)}
+    if full:
+        moments["recomputed layer"] = recomputed_layer(s, z, t, layers=layers, embed=embed, dense_w=dense_w, G=G,
+                                                       trains_base=lora is None)
+    moment, best = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    cats = dict.fromkeys(CATEGORIES, 0)
+    cats.update({k: int(round(v)) for k, v in best.items()})
+    cats["parameters"], cats["optimizer"] = int(P), int(opt)
+    cats["other"] += 16 * t  # the batch's ids and masks (int64)
+    cats["workspace"] += target.resident_workspace()
+    info = StepConfig(s, seq=seq, batch=rows, precision=precision, checkpointing=checkpointing,
+                      optimizer=optimizer, lora=lora)
+    report = MemoryReport("estimate", info, f"formula ({target.name})", sum(cats.values()), cats,
+                          resolve_budget(budget))
+    report.notes.append(f"reward (TRL 1.16): peak moment: {moment}; {rows} rows of {seq} tokens "
+                        f"(chosen and rejected), a score head of {D} x 1 in place of the LM head")
     return report
 
 
@@ -463,6 +530,6 @@ def estimate_trl_run(cfg: dict | str | pathlib.Path, run: TRLRun, *, lora: LoraC
 
 
 __all__ = ["CACHES", "CPU_TILE_BYTES", "DPO_MODELLED", "GRPO_MODELLED", "KINDS", "Objective", "TOKEN_TILE",
-           "TRLRun", "TRL_NO_MEMORY", "VOCAB_TILE", "estimate_post_training", "estimate_trl_run",
+           "TRLRun", "TRL_NO_MEMORY", "VOCAB_TILE", "estimate_post_training", "estimate_reward_step", "estimate_trl_run",
            "fused_head_backward", "fused_head_saved", "kv_cache_bytes", "read_trl_args", "trl_defaults", "trl_kind",
            "vllm_training_budget"]
