@@ -60,6 +60,38 @@ def test_checkpointed_step_estimate_within_1_percent_of_trl(name):
     _check(WIDE, name, scale=2, checkpointing="full")
 
 
+# TRL's RewardTrainer (a score head of hidden x 1, chosen and rejected one forward): 4 pairs of
+# 16 + 16 tokens; with and without LoRA, with and without checkpointing (WIDE: the layers outweigh
+# the embedding there)
+REWARD = {"reward": (TINY, None, None), "reward-lora": (TINY, LORA, None),
+          "reward-ckpt": (WIDE, None, "full"), "reward-lora-ckpt": (WIDE, LORA, "full")}
+
+
+def _check_reward(name):
+    from memlab.hf.trl_measure import measure_trl
+    cfg, lora, ckpt = REWARD[name]
+    o = Objective("reward", 16, 16)
+    m = measure_trl(cfg, o, batch=4, lora=lora, checkpointing=ckpt)
+    e = estimate_post_training(cfg, o, batch=4, lora=lora, target="cpu", checkpointing=ckpt)
+    assert (m.rows, m.seq, m.reference) == (8, 32, False)
+    err = e.peak_bytes / m.peak_bytes - 1
+    # the issue asks 5%; achieved +0.6%, +1.0%, -0.3%, -0.6%
+    assert abs(err) < 0.015, (name, m.peak_bytes, e.peak_bytes, m.by_category, e.by_category)
+    # the weights byte for byte: the decoder without its LM head, a score of hidden x 1 (peft's
+    # SEQ_CLS keeps a trained copy of it)
+    assert e.by_category["parameters"] == m.by_category["parameters"]
+
+
+def test_reward_step_estimate_within_1_5_percent_of_trl():
+    _check_reward("reward-lora")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in REWARD if n != "reward-lora"])
+def test_every_reward_case_estimate_within_1_5_percent_of_trl(name):
+    _check_reward(name)
+
+
 def test_reference_weights_and_lora():
     """A reference model adds exactly the policy's weights; LoRA's disabled adapter adds none."""
     o = Objective("dpo", 16, 16)

@@ -206,12 +206,22 @@ def add_lora(model, lora: dict, autocast_adapter_dtype: bool = True):
     from peft import LoraConfig
     if not isinstance(next(model.parameters()), FakeTensor):
         return peft_model(model, LoraConfig(**lora), autocast_adapter_dtype)
+    mode = next(model.parameters()).fake_mode
     to = torch.nn.Module.to
     torch.nn.Module.to = _replacing_to
     try:
-        return peft_model(model, LoraConfig(**lora), autocast_adapter_dtype)
+        model = peft_model(model, LoraConfig(**lora), autocast_adapter_dtype)
     finally:
         torch.nn.Module.to = to
+    # modules_to_save (a SEQ_CLS task's score) are deep copies, and a fake tensor's deep copy
+    # belongs to a fake mode of its own: each is remade, empty, in the model's
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if isinstance(p, FakeTensor) and p.fake_mode is not mode:
+                with mode:
+                    m._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                             requires_grad=p.requires_grad)
+    return model
 
 
 def peft_model(model, config, autocast_adapter_dtype: bool = True):
@@ -244,8 +254,11 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
              checkpointing: str | None = None, attention: str | None = None,
              lora: dict | None = None, lr: float = 1e-4, dtype: torch.dtype | None = None,
              prepare: Callable | None = None, autocast_adapter_dtype: bool = True,
-             optimizer: Callable | None = None, optimizer_in_backward: bool = False) -> Callable:
-    """A ``build_fn`` for :func:`memlab.simulate_model`: the HF causal LM (fp32 master
+             optimizer: Callable | None = None, optimizer_in_backward: bool = False,
+             reward_head: bool = False) -> Callable:
+    """A ``build_fn`` for :func:`memlab.simulate_model`: the HF causal LM (with ``reward_head``
+    the sequence classifier with one label a reward model is, its pad id 0, LoRA's task
+    ``SEQ_CLS`` training its ``score``) (fp32 master
     weights, or bf16 ones for ``pure-bf16``; ``dtype`` overrides), ``prepare(model)`` applied
     to it (a quantised base: :func:`memlab.hf.simulate.quantize_base`), HF's own gradient
     checkpointing for ``checkpointing="full"``, LoRA adapters from ``lora`` (``peft.LoraConfig``
@@ -258,17 +271,21 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
     conf = hf_config(cfg)
     attn = attn_implementation(conf, attention)
 
+    if reward_head:
+        conf.num_labels, conf.pad_token_id = 1, 0
+
     def build():
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
         weights = dtype or (torch.bfloat16 if precision == "pure-bf16" else torch.float32)
-        model = AutoModelForCausalLM.from_config(conf, dtype=weights, attn_implementation=attn)
+        cls = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
+        model = cls.from_config(conf, dtype=weights, attn_implementation=attn)
         model.train()
         if prepare is not None:
             model = prepare(model)
         if checkpointing == "full":
             enable_hf_checkpointing(model)
         if lora is not None:
-            model = add_lora(model, lora, autocast_adapter_dtype)
+            model = add_lora(model, dict(lora, task_type="SEQ_CLS") if reward_head else lora, autocast_adapter_dtype)
         params = [p for p in model.parameters() if p.requires_grad]
         make = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=lr, fused=True))
         if optimizer_in_backward:
