@@ -397,7 +397,8 @@ def moe_activations(s: DecoderShape, z: Sizes, t: int, normed: int, ep: int = 1,
 
 def kept_activations(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool, params: float,
                      ep: int = 1, imbalance: float = 1.0,
-                     adapters: Adapters | None = None, chunked: bool = False) -> tuple[float, list[float], float, float]:
+                     adapters: Adapters | None = None,
+                     chunked: bool = False) -> tuple[float, list[float], float, float]:
     """Activations alive when the forward reaches the loss (before its log-softmax), each
     layer's, the embedding's, and the weights autocast casts (per rank of ``ep``). Under the
     chunked loss (``chunked``) the head is no ``Linear``: it saves the final hidden states as
@@ -769,7 +770,7 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     ``largest_grad`` (the optimizer step in backward, :mod:`memlab.step.optimizer_in_backward`): no moment holds
     every gradient; a layer's backward holds the one being applied (at most ``largest_grad``) and a
     tied head's, in flight until the embedding's backward; the optimizer-step moment is gone."""
-    V, D, L = s.vocab, s.d, s.n_layer
+    V, D = s.vocab, s.d
     lsm = t * V * 4
     cast = t * V * 4 if z.c != 4 else 0
     # autocast's cache keeps every trained weight's 16-bit cast until the forward's autocast
@@ -825,4 +826,5 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
 
 
 __all__ = ["NORM_BACKWARD_TEMPORARIES", "Sizes", "adapter_saved", "attention_path", "check_run", "output_held",
-           "sdpa_masked", "forward_activations", "kept_activations", "layer_activations", "recomputed_layer", "moe_activations", "estimate_hf", "estimate_run"]
+           "sdpa_masked", "forward_activations", "kept_activations", "layer_activations", "recomputed_layer",
+           "moe_activations", "estimate_hf", "estimate_run"]

@@ -41,8 +41,14 @@ from memlab.core.errors import InputError
 from memlab.core.hardware import resolve_budget
 from memlab.core.precision import precision_bytes
 from memlab.hf.config import check_seq, load_config
-from memlab.hf.estimate import (NORM_BACKWARD_TEMPORARIES, Sizes, attention_path, forward_activations,
-                                 kept_activations, recomputed_layer)
+from memlab.hf.estimate import (
+    NORM_BACKWARD_TEMPORARIES,
+    Sizes,
+    attention_path,
+    forward_activations,
+    kept_activations,
+    recomputed_layer,
+)
 from memlab.hf.read_run_configs import trainer_precision
 from memlab.hf.shape import decoder_shape
 from memlab.policy import resolve_target
@@ -530,6 +536,6 @@ def estimate_trl_run(cfg: dict | str | pathlib.Path, run: TRLRun, *, lora: LoraC
 
 
 __all__ = ["CACHES", "CPU_TILE_BYTES", "DPO_MODELLED", "GRPO_MODELLED", "KINDS", "Objective", "TOKEN_TILE",
-           "TRLRun", "TRL_NO_MEMORY", "VOCAB_TILE", "estimate_post_training", "estimate_reward_step", "estimate_trl_run",
-           "fused_head_backward", "fused_head_saved", "kv_cache_bytes", "read_trl_args", "trl_defaults", "trl_kind",
+           "TRLRun", "TRL_NO_MEMORY", "VOCAB_TILE", "estimate_post_training", "estimate_reward_step",
+           "estimate_trl_run", "fused_head_backward", "fused_head_saved", "kv_cache_bytes", "read_trl_args", "trl_defaults", "trl_kind",
            "vllm_training_budget"]

@@ -134,8 +134,13 @@ def measure_trl(cfg: dict | str | pathlib.Path, objective, *, batch: int, precis
     and tracks one steady step.
     """
     from datasets import Dataset
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PrinterCallback,
-                              TrainerCallback)
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        PrinterCallback,
+        TrainerCallback,
+    )
 
     if objective.kind not in ("dpo", "grpo", "reward"):
         raise InputError(f"objective {objective.kind!r} for measure_trl; allowed: dpo, grpo, reward")
