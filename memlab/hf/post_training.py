@@ -537,5 +537,5 @@ def estimate_trl_run(cfg: dict | str | pathlib.Path, run: TRLRun, *, lora: LoraC
 
 __all__ = ["CACHES", "CPU_TILE_BYTES", "DPO_MODELLED", "GRPO_MODELLED", "KINDS", "Objective", "TOKEN_TILE",
            "TRLRun", "TRL_NO_MEMORY", "VOCAB_TILE", "estimate_post_training", "estimate_reward_step",
-           "estimate_trl_run", "fused_head_backward", "fused_head_saved", "kv_cache_bytes", "read_trl_args", "trl_defaults", "trl_kind",
-           "vllm_training_budget"]
+           "estimate_trl_run", "fused_head_backward", "fused_head_saved", "kv_cache_bytes", "read_trl_args",
+           "trl_defaults", "trl_kind", "vllm_training_budget"]
