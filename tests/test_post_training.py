@@ -182,7 +182,37 @@ def test_trl_reader_maps_the_defaults_and_refuses_bad_values():
     assert read_trl_args({"precompute_ref_log_probs": True, "max_length": 256}, prompt_len=1).objective.seq == 256
     assert read_trl_args({"num_generations": 4, "model_init_kwargs": {"dtype": "bfloat16"}},
                          prompt_len=8).precision == "pure-bf16"
-    with pytest.raises(InputError, match="not a GRPOConfig or DPOConfig"):
+    with pytest.raises(InputError, match="not a GRPOConfig, DPOConfig or RewardConfig"):
         read_trl_args({"learning_rate": 1e-5}, prompt_len=8)
     with pytest.raises(InputError, match="per_device_train_batch_size"):
         read_trl_args({"num_generations": 4, "per_device_train_batch_size": 0}, prompt_len=8)
+
+
+def test_reward_config_in_the_cli(tmp_path, capsys):
+    """``--training-args`` takes a RewardConfig (told apart by ``center_rewards_coefficient``):
+    estimate and simulate count 2 x batch rows of max_length; a field not modelled is named."""
+    import json
+
+    from memlab.app.cli import main
+    from memlab.hf.post_training import read_trl_args
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    path = tmp_path / "reward.yaml"
+    path.write_text("per_device_train_batch_size: 2\nmax_length: 24\ncenter_rewards_coefficient: 0.01\n"
+                    "gradient_checkpointing: false\nactivation_offloading: true\n")
+    outs = {}
+    for lens in ("estimate", "simulate"):
+        main([lens, "--hf-config", str(cfg), "--training-args", str(path), "--target", "cpu", "--json"])
+        outs[lens] = json.loads(capsys.readouterr().out)
+        assert outs[lens]["config"]["seq"] == 24 and outs[lens]["config"]["batch"] == 4
+        notes = " ".join(outs[lens]["notes"])
+        assert "RewardConfig" in notes and "not modelled: activation_offloading" in notes
+    # the decoder without its LM head (the embedding alone is vocab x hidden) and a score of hidden x 1
+    n = sum(p.numel() for p in _model(TINY).parameters()) - 256 * 64 + 64
+    assert outs["estimate"]["by_category"]["parameters"] == outs["simulate"]["by_category"]["parameters"] == 4 * n
+    assert outs["estimate"]["peak_bytes"] == pytest.approx(outs["simulate"]["peak_bytes"], rel=0.015)
+    # RewardConfig's defaults: max_length 1024; None (no filter) leaves the rows at --seq
+    assert read_trl_args({"center_rewards_coefficient": None}, prompt_len=8).objective.seq == 1024
+    assert read_trl_args({"center_rewards_coefficient": None, "max_length": None}, prompt_len=8).objective.seq == 8
+    with pytest.raises(InputError, match="max_length"):
+        read_trl_args({"center_rewards_coefficient": None, "max_length": 1}, prompt_len=8)

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from memlab.core.errors import InputError
-from memlab.core.torch_private import FakeTensor, parse_to
+from memlab.core.torch_private import FakeCopyMode, FakeTensor, parse_to
 from memlab.hf.config_check import check_config, expert_count, field_value
 from memlab.models.chunked_loss import linear_cross_entropy
 from memlab.step.optimizer_in_backward import OptimizerInBackward
@@ -206,22 +206,15 @@ def add_lora(model, lora: dict, autocast_adapter_dtype: bool = True):
     from peft import LoraConfig
     if not isinstance(next(model.parameters()), FakeTensor):
         return peft_model(model, LoraConfig(**lora), autocast_adapter_dtype)
-    mode = next(model.parameters()).fake_mode
     to = torch.nn.Module.to
     torch.nn.Module.to = _replacing_to
     try:
-        model = peft_model(model, LoraConfig(**lora), autocast_adapter_dtype)
+        # modules_to_save (a SEQ_CLS task's score) are deep copies, which would otherwise land in
+        # a fake mode of their own
+        with FakeCopyMode(next(model.parameters()).fake_mode):
+            return peft_model(model, LoraConfig(**lora), autocast_adapter_dtype)
     finally:
         torch.nn.Module.to = to
-    # modules_to_save (a SEQ_CLS task's score) are deep copies, and a fake tensor's deep copy
-    # belongs to a fake mode of its own: each is remade, empty, in the model's
-    for m in model.modules():
-        for name, p in list(m._parameters.items()):
-            if isinstance(p, FakeTensor) and p.fake_mode is not mode:
-                with mode:
-                    m._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
-                                                             requires_grad=p.requires_grad)
-    return model
 
 
 def peft_model(model, config, autocast_adapter_dtype: bool = True):

@@ -369,20 +369,25 @@ def vllm_training_budget(card: int | str, gpu_memory_utilization: float) -> int:
 GRPO_MODELLED = ("num_generations", "max_completion_length", "beta", "generation_batch_size", "steps_per_generation",
                  "cache_implementation", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")
 DPO_MODELLED = ("beta", "max_length", "precompute_ref_log_probs")
+#: ``RewardConfig`` fields the estimate reads (the centring term is one scalar of the loss)
+REWARD_MODELLED = ("max_length", "center_rewards_coefficient")
 #: TRL fields that move no memory of the step (sampling, logging, loss shapes computed per token)
 TRL_NO_MEMORY = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "log_", "num_completions_to_print",
                  "epsilon", "delta", "loss_type", "scale_rewards", "reward_weights", "learning_rate", "logging_steps",
                  "label_smoothing", "seed", "output_dir", "report_to", "run_name", "save_", "num_train_epochs",
                  "max_steps", "warmup", "lr_scheduler", "weight_decay", "adam_", "max_grad_norm")
-# keys only one of the two configs has: what tells a GRPOConfig from a DPOConfig
+# keys only one of the configs has: what tells a GRPOConfig from a DPOConfig
 _GRPO_KEYS = ("num_generations", "max_completion_length", "use_vllm", "vllm_gpu_memory_utilization",
               "generation_batch_size", "steps_per_generation", "num_iterations")
 _DPO_KEYS = ("precompute_ref_log_probs", "precompute_ref_batch_size", "ld_alpha", "rpo_alpha", "f_divergence_type")
+# RewardConfig's one field no other TRL config has (its to_dict() writes it, None or not)
+_REWARD_KEYS = ("center_rewards_coefficient",)
+_CONFIGS = {"grpo": "GRPOConfig", "dpo": "DPOConfig", "reward": "RewardConfig"}
 
 
 @dataclass(frozen=True)
 class TRLRun:
-    """A ``DPOConfig`` or ``GRPOConfig`` mapped onto the step.
+    """A ``DPOConfig``, ``GRPOConfig`` or ``RewardConfig`` mapped onto the step.
 
     Args:
         objective: the :class:`Objective`.
@@ -407,20 +412,26 @@ class TRLRun:
 
 
 def trl_kind(d: dict) -> str | None:
-    """``grpo`` or ``dpo`` when a ``--training-args`` dict has fields only that TRL config has, else ``None``."""
+    """``grpo``, ``dpo`` or ``reward`` when a ``--training-args`` dict has fields only that TRL
+    config has, else ``None``."""
     if any(k in d for k in _GRPO_KEYS):
         return "grpo"
     if any(k in d for k in _DPO_KEYS):
         return "dpo"
+    if any(k in d for k in _REWARD_KEYS):
+        return "reward"
     return None
 
 
 def trl_defaults(kind: str) -> dict:
     """The config class's field defaults (no instance: that would probe devices). A dict because
-    it is TRL's ``GRPOConfig``/``DPOConfig`` fields by name, as a ``--training-args`` file has them."""
-    from trl import DPOConfig, GRPOConfig
+    it is TRL's ``GRPOConfig``/``DPOConfig``/``RewardConfig`` fields by name, as a ``--training-args``
+    file has them."""
+    import trl
+    if kind not in _CONFIGS:
+        raise InputError(f"TRL config kind={kind!r}; allowed: {', '.join(_CONFIGS)}")
     out = {}
-    for f in dataclasses.fields(GRPOConfig if kind == "grpo" else DPOConfig):
+    for f in dataclasses.fields(getattr(trl, _CONFIGS[kind])):
         if f.default is not dataclasses.MISSING:
             out[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:
@@ -429,20 +440,23 @@ def trl_defaults(kind: str) -> dict:
 
 
 def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
-    """A ``GRPOConfig`` or ``DPOConfig`` (its dict, as ``to_dict()`` or a YAML writes it).
+    """A ``GRPOConfig``, ``DPOConfig`` or ``RewardConfig`` (its dict, as ``to_dict()`` or a YAML
+    writes it).
 
     Args:
         d: the config's fields.
         prompt_len: GRPO's prompt tokens (``GRPOConfig`` has no prompt length: the data's); DPO
-            reads ``max_length`` (default 1024) and scores every token but the first (the worst case).
+            reads ``max_length`` (default 1024) and scores every token but the first (the worst case);
+            the reward model reads ``max_length`` too (its rows at that length, the worst case), or
+            ``prompt_len`` tokens where ``max_length`` is ``None`` (no filter: the data's length).
 
     Returns:
         A :class:`TRLRun`.
     """
     kind = trl_kind(d)
     if kind is None:
-        raise InputError("--training-args is not a GRPOConfig or DPOConfig (none of its own fields); allowed: "
-                         f"a config with one of {', '.join(_GRPO_KEYS + _DPO_KEYS)}")
+        raise InputError("--training-args is not a GRPOConfig, DPOConfig or RewardConfig (none of its own fields); "
+                         f"allowed: a config with one of {', '.join(_GRPO_KEYS + _DPO_KEYS + _REWARD_KEYS)}")
 
     def num(key, default, cast=int):
         v = d.get(key, default)
@@ -467,7 +481,7 @@ def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
     optim = str(d.get("optim") or "adamw_torch")
     if optim not in HF_OPTIMIZERS:
         raise InputError(f"--training-args optim={optim!r} is not counted; allowed: {', '.join(HF_OPTIMIZERS)}")
-    notes = [f"{kind.upper()}Config (TRL 1.16): bf16 and gradient_checkpointing default to on"]
+    notes = [f"{_CONFIGS[kind]} (TRL 1.16): bf16 and gradient_checkpointing default to on"]
     share = None
     if kind == "grpo":
         spg = num("steps_per_generation", None) or acc
@@ -485,6 +499,14 @@ def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
                 notes.append("vLLM in server mode: generation runs on other GPUs")
         notes.append(f"GRPO: prompt {prompt_len} tokens (--seq), completion {o.completion_len}, "
                      f"{o.num_generations} generations per prompt, {gen} completions generated at once")
+    elif kind == "reward":
+        total = num("max_length", 1024) or prompt_len
+        if total < 2:
+            raise InputError(f"--training-args max_length={total}; allowed: an integer >= 2 (a prompt and an EOS)")
+        o = Objective("reward", 1, total - 1)
+        modelled = REWARD_MODELLED
+        notes.append(f"reward model: chosen and rejected at {total} tokens (max_length, the worst case), one "
+                     f"forward of 2 x {batch} rows through a score head of hidden x 1")
     else:
         total = num("max_length", 1024)
         o = Objective("dpo", 1, max(total - 1, 1), beta=num("beta", 0.1, float),
@@ -535,7 +557,8 @@ def estimate_trl_run(cfg: dict | str | pathlib.Path, run: TRLRun, *, lora: LoraC
     return report
 
 
-__all__ = ["CACHES", "CPU_TILE_BYTES", "DPO_MODELLED", "GRPO_MODELLED", "KINDS", "Objective", "TOKEN_TILE",
+__all__ = ["CACHES", "CPU_TILE_BYTES", "DPO_MODELLED", "GRPO_MODELLED", "KINDS", "Objective", "REWARD_MODELLED",
+           "TOKEN_TILE",
            "TRLRun", "TRL_NO_MEMORY", "VOCAB_TILE", "estimate_post_training", "estimate_reward_step",
            "estimate_trl_run", "fused_head_backward", "fused_head_saved", "kv_cache_bytes", "read_trl_args",
            "trl_defaults", "trl_kind", "vllm_training_budget"]
