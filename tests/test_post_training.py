@@ -216,3 +216,33 @@ def test_reward_config_in_the_cli(tmp_path, capsys):
     assert read_trl_args({"center_rewards_coefficient": None, "max_length": None}, prompt_len=8).objective.seq == 8
     with pytest.raises(InputError, match="max_length"):
         read_trl_args({"center_rewards_coefficient": None, "max_length": 1}, prompt_len=8)
+
+
+def test_grpo_config_to_dict_in_the_cli(tmp_path, capsys):
+    """A real ``GRPOConfig(...).to_dict()`` (all 191 fields, TrainingArguments' included, as
+    ``__post_init__`` leaves them): ``memlab estimate`` on Llama 3.1 8B and an H100 answers; the
+    note names the GRPO fields that move memory and are not counted, and none it did count
+    (``activation_checkpointing``, transformers 5's name for gradient checkpointing, is read)."""
+    import json
+
+    from trl import GRPOConfig
+
+    from memlab.app.cli import main
+    kw = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=8, num_generations=8,
+              max_completion_length=1024, beta=0.04, use_vllm=True, vllm_gpu_memory_utilization=0.3,
+              mask_truncated_completions=True, top_entropy_quantile=0.2, temperature=0.9)
+    outs = {}
+    for ckpt in (True, False):
+        path = tmp_path / f"grpo-{ckpt}.json"
+        path.write_text(json.dumps(GRPOConfig(gradient_checkpointing=ckpt, **kw).to_dict()))
+        main(["estimate", "--hf-config", "llama-3.1-8b", "--training-args", str(path), "--gpu", "H100-80GB",
+              "--seq", "512", "--json"])
+        outs[ckpt] = json.loads(capsys.readouterr().out)
+    notes = " ".join(outs[True]["notes"])
+    named = notes.split("not modelled: ")[1].split(";")[0].split(", ")
+    assert {"mask_truncated_completions", "top_entropy_quantile"} <= set(named)
+    # counted fields (and sampling, which moves no memory) are not named
+    assert not {"activation_checkpointing", "gradient_checkpointing", "beta", "num_generations", "use_vllm",
+                "vllm_gpu_memory_utilization", "max_completion_length", "temperature"} & set(named)
+    assert outs[True]["config"]["checkpointing"] == "full" and outs[False]["config"]["checkpointing"] in (None, "none")
+    assert outs[False]["peak_bytes"] > outs[True]["peak_bytes"]

@@ -86,10 +86,11 @@ def test_every_case_simulation_within_0_2_percent_of_trl(name):
     _check(TINY, name)
 
 
+# the GRPO case was a strict xfail ("generate one step long under checkpointing"); with the pinned
+# stack (transformers 5.23, trl 1.16, peft 0.21.2, torch 2.13) it passes, at the commit that marked
+# it too (2feaff8), alone and in this file's whole run: the simulated generate takes 32 steps
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dpo-ref", pytest.param("grpo-lora-ref", marks=pytest.mark.xfail(
-    strict=True, reason="open: with gradient checkpointing the simulated generate takes one step more "
-                        "(33 completion tokens for 32), so the loss's shapes do not broadcast"))])
+@pytest.mark.parametrize("name", ["dpo-ref", "grpo-lora-ref", "grpo-ref"])
 def test_wide_checkpointed_simulation_within_0_2_percent_of_trl(name):
     _check(WIDE, name, checkpointing="full", scale=2)
 

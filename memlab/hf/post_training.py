@@ -375,7 +375,8 @@ REWARD_MODELLED = ("max_length", "center_rewards_coefficient")
 TRL_NO_MEMORY = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "log_", "num_completions_to_print",
                  "epsilon", "delta", "loss_type", "scale_rewards", "reward_weights", "learning_rate", "logging_steps",
                  "label_smoothing", "seed", "output_dir", "report_to", "run_name", "save_", "num_train_epochs",
-                 "max_steps", "warmup", "lr_scheduler", "weight_decay", "adam_", "max_grad_norm")
+                 "max_steps", "warmup", "lr_scheduler", "weight_decay", "adam_", "max_grad_norm", "disable_tqdm",
+                 "hub_")
 # keys only one of the configs has: what tells a GRPOConfig from a DPOConfig
 _GRPO_KEYS = ("num_generations", "max_completion_length", "use_vllm", "vllm_gpu_memory_utilization",
               "generation_batch_size", "steps_per_generation", "num_iterations")
@@ -477,7 +478,8 @@ def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
     init = d.get("model_init_kwargs") or {}
     if isinstance(init, dict) and init.get("dtype", init.get("torch_dtype")) in ("bfloat16", "auto"):
         precision = "pure-bf16"
-    ckpt = "full" if d.get("gradient_checkpointing", True) else None
+    # transformers 5 renamed the field activation_checkpointing (to_dict() writes both); either off is off
+    ckpt = "full" if d.get("gradient_checkpointing", True) and d.get("activation_checkpointing", True) else None
     optim = str(d.get("optim") or "adamw_torch")
     if optim not in HF_OPTIMIZERS:
         raise InputError(f"--training-args optim={optim!r} is not counted; allowed: {', '.join(HF_OPTIMIZERS)}")
@@ -514,7 +516,7 @@ def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
         modelled = DPO_MODELLED
         notes.append(f"DPO: chosen and rejected at max_length={total} tokens (the worst case)")
     common = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "gradient_checkpointing",
-              "optim", "model_init_kwargs")
+              "activation_checkpointing", "optim", "model_init_kwargs")
     defaults = trl_defaults(kind)
     left = sorted(k for k, v in d.items() if k not in modelled and k not in common
                   and not k.startswith(TRL_NO_MEMORY) and v not in (None, "", [], {})
