@@ -182,6 +182,8 @@ def test_trl_reader_maps_the_defaults_and_refuses_bad_values():
     assert read_trl_args({"precompute_ref_log_probs": True, "max_length": 256}, prompt_len=1).objective.seq == 256
     assert read_trl_args({"num_generations": 4, "model_init_kwargs": {"dtype": "bfloat16"}},
                          prompt_len=8).precision == "pure-bf16"
+    # transformers 5 names gradient checkpointing activation_checkpointing (a YAML may have only that)
+    assert read_trl_args({"num_generations": 4, "activation_checkpointing": False}, prompt_len=8).checkpointing is None
     with pytest.raises(InputError, match="not a GRPOConfig, DPOConfig or RewardConfig"):
         read_trl_args({"learning_rate": 1e-5}, prompt_len=8)
     with pytest.raises(InputError, match="per_device_train_batch_size"):
