@@ -675,7 +675,8 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
                                 held=held, late=late, early_late=early_late, bucket=bucket,
                                 partitioned=zero >= 2, head_grad=head_grad,
                                 gathered=gathered, scratch=scratch,
-                                full=full, trains_base=trains_base, chunk=loss_chunk if chunked else None,
+                                full=full, trains_base=trains_base, quantized=quantization is not None,
+                                chunk=loss_chunk if chunked else None,
                                 largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None,
                                 out_held=output_held(s, z, batch, seq, path, ad is not None, full, chunked))
     cats = dict.fromkeys(CATEGORIES, 0.0)
@@ -720,9 +721,9 @@ def _largest_matrix(s: DecoderShape) -> int:
     return s.d * max(s.ffn, s.q_dim, s.kv_dim)
 
 
-def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], embed: float, dense_w: float,
+def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], embed: float, dense_w: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
                      G: float, G_prev: float = 0.0, held: float = 0.0, late: float = 0.0, gathered: float = 0.0,
-                     trains_base: bool = True) -> dict:
+                     trains_base: bool = True, quantized: bool = False) -> dict:
     """The categories of a full-checkpointing step's peak layer in backward. A full fine-tune: the
     last recomputed layer (layer 0) holds its activations with nearly all gradients. LoRA
     (``trains_base`` False), whose gradients are small: the first recomputed one, with every
@@ -734,7 +735,8 @@ def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], 
         layers: each layer's kept bytes (:func:`layer_activations`); embed: the embedding's kept bytes;
         dense_w: the dense weights' elements; G, G_prev: the step's and earlier micro-batches' gradients;
         held: gradient bytes held all step (with ZeRO's bucket); late: ZeRO-2's partition;
-        gathered: ZeRO-3's gathered weights.
+        gathered: ZeRO-3's gathered weights; quantized: a 4/8-bit base (dequantised, not autocast's
+        casts: counted by the caller).
 
     Returns:
         A dict of categories (activations, gradients, temporaries) to bytes.
@@ -744,7 +746,8 @@ def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], 
         rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
         # the recomputed matmuls save the layer's frozen weights cast by autocast (a frozen weight is
         # not in autocast's cache, so the first forward's casts were transient)
-        return dict(activations=embed + L * t * D * z.r + 4 * t * rope + layers[-1] + dense_w / L * z.c * z.auto,
+        casts = 0 if quantized or not z.auto else sum(o * i for ios in s.linears(L - 1).values() for i, o in ios) * z.c
+        return dict(activations=embed + L * t * D * z.r + 4 * t * rope + layers[-1] + casts,
                     gradients=G_prev + held, temporaries=t * D * z.r + t * s.ffn * z.c + gathered)
     return dict(activations=embed + t * D * z.r + layers[0] + dense_w / L * z.c * z.auto,
                 gradients=max(G_prev, G * (1 - 1 / max(L, 1)), late) + held,
@@ -754,7 +757,7 @@ def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], 
 def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
                  dense_w: float, G: float, G_prev: float, held: float, late: float, early_late: float,
                  bucket: float, partitioned: bool, head_grad: float, gathered: float, scratch: float, full: bool,
-                 trains_base: bool,
+                 trains_base: bool, quantized: bool = False,
                  chunk: int | None = None, largest_grad: float | None = None,
                  out_held: float = 0.0) -> tuple[str, dict]:
     """The moment of the step whose bytes are largest, and its categories: the loss
@@ -815,7 +818,8 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     if full:
         m["recomputed layer"] = recomputed_layer(s, z, t, layers=layers, embed=embed, dense_w=dense_w, G=G,
                                                  G_prev=G_prev, held=held + (bucket if trains_base else 0),
-                                                 late=late, gathered=gathered, trains_base=trains_base)
+                                                 late=late, gathered=gathered, trains_base=trains_base,
+                                                 quantized=quantized)
     if largest_grad is not None:
         embed_grad = V * D * z.w
         for name, cats in m.items():
