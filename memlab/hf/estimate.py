@@ -723,7 +723,7 @@ def _largest_matrix(s: DecoderShape) -> int:
 
 def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], embed: float, dense_w: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
                      G: float, G_prev: float = 0.0, held: float = 0.0, late: float = 0.0, gathered: float = 0.0,
-                     trains_base: bool = True, quantized: bool = False) -> dict:
+                     trains_base: bool = True, quantized: bool = False) -> dict[str, float]:
     """The categories of a full-checkpointing step's peak layer in backward. A full fine-tune: the
     last recomputed layer (layer 0) holds its activations with nearly all gradients. LoRA
     (``trains_base`` False), whose gradients are small: the first recomputed one, with every

@@ -29,7 +29,11 @@ read off its source (trl 1.16.0):
 
 The peak is the largest of the moments: the fused head's backward (every activation held,
 ``mm_buf`` and the gradient accumulators), the reference's forward, generation, and the
-optimizer step.
+optimizer step. The reward model (``RewardTrainer``) has no fused head: a score of ``hidden x 1``
+(:func:`estimate_reward_step`).
+
+Over 500 lines because it is the one closed form of TRL's three steps and the reading of their
+three configs into it (:func:`read_trl_args`), which share the :class:`Objective` and its notes.
 """
 from __future__ import annotations
 
@@ -443,6 +447,9 @@ def trl_defaults(kind: str) -> dict:
 def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
     """A ``GRPOConfig``, ``DPOConfig`` or ``RewardConfig`` (its dict, as ``to_dict()`` or a YAML
     writes it).
+
+    Over 80 lines because each of the three configs maps its own fields, and every field left is
+    named in a note.
 
     Args:
         d: the config's fields.
