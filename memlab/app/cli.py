@@ -10,7 +10,7 @@
     memlab oom < traceback.txt                     # an OOM message read and explained
     memlab estimate --hf-config gpt2 --world-size 2 --deepspeed ds_config.json --checkpointing full
     memlab estimate --hf-config llama-3-8b --training-args args.json      # TrainingArguments / SFTConfig
-    memlab estimate --hf-config llama-3.1-8b --training-args grpo.yaml --gpu H100-80GB  # GRPOConfig / DPOConfig
+    memlab estimate --hf-config llama-3.1-8b --training-args grpo.yaml --gpu H100-80GB  # GRPO/DPO/RewardConfig
     memlab estimate --hf-config llama-3-8b --lora-rank 16 --load-in-4bit  # QLoRA
     memlab advise --hf-config llama-3-8b --gpu A100-80GB --world-size 8 --seq 4096 --batch 1 --finetune
 
@@ -680,7 +680,7 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
         from memlab.hf import read_run_configs as run_config
         from memlab.hf.shape import decoder_shape
         trl_args = run_config.load_file(args.training_args, "--training-args")
-        if post_training.trl_kind(trl_args) is not None:  # a GRPOConfig or DPOConfig: memlab.hf.post_training
+        if post_training.trl_kind(trl_args) is not None:  # a TRL config: memlab.hf.post_training
             run = post_training.read_trl_args(trl_args, prompt_len=args.seq)
             lora, lora_notes = _hf_lora(args, decoder_shape(args.hf_config))
             quant = _quant_flags(args)

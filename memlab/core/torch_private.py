@@ -18,7 +18,8 @@ import torch
 
 # Fake tensors: the simulate lens, FSDP2 and tensor parallelism on fake tensors, HF models on
 # fake tensors. Checked: 2.11 (H200 simulate rows), 2.13.
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+# FakeCopyMode: a module's deep copy kept in its fake mode (peft's modules_to_save deep-copies)
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 
 # The fake process group: importing fake_pg registers the "fake" backend for
 # ``dist.init_process_group("fake", store=FakeStore(), ...)`` (rank 0 of N alone).
@@ -191,7 +192,8 @@ def profiler_memory_events(fn) -> list[tuple[int, int]]:
     return sorted(events)
 
 __all__ = ["activation_memory_budget", "inductor_backend_seeing_graphs", "profiler_memory_events",
-           "reset_compiled", "AUTOCAST_CPU_KEYS", "FakeStore", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
+           "reset_compiled", "AUTOCAST_CPU_KEYS", "FakeCopyMode", "FakeStore", "FakeTensor", "FakeTensorMode",
+           "TorchDispatchMode",
            "aten_ops_with_kernel", "current_autograd_node", "exclude_dispatch_keys", "fsdp2_mem_tracker",
            "dump_memory_snapshot", "in_backward", "is_traceable_wrapper_subclass", "memory_snapshot",
            "op_schema", "parse_to", "record_memory_history", "stop_memory_history", "tensor_version",

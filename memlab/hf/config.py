@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from memlab.core.errors import InputError
-from memlab.core.torch_private import FakeTensor, parse_to
+from memlab.core.torch_private import FakeCopyMode, FakeTensor, parse_to
 from memlab.hf.config_check import check_config, expert_count, field_value
 from memlab.models.chunked_loss import linear_cross_entropy
 from memlab.step.optimizer_in_backward import OptimizerInBackward
@@ -209,7 +209,10 @@ def add_lora(model, lora: dict, autocast_adapter_dtype: bool = True):
     to = torch.nn.Module.to
     torch.nn.Module.to = _replacing_to
     try:
-        return peft_model(model, LoraConfig(**lora), autocast_adapter_dtype)
+        # modules_to_save (a SEQ_CLS task's score) are deep copies, which would otherwise land in
+        # a fake mode of their own
+        with FakeCopyMode(next(model.parameters()).fake_mode):
+            return peft_model(model, LoraConfig(**lora), autocast_adapter_dtype)
     finally:
         torch.nn.Module.to = to
 
@@ -244,8 +247,11 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
              checkpointing: str | None = None, attention: str | None = None,
              lora: dict | None = None, lr: float = 1e-4, dtype: torch.dtype | None = None,
              prepare: Callable | None = None, autocast_adapter_dtype: bool = True,
-             optimizer: Callable | None = None, optimizer_in_backward: bool = False) -> Callable:
-    """A ``build_fn`` for :func:`memlab.simulate_model`: the HF causal LM (fp32 master
+             optimizer: Callable | None = None, optimizer_in_backward: bool = False,
+             reward_head: bool = False) -> Callable:
+    """A ``build_fn`` for :func:`memlab.simulate_model`: the HF causal LM (with ``reward_head``
+    the sequence classifier with one label a reward model is, its pad id 0, LoRA's task
+    ``SEQ_CLS`` training its ``score``) (fp32 master
     weights, or bf16 ones for ``pure-bf16``; ``dtype`` overrides), ``prepare(model)`` applied
     to it (a quantised base: :func:`memlab.hf.simulate.quantize_base`), HF's own gradient
     checkpointing for ``checkpointing="full"``, LoRA adapters from ``lora`` (``peft.LoraConfig``
@@ -258,17 +264,21 @@ def build_fn(cfg: dict | str | pathlib.Path, *, precision: str = "fp32",
     conf = hf_config(cfg)
     attn = attn_implementation(conf, attention)
 
+    if reward_head:
+        conf.num_labels, conf.pad_token_id = 1, 0
+
     def build():
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
         weights = dtype or (torch.bfloat16 if precision == "pure-bf16" else torch.float32)
-        model = AutoModelForCausalLM.from_config(conf, dtype=weights, attn_implementation=attn)
+        cls = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
+        model = cls.from_config(conf, dtype=weights, attn_implementation=attn)
         model.train()
         if prepare is not None:
             model = prepare(model)
         if checkpointing == "full":
             enable_hf_checkpointing(model)
         if lora is not None:
-            model = add_lora(model, lora, autocast_adapter_dtype)
+            model = add_lora(model, dict(lora, task_type="SEQ_CLS") if reward_head else lora, autocast_adapter_dtype)
         params = [p for p in model.parameters() if p.requires_grad]
         make = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=lr, fused=True))
         if optimizer_in_backward:

@@ -395,13 +395,23 @@ def moe_activations(s: DecoderShape, z: Sizes, t: int, normed: int, ep: int = 1,
     return n
 
 
-def _kept(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool, params: float,
-          ep: int = 1, imbalance: float = 1.0,
-          adapters: Adapters | None = None, chunked: bool = False) -> tuple[float, list[float], float, float]:
+def kept_activations(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, full: bool, params: float,
+                     ep: int = 1, imbalance: float = 1.0,
+                     adapters: Adapters | None = None,
+                     chunked: bool = False) -> tuple[float, list[float], float, float]:
     """Activations alive when the forward reaches the loss (before its log-softmax), each
     layer's, the embedding's, and the weights autocast casts (per rank of ``ep``). Under the
     chunked loss (``chunked``) the head is no ``Linear``: it saves the final hidden states as
-    they are and a log-sum-exp per token, no cast input and no cast weight."""
+    they are and a log-sum-exp per token, no cast input and no cast weight.
+
+    Args:
+        s, z, batch, seq, path: the shape, the sizes, the micro-batch, the attention path.
+        full: full checkpointing; params: the parameters' elements; ep, imbalance: expert parallelism;
+        adapters: a LoRA run; chunked: the chunked loss.
+
+    Returns:
+        The bytes kept, each layer's, the embedding's, and the dense weights' elements.
+    """
     t, V, D, L = seq * batch, s.vocab, s.d, s.n_layer
     ad = adapters
     frozen = ad is not None
@@ -497,7 +507,7 @@ def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int,
               precision=precision)
     path = attention_path(s, z, batch, seq, attention)
     ad = None if lora is None else adapters_for(s, lora, precision, quantized)
-    return int(round(_kept(s, z, batch, seq, path, checkpointing == "full", s.num_params(), adapters=ad)[0]))
+    return int(round(kept_activations(s, z, batch, seq, path, checkpointing == "full", s.num_params(), adapters=ad)[0]))
 
 
 #: tokens x hidden fp32 tensors alive at the peak of a Python RMSNorm's backward, read off the
@@ -662,12 +672,13 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     head_grad = min(G, V * D * z.w * (not s.tied) / (dp if zero >= 2 else 1)) if trains_base else 0.0
     full = checkpointing == "full"
     params = s.num_params() - s.expert_total() * (1 - 1 / ep)
-    A, layers, embed, dense_w = _kept(s, z, batch, seq, path, full, params, ep, imbalance, ad, chunked)
+    A, layers, embed, dense_w = kept_activations(s, z, batch, seq, path, full, params, ep, imbalance, ad, chunked)
     moment, best = _peak_moment(s, z, t, A=A, layers=layers, embed=embed, dense_w=dense_w, G=G, G_prev=G_prev,
                                 held=held, late=late, early_late=early_late, bucket=bucket,
                                 partitioned=zero >= 2, head_grad=head_grad,
                                 gathered=gathered, scratch=scratch,
-                                full=full, trains_base=trains_base, chunk=loss_chunk if chunked else None,
+                                full=full, trains_base=trains_base, quantized=quantization is not None,
+                                chunk=loss_chunk if chunked else None,
                                 largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None,
                                 out_held=output_held(s, z, batch, seq, path, ad is not None, full, chunked))
     cats = dict.fromkeys(CATEGORIES, 0.0)
@@ -712,10 +723,43 @@ def _largest_matrix(s: DecoderShape) -> int:
     return s.d * max(s.ffn, s.q_dim, s.kv_dim)
 
 
+def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], embed: float, dense_w: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
+                     G: float, G_prev: float = 0.0, held: float = 0.0, late: float = 0.0, gathered: float = 0.0,
+                     trains_base: bool = True, quantized: bool = False) -> dict[str, float]:
+    """The categories of a full-checkpointing step's peak layer in backward. A full fine-tune: the
+    last recomputed layer (layer 0) holds its activations with nearly all gradients. LoRA
+    (``trains_base`` False), whose gradients are small: the first recomputed one, with every
+    layer's checkpointed input still held. Under autocast either holds the layer's weights cast
+    to 16 bits.
+
+    Args:
+        s, z, t: the shape, the sizes, the tokens of the micro-batch.
+        layers: each layer's kept bytes (:func:`layer_activations`); embed: the embedding's kept bytes;
+        dense_w: the dense weights' elements; G, G_prev: the step's and earlier micro-batches' gradients;
+        held: gradient bytes held all step (with ZeRO's bucket); late: ZeRO-2's partition;
+        gathered: ZeRO-3's gathered weights; quantized: a 4/8-bit base (dequantised, not autocast's
+        casts: counted by the caller).
+
+    Returns:
+        A dict of categories (activations, gradients, temporaries) to bytes.
+    """
+    D, L = s.d, s.n_layer
+    if not trains_base:
+        rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
+        # the recomputed matmuls save the layer's frozen weights cast by autocast (a frozen weight is
+        # not in autocast's cache, so the first forward's casts were transient)
+        casts = 0 if quantized or not z.auto else sum(o * i for ios in s.linears(L - 1).values() for i, o in ios) * z.c
+        return dict(activations=embed + L * t * D * z.r + 4 * t * rope + layers[-1] + casts,
+                    gradients=G_prev + held, temporaries=t * D * z.r + t * s.ffn * z.c + gathered)
+    return dict(activations=embed + t * D * z.r + layers[0] + dense_w / L * z.c * z.auto,
+                gradients=max(G_prev, G * (1 - 1 / max(L, 1)), late) + held,
+                temporaries=t * max(s.ffn, s.moe_ffn * s.top_k) * z.c + gathered)
+
+
 def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
                  dense_w: float, G: float, G_prev: float, held: float, late: float, early_late: float,
                  bucket: float, partitioned: bool, head_grad: float, gathered: float, scratch: float, full: bool,
-                 trains_base: bool,
+                 trains_base: bool, quantized: bool = False,
                  chunk: int | None = None, largest_grad: float | None = None,
                  out_held: float = 0.0) -> tuple[str, dict]:
     """The moment of the step whose bytes are largest, and its categories: the loss
@@ -731,7 +775,7 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     ``largest_grad`` (the optimizer step in backward, :mod:`memlab.step.optimizer_in_backward`): no moment holds
     every gradient; a layer's backward holds the one being applied (at most ``largest_grad``) and a
     tied head's, in flight until the embedding's backward; the optimizer-step moment is gone."""
-    V, D, L = s.vocab, s.d, s.n_layer
+    V, D = s.vocab, s.d
     lsm = t * V * 4
     cast = t * V * 4 if z.c != 4 else 0
     # autocast's cache keeps every trained weight's 16-bit cast until the forward's autocast
@@ -773,14 +817,11 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
         m["first gradient hook"] = dict(activations=A - 4 * t - t * D * (z.c + z.r),
                                         gradients=max(G_prev, kept + early_late) + held + bucket,
                                         temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered)
-    if full and not trains_base:  # LoRA: the gradients are small, the first recomputed layer is the peak
-        rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
-        m["recomputed layer"] = dict(activations=embed + L * t * D * z.r + 4 * t * rope + layers[-1],
-                                     gradients=G_prev + held, temporaries=t * D * z.r + t * s.ffn * z.c + gathered)
-    elif full:  # the last recomputed layer (layer 0) holds its activations with nearly all gradients
-        m["recomputed layer"] = dict(activations=embed + t * D * z.r + layers[0] + dense_w / L * z.c * z.auto,
-                                     gradients=max(G_prev, G * (1 - 1 / max(L, 1)), late) + held + bucket,
-                                     temporaries=t * max(s.ffn, s.moe_ffn * s.top_k) * z.c + gathered)
+    if full:
+        m["recomputed layer"] = recomputed_layer(s, z, t, layers=layers, embed=embed, dense_w=dense_w, G=G,
+                                                 G_prev=G_prev, held=held + (bucket if trains_base else 0),
+                                                 late=late, gathered=gathered, trains_base=trains_base,
+                                                 quantized=quantized)
     if largest_grad is not None:
         embed_grad = V * D * z.w
         for name, cats in m.items():
@@ -791,4 +832,5 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
 
 
 __all__ = ["NORM_BACKWARD_TEMPORARIES", "Sizes", "adapter_saved", "attention_path", "check_run", "output_held",
-           "sdpa_masked", "forward_activations", "layer_activations", "moe_activations", "estimate_hf", "estimate_run"]
+           "sdpa_masked", "forward_activations", "kept_activations", "layer_activations", "recomputed_layer",
+           "moe_activations", "estimate_hf", "estimate_run"]

@@ -29,7 +29,11 @@ read off its source (trl 1.16.0):
 
 The peak is the largest of the moments: the fused head's backward (every activation held,
 ``mm_buf`` and the gradient accumulators), the reference's forward, generation, and the
-optimizer step.
+optimizer step. The reward model (``RewardTrainer``) has no fused head: a score of ``hidden x 1``
+(:func:`estimate_reward_step`).
+
+Over 500 lines because it is the one closed form of TRL's three steps and the reading of their
+three configs into it (:func:`read_trl_args`), which share the :class:`Objective` and its notes.
 """
 from __future__ import annotations
 
@@ -41,7 +45,14 @@ from memlab.core.errors import InputError
 from memlab.core.hardware import resolve_budget
 from memlab.core.precision import precision_bytes
 from memlab.hf.config import check_seq, load_config
-from memlab.hf.estimate import forward_activations
+from memlab.hf.estimate import (
+    NORM_BACKWARD_TEMPORARIES,
+    Sizes,
+    attention_path,
+    forward_activations,
+    kept_activations,
+    recomputed_layer,
+)
 from memlab.hf.read_run_configs import trainer_precision
 from memlab.hf.shape import decoder_shape
 from memlab.policy import resolve_target
@@ -51,7 +62,7 @@ from memlab.step.low_bit import HF_OPTIMIZERS
 from memlab.step.training_step import MemoryReport, StepConfig
 from memlab.tracking.tracker import CATEGORIES
 
-KINDS = ("supervised", "dpo", "grpo")
+KINDS = ("supervised", "dpo", "grpo", "reward")
 #: ``trl/kernels/chunked_logprob.py``: tokens per projection tile, and the vocabulary tile
 #: (``_CHUNKED_LOGPROB_CHUNK_SIZE`` in ``trl/trainer/utils.py``)
 TOKEN_TILE = 4096
@@ -71,12 +82,13 @@ class Objective:
     """
 
     kind: str = "supervised"
-    """``supervised`` (memlab's own step), ``dpo`` or ``grpo``."""
+    """``supervised`` (memlab's own step), ``dpo``, ``grpo`` or ``reward`` (``RewardTrainer``: a
+    sequence-classification head scoring chosen and rejected, one ``2 x batch`` forward)."""
     prompt_len: int = 128
     """Prompt tokens per row (the padded prompt)."""
     completion_len: int = 128
-    """Completion tokens per row: DPO the longer of chosen and rejected (EOS included), GRPO
-    ``max_completion_length``."""
+    """Completion tokens per row: DPO and the reward model the longer of chosen and rejected (EOS
+    included), GRPO ``max_completion_length``."""
     beta: float = 0.1
     """The KL coefficient. GRPO keeps (and runs) a reference model only when it is not 0
     (TRL's GRPO default is 0.0); DPO always needs the reference's log-probabilities."""
@@ -120,7 +132,7 @@ class Objective:
 
     def holds_reference(self, lora: LoraConfig | None) -> bool:
         """Whether the step holds a reference model's weights beside the policy."""
-        if lora is not None or self.kind == "supervised":
+        if lora is not None or self.kind in ("supervised", "reward"):
             return False
         if self.kind == "dpo":
             return self.reference and not self.precompute_ref_log_probs
@@ -212,6 +224,9 @@ def estimate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
     s = decoder_shape(d_cfg)
     check_seq(d_cfg, o.seq)
     tgt = resolve_target(target, budget)
+    if o.kind == "reward":
+        return estimate_reward_step(d_cfg, o, batch=batch, precision=precision, lora=lora,
+                                    checkpointing=checkpointing, target=tgt, optimizer=optimizer, budget=budget)
     cuda = getattr(tgt, "is_cuda", False)
     w, c, auto = precision_bytes(precision)
     quantized = quantization is not None
@@ -274,6 +289,68 @@ def estimate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
     return report
 
 
+def estimate_reward_step(cfg: dict, objective: Objective, *, batch: int, precision: str, lora: LoraConfig | None,
+                         checkpointing: str | None, target, optimizer: str,
+                         budget: int | str | None) -> MemoryReport:
+    """Closed-form peak bytes of one step of TRL 1.16's ``RewardTrainer``: the decoder with a
+    ``score`` head of ``hidden x 1`` in place of the LM head (``AutoModelForSequenceClassification``
+    with ``num_labels=1``, ``reward_trainer.py`` line 396; ``transformers``'
+    ``GenericForSequenceClassification``), chosen and rejected one ``2 x batch`` forward (the
+    collator stacks them, ``reward_trainer.py`` line 209), the pairwise loss
+    ``-logsigmoid(r_chosen - r_rejected)`` on the rewards pooled at each row's last token. No
+    logits over the vocabulary: the peak is the final norm's backward with every activation
+    held, the end of backward, the optimizer step, or (checkpointed) a recomputed layer.
+
+    Args:
+        cfg: the config dict; objective: the ``reward`` :class:`Objective`; batch: pairs.
+        precision, lora, checkpointing, optimizer, budget: as :func:`estimate_post_training`.
+        target: the resolved target.
+
+    Returns:
+        A :class:`MemoryReport` (lens ``estimate``).
+    """
+    s = decoder_shape(cfg)
+    rm = dataclasses.replace(s, tied=True)  # no LM head: the vocabulary's one matrix is the embedding
+    w, c, auto = precision_bytes(precision)
+    z = Sizes(w=w, c=c, r=w, auto=auto is not None, target=target, precision=precision)
+    rows, seq, D = 2 * batch, objective.seq, s.d
+    t = rows * seq
+    ad = None if lora is None else adapters_for(s, lora, precision)
+    st = run_states(rm, precision=precision, optimizer=optimizer, zero=0, world_size=1, offload="none", ep=1,
+                    ad=ad, quant=None).inputs
+    # the score (hidden x 1) trains; peft's SEQ_CLS task keeps a trained copy beside the frozen one
+    P = st["parameters"] + D * w * (2 if lora is not None else 1)
+    G, opt, scratch = st["gradients"] + D * w, st["optimizer"] + 2 * D * w, st["step"] + D * w
+    path = attention_path(s, z, rows, seq, None)
+    full = checkpointing == "full"
+    A, layers, embed, dense_w = kept_activations(s, z, rows, seq, path, full, s.num_params(), adapters=ad)
+    # the LM head's terms out (its autocast weight copy; its input, with the final norm's normalised
+    # input, gone with their backward by the norm's: a frozen norm and head under LoRA saved neither)
+    A -= s.vocab * D * c * z.auto + (0 if lora is not None else 4 * t + t * D * (c + w))
+    norm_grads = D * w * (2 if lora is None else 1)  # the score's gradient, and the norm weight's
+    moments = {
+        "final norm backward": dict(activations=A, gradients=norm_grads,
+                                    temporaries=NORM_BACKWARD_TEMPORARIES.get(s.norm, 0) * t * D * 4),
+        "end of backward": dict(gradients=G, temporaries=t * D * w),
+        "optimizer step": dict(gradients=G, temporaries=scratch)}
+    if full:
+        moments["recomputed layer"] = recomputed_layer(s, z, t, layers=layers, embed=embed, dense_w=dense_w, G=G,
+                                                       trains_base=lora is None)
+    moment, best = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    cats = dict.fromkeys(CATEGORIES, 0)
+    cats.update({k: int(round(v)) for k, v in best.items()})
+    cats["parameters"], cats["optimizer"] = int(P), int(opt)
+    cats["other"] += 16 * t  # the batch's ids and masks (int64)
+    cats["workspace"] += target.resident_workspace()
+    info = StepConfig(s, seq=seq, batch=rows, precision=precision, checkpointing=checkpointing,
+                      optimizer=optimizer, lora=lora)
+    report = MemoryReport("estimate", info, f"formula ({target.name})", sum(cats.values()), cats,
+                          resolve_budget(budget))
+    report.notes.append(f"reward (TRL 1.16): peak moment: {moment}; {rows} rows of {seq} tokens "
+                        f"(chosen and rejected), a score head of {D} x 1 in place of the LM head")
+    return report
+
+
 def vllm_training_budget(card: int | str, gpu_memory_utilization: float) -> int:
     """Bytes of the card left to training when a colocated vLLM engine takes its share.
 
@@ -305,20 +382,26 @@ def vllm_training_budget(card: int | str, gpu_memory_utilization: float) -> int:
 GRPO_MODELLED = ("num_generations", "max_completion_length", "beta", "generation_batch_size", "steps_per_generation",
                  "cache_implementation", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")
 DPO_MODELLED = ("beta", "max_length", "precompute_ref_log_probs")
+#: ``RewardConfig`` fields the estimate reads (the centring term is one scalar of the loss)
+REWARD_MODELLED = ("max_length", "center_rewards_coefficient")
 #: TRL fields that move no memory of the step (sampling, logging, loss shapes computed per token)
 TRL_NO_MEMORY = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "log_", "num_completions_to_print",
                  "epsilon", "delta", "loss_type", "scale_rewards", "reward_weights", "learning_rate", "logging_steps",
                  "label_smoothing", "seed", "output_dir", "report_to", "run_name", "save_", "num_train_epochs",
-                 "max_steps", "warmup", "lr_scheduler", "weight_decay", "adam_", "max_grad_norm")
-# keys only one of the two configs has: what tells a GRPOConfig from a DPOConfig
+                 "max_steps", "warmup", "lr_scheduler", "weight_decay", "adam_", "max_grad_norm", "disable_tqdm",
+                 "hub_")
+# keys only one of the configs has: what tells a GRPOConfig from a DPOConfig
 _GRPO_KEYS = ("num_generations", "max_completion_length", "use_vllm", "vllm_gpu_memory_utilization",
               "generation_batch_size", "steps_per_generation", "num_iterations")
 _DPO_KEYS = ("precompute_ref_log_probs", "precompute_ref_batch_size", "ld_alpha", "rpo_alpha", "f_divergence_type")
+# RewardConfig's one field no other TRL config has (its to_dict() writes it, None or not)
+_REWARD_KEYS = ("center_rewards_coefficient",)
+_CONFIGS = {"grpo": "GRPOConfig", "dpo": "DPOConfig", "reward": "RewardConfig"}
 
 
 @dataclass(frozen=True)
 class TRLRun:
-    """A ``DPOConfig`` or ``GRPOConfig`` mapped onto the step.
+    """A ``DPOConfig``, ``GRPOConfig`` or ``RewardConfig`` mapped onto the step.
 
     Args:
         objective: the :class:`Objective`.
@@ -343,20 +426,26 @@ class TRLRun:
 
 
 def trl_kind(d: dict) -> str | None:
-    """``grpo`` or ``dpo`` when a ``--training-args`` dict has fields only that TRL config has, else ``None``."""
+    """``grpo``, ``dpo`` or ``reward`` when a ``--training-args`` dict has fields only that TRL
+    config has, else ``None``."""
     if any(k in d for k in _GRPO_KEYS):
         return "grpo"
     if any(k in d for k in _DPO_KEYS):
         return "dpo"
+    if any(k in d for k in _REWARD_KEYS):
+        return "reward"
     return None
 
 
 def trl_defaults(kind: str) -> dict:
     """The config class's field defaults (no instance: that would probe devices). A dict because
-    it is TRL's ``GRPOConfig``/``DPOConfig`` fields by name, as a ``--training-args`` file has them."""
-    from trl import DPOConfig, GRPOConfig
+    it is TRL's ``GRPOConfig``/``DPOConfig``/``RewardConfig`` fields by name, as a ``--training-args``
+    file has them."""
+    import trl
+    if kind not in _CONFIGS:
+        raise InputError(f"TRL config kind={kind!r}; allowed: {', '.join(_CONFIGS)}")
     out = {}
-    for f in dataclasses.fields(GRPOConfig if kind == "grpo" else DPOConfig):
+    for f in dataclasses.fields(getattr(trl, _CONFIGS[kind])):
         if f.default is not dataclasses.MISSING:
             out[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:
@@ -365,20 +454,26 @@ def trl_defaults(kind: str) -> dict:
 
 
 def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
-    """A ``GRPOConfig`` or ``DPOConfig`` (its dict, as ``to_dict()`` or a YAML writes it).
+    """A ``GRPOConfig``, ``DPOConfig`` or ``RewardConfig`` (its dict, as ``to_dict()`` or a YAML
+    writes it).
+
+    Over 80 lines because each of the three configs maps its own fields, and every field left is
+    named in a note.
 
     Args:
         d: the config's fields.
         prompt_len: GRPO's prompt tokens (``GRPOConfig`` has no prompt length: the data's); DPO
-            reads ``max_length`` (default 1024) and scores every token but the first (the worst case).
+            reads ``max_length`` (default 1024) and scores every token but the first (the worst case);
+            the reward model reads ``max_length`` too (its rows at that length, the worst case), or
+            ``prompt_len`` tokens where ``max_length`` is ``None`` (no filter: the data's length).
 
     Returns:
         A :class:`TRLRun`.
     """
     kind = trl_kind(d)
     if kind is None:
-        raise InputError("--training-args is not a GRPOConfig or DPOConfig (none of its own fields); allowed: "
-                         f"a config with one of {', '.join(_GRPO_KEYS + _DPO_KEYS)}")
+        raise InputError("--training-args is not a GRPOConfig, DPOConfig or RewardConfig (none of its own fields); "
+                         f"allowed: a config with one of {', '.join(_GRPO_KEYS + _DPO_KEYS + _REWARD_KEYS)}")
 
     def num(key, default, cast=int):
         v = d.get(key, default)
@@ -399,11 +494,12 @@ def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
     init = d.get("model_init_kwargs") or {}
     if isinstance(init, dict) and init.get("dtype", init.get("torch_dtype")) in ("bfloat16", "auto"):
         precision = "pure-bf16"
-    ckpt = "full" if d.get("gradient_checkpointing", True) else None
+    # transformers 5 renamed the field activation_checkpointing (to_dict() writes both); either off is off
+    ckpt = "full" if d.get("gradient_checkpointing", True) and d.get("activation_checkpointing", True) else None
     optim = str(d.get("optim") or "adamw_torch")
     if optim not in HF_OPTIMIZERS:
         raise InputError(f"--training-args optim={optim!r} is not counted; allowed: {', '.join(HF_OPTIMIZERS)}")
-    notes = [f"{kind.upper()}Config (TRL 1.16): bf16 and gradient_checkpointing default to on"]
+    notes = [f"{_CONFIGS[kind]} (TRL 1.16): bf16 and gradient_checkpointing default to on"]
     share = None
     if kind == "grpo":
         spg = num("steps_per_generation", None) or acc
@@ -421,6 +517,14 @@ def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
                 notes.append("vLLM in server mode: generation runs on other GPUs")
         notes.append(f"GRPO: prompt {prompt_len} tokens (--seq), completion {o.completion_len}, "
                      f"{o.num_generations} generations per prompt, {gen} completions generated at once")
+    elif kind == "reward":
+        total = num("max_length", 1024) or prompt_len
+        if total < 2:
+            raise InputError(f"--training-args max_length={total}; allowed: an integer >= 2 (a prompt and an EOS)")
+        o = Objective("reward", 1, total - 1)
+        modelled = REWARD_MODELLED
+        notes.append(f"reward model: chosen and rejected at {total} tokens (max_length, the worst case), one "
+                     f"forward of 2 x {batch} rows through a score head of hidden x 1")
     else:
         total = num("max_length", 1024)
         o = Objective("dpo", 1, max(total - 1, 1), beta=num("beta", 0.1, float),
@@ -428,7 +532,7 @@ def read_trl_args(d: dict, *, prompt_len: int) -> TRLRun:
         modelled = DPO_MODELLED
         notes.append(f"DPO: chosen and rejected at max_length={total} tokens (the worst case)")
     common = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "gradient_checkpointing",
-              "optim", "model_init_kwargs")
+              "activation_checkpointing", "optim", "model_init_kwargs")
     defaults = trl_defaults(kind)
     left = sorted(k for k, v in d.items() if k not in modelled and k not in common
                   and not k.startswith(TRL_NO_MEMORY) and v not in (None, "", [], {})
@@ -477,7 +581,8 @@ def estimate_trl_run(cfg: dict | str | pathlib.Path, run: TRLRun, *, lora: LoraC
     return report
 
 
-__all__ = ["CACHES", "CPU_TILE_BYTES", "DPO_MODELLED", "GRPO_MODELLED", "KINDS", "Objective", "TOKEN_TILE",
-           "TRLRun", "TRL_NO_MEMORY", "VOCAB_TILE", "estimate_post_training", "estimate_trl_run",
-           "fused_head_backward", "fused_head_saved", "kv_cache_bytes", "read_trl_args", "trl_defaults", "trl_kind",
-           "vllm_training_budget"]
+__all__ = ["CACHES", "CPU_TILE_BYTES", "DPO_MODELLED", "GRPO_MODELLED", "KINDS", "Objective", "REWARD_MODELLED",
+           "TOKEN_TILE",
+           "TRLRun", "TRL_NO_MEMORY", "VOCAB_TILE", "estimate_post_training", "estimate_reward_step",
+           "estimate_trl_run", "fused_head_backward", "fused_head_saved", "kv_cache_bytes", "read_trl_args",
+           "trl_defaults", "trl_kind", "vllm_training_budget"]

@@ -254,12 +254,13 @@ def _fake_8bit(cls: type) -> type:
 def build_run(cfg: dict, *, precision: str = "fp32", checkpointing: str | None = None,
               attention: str | None = None, optimizer: str = "adamw", lora: LoraConfig | None = None,
               quantization: QuantConfig | None = None, cast_adapters: bool = False,
-              lr: float = 1e-4, optimizer_in_backward: bool = False) -> Callable:
+              lr: float = 1e-4, optimizer_in_backward: bool = False, reward_head: bool = False) -> Callable:
     """:func:`memlab.hf.config.build_fn` of one run: the weights in the compute dtype under a quantised
     base (:func:`quantize_base`, fake or real as the tensors it is built on), peft's adapters
     (fp32 by peft's ``autocast_adapter_dtype``; in the base's dtype when ``cast_adapters``, as
     DeepSpeed casts the whole module, or ``adapter_dtype="base"``), :func:`make_optimizer`
-    (one per parameter, stepped in backward, with ``optimizer_in_backward``)."""
+    (one per parameter, stepped in backward, with ``optimizer_in_backward``); ``reward_head``: a
+    reward model's sequence classifier (:func:`memlab.hf.config.build_fn`)."""
     linears = decoder_shape(cfg).linear_names() if lora is not None else None
     base16 = precision == "pure-bf16" and quantization is None
     own = lora is not None and (cast_adapters or (base16 and lora.adapter_dtype == "base"))
@@ -275,7 +276,7 @@ def build_run(cfg: dict, *, precision: str = "fp32", checkpointing: str | None =
                     lora=None if lora is None else lora.peft_kwargs(linears), lr=lr,
                     dtype=None if quantization is None else _DTYPES[quantization.compute_dtype],
                     prepare=prepare, autocast_adapter_dtype=not own, optimizer=optimizer_fn,
-                    optimizer_in_backward=optimizer_in_backward)
+                    optimizer_in_backward=optimizer_in_backward, reward_head=reward_head)
 
 
 def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precision: str = "fp32",  # noqa: PLR0913 keyword-only: the run's fields, as estimate_hf's

@@ -1,4 +1,4 @@
-"""The measure lens of a post-training step: TRL's real ``DPOTrainer`` or ``GRPOTrainer``, one
+"""The measure lens of a post-training step: TRL's real ``DPOTrainer``, ``GRPOTrainer`` or ``RewardTrainer``, one
 step, tracked by :class:`memlab.tracking.tracker.MemoryTracker`.
 
 :func:`measure_trl` builds the model from a config (random weights, no download), a word-level
@@ -78,13 +78,15 @@ def _words(n: int, seed: int, vocab: int) -> str:
     return " ".join(f"w{(seed * 7 + j) % (vocab - len(SPECIALS))}" for j in range(n))
 
 
-def _peft(lora: LoraConfig | None):
+def _peft(lora: LoraConfig | None, task_type: str = "CAUSAL_LM"):
+    """peft's config of ``lora``; ``SEQ_CLS`` (the reward model) also trains the ``score`` head,
+    as TRL's ``RewardTrainer`` docstring asks (peft adds it to ``modules_to_save``)."""
     if lora is None:
         return None
     from peft import LoraConfig as PeftLora
     targets = "all-linear" if lora.targets == "all-linear" else list(lora.targets)
     return PeftLora(r=lora.rank, lora_alpha=lora.alpha or 2 * lora.rank, target_modules=targets,
-                    lora_dropout=lora.dropout, task_type="CAUSAL_LM")
+                    lora_dropout=lora.dropout, task_type=task_type)
 
 
 @contextlib.contextmanager
@@ -119,8 +121,8 @@ def measure_trl(cfg: dict | str | pathlib.Path, objective, *, batch: int, precis
 
     Args:
         cfg: a config dict, config.json or shipped name (its ``vocab_size`` is the tokenizer's).
-        objective: a :class:`memlab.hf.post_training.Objective` of kind ``dpo`` or ``grpo``.
-        batch: ``per_device_train_batch_size`` (DPO: pairs; GRPO: completions).
+        objective: a :class:`memlab.hf.post_training.Objective` of kind ``dpo``, ``grpo`` or ``reward``.
+        batch: ``per_device_train_batch_size`` (DPO and the reward model: pairs; GRPO: completions).
         precision: ``bf16`` (TRL's default, autocast on fp32 weights) or ``fp32``.
         lora: adapters through peft (the reference is then the disabled adapter).
         checkpointing: ``none`` or ``full`` (``gradient_checkpointing``).
@@ -132,10 +134,16 @@ def measure_trl(cfg: dict | str | pathlib.Path, objective, *, batch: int, precis
     and tracks one steady step.
     """
     from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        PrinterCallback,
+        TrainerCallback,
+    )
 
-    if objective.kind not in ("dpo", "grpo"):
-        raise InputError(f"objective {objective.kind!r} for measure_trl; allowed: dpo, grpo")
+    if objective.kind not in ("dpo", "grpo", "reward"):
+        raise InputError(f"objective {objective.kind!r} for measure_trl; allowed: dpo, grpo, reward")
     if precision not in ("bf16", "fp32"):
         raise InputError(f"precision={precision!r} for a TRL step; allowed: bf16, fp32")
     d = load_config(cfg)
@@ -155,7 +163,7 @@ def measure_trl(cfg: dict | str | pathlib.Path, objective, *, batch: int, precis
                 mt = holder["mt"] = MemoryTracker(device="cpu")
                 mt.__enter__()
                 mt.track_model(tr.model)
-                if tr.ref_model is not None:
+                if getattr(tr, "ref_model", None) is not None:
                     mt.track_model(tr.ref_model)
                 mt.track_optimizer(getattr(tr.optimizer, "optimizer", tr.optimizer))
                 mt.reset_peak()
@@ -185,6 +193,21 @@ def measure_trl(cfg: dict | str | pathlib.Path, objective, *, batch: int, precis
             trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
                                  processing_class=tok, callbacks=[Track()], peft_config=_peft(lora))
             seq, n = o.prompt_len + o.completion_len, 2 * batch
+        elif o.kind == "reward":
+            from trl import RewardConfig, RewardTrainer
+            # the EOS written out: RewardTrainer appends the eos string where a text lacks it, which
+            # the whitespace tokenizer would glue to the last word
+            rows = [{"prompt": _words(o.prompt_len, i, vocab),
+                     "chosen": " " + _words(o.completion_len - 1, i + 1, vocab) + " " + SPECIALS[1],
+                     "rejected": " " + _words(o.completion_len - 1, i + 2, vocab) + " " + SPECIALS[1]}
+                    for i in range(n_rows)]
+            hf_cfg.num_labels = 1
+            torch.manual_seed(0)
+            model = AutoModelForSequenceClassification.from_config(hf_cfg)
+            trainer = RewardTrainer(model=model, args=RewardConfig(max_length=None, **common),
+                                    train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[Track()],
+                                    peft_config=_peft(lora, "SEQ_CLS"))
+            seq, n = o.prompt_len + o.completion_len, 2 * batch
         else:
             from trl import GRPOConfig, GRPOTrainer
             rows = [{"prompt": _words(o.prompt_len, i, vocab)} for i in range(n_rows)]
@@ -209,7 +232,7 @@ def measure_trl(cfg: dict | str | pathlib.Path, objective, *, batch: int, precis
     mt = holder["mt"]
     top = max(mt.timeline, key=lambda e: e.total)
     return TRLMeasurement(mt.peak_bytes, mt.peak_by_category(), (top.op, top.module, top.phase),
-                          seq, n, trainer.ref_model is not None)
+                          seq, n, getattr(trainer, "ref_model", None) is not None)
 
 
 __all__ = ["SPECIALS", "TRLMeasurement", "measure_trl", "tiny_tokenizer"]

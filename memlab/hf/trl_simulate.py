@@ -295,6 +295,26 @@ def _grpo_step(o: Objective, batch: int, vocab: int, precision: str, lora):
     return step
 
 
+def _reward_step(o: Objective, batch: int, vocab: int, precision: str, lora):
+    from trl import RewardTrainer
+
+    def step(run, optimizer):
+        model = run["policy"]
+        # RewardTrainer.compute_loss bound to a stand-in holding what it reads (reward_trainer.py lines 778-818)
+        me = object.__new__(RewardTrainer)
+        me.__dict__.update(model=model, args=types.SimpleNamespace(center_rewards_coefficient=None),
+                           accelerator=_Accelerator(precision), _total_train_tokens=0, _tp_size=1,
+                           _metrics={"train": defaultdict(list), "eval": defaultdict(list)})
+        rows = 2 * batch  # DataCollatorForPreference: the chosen rows, then the rejected ones
+        ids = torch.randint(3, vocab, (rows, o.seq))
+        with KnownData(), known_masks():
+            loss = me.compute_loss(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+            loss.backward()
+            del loss
+            _step_end(model, optimizer)
+    return step
+
+
 def simulate_post_training(cfg: dict | str | pathlib.Path, objective: Objective, *, batch: int,
                            precision: str = "bf16", lora: LoraConfig | None = None,
                            checkpointing: str | None = None, target: str | None = "cpu",
@@ -316,8 +336,8 @@ def simulate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
         A :class:`MemoryReport` (lens ``simulate``).
     """
     o = objective
-    if o.kind not in ("dpo", "grpo"):
-        raise InputError(f"objective {o.kind!r} for simulate_post_training; allowed: dpo, grpo "
+    if o.kind not in ("dpo", "grpo", "reward"):
+        raise InputError(f"objective {o.kind!r} for simulate_post_training; allowed: dpo, grpo, reward "
                          f"(supervised: memlab.hf.simulate.simulate_hf)")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise InputError(f"batch={batch!r}; allowed: a positive integer")
@@ -329,7 +349,9 @@ def simulate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
     tgt = resolve_target(target, budget)
     conf = hf_config(d)
     attn = attn_implementation(conf, None)
-    policy_build = build_run(d, precision=precision, checkpointing=checkpointing, optimizer=optimizer, lora=lora)
+    reward = o.kind == "reward"
+    policy_build = build_run(d, precision=precision, checkpointing=checkpointing, optimizer=optimizer, lora=lora,
+                             reward_head=reward)
     held = o.holds_reference(lora)
     amp = "bf16" if precision == "bf16" else "fp32"
 
@@ -337,6 +359,11 @@ def simulate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
         from transformers import AutoModelForCausalLM
         from trl.trainer.utils import add_fused_lm_head
         policy, opt = policy_build()
+        if reward:  # a sequence classifier: no LM head to fuse
+            if lora is not None and checkpointing == "full":
+                policy.enable_input_require_grads()  # as RewardTrainer.__init__ does (reward_trainer.py line 542)
+            accelerate_forward(policy, amp)
+            return nn.ModuleDict({"policy": policy}), opt
         base = policy.get_base_model() if lora is not None else policy
         outputs = ("log_probs", "entropy", "mean_logits", "is_top1") if o.kind == "dpo" else ("log_probs", "entropy")
         add_fused_lm_head(base, outputs=outputs)
@@ -351,8 +378,8 @@ def simulate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
             run["reference"] = ref
         return run, opt
 
-    make = _dpo_step if o.kind == "dpo" else _grpo_step
-    rows = 2 * batch if o.kind == "dpo" else batch
+    make = {"dpo": _dpo_step, "grpo": _grpo_step, "reward": _reward_step}[o.kind]
+    rows = 2 * batch if o.kind in ("dpo", "reward") else batch
     with fake_grouped_mm():
         report = simulate_model(build, make(o, batch, s.vocab, amp, lora), target=tgt, budget=budget, seq=o.seq,
                                 batch=rows, precision=precision, checkpointing=checkpointing or "none")
