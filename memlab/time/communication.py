@@ -132,7 +132,8 @@ ENGINES = ("deepspeed", "paper", "deepspeed-reduce-scatter")
 
 
 def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                       engine: str = "deepspeed", sync_every_micro_batch: bool = True) -> StepComm:
+                       engine: str = "deepspeed", sync_every_micro_batch: bool = True,
+                       virtual_stages: int = 1) -> StepComm:
     """The transfers of one rank's step (module doc's rules).
 
     Args:
@@ -147,6 +148,9 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
         sync_every_micro_batch: plain data parallelism all-reduces after every micro-batch
             (memlab's trainer); ``False``: once per step, as Megatron-LM and DDP's ``no_sync``
             accumulate the micro-batches' gradients first.
+        virtual_stages: model chunks per pipeline rank under the interleaved schedule
+            (Narayanan et al. 2021, sec. 2.2.2): each chunk boundary is a send, so the pipeline's
+            point-to-point bytes grow ``v``-fold.
 
     Returns:
         :class:`StepComm`; empty on one rank without offload.
@@ -154,7 +158,7 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
     t, p, w = tensor_parallel, pipeline_parallel, step.world_size
     if engine not in ENGINES:
         raise InputError(f"engine={engine!r}; allowed: {', '.join(ENGINES)}")
-    for name, v in (("tensor_parallel", t), ("pipeline_parallel", p)):
+    for name, v in (("tensor_parallel", t), ("pipeline_parallel", p), ("virtual_stages", virtual_stages)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InputError(f"{name} must be a positive integer, got {v!r}")
     if w % (t * p):
@@ -204,7 +208,7 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
             residual = precision_bytes(step.precision)[0] if not ds else e
             sends = 2 if p > 2 else 1
             out.append(Transfer("pipeline activations and their gradients", "send",
-                                int(sends * tokens * width * residual / t), 2))
+                                int(virtual_stages * sends * tokens * width * residual / t), 2))
     return StepComm(tuple(out))
 
 

@@ -32,7 +32,8 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
   no delayed parameter update), so ``offload`` = PCIe + CPU Adam; an engine that overlaps
   them (ZeRO-Offload's delayed update) takes the slowest of the GPU's work, PCIe and CPU Adam.
 * **bubble** (pipeline, ``p`` stages, ``m`` micro-batches): ``(p - 1) / m`` of the compute
-  (Narayanan et al. 2021, sec. 2.2.1).
+  (Narayanan et al. 2021, sec. 2.2.1); under the interleaved schedule with ``v`` model chunks
+  per rank, ``(p - 1) / (v m)``, and ``v`` times the point-to-point sends (sec. 2.2.2).
 * **elementwise**: the bytes forward and backward's elementwise ops read and write
   (:mod:`memlab.time.elementwise`: norms, activation functions, residual adds, casts, the loss) over
   the card's memory bandwidth (HBM's datasheet figure, or the rate ``memlab doctor
@@ -665,7 +666,7 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
               elementwise: ElementwiseWork | None = None, elementwise_rates: ElementwiseRates | None = None,
               target: str | None = None, gradient_sync: str = "micro-batch",
               sequence_parallel: bool = True, lora_rank: int | None = None, lora_targets=(),
-              qlora: bool = False, dequant: str = "bitsandbytes") -> StepTime:
+              qlora: bool = False, dequant: str = "bitsandbytes", virtual_stages: int = 1) -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.training_step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
 
@@ -708,6 +709,9 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
             quantisation): their dequantisation's bytes cross HBM each time a matmul reads them.
         dequant: whose kernels dequantise them (:data:`DEQUANT_BACKENDS`): bitsandbytes' (peft,
             the Trainer), torchao's NF4Tensor in eager ops or under torch.compile (torchtune).
+        virtual_stages: model chunks per pipeline rank, the interleaved schedule (Narayanan
+            et al. 2021, sec. 2.2.2): the bubble is ``(p - 1) / (v m)`` of the work and the
+            pipeline's sends grow ``v``-fold; 1: plain 1F1B.
 
     Returns:
         :class:`StepTime`.
@@ -731,7 +735,7 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
             replace(step, precision=deepspeed_precision(step)) if on_ds else step)
     flops = flops or step_flops_formula(step)
     comm = step_communication(step, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                              sync_every_micro_batch=gradient_sync == "micro-batch")
+                              sync_every_micro_batch=gradient_sync == "micro-batch", virtual_stages=virtual_stages)
     if card is None and speeds is None:
         return StepTime(flops, communication=comm, rule="no card: FLOPs only")
     if isinstance(card, str):
@@ -771,7 +775,7 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         step, comm, sp, t, backward=flops.backward / share / rate / (step.micro_batches if gradient_sync == "step"
                                                                       else 1))
     m = step.micro_batches
-    bubble = (p - 1) / m * (compute + recompute + elementwise_s) if p > 1 else 0.0
+    bubble = (p - 1) / (virtual_stages * m) * (compute + recompute + elementwise_s) if p > 1 else 0.0
     eng = engine_time(step, sp.hbm, deepspeed=on_ds, hidden=compute + recompute + elementwise_s,
                       optimizer=optimizer, model_parallel=share)
     gpu = compute + recompute + elementwise_s + comm_s + bubble + eng.seconds
