@@ -55,18 +55,20 @@ def narayanan_flops(batch: int, layers: int, hidden: int) -> float:
 
 
 def megatron_step(heads: int, hidden: int, layers: int, t: int, p: int, gpus: int, batch: int, *,
-                  checkpointing: str = "full", sequence_parallel: bool = True) -> StepTime:
-    """The lens's step of a Megatron-LM GPT on Selene's A100s, one sequence per micro-batch."""
+                  checkpointing: str = "full", sequence_parallel: bool = True, micro_batch: int = 1,
+                  virtual_stages: int = 1) -> StepTime:
+    """The lens's step of a Megatron-LM GPT on Selene's A100s, ``micro_batch`` sequences per micro-batch."""
     cfg = GPTConfig(name="megatron-gpt", n_layer=layers, n_head=heads, d_model=hidden, vocab_size=V,
                     block_size=S, attention="naive")
     per_replica = batch // (gpus // (t * p))
-    step = StepConfig(model=cfg, seq=S, batch=per_replica, micro_batches=per_replica, precision="pure-bf16",
-                      world_size=gpus, checkpointing=checkpointing)
+    step = StepConfig(model=cfg, seq=S, batch=per_replica, micro_batches=per_replica // micro_batch,
+                      precision="pure-bf16", world_size=gpus, checkpointing=checkpointing)
     flops = gpt_step_flops(cfg, S, per_replica, checkpointing="none" if checkpointing == "full" else checkpointing)
     if checkpointing == "full":
         flops = replace(flops, recompute=flops.forward)  # Megatron-LM re-runs the whole forward
     return step_time(step, "A100-80GB", flops=flops, tensor_parallel=t, pipeline_parallel=p,
-                     gradient_sync="step", sequence_parallel=sequence_parallel)
+                     gradient_sync="step", sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
+                     whole_forward_recompute=True)
 
 
 def megatron_row(heads: int, hidden: int, layers: int, t: int, p: int, gpus: int, batch: int) -> float:
@@ -75,14 +77,18 @@ def megatron_row(heads: int, hidden: int, layers: int, t: int, p: int, gpus: int
     return narayanan_flops(batch, layers, hidden) / seconds / gpus / 1e12
 
 
-#: rows the lens puts more than 25% above Table 1 once Megatron-LM's own precision and attention are set
-NARAYANAN_OVER = {39.1: 1.267, 76.1: 1.273}
+#: rows the lens puts more than 25% above Table 1 once Megatron-LM's own precision, attention and
+#: whole-layer recomputation are set. Sec. 5.1 (read) says Table 1 ran "the interleaved pipeline
+#: schedule with the scatter/gather optimization", its chunks a rank not stated: the lens keeps plain
+#: 1F1B, whose bubble (p - 1)/m is an upper bound, so interleaving would only raise these rows
+NARAYANAN_OVER = {76.1: 1.253}
 
 
 @pytest.mark.parametrize("row", [pytest.param(r, marks=pytest.mark.xfail(
-    strict=True, reason=f"the lens says {NARAYANAN_OVER[r[0]]} of the published TFLOP/s (t=8, p=2 and 4, 32 "
-                        f"data-parallel replicas): 2% past the bound, the cost not found")) if r[0] in NARAYANAN_OVER
-    else r for r in NARAYANAN_TABLE_1], ids=[f"{r[0]}B" for r in NARAYANAN_TABLE_1])
+    strict=True, reason=f"the lens says {NARAYANAN_OVER[r[0]]} of the published TFLOP/s (t=8, p=4, 32 "
+                        f"data-parallel replicas of 56 micro-batches: a 5% bubble at most): 0.3% past the bound; "
+                        f"every Table 1 row is 1.12-1.25 over, the lens too fast by a cost it does not count"))
+    if r[0] in NARAYANAN_OVER else r for r in NARAYANAN_TABLE_1], ids=[f"{r[0]}B" for r in NARAYANAN_TABLE_1])
 def test_narayanan_table_1_within_25_percent(row):
     _, heads, hidden, layers, t, p, gpus, batch, published = row
     predicted = megatron_row(heads, hidden, layers, t, p, gpus, batch)
@@ -126,25 +132,36 @@ def test_gradient_sync_once_per_step_moves_one_micro_batch_worth():
 # Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv
 # 2205.05198). The abstract (read): the 530B GPT-3-style model on 2240 A100s reaches 54.2% MFU
 # with selective recomputation and sequence parallelism, "29% faster than the 42.1% we achieve
-# using recomputation" (full, without sequence parallelism). The paper's tables could not be
-# opened through the tools here; their figures are as a public reading note of the full PDF
-# quotes them (find_string id 69499497868, "本次核验范围：全文 17/17 页"): Table 4, one 22B layer's
-# forward + backward: 19.6 ms without recomputation, 19.0 with sequence parallelism (-3%), 27.2
-# with full recomputation (+39%), 20.9 with selective (+7%), 20.3 with selective + SP (+4%);
-# Figure 8, the 530B and 1T layers: full recomputation +36%, selective + SP +2%; Table 5, end to
-# end, selective + SP over full recomputation: +29.0%, +31.8%, +29.7%, +32.1% throughput for the
-# 22B, 175B, 530B and 1T models. The shapes: GPT-3's and MT-NLG's (a=96, h=12288; a=128,
-# h=20480, as the note gives them; 96 and 105 layers), 22B (a=64, h=6144, 48 layers) and 1T (as
-# Narayanan's 1T row). Not read, set as Table 3 is recalled: t=8 throughout, p = 1, 8, 35, 64
-# and one sequence per GPU a step (8, 64, 280, 512 GPUs); the 530B at 280 GPUs is the note's
-# "scaled to 8-way data parallel (2240 GPUs)". The lens's steps are whole steps (head, optimizer
-# and bubble included) against the note's per-layer figures for Table 4 and Figure 8.
+# using recomputation" (full, without sequence parallelism). The paper's own PDF could not be opened
+# through the tools here; its tables are as two independent full-text reading notes give them, which
+# agree on every figure both quote: a Chinese note (find_string id 69499497868, "本次核验范围：全文 17/17
+# 页") and an English deep dive (id 55271916660, its sections 11-13). Table 3, the setups: 22B (a=64,
+# h=6144, 48 layers, t=8, p=1, 8 GPUs, global batch 4, micro-batch 4); 175B (96, 12288, 96 layers, t=8,
+# p=8, 64 GPUs, batch 64, micro-batch 1); 530B (128, 20480, 105, t=8, p=35, 280 GPUs, batch 280,
+# micro-batch 1); 1T (160, 25600, 128, t=8, p=64, 512 GPUs, batch 512, micro-batch 1); the 175B and
+# 530B run the interleaved schedule with 3 chunks a rank; no data parallelism. Table 4, one 22B layer's
+# forward + backward: 19.6 ms without recomputation, 19.0 with sequence parallelism (-3%), 27.2 with
+# full recomputation (+39%), 20.9 with selective (+7%), 20.3 with selective + SP (+4%); Figure 8, the
+# 530B and 1T layers: full recomputation +36%, selective + SP +2%; Table 5, end to end, the iteration
+# seconds with full recomputation and with selective + SP: 22B 1.42 and 1.10 (+29.0% throughput),
+# 175B 18.13 and 13.75 (+31.8%), 530B 49.05 and 37.83 (+29.7%), 1T 94.42 and 71.49 (+32.1%). The
+# abstract's 530B runs scale Table 3's to 8-way data parallelism (2240 GPUs). Before Table 3's batches
+# and interleaving were read, the 22B ran 8 micro-batches of one sequence and every model plain 1F1B.
+# The lens's steps are whole steps (head, optimizer and bubble included) against the notes' per-layer
+# figures for Table 4 and Figure 8.
 K530 = (128, 20480, 105, 8, 35, 2240, 2240)
 K530_MFU = {"selective + sequence parallel": 0.542, "full recompute": 0.421}
-KORTHIKANTI_TABLE_3 = {"22B": (64, 6144, 48, 8, 1, 8, 8), "175B": (96, 12288, 96, 8, 8, 64, 64),
-                       "530B": (128, 20480, 105, 8, 35, 280, 280), "1T": (160, 25600, 128, 8, 64, 512, 512)}
+#: Table 3: (heads, hidden, layers, t, p, GPUs, global batch), then micro-batch size and chunks a rank
+KORTHIKANTI_TABLE_3 = {"22B": ((64, 6144, 48, 8, 1, 8, 4), 4, 1), "175B": ((96, 12288, 96, 8, 8, 64, 64), 1, 3),
+                       "530B": ((128, 20480, 105, 8, 35, 280, 280), 1, 3),
+                       "1T": ((160, 25600, 128, 8, 64, 512, 512), 1, 1)}
 #: Table 5: throughput of selective + SP over full recomputation without SP, less one
 KORTHIKANTI_TABLE_5 = {"22B": 0.290, "175B": 0.318, "530B": 0.297, "1T": 0.321}
+#: Table 5: iteration seconds, full recomputation (without SP) and selective + SP
+KORTHIKANTI_SECONDS = {("22B", "full"): 1.42, ("22B", "selective + sequence parallel"): 1.10,
+                       ("175B", "full"): 18.13, ("175B", "selective + sequence parallel"): 13.75,
+                       ("530B", "full"): 49.05, ("530B", "selective + sequence parallel"): 37.83,
+                       ("1T", "full"): 94.42, ("1T", "selective + sequence parallel"): 71.49}
 #: (model, run): time over no recomputation without SP, less one (Table 4: 22B; Figure 8: 530B, 1T)
 KORTHIKANTI_OVERHEADS = {("22B", "sequence parallel"): -0.03, ("22B", "full"): 0.39, ("22B", "selective"): 0.07,
                          ("22B", "selective + sequence parallel"): 0.04, ("530B", "full"): 0.36,
@@ -156,15 +173,19 @@ KORTHIKANTI_RUNS = {"none": ("none", False), "sequence parallel": ("none", True)
 
 def korthikanti_steps() -> dict[str, StepTime]:
     """The 530B step as the abstract's two runs and without recomputation, by the lens."""
-    return {"selective + sequence parallel": megatron_step(*K530, checkpointing="selective"),
-            "full recompute": megatron_step(*K530, checkpointing="full", sequence_parallel=False),
-            "none + sequence parallel": megatron_step(*K530, checkpointing="none")}
+    chunks = KORTHIKANTI_TABLE_3["530B"][2]
+    return {"selective + sequence parallel": megatron_step(*K530, checkpointing="selective", virtual_stages=chunks),
+            "full recompute": megatron_step(*K530, checkpointing="full", sequence_parallel=False,
+                                            virtual_stages=chunks),
+            "none + sequence parallel": megatron_step(*K530, checkpointing="none", virtual_stages=chunks)}
 
 
 def korthikanti_seconds(model: str, run: str) -> float:
     """The lens's step seconds of one Table 3 model under one of :data:`KORTHIKANTI_RUNS`."""
     checkpointing, sp = KORTHIKANTI_RUNS[run]
-    return megatron_step(*KORTHIKANTI_TABLE_3[model], checkpointing=checkpointing, sequence_parallel=sp).seconds
+    setup, micro_batch, chunks = KORTHIKANTI_TABLE_3[model]
+    return megatron_step(*setup, checkpointing=checkpointing, sequence_parallel=sp, micro_batch=micro_batch,
+                         virtual_stages=chunks).seconds
 
 
 @pytest.fixture(scope="module")
@@ -200,16 +221,44 @@ def test_korthikanti_table_5_within_5_points(model):
     assert abs(predicted - KORTHIKANTI_TABLE_5[model]) <= 0.05, (predicted, KORTHIKANTI_TABLE_5[model])
 
 
+@pytest.mark.parametrize("key", list(KORTHIKANTI_SECONDS), ids=[f"{m}-{r}" for m, r in KORTHIKANTI_SECONDS])
+def test_korthikanti_table_5_seconds_within_25_percent(key):
+    """Table 5's iteration seconds, predicted over published."""
+    predicted = korthikanti_seconds(*key)
+    assert 0.75 <= predicted / KORTHIKANTI_SECONDS[key] <= 1.25, (predicted, KORTHIKANTI_SECONDS[key])
+
+
 @pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.xfail(
     strict=True, reason="one 22B layer's backward takes 1.55 of its forward (11.9 / 7.7 ms), so re-running the "
                         "forward costs 39%; the lens's backward is twice its forward's FLOPs plus as much "
-                        "elementwise and TP traffic: 28%, 11 points under")) if k == ("22B", "full") else k
+                        "elementwise and TP traffic: 32.1%, 6.9 points under. Hiding backward's TP all-reduces "
+                        "under the weight gradients (Megatron-LM's async_grad_allreduce) gives 34.2% here but "
+                        "puts Table 5's 22B at 34.3% against 29.0%: not the cause")) if k == ("22B", "full") else k
     for k in KORTHIKANTI_OVERHEADS], ids=[f"{m}-{r}" for m, r in KORTHIKANTI_OVERHEADS])
 def test_korthikanti_overheads_within_5_points(key):
     """Table 4 and Figure 8: each run's time over no recomputation without SP, less one."""
     model, run = key
     predicted = korthikanti_seconds(model, run) / korthikanti_seconds(model, "none") - 1
     assert abs(predicted - KORTHIKANTI_OVERHEADS[key]) <= 0.05, (predicted, KORTHIKANTI_OVERHEADS[key])
+
+
+def test_megatron_recompute_reruns_both_tp_all_reduces():
+    """Megatron-LM's full recomputation re-runs each layer's whole forward (``tensor_parallel.checkpoint``
+    of whole layers, ``ParallelTransformer._checkpointed_forward``): six TP all-reduces a layer per
+    micro-batch, where torch's non-reentrant checkpoint, which stops before the MLP's last matmul, runs
+    five; without recomputation four. One all-reduce of ``b s h`` 16-bit elements per layer has each of
+    the 4 ranks send 2 (4 - 1) / 4 of it (a ring)."""
+    from memlab.time.communication import step_communication
+    cfg = GPTConfig(name="g", n_layer=3, n_head=4, d_model=256, vocab_size=1024, block_size=128)
+    step = StepConfig(model=cfg, seq=128, batch=4, micro_batches=2, precision="bf16", world_size=4,
+                      checkpointing="full")
+    one = 3 * 128 * 4 * 256 * 2 * 2 * 3 / 4  # layers x tokens x width x bf16 x the ring's share
+
+    def tp(s, whole):
+        return step_communication(s, tensor_parallel=4, whole_forward_recompute=whole).by_kind[
+            "tensor-parallel all-reduces"]
+    assert tp(step, True) == 6 * one and tp(step, False) == 5 * one
+    assert tp(replace(step, checkpointing="none"), True) == 4 * one
 
 
 def test_sequence_parallel_shards_the_residual_stream_ops_only():

@@ -131,9 +131,22 @@ class StepComm:
 ENGINES = ("deepspeed", "paper", "deepspeed-reduce-scatter")
 
 
+#: of a layer's tensor-parallel all-reduces, those backward runs (before attention's and the MLP's
+#: column-parallel matmuls: the input gradient's, Megatron-LM's ``f`` operator)
+TP_BACKWARD_ALL_REDUCES = 2
+
+
+def tp_all_reduces_per_layer(step, whole_forward_recompute: bool = False) -> int:
+    """A layer's tensor-parallel all-reduces in one micro-batch: two forward, two backward
+    (:data:`TP_BACKWARD_ALL_REDUCES`), and what full checkpointing re-runs (one; both when it
+    re-runs the whole forward, ``whole_forward_recompute``, as Megatron-LM's checkpoint does)."""
+    rerun = (2 if whole_forward_recompute else 1) if step.checkpointing_used == "full" else 0
+    return 2 + TP_BACKWARD_ALL_REDUCES + rerun
+
+
 def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                        engine: str = "deepspeed", sync_every_micro_batch: bool = True,
-                       virtual_stages: int = 1) -> StepComm:
+                       virtual_stages: int = 1, whole_forward_recompute: bool = False) -> StepComm:
     """The transfers of one rank's step (module doc's rules).
 
     Args:
@@ -151,6 +164,12 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
         virtual_stages: model chunks per pipeline rank under the interleaved schedule
             (Narayanan et al. 2021, sec. 2.2.2): each chunk boundary is a send, so the pipeline's
             point-to-point bytes grow ``v``-fold.
+        whole_forward_recompute: full checkpointing re-runs each layer's whole forward, both
+            tensor-parallel all-reduces included, as Megatron-LM's reentrant
+            ``tensor_parallel.checkpoint`` of whole layers does (``ParallelTransformer.
+            _checkpointed_forward``, megatron/model/transformer.py at NVIDIA/Megatron-LM@b35d061e);
+            ``False``: torch's non-reentrant checkpoint, which stops before the MLP's last matmul
+            and so re-runs attention's all-reduce only.
 
     Returns:
         :class:`StepComm`; empty on one rank without offload.
@@ -201,7 +220,7 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
         act = (4 if step.precision == "fp32" else 2) if ds or step.precision != "fp32" else 4
         width = cfg.d if isinstance(cfg, DecoderShape) else cfg.d_model
         if t > 1:
-            per_layer = 4 + (1 if step.checkpointing_used == "full" else 0)
+            per_layer = tp_all_reduces_per_layer(step, whole_forward_recompute)
             out.append(Transfer("tensor-parallel all-reduces", "all_reduce",
                                 int(per_layer * cfg.n_layer / p * tokens * width * act), t))
         if p > 1:
@@ -212,4 +231,5 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
     return StepComm(tuple(out))
 
 
-__all__ = ["COLLECTIVES", "ENGINES", "LINKS", "StepComm", "Transfer", "step_communication"]
+__all__ = ["COLLECTIVES", "ENGINES", "LINKS", "TP_BACKWARD_ALL_REDUCES", "StepComm", "Transfer", "step_communication",
+           "tp_all_reduces_per_layer"]

@@ -666,7 +666,8 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
               elementwise: ElementwiseWork | None = None, elementwise_rates: ElementwiseRates | None = None,
               target: str | None = None, gradient_sync: str = "micro-batch",
               sequence_parallel: bool = True, lora_rank: int | None = None, lora_targets=(),
-              qlora: bool = False, dequant: str = "bitsandbytes", virtual_stages: int = 1) -> StepTime:
+              qlora: bool = False, dequant: str = "bitsandbytes", virtual_stages: int = 1,
+              whole_forward_recompute: bool = False) -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.training_step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
 
@@ -712,6 +713,9 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         virtual_stages: model chunks per pipeline rank, the interleaved schedule (Narayanan
             et al. 2021, sec. 2.2.2): the bubble is ``(p - 1) / (v m)`` of the work and the
             pipeline's sends grow ``v``-fold; 1: plain 1F1B.
+        whole_forward_recompute: full checkpointing re-runs each layer's whole forward with both
+            of its tensor-parallel all-reduces (Megatron-LM's reentrant checkpoint; pass ``flops``
+            whose recompute is the forward's): :func:`memlab.time.communication.step_communication`.
 
     Returns:
         :class:`StepTime`.
@@ -735,7 +739,8 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
             replace(step, precision=deepspeed_precision(step)) if on_ds else step)
     flops = flops or step_flops_formula(step)
     comm = step_communication(step, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                              sync_every_micro_batch=gradient_sync == "micro-batch", virtual_stages=virtual_stages)
+                              sync_every_micro_batch=gradient_sync == "micro-batch", virtual_stages=virtual_stages,
+                              whole_forward_recompute=whole_forward_recompute)
     if card is None and speeds is None:
         return StepTime(flops, communication=comm, rule="no card: FLOPs only")
     if isinstance(card, str):
