@@ -667,7 +667,8 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
               target: str | None = None, gradient_sync: str = "micro-batch",
               sequence_parallel: bool = True, lora_rank: int | None = None, lora_targets=(),
               qlora: bool = False, dequant: str = "bitsandbytes", virtual_stages: int = 1,
-              whole_forward_recompute: bool = False) -> StepTime:
+              whole_forward_recompute: bool = False, dp_overlap: bool = True,
+              network: float | None = None) -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.training_step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
 
@@ -716,6 +717,12 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         whole_forward_recompute: full checkpointing re-runs each layer's whole forward with both
             of its tensor-parallel all-reduces (Megatron-LM's reentrant checkpoint; pass ``flops``
             whose recompute is the forward's): :func:`memlab.time.communication.step_communication`.
+        dp_overlap: plain data parallelism all-reduces its buckets while backward runs (torch's DDP);
+            ``False``: after the pipeline schedule, exposed, as Megatron-LM's DDP does unless
+            ``--overlap-grad-reduce`` is set (a ``store_true`` flag, default off: megatron/training.py
+            ``get_model`` at NVIDIA/Megatron-LM@974d0fa9).
+        network: bytes/s one way per GPU between nodes (a group over :data:`NODE_GPUS`), the
+            cluster's own figure (Selene: one 200 Gb/s HCA per GPU, 25e9); default the card's PCIe.
 
     Returns:
         :class:`StepTime`.
@@ -776,9 +783,9 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         step, ew, rates, share, tensor_parallel=t, whole_sequence=not sequence_parallel and elementwise is None,
         target=target or "cuda", on_ds=on_ds, closed=closed)
     recompute += elementwise_recompute
+    synced = step.micro_batches if gradient_sync == "step" else 1  # a once-a-step sync hides behind one backward
     comm_s, gpu_link, overlap = _communication_seconds(
-        step, comm, sp, t, backward=flops.backward / share / rate / (step.micro_batches if gradient_sync == "step"
-                                                                      else 1))
+        step, comm, sp, t, dp_overlap=dp_overlap, network=network, backward=flops.backward / share / rate / synced)
     m = step.micro_batches
     bubble = (p - 1) / (virtual_stages * m) * (compute + recompute + elementwise_s) if p > 1 else 0.0
     eng = engine_time(step, sp.hbm, deepspeed=on_ds, hidden=compute + recompute + elementwise_s,
@@ -836,19 +843,20 @@ def _elementwise_parts(step, ew: ElementwiseWork, rates: ElementwiseRates, share
     return (ew.forward + ew.backward + extra[0]) * per_byte, (ew.recompute + extra[1]) * per_byte
 
 
-def _communication_seconds(step, comm, sp: Speeds, tensor_parallel: int, *,
-                           backward: float) -> tuple[float, float, str]:
+def _communication_seconds(step, comm, sp: Speeds, tensor_parallel: int, *, backward: float, dp_overlap: bool = True,
+                           network: float | None = None) -> tuple[float, float, str]:
     """Seconds the step's collectives take on the GPUs' link, the link's bytes/s, and what
     overlaps them: NVLink inside a node (and for TP's groups, which sit inside one: Megatron-LM,
     Narayanan et al. 2021 sec. 3.2), else PCIe; DDP hides its all-reduce behind ``backward``
-    seconds (plain PyTorch without ZeRO)."""
-    gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else sp.pcie
+    seconds (plain PyTorch without ZeRO) unless ``dp_overlap`` is off; ``network``: the link between
+    nodes (default PCIe's figure)."""
+    gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else (network or sp.pcie)
     comm_s = comm.gpu_bytes / gpu_link if comm.gpu_bytes else 0.0
     tp_bytes = comm.by_kind.get("tensor-parallel all-reduces", 0.0)
     if tp_bytes and sp.nvlink and tensor_parallel <= NODE_GPUS:
         comm_s += tp_bytes / sp.nvlink - tp_bytes / gpu_link
     overlap = "none"
-    if step.zero == 0 and not under_deepspeed(step.zero, step.offload):
+    if dp_overlap and step.zero == 0 and not under_deepspeed(step.zero, step.offload):
         dp_s = comm.by_kind.get("data-parallel all-reduce", 0.0) / gpu_link
         comm_s = comm_s - dp_s + max(0.0, dp_s - backward)
         overlap = "DDP overlaps its all-reduce with backward"
