@@ -27,7 +27,7 @@ from dataclasses import replace
 import pytest
 from hf_gpt_mapping import gpt_config
 
-from memlab.core.cards import RATE_LEDGER
+from memlab.core.cards import MEASURED_ROWS, RATE_LEDGER
 from memlab.models.gpt_unet import GPTConfig
 from memlab.step.training_step import StepConfig
 from memlab.time.flops import gpt_step_flops
@@ -91,12 +91,28 @@ def test_narayanan_table_1_within_25_percent(row):
     assert 0.75 <= predicted / published <= 1.25, (predicted, published)
 
 
-def test_no_rate_derived_from_a_row_it_checks():
-    for r in RATE_LEDGER:
-        derived = {d.split(",")[0] for d in r.derived_from}
-        assert not derived & {c.split(",")[0] for c in r.checks}, r.rate
-    for row in ("Narayanan", "Korthikanti", "Dubey", "torchtune"):
-        assert any(row in c for r in RATE_LEDGER for c in r.checks), row
+#: the published rows this file holds, as :data:`memlab.core.cards.MEASURED_ROWS` names them
+TESTED_HERE = ("narayanan2021-table1", "korthikanti2022-abstract", "korthikanti2022-table4", "korthikanti2022-figure8",
+               "korthikanti2022-table5", "dubey2024-table4", "torchtune-4090")
+
+
+def test_no_rate_derived_from_a_row_that_checks_a_rate():
+    """The ledger names measured rows by key. No row that derived any rate checks any rate (so no
+    prediction a test holds rests on a constant fitted to its own row), every row this file tests
+    checks a rate, and the ledger's values are the lens's own constants."""
+    from memlab.time.step_time import CPU_ADAM_PARAMS_PER_S, LAUNCH_SECONDS, dequant_4bit_bytes, dequant_nf4_torchao
+    derived = {k for r in RATE_LEDGER for k in r.derived_from}
+    checks = {k for r in RATE_LEDGER for k in r.checks}
+    assert derived | checks <= set(MEASURED_ROWS), (derived | checks) - set(MEASURED_ROWS)
+    assert not derived & checks, derived & checks
+    assert set(TESTED_HERE) <= checks, set(TESTED_HERE) - checks
+    value = {r.rate.split(" (")[0].split(":")[0]: r.value for r in RATE_LEDGER}
+    assert value["host launch per kernel, seconds"] == LAUNCH_SECONDS
+    assert value["host AdamW, parameters/s"] == pytest.approx(CPU_ADAM_PARAMS_PER_S)
+    n = 4096 * 4096
+    assert value["QLoRA dequantisation under bitsandbytes"] == pytest.approx(dequant_4bit_bytes(n) / n, abs=5e-4)
+    assert value["QLoRA dequantisation under torchao's NF4Tensor, fused by torch.compile"] == pytest.approx(
+        dequant_nf4_torchao(n, compiled=True).bytes / n, abs=5e-4)
 
 
 def test_skinny_gemm_is_bandwidth_bound():
@@ -375,8 +391,9 @@ TT_QLORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pro
 TT_LORA_TARGETS = ("q_proj", "v_proj")
 
 
-def torchtune_4090(qlora: bool, targets: tuple[str, ...] | None = None) -> StepTime:
-    """The lens's step of torchtune's Llama 3.1 8B LoRA (or QLoRA) recipe on one RTX 4090."""
+def torchtune_4090(qlora: bool, targets: tuple[str, ...] | None = None, dequant: str = "torchao-compiled") -> StepTime:
+    """The lens's step of torchtune's Llama 3.1 8B LoRA (or QLoRA) recipe on one RTX 4090 (``dequant``:
+    whose kernels dequantise the 4-bit base; torchtune's is torchao's NF4Tensor under torch.compile)."""
     targets = targets or (TT_QLORA_TARGETS if qlora else TT_LORA_TARGETS)
     from memlab.time.flops import lora_matmuls
     from memlab.time.step_time import Calibration, optimizer_pass
@@ -386,7 +403,7 @@ def torchtune_4090(qlora: bool, targets: tuple[str, ...] | None = None) -> StepT
     tuned = lora_matmuls(cfg, targets)
     adam = optimizer_pass("adamw", cfg.n_layer * sum(8 * (i + o) for _, i, o in tuned), 2 * len(tuned) * cfg.n_layer)
     return step_time(step, "RTX4090-24GB", flops=flops, optimizer=adam, calibration=Calibration("none", {}, 1.0),
-                     lora_rank=8, lora_targets=targets, qlora=qlora, dequant="torchao-compiled")
+                     lora_rank=8, lora_targets=targets, qlora=qlora, dequant=dequant)
 
 
 @pytest.fixture(scope="module")
@@ -413,6 +430,23 @@ def test_qlora_slower_than_lora_by_the_counted_dequantisation(tt4090):
     same_adapters = torchtune_4090(False, TT_QLORA_TARGETS)
     assert tt4090["qlora"].seconds - same_adapters.seconds == pytest.approx(expected, rel=1e-6)
     assert tt4090["qlora"].tokens_per_second < same_adapters.tokens_per_second < tt4090["lora"].tokens_per_second
+
+
+def test_qlora_on_bitsandbytes_kernels_slower_by_their_counted_bytes(tt4090):
+    """The same recipe with bitsandbytes' 4-bit kernels (peft's QLoRA; bitsandbytes@37d2a938): each
+    dequantisation runs three kernels (the 8-bit absmax to fp32, ``+ offset``, the 4-bit weight to bf16)
+    moving, per weight element, the packed half byte, the 8-bit absmax per 64 and its fp32 scale per
+    64 x 256, the fp32 absmax written, read and written by ``+ offset`` and read again (16 bytes per
+    64), and the bf16 weight written; forward, backward and on recompute (not the last matmul). Its
+    extra seconds over LoRA with the same adapters are those bytes at 1008 GB/s, launches hidden."""
+    cfg_i_o = [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336), (4096, 14336), (14336, 4096)]
+    uses = [3, 3, 3, 3, 3, 3, 2]
+    per_element = 0.5 + (1 + 4 / 256 + 4 + 8 + 4) / 64 + 2
+    expected = 32 * sum(u * i * o * per_element for (i, o), u in zip(cfg_i_o, uses, strict=True)) / 1008e9
+    bnb = torchtune_4090(True, dequant="bitsandbytes")
+    same_adapters = torchtune_4090(False, TT_QLORA_TARGETS)
+    assert bnb.seconds - same_adapters.seconds == pytest.approx(expected, rel=1e-6)
+    assert bnb.seconds > tt4090["qlora"].seconds  # its absmax passes move more than torchao's fused kernel
 
 
 def test_qlora_slowdown_against_torchtune_within_10_points(tt4090):

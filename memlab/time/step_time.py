@@ -128,14 +128,16 @@ DEQUANT_4BIT_LAUNCHES = 3
 def dequant_4bit_bytes(elements: int, *, blocksize: int = 64, nested: bool = True, out_bytes: int = 2) -> float:
     """HBM bytes bitsandbytes moves to dequantise one 4-bit weight of ``elements`` for a matmul.
 
-    bitsandbytes 0.50.2 (``backends/cuda/ops.py:954``): past 1536 rows of input (``_gemm_4bit_custom_max_m``,
+    bitsandbytes 0.50.2 (its files as at bitsandbytes-foundation/bitsandbytes@37d2a938, tag 0.50.1,
+    ``backends/cuda/ops.py:954``): past 1536 rows of input (``_gemm_4bit_custom_max_m``,
     line 926) its ``gemm_4bit`` takes ``_gemm_4bit_default_impl`` (``backends/default/ops.py:323-345``):
     under double quantisation (``nested``) ``dequantize_blockwise`` turns the 8-bit absmax (one per
     ``blocksize`` weights, with an fp32 absmax per 256 of them) into fp32, ``+ absmax_offset``
     reads and writes it again, then ``dequantize_4bit`` reads the packed weight (half a byte each)
     and the fp32 absmax and writes the weight in the input's dtype (``out_bytes``), which
     ``F.linear`` reads as a bf16 weight would be (counted with the GEMM). Backward dequantises
-    again for the input's gradient (``autograd/_functions.py:384``, ``MatMul4Bit.backward``).
+    again for the input's gradient (``autograd/_functions.py:384``, ``MatMul4Bit.backward``, through
+    ``functional.dequantize_4bit``, lines 1052-1063: the same three kernels, ``absmax += offset`` in place).
 
     Args:
         elements: the weight's elements; blocksize: weights per absmax (QLoRA's 64);
