@@ -5,13 +5,20 @@ Megatron-LM", arXiv 2104.04473), sec. 5.1, Table 1: GPT models of 1.7B to 1T par
 Selene's A100-80GB (vocabulary 51,200, sequence 2048, mixed precision, activation
 recomputation), with their tensor (t), pipeline (p) degrees, GPUs and batch, and the
 teraFLOP/s per GPU achieved, counted by the paper's eq. 3 (four passes: forward, two of
-backward, the recomputed forward). None of these rows derived a rate the lens uses
-(:data:`memlab.core.cards.RATE_LEDGER`): the A100's GEMM fraction is FlashAttention-2's (sec. 1).
+backward, the recomputed forward); read in a full-text copy of the paper (find_string id
+63285939983, sec. 5.1 and Table 1: every row as below). None of these rows derived a rate the lens
+uses (:data:`memlab.core.cards.RATE_LEDGER`, keyed by :data:`memlab.core.cards.MEASURED_ROWS`): the
+A100's GEMM fraction is FlashAttention-2's (sec. 1).
 
 What the setups leave open, set here and not tuned: one sequence per micro-batch (the
-largest pipeline bubble the paper's batches allow), DDP-style gradient all-reduce once per
-step; Megatron-LM's recomputation re-runs each layer's whole forward (eq. 3), so the recompute
-FLOPs are the forward's. What Megatron-LM's code fixes, read: ``--bf16``/``--fp16`` wrap the
+largest pipeline bubble the paper's batches allow) and plain 1F1B (sec. 5.1 ran the interleaved
+schedule, its chunks not stated). What Megatron-LM's code fixes, read: its full recomputation re-runs
+each layer's whole forward (eq. 3; ``tensor_parallel.checkpoint`` of whole layers in
+``ParallelTransformer._checkpointed_forward``, megatron/model/transformer.py at NVIDIA/Megatron-LM@b35d061e),
+so the recompute FLOPs are the forward's and both TP all-reduces re-run; its data-parallel gradient
+all-reduce runs after the pipeline schedule, exposed (``--overlap-grad-reduce`` is off by default,
+megatron/training.py at @974d0fa9), over Selene's one 200 Gb/s HCA per GPU (sec. 5);
+``--bf16``/``--fp16`` wrap the
 model in ``Float16Module``, which casts it whole to 16 bits (``module.bfloat16()``,
 megatron/model/module.py at NVIDIA/Megatron-LM@46c74b4c): weights, activations and the
 residual stream in 16 bits, memlab's ``pure-bf16``, not autocast over fp32 weights; its
