@@ -138,8 +138,11 @@ TP_BACKWARD_ALL_REDUCES = 2
 
 def tp_all_reduces_per_layer(step, whole_forward_recompute: bool = False) -> int:
     """A layer's tensor-parallel all-reduces in one micro-batch: two forward, two backward
-    (:data:`TP_BACKWARD_ALL_REDUCES`), and what full checkpointing re-runs (one; both when it
-    re-runs the whole forward, ``whole_forward_recompute``, as Megatron-LM's checkpoint does)."""
+    (:data:`TP_BACKWARD_ALL_REDUCES`), and what full checkpointing re-runs: torch's non-reentrant
+    checkpoint stops before the MLP's last matmul, so attention's one; Megatron-LM's reentrant
+    ``tensor_parallel.checkpoint`` of whole layers (``ParallelTransformer._checkpointed_forward``,
+    megatron/model/transformer.py at NVIDIA/Megatron-LM@b35d061e) re-runs the whole forward, both
+    (``whole_forward_recompute``)."""
     rerun = (2 if whole_forward_recompute else 1) if step.checkpointing_used == "full" else 0
     return 2 + TP_BACKWARD_ALL_REDUCES + rerun
 
@@ -161,15 +164,10 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
         sync_every_micro_batch: plain data parallelism all-reduces after every micro-batch
             (memlab's trainer); ``False``: once per step, as Megatron-LM and DDP's ``no_sync``
             accumulate the micro-batches' gradients first.
-        virtual_stages: model chunks per pipeline rank under the interleaved schedule
-            (Narayanan et al. 2021, sec. 2.2.2): each chunk boundary is a send, so the pipeline's
-            point-to-point bytes grow ``v``-fold.
-        whole_forward_recompute: full checkpointing re-runs each layer's whole forward, both
-            tensor-parallel all-reduces included, as Megatron-LM's reentrant
-            ``tensor_parallel.checkpoint`` of whole layers does (``ParallelTransformer.
-            _checkpointed_forward``, megatron/model/transformer.py at NVIDIA/Megatron-LM@b35d061e);
-            ``False``: torch's non-reentrant checkpoint, which stops before the MLP's last matmul
-            and so re-runs attention's all-reduce only.
+        virtual_stages: model chunks per pipeline rank (the interleaved schedule, Narayanan et
+            al. 2021, sec. 2.2.2): each chunk boundary sends, ``v`` times the point-to-point bytes.
+        whole_forward_recompute: full checkpointing re-runs both TP all-reduces of a layer
+            (Megatron-LM's, :func:`tp_all_reduces_per_layer`).
 
     Returns:
         :class:`StepComm`; empty on one rank without offload.
