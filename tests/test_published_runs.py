@@ -185,8 +185,8 @@ def test_gradient_sync_once_per_step_moves_one_micro_batch_worth():
 # 175B 18.13 and 13.75 (+31.8%), 530B 49.05 and 37.83 (+29.7%), 1T 94.42 and 71.49 (+32.1%). The
 # abstract's 530B runs scale Table 3's to 8-way data parallelism (2240 GPUs). Before Table 3's batches
 # and interleaving were read, the 22B ran 8 micro-batches of one sequence and every model plain 1F1B.
-# The lens's steps are whole steps (head, optimizer and bubble included) against the notes' per-layer
-# figures for Table 4 and Figure 8.
+# Table 4 and Figure 8 time one layer, so the lens's layer is timed alone against them
+# (:func:`korthikanti_layer_seconds`); Table 5 and the abstract against whole steps.
 K530 = (128, 20480, 105, 8, 35, 2240, 2240)
 K530_MFU = {"selective + sequence parallel": 0.542, "full recompute": 0.421}
 #: Table 3: (heads, hidden, layers, t, p, GPUs, global batch), then micro-batch size and chunks a rank
@@ -224,6 +224,20 @@ def korthikanti_seconds(model: str, run: str) -> float:
     setup, micro_batch, chunks = KORTHIKANTI_TABLE_3[model]
     return megatron_step(*setup, checkpointing=checkpointing, sequence_parallel=sp, micro_batch=micro_batch,
                          virtual_stages=chunks).seconds
+
+
+def korthikanti_layer_seconds(model: str, run: str) -> float:
+    """The lens's seconds of one layer of a Table 3 model in a step, as Table 4 and Figure 8 time a
+    layer: the step's compute, recompute, elementwise and communication less those of the same model
+    one layer shorter (so the head, the loss, the optimizer, the engine and the bubble drop out)."""
+    checkpointing, sp = KORTHIKANTI_RUNS[run]
+    (heads, hidden, layers, *rest), micro_batch, chunks = KORTHIKANTI_TABLE_3[model]
+
+    def work(n: int) -> float:
+        t = megatron_step(heads, hidden, n, *rest, checkpointing=checkpointing, sequence_parallel=sp,
+                          micro_batch=micro_batch, virtual_stages=chunks).by_part
+        return t.compute + t.recompute + t.elementwise + t.communication
+    return work(layers) - work(layers - 1)
 
 
 @pytest.fixture(scope="module")
@@ -266,18 +280,27 @@ def test_korthikanti_table_5_seconds_within_25_percent(key):
     assert 0.75 <= predicted / KORTHIKANTI_SECONDS[key] <= 1.25, (predicted, KORTHIKANTI_SECONDS[key])
 
 
-@pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.xfail(
-    strict=True, reason="one 22B layer's backward takes 1.55 of its forward (11.9 / 7.7 ms), so re-running the "
-                        "forward costs 39%; the lens's backward is twice its forward's FLOPs plus as much "
-                        "elementwise and TP traffic: 32.1%, 6.9 points under. Hiding backward's TP all-reduces "
-                        "under the weight gradients (Megatron-LM's async_grad_allreduce) gives 34.2% here but "
-                        "puts Table 5's 22B at 34.3% against 29.0%: not the cause")) if k == ("22B", "full") else k
-    for k in KORTHIKANTI_OVERHEADS], ids=[f"{m}-{r}" for m, r in KORTHIKANTI_OVERHEADS])
+@pytest.mark.parametrize("key", list(KORTHIKANTI_OVERHEADS), ids=[f"{m}-{r}" for m, r in KORTHIKANTI_OVERHEADS])
 def test_korthikanti_overheads_within_5_points(key):
-    """Table 4 and Figure 8: each run's time over no recomputation without SP, less one."""
+    """Table 4 and Figure 8: one layer's time in each run over no recomputation without SP, less one,
+    the layer timed alone as the paper times it (before, the lens's whole steps, head, optimizer and
+    engine included, stood against these per-layer figures: the 22B's full recomputation came out
+    32.1% against 39%, a strict xfail; per layer it is 36.8%)."""
     model, run = key
-    predicted = korthikanti_seconds(model, run) / korthikanti_seconds(model, "none") - 1
+    predicted = korthikanti_layer_seconds(model, run) / korthikanti_layer_seconds(model, "none") - 1
     assert abs(predicted - KORTHIKANTI_OVERHEADS[key]) <= 0.05, (predicted, KORTHIKANTI_OVERHEADS[key])
+
+
+#: Table 4: one 22B layer's forward + backward, milliseconds (one micro-batch of 4 sequences)
+KORTHIKANTI_TABLE_4_MS = {"none": 19.6, "sequence parallel": 19.0, "full": 27.2, "selective": 20.9,
+                          "selective + sequence parallel": 20.3}
+
+
+@pytest.mark.parametrize("run", list(KORTHIKANTI_TABLE_4_MS))
+def test_korthikanti_table_4_layer_time_within_25_percent(run):
+    """Table 4's milliseconds of one 22B layer, predicted over published."""
+    predicted = korthikanti_layer_seconds("22B", run) * 1e3
+    assert 0.75 <= predicted / KORTHIKANTI_TABLE_4_MS[run] <= 1.25, (predicted, KORTHIKANTI_TABLE_4_MS[run])
 
 
 def test_megatron_recompute_reruns_both_tp_all_reduces():
