@@ -178,16 +178,15 @@ def test_h200_one_gpu_deepspeed_rows(row):
                       offload=row["offload"])
     t = step_time(step, "H200-141GB", calibration=NONE, engine="deepspeed")
     ratio = t.seconds / row["step_seconds"]
-    # every row: the counted passes leave out DeepSpeed's Python between its ops, so the model is
-    # a lower bound; ZeRO 0 (launch- and sync-bound) lands within the issue's 25%
-    assert ratio < 1.25 if row["offload"] != "none" else ratio < 1.0
-    if row["zero"] == 0:
-        assert ratio == pytest.approx(1.0, abs=0.25)
-    if row["offload"] != "none":
-        # the GPU's work and PCIe alone are a true lower bound; with the stated host-Adam default
-        # (taken from this row, so not an independent check) the serial rule lands within 25%
+    # the counted passes leave out DeepSpeed's Python between its ops, so the model is a lower bound.
+    # The ZeRO-0 and offload rows derived the host's Adam rate (CPU_ADAM_PARAMS_PER_S; RATE_LEDGER), so
+    # no rate is checked against them: before the H200 took the H100's kernel fraction (0.75, a kernel
+    # benchmark) its 0.40 was Llama 3's MFU, kept because ZeRO-0 then landed within 25% (0.80; now 0.68)
+    if row["offload"] == "none":
+        assert ratio < 1.0
+    else:
+        # the GPU's work and PCIe alone, which the host's Adam rate does not enter: a true lower bound
         assert t.seconds - t.by_part.offload + t.by_part.pcie_bytes / 64e9 < row["step_seconds"]
-        assert ratio == pytest.approx(1.0, abs=0.25)
 
 
 def test_pipeline_bubble_is_p_minus_1_over_m():

@@ -203,9 +203,6 @@ _H100_KERNEL = (0.75, "Shah et al. 2024 (FlashAttention-3, arXiv 2407.08608), ab
                       "kernel reaches 740 TFLOP/s on the H100, 75% of the dense peak (a kernel benchmark; "
                       "no H100 GEMM figure was read, so the large-GEMM fraction is taken to be what its best "
                       "published kernel reaches)")
-_H100_RUN = (0.40, "Dubey et al. 2024 (Llama 3), Table 4: 38-43% BF16 MFU on H100 (an end-to-end "
-                   "fraction, kept for the H200: its reference record's gpt2-large steps run slower than "
-                   "the H100's kernel fraction predicts, which the per-GEMM roofline does not explain)")
 _ADA_GEMM = (_A100_GEMM[0], "Dao 2023 (FlashAttention-2), sec. 1, the A100's figure taken to hold on Ada's tensor "
                             "cores (no RTX 4090 GEMM benchmark was read); the other Ada and Ampere cards keep the "
                             "end-to-end 0.30 until a published row checks them")
@@ -213,10 +210,35 @@ _V100_RUN = (0.30, "Shoeybi et al. 2019 (Megatron-LM), sec. 1: 30% of peak on V1
                    "used for the cards no published kernel benchmark covers")
 
 
+#: the measured rows the time lens is set against or derived from, by key: published runs (each
+#: held by tests/test_published_runs.py) and the H200 reference record's rows (tests/test_step_time.py)
+MEASURED_ROWS: dict[str, str] = {
+    "narayanan2021-table1": "Narayanan et al. 2021 (arXiv 2104.04473), sec. 5.1, Table 1: ten GPT models, 1.7B-1T, "
+                            "TFLOP/s per A100",
+    "korthikanti2022-abstract": "Korthikanti et al. 2022 (arXiv 2205.05198), abstract: the 530B on 2240 A100s, 54.2% "
+                                "MFU with selective recomputation and SP, 42.1% with full",
+    "korthikanti2022-table4": "Korthikanti et al. 2022, Table 4: one 22B layer's time without, with full and with "
+                              "selective recomputation, with and without SP",
+    "korthikanti2022-figure8": "Korthikanti et al. 2022, Figure 8: the 530B and 1T layers' overheads",
+    "korthikanti2022-table5": "Korthikanti et al. 2022, Table 5: iteration seconds of the 22B-1T models, full "
+                              "recomputation and selective + SP",
+    "dubey2024-table4": "Dubey et al. 2024 (Llama 3, arXiv 2407.21783), sec. 3.3.2, Table 4: the 405B on 8,192 and "
+                        "16,384 H100s, TFLOP/s per GPU",
+    "torchtune-4090": "torchtune README (pytorch/torchtune@30b8519e): Llama 3.1 8B on one RTX 4090, LoRA 3,083 and "
+                      "QLoRA 2,413 tokens/s",
+    "shoeybi2019-sec1": "Shoeybi et al. 2019 (Megatron-LM, arXiv 1909.08053), sec. 1: 30% of the V100's peak "
+                        "end to end",
+    **{f"h200-zero{z}{o}": f"memlab/data/reference/NVIDIA-H200/zero_offload_one_gpu.json: gpt2-large, ZeRO {z}"
+                           f"{' with the optimizer offloaded' if o else ''}, one timed step"
+       for z, o in ((0, ""), (1, ""), (2, ""), (2, "-offload"), (3, ""))},
+}
+
+
 @dataclass(frozen=True)
 class RateSource:
-    """One rate of the time lens: its ``value``, ``source``, the published rows it was
-    ``derived_from`` (never tested against) and those that only ``checks`` it."""
+    """One rate of the time lens: its ``value`` and ``source`` (a datasheet, a kernel benchmark, a
+    code path), the :data:`MEASURED_ROWS` it was ``derived_from`` and those whose predictions use it
+    and so ``checks`` it. No row may be both, for any rate (tests/test_published_runs.py)."""
 
     rate: str
     value: float
@@ -225,47 +247,45 @@ class RateSource:
     checks: tuple[str, ...]
 
 
+_KORTHIKANTI = ("korthikanti2022-abstract", "korthikanti2022-table4", "korthikanti2022-figure8",
+                "korthikanti2022-table5")
+_H200_ROWS = ("h200-zero1", "h200-zero2", "h200-zero3")
 #: every rate the time lens takes from outside, with the rows that made it and those that test it
 RATE_LEDGER: tuple[RateSource, ...] = (
     RateSource("A100 large-GEMM fraction of peak (A100-40GB, A100-80GB)", _A100_GEMM[0], _A100_GEMM[1],
-               (), ("Narayanan et al. 2021, Table 1: all ten rows (tests/test_published_runs.py)",
-                    "Korthikanti et al. 2022, abstract: 530B MFU with full and with selective "
-                    "recomputation; Tables 4 and 5 and Figure 8 (as a reading note quotes them): the "
-                    "time overheads of full and selective recomputation and of sequence parallelism, "
-                    "22B to 1T (tests/test_published_runs.py)")),
-    RateSource("H100 large-GEMM fraction of peak", _H100_KERNEL[0], _H100_KERNEL[1],
-               ("Shah et al. 2024, abstract (a kernel benchmark, no training run)",),
-               ("Dubey et al. 2024 (Llama 3), Table 4: the 405B rows at 8,192 and 16,384 GPUs without "
-                "context parallelism (tests/test_published_runs.py)",)),
-    RateSource("H200 fraction of peak", _H100_RUN[0], _H100_RUN[1],
-               ("Dubey et al. 2024, Table 4 (so its rows cannot test it: they run on the H100 profile)",),
-               ("the H200 reference's one-GPU DeepSpeed rows (tests/test_step_time.py)",)),
-    RateSource("RTX 4090 large-GEMM fraction of peak", _ADA_GEMM[0], _ADA_GEMM[1], (),
-               ("torchtune README (pytorch/torchtune@30b8519e), Llama 3.1 8B on 1x 4090: LoRA 3,083 and QLoRA "
-                "2,413 tokens/s (tests/test_published_runs.py)",)),
-    RateSource("QLoRA dequantisation under bitsandbytes: bytes per 4-bit weight per matmul", 2.766,
-               "bitsandbytes 0.50.2 backends/default/ops.py:323-345, backends/cuda/ops.py:926-954, "
-               "autograd/_functions.py:384 (memlab.time.step_time.dequant_4bit_bytes)", (), ()),
+               (), ("narayanan2021-table1", *_KORTHIKANTI)),
+    RateSource("H100 and H200 large-GEMM fraction of peak", _H100_KERNEL[0], _H100_KERNEL[1],
+               (), ("dubey2024-table4", *_H200_ROWS)),
+    RateSource("RTX 4090 large-GEMM fraction of peak", _ADA_GEMM[0], _ADA_GEMM[1], (), ("torchtune-4090",)),
+    RateSource("QLoRA dequantisation under bitsandbytes: bytes per 4-bit weight per matmul, 3 launches", 2.766,
+               "bitsandbytes-foundation/bitsandbytes@37d2a938 (tag 0.50.1; the installed 0.50.2's files are "
+               "byte-identical): backends/cuda/ops.py:926,954 (past 1536 rows gemm_4bit takes the default "
+               "path), backends/default/ops.py:323-345 (forward), functional.py:1052-1063 and "
+               "autograd/_functions.py:384 (backward) (memlab.time.step_time.dequant_4bit_bytes); "
+               "no published row runs it", (), ()),
     RateSource("QLoRA dequantisation under torchao's NF4Tensor, fused by torch.compile: bytes per weight "
                "element per matmul (eager: 33.2 in 13 kernels)", 2.516,
                "torchao/dtypes/nf4tensor.py at pytorch/ao@5e558f50, LinearNF4 (lines 1063-1074) and "
                "get_original_weight (855-889), recounted on torchao 0.18's own ops "
-               "(memlab.time.step_time.dequant_nf4_torchao)", (),
-               ("torchtune README, QLoRA vs LoRA on 1x 4090 (tests/test_published_runs.py)",)),
+               "(memlab.time.step_time.dequant_nf4_torchao)", (), ("torchtune-4090",)),
     RateSource("fraction of peak on T4, V100, RTX 3090, L4, A10G, L40S", _V100_RUN[0], _V100_RUN[1],
-               ("Shoeybi et al. 2019, sec. 1",), ()),
+               ("shoeybi2019-sec1",), ()),
     RateSource("HBM bandwidth (GEMM roofline, elementwise ops, LoRA's GEMMs, QLoRA's dequantisation)", 1.0,
                "each card's datasheet (SPEEDS)", (),
-               ("Narayanan et al. 2021, Table 1", "Korthikanti et al. 2022, abstract, Tables 4-5, Figure 8",
-                "Dubey et al. 2024, Table 4",
-                "torchtune README, 1x 4090 LoRA and QLoRA")),
+               ("narayanan2021-table1", *_KORTHIKANTI, "dubey2024-table4", "torchtune-4090", *_H200_ROWS)),
     RateSource("host launch per kernel, seconds (memlab.time.step_time.LAUNCH_SECONDS)", 10e-6,
                "susun-blog.com 'From Launch Overhead to CUDA Graph' (5 us a launch) plus a stated 5 us of "
-               "PyTorch dispatch", (), ("the H200 reference's ZeRO-0 row (tests/test_step_time.py)",)),
+               "PyTorch dispatch; the ZeRO-0 row, launch-bound, derived the host's Adam, so no row checks it",
+               (), ("torchtune-4090", *_H200_ROWS)),
     RateSource("GPU link bandwidth: NVLink within 8 GPUs, PCIe's figure beyond", 1.0,
-               "each card's datasheet (SPEEDS); Selene's 200 Gb/s InfiniBand per GPU (Narayanan et al. "
-               "2021, sec. 5) is 25 GB/s, near the A100's PCIe 32 GB/s one way", (),
-               ("Narayanan et al. 2021, Table 1",)),
+               "each card's datasheet (SPEEDS)", (), ("korthikanti2022-table5", "dubey2024-table4")),
+    RateSource("Selene's network between nodes, bytes/s one way per GPU", 25e9,
+               "Narayanan et al. 2021, sec. 5: eight 200 Gb/s HDR InfiniBand HCAs a node of eight A100s (the "
+               "cluster's description, not a measured row)", (),
+               ("narayanan2021-table1", "korthikanti2022-abstract")),
+    RateSource("host AdamW, parameters/s (memlab.time.step_time.CPU_ADAM_PARAMS_PER_S)", 774_030_080 / (1.65 - 0.22),
+               "the H200 reference's ZeRO-Offload step of gpt2-large, 1.65 s, less its ZeRO-0 step, 0.22 s",
+               ("h200-zero2-offload", "h200-zero0"), ()),
 )
 
 
@@ -317,7 +337,7 @@ SPEEDS: dict[str, Speeds] = {
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's compute; HBM3e 4.8 TB/s; NVLink 900 GB/s;
     # PCIe Gen5 128 GB/s
     "H200-141GB": _speeds({"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979}, 4800, 900,
-                          128, _H100_RUN, "NVIDIA H200 datasheet"),
+                          128, _H100_KERNEL, "NVIDIA H200 datasheet"),
 }
 SPEEDS["2xT4-16GB"] = SPEEDS["T4-16GB"]
 
@@ -412,6 +432,6 @@ def detect_card(props=None, gpus: int | None = None, env: dict[str, str] | None 
 
 
 __all__ = ["CARD_ENV", "CARDS", "Card", "DTYPES", "RATE_LEDGER", "REFERENCE_CARD", "RateSource",
-           "SDPA_KERNELS", "SPEEDS", "Speeds",
+           "MEASURED_ROWS", "SDPA_KERNELS", "SPEEDS", "Speeds",
            "card_from_properties", "card_speeds",
            "cublas_workspace_bytes", "cublaslt_workspace_bytes", "detect_card", "get_card"]

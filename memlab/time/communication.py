@@ -131,8 +131,25 @@ class StepComm:
 ENGINES = ("deepspeed", "paper", "deepspeed-reduce-scatter")
 
 
+#: of a layer's tensor-parallel all-reduces, those backward runs (before attention's and the MLP's
+#: column-parallel matmuls: the input gradient's, Megatron-LM's ``f`` operator)
+TP_BACKWARD_ALL_REDUCES = 2
+
+
+def tp_all_reduces_per_layer(step, whole_forward_recompute: bool = False) -> int:
+    """A layer's tensor-parallel all-reduces in one micro-batch: two forward, two backward
+    (:data:`TP_BACKWARD_ALL_REDUCES`), and what full checkpointing re-runs: torch's non-reentrant
+    checkpoint stops before the MLP's last matmul, so attention's one; Megatron-LM's reentrant
+    ``tensor_parallel.checkpoint`` of whole layers (``ParallelTransformer._checkpointed_forward``,
+    megatron/model/transformer.py at NVIDIA/Megatron-LM@b35d061e) re-runs the whole forward, both
+    (``whole_forward_recompute``)."""
+    rerun = (2 if whole_forward_recompute else 1) if step.checkpointing_used == "full" else 0
+    return 2 + TP_BACKWARD_ALL_REDUCES + rerun
+
+
 def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                       engine: str = "deepspeed", sync_every_micro_batch: bool = True) -> StepComm:
+                       engine: str = "deepspeed", sync_every_micro_batch: bool = True,
+                       virtual_stages: int = 1, whole_forward_recompute: bool = False) -> StepComm:
     """The transfers of one rank's step (module doc's rules).
 
     Args:
@@ -147,6 +164,10 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
         sync_every_micro_batch: plain data parallelism all-reduces after every micro-batch
             (memlab's trainer); ``False``: once per step, as Megatron-LM and DDP's ``no_sync``
             accumulate the micro-batches' gradients first.
+        virtual_stages: model chunks per pipeline rank (the interleaved schedule, Narayanan et
+            al. 2021, sec. 2.2.2): each chunk boundary sends, ``v`` times the point-to-point bytes.
+        whole_forward_recompute: full checkpointing re-runs both TP all-reduces of a layer
+            (Megatron-LM's, :func:`tp_all_reduces_per_layer`).
 
     Returns:
         :class:`StepComm`; empty on one rank without offload.
@@ -154,7 +175,7 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
     t, p, w = tensor_parallel, pipeline_parallel, step.world_size
     if engine not in ENGINES:
         raise InputError(f"engine={engine!r}; allowed: {', '.join(ENGINES)}")
-    for name, v in (("tensor_parallel", t), ("pipeline_parallel", p)):
+    for name, v in (("tensor_parallel", t), ("pipeline_parallel", p), ("virtual_stages", virtual_stages)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InputError(f"{name} must be a positive integer, got {v!r}")
     if w % (t * p):
@@ -197,15 +218,16 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
         act = (4 if step.precision == "fp32" else 2) if ds or step.precision != "fp32" else 4
         width = cfg.d if isinstance(cfg, DecoderShape) else cfg.d_model
         if t > 1:
-            per_layer = 4 + (1 if step.checkpointing_used == "full" else 0)
+            per_layer = tp_all_reduces_per_layer(step, whole_forward_recompute)
             out.append(Transfer("tensor-parallel all-reduces", "all_reduce",
                                 int(per_layer * cfg.n_layer / p * tokens * width * act), t))
         if p > 1:
             residual = precision_bytes(step.precision)[0] if not ds else e
             sends = 2 if p > 2 else 1
             out.append(Transfer("pipeline activations and their gradients", "send",
-                                int(sends * tokens * width * residual / t), 2))
+                                int(virtual_stages * sends * tokens * width * residual / t), 2))
     return StepComm(tuple(out))
 
 
-__all__ = ["COLLECTIVES", "ENGINES", "LINKS", "StepComm", "Transfer", "step_communication"]
+__all__ = ["COLLECTIVES", "ENGINES", "LINKS", "TP_BACKWARD_ALL_REDUCES", "StepComm", "Transfer", "step_communication",
+           "tp_all_reduces_per_layer"]

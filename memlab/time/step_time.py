@@ -32,7 +32,8 @@ The rule, part by part (each a few lines below, and in :attr:`StepTime.rule`):
   no delayed parameter update), so ``offload`` = PCIe + CPU Adam; an engine that overlaps
   them (ZeRO-Offload's delayed update) takes the slowest of the GPU's work, PCIe and CPU Adam.
 * **bubble** (pipeline, ``p`` stages, ``m`` micro-batches): ``(p - 1) / m`` of the compute
-  (Narayanan et al. 2021, sec. 2.2.1).
+  (Narayanan et al. 2021, sec. 2.2.1); under the interleaved schedule with ``v`` model chunks
+  per rank, ``(p - 1) / (v m)``, and ``v`` times the point-to-point sends (sec. 2.2.2).
 * **elementwise**: the bytes forward and backward's elementwise ops read and write
   (:mod:`memlab.time.elementwise`: norms, activation functions, residual adds, casts, the loss) over
   the card's memory bandwidth (HBM's datasheet figure, or the rate ``memlab doctor
@@ -127,14 +128,16 @@ DEQUANT_4BIT_LAUNCHES = 3
 def dequant_4bit_bytes(elements: int, *, blocksize: int = 64, nested: bool = True, out_bytes: int = 2) -> float:
     """HBM bytes bitsandbytes moves to dequantise one 4-bit weight of ``elements`` for a matmul.
 
-    bitsandbytes 0.50.2 (``backends/cuda/ops.py:954``): past 1536 rows of input (``_gemm_4bit_custom_max_m``,
+    bitsandbytes 0.50.2 (its files as at bitsandbytes-foundation/bitsandbytes@37d2a938, tag 0.50.1,
+    ``backends/cuda/ops.py:954``): past 1536 rows of input (``_gemm_4bit_custom_max_m``,
     line 926) its ``gemm_4bit`` takes ``_gemm_4bit_default_impl`` (``backends/default/ops.py:323-345``):
     under double quantisation (``nested``) ``dequantize_blockwise`` turns the 8-bit absmax (one per
     ``blocksize`` weights, with an fp32 absmax per 256 of them) into fp32, ``+ absmax_offset``
     reads and writes it again, then ``dequantize_4bit`` reads the packed weight (half a byte each)
     and the fp32 absmax and writes the weight in the input's dtype (``out_bytes``), which
     ``F.linear`` reads as a bf16 weight would be (counted with the GEMM). Backward dequantises
-    again for the input's gradient (``autograd/_functions.py:384``, ``MatMul4Bit.backward``).
+    again for the input's gradient (``autograd/_functions.py:384``, ``MatMul4Bit.backward``, through
+    ``functional.dequantize_4bit``, lines 1052-1063: the same three kernels, ``absmax += offset`` in place).
 
     Args:
         elements: the weight's elements; blocksize: weights per absmax (QLoRA's 64);
@@ -665,7 +668,9 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
               elementwise: ElementwiseWork | None = None, elementwise_rates: ElementwiseRates | None = None,
               target: str | None = None, gradient_sync: str = "micro-batch",
               sequence_parallel: bool = True, lora_rank: int | None = None, lora_targets=(),
-              qlora: bool = False, dequant: str = "bitsandbytes") -> StepTime:
+              qlora: bool = False, dequant: str = "bitsandbytes", virtual_stages: int = 1,
+              whole_forward_recompute: bool = False, dp_overlap: bool = True,
+              network: float | None = None) -> StepTime:
     """The time of one step of ``step`` (a :class:`memlab.step.training_step.StepConfig`, ``batch`` per
     rank) on ``card``, by the module doc's rule.
 
@@ -708,6 +713,18 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
             quantisation): their dequantisation's bytes cross HBM each time a matmul reads them.
         dequant: whose kernels dequantise them (:data:`DEQUANT_BACKENDS`): bitsandbytes' (peft,
             the Trainer), torchao's NF4Tensor in eager ops or under torch.compile (torchtune).
+        virtual_stages: model chunks per pipeline rank, the interleaved schedule (Narayanan
+            et al. 2021, sec. 2.2.2): the bubble is ``(p - 1) / (v m)`` of the work and the
+            pipeline's sends grow ``v``-fold; 1: plain 1F1B.
+        whole_forward_recompute: full checkpointing re-runs each layer's whole forward with both
+            of its tensor-parallel all-reduces (Megatron-LM's reentrant checkpoint; pass ``flops``
+            whose recompute is the forward's): :func:`memlab.time.communication.step_communication`.
+        dp_overlap: plain data parallelism all-reduces its buckets while backward runs (torch's DDP);
+            ``False``: after the pipeline schedule, exposed, as Megatron-LM's DDP does unless
+            ``--overlap-grad-reduce`` is set (a ``store_true`` flag, default off: megatron/training.py
+            ``get_model`` at NVIDIA/Megatron-LM@974d0fa9).
+        network: bytes/s one way per GPU between nodes (a group over :data:`NODE_GPUS`), the
+            cluster's own figure (Selene: one 200 Gb/s HCA per GPU, 25e9); default the card's PCIe.
 
     Returns:
         :class:`StepTime`.
@@ -731,7 +748,8 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
             replace(step, precision=deepspeed_precision(step)) if on_ds else step)
     flops = flops or step_flops_formula(step)
     comm = step_communication(step, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                              sync_every_micro_batch=gradient_sync == "micro-batch")
+                              sync_every_micro_batch=gradient_sync == "micro-batch", virtual_stages=virtual_stages,
+                              whole_forward_recompute=whole_forward_recompute)
     if card is None and speeds is None:
         return StepTime(flops, communication=comm, rule="no card: FLOPs only")
     if isinstance(card, str):
@@ -767,11 +785,11 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         step, ew, rates, share, tensor_parallel=t, whole_sequence=not sequence_parallel and elementwise is None,
         target=target or "cuda", on_ds=on_ds, closed=closed)
     recompute += elementwise_recompute
+    synced = step.micro_batches if gradient_sync == "step" else 1  # a once-a-step sync hides behind one backward
     comm_s, gpu_link, overlap = _communication_seconds(
-        step, comm, sp, t, backward=flops.backward / share / rate / (step.micro_batches if gradient_sync == "step"
-                                                                      else 1))
+        step, comm, sp, t, dp_overlap=dp_overlap, network=network, backward=flops.backward / share / rate / synced)
     m = step.micro_batches
-    bubble = (p - 1) / m * (compute + recompute + elementwise_s) if p > 1 else 0.0
+    bubble = (p - 1) / (virtual_stages * m) * (compute + recompute + elementwise_s) if p > 1 else 0.0
     eng = engine_time(step, sp.hbm, deepspeed=on_ds, hidden=compute + recompute + elementwise_s,
                       optimizer=optimizer, model_parallel=share)
     gpu = compute + recompute + elementwise_s + comm_s + bubble + eng.seconds
@@ -827,19 +845,20 @@ def _elementwise_parts(step, ew: ElementwiseWork, rates: ElementwiseRates, share
     return (ew.forward + ew.backward + extra[0]) * per_byte, (ew.recompute + extra[1]) * per_byte
 
 
-def _communication_seconds(step, comm, sp: Speeds, tensor_parallel: int, *,
-                           backward: float) -> tuple[float, float, str]:
+def _communication_seconds(step, comm, sp: Speeds, tensor_parallel: int, *, backward: float, dp_overlap: bool = True,
+                           network: float | None = None) -> tuple[float, float, str]:
     """Seconds the step's collectives take on the GPUs' link, the link's bytes/s, and what
     overlaps them: NVLink inside a node (and for TP's groups, which sit inside one: Megatron-LM,
     Narayanan et al. 2021 sec. 3.2), else PCIe; DDP hides its all-reduce behind ``backward``
-    seconds (plain PyTorch without ZeRO)."""
-    gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else sp.pcie
+    seconds (plain PyTorch without ZeRO) unless ``dp_overlap`` is off; ``network``: the link between
+    nodes (default PCIe's figure)."""
+    gpu_link = sp.nvlink if sp.nvlink and step.world_size <= NODE_GPUS else (network or sp.pcie)
     comm_s = comm.gpu_bytes / gpu_link if comm.gpu_bytes else 0.0
     tp_bytes = comm.by_kind.get("tensor-parallel all-reduces", 0.0)
     if tp_bytes and sp.nvlink and tensor_parallel <= NODE_GPUS:
         comm_s += tp_bytes / sp.nvlink - tp_bytes / gpu_link
     overlap = "none"
-    if step.zero == 0 and not under_deepspeed(step.zero, step.offload):
+    if dp_overlap and step.zero == 0 and not under_deepspeed(step.zero, step.offload):
         dp_s = comm.by_kind.get("data-parallel all-reduce", 0.0) / gpu_link
         comm_s = comm_s - dp_s + max(0.0, dp_s - backward)
         overlap = "DDP overlaps its all-reduce with backward"
