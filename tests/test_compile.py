@@ -40,18 +40,23 @@ def test_the_budget_is_a_fraction_and_needs_compile():
 def test_inductor_fuses_a_pointwise_chain_but_keeps_what_a_matmul_reads():
     """The fusion rule the simulation runs a compiled graph by (memlab.step.compiled): in
     ``relu(x @ w + b) @ w``, inductor computes ``add`` and ``relu`` in one kernel, so ``add``
-    never exists; ``relu``'s output is a matmul's input and is materialised, as is each mm's."""
+    never exists; ``relu``'s output is a matmul's input and is materialised, as is each mm's.
+    A gather reads its input through an index inside the consumer's kernel (the log-softmax a
+    cross-entropy gathers from is never materialised)."""
     g = torch.fx.Graph()
-    x, w, b = (g.placeholder(n) for n in "xwb")
+    x, w, b, i = (g.placeholder(n) for n in "xwbi")
     mm = g.call_function(torch.ops.aten.mm.default, (x, w))
     add = g.call_function(torch.ops.aten.add.Tensor, (mm, b))
     relu = g.call_function(torch.ops.aten.relu.default, (add,))
     view = g.call_function(torch.ops.aten.view.default, (add, [-1]))
     total = g.call_function(torch.ops.aten.sum.default, (view,))
     out = g.call_function(torch.ops.aten.mm.default, (relu, w))
-    g.output((out, total))
+    logp = g.call_function(torch.ops.aten.sub.Tensor, (out, b))
+    picked = g.call_function(torch.ops.aten.gather.default, (logp, 1, i))
+    loss = g.call_function(torch.ops.aten.sum.default, (picked,))
+    g.output((out, total, loss))
     fused = fused_nodes(torch.fx.GraphModule(torch.nn.Module(), g))
-    assert fused == {add, view}   # the sum reads add's view inside its own kernel
+    assert fused == {add, view, logp, picked}   # the sum reads add's view inside its own kernel
 
 
 #: (model, the StepConfig fields of the compiled runs)
@@ -99,24 +104,36 @@ def measured(compiled_runs, model: str, budget: float | None):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", RUNS)
-@pytest.mark.parametrize("budget", [None, 0.5])
-def test_the_simulated_compiled_peak_within_its_stated_band(compiled_runs, model, budget):
-    """Within the band memlab.step.compiled states (-12% .. +21%; when written: gpt -1.3%, -12.2%;
-    llama +20.5%, -6.8%), from the same state held before the step."""
-    run = measured(compiled_runs, model, budget)
-    sim = simulate_step(StepConfig(compile=True, activation_memory_budget=budget, **RUNS[model]))
+def test_the_simulated_compiled_peak_within_2_percent_at_the_default_budget(compiled_runs, model):
+    """The issue's 2% at the default budget (when written: gpt -1.8%, llama -0.0%), from the same
+    state held before the step."""
+    run = measured(compiled_runs, model, None)
+    sim = simulate_step(StepConfig(compile=True, **RUNS[model]))
     assert sim.live_before == run.live_before
-    assert -0.13 <= sim.peak_bytes / run.peak_bytes - 1 <= 0.21
+    assert sim.peak_bytes == pytest.approx(run.peak_bytes, rel=0.02)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="inductor's kernel order and buffer timing are not modelled: the simulated "
-                                       "compiled peak is -12%..+21% of the measured one, not within 2% (issue 39)")
-def test_the_simulated_compiled_peak_within_2_percent(compiled_runs):
+@pytest.mark.parametrize("model", RUNS)
+def test_the_simulated_compiled_peak_at_budget_half_within_its_stated_band(compiled_runs, model):
+    """At a budget of 0.5 the simulation reads low, by the band memlab.step.compiled states
+    (when written: gpt -12.2%, llama -14.1%): inductor runs the backward's recomputation of
+    several layers in one kernel at the start of backward, which the partitioned graph's order
+    does not."""
+    run = measured(compiled_runs, model, 0.5)
+    sim = simulate_step(StepConfig(compile=True, activation_memory_budget=0.5, **RUNS[model]))
+    assert sim.live_before == run.live_before
+    assert -0.15 <= sim.peak_bytes / run.peak_bytes - 1 <= -0.10
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="inductor hoists the backward's recomputation at a budget of 0.5: the "
+                                       "simulated compiled peak is 12-14% under the measured one, not within "
+                                       "2% (issue 39)")
+def test_the_simulated_compiled_peak_at_budget_half_within_2_percent(compiled_runs):
     for model in RUNS:
-        for budget in (None, 0.5):
-            sim = simulate_step(StepConfig(compile=True, activation_memory_budget=budget, **RUNS[model]))
-            assert sim.peak_bytes == pytest.approx(measured(compiled_runs, model, budget).peak_bytes, rel=0.02)
+        sim = simulate_step(StepConfig(compile=True, activation_memory_budget=0.5, **RUNS[model]))
+        assert sim.peak_bytes == pytest.approx(measured(compiled_runs, model, 0.5).peak_bytes, rel=0.02)
 
 
 @pytest.mark.slow
