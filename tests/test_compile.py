@@ -1,11 +1,14 @@
 """torch.compile as a run field (memlab.step.compiled): the compiled step's peak measured from
 the allocator's events, its saved set counted from inductor's backward graph, on CPU."""
 import pytest
+import torch
 
 from memlab.core.errors import InputError
-from memlab.core.torch_private import profiler_memory_events
+from memlab.core.torch_private import FakeTensorMode, activation_memory_budget, profiler_memory_events
 from memlab.lenses.measure import allocator_peak, measure_step, run_tracked_step
-from memlab.step.compiled import count_compiled_saved
+from memlab.lenses.simulate import simulate_step
+from memlab.models.gpt_unet import tiny_llama
+from memlab.step.compiled import count_compiled_saved, fused_nodes
 from memlab.step.training_step import StepConfig, build_trainer, make_batch
 
 MiB = 2**20
@@ -34,6 +37,32 @@ def test_the_budget_is_a_fraction_and_needs_compile():
         measure_step(StepConfig(compile=True, **SMALL), budget="64MiB")
 
 
+def test_inductor_fuses_a_pointwise_chain_but_keeps_what_a_matmul_reads():
+    """The fusion rule the simulation runs a compiled graph by (memlab.step.compiled): in
+    ``relu(x @ w + b) @ w``, inductor computes ``add`` and ``relu`` in one kernel, so ``add``
+    never exists; ``relu``'s output is a matmul's input and is materialised, as is each mm's.
+    A gather reads its input through an index inside the consumer's kernel (the log-softmax a
+    cross-entropy gathers from is never materialised)."""
+    g = torch.fx.Graph()
+    x, w, b, i = (g.placeholder(n) for n in "xwbi")
+    mm = g.call_function(torch.ops.aten.mm.default, (x, w))
+    add = g.call_function(torch.ops.aten.add.Tensor, (mm, b))
+    relu = g.call_function(torch.ops.aten.relu.default, (add,))
+    view = g.call_function(torch.ops.aten.view.default, (add, [-1]))
+    total = g.call_function(torch.ops.aten.sum.default, (view,))
+    out = g.call_function(torch.ops.aten.mm.default, (relu, w))
+    logp = g.call_function(torch.ops.aten.sub.Tensor, (out, b))
+    picked = g.call_function(torch.ops.aten.gather.default, (logp, 1, i))
+    loss = g.call_function(torch.ops.aten.sum.default, (picked,))
+    g.output((out, total, loss))
+    fused = fused_nodes(torch.fx.GraphModule(torch.nn.Module(), g))
+    assert fused == {add, view, logp, picked}   # the sum reads add's view inside its own kernel
+
+
+#: (model, the StepConfig fields of the compiled runs)
+RUNS = {"gpt": SMALL, "llama": dict(model=tiny_llama(), seq=128, batch=4)}
+
+
 @pytest.fixture(scope="module")
 def compiled_runs():
     """Each compile once for the module (inductor on two cores: minutes each)."""
@@ -43,7 +72,68 @@ def compiled_runs():
         trainer = build_trainer(StepConfig(**SMALL))
         saved = count_compiled_saved(trainer.model, make_batch(step), budget)
         out[budget] = (measure_step(step), saved)
+    for budget in (None, 0.5):
+        out["llama", budget] = measure_step(StepConfig(compile=True, activation_memory_budget=budget,
+                                                       **RUNS["llama"]))
     return out
+
+
+def partitioned_saved(fields: dict, budget: float | None) -> int:
+    """What the simulation's fake partition saves for backward (memlab.step.compiled.PartitionedModel)."""
+    step = StepConfig(compile=True, activation_memory_budget=budget, **fields)
+    with FakeTensorMode():
+        trainer = build_trainer(step, fake=True)
+        vocab = step.model_config.vocab_size
+        batch = tuple(torch.randint(0, vocab, (step.batch, step.seq)) for _ in range(2))
+        with activation_memory_budget(budget):
+            trainer.model(*batch).backward()
+    return trainer.model.saved_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [None, 0.5])
+def test_the_simulation_saves_what_inductor_saves(compiled_runs, budget):
+    """The fake tensors' partition (inductor's partition_fn, parameters static) keeps the same
+    tensors as a real inductor compile, counted from the backward graph each one compiles."""
+    assert partitioned_saved(SMALL, budget) == compiled_runs[budget][1].saved_bytes
+
+
+def measured(compiled_runs, model: str, budget: float | None):
+    return compiled_runs[budget][0] if model == "gpt" else compiled_runs["llama", budget]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", RUNS)
+def test_the_simulated_compiled_peak_within_2_percent_at_the_default_budget(compiled_runs, model):
+    """The issue's 2% at the default budget (when written: gpt -1.8%, llama -0.0%), from the same
+    state held before the step."""
+    run = measured(compiled_runs, model, None)
+    sim = simulate_step(StepConfig(compile=True, **RUNS[model]))
+    assert sim.live_before == run.live_before
+    assert sim.peak_bytes == pytest.approx(run.peak_bytes, rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", RUNS)
+def test_the_simulated_compiled_peak_at_budget_half_within_its_stated_band(compiled_runs, model):
+    """At a budget of 0.5 the simulation reads low, by the band memlab.step.compiled states
+    (when written: gpt -12.2%, llama -14.1%): inductor runs the backward's recomputation of
+    several layers in one kernel at the start of backward, which the partitioned graph's order
+    does not."""
+    run = measured(compiled_runs, model, 0.5)
+    sim = simulate_step(StepConfig(compile=True, activation_memory_budget=0.5, **RUNS[model]))
+    assert sim.live_before == run.live_before
+    assert -0.15 <= sim.peak_bytes / run.peak_bytes - 1 <= -0.10
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="inductor hoists the backward's recomputation at a budget of 0.5: the "
+                                       "simulated compiled peak is 12-14% under the measured one, not within "
+                                       "2% (issue 39)")
+def test_the_simulated_compiled_peak_at_budget_half_within_2_percent(compiled_runs):
+    for model in RUNS:
+        sim = simulate_step(StepConfig(compile=True, activation_memory_budget=0.5, **RUNS[model]))
+        assert sim.peak_bytes == pytest.approx(measured(compiled_runs, model, 0.5).peak_bytes, rel=0.02)
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 # The tracker is a dispatch mode; tensor subclasses (DTensor) are unwrapped to what they hold.
 # Checked: 2.11 (H200 measure rows), 2.13.
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass
 
 # Pytree over (args, kwargs) of a dispatched op. Checked: 2.11 (H200 simulate rows), 2.13.
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only
@@ -180,6 +180,31 @@ def reset_compiled() -> None:
     torch._dynamo.reset()
 
 
+def aot_inductor_partition(fn, compiler, num_params: int):
+    """``aot_function(fn)`` partitioned as ``torch.compile``'s inductor backend partitions a graph:
+    inductor's decompositions (``select_decomp_table``) and its ``partition_fn`` (inductor's
+    joint-graph passes, then the min-cut partitioner with ``compiler="inductor"``), the first
+    ``num_params`` inputs marked static (dynamo marks a module's parameters so, and the
+    partitioner then saves them for free). ``compiler(gm, example_inputs)`` receives the
+    forward and the backward graph and returns a boxed callable. Works on fake tensors (no
+    dynamo, so fake parameters are allowed). Checked: 2.13 (CPU)."""
+    from torch._functorch.aot_autograd import aot_function
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.decomposition import select_decomp_table
+
+    def partition(gm, joint_inputs, **kwargs):
+        kwargs["static_lifetime_input_indices"] = list(range(num_params))
+        return partition_fn(gm, joint_inputs, **kwargs)
+    return aot_function(fn, fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition,
+                        decompositions=select_decomp_table(), num_params_buffers=num_params)
+
+
+def outside_dispatch_modes() -> contextlib.AbstractContextManager:
+    """Run ops with every dispatch mode (memlab's tracker, the fake mode) off: a fake tensor's
+    op still runs fake (the tensor brings its own mode), and no mode sees it. Checked: 2.13."""
+    return _disable_current_modes()
+
+
 def profiler_memory_events(fn) -> list[tuple[int, int]]:
     """``(time_ns, bytes)`` of every allocation (positive) and free (negative) the c10
     allocators report to the profiler while ``fn()`` runs, in time order: what compiled
@@ -191,9 +216,9 @@ def profiler_memory_events(fn) -> list[tuple[int, int]]:
               if e.name() == "[memory]"]
     return sorted(events)
 
-__all__ = ["activation_memory_budget", "inductor_backend_seeing_graphs", "profiler_memory_events",
-           "reset_compiled", "AUTOCAST_CPU_KEYS", "FakeCopyMode", "FakeStore", "FakeTensor", "FakeTensorMode",
-           "TorchDispatchMode",
+__all__ = ["aot_inductor_partition", "outside_dispatch_modes", "activation_memory_budget",
+           "inductor_backend_seeing_graphs", "profiler_memory_events", "reset_compiled", "AUTOCAST_CPU_KEYS",
+           "FakeCopyMode", "FakeStore", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
            "aten_ops_with_kernel", "current_autograd_node", "exclude_dispatch_keys", "fsdp2_mem_tracker",
            "dump_memory_snapshot", "in_backward", "is_traceable_wrapper_subclass", "memory_snapshot",
            "op_schema", "parse_to", "record_memory_history", "stop_memory_history", "tensor_version",

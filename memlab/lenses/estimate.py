@@ -418,10 +418,9 @@ ALLOCATOR_NOTE = ("the CUDA caching allocator's block choices are not in this fo
                   "to 1.5% more than this estimate (simulate_step replays the allocator)")
 
 
-#: what the estimate and the simulation say of a compiled step (memlab.step.compiled)
-COMPILE_NOTE = ("compile is not in this lens: the peak is the eager step's; what the min-cut partitioner "
-                "saves is counted from inductor's graphs (memlab.step.compiled.count_compiled_saved) and "
-                "the compiled step's peak is measured (measure)")
+#: what the estimate says of a compiled step (memlab.step.compiled)
+COMPILE_NOTE = ("compile is not in this lens: the peak is the eager step's; simulate traces inductor's "
+                "partition on fake tensors (memlab.step.compiled) and measure reads the compiled step's peak")
 
 
 def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = None,

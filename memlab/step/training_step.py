@@ -27,7 +27,7 @@ from memlab.core.units import MiB, fmt_bytes
 from memlab.models.decoder_shape import DecoderShape
 from memlab.models.gpt_unet import GPTConfig, UNetConfig, build_model, get_config
 from memlab.step.activation_offload import offload_context
-from memlab.step.compiled import check_budget, compile_model
+from memlab.step.compiled import PartitionedModel, check_budget, compile_model
 from memlab.step.decoder_states import adapter_shapes, adapters_for
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 from memlab.step.low_bit import OPTIMIZER_STATES
@@ -607,8 +607,8 @@ def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: in
         opt = OptimizerInBackward(model.parameters(), lambda ps: _optimizer(ps, step.optimizer))
     else:
         opt = build_optimizer(model, step.optimizer)
-    if step.compile and not fake:  # the simulation runs the eager step (memlab.step.compiled)
-        model = compile_model(model)
+    if step.compile:  # on fake tensors, inductor's partition run op by op (memlab.step.compiled)
+        model = PartitionedModel(model) if fake else compile_model(model)
     return Trainer(step, device, model, opt, scaler, fake, offload_to_host=device.type == "cuda")
 
 
