@@ -30,6 +30,7 @@ moments, which read best beside each other.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -377,29 +378,47 @@ def _gpt_other(cfg: GPTConfig, step: StepConfig) -> int:
     return 2 * 8 * step.seq * step.batch + rope
 
 
-def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float],
-               target: Target) -> tuple[dict, str]:
-    """UNet activations by counting each module's saved tensors on a shape walk."""
+@functools.lru_cache(maxsize=64)
+def unet_saved_bytes(cfg: UNetConfig, batch: int, size: int, precision: str, target: Target) -> tuple[int, int]:
+    """A UNet's activations at the start of backward and its forward's largest per-call kernel
+    workspace, counted on a fake forward (no memory) under ``target``'s autocast policy and
+    kernels (:mod:`memlab.policy`).
 
-    # A conv net's saved tensors depend on every resolution, so we count them on a fake
-    # forward (no memory, milliseconds) rather than in a hand-written table, under the
-    # target's autocast policy and kernels (memlab.policy).
-    accounting = target.accounting()
+    A conv net's saved tensors depend on every resolution, so they are counted, not tabled.
+    Cached per shape: the count is a fake run of seconds, and a plan over many cards or a
+    lesson's slider asks for the same shapes again.
+
+    Args:
+        cfg: the UNet.
+        batch: images in one micro-batch.
+        size: the images' side in pixels.
+        precision: the step's precision (its autocast).
+        target: the device the step is predicted for.
+
+    Returns:
+        ``(activations, workspace)`` in bytes.
+    """
     with FakeTensorMode(), emulate(target):
         model = UNet(cfg)
-        b = step.batch // step.micro_batches
-        x = torch.randn(b, cfg.channels, step.seq, step.seq)
-        with MemoryTracker(accounting=accounting) as mt:
+        x = torch.randn(batch, cfg.channels, size, size)
+        with MemoryTracker(accounting=target.accounting()) as mt:
             mt.track_model(model)
-            with autocast_for(step.precision, torch.device("cpu")):
-                loss = model(x, torch.randint(0, 1000, (b,)), torch.randn_like(x))
+            with autocast_for(precision, torch.device("cpu")):
+                loss = model(x, torch.randint(0, 1000, (batch,)), torch.randn_like(x))
             mt.mark_phase("backward")
             acts = mt.by_category()["activations"]
-            # the largest per-call workspace of the forward's kernels; backward's calls on
-            # the same shapes need as much (policy.conv_workspace)
+            # backward's calls on the same shapes need as much workspace (policy.conv_workspace)
             workspace = max((e.by_category[CATEGORIES.index("workspace")] for e in mt.timeline),
                             default=0)
         del loss, model
+    return int(acts), int(workspace)
+
+
+def _unet_peak(step: StepConfig, cfg: UNetConfig, states: dict[str, float],
+               target: Target) -> tuple[dict, str]:
+    """UNet activations by counting each module's saved tensors on a shape walk."""
+    acts, workspace = unet_saved_bytes(cfg, step.batch // step.micro_batches, step.seq,
+                                       step.precision, target)
     out = dict.fromkeys(CATEGORIES, 0.0)
     # images, timesteps and noise of the whole batch
     other = 4 * step.batch * (2 * cfg.channels * step.seq ** 2) + 8 * step.batch

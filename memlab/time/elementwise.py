@@ -33,6 +33,7 @@ Two ways to the number, each checking the other (``tests/test_elementwise.py``):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -603,10 +604,15 @@ def deepspeed_precision(step) -> str:
     return "pure-bf16" if step.precision in ("bf16", "fp16", "pure-bf16") else step.precision
 
 
+@functools.lru_cache(maxsize=64)
 def count_flops_and_elementwise(step) -> tuple[StepFlops, ElementwiseWork]:
     """Both counts of one steady-state step on fake tensors, in one run: its FLOPs
     (:class:`memlab.time.flops.PhaseFlopCounter`) and its elementwise bytes (for a model without a
-    closed form: a UNet, the chunked loss)."""
+    closed form: a UNet, the chunked loss).
+
+    Cached per step (a frozen ``StepConfig``; both results are frozen too): the count depends on
+    the step's shapes alone, not on the card it is timed for, and a UNet's fake step takes
+    seconds, which a lesson's slider or a plan over every card would otherwise pay each time."""
     flops, counter = run_counted_step(step, PhaseFlopCounter(), ElementwiseCounter())
     return flops.flops(), counter.work()
 
