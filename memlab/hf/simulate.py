@@ -345,10 +345,8 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                                 precision=run_precision, checkpointing=checkpointing or "none")
     if ms.deepspeed:
         trainable = s.num_params() if ad is None else sum(r * c for r, c in adapter_shapes(s, ad))
-        gathered = None
-        if zero == 3:
-            gathered = zero3_gathered(build, report.timeline, buckets or ZeroBuckets(), world_size,
-                                      precision_bytes(run_precision)[0])
+        gathered = zero3_gathered(build, report.timeline, buckets or ZeroBuckets(), world_size,
+                                  precision_bytes(run_precision)[0]) if zero == 3 else None
         deepspeed_layout(report, replace(ms, parameters=rs.inputs["parameters"]),
                          trainable * precision_bytes(run_precision)[0], gathered)
         report.budget_bytes = resolve_budget(budget)

@@ -204,8 +204,13 @@ def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float,
     # stages 1-2's bucket comes at the first gradient's hook in each backward: DeepSpeed hooks the
     # parameters' AccumulateGrad nodes, so the bucket is there from the op after the first one
     armed, hooked = False, False
+    # with accumulation the partition made at a backward's end (stage_1_and_2.py
+    # copy_grads_in_partition: grads_in_partition, allocated once) holds the sum for the next
+    # micro-batches
+    reduced = False
     for n, ev in enumerate(report.timeline):
         cats = list(ev.by_category)
+        reduced = reduced or (n > 0 and report.timeline[n - 1].phase == "backward" and ev.phase != "backward")
         grown = cats[i["gradients"]] / full_grads if full_grads else 0.0
         accumulates = ev.module == ACCUMULATE_GRAD
         if ev.phase != "backward":
@@ -218,7 +223,7 @@ def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float,
         if ms.gradients_from == "always" or (ms.gradients_from == "first bucket" and flushed):
             grads = ms.gradients
         elif ms.gradients_from == "end of backward":
-            grads = ms.gradients if ev.phase == "optimizer" else 0.0
+            grads = ms.gradients if ev.phase == "optimizer" or reduced else 0.0
         else:
             grads = grown * ms.gradients
         cats[i["parameters"]] = ms.parameters
