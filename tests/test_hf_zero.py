@@ -73,8 +73,9 @@ ESTIMATE_BAND = {"gemma3": (-0.02, 0.045)}
 def _measured(name: str) -> dict:
     """One launch of 2 gloo ranks for every run of the family (MoE: no offload)."""
     s = decoder_shape(CONFIGS[name])
-    # Llama's own runs first: a ZeRO-3 engine leaves DeepSpeed's LinearFunctionForZeroStage3 on
-    # F.linear in the process, which saves a frozen base's input that a later LoRA step's does not
+    # Llama's own runs first: a ZeRO-3 engine puts zero3_linear_wrap on F.linear for the rest of the
+    # process (DeepSpeed 0.19.8 partition_parameters.py _enable_mem_efficient_linear: "This will
+    # persist unless manually reset"); after it the LoRA step read 917 504 B (7%) more
     runs = {k: r for k, r in {**(LLAMA_RUNS if name == "llama" else {}), **RUNS}.items()
             if not (name in MOE and "offload" in k)}
     steps = [StepConfig(s, seq=SEQ, world_size=2, **{"batch": BATCH, **r}) for r in runs.values()]
