@@ -8,26 +8,33 @@ quarter of these peaks: stages 1-2's reduce bucket lives from the first gradient
 end of backward, stage 3's bucket and gradient partition from init
 (:class:`memlab.step.states.ModelStates`). Llama runs by default; the other families are ``slow``.
 
-Achieved, simulation (estimate) against the largest rank's peak:
+Achieved, simulation (estimate) against the largest rank's peak, in %:
 
 ================  =============  =============  ==============  =================
 family            ZeRO-1         ZeRO-2         ZeRO-3          ZeRO-2 + offload
 ================  =============  =============  ==============  =================
-llama             -0.01 (+0.01)  -0.01 (+0.01)  +0.78 (+0.80)   -0.02 (+0.00)
-qwen3, phi3       -0.01 (+0.01)  -0.01 (+0.01)  -1.71, -1.47    -0.02 (+0.0)
-gemma2, gemma3    -0.01 (+3.1,   -0.01 (+3.1,   +0.68, +0.55    -0.02 (up to
-                  +3.7)          +3.7)                          +4.2)
-gpt2              -0.01 (-17.2)  -0.01 (-16.2)  -3.66           -0.02 (-18.8)
-MoE (4 families)  -0.01 (-1.3..  -0.01 (-0.8..  -2.8..-6.2      (not run)
+llama             -0.01 (+0.01)  -0.01 (+0.01)  -0.01           -0.02 (+0.00)
+qwen3, phi3       -0.01 (+0.01)  -0.01 (+0.01)  -0.01, -0.01    -0.02 (+0.0)
+gemma2            -0.01 (+0.02)  -0.01 (+0.02)  -0.01           -0.02 (+0.02)
+gemma3            -0.01 (+3.7)   -0.01 (+3.7)   -0.01           -0.02 (+4.2)
+gpt2              -0.01 (+0.00)  -0.01 (+0.00)  -0.01           -0.02 (+0.01)
+MoE (4 families)  -0.01 (-1.3..  -0.01 (-0.8..  -0.01           (not run)
                   -0.6)          -0.3)
 ================  =============  =============  ==============  =================
 
-ZeRO-3's gathered parameters follow DeepSpeed's prefetch and reuse policy, which the layout
-counts as one bound (the running module's largest parameter and the prefetch bucket, at most the
-model): 4% on the dense families, 6.5% on the mixtures of experts, whose experts gather more at
-their forward. GPT-2's estimate misses its last MLP's ``gelu_new`` backward with the bucket
-alive (the closed form has no such moment, see tests/test_hf_chunked_loss.py); Gemma's estimate
-is high in fp32 as everywhere (tests/test_hf_families.py).
+ZeRO-3's gathered parameters are DeepSpeed's coordinator replayed op by op
+(:mod:`memlab.step.zero3_gathers`): at these sizes the root's prefetch gathers the whole model
+into one flat buffer before the first op, the first wait copies each parameter out, the flat buffer
+goes when the head is fetched, and each module's parameters go after its backward; the peak is the
+end of forward, with both alive. Before that replay the layout held one bound all step
+(-6.2..+0.8%). The estimate has GPT-2's peak, its last MLP's ``gelu_new`` backward with the
+bucket alive, and Gemma 2's first gradient hook without the softcap's tanh output (before: -16..-19%
+and +3.1..+3.6%). Gemma 3's estimate is high in fp32 as its plain step's is (+4.4%, the
+sliding-window attention's count; tests/test_hf_chunked_loss.py).
+
+Llama also runs LoRA r=8 (dropout 0.1) and 4 micro-batches under ZeRO-2: simulation -0.08% and
+-1.14% (-0.61% on the other rank), estimate +0.92% and -1.26%. With accumulation the gradient
+partition made at the first micro-batch's end holds the sum for the next ones (before: -8.2%).
 """
 import functools
 
@@ -42,6 +49,7 @@ from memlab.hf.deepspeed_measure import measure_zero_hf  # noqa: E402
 from memlab.hf.estimate import estimate_run  # noqa: E402
 from memlab.hf.shape import decoder_shape  # noqa: E402
 from memlab.hf.simulate import simulate_hf  # noqa: E402
+from memlab.step.fine_tune_config import LoraConfig  # noqa: E402
 from memlab.step.training_step import StepConfig  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -49,17 +57,28 @@ pytestmark = pytest.mark.distributed
 SEQ, BATCH = 128, 2
 RUNS = {"zero1": dict(zero=1), "zero2": dict(zero=2), "zero3": dict(zero=3),
         "zero2-offload": dict(zero=2, offload="optimizer")}
+#: Llama only: LoRA r=8 with dropout under ZeRO-2, and 4 micro-batches of one sequence
+LLAMA_RUNS = {"zero2-lora": dict(zero=2, lora=LoraConfig(rank=8, dropout=0.1)),
+              "zero2-accumulation": dict(zero=2, batch=4, micro_batches=4)}
+#: the simulation's bound where it is not 0.5%: with accumulation DeepSpeed's partition buffer
+#: (stage_1_and_2.py ``grads_in_partition``) holds every parameter overlapping the rank's
+#: partition whole, 65 KB more than the share on rank 0 (-1.14% there, -0.61% on rank 1)
+SIM_REL = {"zero2-accumulation": 0.015}
 MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 #: the estimate's band where it is not [-2%, +3%] (the module doc says why)
-ESTIMATE_BAND = {"gemma2": (-0.02, 0.045), "gemma3": (-0.02, 0.045), "gpt2": (-0.19, -0.15)}
+ESTIMATE_BAND = {"gemma3": (-0.02, 0.045)}
 
 
 @functools.lru_cache(maxsize=None)
 def _measured(name: str) -> dict:
     """One launch of 2 gloo ranks for every run of the family (MoE: no offload)."""
     s = decoder_shape(CONFIGS[name])
-    runs = {k: r for k, r in RUNS.items() if not (name in MOE and "offload" in k)}
-    steps = [StepConfig(s, seq=SEQ, batch=BATCH, world_size=2, **r) for r in runs.values()]
+    # Llama's own runs first: a ZeRO-3 engine puts zero3_linear_wrap on F.linear for the rest of the
+    # process (DeepSpeed 0.19.8 partition_parameters.py _enable_mem_efficient_linear: "This will
+    # persist unless manually reset"); after it the LoRA step read 917 504 B (7%) more
+    runs = {k: r for k, r in {**(LLAMA_RUNS if name == "llama" else {}), **RUNS}.items()
+            if not (name in MOE and "offload" in k)}
+    steps = [StepConfig(s, seq=SEQ, world_size=2, **{"batch": BATCH, **r}) for r in runs.values()]
     return dict(zip(runs, measure_zero_hf(CONFIGS[name], steps, timeout=900), strict=True))
 
 
@@ -73,18 +92,17 @@ def _check(name: str, run: str) -> None:
     real = _measured(name)[run]
     assert len(real.per_rank) == 2
     peak = _device_peak(real)
-    sim = simulate_hf(CONFIGS[name], seq=SEQ, batch=BATCH, target="cpu", world_size=2, **RUNS[run])
-    rel = 0.005 if run != "zero3" else (0.065 if name in MOE else 0.04)
-    assert sim.peak_bytes == pytest.approx(peak, rel=rel), (sim.by_category, real.by_category)
+    r = {"batch": BATCH, **{**RUNS, **LLAMA_RUNS}[run]}
+    sim = simulate_hf(CONFIGS[name], seq=SEQ, target="cpu", world_size=2, **r)
+    assert sim.peak_bytes == pytest.approx(peak, rel=SIM_REL.get(run, 0.005)), (sim.by_category, real.by_category)
     if run == "zero3":  # the estimate is held to the simulation there (tests/test_hf_simulate_run.py)
         return
-    est = estimate_run(StepConfig(decoder_shape(CONFIGS[name]), seq=SEQ, batch=BATCH, world_size=2,
-                                  **RUNS[run]), target="cpu")
+    est = estimate_run(StepConfig(decoder_shape(CONFIGS[name]), seq=SEQ, world_size=2, **r), target="cpu")
     low, high = ESTIMATE_BAND.get(name, (-0.02, 0.03))
     assert low <= est.peak_bytes / peak - 1 <= high, (est.notes[0], est.by_category, real.by_category)
 
 
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", [*RUNS, *LLAMA_RUNS])
 def test_simulation_and_estimate_hold_to_real_deepspeed(run):
     _check("llama", run)
 

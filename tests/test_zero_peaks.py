@@ -59,8 +59,9 @@ def test_stage_0_and_1_peaks_on_two_ranks_against_plain_torch_and_the_zero_formu
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_memlabs_gpt_simulated_and_estimated_against_real_deepspeed():
-    """memlab's GPT on 2 gloo ranks at ZeRO-1 and ZeRO-2, its buffers a tenth of the peak: the
-    simulation within 1% of each stage's tracked peak (achieved -0.00%, -0.66%), the estimate
+    """memlab's GPT on 2 gloo ranks at ZeRO-1, 2 and 3, its buffers a tenth of the peak: the
+    simulation within 1% of each stage's tracked peak (achieved -0.00%, -0.66%; ZeRO-3 -0.00%
+    within 0.5%), the estimate
     within [-2%, +3%] (+1.98%, +1.34%). Stages 1-2's bucket lives in backward only and ZeRO-2's
     partition comes with its first flush (memlab.step.states.ModelStates)."""
     from memlab.distributed.deepspeed_zero import measure_zero
@@ -68,8 +69,11 @@ def test_memlabs_gpt_simulated_and_estimated_against_real_deepspeed():
     from memlab.lenses.simulate import simulate_step
     from memlab.step.training_step import StepConfig
 
-    steps = [StepConfig(seq=128, batch=4, zero=z, world_size=2) for z in (1, 2)]
+    steps = [StepConfig(seq=128, batch=4, zero=z, world_size=2) for z in (1, 2, 3)]
     for step, real in zip(steps, measure_zero(steps, timeout=600), strict=True):
         peak = max(r.peak_bytes for r in real.per_rank)
-        assert simulate_step(step, target="cpu").peak_bytes == pytest.approx(peak, rel=0.01), step.zero
-        assert -0.02 <= estimate_step(step, target="cpu").peak_bytes / peak - 1 <= 0.03, step.zero
+        # ZeRO-3: DeepSpeed's coordinator replayed (memlab.step.zero3_gathers), -0.00% (before: -11.7%)
+        rel = 0.005 if step.zero == 3 else 0.01
+        assert simulate_step(step, target="cpu").peak_bytes == pytest.approx(peak, rel=rel), step.zero
+        if step.zero < 3:  # the estimate's ZeRO-3 gathered parameters are one bound (-11.7%)
+            assert -0.02 <= estimate_step(step, target="cpu").peak_bytes / peak - 1 <= 0.03, step.zero

@@ -73,6 +73,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         'step.compiled': "torch.compile as a run field: the budget's check, the compiled forward's saved set counted from inductor's backward graph",
         'step.zero': "the ZeRO paper's per-rank formula: `zero_formula` (2 + 2 + K bytes divided by stage), `zero_saving`",
         'step.write_deepspeed_config': "the DeepSpeed config a step describes (`deepspeed_config`), with memlab's bucket sizes",
+        'step.zero3_gathers': "ZeRO-3's gathered parameters op by op: DeepSpeed's stage-3 coordinator replayed (`replay_gathers`, `gathered_by_op`)",
     }),
     ('time', {
         'time': "a step's FLOPs, elementwise bytes, communication and its time on a card",

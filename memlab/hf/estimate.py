@@ -756,6 +756,22 @@ def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], 
                 temporaries=t * max(s.ffn, s.moe_ffn * s.top_k) * z.c + gathered)
 
 
+def _last_mlp_backward(s: DecoderShape, z: Sizes, t: int, A: float, partitioned: bool, head_grad: float,
+                       G_prev: float, early_late: float, held: float, gathered: float) -> dict:
+    """GPT-2's peak under stages 1-2: the last MLP's ``gelu_new`` backward, composed of elementwise
+    ops (tanh, pow, mul), holds its incoming gradient and two temporaries of the MLP's width while
+    the bucket is there (``held`` includes it). The head's input, the final norm's, the MLP
+    output's dropout mask and c_proj's input went with their backward (``A`` less the softcap);
+    ZeRO-1 keeps the final norm's and c_proj's gradients; the tied head's weight gradient waits
+    for the embedding's backward."""
+    D, V = s.d, s.vocab
+    gone = (t * D * z.r + _norm_input(s, t, D, z.r) + _norm(z, s, t, D, z.r)
+            + (t * D * _mask_bytes(z, z.c) if s.resid_dropout > 0 else 0) + t * s.ffn * z.c)
+    kept = 0.0 if partitioned else head_grad + (2 * D + s.ffn * D + D) * z.w
+    return dict(activations=A - gone, gradients=max(G_prev, kept + early_late) + held,
+                temporaries=V * D * z.w * s.tied + t * D * z.c + 3 * t * s.ffn * z.c + gathered)
+
+
 def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
                  dense_w: float, G: float, G_prev: float, held: float, late: float, early_late: float,
                  bucket: float, partitioned: bool, head_grad: float, gathered: float, scratch: float, full: bool,
@@ -776,7 +792,7 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     every gradient; a layer's backward holds the one being applied (at most ``largest_grad``) and a
     tied head's, in flight until the embedding's backward; the optimizer-step moment is gone."""
     V, D = s.vocab, s.d
-    lsm = t * V * 4
+    lsm, softcap = t * V * 4, t * V * z.c if s.final_softcap else 0  # softcap: in A until the loss's backward
     cast = t * V * 4 if z.c != 4 else 0
     # autocast's cache keeps every trained weight's 16-bit cast until the forward's autocast
     # region closes, after the loss: under checkpointing nothing else keeps them
@@ -813,10 +829,14 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
         # first adapter's under LoRA); ZeRO-1 keeps the head's gradient, ZeRO-2 copied it into
         # the bucket (the partition is there once a bucket was flushed: ``late``)
         kept = 0.0 if partitioned else head_grad + D * z.w * trains_base
-        # the head's input (autocast's cast) and the norm's normalised input went with their backward
-        m["first gradient hook"] = dict(activations=A - 4 * t - t * D * (z.c + z.r),
+        # the head's input (autocast's cast), the norm's normalised input and the softcap's tanh
+        # output (Gemma 2) went with their backward
+        m["first gradient hook"] = dict(activations=A - 4 * t - t * D * (z.c + z.r) - softcap,
                                         gradients=max(G_prev, kept + early_late) + held + bucket,
                                         temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered)
+    if bucket and chunk is None and s.mlp == "gelu_new" and trains_base and not full:
+        m["last MLP backward"] = _last_mlp_backward(s, z, t, A - softcap, partitioned, head_grad,
+                                                    G_prev, early_late, held + bucket, gathered)
     if full:
         m["recomputed layer"] = recomputed_layer(s, z, t, layers=layers, embed=embed, dense_w=dense_w, G=G,
                                                  G_prev=G_prev, held=held + (bucket if trains_base else 0),

@@ -65,6 +65,7 @@ from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 from memlab.step.low_bit import NF4_BLOCK, OPTIMIZER_STATES, PAGED, QMAP_ENTRIES
 from memlab.step.states import ZeroBuckets
 from memlab.step.training_step import PRECISIONS, MemoryReport, StepConfig
+from memlab.step.zero3_gathers import gathered_by_op, module_params
 from memlab.tracking.tracker import CATEGORIES, Event
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -345,8 +346,10 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                                 precision=run_precision, checkpointing=checkpointing or "none")
     if ms.deepspeed:
         trainable = s.num_params() if ad is None else sum(r * c for r, c in adapter_shapes(s, ad))
+        gathered = zero3_gathered(build, report.timeline, buckets or ZeroBuckets(), world_size,
+                                  precision_bytes(run_precision)[0]) if zero == 3 else None
         deepspeed_layout(report, replace(ms, parameters=rs.inputs["parameters"]),
-                         trainable * precision_bytes(run_precision)[0])
+                         trainable * precision_bytes(run_precision)[0], gathered)
         report.budget_bytes = resolve_budget(budget)
     if optimizer in PAGED:
         _page_out(report, optimizer)
@@ -357,6 +360,30 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     if is_moe(d):
         report.notes.append(ROUTING_NOTE)
     return report
+
+
+def zero3_gathered(build: Callable, timeline: list, buckets: ZeroBuckets, world_size: int,
+                   element_bytes: int) -> list[float]:
+    """ZeRO-3's gathered bytes at each op of ``timeline`` (:func:`memlab.step.zero3_gathers.gathered_by_op`):
+    the model of ``build`` is made on the meta device for its modules' own parameters, named as
+    the tracker names modules (the root's class, then the module's path).
+
+    Args:
+        build: :func:`build_run`'s callable.
+        timeline: the simulated unsharded step's events.
+        buckets: the run's DeepSpeed sizes (memlab's config writes ``max_live`` as the reuse distance).
+        world_size: ranks.
+        element_bytes: bytes of a gathered element.
+
+    Returns:
+        One figure per event.
+    """
+    with torch.device("meta"):
+        model, _ = build()
+    params_of, trainable = module_params(model)
+    return gathered_by_op(timeline, params_of, trainable, world_size=world_size, element_bytes=element_bytes,
+                          prefetch=buckets.prefetch, max_live=buckets.max_live, reuse_distance=buckets.max_live,
+                          persistence=buckets.persistence)
 
 
 def _simulate_plain(d: dict, *, seq: int, batch: int, precision: str, checkpointing: str | None,

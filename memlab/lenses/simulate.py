@@ -50,8 +50,9 @@ from memlab.lenses.measure import run_tracked_step
 from memlab.models.gpt_unet import GPTConfig, UNetConfig
 from memlab.policy import emulate, resolve_target
 from memlab.policy.caching_allocator import CachingAllocator, replay_steady_step
-from memlab.step.states import ModelStates, model_states
+from memlab.step.states import ModelStates, ZeroBuckets, model_states
 from memlab.step.training_step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
+from memlab.step.zero3_gathers import ACCUMULATE_GRAD, gathered_by_op, module_params
 from memlab.time.elementwise import ElementwiseCounter
 from memlab.time.flops import PhaseFlopCounter
 from memlab.time.step_time import report_time
@@ -135,10 +136,17 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
                               host_by_category=tracker.host_peak_by_category())
         if tgt.is_cuda and not ms.deepspeed and tracker.oom is None:
             _add_unsplit_blocks(report, tracker, allocator)
+        gathered = None
+        if step.zero == 3:  # what DeepSpeed's coordinator holds gathered, op by op
+            b = step.buckets or ZeroBuckets()
+            gathered = gathered_by_op(report.timeline, *module_params(trainer.model), world_size=step.world_size,
+                                      element_bytes=4 if ms.compute_precision == "fp32" else 2,
+                                      prefetch=b.prefetch, max_live=b.max_live, reuse_distance=b.max_live,
+                                      persistence=b.persistence)
         del trainer, batch, tracker
     if ms.deepspeed:
         deepspeed_layout(report, ms, model_states(run.model_config, precision=run.precision,
-                                                   optimizer=run.optimizer).gradients)
+                                                   optimizer=run.optimizer).gradients, gathered)
     report.time = report_time(step, tgt.card, flops=flops.flops(), elementwise=None if gpt else elementwise.work())
     if step.activation_offload:
         report.notes.append(_offload_note(report, tgt))
@@ -187,26 +195,30 @@ FORMULA_NOTE = ("from the formula (memlab.step.states.model_states), not simulat
                 "activations, the other temporaries and workspaces")
 
 
-#: the module name the tracker gives an op of autograd's gradient accumulation into ``.grad``
-ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
-
-
-def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float) -> None:
+def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float,
+                     gathered: list[float] | None = None) -> None:
     """Put the simulated unsharded step's model states in DeepSpeed's layout, op by op.
 
     Parameters and optimizer state are held all step; gradients grow through backward as
     simulated (scaled to the rank's share), or are held from the first reduce bucket (ZeRO-2)
     or all step (ZeRO-3); DeepSpeed's buffers are added everywhere (stages 1-2's reduce bucket
     from backward's first gradient to its end, ``ModelStates.bucket``), ZeRO-3's gathered
-    parameters in forward and backward, the fp32 gradient copy in the optimizer step.
+    parameters in forward and backward (``gathered``, one figure per op of the timeline, where
+    :func:`memlab.step.zero3_gathers.gathered_by_op` replayed DeepSpeed's coordinator; else the
+    bound ``ModelStates.gathered``), the fp32 gradient copy in the optimizer step.
     """
     i = {c: k for k, c in enumerate(CATEGORIES)}
     events = []
     # stages 1-2's bucket comes at the first gradient's hook in each backward: DeepSpeed hooks the
     # parameters' AccumulateGrad nodes, so the bucket is there from the op after the first one
     armed, hooked = False, False
-    for ev in report.timeline:
+    # with accumulation the partition made at a backward's end (stage_1_and_2.py
+    # copy_grads_in_partition: grads_in_partition, allocated once) holds the sum for the next
+    # micro-batches
+    reduced = False
+    for n, ev in enumerate(report.timeline):
         cats = list(ev.by_category)
+        reduced = reduced or (n > 0 and report.timeline[n - 1].phase == "backward" and ev.phase != "backward")
         grown = cats[i["gradients"]] / full_grads if full_grads else 0.0
         accumulates = ev.module == ACCUMULATE_GRAD
         if ev.phase != "backward":
@@ -219,15 +231,17 @@ def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float) -
         if ms.gradients_from == "always" or (ms.gradients_from == "first bucket" and flushed):
             grads = ms.gradients
         elif ms.gradients_from == "end of backward":
-            grads = ms.gradients if ev.phase == "optimizer" else 0.0
+            grads = ms.gradients if ev.phase == "optimizer" or reduced else 0.0
         else:
             grads = grown * ms.gradients
         cats[i["parameters"]] = ms.parameters
         cats[i["optimizer"]] = ms.optimizer
         cats[i["gradients"]] = grads + ms.buffers + in_backward
-        if ev.phase in ("forward", "backward"):
+        if gathered is not None:
+            cats[i["temporaries"]] += gathered[n]
+        elif ev.phase in ("forward", "backward"):
             cats[i["temporaries"]] += ms.gathered
-        elif ev.phase == "optimizer":
+        if ev.phase == "optimizer":
             cats[i["temporaries"]] += ms.step_scratch
         events.append(Event(ev.index, ev.op, ev.module, ev.phase,
                             tuple(int(round(c)) for c in cats), ev.host_by_category))
