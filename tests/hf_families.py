@@ -1,5 +1,6 @@
 """Small configs of today's decoder families, built from each family's transformers config
 class (``AutoConfig.for_model``), for the lens-agreement tests of tests/test_hf*.py."""
+import pytest
 
 V, D, L = 512, 128, 2
 FAMILIES = {
@@ -41,3 +42,16 @@ FAMILIES = {
                     max_position_embeddings=1024),
 }
 SEQ, BATCH = 128, 2
+
+#: The families a per-family matrix runs in the default ``make test``: Llama (the reference
+#: dense decoder), Qwen3 (grouped k/v, q/k norms, its own head dim), Gemma 2 (eager,
+#: soft-capped logits, four norms a layer), GPT-2 (dropout, learned positions, Conv1D) and
+#: DeepSeek-V3 (latent attention, shared and routed experts). Between them they take every
+#: path the others take; each matrix's other families run under ``make test-slow``
+#: (``-m slow``), so every family is still held to every bound there.
+DEFAULT_RUN = ("llama", "qwen3", "gemma2", "gpt2", "deepseek_v3")
+
+
+def family_marks(name: str, *marks) -> list:
+    """``marks`` for a case of family ``name``, with ``slow`` added outside :data:`DEFAULT_RUN`."""
+    return [*marks, *([] if name in DEFAULT_RUN else [pytest.mark.slow])]

@@ -111,6 +111,7 @@ def test_presets_lists_models_and_gpus(capsys):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # fast siblings: test_guard's same command with --budget, test_distributed's halves
 def test_multi_rank_measure_prints_only_json_with_per_rank_halves():
     import subprocess
     import sys

@@ -11,7 +11,7 @@ import functools
 
 import pytest
 import torch
-from hf_families import BATCH, SEQ
+from hf_families import BATCH, SEQ, family_marks
 from test_hf_lora import CONFIGS
 
 from memlab.core.errors import InputError
@@ -33,10 +33,10 @@ def _measured(name: str, prec: str):
     return track_step(lambda: step(model, opt), model=model, optimizer=opt)
 
 
-#: fp32 for every family and bf16 for Llama by default; the other bf16 builds under ``slow``
+#: fp32 for hf_families.DEFAULT_RUN and bf16 for Llama by default; the other builds under ``slow``
 GEMMA3_FP32 = pytest.mark.xfail(strict=True, reason="gemma3 in fp32 reads 5-7% high since the loss-forward and "
                                  "sliding-window SDPA counts (estimate.output_held, sdpa_masked) were added")
-CASES = [pytest.param(n, p, marks=([pytest.mark.slow] if p == "bf16" and n != "llama" else [])
+CASES = [pytest.param(n, p, marks=family_marks(n, *[pytest.mark.slow] if p == "bf16" and n != "llama" else [])
                       + ([GEMMA3_FP32] if (n, p) == ("gemma3", "fp32") else []))
          for n in CONFIGS if n not in SOFTCAPPED for p in ("fp32", "bf16")]
 

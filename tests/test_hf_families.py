@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_families import BATCH, FAMILIES, SEQ  # noqa: E402
+from hf_families import BATCH, FAMILIES, SEQ, family_marks  # noqa: E402
 from torch_reference import memtracker_peak  # noqa: E402
 
 from memlab.app.cli import main  # noqa: E402
@@ -25,7 +25,7 @@ from memlab.hf.shape import decoder_shape  # noqa: E402
 from memlab.hf.simulate import simulate_hf  # noqa: E402
 from memlab.lenses.your_model import track_step  # noqa: E402
 
-CASES = [(name, prec) for name in FAMILIES for prec in ("fp32", "bf16")]
+CASES = [pytest.param(name, prec, marks=family_marks(name)) for name in FAMILIES for prec in ("fp32", "bf16")]
 
 
 def _real(name, prec):

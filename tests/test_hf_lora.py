@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from hf_families import BATCH, FAMILIES, SEQ  # noqa: E402
+from hf_families import BATCH, FAMILIES, SEQ, family_marks  # noqa: E402
 
 from memlab.app.cli import main  # noqa: E402
 from memlab.core.errors import InputError  # noqa: E402
@@ -48,7 +48,7 @@ def _measured(name: str, prec: str, dropout: float):
 
 GEMMA3_FP32 = pytest.mark.xfail(strict=True, reason="gemma3 in fp32 reads 5-7% high since the loss-forward and "
                                  "sliding-window SDPA counts (estimate.output_held, sdpa_masked) were added")
-CASES = [pytest.param(n, p, d, marks=[GEMMA3_FP32] if (n, p) == ("gemma3", "fp32") else [])
+CASES = [pytest.param(n, p, d, marks=family_marks(n, *[GEMMA3_FP32] if (n, p) == ("gemma3", "fp32") else []))
          for n in CONFIGS for p in ("fp32", "bf16") for d in (0.0, 0.1)]
 
 

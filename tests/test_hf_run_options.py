@@ -8,7 +8,7 @@ import torch
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from hf_families import BATCH, FAMILIES, SEQ  # noqa: E402
+from hf_families import BATCH, FAMILIES, SEQ, family_marks  # noqa: E402
 from test_hf_lora import CONFIGS  # noqa: E402
 
 from memlab.hf import config as hf  # noqa: E402
@@ -46,7 +46,7 @@ def _measured(name: str, prec: str, option: str):
 #: sliding-window SDPA reads k and v repeated to every head (estimate.sdpa_masked)
 GEMMA3_FP32 = pytest.mark.xfail(strict=True, reason="gemma3 in fp32 reads 5-7% high since the loss-forward and "
                                  "sliding-window SDPA counts (estimate.output_held, sdpa_masked) were added")
-CASES = [pytest.param(n, p, o, marks=[GEMMA3_FP32] if (n, p, o) == ("gemma3", "fp32", "8bit") else [])
+CASES = [pytest.param(n, p, o, marks=family_marks(n, *[GEMMA3_FP32] if (n, p, o) == ("gemma3", "fp32", "8bit") else []))
          for n in CONFIGS for p in ("fp32", "bf16") for o in ("accumulation", "8bit")]
 
 
