@@ -37,15 +37,7 @@ ZEPHYR = ["--hf-config", "mistral-7b", "--training-args", str(DATA / "alignment-
 
 def cli(*argv: str) -> tuple[int, dict | str]:
     """``memlab estimate ARGV --json``: (exit code, the report or the error's last line)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(["estimate", *argv, "--json"])
-        except SystemExit as e:
-            code = e.code
-    if code:
-        return code, err.getvalue().strip().splitlines()[-1]
-    return 0, json.loads(out.getvalue())
+    return readers_table.estimate(list(argv))
 
 
 def f(name: str) -> str:
