@@ -274,15 +274,10 @@ def estimate_post_training(cfg: dict | str | pathlib.Path, objective: Objective,
         cache = kv_cache_bytes(d_cfg, batch=gen, tokens=seq - 1, dtype_bytes=w)
         moments["generation"] = dict(parameters=P + ref, optimizer=opt, other=cache,
                                      temporaries=gen * V * 4 + gen * o.prompt_len * s.ffn * c * 3)
-    moment, best = max(moments.items(), key=lambda kv: sum(kv[1].values()))
-    cats = dict.fromkeys(CATEGORIES, 0)
-    cats.update({k: int(round(v)) for k, v in best.items()})
-    cats["other"] += 16 * rows * seq  # the batch's ids, masks and labels (int64)
-    cats["workspace"] += tgt.resident_workspace()
     info = StepConfig(s, seq=seq, batch=rows, precision=precision, checkpointing=checkpointing,
                       optimizer=optimizer, lora=lora)
-    report = MemoryReport("estimate", info, f"formula ({tgt.name})", sum(cats.values()), cats,
-                          resolve_budget(budget))
+    # the batch's ids, masks and labels (int64)
+    moment, report = _report_at_peak(moments, info, tgt, budget, other=16 * rows * seq)
     report.notes.append(f"{o.kind} (TRL 1.16): peak moment: {moment}; {rows} rows of {seq} tokens"
                         + ("; a reference model held" if ref else ""))
     report.notes.extend(n for n in rs.notes if n.startswith("load_in_"))
@@ -336,16 +331,11 @@ def estimate_reward_step(cfg: dict, objective: Objective, *, batch: int, precisi
     if full:
         moments["recomputed layer"] = recomputed_layer(s, z, t, layers=layers, embed=embed, dense_w=dense_w, G=G,
                                                        trains_base=lora is None)
-    moment, best = max(moments.items(), key=lambda kv: sum(kv[1].values()))
-    cats = dict.fromkeys(CATEGORIES, 0)
-    cats.update({k: int(round(v)) for k, v in best.items()})
-    cats["parameters"], cats["optimizer"] = int(P), int(opt)
-    cats["other"] += 16 * t  # the batch's ids and masks (int64)
-    cats["workspace"] += target.resident_workspace()
     info = StepConfig(s, seq=seq, batch=rows, precision=precision, checkpointing=checkpointing,
                       optimizer=optimizer, lora=lora)
-    report = MemoryReport("estimate", info, f"formula ({target.name})", sum(cats.values()), cats,
-                          resolve_budget(budget))
+    # the batch's ids and masks (int64); the weights and state are the moments' in every one
+    moment, report = _report_at_peak(moments, info, target, budget, other=16 * t,
+                                     fixed=dict(parameters=int(P), optimizer=int(opt)))
     report.notes.append(f"reward (TRL 1.16): peak moment: {moment}; {rows} rows of {seq} tokens "
                         f"(chosen and rejected), a score head of {D} x 1 in place of the LM head")
     return report
@@ -579,6 +569,32 @@ def estimate_trl_run(cfg: dict | str | pathlib.Path, run: TRLRun, *, lora: LoraC
     if run.vllm_share is not None and card is not None:
         report.notes.append(f"budget: {run.vllm_share:g} of the card to vLLM leaves {budget / 2**30:.1f} GiB")
     return report
+
+
+
+def _report_at_peak(moments: dict[str, dict[str, float]], info: StepConfig, target, budget,
+                    other: int, fixed: dict[str, int] | None = None) -> tuple[str, MemoryReport]:
+    """The estimate's report at the largest of ``moments`` (each a dict of categories to bytes).
+
+    Args:
+        moments: the step's candidate peak moments by name.
+        info: the run the report describes.
+        target: the device predicted for (its resident workspace is added).
+        budget: the report's budget, as :func:`memlab.core.hardware.resolve_budget` takes it.
+        other: the batch's bytes, added to ``other``.
+        fixed: categories set outright, whatever the moment.
+
+    Returns:
+        The peak moment's name and the :class:`MemoryReport`.
+    """
+    moment, best = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    cats = dict.fromkeys(CATEGORIES, 0)
+    cats.update({k: int(round(v)) for k, v in best.items()})
+    cats.update(fixed or {})
+    cats["other"] += other
+    cats["workspace"] += target.resident_workspace()
+    return moment, MemoryReport("estimate", info, f"formula ({target.name})", sum(cats.values()), cats,
+                                resolve_budget(budget))
 
 
 __all__ = ["CACHES", "CPU_TILE_BYTES", "DPO_MODELLED", "GRPO_MODELLED", "KINDS", "Objective", "REWARD_MODELLED",
