@@ -51,6 +51,28 @@ def test_runner_returns_results_by_rank():
     assert not any(_alive(r["pid"]) for r in out)
 
 
+def test_a_port_taken_before_rank_0_binds_it_is_launched_again(monkeypatch, capsys):
+    """The port _free_port found free is taken (by another launch, here by a socket listening on
+    it) before rank 0's store binds it: the group cannot form, so the ranks are launched again on
+    a new port and the run answers, saying so in one line."""
+    import socket
+
+    import memlab.distributed.ranks as ranks
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    free = ranks._free_port
+    monkeypatch.setattr(ranks, "_free_port", lambda: next(ports, None) or free())
+    try:
+        out = run_ranks("memlab.distributed.ranks:allreduce_worker", 2, timeout=120)
+    finally:
+        taken.close()
+    assert [r["sum"] for r in out] == [3.0, 3.0]
+    err = capsys.readouterr().err
+    assert err.count("launching again on another port") == 1, err
+
+
 def test_raising_rank_names_rank_and_message():
     start = time.monotonic()
     with pytest.raises(RankError, match="boom from the second rank") as info:

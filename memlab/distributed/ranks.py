@@ -77,6 +77,15 @@ class RankError(RuntimeError):
         super().__init__(f"{where} failed: {detail}")
 
 
+#: what a rank reports when ``init_process_group`` failed: the group never formed, so nothing
+#: ran and the launch can be made again on another port
+JOIN_FAILED = "join failed"
+#: launches tried when the ranks cannot form their group: the port :func:`_free_port` found
+#: free can be taken by another launch (a second test worker, a lesson) before rank 0 binds it,
+#: and a rank that reaches the other launch's store sees "Connection closed by peer"
+JOIN_TRIES = 2
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -196,7 +205,11 @@ def _entry(rank: int, world_size: int, worker, kwargs: dict, port: int, placemen
     try:
         if placement.backend == "nccl":
             torch.cuda.set_device(placement.device(rank))
-        dist.init_process_group(placement.backend, rank=rank, world_size=world_size)
+        try:
+            dist.init_process_group(placement.backend, rank=rank, world_size=world_size)
+        except Exception as e:  # the group did not form; the worker has not run (run_ranks retries)
+            results.put((rank, JOIN_FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            return
         out = _resolve(worker)(rank, world_size, **kwargs)
         results.put((rank, True, out))
     except BaseException as e:  # report everything, even SystemExit, to the parent
@@ -252,7 +265,9 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
     ``"gloo"`` asks for CPU ranks). Returns the results ordered by rank. Raises
     :class:`RankError` when a rank raises (with its message), exits without a result
     (killed, ``os._exit``) or the ranks exceed ``timeout`` seconds; all ranks are killed
-    before it is raised.
+    before it is raised. When the group does not form (another launch took the port between
+    :func:`_free_port` and rank 0's bind), it launches again on a new port, up to
+    :data:`JOIN_TRIES` launches, saying so in one line on stderr.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world_size must be a positive integer, got {world_size!r}")
@@ -261,6 +276,26 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
     placement = resolve_placement(world_size, backend=backend, placement=placement)
     _check_importable(worker)
     set_cache_env()  # spawned children inherit it
+    for attempt in range(1, JOIN_TRIES + 1):
+        try:
+            return _launch(worker, world_size, dict(kwargs or {}), timeout, placement,
+                           last=attempt == JOIN_TRIES)
+        except JoinError as e:
+            if attempt == JOIN_TRIES:
+                raise
+            print(f"memlab: the ranks could not form their group ({e.detail.splitlines()[0][:160]}); "
+                  f"launching again on another port", file=sys.stderr)
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
+class JoinError(RankError):
+    """A rank's ``init_process_group`` failed: the group never formed and no worker ran."""
+
+
+def _launch(worker: str | Callable, world_size: int, kwargs: dict, timeout: float,
+            placement: Placement, last: bool) -> list:
+    """One launch of :func:`run_ranks` on a port found free; raises :class:`JoinError` when the
+    group does not form (its log is shown only on the ``last`` try)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -268,11 +303,10 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
     os.close(log_fd)
     built_before, started = built_ops(), time.time()
     procs = [ctx.Process(target=_entry, daemon=True,
-                         args=(r, world_size, worker, dict(kwargs or {}), port, placement,
-                               results, log))
+                         args=(r, world_size, worker, kwargs, port, placement, results, log))
              for r in range(world_size)]
     out: dict[int, Any] = {}
-    ok = False
+    ok, quiet = False, False
     try:
         for p in procs:
             p.start()
@@ -297,6 +331,9 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
                                                 f"(ranks {pending} still running)", out) from None
                 else:
                     continue
+            if ok == JOIN_FAILED:
+                quiet = not last
+                raise JoinError(rank, value, out)
             if not ok:
                 raise RankError(rank, value, out)
             out[rank] = value
@@ -307,7 +344,7 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
         _kill(procs)
         results.close()
         results.join_thread()
-        _report_log(log, ok, built_before, started)
+        _report_log(log, ok is True or quiet, built_before, started)
     return [out[r] for r in range(world_size)]
 
 
