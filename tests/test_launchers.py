@@ -7,7 +7,7 @@ import pytest
 
 from memlab.core.errors import InputError
 from memlab.distributed import zero_worker
-from memlab.distributed.ranks import DEFAULT_MASTER_PORT, LaunchEnv, first_host, launcher_env
+from memlab.distributed.launch_env import DEFAULT_MASTER_PORT, LaunchEnv, first_host, launcher_env
 
 # what each launcher sets in rank 3's environment, 2 nodes x 2 ranks
 TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",

@@ -109,6 +109,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         'distributed': "the multi-rank package: ranks, data parallel, ZeRO with DeepSpeed, offload, FSDP2, tensor and pipeline parallelism",
         'distributed.__main__': "`python -m memlab.distributed tp` or `pp` for torchrun",
         'distributed.ranks': "`run_ranks` (N processes, one group, failures named by rank) and `fake_process_group` (rank 0 of N alone)",
+        'distributed.launch_env': "where this process stands in a launched job (torchrun, deepspeed, MPI, Slurm variables: `launcher_env`)",
         'distributed.data_parallel': "collectives and one DDP step measured on ranks",
         'distributed.deepspeed_zero': "ZeRO with real DeepSpeed: its config, its per-rank accounting, ranks that measure it",
         'distributed.deepspeed_rank0': "DeepSpeed as rank 0 of N: fake ranks, batch keys, two engine steps",

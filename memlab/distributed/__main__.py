@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from memlab.core.hardware import place_ranks
+from memlab.distributed.launch_env import launcher_env
 from memlab.distributed.pipeline_parallel import pp_worker
-from memlab.distributed.ranks import launcher_env
 from memlab.distributed.tensor_parallel import tp_worker
 from memlab.lenses.parallel_formulas import SCHEDULES
 

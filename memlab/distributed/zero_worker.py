@@ -6,7 +6,7 @@ One machine or many, the same file::
     deepspeed --hostfile hostfile -m memlab.distributed.zero_worker --zero 3 --offload optimizer
     srun --ntasks 2 python -m memlab.distributed.zero_worker --zero 2
 
-(every launcher's variables: :func:`memlab.distributed.ranks.launcher_env`)
+(every launcher's variables: :func:`memlab.distributed.launch_env.launcher_env`)
 
 Each rank prints one JSON line: its exact ZeRO accounting and tracked peak (bytes).
 """
@@ -21,7 +21,8 @@ import torch
 
 from memlab.core.hardware import place_ranks
 from memlab.distributed.deepspeed_zero import zero_rank_step
-from memlab.distributed.ranks import launcher_env, set_cache_env
+from memlab.distributed.launch_env import launcher_env
+from memlab.distributed.ranks import set_cache_env
 from memlab.step.training_step import StepConfig
 
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--offload", default="none", choices=("none", "optimizer", "all"))
     ap.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     args = ap.parse_args(argv)
-    # torchrun's, deepspeed's, accelerate's or Slurm's variables (ranks.launcher_env), exported
+    # torchrun's, deepspeed's, accelerate's or Slurm's variables (launch_env.launcher_env), exported
     # as the RANK/WORLD_SIZE/MASTER_* that DeepSpeed's init_distributed reads
     job = launcher_env()
     job.apply()
