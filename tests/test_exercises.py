@@ -54,6 +54,14 @@ def test_every_technique_lesson_has_a_checked_exercise():
             assert not _is_solution(check)
 
 
+@pytest.mark.parametrize("arg", ["--bogus", "missing.ipynb", "README.md"])
+def test_make_student_names_what_is_not_a_notebook(tmp_path, arg):
+    done = subprocess.run([sys.executable, "tools/make_student.py", "--out", str(tmp_path), arg],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and repr(arg) in done.stderr and "allowed:" in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []   # nothing written
+
+
 def test_make_student_empties_every_solution(tmp_path):
     done = subprocess.run([sys.executable, "tools/make_student.py", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True)

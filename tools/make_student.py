@@ -91,7 +91,15 @@ def main(argv: list[str]) -> int:
             return 2
         out = argv[i + 1]
         argv = argv[:i] + argv[i + 2:]
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.split("\n\n")[1].strip())
+        return 0
     paths = argv or sorted(glob.glob("notebooks/*.ipynb"))
+    bad = [a for a in paths if a.startswith("-") or not a.endswith(".ipynb") or not os.path.isfile(a)]
+    if bad:
+        print(f"make_student: {bad[0]!r} is not a notebook file; allowed: --out DIR, --force, "
+              f"and paths of .ipynb files", file=sys.stderr)
+        return 2
     os.makedirs(out, exist_ok=True)
     manifest_path = os.path.join(out, MANIFEST)
     manifest = {}
