@@ -208,8 +208,10 @@ def gathered_in_closed_form(numels: list[int], *, world_size: int, element_bytes
     * ``W`` under ``max_live``: each fetch prefetches up to ``min(max_live - available,
       prefetch)`` more, so the forward gathers the whole model a bucket at a time and keeps it
       to backward (memlab's config writes ``max_live`` as the reuse distance; the prefetch
-      claims the rest for its backward use): the copies and a bucket's flat buffer in flight
-      (the group whose parameters are next used in backward; memlab's GPT holds half of one);
+      claims the rest for its backward use): the copies, and at most a bucket's flat buffer in
+      flight, a bound: a group that gathers with the forward's last parameters one released in
+      forward (beyond the reuse distance) again for backward waits for its backward fetch (memlab's
+      GPT of 3.7M elements holds half a bucket so; a Llama of 3.4M none, where this is 5-8% high);
     * larger: the running module's parameters (at most the largest) and a bucket ahead.
 
     Args:
