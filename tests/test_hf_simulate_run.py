@@ -139,6 +139,19 @@ def test_8b_estimate_agrees_with_the_simulation(name, option):
     _agree(name, option, None)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "mixtral"])
+def test_small_zero3_estimate_holds_the_flat_buffer_the_simulation_replays(name):
+    """ZeRO-3 on 2 ranks at the small configs: the root's prefetch takes the whole model, and the
+    forward holds its flat buffer beside the copies until the last parameter is fetched
+    (memlab.step.zero3_gathers.gathered_in_closed_form); the simulation replays the coordinator
+    within 0.012% of real DeepSpeed (tests/test_hf_zero.py, which runs Llama by default: there the
+    loss's backward happens to hold as much). Achieved +0.27% and -0.54%; without the flat buffer
+    -3.6% and -6.0%."""
+    kw = dict(seq=SEQ, batch=BATCH, zero=3, world_size=2, target="cpu")
+    sim, est = simulate_hf(CONFIGS[name], **kw), estimate_hf(CONFIGS[name], **kw)
+    assert -0.02 <= est.peak_bytes / sim.peak_bytes - 1 <= 0.03, (est.notes[0], est.by_category, sim.by_category)
+
+
 def test_simulation_refuses_what_the_estimate_refuses():
     with pytest.raises(InputError, match="LoRA under ZeRO-3"):
         simulate_hf(CONFIGS["llama"], seq=SEQ, batch=BATCH, zero=3, world_size=2, lora=LoraConfig())

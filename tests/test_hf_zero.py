@@ -13,13 +13,13 @@ Achieved, simulation (estimate) against the largest rank's peak, in %:
 ================  =============  =============  ==============  =================
 family            ZeRO-1         ZeRO-2         ZeRO-3          ZeRO-2 + offload
 ================  =============  =============  ==============  =================
-llama             -0.01 (+0.01)  -0.01 (+0.01)  -0.01           -0.02 (+0.00)
-qwen3, phi3       -0.01 (+0.01)  -0.01 (+0.01)  -0.01, -0.01    -0.02 (+0.0)
-gemma2            -0.01 (+0.02)  -0.01 (+0.02)  -0.01           -0.02 (+0.02)
-gemma3            -0.01 (+3.7)   -0.01 (+3.7)   -0.01           -0.02 (+4.2)
-gpt2              -0.01 (+0.00)  -0.01 (+0.00)  -0.01           -0.02 (+0.01)
-MoE (4 families)  -0.01 (-1.3..  -0.01 (-0.8..  -0.01           (not run)
-                  -0.6)          -0.3)
+llama             -0.01 (+0.01)  -0.01 (+0.01)  -0.01 (-0.00)   -0.02 (+0.00)
+qwen3, phi3       -0.01 (+0.01)  -0.01 (+0.01)  -0.01 (-0.00)   -0.02 (+0.0)
+gemma2            -0.01 (+0.02)  -0.01 (+0.02)  -0.01 (+0.01)   -0.02 (+0.02)
+gemma3            -0.01 (+3.7)   -0.01 (+3.7)   -0.01 (+3.5)    -0.02 (+4.2)
+gpt2              -0.01 (+0.00)  -0.01 (+0.00)  -0.01 (+0.26)   -0.02 (+0.01)
+MoE (4 families)  -0.01 (-1.3..  -0.01 (-0.8..  -0.01 (-2.6..   (not run)
+                  -0.6)          -0.3)          -0.3)
 ================  =============  =============  ==============  =================
 
 ZeRO-3's gathered parameters are DeepSpeed's coordinator replayed op by op
@@ -27,10 +27,22 @@ ZeRO-3's gathered parameters are DeepSpeed's coordinator replayed op by op
 into one flat buffer before the first op, the first wait copies each parameter out, the flat buffer
 goes when the head is fetched, and each module's parameters go after its backward; the peak is the
 end of forward, with both alive. Before that replay the layout held one bound all step
-(-6.2..+0.8%). The estimate has GPT-2's peak, its last MLP's ``gelu_new`` backward with the
-bucket alive, and Gemma 2's first gradient hook without the softcap's tanh output (before: -16..-19%
-and +3.1..+3.6%). Gemma 3's estimate is high in fp32 as its plain step's is (+4.4%, the
-sliding-window attention's count; tests/test_hf_chunked_loss.py).
+(-6.2..+0.8%). The estimate keeps that moment in closed form
+(:func:`memlab.step.zero3_gathers.gathered_in_closed_form`: the root's prefetch takes the whole
+model when all but its last parameter fit in ``min(stage3_prefetch_bucket_size,
+stage3_max_live_parameters)``, and its end of forward holds the flat buffer of padded partitions
+beside the copies; before, one bound all step: -6.1..+3.7%). A tied head's flat buffer goes at
+the last layer's last projection: Gemma's peak is then the loss's backward, GPT-2's the last
+MLP's ``gelu_new``, which the end of forward's activations stand for (+0.26%). The MoE families'
+peak is their last experts' forward, a little over the end of forward (Mixtral -0.54%, Qwen3-MoE
+-0.69%, DeepSeek-V3 -0.28%); GPT-OSS's experts' forward holds 1.3 MB of temporaries there that
+the closed form has no moment for: -2.6%, its band -3%. Llama's loss backward happens to hold as
+much as its end of forward (the log-softmax and its gradient weigh what the flat buffer does), so
+tests/test_hf_simulate_run.py holds the flat buffer by default on GPT-2 and Mixtral (without it:
+-3.7% and -6.6% here). At stages 1-2 the estimate has GPT-2's peak, its last MLP's ``gelu_new``
+backward with the bucket alive, and Gemma 2's first gradient hook without the softcap's tanh
+output (before: -16..-19% and +3.1..+3.6%). Gemma 3's estimate is high in fp32 as its plain
+step's is (+4.4%, the sliding-window attention's count; tests/test_hf_chunked_loss.py).
 
 Llama also runs LoRA r=8 (dropout 0.1) and 4 micro-batches under ZeRO-2: simulation -0.08% and
 -1.14% (-0.61% on the other rank), estimate +0.92% and -1.26%. With accumulation the gradient
@@ -65,8 +77,9 @@ LLAMA_RUNS = {"zero2-lora": dict(zero=2, lora=LoraConfig(rank=8, dropout=0.1)),
 #: partition whole, 65 KB more than the share on rank 0 (-1.14% there, -0.61% on rank 1)
 SIM_REL = {"zero2-accumulation": 0.015}
 MOE = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
-#: the estimate's band where it is not [-2%, +3%] (the module doc says why)
-ESTIMATE_BAND = {"gemma3": (-0.02, 0.045)}
+#: the estimate's band where it is not [-2%, +3%], by family or (family, run) (the module doc says why:
+#: Gemma 3's sliding-window count, GPT-OSS's experts' forward under ZeRO-3)
+ESTIMATE_BAND = {"gemma3": (-0.02, 0.045), ("gpt_oss", "zero3"): (-0.03, 0.03)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,10 +108,8 @@ def _check(name: str, run: str) -> None:
     r = {"batch": BATCH, **{**RUNS, **LLAMA_RUNS}[run]}
     sim = simulate_hf(CONFIGS[name], seq=SEQ, target="cpu", world_size=2, **r)
     assert sim.peak_bytes == pytest.approx(peak, rel=SIM_REL.get(run, 0.005)), (sim.by_category, real.by_category)
-    if run == "zero3":  # the estimate is held to the simulation there (tests/test_hf_simulate_run.py)
-        return
     est = estimate_run(StepConfig(decoder_shape(CONFIGS[name]), seq=SEQ, world_size=2, **r), target="cpu")
-    low, high = ESTIMATE_BAND.get(name, (-0.02, 0.03))
+    low, high = ESTIMATE_BAND.get((name, run), ESTIMATE_BAND.get(name, (-0.02, 0.03)))
     assert low <= est.peak_bytes / peak - 1 <= high, (est.notes[0], est.by_category, real.by_category)
 
 

@@ -9,7 +9,7 @@ backward. The real figures (peak within 0.5% of DeepSpeed per rank) are in tests
 import pytest
 
 from memlab.core.errors import InputError
-from memlab.step.zero3_gathers import TraceModule, replay_gathers
+from memlab.step.zero3_gathers import TraceModule, gathered_in_closed_form, replay_gathers
 
 TOY = [TraceModule("root", ()), TraceModule("A", (("a", 100),)),
        TraceModule("B", (("b", 300), ("c", 5))), TraceModule("C", (("d", 200),))]
@@ -37,6 +37,27 @@ def test_parameters_are_padded_to_the_ranks_and_a_tiny_bucket_gathers_module_by_
     assert s.forward == (2 * 102, 2 * 302)
     assert s.backward == (2 * 302, 2 * 102)
     assert s.released == (0, 0)
+
+
+def test_the_closed_form_holds_the_replays_flat_buffer_and_copies_where_the_root_takes_the_whole_model():
+    """The estimate's closed form (no trace) against the replay. With a bucket over the whole model
+    the root gathers a, b and d (600 elements; c persists) into one flat buffer: the forward holds
+    it with the copies (2 x 2400 B) until d, the last, is fetched; then the copies, to backward."""
+    knobs = {**KNOBS, "prefetch": 10_000}
+    s = replay_gathers(TOY, reuse_distance=10_000, **knobs)
+    assert s.forward == (2400, 4800, 4800, 2400)
+    numels = [n for m in TOY for _, n in m.params]
+    assert gathered_in_closed_form(numels, **knobs) == (max(s.forward), s.backward[0]) == (4800, 2400)
+
+
+def test_the_closed_form_bounds_the_replay_where_the_bucket_is_smaller_than_the_model():
+    """A 350-element bucket takes a and b first (the first test): the whole model is under
+    max_live, so the closed form holds it whole with a bucket's flat buffer in flight, a bound of
+    what the replay holds from the end of forward on (at the loss, in backward). The forward's
+    first modules hold more in flight (4000 B at A), beside activations that are still few."""
+    s = replay_gathers(TOY, reuse_distance=10_000, **KNOBS)
+    forward, held = gathered_in_closed_form([n for m in TOY for _, n in m.params], **KNOBS)
+    assert forward == held == 4 * (600 + 350) >= max(s.forward[-1], *s.backward)
 
 
 def test_a_bad_world_size_is_refused():

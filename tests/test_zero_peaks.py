@@ -62,8 +62,12 @@ def test_memlabs_gpt_simulated_and_estimated_against_real_deepspeed():
     """memlab's GPT on 2 gloo ranks at ZeRO-1, 2 and 3, its buffers a tenth of the peak: the
     simulation within 1% of each stage's tracked peak (achieved -0.00%, -0.66%; ZeRO-3 -0.00%
     within 0.5%), the estimate
-    within [-2%, +3%] (+1.98%, +1.34%). Stages 1-2's bucket lives in backward only and ZeRO-2's
-    partition comes with its first flush (memlab.step.states.ModelStates)."""
+    within [-2%, +3%] (+1.98%, +1.34%; ZeRO-3 +2.1%, before -11.7%). Stages 1-2's bucket lives in
+    backward only and ZeRO-2's partition comes with its first flush (memlab.step.states.ModelStates).
+    At ZeRO-3 the model's 3.7M gathered elements are over the prefetch bucket (2**20) and under
+    ``stage3_max_live_parameters`` (4 * 2**20): the forward gathers it whole a bucket at a time and
+    keeps it to backward; the estimate counts a bucket's flat buffer still in flight at the loss,
+    where the real step holds half of one (memlab.step.zero3_gathers.gathered_in_closed_form)."""
     from memlab.distributed.deepspeed_zero import measure_zero
     from memlab.lenses.estimate import estimate_step
     from memlab.lenses.simulate import simulate_step
@@ -75,5 +79,4 @@ def test_memlabs_gpt_simulated_and_estimated_against_real_deepspeed():
         # ZeRO-3: DeepSpeed's coordinator replayed (memlab.step.zero3_gathers), -0.00% (before: -11.7%)
         rel = 0.005 if step.zero == 3 else 0.01
         assert simulate_step(step, target="cpu").peak_bytes == pytest.approx(peak, rel=rel), step.zero
-        if step.zero < 3:  # the estimate's ZeRO-3 gathered parameters are one bound (-11.7%)
-            assert -0.02 <= estimate_step(step, target="cpu").peak_bytes / peak - 1 <= 0.03, step.zero
+        assert -0.02 <= estimate_step(step, target="cpu").peak_bytes / peak - 1 <= 0.03, step.zero

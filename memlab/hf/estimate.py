@@ -661,7 +661,7 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     path = attention_path(s, z, batch, seq, attention)
     states = tensor_parallel_share(rs.inputs, tp)
     P, G, opt = states["parameters"], states["gradients"], states["optimizer"]
-    scratch, gathered = states["step"], states["gathered"]
+    scratch, gathered, gathered_forward = states["step"], states["gathered"], states["gathered_forward"]
     # DeepSpeed's gradient bytes held all step, and ZeRO-2's partition from the first bucket;
     # with accumulation the earlier micro-batches' gradients are there from the start
     held, late, bucket = states["held"], states["late"], states["bucket"]
@@ -676,7 +676,7 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     moment, best = _peak_moment(s, z, t, A=A, layers=layers, embed=embed, dense_w=dense_w, G=G, G_prev=G_prev,
                                 held=held, late=late, early_late=early_late, bucket=bucket,
                                 partitioned=zero >= 2, head_grad=head_grad,
-                                gathered=gathered, scratch=scratch,
+                                gathered=gathered, gathered_forward=gathered_forward, scratch=scratch,
                                 full=full, trains_base=trains_base, quantized=quantization is not None,
                                 chunk=loss_chunk if chunked else None,
                                 largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None,
@@ -777,7 +777,7 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
                  bucket: float, partitioned: bool, head_grad: float, gathered: float, scratch: float, full: bool,
                  trains_base: bool, quantized: bool = False,
                  chunk: int | None = None, largest_grad: float | None = None,
-                 out_held: float = 0.0) -> tuple[str, dict]:
+                 out_held: float = 0.0, gathered_forward: float = 0.0) -> tuple[str, dict]:
     """The moment of the step whose bytes are largest, and its categories: the loss
     (HF's ``ForCausalMLoss``: ``logits.float()``, then cross-entropy in fp32; or, with a
     ``chunk``, :func:`memlab.models.chunked_loss.chunked_loss_bytes`' two moments), the head's
@@ -786,7 +786,9 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     layer's checkpointed input still held). ``bucket``: stages 1-2's reduce bucket, there from
     the first trained parameter's gradient to the end of backward; ``early_late``: ``late`` where
     the head's gradient alone fills ZeRO-2's first bucket, else 0; ``partitioned``: ZeRO-2 or 3
-    (a gradient leaves ``param.grad`` at its hook).
+    (a gradient leaves ``param.grad`` at its hook). ``gathered_forward``: ZeRO-3's gathered
+    parameters at the end of forward (``gathered`` after it), the root's flat buffer with the
+    copies when its prefetch took the whole model (:func:`memlab.step.zero3_gathers.gathered_in_closed_form`).
 
     ``largest_grad`` (the optimizer step in backward, :mod:`memlab.step.optimizer_in_backward`): no moment holds
     every gradient; a layer's backward holds the one being applied (at most ``largest_grad``) and a
@@ -799,6 +801,11 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     cache = dense_w * z.c if z.auto and full and trains_base else 0
     m = {"loss forward": dict(activations=A + lsm, temporaries=t * V * z.c + cast + gathered + cache + out_held,
                               gradients=G_prev + held),
+         # the final norm's output, before the head runs: no logits yet (nor the softcap's tanh),
+         # ZeRO-3's flat buffer still there until the head's fetch (a tied head's goes with the
+         # last layer's last projection, a few activations earlier: A bounds them)
+         "end of forward": dict(activations=A - softcap, temporaries=gathered_forward + cache + out_held,
+                                gradients=G_prev + held),
          # the 16-bit logits went with the model's output; the fp32 gradients of the loss and of the
          # log-softmax are live (measured: tests/test_hf_simulate_run.py)
          "log-softmax backward": dict(activations=A + lsm, gradients=G_prev + held,

@@ -292,7 +292,10 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     layer_w = sum(cfg.matmul_numels()[0])
     cached = d.weight_copy * L * layer_w / tp if cfg.checkpointing in ("full", "op") else 0
     cached = 0 if "frozen" in states else cached
-    m = {}
+    # the final norm's output before the head runs: ZeRO-3's flat buffer is there while the root's
+    # prefetch of the whole model waits for its last parameter's fetch (ModelStates.gathered_forward)
+    m = {"end of forward": dict(activations=A - lse, gradients=G_prev + held,
+                                temporaries=states.get("gathered_forward", gathered) + cached)}
     if cfg.loss == "chunked":
         # under LoRA ("frozen" states) the head is frozen: no head-weight gradient in the loss
         for moment, cats in chunked_loss_moments(replace(cfg, vocab_size=v), t, step.precision,

@@ -61,6 +61,7 @@ from memlab.core.precision import SIZES, check_precision
 from memlab.models.gpt_unet import build_model
 from memlab.step.low_bit import moment_bytes
 from memlab.step.zero import zero_formula
+from memlab.step.zero3_gathers import gathered_in_closed_form
 
 BUCKET_ELEMENTS = 2**20  # memlab's DeepSpeed buckets (ZeRO-3's defaults allocate ~1.9 GiB/rank)
 PERSISTENCE_THRESHOLD = 10_000  # ZeRO-3 keeps parameters smaller than this whole on every rank
@@ -108,7 +109,10 @@ class ModelStates:
     has run (``independent_gradient_partition_epilogue`` -> ``_release_ipg_buffers``), every
     backward, before the optimizer step. ``flush``: ZeRO-2's gradient bytes made before its first
     bucket is full and flushed, which allocates the partition (``"first bucket"``). ``gathered``:
-    ZeRO-3's parameters gathered for the running module (forward and backward).
+    ZeRO-3's parameters gathered at any moment of forward and backward but the forward's first
+    part, ``gathered_forward``: when the root's prefetch gathered the whole model, the forward
+    holds its flat buffer with the copies until the last parameter is fetched
+    (:func:`memlab.step.zero3_gathers.gathered_in_closed_form`).
     ``step_scratch``: what ``optimizer.step()`` adds (the gradient partition flattened and
     converted to fp32). ``host``: bytes in host
     memory by category. ``compute_precision``: the precision the forward runs in
@@ -128,6 +132,7 @@ class ModelStates:
     notes: tuple[str, ...] = ()
     bucket: float = 0.0
     flush: float = 0.0
+    gathered_forward: float = 0.0
 
     @property
     def host_bytes(self) -> float:
@@ -144,14 +149,15 @@ class ModelStates:
         ``gradients`` (grown through backward), ``held`` (gradient bytes held all step),
         ``late`` (held from the first reduce bucket on), ``bucket`` (held from the first
         gradient to the end of backward), ``flush`` (gradient bytes made before ``late`` is
-        allocated), ``step`` (optimizer-step scratch), ``gathered``
-        (ZeRO-3's gathered parameters in forward and backward)."""
+        allocated), ``step`` (optimizer-step scratch), ``gathered`` and ``gathered_forward``
+        (ZeRO-3's gathered parameters in forward and backward, and in the forward until the root's
+        flat buffer goes)."""
         always = self.gradients if self.gradients_from == "always" else 0.0
         return {"parameters": self.parameters, "optimizer": self.optimizer,
                 "gradients": self.gradients - always, "held": self.buffers + always,
                 "late": self.gradients if self.gradients_from == "first bucket" else 0.0,
                 "bucket": self.bucket, "flush": self.flush, "step": self.step_scratch,
-                "gathered": self.gathered}
+                "gathered": self.gathered, "gathered_forward": self.gathered_forward}
 
 
 @dataclass(frozen=True)
@@ -180,14 +186,15 @@ class ZeroBuckets:
     sub_group: int = SUB_GROUP_SIZE
 
 
-def _count(model, persistence: int = PERSISTENCE_THRESHOLD) -> tuple[int, int, int]:
-    """(parameters, largest parameter, elements in ZeRO-3's persistent small parameters)."""
+def _count(model, persistence: int = PERSISTENCE_THRESHOLD) -> tuple[int, int, int, list[int] | None]:
+    """(parameters, largest parameter, elements in ZeRO-3's persistent small parameters, every
+    parameter's elements; None for a parameter count)."""
     if isinstance(model, bool) or not isinstance(model, int):
         sizes = param_numels(model)
-        return sum(sizes), max(sizes), sum(s for s in sizes if s < persistence)
+        return sum(sizes), max(sizes), sum(s for s in sizes if s < persistence), sizes
     if model < 0:
         raise InputError(f"num_params must be >= 0, got {model}")
-    return model, 0, 0
+    return model, 0, 0, None
 
 
 def _sub_groups(model, part: float, n: int, sub: int, largest: int) -> list[float]:
@@ -210,6 +217,15 @@ def _sub_groups(model, part: float, n: int, sub: int, largest: int) -> list[floa
         return groups + ([acc] if acc else [])
     sub = max(sub, largest / n if largest else part / 10_000)
     return [sub] * int(part // sub) + [part % sub]
+
+
+def _gathered(sizes: list[int] | None, psi: int, e: int, n: int, buckets: ZeroBuckets) -> tuple[float, float]:
+    """ZeRO-3's gathered bytes ``(forward, held)``: :func:`memlab.step.zero3_gathers.gathered_in_closed_form`
+    of the parameters' sizes; a parameter count alone, a prefetch bucket (no sizes to decide more by)."""
+    if sizes is None:
+        return (e * min(buckets.prefetch, buckets.max_live, psi),) * 2
+    return gathered_in_closed_form(sizes, world_size=n, element_bytes=e, prefetch=buckets.prefetch,
+                                   max_live=buckets.max_live, persistence=buckets.persistence)
 
 
 def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", zero: int = 0,
@@ -244,7 +260,7 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     if offload == "optimizer" and zero == 0:
         raise InputError("offload='optimizer' needs ZeRO stage 1-3 (DeepSpeed's ZeRO optimizer), "
                          "got stage 0")
-    psi, largest, small = _count(model, buckets.persistence)
+    psi, largest, small, sizes = _count(model, buckets.persistence)
     ds = under_deepspeed(zero, offload) if deepspeed is None else deepspeed
     if not ds:
         if zero or offload != "none":
@@ -273,9 +289,7 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     bucket = copies * e * buckets.reduce if zero >= 1 else 0
     # stage 3 keeps its bucket all step; stages 1-2 allocate theirs in each backward
     buffers, in_backward = (bucket, 0.0) if zero >= 3 else (0.0, bucket)
-    ahead = min(buckets.prefetch, buckets.max_live, psi) if psi else buckets.prefetch
-    # never more than the whole model (a small one is gathered whole)
-    gathered = e * min(largest + ahead, psi) if zero >= 3 else 0.0
+    gathered_forward, gathered = _gathered(sizes, psi, e, n, buckets) if zero >= 3 else (0.0, 0.0)
     # step(): stage 1 (and stage 0's 16-bit optimizer) flattens the gradient partition, the
     # 16-bit modes convert it to fp32; fp32 stage 0 is torch's own optimizer, no copy
     flat = zero == 1 or (zero == 0 and e != 4)
@@ -313,7 +327,7 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
                      "those gathered for the running module")
     flush = e * buckets.reduce if grads_from == "first bucket" else 0.0
     return ModelStates(params, grads, opt, True, compute, grads_from, buffers, gathered, scratch,
-                       host, tuple(notes), in_backward, flush)
+                       host, tuple(notes), in_backward, flush, gathered_forward)
 
 
 def data_parallel_ranks(world_size: int, tensor_parallel: int) -> int:

@@ -23,7 +23,10 @@ for a step whose trace is complete (every step after the first):
 DeepSpeed's linear (``LinearFunctionForZeroStage3``) saves the parameter itself for backward, so
 autograd holds nothing of a freed parameter. What this module does not replay: the first step
 (no trace yet, so no prefetch), NVMe, and a trace whose modules run in a different order from one
-step to the next (a mixture of experts routing differently).
+step to the next (a mixture of experts routing differently). The estimate, which has no trace,
+keeps the rules that decide its peak in closed form (:func:`gathered_in_closed_form`): whether
+the root's prefetch takes the whole model, and so whether the forward's end holds the flat buffer
+beside the copies.
 """
 from __future__ import annotations
 
@@ -188,6 +191,53 @@ def replay_gathers(modules: list[TraceModule], *, world_size: int, element_bytes
     return GatherSchedule(tuple(forward), tuple(backward), tuple(released), tuple(order[len(modules):]))
 
 
+def gathered_in_closed_form(numels: list[int], *, world_size: int, element_bytes: int, prefetch: int,
+                            max_live: int, persistence: int) -> tuple[float, float]:
+    """ZeRO-3's gathered bytes without a trace, from the parameters' sizes in the model's order
+    (the estimate's; :func:`replay_gathers` replays the step). DeepSpeed 0.19.8's rules of the
+    module doc decide by the gathered (not persistent) elements ``W``:
+
+    * all but the last of them under ``min(prefetch, max_live)``: the root's prefetch
+      (``partitioned_param_coordinator.py`` lines 453-476: ``max_params_to_prefetch``, taken
+      until reached) gathers every one into one flat buffer, each partition padded to a multiple
+      of the ranks (``partition_parameters.py`` line 1343: ``partition_sz * world_size``), and
+      the first wait copies each out (line 795: ``torch.cat``). The forward holds both until its
+      last parameter is fetched (the head; under a tied head the last layer's last projection),
+      then the copies until each module's backward; one parameter alone is a view of its padded
+      buffer (line 1598: ``_all_gather_sequential``);
+    * ``W`` under ``max_live``: each fetch prefetches up to ``min(max_live - available,
+      prefetch)`` more, so the forward gathers the whole model a bucket at a time and keeps it
+      to backward (memlab's config writes ``max_live`` as the reuse distance; the prefetch
+      claims the rest for its backward use): the copies, and at most a bucket's flat buffer in
+      flight, a bound: a group that gathers with the forward's last parameters one released in
+      forward (beyond the reuse distance) again for backward waits for its backward fetch (memlab's
+      GPT of 3.7M elements holds half a bucket so; a Llama of 3.4M none, where this is 5-8% high);
+    * larger: the running module's parameters (at most the largest) and a bucket ahead.
+
+    Args:
+        numels: every parameter's elements, in the order the forward uses them.
+        world_size, element_bytes, prefetch, max_live, persistence: as :func:`replay_gathers`.
+
+    Returns:
+        ``(forward, held)``: bytes the forward's end holds (the flat buffer still there in the
+        first case), and what the loss and the backward hold (equal beyond the first case).
+    """
+    gathered = [n for n in numels if n >= persistence]  # persistent ones are never gathered
+    if not gathered:
+        return 0.0, 0.0
+    whole, e = sum(gathered), element_bytes
+    if whole - gathered[-1] < min(prefetch, max_live):
+        if len(gathered) == 1:  # _all_gather_sequential: a view of its padded buffer, no copy
+            return (e * math.ceil(whole / world_size) * world_size,) * 2
+        flat = sum(math.ceil(n / world_size) * world_size for n in gathered)
+        return e * (flat + whole), e * whole
+    if whole <= max_live:
+        held = e * (whole + min(prefetch, whole))
+    else:
+        held = e * min(max(gathered) + min(prefetch, max_live), whole)
+    return held, held
+
+
 #: the module name the tracker gives an op of autograd's gradient accumulation into ``.grad``
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 
@@ -266,4 +316,5 @@ def gathered_by_op(timeline: list, params_of: dict[str, tuple[tuple[str, int], .
     return out
 
 
-__all__ = ["ACCUMULATE_GRAD", "GatherSchedule", "TraceModule", "gathered_by_op", "module_params", "replay_gathers"]
+__all__ = ["ACCUMULATE_GRAD", "GatherSchedule", "TraceModule", "gathered_by_op", "gathered_in_closed_form",
+           "module_params", "replay_gathers"]
