@@ -225,7 +225,7 @@ def test_gqa_tensor_parallel_simulated_per_rank(kv, t, attention):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kv", [2, 1])
+@pytest.mark.parametrize("kv", [2, pytest.param(1, marks=pytest.mark.slow)])  # MQA's all-gather: slow
 def test_gqa_swiglu_tensor_parallel_matches_one_process(kv):
     """Two gloo ranks: kv heads split (kv=2) or replicated through the all-gather (MQA).
     Five layers: gloo's own thread may free an all-reduce's input after the block's forward

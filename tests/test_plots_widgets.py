@@ -145,25 +145,18 @@ def test_compression_panel_remeasures_when_controls_change():
 
 
 def test_table_panel_remeasures_when_controls_change():
+    """The technique, batch and sequence controls each re-measure (one panel: each build measures)."""
     from memlab.classroom.widgets import TablePanel
     step = StepConfig(seq=32, batch=1)
-    panel = TablePanel(step, batches=(1, 2))
+    panel = TablePanel(step, batches=(1, 2), seqs=(32, 64))
     assert panel.data.technique == "gradient checkpointing" and panel.data.batch == 1
     panel.technique.value = "mixed precision"
     base, bf16 = measure_step(step).peak_bytes, measure_step(step, precision="bf16").peak_bytes
-    assert panel.data.technique == "mixed precision"
+    assert panel.data.technique == "mixed precision" and panel.data.seq == 32
     assert panel.data.saving == pytest.approx(1 - bf16 / base, rel=1e-12)
     panel.batch.value = 2
     assert panel.data.batch == 2 and "saved" in panel.status.value
-    plt.close("all")
-
-
-def test_table_panel_sequence_slider_remeasures():
-    from memlab.classroom.widgets import TablePanel
-    step = StepConfig(seq=32, batch=1)
-    panel = TablePanel(step, batches=(1,), seqs=(32, 64))
-    panel.technique.value = "mixed precision"
-    assert panel.data.seq == 32
+    panel.batch.value = 1
     panel.seq.value = 64
     base = measure_step(StepConfig(seq=64, batch=1)).peak_bytes
     bf16 = measure_step(StepConfig(seq=64, batch=1), precision="bf16").peak_bytes

@@ -125,27 +125,40 @@ def test_ranks_keep_their_output_unless_one_fails(capfd):
     assert "the ranks' output" in err and "cannot find -laio" in err   # a failure shows the log
 
 
-def test_bitsandbytes_hub_kernel_warning_is_kept_out_once_memlab_is_imported():
+#: bitsandbytes, then torchao, imported in one process (two imports of torch cost seconds each),
+#: a line between them so that each library's own lines are told apart
+LIBRARY_IMPORTS = ("import logging, sys; logging.basicConfig(stream=sys.stderr); {}import bitsandbytes; "
+                   "print('--- torchao', file=sys.stderr, flush=True); import torchao")
+
+
+@pytest.fixture(scope="module")
+def import_lines() -> dict[str, tuple[str, str]]:
+    """Each library's import lines on stderr: (without memlab, after ``import memlab``)."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("torchao")
+    runs = []
+    for first in ("", "import memlab; "):
+        done = subprocess.run([sys.executable, "-c", LIBRARY_IMPORTS.format(first)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        runs.append(done.stderr.split("--- torchao\n"))
+    (bnb_bare, ao_bare), (bnb_quiet, ao_quiet) = runs
+    return {"bitsandbytes": (bnb_bare, bnb_quiet), "torchao": (ao_bare, ao_quiet)}
+
+
+def test_bitsandbytes_hub_kernel_warning_is_kept_out_once_memlab_is_imported(import_lines):
     """On a CPU with AVX512-BF16, importing bitsandbytes logs that its hub GEMM cannot be
     fetched (lesson 03's peft cell printed it); after ``import memlab`` it does not."""
-    pytest.importorskip("bitsandbytes")
-    code = "import logging, sys; logging.basicConfig(stream=sys.stderr); {}import bitsandbytes"
-    bare = subprocess.run([sys.executable, "-c", code.format("")], capture_output=True, text=True)
-    if "kernels-community" not in bare.stderr:
+    bare, quiet = import_lines["bitsandbytes"]
+    if "kernels-community" not in bare:
         pytest.skip("this CPU's bitsandbytes backend does not try the hub kernel")
-    quiet = subprocess.run([sys.executable, "-c", code.format("import memlab; ")], capture_output=True, text=True)
-    assert quiet.returncode == 0 and "kernels-community" not in quiet.stderr
+    assert "kernels-community" not in quiet, quiet
 
 
-def test_torchao_extension_warnings_are_kept_out_once_memlab_is_imported():
+def test_torchao_extension_warnings_are_kept_out_once_memlab_is_imported(import_lines):
     """transformers imports torchao when it is installed; on a CPU-only torch torchao warns for
     each CUDA extension it cannot load and torch's pytree for each enum it registers (lesson
     03's first transformers cell printed four such lines); after ``import memlab`` none."""
-    pytest.importorskip("torchao")
-    code = "import logging, sys; logging.basicConfig(stream=sys.stderr); {}import torchao"
-    bare = subprocess.run([sys.executable, "-c", code.format("")], capture_output=True, text=True)
-    if "WARNING" not in bare.stderr and "Enum subclass" not in bare.stderr:
+    bare, quiet = import_lines["torchao"]
+    if "WARNING" not in bare and "Enum subclass" not in bare:
         pytest.skip("torchao loads quietly with this torch")
-    quiet = subprocess.run([sys.executable, "-c", code.format("import memlab; ")], capture_output=True, text=True)
-    assert quiet.returncode == 0, quiet.stderr
-    assert "Failed to load" not in quiet.stderr and "Enum subclass" not in quiet.stderr, quiet.stderr
+    assert "Failed to load" not in quiet and "Enum subclass" not in quiet, quiet
