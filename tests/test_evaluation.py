@@ -12,6 +12,18 @@ TINY = dict(model_type="llama", vocab_size=1024, hidden_size=64, intermediate_si
 RUN = dict(seq=32, batch=4, batches=8)
 
 
+@pytest.fixture(autouse=True)
+def no_folder_left(tmp_path, monkeypatch):
+    """memlab's scratch folder for the real loop (Trainer wants one) is gone when the call returns
+    (datasets and inductor keep their own folders there)."""
+    import tempfile
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    yield
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("memlab-")] == []
+
+
 @pytest.mark.parametrize("acc,pre", [(None, "none"), (2, "none"), (3, "none"), (None, "argmax")])
 def test_eval_peak_within_3_percent_of_the_real_loop(acc, pre):
     measured = measure_eval(TINY, eval_accumulation_steps=acc, preprocess=pre, **RUN)

@@ -118,19 +118,20 @@ def measure_eval(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, batche
     model = AutoModelForCausalLM.from_config(hf_cfg)
     ids = torch.randint(0, hf_cfg.vocab_size, (batch * batches, seq))
     rows = [{"input_ids": r, "labels": r} for r in ids]
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="memlab-eval-"), per_device_eval_batch_size=batch,
-                             report_to=[], use_cpu=True, eval_accumulation_steps=eval_accumulation_steps,
-                             disable_tqdm=True)
     hf_logging.set_verbosity_error()
-    trainer = Trainer(model=model, args=args, eval_dataset=rows,
-                      compute_metrics=lambda p: {"rows": float(len(p.predictions))},
-                      preprocess_logits_for_metrics=(lambda logits, labels: logits.argmax(-1))
-                      if preprocess == "argmax" else None)
-    trainer.remove_callback(PrinterCallback)  # its metrics line is not the lesson's output
-    with MemoryTracker(device="cpu") as mt:
-        mt.track_model(model)
-        mt.reset_peak()
-        trainer.evaluate()
+    # Trainer wants an output folder; evaluate() writes nothing to it, and it goes with the call
+    with tempfile.TemporaryDirectory(prefix="memlab-eval-") as out:
+        args = TrainingArguments(output_dir=out, per_device_eval_batch_size=batch, report_to=[], use_cpu=True,
+                                 eval_accumulation_steps=eval_accumulation_steps, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, eval_dataset=rows,
+                          compute_metrics=lambda p: {"rows": float(len(p.predictions))},
+                          preprocess_logits_for_metrics=(lambda logits, labels: logits.argmax(-1))
+                          if preprocess == "argmax" else None)
+        trainer.remove_callback(PrinterCallback)  # its metrics line is not the lesson's output
+        with MemoryTracker(device="cpu") as mt:
+            mt.track_model(model)
+            mt.reset_peak()
+            trainer.evaluate()
     return mt.peak_bytes
 
 

@@ -153,7 +153,10 @@ def measure_trl(cfg: dict | str | pathlib.Path, objective, *, batch: int, precis
     hf_cfg.pad_token_id, hf_cfg.eos_token_id, hf_cfg.bos_token_id = 0, 1, 2
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_cfg)
-    out = tempfile.mkdtemp(prefix="memlab-trl-")
+    # the trainers' output folder (GRPO loads the policy from it); removed on return, or when
+    # the object is collected after an error
+    scratch = tempfile.TemporaryDirectory(prefix="memlab-trl-")
+    out = scratch.name
     holder: dict = {}
 
     class Track(TrainerCallback):
@@ -229,6 +232,7 @@ def measure_trl(cfg: dict | str | pathlib.Path, objective, *, batch: int, precis
         holder["trainer"] = trainer
         trainer.remove_callback(PrinterCallback)  # its metrics line is not the lesson's output
         trainer.train()
+    scratch.cleanup()
     mt = holder["mt"]
     top = max(mt.timeline, key=lambda e: e.total)
     return TRLMeasurement(mt.peak_bytes, mt.peak_by_category(), (top.op, top.module, top.phase),
