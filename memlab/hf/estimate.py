@@ -772,6 +772,27 @@ def _last_mlp_backward(s: DecoderShape, z: Sizes, t: int, A: float, partitioned:
                 temporaries=V * D * z.w * s.tied + t * D * z.c + 3 * t * s.ffn * z.c + gathered)
 
 
+def _chunked_loss_moments(s: DecoderShape, z: Sizes, t: int, chunk: int, *, A: float, G_prev: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
+                          held: float, gathered: float, head_grad: float, late: float, bucket: float,
+                          trains_base: bool) -> dict[str, dict]:
+    """The moments of a chunked loss (:func:`memlab.models.chunked_loss.chunked_loss_bytes`), which
+    replace the loss's and the head's in :func:`_peak_moment`, and the final norm's backward, which
+    with no logits alive can be the peak. Arguments as :func:`_peak_moment`'s."""
+    V, D = s.vocab, s.d
+    loss = chunked_loss_bytes(V, D, chunk, t, compute=z.c, hidden=z.r, weight=z.w, head_grad=trains_base)
+    tied_grad = loss["chunked loss backward"]["gradients"] if trains_base and s.tied else 0
+    grad_w = max(G_prev, head_grad + late) if trains_base and not s.tied else G_prev
+    m = {"chunked loss forward": dict(activations=A, gradients=G_prev + held,
+                                      temporaries=loss["chunked loss forward"]["temporaries"] + gathered),
+         "chunked loss backward": dict(activations=A, gradients=grad_w + held + tied_grad,
+                                       temporaries=loss["chunked loss backward"]["temporaries"] + gathered)}
+    if s.norm in NORM_BACKWARD_TEMPORARIES:
+        m["final norm backward"] = dict(
+            activations=A - 4 * t, gradients=grad_w + held + bucket * trains_base + D * z.w * trains_base + tied_grad,
+            temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered)
+    return m
+
+
 def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
                  dense_w: float, G: float, G_prev: float, held: float, late: float, early_late: float,
                  bucket: float, partitioned: bool, head_grad: float, gathered: float, scratch: float, full: bool,
@@ -818,18 +839,8 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     if chunk is not None:  # no logits: the chunked loss's own moments replace the loss and the head's
         for key in ("loss forward", "log-softmax backward", "head backward"):
             del m[key]
-        loss = chunked_loss_bytes(V, D, chunk, t, compute=z.c, hidden=z.r, weight=z.w, head_grad=trains_base)
-        m["chunked loss forward"] = dict(activations=A, gradients=G_prev + held,
-                                         temporaries=loss["chunked loss forward"]["temporaries"] + gathered)
-        grad_w = max(G_prev, head_grad + late) if trains_base and not s.tied else G_prev
-        m["chunked loss backward"] = dict(activations=A, gradients=grad_w + held + (
-            loss["chunked loss backward"]["gradients"] if trains_base and s.tied else 0),
-            temporaries=loss["chunked loss backward"]["temporaries"] + gathered)
-        if s.norm in NORM_BACKWARD_TEMPORARIES:  # with no logits, the final norm's backward can be the peak
-            m["final norm backward"] = dict(
-                activations=A - 4 * t, gradients=grad_w + held + bucket * trains_base + D * z.w * trains_base + (
-                    loss["chunked loss backward"]["gradients"] if trains_base and s.tied else 0),
-                temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered)
+        m.update(_chunked_loss_moments(s, z, t, chunk, A=A, G_prev=G_prev, held=held, gathered=gathered,
+                                       head_grad=head_grad, late=late, bucket=bucket, trains_base=trains_base))
     if bucket and chunk is None and s.norm in NORM_BACKWARD_TEMPORARIES:
         # the first trained gradient's hook allocates stages 1-2's bucket while nearly every
         # activation is alive: the final norm's backward (its weight's hook, or the last layer's
