@@ -96,6 +96,18 @@ def watch_with(clock: Clock, bound: float = 60.0) -> watchdog.StallWatch:
     return watchdog.StallWatch(bound, pid=None, notebook="05.ipynb", clock=clock, cpu=lambda pid: clock.cpu)
 
 
+def wait(w: watchdog.StallWatch, clock: Clock, seconds: float, share: float = 0.0):
+    """``seconds`` pass with the kernel at ``share`` of a core, checked once a second as the
+    client's waits check: the first :class:`~memlab.classroom.watchdog.Stall`, or None."""
+    while seconds > 0:
+        step = min(1.0, seconds)
+        clock.t, clock.cpu, seconds = clock.t + step, clock.cpu + share * step, seconds - step
+        stall = w.check()
+        if stall is not None:
+            return stall
+    return None
+
+
 def test_a_computing_kernel_is_never_stalled_an_idle_one_is_at_the_bound():
     clock = Clock()
     w = watch_with(clock)
@@ -103,19 +115,30 @@ def test_a_computing_kernel_is_never_stalled_an_idle_one_is_at_the_bound():
     assert w.check() is None                   # before the first cell: the kernel_info wait
     w.start(3)
     w.saw({"msg_type": "status", "content": {"execution_state": "busy"}})
-    clock.t += 59.9
-    assert w.check() is None                   # under the bound
+    assert wait(w, clock, 59.9) is None        # under the bound
     clock.t += 0.2
     clock.cpu += 0.06 * 60.1                   # 6% of a core: over IDLE_CPU_SHARE, it computes
     assert w.check() is None
-    clock.t += 60
-    clock.cpu += 0.04 * 60                     # 4% of a core for the next bound: idle
-    stall = w.check()
+    stall = wait(w, clock, 60, share=0.04)     # 4% of a core for the next bound: idle
     assert stall is not None and stall.cell == 3 and stall.waited == pytest.approx(60)
     assert stall.phase == "busy, then silent"
     w.saw({"msg_type": "status", "content": {"execution_state": "idle"}})
-    clock.t += 61
-    assert w.check().phase == "went idle, its execute_reply never came"
+    assert wait(w, clock, 61).phase == "went idle, its execute_reply never came"
+
+
+def test_a_stopped_watcher_is_no_stall_when_it_resumes():
+    """``Ctrl-Z`` on ``memlab class collect``, then ``fg`` ten minutes later: the kernel was stopped
+    with it, and the first check after is not a stall; a kernel silent for a bound after is."""
+    clock = Clock()
+    w = watch_with(clock)
+    w.start(2)
+    w.saw({"msg_type": "status", "content": {"execution_state": "busy"}})
+    assert wait(w, clock, 5, share=1.0) is None
+    clock.t += 600                             # stopped: no check, no CPU
+    assert w.check() is None
+    assert wait(w, clock, 59, share=0.0) is None
+    stall = wait(w, clock, 2, share=0.0)
+    assert stall is not None and stall.waited == pytest.approx(60)
 
 
 def test_every_lesson_has_a_bound_and_a_slow_one_is_named():

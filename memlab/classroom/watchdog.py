@@ -32,6 +32,10 @@ import psutil
 STALL_SECONDS = 60.0
 #: below this share of one core (kernel and children together) the kernel is idle
 IDLE_CPU_SHARE = 0.05
+#: a gap longer than this between two checks (the waits check about once a second) means the
+#: watcher itself was stopped (``Ctrl-Z`` then ``fg``, a ``SIGSTOP``ped job): the kernel was
+#: stopped too, so its silence then is no stall, and the wait starts again
+SUSPENDED_SECONDS = 10.0
 
 
 def tree_cpu_seconds(pid: int | None) -> float | None:
@@ -100,8 +104,9 @@ class StallWatch:
     """The watchdog's view of one cell's request.
 
     Call :meth:`start` as the request goes out, :meth:`saw` with each message for it, and
-    :meth:`check` while waiting: it returns a :class:`Stall` once nothing came for ``bound``
-    seconds while the kernel tree used under ``IDLE_CPU_SHARE`` of a core.
+    :meth:`check` while waiting (about once a second): it returns a :class:`Stall` once nothing
+    came for ``bound`` seconds while the kernel tree used under ``IDLE_CPU_SHARE`` of a core. A
+    gap of over ``SUSPENDED_SECONDS`` between two checks starts the wait again.
     """
 
     bound: float = STALL_SECONDS
@@ -113,11 +118,13 @@ class StallWatch:
     phase: str = "never went busy"
     _last: float = field(default=0.0, repr=False)
     _cpu_at_last: float | None = field(default=None, repr=False)
+    _checked: float | None = field(default=None, repr=False)
 
     def start(self, cell: int) -> None:
         """A new request, for the cell at index ``cell``, goes out now."""
         self.cell, self.phase = cell, "never went busy"
         self._mark()
+        self._checked = self._last
 
     def _mark(self) -> None:
         self._last, self._cpu_at_last = self.clock(), self.cpu(self.pid)
@@ -139,7 +146,12 @@ class StallWatch:
         """A :class:`Stall` when the request has waited ``bound`` seconds with an idle kernel."""
         if self.cell < 0:   # no cell started (the kernel_info wait before the first)
             return None
-        waited = self.clock() - self._last
+        now, checked = self.clock(), self._checked
+        self._checked = now
+        if checked is not None and now - checked > SUSPENDED_SECONDS:
+            self._mark()   # the watcher was stopped, and the kernel with it: wait afresh
+            return None
+        waited = now - self._last
         if waited < self.bound:
             return None
         cpu = self.cpu(self.pid)
