@@ -61,10 +61,10 @@ from memlab.core.precision import SIZES, check_precision
 from memlab.models.gpt_unet import build_model
 from memlab.step.low_bit import moment_bytes
 from memlab.step.zero import zero_formula
-from memlab.step.zero3_gathers import gathered_in_closed_form
+from memlab.step.zero3_gathers import gathered_in_closed_form, persists
 
 BUCKET_ELEMENTS = 2**20  # memlab's DeepSpeed buckets (ZeRO-3's defaults allocate ~1.9 GiB/rank)
-PERSISTENCE_THRESHOLD = 10_000  # ZeRO-3 keeps parameters smaller than this whole on every rank
+PERSISTENCE_THRESHOLD = 10_000  # ZeRO-3 keeps parameters of at most this many elements whole on every rank
 SUB_GROUP_SIZE = 10**9  # DeepSpeed's default zero_optimization.sub_group_size (stage 3)
 PLAIN = {p: (w, w) for p, (w, _) in SIZES.items()}  # bytes of a weight and of its gradient
 OFFLOADS = ("none", "optimizer", "all")
@@ -191,7 +191,7 @@ def _count(model, persistence: int = PERSISTENCE_THRESHOLD) -> tuple[int, int, i
     parameter's elements; None for a parameter count)."""
     if isinstance(model, bool) or not isinstance(model, int):
         sizes = param_numels(model)
-        return sum(sizes), max(sizes), sum(s for s in sizes if s < persistence), sizes
+        return sum(sizes), max(sizes), sum(s for s in sizes if persists(s, persistence)), sizes
     if model < 0:
         raise InputError(f"num_params must be >= 0, got {model}")
     return model, 0, 0, None

@@ -38,6 +38,14 @@ from torch import nn
 from memlab.core.errors import InputError
 
 
+def persists(numel: int, threshold: int) -> bool:
+    """Whether stage 3 keeps a parameter of ``numel`` elements whole on every rank, never gathered:
+    ``ds_numel <= param_persistence_threshold`` (DeepSpeed 0.19.8 ``partition_parameters.py``
+    line 1292, in ``Init._convert_to_deepspeed_param``; its ``model_persistence_threshold`` cap is unbounded by
+    default and not modelled)."""
+    return numel <= threshold
+
+
 @dataclass(frozen=True)
 class TraceModule:
     """One module of the trace: its name and its own parameters (``(key, elements)``; one key for
@@ -75,7 +83,7 @@ class _Coordinator:
         self.trace, self.ws, self.e = trace, world_size, element_bytes
         self.prefetch, self.max_live, self.reuse = prefetch, max_live, reuse_distance
         self.numel = {k: n for m in trace for k, n in m.params}
-        self.persist = {k for k, n in self.numel.items() if n < persistence}
+        self.persist = {k for k, n in self.numel.items() if persists(n, persistence)}
         # the parameter trace: each module's parameters at its step
         self.queue = [(k, step) for step, m in enumerate(trace) for k, _ in m.params]
         self.pos = 0
@@ -222,7 +230,7 @@ def gathered_in_closed_form(numels: list[int], *, world_size: int, element_bytes
         ``(forward, held)``: bytes the forward's end holds (the flat buffer still there in the
         first case), and what the loss and the backward hold (equal beyond the first case).
     """
-    gathered = [n for n in numels if n >= persistence]  # persistent ones are never gathered
+    gathered = [n for n in numels if not persists(n, persistence)]  # persistent ones are never gathered
     if not gathered:
         return 0.0, 0.0
     whole, e = sum(gathered), element_bytes
@@ -317,4 +325,4 @@ def gathered_by_op(timeline: list, params_of: dict[str, tuple[tuple[str, int], .
 
 
 __all__ = ["ACCUMULATE_GRAD", "GatherSchedule", "TraceModule", "gathered_by_op", "gathered_in_closed_form",
-           "module_params", "replay_gathers"]
+           "module_params", "persists", "replay_gathers"]

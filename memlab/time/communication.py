@@ -59,6 +59,7 @@ from memlab.core.precision import precision_bytes
 from memlab.models.decoder_shape import DecoderShape
 from memlab.models.gpt_unet import GPTConfig
 from memlab.step.states import PERSISTENCE_THRESHOLD, param_numels, under_deepspeed
+from memlab.step.zero3_gathers import persists
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce", "all_gather", "send", "copy")
 #: links a transfer runs over: between GPUs (NVLink, or the network) or host <-> device (PCIe)
@@ -204,7 +205,7 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
                     cfg.vocab * cfg.d if isinstance(cfg, DecoderShape) and cfg.tied else 0)
             gathered = (sum(numels) + tied) / (t * p)
         else:
-            gathered = (sum(numels) - sum(x for x in numels if x < PERSISTENCE_THRESHOLD)) / (t * p)
+            gathered = (sum(numels) - sum(x for x in numels if persists(x, PERSISTENCE_THRESHOLD))) / (t * p)
         link = "pcie" if step.offload == "all" else "gpu"
         out.append(Transfer("ZeRO-3 weight all-gather (forward)", "all_gather", int(k * e * gathered), n, link))
         out.append(Transfer("ZeRO-3 weight all-gather (backward)", "all_gather", int(k * e * gathered), n, link))
