@@ -24,3 +24,16 @@ def _torchrun(*args: str, timeout: float = 180) -> str:
 def torchrun():
     """Run a module under torchrun with two CPU ranks and return its stdout."""
     return _torchrun
+
+
+@pytest.fixture
+def no_memlab_scratch_left(tmp_path, monkeypatch):
+    """The temporary folder is a fresh one for the test, and no ``memlab-*`` folder is left in it
+    after: a real loop's scratch (Trainer wants an output folder) goes when the call returns.
+    Datasets and inductor keep their own folders there."""
+    import tempfile
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    yield
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("memlab-")] == []

@@ -10,18 +10,8 @@ from memlab.hf.evaluation import estimate_eval, measure_eval
 TINY = dict(model_type="llama", vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 RUN = dict(seq=32, batch=4, batches=8)
-
-
-@pytest.fixture(autouse=True)
-def no_folder_left(tmp_path, monkeypatch):
-    """memlab's scratch folder for the real loop (Trainer wants one) is gone when the call returns
-    (datasets and inductor keep their own folders there)."""
-    import tempfile
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    yield
-    assert [p.name for p in scratch.iterdir() if p.name.startswith("memlab-")] == []
+#: every test: the real loop leaves no scratch folder (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("no_memlab_scratch_left")
 
 
 @pytest.mark.parametrize("acc,pre", [(None, "none"), (2, "none"), (3, "none"), (None, "argmax")])

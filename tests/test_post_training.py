@@ -24,16 +24,8 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def no_folder_left(tmp_path, monkeypatch):
-    """memlab's scratch folder for the real loop (Trainer wants one) is gone when the call returns
-    (datasets and inductor keep their own folders there)."""
-    import tempfile
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    yield
-    assert [p.name for p in scratch.iterdir() if p.name.startswith("memlab-")] == []
+#: every test: the real loop leaves no scratch folder (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("no_memlab_scratch_left")
 
 
 def _check(cfg, name, scale=1, checkpointing=None):
