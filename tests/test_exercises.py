@@ -62,6 +62,19 @@ def test_make_student_names_what_is_not_a_notebook(tmp_path, arg):
     assert list(tmp_path.iterdir()) == []   # nothing written
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_checker_has_a_solution_cell_to_empty(path):
+    """Each ``exercises.check_...`` cell checks one exercise whose code cell is tagged ``solution``:
+    an untagged one stays written in the student edition and its checker passes an empty
+    workbook (lesson 16's expert-parallelism exercise did, seen in ``class collect``)."""
+    cells = _cells(path)
+    checkers = [i for i, c in enumerate(cells) if c["cell_type"] == "code"
+                and re.search(r"\bexercises\.check_\w+\(", _src(c))]
+    solutions = [i for i, c in enumerate(cells) if _is_solution(c)]
+    assert len(checkers) == len(solutions), (checkers, solutions)
+    assert all(s < c for s, c in zip(solutions, checkers, strict=True))   # each solution before its checker
+
+
 def test_make_student_empties_every_solution(tmp_path):
     done = subprocess.run([sys.executable, "tools/make_student.py", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True)
