@@ -255,16 +255,14 @@ def run_ranks(worker: str | Callable, world_size: int = 2, *, kwargs: dict | Non
     placement = resolve_placement(world_size, backend=backend, placement=placement)
     _check_importable(worker)
     set_cache_env()  # spawned children inherit it
-    for attempt in range(1, JOIN_TRIES + 1):
+    kwargs = dict(kwargs or {})
+    for _ in range(JOIN_TRIES - 1):
         try:
-            return _launch(worker, world_size, dict(kwargs or {}), timeout, placement,
-                           last=attempt == JOIN_TRIES)
+            return _launch(worker, world_size, kwargs, timeout, placement, last=False)
         except JoinError as e:
-            if attempt == JOIN_TRIES:
-                raise
             print(f"memlab: the ranks could not form their group ({e.detail.splitlines()[0][:160]}); "
                   f"launching again on another port", file=sys.stderr)
-    raise AssertionError("unreachable: the last try returns or raises")
+    return _launch(worker, world_size, kwargs, timeout, placement, last=True)
 
 
 class JoinError(RankError):
@@ -285,7 +283,7 @@ def _launch(worker: str | Callable, world_size: int, kwargs: dict, timeout: floa
                          args=(r, world_size, worker, kwargs, port, placement, results, log))
              for r in range(world_size)]
     out: dict[int, Any] = {}
-    ok, quiet = False, False
+    ok = False
     try:
         for p in procs:
             p.start()
@@ -311,7 +309,6 @@ def _launch(worker: str | Callable, world_size: int, kwargs: dict, timeout: floa
                 else:
                     continue
             if ok == JOIN_FAILED:
-                quiet = not last
                 raise JoinError(rank, value, out)
             if not ok:
                 raise RankError(rank, value, out)
@@ -323,7 +320,8 @@ def _launch(worker: str | Callable, world_size: int, kwargs: dict, timeout: floa
         _kill(procs)
         results.close()
         results.join_thread()
-        _report_log(log, ok is True or quiet, built_before, started)
+        # a join that is launched again shows no log: only the last try's failure does
+        _report_log(log, ok is True or (ok == JOIN_FAILED and not last), built_before, started)
     return [out[r] for r in range(world_size)]
 
 

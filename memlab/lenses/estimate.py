@@ -295,7 +295,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     # the final norm's output before the head runs: ZeRO-3's flat buffer is there while the root's
     # prefetch of the whole model waits for its last parameter's fetch (ModelStates.gathered_forward)
     m = {"end of forward": dict(activations=A - lse, gradients=G_prev + held,
-                                temporaries=states.get("gathered_forward", gathered) + cached)}
+                                temporaries=states["gathered_forward"] + cached)}
     if cfg.loss == "chunked":
         # under LoRA ("frozen" states) the head is frozen: no head-weight gradient in the loss
         for moment, cats in chunked_loss_moments(replace(cfg, vocab_size=v), t, step.precision,
