@@ -166,3 +166,15 @@ def test_the_compile_wrappers_set_the_budget_and_see_allocations():
     assert functorch_config.activation_memory_budget == 1.0
     events = profiler_memory_events(lambda: torch.empty(1000, dtype=torch.uint8))
     assert [n for _, n in events] == [1000, -1000]   # the tensor made and freed, its exact bytes
+
+
+def test_the_profiler_prints_nothing_of_its_own_and_leaves_the_steps_output():
+    """kineto writes ``profiler_start`` / ``profiler_stop`` lines to file descriptor 2 (lesson 16's
+    compile cell showed them); the wrapper drops those and nothing the profiled code writes."""
+    import subprocess
+    import sys
+    code = ("import os, torch\nfrom memlab.core.torch_private import profiler_memory_events\n"
+            "profiler_memory_events(lambda: (os.write(2, b'the step speaks\\n'), torch.empty(8)))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "the step speaks" in done.stderr and "profiler_st" not in done.stderr, done.stderr

@@ -13,6 +13,9 @@ code path (its simulate and measure lenses, its memory snapshot).
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -210,11 +213,33 @@ def profiler_memory_events(fn) -> list[tuple[int, int]]:
     allocators report to the profiler while ``fn()`` runs, in time order: what compiled
     (inductor) code allocates too, which no dispatch mode sees. Checked: 2.13 (CPU)."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    # kineto writes "USDT: ... profiler_start" / "profiler_stop" to file descriptor 2 at each
+    # (a lesson's cell printed them); fn's own output is left alone
+    with _stderr_fd_dropped():
+        prof.start()
+    try:
         fn()
+    finally:
+        with _stderr_fd_dropped():
+            prof.stop()
     events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
               if e.name() == "[memory]"]
     return sorted(events)
+
+
+@contextlib.contextmanager
+def _stderr_fd_dropped() -> Iterator[None]:
+    """File descriptor 2 to ``os.devnull`` for the block (C++ code writes there, past ``sys.stderr``)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 __all__ = ["aot_inductor_partition", "outside_dispatch_modes", "activation_memory_budget",
            "inductor_backend_seeing_graphs", "profiler_memory_events", "reset_compiled", "AUTOCAST_CPU_KEYS",
