@@ -446,7 +446,7 @@ def _add_bound_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_hf_flags(commands: dict) -> None:
-    """Flags of the Hugging Face lenses (:mod:`memlab.hf.config`, :mod:`memlab.hf.estimate`):
+    """Flags of the Hugging Face lenses (:mod:`memlab.hf.config`, :mod:`memlab.lenses.decoder_estimate`):
     ``measure --hf-config`` and the estimate's expert parallelism."""
     commands["measure"].add_argument("--hf-config", default=None, metavar="PATH",
                                      help="a Hugging Face config.json (or its folder, or a shipped "

@@ -6,7 +6,7 @@ dims, norms, biases, fused projections, tied head, dropout, sliding windows and 
 multi-head latent attention (DeepSeek) and mixtures of experts (routed and shared experts,
 top-k, the dense first layers, the router). :meth:`DecoderShape.num_params` is the real
 class's parameter count; a field the closed form cannot count is refused, named, with
-``memlab simulate --hf-config`` pointed at. :mod:`memlab.hf.estimate` counts the bytes;
+``memlab simulate --hf-config`` pointed at. :mod:`memlab.lenses.decoder_estimate` counts the bytes;
 :class:`DecoderShape` itself lives in :mod:`memlab.models.decoder_shape`.
 """
 from __future__ import annotations

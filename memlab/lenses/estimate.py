@@ -39,7 +39,9 @@ from memlab.core.cards import Card
 from memlab.core.errors import InputError
 from memlab.core.hardware import resolve_budget
 from memlab.core.torch_private import FakeTensorMode
+from memlab.lenses.decoder_estimate import estimate_run
 from memlab.models.chunked_loss import chunked_loss_bytes
+from memlab.models.decoder_shape import DecoderShape
 from memlab.models.gpt_unet import GPTConfig, UNet, UNetConfig
 from memlab.policy import (
     Target,
@@ -445,12 +447,29 @@ COMPILE_NOTE = ("compile is not in this lens: the peak is the eager step's; simu
                 "partition on fake tensors (memlab.step.compiled) and measure reads the compiled step's peak")
 
 
+def _decoder_estimate(step: StepConfig, tgt, budget: int | str | None, tp: int, trainable_params: int | None,
+                      frozen_activation_bytes: float, buckets: ZeroBuckets | None) -> MemoryReport:
+    """A decoder's run (its shape the model) through :func:`memlab.lenses.decoder_estimate.estimate_run`,
+    timed as every estimate is. LoRA and DeepSpeed's buffers are fields of its run."""
+    if trainable_params is not None or frozen_activation_bytes:
+        raise InputError("trainable_params and frozen_activation_bytes count adapters on memlab's GPT; a "
+                         "decoder's LoRA is a field of its run: StepConfig(..., lora=LoraConfig(...))")
+    if buckets is not None:
+        step = replace(step, buckets=buckets)
+    report = estimate_run(step, target=tgt, budget=budget, tensor_parallel=tp)
+    report.time = report_time(step, tgt.card, tensor_parallel=tp)
+    return report
+
+
 def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
                   target: str | None = None, card: "Card | str | None" = None,
                   tensor_parallel: int = 1, trainable_params: int | None = None,
                   frozen_activation_bytes: float = 0.0, buckets: ZeroBuckets | None = None,
                   **overrides) -> MemoryReport:
-    """Closed-form peak bytes of one steady-state training step, by category, per rank.
+    """Closed-form peak bytes of one steady-state training step, by category, per rank: the one
+    estimate of every model. memlab's GPT and UNet are counted here; a run whose model is a
+    decoder's shape (a Hugging Face config read by :func:`memlab.hf.shape.decoder_shape`) by
+    :func:`memlab.lenses.decoder_estimate.estimate_run`, the transformers class's own terms.
 
     ``batch`` is per rank; ``zero``, ``world_size`` and ``offload`` shard and move the model
     states as :func:`memlab.step.states.model_states` describes (DeepSpeed's layout, and its
@@ -495,6 +514,8 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     step = resolve_step(step, **overrides)
     cfg = step.model_config
     tp = tensor_parallel
+    if isinstance(cfg, DecoderShape):
+        return _decoder_estimate(step, tgt, budget, tp, trainable_params, frozen_activation_bytes, buckets)
     if tp != 1:
         if not isinstance(cfg, GPTConfig):
             raise InputError(f"tensor_parallel={tp!r} needs a GPT model, got {cfg.name!r}")

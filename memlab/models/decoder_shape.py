@@ -4,7 +4,7 @@ Widths, heads and head dims, norms, biases, fused projections, tied head, dropou
 windows and softcaps, multi-head latent attention (DeepSeek) and mixtures of experts (routed
 and shared experts, top-k, the dense first layers, the router), with the parameter counts and
 tensors of the class built from it. A Hugging Face config produces one
-(:func:`memlab.hf.shape.decoder_shape`); the estimate (:mod:`memlab.hf.estimate`), the model
+(:func:`memlab.hf.shape.decoder_shape`); the estimate (:mod:`memlab.lenses.decoder_estimate`), the model
 states (:mod:`memlab.step.decoder_states`) and a run (:class:`memlab.step.training_step.StepConfig` with a
 ``DecoderShape`` as its model) read it.
 """
