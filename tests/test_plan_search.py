@@ -146,6 +146,7 @@ def test_advise_on_a_desktop_keeps_to_its_host_and_falls_back_to_lora(capsys):
     d = json.loads(capsys.readouterr().out)
     best = d["recommendation"]
     assert best["changes_training"] and best["plan"]["lora"] and best["host_bytes"] <= 64 * 2**30
+    assert "of host memory (this host: 64.00 GiB) it would be bf16" in d["why"] and "offload" in d["why"]
     assert not [c for c in d["candidates"] if c["fits"] and c["host_bytes"] > 64 * 2**30]
     assert main(["advise", "--hf-config", "llama-3.1-8b", "--gpu", "RTX4090-24GB", "--seq", "2048", "--batch", "2",
                  "--host-memory", "256GiB", "--no-simulate", "--json"]) == 0

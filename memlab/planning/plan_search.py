@@ -179,16 +179,22 @@ def search_plans(model: str | GPTConfig | DecoderShape, card: Card | str, world_
         for ckpt, m in product(ckpts, sorted({1, batch} | ({2} if batch % 2 == 0 else set()))):
             step = replace(base, checkpointing=ckpt, micro_batches=m)
             out.candidates += _changed_training(step, name, usable_bytes, target)
+    unlimited = _pick([c for c in out.candidates if c.fits])
     if host_limit_bytes is not None:  # a plan the host cannot hold does not fit
         local = min(world_size, RANKS_PER_HOST)
         out.candidates = [replace(c, fits=False) if c.host_bytes * local > host_limit_bytes else c
                           for c in out.candidates]
     fitting = [c for c in out.candidates if c.fits]
+    held_back = ""
+    if unlimited is not None and unlimited not in fitting:  # the host's memory decided the plan
+        local = min(world_size, RANKS_PER_HOST)
+        held_back = (f"; with {fmt_bytes(unlimited.host_bytes * local)} of host memory (this host: "
+                     f"{fmt_bytes(host_limit_bytes)}) it would be {unlimited.describe()} at "
+                     f"{unlimited.seconds:.3g} s a step")
     if not fitting:
-        out.why = "no candidate fits: use more ranks, a shorter sequence or a smaller batch"
+        out.why = "no candidate fits: use more ranks, a shorter sequence or a smaller batch" + held_back
         return out
-    exact = [c for c in fitting if not c.changes_training]
-    out.best = min(exact or fitting, key=_fastest)
+    out.best = _pick(fitting)
     b = out.best
     line = f"{b.describe()} over {world_size} GPU(s) fits at {b.seconds:.3g} s a step"
     if b.changes_training:
@@ -203,8 +209,14 @@ def search_plans(model: str | GPTConfig | DecoderShape, card: Card | str, world_
     if changed and not b.changes_training:
         c = min(changed, key=_fastest)
         line += f"; changing the training, {c.describe()} would take {c.seconds:.3g} s (gives up {c.gives_up})"
-    out.why = line
+    out.why = line + held_back
     return out
+
+
+def _pick(fitting: list[Candidate]) -> Candidate | None:
+    """The recommendation among the plans that fit: the fastest exact one, else the fastest."""
+    exact = [c for c in fitting if not c.changes_training]
+    return min(exact or fitting, key=_fastest) if fitting else None
 
 
 def _add_plan(out: PlanSearch, base: StepConfig, cfg: GPTConfig, card: str, prec: str, ckpt: str, m: int,  # noqa: PLR0913 one candidate's dimensions, from search_plans' loops
