@@ -33,8 +33,12 @@ What each lens does with it, precisely:
   tensors AOT autograd donates. Against the measured peak (tests/test_compile.py, when written):
   tiny GPT +0.00% and -0.09%, tiny Llama +0.00% and +0.00% at budgets 1.0 and 0.5 (the
   partitioned graph's order, run op by op with fusion approximated, was 12-14% low at 0.5).
-  Lowering and generating the code of both graphs takes seconds (no C++ is compiled).
-* **estimate** counts the eager step and says so in its notes.
+  Lowering and generating the code of both graphs takes seconds (no C++ is compiled). The
+  graphs are lowered for the fake tensors' device, the CPU, also for a CUDA target: there
+  inductor writes Triton kernels, whose fusion and order this does not follow.
+* **estimate** (:func:`memlab.lenses.estimate.compiled_pass_bytes`): a GPT's compiled forward
+  and backward are traced as the simulation runs them (cached per shape; only for
+  ``compile=True``), beside the closed-form model states and optimizer step.
 """
 from __future__ import annotations
 
