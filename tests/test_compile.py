@@ -9,7 +9,7 @@ from memlab.lenses.estimate import COMPILE_NOTE, compiled_pass_bytes, estimate_s
 from memlab.lenses.measure import allocator_peak, measure_step, run_tracked_step
 from memlab.lenses.simulate import simulate_step
 from memlab.models.gpt_unet import tiny_llama
-from memlab.step.compiled import count_compiled_saved
+from memlab.step.compiled import CUDA_LOWERING_NOTE, count_compiled_saved
 from memlab.step.training_step import StepConfig, build_trainer, make_batch
 
 MiB = 2**20
@@ -118,6 +118,7 @@ def test_the_estimate_counts_the_compiled_step(compiled_runs, model, budget):
     est = estimate_step(StepConfig(compile=True, activation_memory_budget=budget, **RUNS[model]))
     assert est.peak_bytes == pytest.approx(run.peak_bytes, rel=0.0025)
     assert COMPILE_NOTE in est.notes and "peak moment: compiled forward and backward" in est.notes
+    assert CUDA_LOWERING_NOTE not in est.notes   # a CPU target: inductor's CPU code is the one followed
 
 
 def test_the_estimate_traces_nothing_for_an_eager_step_and_refuses_what_it_cannot_trace():

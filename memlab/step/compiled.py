@@ -56,6 +56,11 @@ from memlab.core.torch_private import (
     reset_compiled,
 )
 
+#: what the estimate and the simulation add for a compiled step on a CUDA target
+CUDA_LOWERING_NOTE = ("compiled on a CUDA target: the graphs are lowered and code-generated for the CPU (the fake "
+                      "tensors' device), so the fusion and order followed are CPU inductor's, not those of the "
+                      "Triton code inductor writes for a GPU; measure a compiled step there")
+
 
 def check_budget(budget: float | None, compile: bool) -> None:
     """``activation_memory_budget`` is a fraction in (0, 1] and needs ``compile``."""
@@ -155,5 +160,5 @@ class PartitionedModel(nn.Module):
         return self._compiled(state, *args)
 
 
-__all__ = ["CompiledSaved", "PartitionedModel", "check_budget", "compile_model", "count_compiled_saved",
-           "saved_storages"]
+__all__ = ["CUDA_LOWERING_NOTE", "CompiledSaved", "PartitionedModel", "check_budget", "compile_model",
+           "count_compiled_saved", "saved_storages"]
