@@ -610,7 +610,7 @@ def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: in
         opt = OptimizerInBackward(model.parameters(), lambda ps: _optimizer(ps, step.optimizer))
     else:
         opt = build_optimizer(model, step.optimizer)
-    if step.compile:  # on fake tensors, inductor's partition run op by op (memlab.step.compiled)
+    if step.compile:  # on fake tensors, inductor's partition and generated code (memlab.step.compiled)
         model = PartitionedModel(model) if fake else compile_model(model)
     return Trainer(step, device, model, opt, scaler, fake, offload_to_host=device.type == "cuda")
 
