@@ -209,6 +209,13 @@ def aot_inductor_partition(fn, compiler, num_params: int):
                         num_params_buffers=num_params)
 
 
+def boxed_graph(gm: torch.fx.GraphModule):
+    """``gm`` as the boxed callable AOT autograd's compilers return, run as it is (no lowering).
+    Checked: 2.13."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    return make_boxed_func(gm)
+
+
 def backward_donated_inputs(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int) -> list[int]:
     """The backward graph's inputs AOT autograd donates to inductor: saved tensors that alias no
     forward input, user output or gradient, whose storage inductor may then reuse in place
@@ -220,10 +227,13 @@ def backward_donated_inputs(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, 
     The forward's outputs are the user's ``num_fwd_outputs``, then the saved tensors, then saved
     symbolic ints, which come first among the backward's inputs. Checked: 2.13."""
     import torch._functorch.config as functorch_config
-    from torch._functorch._aot_autograd.graph_compile import (
-        collect_fw_donated_buffer_idxs,
-        contain_metadata_mutation_ops,
-    )
+    try:
+        from torch._functorch._aot_autograd.graph_compile import (
+            collect_fw_donated_buffer_idxs,
+            contain_metadata_mutation_ops,
+        )
+    except ImportError:  # another release's layout: nothing donated (only the lowered wrapper reads it)
+        return []
     if not functorch_config.donated_buffer or contain_metadata_mutation_ops(fw) or contain_metadata_mutation_ops(bw):
         return []
 
@@ -362,7 +372,7 @@ def _stderr_fd_dropped() -> Iterator[None]:
         os.close(saved)
         os.close(null)
 
-__all__ = ["aot_inductor_partition", "backward_donated_inputs", "inductor_wrapper_call",
+__all__ = ["aot_inductor_partition", "backward_donated_inputs", "boxed_graph", "inductor_wrapper_call",
            "activation_memory_budget",
            "inductor_backend_seeing_graphs", "profiler_memory_events", "reset_compiled", "AUTOCAST_CPU_KEYS",
            "FakeCopyMode", "FakeStore", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",

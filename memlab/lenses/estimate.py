@@ -58,7 +58,7 @@ from memlab.policy import (
     sdpa_lse_bytes,
     sdpa_math_extra_bytes,
 )
-from memlab.step.compiled import CUDA_LOWERING_NOTE
+from memlab.step.compiled import lowering_notes
 from memlab.step.states import ZeroBuckets, data_parallel_ranks, step_model_states, tensor_parallel_share
 from memlab.step.training_step import MemoryReport, StepConfig, autocast_for, build_trainer, resolve_step
 from memlab.time.step_time import report_time
@@ -614,8 +614,8 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     report.notes.append(f"peak moment: {moment}")
     if step.compile:
         report.notes.append(UNET_COMPILE_NOTE if isinstance(cfg, UNetConfig) else COMPILE_NOTE)
-        if tgt.is_cuda and not isinstance(cfg, UNetConfig):
-            report.notes.append(CUDA_LOWERING_NOTE)
+        if not isinstance(cfg, UNetConfig):
+            report.notes.extend(lowering_notes(tgt.is_cuda))
     if step.activation_offload:
         report.notes.append("activation_offload is not in this formula (the peak is the plain step's): "
                             "save_on_cpu copies every saved tensor, weights and views included; "

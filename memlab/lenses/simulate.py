@@ -50,7 +50,7 @@ from memlab.lenses.measure import run_tracked_step
 from memlab.models.gpt_unet import GPTConfig, UNetConfig
 from memlab.policy import emulate, resolve_target
 from memlab.policy.caching_allocator import CachingAllocator, replay_steady_step
-from memlab.step.compiled import CUDA_LOWERING_NOTE
+from memlab.step.compiled import lowering_notes
 from memlab.step.states import ModelStates, ZeroBuckets, model_states
 from memlab.step.training_step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
 from memlab.step.zero3_gathers import ACCUMULATE_GRAD, gathered_by_op, module_params
@@ -153,8 +153,7 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
         report.notes.append(_offload_note(report, tgt))
     if step.compile:
         report.notes.append(SIMULATED_COMPILE_NOTE)
-        if tgt.is_cuda:
-            report.notes.append(CUDA_LOWERING_NOTE)
+        report.notes.extend(lowering_notes(tgt.is_cuda))
     report.step_seconds = time.perf_counter() - start
     report.notes.append("step_seconds is the wall time of the whole simulation")
     return report

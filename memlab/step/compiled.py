@@ -54,6 +54,7 @@ from memlab.core.errors import InputError
 from memlab.core.torch_private import (
     activation_memory_budget,
     aot_inductor_partition,
+    boxed_graph,
     inductor_backend_seeing_graphs,
     inductor_wrapper_call,
     reset_compiled,
@@ -63,6 +64,27 @@ from memlab.core.torch_private import (
 CUDA_LOWERING_NOTE = ("compiled on a CUDA target: the graphs are lowered and code-generated for the CPU (the fake "
                       "tensors' device), so the fusion and order followed are CPU inductor's, not those of the "
                       "Triton code inductor writes for a GPU; measure a compiled step there")
+
+#: torch releases whose inductor internals :func:`memlab.core.torch_private.inductor_wrapper_call`
+#: was checked on (its private API moves between releases)
+LOWERED_ON = ("2.13.",)
+#: what the lenses add where this torch is not one of those
+UNLOWERED_NOTE = ("compiled on a torch whose inductor internals memlab has not checked (checked: "
+                  + ", ".join(v.rstrip(".") for v in LOWERED_ON) + "): the partitioned graphs ran in their own "
+                  "order, without inductor's fusion, reordering and buffer reuse (on CPU at a budget of 0.5 that "
+                  "read 12-14% low); the saved set is still the partitioner's")
+
+
+def inductor_lowering_available() -> bool:
+    """Whether this torch is one whose inductor the lenses run up to its generated code
+    (:data:`LOWERED_ON`); elsewhere a compiled step's partitioned graphs run as they are."""
+    return torch.__version__.startswith(LOWERED_ON)
+
+
+def lowering_notes(is_cuda: bool) -> list[str]:
+    """The notes a lens adds to a compiled step's report: a CUDA target's graphs are lowered for
+    the CPU (:data:`CUDA_LOWERING_NOTE`); an unchecked torch runs them unlowered (:data:`UNLOWERED_NOTE`)."""
+    return ([CUDA_LOWERING_NOTE] if is_cuda else []) + ([] if inductor_lowering_available() else [UNLOWERED_NOTE])
 
 
 def check_budget(budget: float | None, compile: bool) -> None:
@@ -153,6 +175,8 @@ class PartitionedModel(nn.Module):
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list, is_backward: bool, donated: tuple[int, ...]):
         if is_backward:  # counted before inductor's post-grad passes rewrite the graph
             self.saved_bytes = sum(saved_storages(gm).values())
+        if not inductor_lowering_available():  # another torch's inductor: the graph as partitioned
+            return boxed_graph(gm)
         return inductor_wrapper_call(gm, example_inputs, is_backward, donated)
 
     def forward(self, *args):
@@ -163,5 +187,5 @@ class PartitionedModel(nn.Module):
         return self._compiled(state, *args)
 
 
-__all__ = ["CUDA_LOWERING_NOTE", "CompiledSaved", "PartitionedModel", "check_budget", "compile_model",
-           "count_compiled_saved", "saved_storages"]
+__all__ = ["CUDA_LOWERING_NOTE", "LOWERED_ON", "UNLOWERED_NOTE", "CompiledSaved", "PartitionedModel", "check_budget",
+           "compile_model", "count_compiled_saved", "inductor_lowering_available", "lowering_notes", "saved_storages"]
