@@ -34,10 +34,7 @@ def _measured(name: str, prec: str):
 
 
 #: fp32 for hf_families.DEFAULT_RUN and bf16 for Llama by default; the other builds under ``slow``
-GEMMA3_FP32 = pytest.mark.xfail(strict=True, reason="gemma3 in fp32 reads 5-7% high since the loss-forward and "
-                                 "sliding-window SDPA counts (estimate.output_held, sdpa_masked) were added")
-CASES = [pytest.param(n, p, marks=family_marks(n, *[pytest.mark.slow] if p == "bf16" and n != "llama" else [])
-                      + ([GEMMA3_FP32] if (n, p) == ("gemma3", "fp32") else []))
+CASES = [pytest.param(n, p, marks=family_marks(n, *[pytest.mark.slow] if p == "bf16" and n != "llama" else []))
          for n in CONFIGS if n not in SOFTCAPPED for p in ("fp32", "bf16")]
 
 
