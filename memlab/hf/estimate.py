@@ -539,9 +539,11 @@ def forward_activations(cfg: dict | str | pathlib.Path, *, seq: int, batch: int,
 #: classes' code (``transformers`` 5, ``modeling_llama.py`` ``LlamaRMSNorm.forward``: ``x.float()``,
 #: ``pow(2).mean(-1)``, ``x * rsqrt(var + eps)``, ``weight * x``): in ``PowBackward0`` the incoming
 #: gradient, the ``x * rsqrt`` branch's input gradient, ``MeanBackward0``'s expanded gradient,
-#: ``2 * x`` and their product: 5. Gemma's ``x * (1 + weight.float())`` adds its fp32 factor's
-#: product and gradient: 7.
-NORM_BACKWARD_TEMPORARIES = {"rms": 5, "gemma": 7}
+#: ``2 * x`` and their product: 5. Gemma's ``x * (1 + weight.float())`` (``modeling_gemma3.py``
+#: line 148) frees its two products (the input's and the weight's gradients) before
+#: ``PowBackward0``: 5 as well (the real step's timeline; it was 7, which over-counted the chunked
+#: loss's peak by ``2 t d`` fp32 and, at ``t = V / 2``, stood in for a tied head's gradient).
+NORM_BACKWARD_TEMPORARIES = {"rms": 5, "gemma": 5}
 
 
 def check_run(s: DecoderShape, *, attention: str | None, ep: int, zero: int, world_size: int, offload: str,
@@ -873,10 +875,13 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
         # the bucket (the partition is there once a bucket was flushed: ``late``)
         kept = 0.0 if partitioned else head_grad + D * z.w * trains_base
         # the head's input (autocast's cast), the norm's normalised input and the softcap's tanh
-        # output (Gemma 2) went with their backward
+        # output (Gemma 2) went with their backward; a tied head's weight gradient waits in
+        # autograd's input buffer for the embedding's backward
+        tied_grad = V * D * z.w if s.tied and trains_base else 0
         m["first gradient hook"] = dict(activations=A - 4 * t - t * D * (z.c + z.r) - softcap,
                                         gradients=max(G_prev, kept + early_late) + held + bucket,
-                                        temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered)
+                                        temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered
+                                        + tied_grad)
     if bucket and chunk is None and s.mlp == "gelu_new" and trains_base and not full:
         m["last MLP backward"] = _last_mlp_backward(s, z, t, A - softcap, partitioned, head_grad,
                                                     G_prev, early_late, held + bucket, gathered)
