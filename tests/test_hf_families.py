@@ -57,10 +57,12 @@ def test_simulate_within_1_percent_of_the_real_step(name, prec):
 
 
 @pytest.mark.parametrize("name,prec", CASES)
-def test_estimate_within_5_percent_of_the_real_step(name, prec):
+def test_estimate_within_2_and_3_percent_of_the_real_step(name, prec):
+    """The issue's band, [-2%, +3%] (it was 5%, which Gemma 3's +4.4% in fp32 passed); achieved
+    -0.31% (DeepSeek-V3, fp32) .. +0.12% (GPT-OSS)."""
     real = _measured(name, prec)
     est = estimate_hf(FAMILIES[name], seq=SEQ, batch=BATCH, precision=prec, target="cpu")
-    assert est.peak_bytes == pytest.approx(real.peak_bytes, rel=0.05)
+    assert -0.02 <= est.peak_bytes / real.peak_bytes - 1 <= 0.03, (est.peak_bytes, real.peak_bytes)
     assert est.by_category["parameters"] == real.by_category["parameters"]
 
 
