@@ -34,10 +34,7 @@ def _measured(name: str, prec: str):
 
 
 #: fp32 for hf_families.DEFAULT_RUN and bf16 for Llama by default; the other builds under ``slow``
-GEMMA3_FP32 = pytest.mark.xfail(strict=True, reason="gemma3 in fp32 reads 5-7% high since the loss-forward and "
-                                 "sliding-window SDPA counts (estimate.output_held, sdpa_masked) were added")
-CASES = [pytest.param(n, p, marks=family_marks(n, *[pytest.mark.slow] if p == "bf16" and n != "llama" else [])
-                      + ([GEMMA3_FP32] if (n, p) == ("gemma3", "fp32") else []))
+CASES = [pytest.param(n, p, marks=family_marks(n, *[pytest.mark.slow] if p == "bf16" and n != "llama" else []))
          for n in CONFIGS if n not in SOFTCAPPED for p in ("fp32", "bf16")]
 
 
@@ -61,6 +58,20 @@ def test_the_chunked_step_has_no_logits():
     step = hf.causal_lm_step(SEQ, BATCH, "fp32")
     plain = track_step(lambda: step(model, opt), model=model, optimizer=opt)
     assert plain.peak_bytes - chunked.peak_bytes >= 4 * SEQ * BATCH * CONFIGS[name]["vocab_size"]
+
+
+def test_gemmas_final_norm_backward_holds_what_llamas_does():
+    """Gemma's RMSNorm, ``x * (1 + w)`` in fp32, frees its two products before ``PowBackward0``:
+    its backward's peak holds five fp32 tokens x hidden tensors as Llama's (estimate.NORM_BACKWARD_TEMPORARIES;
+    seven read +2.8% here, where four sequences make its two extra unlike the tied head's gradient).
+    The real step at 4 sequences, tracked; achieved +0.3%."""
+    torch.manual_seed(0)
+    model, opt = hf.build_fn(CONFIGS["gemma3"])()
+    step = hf.causal_lm_step(SEQ, 4, "fp32", loss="chunked", loss_chunk=CHUNK)
+    real = track_step(lambda: step(model, opt), model=model, optimizer=opt)
+    est = estimate_hf(CONFIGS["gemma3"], seq=SEQ, batch=4, target="cpu", loss="chunked", loss_chunk=CHUNK)
+    assert "final norm backward" in est.notes[0]
+    assert abs(est.peak_bytes / real.peak_bytes - 1) <= 0.005, (est.peak_bytes, real.peak_bytes)
 
 
 @pytest.mark.parametrize("kw, needle", [(dict(loss="liger"), "loss='liger'"),

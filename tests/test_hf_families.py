@@ -57,10 +57,12 @@ def test_simulate_within_1_percent_of_the_real_step(name, prec):
 
 
 @pytest.mark.parametrize("name,prec", CASES)
-def test_estimate_within_5_percent_of_the_real_step(name, prec):
+def test_estimate_within_2_and_3_percent_of_the_real_step(name, prec):
+    """The issue's band, [-2%, +3%] (it was 5%, which Gemma 3's +4.4% in fp32 passed); achieved
+    -0.31% (DeepSeek-V3, fp32) .. +0.12% (GPT-OSS)."""
     real = _measured(name, prec)
     est = estimate_hf(FAMILIES[name], seq=SEQ, batch=BATCH, precision=prec, target="cpu")
-    assert est.peak_bytes == pytest.approx(real.peak_bytes, rel=0.05)
+    assert -0.02 <= est.peak_bytes / real.peak_bytes - 1 <= 0.03, (est.peak_bytes, real.peak_bytes)
     assert est.by_category["parameters"] == real.by_category["parameters"]
 
 
@@ -92,6 +94,22 @@ def test_other_shapes_agree_too(label):
     est = estimate_hf(cfg, seq=seq, batch=batch, precision=prec, target="cpu")
     assert est.peak_bytes == pytest.approx(sim.peak_bytes, rel=0.05)
     assert est.by_category["parameters"] == sim.by_category["parameters"]
+
+
+@pytest.mark.parametrize("kv_heads,prec", [(1, "fp32"), (1, "pure-bf16"), (1, "bf16"), (2, "fp32")])
+def test_sliding_window_sdpa_saves_k_and_v_as_repeat_kv_leaves_them(kv_heads, prec):
+    """Gemma 3's sliding-window layers pass SDPA a mask, so grouped k and v go through
+    ``repeat_kv``: copied to every head with 2 kv heads, but a stride-0 view with one (multi-query),
+    which SDPA saves as it is unless autocast casts it (bf16: a copy per head). Counting the
+    multi-query view as a copy read +4.4% in fp32 and +3.5% in pure bf16 (estimate.sdpa_kv_repeated);
+    the bound is the real step's, tracked."""
+    cfg = dict(FAMILIES["gemma3"], num_key_value_heads=kv_heads)
+    torch.manual_seed(0)
+    model, opt = hf.build_fn(cfg, precision=prec)()
+    step = hf.causal_lm_step(SEQ, BATCH, prec)
+    real = track_step(lambda: step(model, opt), model=model, optimizer=opt)
+    est = estimate_hf(cfg, seq=SEQ, batch=BATCH, precision=prec, target="cpu")
+    assert abs(est.peak_bytes / real.peak_bytes - 1) <= 0.005, (est.peak_bytes, real.peak_bytes)
 
 
 def test_dropout_keeps_masks_and_forces_the_math_path():

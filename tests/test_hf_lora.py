@@ -46,10 +46,7 @@ def _measured(name: str, prec: str, dropout: float):
     return model, track_step(lambda: step(model, opt), model=model, optimizer=opt)
 
 
-GEMMA3_FP32 = pytest.mark.xfail(strict=True, reason="gemma3 in fp32 reads 5-7% high since the loss-forward and "
-                                 "sliding-window SDPA counts (estimate.output_held, sdpa_masked) were added")
-CASES = [pytest.param(n, p, d, marks=family_marks(n, *[GEMMA3_FP32] if (n, p) == ("gemma3", "fp32") else []))
-         for n in CONFIGS for p in ("fp32", "bf16") for d in (0.0, 0.1)]
+CASES = [pytest.param(n, p, d, marks=family_marks(n)) for n in CONFIGS for p in ("fp32", "bf16") for d in (0.0, 0.1)]
 
 
 @pytest.mark.parametrize("name,prec,dropout", CASES)

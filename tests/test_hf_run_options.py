@@ -43,11 +43,9 @@ def _measured(name: str, prec: str, option: str):
 
 #: the bf16 steps of qwen3, gemma3 and phi3 peak at the loss forward, where the model's output
 #: holds its KV cache and final hidden state (estimate.output_held), and gemma3's masked
-#: sliding-window SDPA reads k and v repeated to every head (estimate.sdpa_masked)
-GEMMA3_FP32 = pytest.mark.xfail(strict=True, reason="gemma3 in fp32 reads 5-7% high since the loss-forward and "
-                                 "sliding-window SDPA counts (estimate.output_held, sdpa_masked) were added")
-CASES = [pytest.param(n, p, o, marks=family_marks(n, *[GEMMA3_FP32] if (n, p, o) == ("gemma3", "fp32", "8bit") else []))
-         for n in CONFIGS for p in ("fp32", "bf16") for o in ("accumulation", "8bit")]
+#: sliding-window SDPA saves k and v cast to every head (estimate.sdpa_kv_repeated)
+CASES = [pytest.param(n, p, o, marks=family_marks(n)) for n in CONFIGS for p in ("fp32", "bf16")
+         for o in ("accumulation", "8bit")]
 
 
 @pytest.mark.parametrize("name,prec,option", CASES)

@@ -146,6 +146,32 @@ def sdpa_masked(s: DecoderShape, i: int, seq: int) -> bool:
     return i in s.sliding_layers and seq > (s.window or seq)
 
 
+def key_bytes(s: DecoderShape, z: Sizes) -> int:
+    """Bytes per element of the keys after rope: fp32 under autocast over an fp32 residual
+    (``cos``/``sin`` take the residual's dtype, ``modeling_llama.py`` line 116, and rope's
+    multiplies are not autocast), else the projections'."""
+    return 4 if z.auto and z.r == 4 and not s.positions else z.c
+
+
+def sdpa_kv_repeated(s: DecoderShape, z: Sizes, i: int, seq: int, cache: bool = True) -> tuple[bool, bool]:
+    """Whether layer ``i``'s SDPA saves its k and v (each) as new tensors repeated to every
+    query head, rather than the kv heads' own tensors (``transformers`` 5.23,
+    ``integrations/sdpa_attention.py``): grouped k/v with a mask take ``repeat_kv`` (line 137;
+    ``use_gqa_in_sdpa``, line 52, wants no mask), whose ``reshape`` (line 29) copies unless
+    there is one kv head (multi-query: the expanded size-1 dimension reshapes as a stride-0
+    view of the kv head's tensor, which SDPA saves as it is). A view is still copied to every
+    head where autocast casts it for SDPA: keys after rope in fp32 (:func:`key_bytes`), and
+    values when the KV cache (``cache``: the config's ``use_cache``, off under checkpointing)
+    promoted them to the keys' dtype (``cache_utils.py`` lines 114-116, 136-137)."""
+    if not (sdpa_masked(s, i, seq) and s.kv_heads < s.heads):
+        return False, False
+    if s.kv_heads > 1:
+        return True, True
+    k = key_bytes(s, z)
+    v = k if cache and s.use_cache else z.c
+    return k != z.c, v != z.c
+
+
 def attention_path(s: DecoderShape, z: Sizes, batch: int, seq: int, attention: str | None) -> str:
     """Which attention code runs: ``eager`` (HF's own matmul-softmax: asked for, or the class
     has no SDPA path, as Gemma 2 with its softcapping and gpt-oss with its sinks), or SDPA's
@@ -217,12 +243,13 @@ class _Layer:
 
 def layer_activations(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int, path: str,
                       ep: int = 1, imbalance: float = 1.0, adapters: Adapters | None = None,
-                      grad_in: bool = True) -> float:
+                      grad_in: bool = True, cache: bool = True) -> float:
     """Bytes one decoder layer keeps for backward (see the module doc), ``i`` its index.
 
     ``adapters``: a LoRA run (:class:`Adapters`); ``grad_in``: whether the layer's input needs
     a gradient (under LoRA the first layer's does not: the embedding is frozen, so nothing
-    before the first adapter saves anything). The parts: :func:`_attention_inputs` (the
+    before the first adapter saves anything); ``cache``: whether the forward builds a KV cache
+    (not under checkpointing: :func:`sdpa_kv_repeated`). The parts: :func:`_attention_inputs` (the
     input, its norm, the projections), :func:`_attention_core` (scores, softmax, o_proj's
     input), then the residual branch and the MLP or experts."""
     t, d, c, r = batch * seq, s.d, z.c, z.r
@@ -232,7 +259,7 @@ def layer_activations(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int, p
     n = (_norm_input(s, t, d, r) + _norm(z, s, t, d, r, frozen=frozen)) if grad_in else 0.0  # the input, its norm
     normed = r  # the norm's output is in the residual's dtype (Gemma's: cast back by type_as)
     n += _attention_inputs(ly, normed, grad_in, attn_grad)
-    core, o_in, o_in_saved = _attention_core(s, z, i, batch, seq, path)
+    core, o_in, o_in_saved = _attention_core(s, z, i, batch, seq, path, cache)
     n += core if attn_grad else 0.0  # nothing is kept when none of q, k and v needs a gradient
     a, vd = s.heads, s.v_head_dim
     n += ly.w_only(o_in + _linear_inputs(z, t, a * vd, 1, c))
@@ -294,10 +321,11 @@ def _attention_inputs(ly: _Layer, normed: int, grad_in: bool, attn_grad: bool) -
 
 
 def _attention_core(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int,
-                    path: str) -> tuple[float, float, bool]:
+                    path: str, cache: bool = True) -> tuple[float, float, bool]:
     """The attention core of layer ``i`` on ``path`` (``eager``, ``math`` or an SDPA kernel):
     the bytes it keeps, o_proj's input when that is a tensor of its own, and whether o_proj's
-    input is one the core already keeps (an SDPA output)."""
+    input is one the core already keeps (an SDPA output). ``cache``: whether the forward
+    builds a KV cache (:func:`sdpa_kv_repeated`)."""
     t, c = batch * seq, z.c
     a, hd, vd = s.heads, s.head_dim, s.v_head_dim
     hs = batch * a * seq * seq                      # scores per layer
@@ -322,10 +350,9 @@ def _attention_core(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int,
             core += hs * 4 + hs * 4                 # the mask (CPU: fp32) and dropped probabilities
         o_in, o_in_saved = t * a * vd * c, False    # o_proj's input (a contiguous copy)
     else:
-        # k and v as SDPA reads them: each kv head once (enable_gqa), or repeated to every query
-        # head where a mask is passed (transformers' sdpa_attention.py use_gqa_in_sdpa: masked
-        # GQA takes repeat_kv)
-        kv_read = t * a * (hd + vd) * c if sdpa_masked(s, i, seq) and s.kv_heads < a else 2 * t * s.kv_dim * c
+        # k and v as SDPA saves them: each kv head once, or repeated to every query head
+        k_rep, v_rep = sdpa_kv_repeated(s, z, i, seq, cache)
+        kv_read = t * c * ((a if k_rep else s.kv_heads) * hd + (a if v_rep else s.kv_heads) * vd)
         core += t * s.q_dim * c + kv_read + t * s.q_dim * c  # q, k, v and the output (o_proj's input)
         o_in, o_in_saved = 0, True
         if s.fused_qkv:
@@ -414,8 +441,8 @@ def kept_activations(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str,
     t, V, D, L = seq * batch, s.vocab, s.d, s.n_layer
     ad = adapters
     frozen = ad is not None
-    layers = [layer_activations(s, z, i, batch, seq, path, ep, imbalance, ad, grad_in=not frozen or i > 0)
-              for i in range(L)]
+    layers = [layer_activations(s, z, i, batch, seq, path, ep, imbalance, ad, grad_in=not frozen or i > 0,
+                                cache=not full) for i in range(L)]
     # autocast's weight casts (saved by each linear; the experts' grouped GEMMs are not cast)
     dense_w = params - s.vocab * D * (1 + (not s.tied)) - s.positions * D - (s.expert_total() / ep)
     # a quantised base's head is 16-bit already; the chunked loss casts it per call, keeping nothing
@@ -471,15 +498,13 @@ def output_held(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, froz
         n += t * s.d * z.r
     if not s.use_cache or full:
         return n
-    # the keys' dtype: rope's fp32 under autocast over an fp32 residual (``cos``/``sin`` take the
-    # residual's dtype, modeling_llama.py line 116), else the projections'
-    elem = 4 if z.auto and z.r == 4 and not s.positions else z.c
+    elem = key_bytes(s, z)  # the cache takes the keys' dtype
     if s.kv_lora_rank is not None:
         latent_saved = elem == z.c and not frozen
         return n + s.n_layer * t * elem * (s.kv_lora_rank * (not latent_saved) + s.qk_rope_dim)
     mha = s.kv_heads == s.heads
     for i in range(s.n_layer):
-        fused = path not in ("eager", "math") and (mha or not sdpa_masked(s, i, seq))  # else repeat_kv's copies
+        fused = path not in ("eager", "math") and not any(sdpa_kv_repeated(s, z, i, seq))  # else repeat_kv's copies
         k_as_is = elem == z.c and (fused or (path == "eager" and mha))
         v_as_is = elem == z.c and (fused or (mha and (path == "eager" or elem == 4)))
         n += t * elem * s.kv_heads * (s.head_dim * (not k_as_is) + s.v_head_dim * (not v_as_is))
@@ -490,9 +515,11 @@ def output_held(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, froz
 #: classes' code (``transformers`` 5, ``modeling_llama.py`` ``LlamaRMSNorm.forward``: ``x.float()``,
 #: ``pow(2).mean(-1)``, ``x * rsqrt(var + eps)``, ``weight * x``): in ``PowBackward0`` the incoming
 #: gradient, the ``x * rsqrt`` branch's input gradient, ``MeanBackward0``'s expanded gradient,
-#: ``2 * x`` and their product: 5. Gemma's ``x * (1 + weight.float())`` adds its fp32 factor's
-#: product and gradient: 7.
-NORM_BACKWARD_TEMPORARIES = {"rms": 5, "gemma": 7}
+#: ``2 * x`` and their product: 5. Gemma's ``x * (1 + weight.float())`` (``modeling_gemma3.py``
+#: line 148) frees its two products (the input's and the weight's gradients) before
+#: ``PowBackward0``: 5 as well (the real step's timeline; it was 7, which over-counted the chunked
+#: loss's peak by ``2 t d`` fp32 and, at ``t = V / 2``, stood in for a tied head's gradient).
+NORM_BACKWARD_TEMPORARIES = {"rms": 5, "gemma": 5}
 
 
 def check_run(s: DecoderShape, *, attention: str | None, ep: int, zero: int, world_size: int, offload: str,
@@ -778,10 +805,13 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
         # the bucket (the partition is there once a bucket was flushed: ``late``)
         kept = 0.0 if partitioned else head_grad + D * z.w * trains_base
         # the head's input (autocast's cast), the norm's normalised input and the softcap's tanh
-        # output (Gemma 2) went with their backward
+        # output (Gemma 2) went with their backward; a tied head's weight gradient waits in
+        # autograd's input buffer for the embedding's backward
+        tied_grad = V * D * z.w if s.tied and trains_base else 0
         m["first gradient hook"] = dict(activations=A - 4 * t - t * D * (z.c + z.r) - softcap,
                                         gradients=max(G_prev, kept + early_late) + held + bucket,
-                                        temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered)
+                                        temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered
+                                        + tied_grad)
     if bucket and chunk is None and s.mlp == "gelu_new" and trains_base and not full:
         m["last MLP backward"] = _last_mlp_backward(s, z, t, A - softcap, partitioned, head_grad,
                                                     G_prev, early_late, held + bucket, gathered)
@@ -800,5 +830,5 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
 
 
 __all__ = ["NORM_BACKWARD_TEMPORARIES", "Sizes", "adapter_saved", "attention_path", "check_run", "output_held",
-           "sdpa_masked", "kept_activations", "layer_activations", "recomputed_layer",
-           "moe_activations", "estimate_run"]
+           "sdpa_masked", "sdpa_kv_repeated", "key_bytes", "kept_activations", "layer_activations",
+           "recomputed_layer", "moe_activations", "estimate_run"]
