@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from memlab.core.errors import InputError
 from memlab.core.hardware import resolve_budget
 from memlab.hf.config import load_config
+from memlab.hf.litgpt_step import check_implementation, implementation_peak
 from memlab.hf.shape import decoder_shape
 from memlab.models.chunked_loss import chunked_loss_bytes
 from memlab.models.decoder_shape import DecoderShape
@@ -549,7 +550,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                 micro_batches: int = 1, lora: LoraConfig | None = None,
                 quantization: QuantConfig | None = None, buckets: ZeroBuckets | None = None,
                 loss: str = "transformers", loss_chunk: int = 1024,
-                optimizer_in_backward: bool = False, tensor_parallel: int = 1) -> MemoryReport:
+                optimizer_in_backward: bool = False, tensor_parallel: int = 1,
+                implementation: str = "transformers") -> MemoryReport:
     """Closed-form peak bytes of one training step of the HF decoder of ``cfg``, per rank.
 
     Args:
@@ -580,6 +582,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
             a full fine-tune of a dense decoder, one micro-batch, no ZeRO.
         tensor_parallel: Megatron-LM's tensor parallelism in groups of ``t`` of the
             ``world_size`` ranks (:func:`estimate_run`).
+        implementation: whose code trains the model (:data:`memlab.step.training_step.DECODER_IMPLEMENTATIONS`):
+            ``transformers`` (the class) or ``litgpt`` (:mod:`memlab.hf.litgpt_step`).
 
     Returns:
         A :class:`MemoryReport` (lens ``estimate``) per rank.
@@ -589,7 +593,7 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                      optimizer=optimizer, micro_batches=micro_batches, zero=zero, world_size=world_size,
                      offload=offload, lora=lora, quantization=quantization, loss=loss, loss_chunk=loss_chunk,
                      expert_parallel=expert_parallel, expert_imbalance=imbalance, buckets=buckets,
-                     optimizer_in_backward=optimizer_in_backward)
+                     optimizer_in_backward=optimizer_in_backward, implementation=implementation)
     return estimate_run(run, target=target, budget=budget, card=card, tensor_parallel=tensor_parallel)
 
 
@@ -672,6 +676,7 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     head_grad = min(G, V * D * z.w * (not s.tied) / (dp if zero >= 2 else 1)) if trains_base else 0.0
     full = checkpointing == "full"
     params = s.num_params() - s.expert_total() * (1 - 1 / ep)
+    check_implementation(run)
     A, layers, embed, dense_w = kept_activations(s, z, batch, seq, path, full, params, ep, imbalance, ad, chunked)
     moment, best = _peak_moment(s, z, t, A=A, layers=layers, embed=embed, dense_w=dense_w, G=G, G_prev=G_prev,
                                 held=held, late=late, early_late=early_late, bucket=bucket,
@@ -681,6 +686,8 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
                                 chunk=loss_chunk if chunked else None,
                                 largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None,
                                 out_held=output_held(s, z, batch, seq, path, ad is not None, full, chunked))
+    # litgpt's own model and loop replace the class's terms (transformers' pass through)
+    P, moment, best = implementation_peak(run, s, batch, P, moment, best, G_prev + held)
     cats = dict.fromkeys(CATEGORIES, 0.0)
     cats.update(parameters=P, optimizer=opt, other=16 * t, workspace=tgt.resident_workspace(), **best)
     # the attention's backward workspace and a 4-bit weight dequantised live only while a layer's
