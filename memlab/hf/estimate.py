@@ -583,7 +583,7 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
         tensor_parallel: Megatron-LM's tensor parallelism in groups of ``t`` of the
             ``world_size`` ranks (:func:`estimate_run`).
         implementation: whose code trains the model (:data:`memlab.step.training_step.DECODER_IMPLEMENTATIONS`):
-            ``transformers`` (the class) or ``litgpt`` (:mod:`memlab.hf.litgpt_step`).
+            ``transformers`` (the class) or ``litgpt-8641822``/``litgpt-6178c7cc`` (:mod:`memlab.hf.litgpt_step`).
 
     Returns:
         A :class:`MemoryReport` (lens ``estimate``) per rank.

@@ -1,15 +1,18 @@
 """litgpt's own LoRA step: the code litgpt's published resource tables ran, counted op by op.
 
 A run's ``implementation`` (:data:`memlab.step.training_step.DECODER_IMPLEMENTATIONS`) says whose
-code trains the decoder. ``transformers`` (the default) is the Hugging Face class
-(:mod:`memlab.hf.estimate`); ``litgpt`` is Lightning-AI/litgpt at commit ``8641822`` (the commit
-its ``tutorials/resource-tables.md`` names, read in that repository's history), run by
-``finetune/lora.py`` under Lightning Fabric ``bf16-true`` (Lightning commit ``71aed751``, the one
-litgpt's ``requirements.txt`` pins). What that code keeps for backward, read in those files:
+code trains the decoder: ``transformers`` (the default) is the Hugging Face class
+(:mod:`memlab.hf.estimate`); ``litgpt-<commit>`` is Lightning-AI/litgpt's model and
+``finetune/lora.py`` at that commit, run under Lightning Fabric ``bf16-true`` (Lightning commit
+``71aed751``, the one litgpt's ``requirements.txt`` pins). Two commits are counted, read in
+litgpt's history: ``8641822``, the one ``tutorials/resource-tables.md`` names, and ``6178c7cc``
+("Half precision fixes", #606, merged 2023-10-24, three days before the table's PR #663), which
+changed only the RMSNorm for these runs (:data:`NORM_BYTES`). What that code keeps for backward:
 
-* ``lit_gpt/rmsnorm.py`` lines 17-21: the norm runs in the input's dtype (``x * x``, ``mean``,
-  ``rsqrt``, ``x * rsqrt``, ``weight * x``): it keeps its 16-bit input and an rsqrt per row; the
-  frozen weight's multiply keeps nothing (transformers' class keeps an fp32 copy instead).
+* ``lit_gpt/rmsnorm.py`` (lines 17-21 at 8641822): ``x * x``, ``mean``, ``rsqrt``, ``x * rsqrt``,
+  ``weight * x``: the norm keeps the tensor it computes in (8641822: its 16-bit input;
+  6178c7cc: ``x.float()``, an fp32 copy) and an rsqrt per row in that dtype; the frozen weight's
+  multiply keeps nothing.
 * ``lit_gpt/lora.py`` lines 372-386 (``LoRAQKVLinear.forward``): q, k and v are one fused
   ``Linear``; one dropout (its mask and the dropped input, which ``lora_A`` keeps) serves every
   adapted projection, ``conv1d`` keeps ``lora_A``'s rank-r output, and where not all of q, k, v
@@ -28,11 +31,10 @@ litgpt's ``requirements.txt`` pins). What that code keeps for backward, read in 
   ``torch.nn.Linear``, the head included, a ``Linear4bit`` (``plugins/precision/bitsandbytes.py``
   line 130); what its matmul keeps is :attr:`memlab.step.fine_tune_config.QuantConfig.matmul_keeps_input`'s.
 
-A CPU run of that commit's model under :func:`memlab.lenses.your_model.simulate_model` (fake CUDA,
-this torch) agrees with these terms; it reproduces the table's GPT-NeoX rows (phi-1.5 at micro-batch
-1 and 4, StableLM-Alpha 3B) within 0.2%. The Llama 2 rows read 3-5% above it: a per-layer excess
-of about four bytes per token and hidden unit that no op of the code read here keeps under
-today's autograd (an open question recorded in ``tests/test_published_lora.py``).
+8641822's code run on fake CUDA tensors (:func:`memlab.lenses.your_model.simulate_model`, this
+torch) peaks where this count does, to 0.2%, and reproduces the table's GPT-NeoX rows (phi-1.5,
+StableLM-Alpha 3B: LayerNorm, no RMSNorm) within 0.2%; its Llama 2 rows read 3-5% low. With
+6178c7cc's fp32 RMSNorm they read within 0.4% (``tests/test_published_lora.py``).
 """
 from __future__ import annotations
 
@@ -43,8 +45,10 @@ from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 from memlab.step.low_bit import quantized_weight_bytes
 from memlab.step.training_step import StepConfig
 
-#: the litgpt commit whose code is counted (``tutorials/resource-tables.md``: "Lit-GPT version: commit 8641822")
-LITGPT_COMMIT = "8641822"
+#: bytes per element of what litgpt's RMSNorm keeps (its input in the dtype it computes in, and an
+#: rsqrt per row), by implementation: 8641822 computes in the input's dtype (bf16); 6178c7cc's
+#: ``x = x.float()`` (``lit_gpt/rmsnorm.py`` line 19 there) in fp32
+NORM_BYTES = {"litgpt-8641822": 2, "litgpt-6178c7cc": 4}
 #: tokens per chunk of the head and the loss (``finetune/lora.py`` line 216: ``lm_head_chunk_size=128``)
 LITGPT_HEAD_CHUNK = 128
 #: litgpt's LoRA on the fused attention input: ``to_query``, ``to_key``, ``to_value`` (peft's names)
@@ -54,26 +58,26 @@ _E = 2
 
 
 def check_litgpt_run(run: StepConfig) -> None:
-    """Refuse a run litgpt's count does not cover: ``finetune/lora.py`` on one GPU in ``bf16-true``
-    (``pure-bf16``) with LoRA on q, k or v of a Llama decoder with one key/value head per query head
-    (litgpt's GQA repeats k and v into copies, not counted here).
+    """Refuse a run litgpt's count (either commit) does not cover: ``finetune/lora.py`` on one GPU
+    in ``bf16-true`` (``pure-bf16``) with LoRA on q, k or v of a Llama decoder with one key/value
+    head per query head (litgpt's GQA repeats k and v into copies, not counted here).
 
     Raises:
         InputError: the field, its value and what is allowed.
     """
-    s = run.model_config
+    s, who = run.model_config, f"implementation={run.implementation!r}"
     if not isinstance(s, DecoderShape) or s.model_type != "llama" or s.kv_heads != s.heads or s.qkv_bias:
         name = s.model_type if isinstance(s, DecoderShape) else type(s).__name__
-        raise InputError(f"implementation='litgpt' for {name} (kv heads {getattr(s, 'kv_heads', '?')} of "
+        raise InputError(f"{who} for {name} (kv heads {getattr(s, 'kv_heads', '?')} of "
                          f"{getattr(s, 'heads', '?')}); allowed: a llama config with as many key/value heads as "
                          f"query heads and no biases (Llama 2 7B and 13B)")
     if run.precision != "pure-bf16":
-        raise InputError(f"implementation='litgpt' with precision={run.precision!r}; allowed: pure-bf16 "
+        raise InputError(f"{who} with precision={run.precision!r}; allowed: pure-bf16 "
                          f"(litgpt's --precision bf16-true)")
     lora = run.lora
     if lora is None or isinstance(lora.targets, str) or not set(lora.targets) <= set(LITGPT_TARGETS) \
             or lora.adapter_dtype != "base":
-        raise InputError(f"implementation='litgpt' with lora={lora!r}; allowed: LoraConfig with targets among "
+        raise InputError(f"{who} with lora={lora!r}; allowed: LoraConfig with targets among "
                          f"{', '.join(LITGPT_TARGETS)} and adapter_dtype='base' (finetune/lora.py's "
                          f"lora_query/lora_key/lora_value, adapters in bf16)")
     extras = dict(checkpointing=(run.checkpointing or "none", "none"), zero=(run.zero, 0),
@@ -85,7 +89,7 @@ def check_litgpt_run(run: StepConfig) -> None:
                   optimizer_in_backward=(run.optimizer_in_backward, False))
     for name, (value, allowed) in extras.items():
         if value != allowed:
-            raise InputError(f"implementation='litgpt' with {name}={value!r}; allowed: {allowed!r} "
+            raise InputError(f"{who} with {name}={value!r}; allowed: {allowed!r} "
                              f"(finetune/lora.py on one device, its own chunked loss)")
 
 
@@ -96,7 +100,7 @@ def check_implementation(run: StepConfig) -> None:
     Raises:
         InputError: the field, its value and what is allowed.
     """
-    if run.implementation == "litgpt":
+    if run.implementation in NORM_BYTES:
         check_litgpt_run(run)
     elif run.quantization is not None and run.quantization.matmul_keeps_input:
         raise InputError("matmul_keeps_input=True (bitsandbytes before 0.43.2) is counted for implementation="
@@ -116,21 +120,22 @@ def implementation_peak(run: StepConfig, s: DecoderShape, batch: int, parameters
     Returns:
         ``(parameter bytes, moment, categories)``.
     """
-    if run.implementation != "litgpt":
+    if run.implementation not in NORM_BYTES:
         return parameters, moment, best
-    moments = litgpt_moments(s, batch, run.seq, run.lora, run.quantization)
+    moments = litgpt_moments(s, batch, run.seq, run.lora, run.quantization, NORM_BYTES[run.implementation])
     name, cats = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     return parameters + litgpt_head_bytes(s, run.quantization), name, dict(cats, gradients=gradients)
 
 
 def litgpt_layer_bytes(s: DecoderShape, batch: int, seq: int, i: int, lora: LoraConfig,
-                       quant: QuantConfig | None) -> float:
+                       quant: QuantConfig | None, norm: int = 2) -> float:
     """Bytes layer ``i`` of litgpt's LoRA model keeps for backward (the module doc's terms).
 
     Args:
         s: the decoder's shape; batch, seq: the micro-batch; i: the layer's index (layer 0's
             input needs no gradient: the embedding is frozen); lora: the adapters; quant: a
-            4-bit base (its matmul may keep its input) or ``None``.
+            4-bit base (its matmul may keep its input) or ``None``; norm: bytes per element the
+            RMSNorm computes in (:data:`NORM_BYTES`).
 
     Returns:
         The bytes.
@@ -139,7 +144,7 @@ def litgpt_layer_bytes(s: DecoderShape, batch: int, seq: int, i: int, lora: Lora
     grad_in = i > 0
     widths = dict(zip(LITGPT_TARGETS, (s.q_dim, s.kv_dim, s.kv_dim), strict=True))
     adapted = [widths[n] for n in LITGPT_TARGETS if n in lora.targets]
-    n = (t * d * _E + t * _E) if grad_in else 0.0            # norm_1: its input, rsqrt per row
+    n = (t * d * norm + t * norm) if grad_in else 0.0         # norm_1: its input as it computes, rsqrt per row
     if lora.dropout > 0:
         n += (t * d if grad_in else 0) + t * d * _E            # the bool mask (input's gradient), the dropped copy
     else:
@@ -150,7 +155,7 @@ def litgpt_layer_bytes(s: DecoderShape, batch: int, seq: int, i: int, lora: Lora
     n += t * (s.q_dim + 2 * s.kv_dim) * _E                     # the fused q/k/v output, v a view of it
     n += t * (s.q_dim + s.kv_dim) * _E                         # q and k after rope (torch.cat)
     n += t * s.q_dim * _E + sdpa_lse_bytes("flash", batch, s.heads, seq)  # SDPA's output, log-sum-exp
-    n += t * d * _E + t * _E                                   # norm_2 on the residual sum
+    n += t * d * norm + t * norm                               # norm_2 on the residual sum
     n += 3 * t * f * _E                                        # fc_1's output, silu's, fc_2's
     if quant is not None and quant.matmul_keeps_input:
         # MatMul4Bit keeps A where any input needs a gradient: q/k/v's input (not layer 0's, and
@@ -161,22 +166,24 @@ def litgpt_layer_bytes(s: DecoderShape, batch: int, seq: int, i: int, lora: Lora
 
 
 def litgpt_moments(s: DecoderShape, batch: int, seq: int, lora: LoraConfig,
-                   quant: QuantConfig | None) -> dict[str, dict[str, float]]:
+                   quant: QuantConfig | None, norm: int = 2) -> dict[str, dict[str, float]]:
     """The candidate peak moments of litgpt's step (the activations kept, the loss's tensors):
     the logits cast to fp32 (the bf16 chunk list and its fp32 copy both alive), the loss's
     backward (the fp32 list, every chunk's fp32 log-probabilities or their gradients, one chunk's
     two gradients: the peak of a CPU run of litgpt's code under memlab's simulation) and, on a
-    4-bit base, the head's chunks dequantising the head's weight.
+    4-bit base, the head's chunks dequantising the head's weight, forward and backward (the
+    autograd engine runs every chunk's log-softmax backward before the head's: all their fp32
+    gradients are there when the first chunk's ``MatMul4Bit.backward`` dequantises the weight).
 
     Args:
-        s, batch, seq, lora, quant: as :func:`litgpt_layer_bytes`.
+        s, batch, seq, lora, quant, norm: as :func:`litgpt_layer_bytes`.
 
     Returns:
         ``{moment: {"activations": bytes, "temporaries": bytes}}``.
     """
     t, d, V = batch * seq, s.d, s.vocab
-    A = sum(litgpt_layer_bytes(s, batch, seq, i, lora, quant) for i in range(s.n_layer))
-    A += t * d * _E + t * _E                                   # the final norm
+    A = sum(litgpt_layer_bytes(s, batch, seq, i, lora, quant, norm) for i in range(s.n_layer))
+    A += t * d * norm + t * norm                               # the final norm
     if quant is not None and quant.matmul_keeps_input:
         A += t * d * _E                                        # the 4-bit head's input: the final norm's output
     logits = t * V * 4                                         # the fp32 chunk list the loop holds
@@ -186,7 +193,10 @@ def litgpt_moments(s: DecoderShape, batch: int, seq: int, lora: LoraConfig,
                "loss backward": dict(activations=A, temporaries=logits + batch * (seq - 1) * V * 4
                                      + 2 * batch * LITGPT_HEAD_CHUNK * V * 4)}
     if quant is not None:
-        moments["4-bit head forward"] = dict(activations=A, temporaries=t * V * _E + V * d * quant.compute_bytes)
+        weight = V * d * quant.compute_bytes                   # the head's weight dequantised
+        moments["4-bit head forward"] = dict(activations=A, temporaries=t * V * _E + weight)
+        moments["4-bit head backward"] = dict(activations=A, temporaries=logits + batch * (seq - 1) * V * 4
+                                              + batch * LITGPT_HEAD_CHUNK * V * _E + weight)
     return moments
 
 
@@ -206,5 +216,5 @@ def litgpt_head_bytes(s: DecoderShape, quant: QuantConfig | None) -> float:
     return packed - s.vocab * s.d * quant.rest_bytes
 
 
-__all__ = ["LITGPT_COMMIT", "LITGPT_HEAD_CHUNK", "LITGPT_TARGETS", "check_implementation", "check_litgpt_run",
+__all__ = ["NORM_BYTES", "LITGPT_HEAD_CHUNK", "LITGPT_TARGETS", "check_implementation", "check_litgpt_run",
            "implementation_peak", "litgpt_layer_bytes", "litgpt_moments", "litgpt_head_bytes"]

@@ -40,9 +40,9 @@ OPTIMIZERS = ("adamw", "sgd")
 DECODER_CHECKPOINTING = ("none", "full")
 #: a decoder's losses: its class's own (``None``: ``transformers``' upcast logits) or chunked
 DECODER_LOSSES = ("transformers", "chunked")
-#: whose code trains a decoder: the Hugging Face class, or litgpt's own model and LoRA loop at the
-#: commit its published resource tables ran (:mod:`memlab.hf.litgpt_step`)
-DECODER_IMPLEMENTATIONS = ("transformers", "litgpt")
+#: whose code trains a decoder: the Hugging Face class, or litgpt's own model and LoRA loop at one
+#: of two commits (:mod:`memlab.hf.litgpt_step`: they differ in the RMSNorm's dtype)
+DECODER_IMPLEMENTATIONS = ("transformers", "litgpt-8641822", "litgpt-6178c7cc")
 #: what the step owns of its model's switches (see :class:`StepConfig`)
 SWITCHES = ("checkpointing", "attention")
 
@@ -110,8 +110,8 @@ class StepConfig:
     """Tokens per chunk of the chunked loss."""
     implementation: str = "transformers"
     """A decoder's code (:data:`DECODER_IMPLEMENTATIONS`): ``transformers`` (the Hugging Face class)
-    or ``litgpt`` (Lightning-AI/litgpt commit 8641822's model and ``finetune/lora.py``, which the
-    estimate counts: :mod:`memlab.hf.litgpt_step`)."""
+    or Lightning-AI/litgpt's model and ``finetune/lora.py`` at commit 8641822 or 6178c7cc, which
+    the estimate counts (:mod:`memlab.hf.litgpt_step`)."""
     expert_parallel: int = 1
     """Ranks a mixture of experts' routed experts are divided across."""
     expert_imbalance: float = 1.0
