@@ -103,8 +103,8 @@ def check_implementation(run: StepConfig) -> None:
     if run.implementation in NORM_BYTES:
         check_litgpt_run(run)
     elif run.quantization is not None and run.quantization.matmul_keeps_input:
-        raise InputError("matmul_keeps_input=True (bitsandbytes before 0.43.2) is counted for implementation="
-                         "'litgpt'; allowed with transformers' class: False")
+        raise InputError(f"matmul_keeps_input=True (bitsandbytes before 0.43.2) is counted for litgpt's code "
+                         f"(implementation {', '.join(NORM_BYTES)}); allowed with transformers' class: False")
 
 
 def implementation_peak(run: StepConfig, s: DecoderShape, batch: int, parameters: float, moment: str,
@@ -170,7 +170,7 @@ def litgpt_moments(s: DecoderShape, batch: int, seq: int, lora: LoraConfig,
     """The candidate peak moments of litgpt's step (the activations kept, the loss's tensors):
     the logits cast to fp32 (the bf16 chunk list and its fp32 copy both alive), the loss's
     backward (the fp32 list, every chunk's fp32 log-probabilities or their gradients, one chunk's
-    two gradients: the peak of a CPU run of litgpt's code under memlab's simulation) and, on a
+    two gradients: where litgpt's code run on fake CUDA tensors peaks) and, on a
     4-bit base, the head's chunks dequantising the head's weight, forward and backward (the
     autograd engine runs every chunk's log-softmax backward before the head's: all their fp32
     gradients are there when the first chunk's ``MatMul4Bit.backward`` dequantises the weight).
