@@ -20,11 +20,12 @@ three days before the table's PR #663, after its "last updated 10/20/2023") comp
 in fp32 (keeps ``x.float()``); counted so, every Llama row lands within 0.4% and every OOM row
 does not fit. The GPT-NeoX rows of the same table (phi-1.5, StableLM-Alpha: LayerNorm) cannot
 tell the two apart; both commits' code run on fake CUDA tensors under memlab's
-``simulate_model`` peaks where the estimate does (8641822: 20.58, 27.63, 36.93 GB; 6178c7cc:
-21.26 and 38.00 GB at micro-batch 1), and 8641822's reproduces the phi-1.5 and StableLM rows
+``simulate_model`` peaks where the estimate does (8641822: 20.58, 27.63, 36.93 GB; its model with
+6178c7cc's ``rmsnorm.py``: 21.26 and 38.00 GB at micro-batch 1), and 8641822's reproduces the phi-1.5 and StableLM rows
 within 0.2%. So the Llama rows were measured with litgpt's fp32 RMSNorm: an inference from the
 numbers, the table does not say it. memlab's ``simulate`` lens runs ``transformers``' Llama, not
-litgpt's: it measures the class, not these rows (about 0.7 GB below them at 7B micro-batch 1).
+litgpt's: it measures the class, not these rows (20.54 GB at 7B micro-batch 1, 3.6% below the row,
+and 41.58 GB at micro-batch 4, which fits).
 """
 import pytest
 
