@@ -86,6 +86,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         'lenses': "estimate, simulate, measure, the guard, the H200 reference, any model, parallel formulas",
         'lenses.estimate': "the estimate lens: closed-form bytes, activations and the peak moment",
         'lenses.decoder_estimate': "a decoder's run in closed form, op by op as transformers' classes save it: dense, MLA, mixtures of experts; LoRA, QLoRA, low-bit state, ZeRO, tensor parallelism",
+        'lenses.litgpt_estimate': "litgpt's own LoRA step (its model and finetune/lora.py at two commits, under Fabric bf16-true) in closed form: the code litgpt's published resource tables ran",
         'lenses.simulate': "the simulate lens: the same step on fake tensors",
         'lenses.measure': "the measure lens: a real step, warmed up and tracked; OOMs caught and released; step timing",
         'lenses.guard': "the refusal rule (`HostMemoryError`): estimate vs host RAM / free GPU memory, before anything is built",

@@ -47,7 +47,8 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                 micro_batches: int = 1, lora: LoraConfig | None = None,
                 quantization: QuantConfig | None = None, buckets: ZeroBuckets | None = None,
                 loss: str = "transformers", loss_chunk: int = 1024,
-                optimizer_in_backward: bool = False, tensor_parallel: int = 1) -> MemoryReport:
+                optimizer_in_backward: bool = False, tensor_parallel: int = 1,
+                implementation: str = "transformers") -> MemoryReport:
     """Closed-form peak bytes of one training step of the HF decoder of ``cfg``, per rank.
 
     Args:
@@ -79,6 +80,9 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
             a full fine-tune of a dense decoder, one micro-batch, no ZeRO.
         tensor_parallel: Megatron-LM's tensor parallelism in groups of ``t`` of the
             ``world_size`` ranks (:func:`memlab.lenses.decoder_estimate.estimate_run`).
+        implementation: whose code trains the model (:data:`memlab.step.training_step.DECODER_IMPLEMENTATIONS`):
+            ``transformers`` (the class) or ``litgpt-8641822``/``litgpt-6178c7cc``
+            (:mod:`memlab.lenses.litgpt_estimate`).
 
     Returns:
         A :class:`MemoryReport` (lens ``estimate``) per rank.
@@ -88,7 +92,7 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                      optimizer=optimizer, micro_batches=micro_batches, zero=zero, world_size=world_size,
                      offload=offload, lora=lora, quantization=quantization, loss=loss, loss_chunk=loss_chunk,
                      expert_parallel=expert_parallel, expert_imbalance=imbalance, buckets=buckets,
-                     optimizer_in_backward=optimizer_in_backward)
+                     optimizer_in_backward=optimizer_in_backward, implementation=implementation)
     return estimate_run(run, target=target, budget=budget, card=card, tensor_parallel=tensor_parallel)
 
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from memlab.core.errors import InputError
 from memlab.core.hardware import resolve_budget
+from memlab.lenses.litgpt_estimate import check_implementation, implementation_peak
 from memlab.models.chunked_loss import chunked_loss_bytes
 from memlab.models.decoder_shape import DecoderShape
 from memlab.policy import op_bytes, precision_bytes, resolve_target, sdpa_backend, sdpa_dtype, sdpa_lse_bytes
@@ -629,6 +630,7 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     head_grad = min(G, V * D * z.w * (not s.tied) / (dp if zero >= 2 else 1)) if trains_base else 0.0
     full = checkpointing == "full"
     params = s.num_params() - s.expert_total() * (1 - 1 / ep)
+    check_implementation(run)
     A, layers, embed, dense_w = kept_activations(s, z, batch, seq, path, full, params, ep, imbalance, ad, chunked)
     moment, best = _peak_moment(s, z, t, A=A, layers=layers, embed=embed, dense_w=dense_w, G=G, G_prev=G_prev,
                                 held=held, late=late, early_late=early_late, bucket=bucket,
@@ -638,6 +640,8 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
                                 chunk=loss_chunk if chunked else None,
                                 largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None,
                                 out_held=output_held(s, z, batch, seq, path, ad is not None, full, chunked))
+    # litgpt's own model and loop replace the class's terms (transformers' pass through)
+    P, moment, best = implementation_peak(run, s, batch, P, moment, best, G_prev + held)
     cats = dict.fromkeys(CATEGORIES, 0.0)
     cats.update(parameters=P, optimizer=opt, other=16 * t, workspace=tgt.resident_workspace(), **best)
     # the attention's backward workspace and a 4-bit weight dequantised live only while a layer's

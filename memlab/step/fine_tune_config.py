@@ -114,6 +114,13 @@ class QuantConfig:
     """``from_pretrained``'s ``dtype``: what bitsandbytes leaves unquantised (embeddings, head,
     norms) is stored in it, whatever the compute dtype; ``None``: the compute dtype (a recipe
     that loads in the dtype it computes in)."""
+    matmul_keeps_input: bool = False
+    """Whether bitsandbytes' 4-bit matmul keeps its input for backward. Up to 0.43.1 it did:
+    ``MatMul4Bit.forward`` sets ``ctx.tensors = (A, B)`` when any input needs a gradient
+    (bitsandbytes 0.41.1, commit 18e827d6, ``bitsandbytes/autograd/_functions.py`` line 523),
+    though backward reads only ``B`` (the input's gradient needs only the weight). Since 0.43.2
+    it keeps ``(None, B)`` (PR #1270, commit 9e753741; 0.50.0's line 358). ``False``: today's
+    bitsandbytes; ``True``: a run on an older one (litgpt's resource tables: 0.41.1)."""
 
     def __post_init__(self) -> None:
         if self.bits not in QUANT_BITS or isinstance(self.bits, bool):
@@ -124,6 +131,9 @@ class QuantConfig:
             raise InputError(f"bnb_4bit_compute_dtype={self.compute_dtype!r}; allowed: {', '.join(COMPUTE_DTYPES)}")
         if self.base_dtype is not None and self.base_dtype not in COMPUTE_DTYPES:
             raise InputError(f"base dtype={self.base_dtype!r}; allowed: {', '.join(COMPUTE_DTYPES)}")
+        if not isinstance(self.matmul_keeps_input, bool) or (self.matmul_keeps_input and self.bits != 4):
+            raise InputError(f"matmul_keeps_input={self.matmul_keeps_input!r} with bits={self.bits}; allowed: "
+                             f"True or False with 4 bits (MatMul4Bit), False with 8")
 
     @property
     def name(self) -> str:

@@ -40,6 +40,9 @@ OPTIMIZERS = ("adamw", "sgd")
 DECODER_CHECKPOINTING = ("none", "full")
 #: a decoder's losses: its class's own (``None``: ``transformers``' upcast logits) or chunked
 DECODER_LOSSES = ("transformers", "chunked")
+#: whose code trains a decoder: the Hugging Face class, or litgpt's own model and LoRA loop at one
+#: of two commits (:mod:`memlab.lenses.litgpt_estimate`: they differ in the RMSNorm's dtype)
+DECODER_IMPLEMENTATIONS = ("transformers", "litgpt-8641822", "litgpt-6178c7cc")
 #: what the step owns of its model's switches (see :class:`StepConfig`)
 SWITCHES = ("checkpointing", "attention")
 
@@ -105,6 +108,10 @@ class StepConfig:
     """A decoder's loss: ``None``/``transformers`` (its class's) or ``chunked``."""
     loss_chunk: int = 1024
     """Tokens per chunk of the chunked loss."""
+    implementation: str = "transformers"
+    """A decoder's code (:data:`DECODER_IMPLEMENTATIONS`): ``transformers`` (the Hugging Face class)
+    or Lightning-AI/litgpt's model and ``finetune/lora.py`` at commit 8641822 or 6178c7cc, which
+    the estimate counts (:mod:`memlab.lenses.litgpt_estimate`)."""
     expert_parallel: int = 1
     """Ranks a mixture of experts' routed experts are divided across."""
     expert_imbalance: float = 1.0
@@ -154,6 +161,7 @@ class StepConfig:
         if self.optimizer not in OPTIMIZERS:
             raise InputError(f"optimizer={self.optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
         extras = {n: getattr(self, n) for n in ("lora", "quantization", "loss", "buckets")}
+        extras.update(implementation=self.implementation if self.implementation != "transformers" else None)
         extras.update(expert_parallel=self.expert_parallel if self.expert_parallel != 1 else None,
                       expert_imbalance=self.expert_imbalance if self.expert_imbalance != 1.0 else None)
         given = [n for n, v in extras.items() if v is not None]
@@ -187,6 +195,8 @@ class StepConfig:
             raise InputError(f"attention={self.attention!r}; allowed: naive, sdpa")
         if (self.loss or "transformers") not in DECODER_LOSSES:
             raise InputError(f"loss={self.loss!r}; allowed: {', '.join(DECODER_LOSSES)}")
+        if self.implementation not in DECODER_IMPLEMENTATIONS:
+            raise InputError(f"implementation={self.implementation!r}; allowed: {', '.join(DECODER_IMPLEMENTATIONS)}")
         if s.context is not None and self.seq > s.context:
             raise InputError(f"seq {self.seq} exceeds the model's context of {s.context} tokens "
                              f"(max_position_embeddings, rope-scaled where the config says so); "
