@@ -89,6 +89,8 @@ def test_litgpt_qlora_rows(cfg, double_quant, published):
     64-weight block. Without the old matmul's inputs it would read 14-16% low."""
     est = _estimate(cfg, 1, QuantConfig(double_quant=double_quant, **BNB_0_41))
     assert est.fits and -0.045 <= est.peak_bytes / 1e9 / published - 1 <= -0.03
+    assert any("the head in 4 bits too" in n for n in est.notes)  # Lightning quantises every Linear
+    assert any(n.startswith(f"implementation {LITGPT}") for n in est.notes)
     plain = _estimate(cfg, 1, QuantConfig(double_quant=False, **BNB_0_41))
     dq = _estimate(cfg, 1, QuantConfig(double_quant=True, **BNB_0_41))
     published_saving = {14.14: 14.14 - 13.84, 23.14: 23.14 - 22.55}

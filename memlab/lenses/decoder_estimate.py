@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from memlab.core.errors import InputError
 from memlab.core.hardware import resolve_budget
-from memlab.lenses.litgpt_estimate import check_implementation, implementation_peak
+from memlab.lenses.litgpt_estimate import check_implementation, implementation_notes, implementation_peak
 from memlab.models.chunked_loss import chunked_loss_bytes
 from memlab.models.decoder_shape import DecoderShape
 from memlab.policy import op_bytes, precision_bytes, resolve_target, sdpa_backend, sdpa_dtype, sdpa_lse_bytes
@@ -658,7 +658,7 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     report = MemoryReport("estimate", run, f"formula ({tgt.name})", sum(cats.values()), cats,
                           resolve_budget(budget), None, host_bytes=sum(host.values()), host_by_category=host)
     report.notes.append(f"peak moment: {moment}; attention: {path}")
-    report.notes.extend(rs.notes)
+    report.notes.extend(implementation_notes(run, rs.notes))
     if k > 1:
         report.notes.append(f"{k} micro-batches of {batch}: activations of one, gradients held throughout")
     if ad is not None and full:

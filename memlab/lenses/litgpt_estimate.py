@@ -38,6 +38,8 @@ StableLM-Alpha 3B: LayerNorm, no RMSNorm) within 0.2%; its Llama 2 rows read 3-5
 """
 from __future__ import annotations
 
+import re
+
 from memlab.core.errors import InputError
 from memlab.models.decoder_shape import DecoderShape
 from memlab.policy import sdpa_lse_bytes
@@ -125,6 +127,26 @@ def implementation_peak(run: StepConfig, s: DecoderShape, batch: int, parameters
     moments = litgpt_moments(s, batch, run.seq, run.lora, run.quantization, NORM_BYTES[run.implementation])
     name, cats = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     return parameters + litgpt_head_bytes(s, run.quantization), name, dict(cats, gradients=gradients)
+
+
+def implementation_notes(run: StepConfig, notes: list[str]) -> list[str]:
+    """The model states' notes as the run's implementation holds them: under litgpt a 4-bit base
+    quantises the head too (Lightning's ``BitsandbytesPrecision`` replaces every ``Linear``), so
+    the class's "embeddings, head and norms" in 16 bits reads "embeddings and norms"; and a
+    line saying whose code was counted.
+
+    Args:
+        run: the step; notes: the notes the model states gave.
+
+    Returns:
+        The notes to print.
+    """
+    if run.implementation not in NORM_BYTES:
+        return notes
+    out = [re.sub(r"embeddings, head and norms in (\w+)", r"embeddings and norms in \1; the head in 4 bits too", n)
+           if run.quantization is not None else n for n in notes]
+    return out + [f"implementation {run.implementation}: litgpt's model and finetune/lora.py under Fabric "
+                  f"bf16-true, counted op by op (memlab.lenses.litgpt_estimate)"]
 
 
 def litgpt_layer_bytes(s: DecoderShape, batch: int, seq: int, i: int, lora: LoraConfig,
@@ -217,4 +239,4 @@ def litgpt_head_bytes(s: DecoderShape, quant: QuantConfig | None) -> float:
 
 
 __all__ = ["NORM_BYTES", "LITGPT_HEAD_CHUNK", "LITGPT_TARGETS", "check_implementation", "check_litgpt_run",
-           "implementation_peak", "litgpt_layer_bytes", "litgpt_moments", "litgpt_head_bytes"]
+           "implementation_notes", "implementation_peak", "litgpt_layer_bytes", "litgpt_moments", "litgpt_head_bytes"]
