@@ -29,7 +29,9 @@ keyword names, so one run description feeds both) and runs them on fake tensors
 * **ZeRO 1-3 and offload**: the step runs unsharded in DeepSpeed's compute dtype (the module
   cast to it, adapters included); its model states are then put in DeepSpeed's layout per
   rank (:func:`memlab.lenses.simulate.deepspeed_layout`) from :func:`memlab.step.decoder_states.run_states`,
-  the frozen base of a LoRA run held beside the adapters' shards.
+  the frozen base of a LoRA run held beside the adapters' shards; ZeRO-2's ranks differ by their
+  gradient partitions (:func:`memlab.step.states.zero2_partition_elements`, in the class's
+  parameter order), so its report is the largest rank's, with ``per_rank`` every rank's.
 
 :func:`build_run` and :func:`memlab.hf.config.causal_lm_step` are also what :func:`memlab.hf.measure.measure_hf`
 runs for real, so the two lenses run one step.
