@@ -364,10 +364,10 @@ def zero2_partition_elements(sizes: list[int], world_size: int) -> list[int]:
     out = []
     for rank in range(n):
         lo, hi = share * rank, share * (rank + 1)
-        # a parameter counts when it starts in [lo, hi) or straddles lo (start < lo < end)
-        first = bisect.bisect_right(ends, lo)            # the first parameter ending past lo
-        first = min(first, bisect.bisect_left(starts, lo))  # zero-size parameters at lo count
-        last = bisect.bisect_left(starts, hi)             # parameters starting at or past hi do not
+        # a parameter counts when it starts in [lo, hi) or straddles lo (start < lo < end); an
+        # empty one adds nothing either way
+        first = bisect.bisect_right(ends, lo)  # the first parameter ending past lo
+        last = bisect.bisect_left(starts, hi)  # parameters starting at or past hi do not count
         out.append(sum(sizes[first:last]))
     return out
 
