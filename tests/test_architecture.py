@@ -269,3 +269,25 @@ def test_no_module_maps_a_hugging_face_config_onto_memlabs_gpt():
                 if name in names:
                     found.add(f"{rel}: {name}()")
     assert found == set()
+
+
+#: methods that count a model's parameters
+COUNTS = {"param_numels", "num_params", "matmul_numels", "layer_params", "attention_params", "dense_mlp_params"}
+
+
+def test_one_shape_type_counts_the_parameters():
+    """Issue 36: one model description. Parameters are counted from widths in one place,
+    :class:`memlab.models.decoder_shape.DecoderShape` (a Hugging Face config's shape and memlab's
+    GPT's, ``GPTConfig.shape``); any other class's count reads its ``shape`` or its built module's
+    ``parameters()`` (the UNet), never widths of its own."""
+    own = set()
+    for path in _modules():
+        rel = path.relative_to(PACKAGE).as_posix()
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            if cls.name == "DecoderShape":
+                continue
+            for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in COUNTS):
+                reads = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
+                if not reads & {"shape", "parameters", "params"}:
+                    own.add(f"{rel}: {cls.name}.{fn.name}")
+    assert own == set()

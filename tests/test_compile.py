@@ -5,10 +5,11 @@ import torch
 
 from memlab.core.errors import InputError
 from memlab.core.torch_private import FakeTensorMode, activation_memory_budget, profiler_memory_events
+from memlab.lenses.estimate import COMPILE_NOTE, compiled_pass_bytes, estimate_step
 from memlab.lenses.measure import allocator_peak, measure_step, run_tracked_step
 from memlab.lenses.simulate import simulate_step
 from memlab.models.gpt_unet import tiny_llama
-from memlab.step.compiled import count_compiled_saved, fused_nodes
+from memlab.step.compiled import CUDA_LOWERING_NOTE, count_compiled_saved
 from memlab.step.training_step import StepConfig, build_trainer, make_batch
 
 MiB = 2**20
@@ -35,28 +36,6 @@ def test_the_budget_is_a_fraction_and_needs_compile():
         StepConfig(compile="yes")
     with pytest.raises(InputError, match="budget"):
         measure_step(StepConfig(compile=True, **SMALL), budget="64MiB")
-
-
-def test_inductor_fuses_a_pointwise_chain_but_keeps_what_a_matmul_reads():
-    """The fusion rule the simulation runs a compiled graph by (memlab.step.compiled): in
-    ``relu(x @ w + b) @ w``, inductor computes ``add`` and ``relu`` in one kernel, so ``add``
-    never exists; ``relu``'s output is a matmul's input and is materialised, as is each mm's.
-    A gather reads its input through an index inside the consumer's kernel (the log-softmax a
-    cross-entropy gathers from is never materialised)."""
-    g = torch.fx.Graph()
-    x, w, b, i = (g.placeholder(n) for n in "xwbi")
-    mm = g.call_function(torch.ops.aten.mm.default, (x, w))
-    add = g.call_function(torch.ops.aten.add.Tensor, (mm, b))
-    relu = g.call_function(torch.ops.aten.relu.default, (add,))
-    view = g.call_function(torch.ops.aten.view.default, (add, [-1]))
-    total = g.call_function(torch.ops.aten.sum.default, (view,))
-    out = g.call_function(torch.ops.aten.mm.default, (relu, w))
-    logp = g.call_function(torch.ops.aten.sub.Tensor, (out, b))
-    picked = g.call_function(torch.ops.aten.gather.default, (logp, 1, i))
-    loss = g.call_function(torch.ops.aten.sum.default, (picked,))
-    g.output((out, total, loss))
-    fused = fused_nodes(torch.fx.GraphModule(torch.nn.Module(), g))
-    assert fused == {add, view, logp, picked}   # the sum reads add's view inside its own kernel
 
 
 #: (model, the StepConfig fields of the compiled runs)
@@ -102,38 +81,54 @@ def measured(compiled_runs, model: str, budget: float | None):
     return compiled_runs[budget][0] if model == "gpt" else compiled_runs["llama", budget]
 
 
+#: the measured compiled peaks (bytes) these tests were written against, on this repository's CPU run
+#: (torch 2.13): read from the allocator's events of the real inductor step (measure_compiled), so
+#: the simulation's bound below is checked against inductor's step, never against memlab's own output
+MEASURED_WHEN_WRITTEN = {("gpt", None): 84_122_840, ("gpt", 0.5): 73_553_240,
+                         ("llama", None): 8_795_980, ("llama", 0.5): 7_939_916}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("budget", [None, 0.5])
 @pytest.mark.parametrize("model", RUNS)
-def test_the_simulated_compiled_peak_within_2_percent_at_the_default_budget(compiled_runs, model):
-    """The issue's 2% at the default budget (when written: gpt -1.8%, llama -0.0%), from the same
-    state held before the step."""
-    run = measured(compiled_runs, model, None)
-    sim = simulate_step(StepConfig(compile=True, **RUNS[model]))
+def test_the_simulated_compiled_peak_follows_inductors_code(compiled_runs, model, budget):
+    """The issue's 2%, at the default budget and at 0.5, from the same state held before the step.
+    The simulation runs the wrapper inductor generates for each partitioned graph (its fusion,
+    reorder_for_peak_memory, buffer reuse and donated saved tensors; memlab.step.compiled), so it
+    follows the order inductor runs: at 0.5 its scheduler recomputes the backward's attention of
+    several layers and the residual stream in one kernel at the start of backward, which the
+    partitioned graph's own order put 12-14% lower. When written: gpt +0.00% and -0.09%, llama
+    +0.00% and +0.00%; the bound is kept near that, well inside the issue's 2%."""
+    run = measured(compiled_runs, model, budget)
+    assert run.peak_bytes == pytest.approx(MEASURED_WHEN_WRITTEN[model, budget], rel=0.01)  # the same step
+    sim = simulate_step(StepConfig(compile=True, activation_memory_budget=budget, **RUNS[model]))
     assert sim.live_before == run.live_before
-    assert sim.peak_bytes == pytest.approx(run.peak_bytes, rel=0.02)
+    assert sim.peak_bytes == pytest.approx(run.peak_bytes, rel=0.0025)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("budget", [None, 0.5])
 @pytest.mark.parametrize("model", RUNS)
-def test_the_simulated_compiled_peak_at_budget_half_within_its_stated_band(compiled_runs, model):
-    """At a budget of 0.5 the simulation reads low, by the band memlab.step.compiled states
-    (when written: gpt -12.2%, llama -14.1%): inductor runs the backward's recomputation of
-    several layers in one kernel at the start of backward, which the partitioned graph's order
-    does not."""
-    run = measured(compiled_runs, model, 0.5)
-    sim = simulate_step(StepConfig(compile=True, activation_memory_budget=0.5, **RUNS[model]))
-    assert sim.live_before == run.live_before
-    assert -0.15 <= sim.peak_bytes / run.peak_bytes - 1 <= -0.10
+def test_the_estimate_counts_the_compiled_step(compiled_runs, model, budget):
+    """The issue's 2% for the estimate: its compiled forward and backward are traced as inductor
+    runs them (estimate.compiled_pass_bytes), its model states and optimizer step are the formula's.
+    When written: gpt -0.00% and -0.09%, llama -0.00% and -0.00% (the eager count it replaced read
+    +1% and +16%, +57% and +74%)."""
+    run = measured(compiled_runs, model, budget)
+    est = estimate_step(StepConfig(compile=True, activation_memory_budget=budget, **RUNS[model]))
+    assert est.peak_bytes == pytest.approx(run.peak_bytes, rel=0.0025)
+    assert COMPILE_NOTE in est.notes and "peak moment: compiled forward and backward" in est.notes
+    assert CUDA_LOWERING_NOTE not in est.notes   # a CPU target: inductor's CPU code is the one followed
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="inductor hoists the backward's recomputation at a budget of 0.5: the "
-                                       "simulated compiled peak is 12-14% under the measured one, not within "
-                                       "2% (issue 39)")
-def test_the_simulated_compiled_peak_at_budget_half_within_2_percent(compiled_runs):
-    for model in RUNS:
-        sim = simulate_step(StepConfig(compile=True, activation_memory_budget=0.5, **RUNS[model]))
-        assert sim.peak_bytes == pytest.approx(measured(compiled_runs, model, 0.5).peak_bytes, rel=0.02)
+def test_the_estimate_traces_nothing_for_an_eager_step_and_refuses_what_it_cannot_trace():
+    """The CLI's fast path stays closed form: only compile=True traces (seconds). A compiled step
+    with tensor parallelism is not traced by the estimate (its pass would be the whole model's)."""
+    calls = compiled_pass_bytes.cache_info()
+    estimate_step(StepConfig(**SMALL))
+    assert compiled_pass_bytes.cache_info() == calls
+    with pytest.raises(InputError, match="simulate_step"):
+        estimate_step(StepConfig(compile=True, world_size=2, **SMALL), tensor_parallel=2)
 
 
 @pytest.mark.slow
@@ -150,3 +145,21 @@ def test_a_budget_of_half_saves_half_and_the_peak_falls_by_at_most_that(compiled
     drop_measured = default.peak_bytes - half.peak_bytes
     assert 0 < drop_measured <= saved_default.saved_bytes - saved_half.saved_bytes
     assert half.peak_bytes < default.peak_bytes < eager.peak_bytes
+
+
+def test_another_torch_runs_the_partitioned_graphs_as_they_are(monkeypatch):
+    """The wrapper inductor generates is read through private APIs checked on 2.13 only
+    (memlab.step.compiled.LOWERED_ON); the GPU machine's torch 2.11 runs the partitioned graphs
+    unlowered instead of failing, saves what the partitioner chose (the same bytes), and says so."""
+    import memlab.step.compiled as compiled
+    fields = dict(model=tiny_llama(), seq=32, batch=1)
+    assert compiled.inductor_lowering_available() == torch.__version__.startswith("2.13.")
+    lowered = partitioned_saved(fields, 0.5)
+    monkeypatch.setattr(compiled, "inductor_lowering_available", lambda: False)
+
+    def moved(*args, **kwargs):  # what another release's inductor internals do to the lowering
+        raise AttributeError("module 'torch._inductor.compile_fx' has no attribute 'fake_tensor_prop'")
+    monkeypatch.setattr(compiled, "inductor_wrapper_call", moved)
+    assert partitioned_saved(fields, 0.5) == lowered
+    sim = simulate_step(StepConfig(compile=True, activation_memory_budget=0.5, **fields))
+    assert compiled.UNLOWERED_NOTE in sim.notes and sim.peak_bytes > 0

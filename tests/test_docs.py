@@ -106,7 +106,8 @@ def test_link_and_path_checks_catch_what_is_not_there(tmp_path):
 QUESTIONS = {
     "the bf16 rule for softmax on a T4 (no fused attention for bf16 below sm80)":
         ("memlab/policy/kernels.py", ("sdpa_backend", "sdpa_math_extra_bytes"), "sm75"),
-    "the parameter count of a GPT": ("memlab/models/gpt_unet.py", ("GPTConfig.param_numels",), "parameter count"),
+    "the parameter count of a model (a Hugging Face decoder's, memlab's GPT's)": (
+        "memlab/models/decoder_shape.py", ("DecoderShape.param_numels",), "parameter count"),
     "the ZeRO-3 per-rank formula": ("memlab/step/zero.py", ("zero_formula",), "stage 3"),
     "the widgets (every ipywidgets panel)": ("memlab/classroom/widgets.py", ("Panel",), "widgets"),
     "how a notebook picks its sizes for the card present": ("memlab/classroom/lesson.py", ("setup",), "sizes"),

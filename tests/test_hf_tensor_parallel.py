@@ -1,4 +1,4 @@
-"""Tensor parallelism in the estimate of a Hugging Face decoder (memlab.hf.estimate.estimate_run with
+"""Tensor parallelism in the estimate of a Hugging Face decoder (memlab.lenses.decoder_estimate.estimate_run with
 tensor_parallel=t) against memlab's GPT estimate of the same Llama shapes, where both apply: one
 formula of the per-rank model states (memlab.step.states.tensor_parallel_share), and per layer the
 same replicated bytes and a sharded part that falls as 1/t (Korthikanti et al. 2022, sec. 4.2.1)."""
@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from memlab.core.errors import InputError
-from memlab.hf.estimate import Sizes, attention_path, estimate_hf, layer_activations
+from memlab.hf.estimate import estimate_hf
 from memlab.hf.shape import decoder_shape
+from memlab.lenses.decoder_estimate import Sizes, attention_path, layer_activations
 from memlab.lenses.estimate import estimate_step, layer_activation_parts
 from memlab.models.gpt_unet import GPTConfig
 from memlab.policy import resolve_target

@@ -65,9 +65,9 @@ from hf_families import FAMILIES  # noqa: E402
 from test_hf_lora import CONFIGS  # noqa: E402
 
 from memlab.hf.deepspeed_measure import measure_zero_hf  # noqa: E402
-from memlab.hf.estimate import estimate_run  # noqa: E402
 from memlab.hf.shape import decoder_shape  # noqa: E402
 from memlab.hf.simulate import simulate_hf  # noqa: E402
+from memlab.lenses.decoder_estimate import estimate_run  # noqa: E402
 from memlab.step.fine_tune_config import LoraConfig  # noqa: E402
 from memlab.step.training_step import StepConfig  # noqa: E402
 

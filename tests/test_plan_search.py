@@ -100,3 +100,56 @@ def test_todays_techniques_are_candidates_with_memory_and_time(capsys):
         twins[(c["plan"]["precision"], c["plan"]["checkpointing"])] = twin["peak_bytes"] - c["peak_bytes"]
     params, largest = get_config("llama-7b").num_params(), 32000 * 4096 * 4
     assert 4 * params - 2 * largest <= twins[("fp32", "full")] <= 4 * params
+
+
+#: Llama 3.1 8B's parameters as its model card counts them (8.03B); fp32 AdamW holds 16 bytes
+#: of each (weights, gradients, two moments: Rajbhandari et al. 2020, sec. 3.1)
+LLAMA_8B = 8_030_261_248
+
+
+def test_a_decoder_is_searched_in_its_own_terms(capsys):
+    """A Hugging Face config is searched as its class runs (issue 36): whole-layer checkpointing
+    only, its tensor parallelism without offload (what estimate_run counts), and each plan's
+    peak is the estimate ``memlab estimate --hf-config`` gives of the same flags."""
+    from memlab.core.units import GiB
+    from memlab.hf.estimate import estimate_hf
+    from memlab.hf.shape import decoder_shape
+    from memlab.planning.plan_search import search_plans
+
+    s = decoder_shape("llama-3.1-8b")
+    assert s.num_params() == LLAMA_8B
+    out = search_plans(s, "H100-80GB", 8, 4096, 1, usable_bytes=76 * GiB)
+    plans = [c.plan for c in out.candidates]
+    assert {p["checkpointing"] for p in plans} == {"none", "full"}
+    assert not [p for p in plans if p["tensor_parallel"] > 1 and p["offload"] != "none"]
+    assert {p["tensor_parallel"] for p in plans} >= {1, 2, 8} and {p["loss"] for p in plans} == {"transformers",
+                                                                                                  "chunked"}
+    for c in out.candidates[:40]:
+        p = c.plan
+        if p["tensor_parallel"] * p["pipeline_parallel"] > 1 or p["lora"] or p["optimizer_in_backward"]:
+            continue
+        flags = dict(seq=4096, batch=p["batch"], precision=p["precision"], checkpointing=p["checkpointing"],
+                     micro_batches=p["micro_batches"], zero=p["zero"], offload=p["offload"], world_size=8,
+                     loss=p["loss"], optimizer=p["optimizer_state"], card="H100-80GB")
+        assert c.peak_bytes == estimate_hf("llama-3.1-8b", **flags).peak_bytes, c.describe()
+    assert out.best is not None and out.best.fits and not out.best.changes_training
+
+
+def test_advise_on_a_desktop_keeps_to_its_host_and_falls_back_to_lora(capsys):
+    """Issue 36's desktop: Llama 3.1 8B on one RTX 4090 with 64 GiB of host memory. A full
+    fine-tune's states are 16 bytes a parameter, 128.5 GB: more than the card and the host
+    together (24 + 64 GiB = 94.5 GB), so no exact plan fits and the fastest fit trains LoRA;
+    with 256 GiB of host an offloading plan keeps every weight trainable."""
+    assert 16 * LLAMA_8B > (24 + 64) * 2**30
+    assert main(["advise", "--hf-config", "llama-3.1-8b", "--gpu", "RTX4090-24GB", "--seq", "2048", "--batch", "2",
+                 "--host-memory", "64GiB", "--no-simulate", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    best = d["recommendation"]
+    assert best["changes_training"] and best["plan"]["lora"] and best["host_bytes"] <= 64 * 2**30
+    assert "of host memory (this host: 64.00 GiB) it would be bf16" in d["why"] and "offload" in d["why"]
+    assert not [c for c in d["candidates"] if c["fits"] and c["host_bytes"] > 64 * 2**30]
+    assert main(["advise", "--hf-config", "llama-3.1-8b", "--gpu", "RTX4090-24GB", "--seq", "2048", "--batch", "2",
+                 "--host-memory", "256GiB", "--no-simulate", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["recommendation"]
+    assert not best["changes_training"] and best["plan"]["offload"] != "none"
+    assert 16 * LLAMA_8B - 24 * 2**30 < best["host_bytes"] <= 256 * 2**30

@@ -41,6 +41,25 @@ def test_param_numels_are_the_tensors_the_model_builds(name, published):
     assert sum(built) == published
 
 
+@pytest.mark.parametrize("preset, hf_name", [("gpt2-small", "gpt2"), ("mistral-7b", "mistral-7b")])
+def test_memlabs_gpt_and_a_hugging_face_config_are_one_shape_type(preset, hf_name):
+    """Issue 36: one model description. memlab's GPT-2 small and Mistral-7B presets, as shapes
+    (``GPTConfig.shape``), count the parameters the shipped Hugging Face configs' shapes count
+    (:func:`memlab.hf.shape.decoder_shape`), tensor for tensor up to memlab's fused q/k/v (GPT-2
+    fuses it too), and a shape of memlab's GPT is refused as a decoder's run (its class is memlab's)."""
+    from memlab.core.errors import InputError
+    from memlab.hf.shape import decoder_shape
+    from memlab.models.decoder_shape import MEMLAB_GPT
+    from memlab.step.training_step import StepConfig
+
+    mine, theirs = get_config(preset).shape, decoder_shape(hf_name)
+    assert mine.model_type == MEMLAB_GPT and mine.num_params() == theirs.num_params()
+    if preset == "gpt2-small":
+        assert sorted(mine.param_numels()) == sorted(theirs.param_numels())
+    with pytest.raises(InputError, match="GPTConfig"):
+        StepConfig(mine)
+
+
 def test_param_numels_of_the_unet_are_its_parameters():
     cfg = get_config(next(iter(UNET_PRESETS)))
     assert sorted(param_numels(cfg)) == sorted(p.numel() for p in build_model(cfg).parameters())

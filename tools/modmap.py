@@ -85,6 +85,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
     ('lenses', {
         'lenses': "estimate, simulate, measure, the guard, the H200 reference, any model, parallel formulas",
         'lenses.estimate': "the estimate lens: closed-form bytes, activations and the peak moment",
+        'lenses.decoder_estimate': "a decoder's run in closed form, op by op as transformers' classes save it: dense, MLA, mixtures of experts; LoRA, QLoRA, low-bit state, ZeRO, tensor parallelism",
         'lenses.simulate': "the simulate lens: the same step on fake tensors",
         'lenses.measure': "the measure lens: a real step, warmed up and tracked; OOMs caught and released; step timing",
         'lenses.guard': "the refusal rule (`HostMemoryError`): estimate vs host RAM / free GPU memory, before anything is built",
@@ -126,7 +127,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         'hf.config': "Hugging Face `config.json`: mapped to a `GPTConfig`, or the real class on fake tensors",
         'hf.config_check': "an HF config.json checked field by field before any build; transformers' defaults said",
         'hf.shape': "an HF decoder config read into what memory depends on; its parameter counts",
-        'hf.estimate': "the estimate of any HF decoder config in closed form: dense, MLA, mixtures of experts; LoRA, QLoRA, low-bit state, ZeRO",
+        'hf.estimate': "an HF decoder config's estimate: the config read into its shape and a run, counted by `lenses.decoder_estimate`",
         'hf.measure': "the measure lens of an HF config: its real step under the guard",
         'hf.deepspeed_measure': "the measure lens of an HF config's ZeRO run: real DeepSpeed on its ranks",
         'hf.simulate': "the simulate lens of a whole HF run: accumulation, every optimizer, QLoRA, ZeRO, on fake tensors",

@@ -331,7 +331,8 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = F
                    help="save_on_cpu: forward's saved tensors copied to host memory, brought back for backward")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile (inductor): the min-cut partitioner chooses what forward saves "
-                        "(measured from the allocator's events; estimate and simulate count the eager step)")
+                        "(measured from the allocator's events; estimate and simulate trace inductor's partition "
+                        "and generated code on fake tensors: seconds)")
     p.add_argument("--activation-memory-budget", type=float, default=None, metavar="FRACTION",
                    help="torch._functorch.config.activation_memory_budget for --compile, in (0, 1]")
     p.add_argument("--gpu", default=None, help=f"budget from a card: {', '.join(GPU_PRESETS)}")
@@ -446,7 +447,7 @@ def _add_bound_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_hf_flags(commands: dict) -> None:
-    """Flags of the Hugging Face lenses (:mod:`memlab.hf.config`, :mod:`memlab.hf.estimate`):
+    """Flags of the Hugging Face lenses (:mod:`memlab.hf.config`, :mod:`memlab.lenses.decoder_estimate`):
     ``measure --hf-config`` and the estimate's expert parallelism."""
     commands["measure"].add_argument("--hf-config", default=None, metavar="PATH",
                                      help="a Hugging Face config.json (or its folder, or a shipped "

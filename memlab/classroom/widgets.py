@@ -43,7 +43,6 @@ from memlab.core.hardware import GPU_PRESETS
 from memlab.core.units import GiB, MiB
 from memlab.distributed.parallel_common import ParallelResult
 from memlab.distributed.pipeline_parallel import pipeline_bubble, pipeline_run
-from memlab.hf.estimate import estimate_run
 from memlab.hf.shape import decoder_shape
 from memlab.lenses.calculator import CHECKPOINTING, MODELS, Calculation, calculator
 from memlab.lenses.estimate import estimate_step
@@ -797,7 +796,7 @@ class FinetunePanel(Panel):
     """"Will my fine-tune fit?": a Hugging Face config (:mod:`memlab.hf.config`) on a GPU, with
     sequence and batch sliders and knobs for precision, checkpointing, LoRA and 8-bit AdamW.
     Estimate only: the decoder's run (:class:`memlab.step.training_step.StepConfig` with its
-    :class:`memlab.models.decoder_shape.DecoderShape`) through :func:`memlab.hf.estimate.estimate_run`,
+    :class:`memlab.models.decoder_shape.DecoderShape`) through :func:`memlab.lenses.estimate.estimate_step`,
     so every change redraws at once; ``data`` holds the report drawn last."""
 
     LORA = {"off": None, "r=16 q,v": (16, ("q_proj", "v_proj")),
@@ -829,7 +828,7 @@ class FinetunePanel(Panel):
 
     def estimate(self) -> MemoryReport:
         """The estimate for the controls as they are now."""
-        return estimate_run(self.run(), budget=self.gpu.value, target="cuda")
+        return estimate_step(self.run(), budget=self.gpu.value, target="cuda")
 
     def run(self) -> StepConfig:
         """The run the controls describe, as they are now."""

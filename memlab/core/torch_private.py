@@ -188,24 +188,155 @@ def aot_inductor_partition(fn, compiler, num_params: int):
     inductor's decompositions (``select_decomp_table``) and its ``partition_fn`` (inductor's
     joint-graph passes, then the min-cut partitioner with ``compiler="inductor"``), the first
     ``num_params`` inputs marked static (dynamo marks a module's parameters so, and the
-    partitioner then saves them for free). ``compiler(gm, example_inputs)`` receives the
-    forward and the backward graph and returns a boxed callable. Works on fake tensors (no
-    dynamo, so fake parameters are allowed). Checked: 2.13 (CPU)."""
+    partitioner then saves them for free). ``compiler(gm, example_inputs, is_backward, donated)``
+    receives the forward and the backward graph and returns a boxed callable; ``donated`` are the
+    backward's inputs inductor may reuse in place (:func:`backward_donated_inputs`; empty for the
+    forward). Works on fake tensors (no dynamo, so fake parameters are allowed). Checked: 2.13 (CPU)."""
     from torch._functorch.aot_autograd import aot_function
     from torch._inductor.compile_fx import partition_fn
     from torch._inductor.decomposition import select_decomp_table
 
+    donated: list[int] = []
+
     def partition(gm, joint_inputs, **kwargs):
         kwargs["static_lifetime_input_indices"] = list(range(num_params))
-        return partition_fn(gm, joint_inputs, **kwargs)
-    return aot_function(fn, fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition,
-                        decompositions=select_decomp_table(), num_params_buffers=num_params)
+        fw, bw = partition_fn(gm, joint_inputs, **kwargs)
+        donated[:] = backward_donated_inputs(fw, bw, kwargs["num_fwd_outputs"])
+        return fw, bw
+    return aot_function(fn, fw_compiler=lambda gm, inputs: compiler(gm, inputs, False, ()),
+                        bw_compiler=lambda gm, inputs: compiler(gm, inputs, True, tuple(donated)),
+                        partition_fn=partition, decompositions=select_decomp_table(),
+                        num_params_buffers=num_params)
 
 
-def outside_dispatch_modes() -> contextlib.AbstractContextManager:
-    """Run ops with every dispatch mode (memlab's tracker, the fake mode) off: a fake tensor's
-    op still runs fake (the tensor brings its own mode), and no mode sees it. Checked: 2.13."""
-    return _disable_current_modes()
+def boxed_graph(gm: torch.fx.GraphModule):
+    """``gm`` as the boxed callable AOT autograd's compilers return, run as it is (no lowering).
+    Checked: 2.13."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    return make_boxed_func(gm)
+
+
+def backward_donated_inputs(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int) -> list[int]:
+    """The backward graph's inputs AOT autograd donates to inductor: saved tensors that alias no
+    forward input, user output or gradient, whose storage inductor may then reuse in place
+    (``buf1 = mm_10; del mm_10  # reuse``). Under ``torch.compile`` AOT autograd records them in
+    ``fw_metadata.bw_donated_idxs`` (torch/_functorch/_aot_autograd/graph_compile.py:2036, when
+    ``functorch.config.donated_buffer``) and inductor reads them from the tracing context
+    (torch/_inductor/graph.py:585, :1316); ``aot_function`` has no tracing context, so they are
+    computed here by the same rule (``collect_fw_donated_buffer_idxs``, graph_compile.py:587).
+    The forward's outputs are the user's ``num_fwd_outputs``, then the saved tensors, then saved
+    symbolic ints, which come first among the backward's inputs. Checked: 2.13."""
+    import torch._functorch.config as functorch_config
+    try:
+        from torch._functorch._aot_autograd.graph_compile import (
+            collect_fw_donated_buffer_idxs,
+            contain_metadata_mutation_ops,
+        )
+    except ImportError:  # another release's layout: nothing donated (only the lowered wrapper reads it)
+        return []
+    if not functorch_config.donated_buffer or contain_metadata_mutation_ops(fw) or contain_metadata_mutation_ops(bw):
+        return []
+
+    def values(nodes) -> list:
+        return [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in nodes]
+    fw_outs = values(fw.graph.find_nodes(op="output")[-1].args[0])
+    saved = fw_outs[num_fwd_outputs:]
+    symbolic = sum(1 for v in saved if not isinstance(v, torch.Tensor))
+    found = collect_fw_donated_buffer_idxs(values(fw.graph.find_nodes(op="placeholder")), fw_outs[:num_fwd_outputs],
+                                           values(bw.graph.find_nodes(op="output")[-1].args[0]),
+                                           saved[:len(saved) - symbolic])
+    return [symbolic + i for i in found]
+
+
+class _KernelsNotCompiled:
+    """Stands for inductor's ``AsyncCompile`` in a wrapper memlab runs on fake tensors
+    (:func:`inductor_wrapper_call`): each generated C++ kernel becomes a no-op, as it only
+    writes into buffers the wrapper allocated, and nothing is compiled."""
+
+    def cpp_pybinding(self, argtypes: list[str], source_code: str):
+        return _no_kernel
+
+    def cpp(self, source_code: str):
+        return _no_kernel
+
+    def wait(self, scope: dict) -> None:
+        pass
+
+
+def _no_kernel(*args) -> None:
+    """A generated kernel, not run: on fake tensors there is nothing to compute."""
+
+
+def inductor_wrapper_call(gm: torch.fx.GraphModule, example_inputs: list, is_backward: bool,
+                          donated: tuple[int, ...] = ()):
+    """The Python wrapper inductor generates for ``gm`` on this CPU, as a boxed callable whose
+    kernels do nothing: its allocations, frees, in-place buffer reuses and extern calls (mm,
+    attention) run as written, so on fake tensors a dispatch mode sees the memory of the
+    compiled graph step by step. ``example_inputs`` are fake tensors; ``donated``: the backward
+    inputs inductor may reuse (:func:`backward_donated_inputs`).
+
+    Inductor's own pipeline up to the code (torch/_inductor/compile_fx.py:1251
+    ``codegen_and_compile``): ``view_to_reshape``, fake propagation, the post-grad passes, the
+    lowering (``GraphLowering.run``), then ``GraphLowering.codegen`` (graph.py:2603), whose
+    scheduler fuses (scheduler.py:4139) and reorders for peak memory (scheduler.py:4173,
+    memory.py:998 ``reorder_for_peak_memory``: the least of a few topological orders) and whose
+    wrapper plans buffers (codegen/wrapper.py:916 ``AllocateLine.plan``: a freed buffer of the
+    same size is reused, its free dropped). The generated module is executed with
+    ``AsyncCompile`` replaced (no C++ is compiled) and the C++ allocation helpers
+    (``torch._C._dynamo.guards._empty_strided_cpu``, ``_reinterpret_tensor``), which bypass the
+    dispatcher, replaced by ``torch.empty_strided`` and ``as_strided``. Checked: 2.13 (CPU)."""
+    import torch._inductor.async_compile as async_compile
+    from torch._inductor.compile_fx import (
+        _recursive_post_grad_passes,
+        _recursive_record_original_output_strides,
+        fake_tensor_prop,
+    )
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.utils import shape_env_from_inputs
+    from torch._inductor.virtualized import V
+
+    with _disable_current_modes(), DebugContext():
+        view_to_reshape(gm)
+        with torch.no_grad():
+            fake_mode = fake_tensor_prop(gm, example_inputs)
+        _recursive_record_original_output_strides(gm)
+        with V.set_fake_mode(fake_mode):
+            _recursive_post_grad_passes(gm, is_inference=False)
+            graph = GraphLowering(gm, example_inputs=example_inputs, shape_env=shape_env_from_inputs(example_inputs),
+                                  is_inference=False, is_backward=is_backward)
+            graph.bw_donated_idxs = list(donated) if is_backward else None
+            graph.freeze_runtime_asserts()
+            with V.set_graph_handler(graph), V.set_extern_kernel_nodes([]):
+                graph.run(*example_inputs)
+                wrapper, _ = graph.codegen()
+    scope: dict = {"__name__": "memlab_inductor_wrapper"}
+    real_async_compile = async_compile.AsyncCompile
+    async_compile.AsyncCompile = _KernelsNotCompiled
+    try:
+        exec(compile(wrapper.value, "<inductor wrapper>", "exec"), scope)
+    finally:
+        async_compile.AsyncCompile = real_async_compile
+    scope.update(empty_strided_cpu=_empty_strided_cpu, reinterpret_tensor=_reinterpret_tensor,
+                 assert_size_stride=_no_kernel, assert_alignment=_no_kernel)
+    call = scope["call"]   # a bound method (Runner.call): it takes the argument list and clears it
+
+    def run(args: list):
+        return call(args)
+    run._boxed_call = True
+    return run
+
+
+def _empty_strided_cpu(size, stride, dtype: torch.dtype) -> torch.Tensor:
+    """``torch._C._dynamo.guards._empty_strided_cpu`` through the dispatcher (fake mode, tracker)."""
+    return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+
+
+def _reinterpret_tensor(base: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
+    """``torch._C._dynamo.guards._reinterpret_tensor``: a view of ``base``'s storage, ``offset``
+    elements past ``base``'s own (torch/csrc/dynamo/guards.cpp)."""
+    return base.as_strided(size, stride, base.storage_offset() + offset)
 
 
 def profiler_memory_events(fn) -> list[tuple[int, int]]:
@@ -281,7 +412,8 @@ def _stderr_fd_dropped() -> Iterator[None]:
         os.close(saved)
         os.close(null)
 
-__all__ = ["aot_inductor_partition", "outside_dispatch_modes", "activation_memory_budget",
+__all__ = ["aot_inductor_partition", "backward_donated_inputs", "boxed_graph", "inductor_wrapper_call",
+           "activation_memory_budget",
            "inductor_backend_seeing_graphs", "profiler_memory_events", "reset_compiled", "AUTOCAST_CPU_KEYS",
            "FakeCopyMode", "FakeStore", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
            "aten_ops_with_kernel", "current_autograd_node", "exclude_dispatch_keys", "fsdp2_mem_tracker",

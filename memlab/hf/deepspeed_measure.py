@@ -5,7 +5,7 @@
 each rank's model (:func:`memlab.hf.simulate.build_run`: peft's adapters where the run has LoRA),
 wrapped by :class:`CausalLMLoss` so that DeepSpeed's engine calls it as it calls memlab's GPT.
 Each rank's peak, by category, is the tracker's; DeepSpeed's own accounting comes with it. It is
-the truth :func:`memlab.hf.simulate.simulate_hf` and :func:`memlab.hf.estimate.estimate_run` are
+the truth :func:`memlab.hf.simulate.simulate_hf` and :func:`memlab.lenses.estimate.estimate_step` are
 held to for ZeRO (``tests/test_hf_zero.py``).
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ from torch import nn
 from memlab.core.errors import InputError
 from memlab.distributed.deepspeed_zero import measure_zero
 from memlab.hf.config import load_config
-from memlab.hf.estimate import estimate_run
 from memlab.hf.shape import decoder_shape
 from memlab.hf.simulate import build_run
+from memlab.lenses.estimate import estimate_step
 from memlab.models.decoder_shape import DecoderShape
 from memlab.step.training_step import MemoryReport, StepConfig
 
@@ -83,7 +83,7 @@ def measure_zero_hf(cfg: dict | str | pathlib.Path, steps: list[StepConfig], *, 
             raise InputError(f"step model {getattr(s.model, 'name', s.model)!r} is not the shape of "
                              f"config {shape.name!r}; allowed: StepConfig(decoder_shape(cfg), ...)")
     target = "cpu" if device in (None, "cpu") else "cuda"
-    estimates = [estimate_run(s, target=target) for s in steps]
+    estimates = [estimate_step(s, target=target) for s in steps]
     return measure_zero(steps, device=device, timeout=timeout, budget=budget, ds_config=ds_config,
                         model_fn=functools.partial(causal_lm_for, d), estimates=estimates)
 

@@ -45,16 +45,16 @@ from memlab.core.errors import InputError
 from memlab.core.hardware import resolve_budget
 from memlab.core.precision import precision_bytes
 from memlab.hf.config import check_seq, load_config
-from memlab.hf.estimate import (
+from memlab.hf.estimate import forward_activations
+from memlab.hf.read_run_configs import trainer_precision
+from memlab.hf.shape import decoder_shape
+from memlab.lenses.decoder_estimate import (
     NORM_BACKWARD_TEMPORARIES,
     Sizes,
     attention_path,
-    forward_activations,
     kept_activations,
     recomputed_layer,
 )
-from memlab.hf.read_run_configs import trainer_precision
-from memlab.hf.shape import decoder_shape
 from memlab.policy import resolve_target
 from memlab.step.decoder_states import adapters_for, run_states
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig

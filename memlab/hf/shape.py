@@ -6,7 +6,7 @@ dims, norms, biases, fused projections, tied head, dropout, sliding windows and 
 multi-head latent attention (DeepSeek) and mixtures of experts (routed and shared experts,
 top-k, the dense first layers, the router). :meth:`DecoderShape.num_params` is the real
 class's parameter count; a field the closed form cannot count is refused, named, with
-``memlab simulate --hf-config`` pointed at. :mod:`memlab.hf.estimate` counts the bytes;
+``memlab simulate --hf-config`` pointed at. :mod:`memlab.lenses.decoder_estimate` counts the bytes;
 :class:`DecoderShape` itself lives in :mod:`memlab.models.decoder_shape`.
 """
 from __future__ import annotations
@@ -90,7 +90,8 @@ def decoder_shape(cfg: dict | str | pathlib.Path) -> DecoderShape:
                   qkv_bias=bool(cfg.get("attention_bias", kind == "qwen2")) or kind == "qwen2",
                   o_bias=bool(cfg.get("attention_bias", False)) and kind not in ("qwen2",),
                   mlp_bias=bool(cfg.get("mlp_bias", False)),
-                  fused_qkv=kind == "phi3", attn_dropout=cfg.get("attention_dropout") or 0.0,
+                  fused_qkv=kind == "phi3", fused_gate_up=kind == "phi3",
+                  attn_dropout=cfg.get("attention_dropout") or 0.0,
                   resid_dropout=cfg.get("resid_pdrop") or 0.0 if kind == "phi3" else 0.0,
                   embd_dropout=cfg.get("embd_pdrop") or 0.0 if kind == "phi3" else 0.0,
                   attn_softcap=cfg.get("attn_logit_softcapping", 50.0 if kind == "gemma2" else None),

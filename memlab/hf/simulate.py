@@ -57,8 +57,8 @@ from memlab.hf.config import (
     is_moe,
     load_config,
 )
-from memlab.hf.estimate import check_run
 from memlab.hf.shape import FAMILIES, decoder_shape
+from memlab.lenses.decoder_estimate import check_run
 from memlab.lenses.simulate import deepspeed_layout
 from memlab.lenses.your_model import simulate_model
 from memlab.policy import precision_bytes, resolve_target

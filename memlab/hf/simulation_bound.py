@@ -26,8 +26,8 @@ from memlab.core.errors import InputError
 from memlab.core.units import fmt_bytes
 from memlab.hf.config import load_config
 from memlab.hf.config_check import expert_count
-from memlab.hf.estimate import estimate_run
 from memlab.hf.shape import decoder_shape
+from memlab.lenses.decoder_estimate import estimate_run
 from memlab.step.training_step import StepConfig
 
 #: Seconds of a simulation, measured on the development machine (2 shared cores, fp32 Llama
@@ -132,6 +132,8 @@ def simulation_bound(cfg, *, seq: int, batch: int, precision: str = "fp32",
     try:
         step = StepConfig(decoder_shape(d), seq=seq, batch=batch, precision=precision,
                           checkpointing=checkpointing, attention=attention)
+        # the decoder's count itself, not estimate_step: the CLI imports this module at startup, and
+        # estimate_step's time lens would slow every command (tests/test_startup.py)
         estimate_bytes = estimate_run(step, target=target).peak_bytes
         params = step.model_config.num_params()
     except InputError:

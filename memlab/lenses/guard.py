@@ -218,7 +218,7 @@ class StepEstimate:
 def estimate_for(step: StepConfig, target: str = "cpu", estimate: MemoryReport | None = None) -> StepEstimate:
     """The figures :func:`preflight` works from, per rank, from the closed-form estimate for
     the device the step will run on (``target``: ``"cpu"`` or ``"cuda"``); ``estimate``: one
-    made elsewhere (a Hugging Face decoder's, :func:`memlab.hf.estimate.estimate_run`), whose
+    made elsewhere (a Hugging Face decoder's, :func:`memlab.lenses.decoder_estimate.estimate_run`), whose
     categories give the model states."""
     if estimate is not None:
         cats = estimate.by_category

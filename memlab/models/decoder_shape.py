@@ -4,15 +4,20 @@ Widths, heads and head dims, norms, biases, fused projections, tied head, dropou
 windows and softcaps, multi-head latent attention (DeepSeek) and mixtures of experts (routed
 and shared experts, top-k, the dense first layers, the router), with the parameter counts and
 tensors of the class built from it. A Hugging Face config produces one
-(:func:`memlab.hf.shape.decoder_shape`); the estimate (:mod:`memlab.hf.estimate`), the model
-states (:mod:`memlab.step.decoder_states`) and a run (:class:`memlab.step.training_step.StepConfig` with a
-``DecoderShape`` as its model) read it.
+(:func:`memlab.hf.shape.decoder_shape`), and so does memlab's own GPT
+(:attr:`memlab.models.gpt_unet.GPTConfig.shape`, ``model_type`` :data:`MEMLAB_GPT`): one parameter
+count and one list of parameter tensors for every decoder memlab reads. The estimate
+(:mod:`memlab.lenses.decoder_estimate`), the model states (:mod:`memlab.step.decoder_states`) and a
+run (:class:`memlab.step.training_step.StepConfig` with a ``DecoderShape`` as its model) read it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from memlab.core.errors import InputError
+
+#: the ``model_type`` of memlab's own GPT's shape (:attr:`memlab.models.gpt_unet.GPTConfig.shape`)
+MEMLAB_GPT = "memlab-gpt"
 
 
 @dataclass(frozen=True)
@@ -31,12 +36,14 @@ class DecoderShape:
     ffn: int                # the dense MLP's hidden size
     tied: bool
     norm: str = "rms"       # "rms" (Llama-style), "gemma" (x * (1 + w) in fp32) or "layer"
+    norm_bias: bool = True  # a LayerNorm's bias (memlab's GPT without biases has none)
     norms_per_layer: int = 2
     qk_norm: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
     fused_qkv: bool = False
-    mlp: str = "gated"      # "gated" or "gelu_new" (GPT-2)
+    fused_gate_up: bool = False  # gate and up in one Linear (Phi-3)
+    mlp: str = "gated"      # "gated", "gelu_new" (GPT-2's, biased) or "gelu" (memlab's GPT: biases as mlp_bias)
     mlp_bias: bool = False
     positions: int = 0      # learned position rows (GPT-2)
     attn_dropout: float = 0.0
@@ -89,10 +96,15 @@ class DecoderShape:
         return n
 
     def dense_mlp_params(self, ffn: int | None = None) -> int:
-        f = self.ffn if ffn is None else ffn
-        if self.mlp == "gelu_new":
-            return 2 * self.d * f + f + self.d
-        return 3 * self.d * f + (2 * f + self.d) * self.mlp_bias
+        return sum(self._dense_mlp(self.ffn if ffn is None else ffn))
+
+    def _dense_mlp(self, f: int) -> list[int]:
+        """A dense MLP's parameter tensors: its matrices, then its biases."""
+        d = self.d
+        if self.mlp in ("gelu_new", "gelu"):
+            return [d * f, f * d] + ([f, d] if self.mlp == "gelu_new" or self.mlp_bias else [])
+        return ([2 * d * f, f * d] if self.fused_gate_up else [d * f, d * f, f * d]) + (
+            [f, f, d] if self.mlp_bias else [])
 
     def expert_params(self) -> int:
         """All routed experts of one MoE layer (gate_up and down, and their biases)."""
@@ -103,8 +115,12 @@ class DecoderShape:
         bias = self.experts if self.router == "topk_softmax" else 0  # DeepSeek's score bias is a buffer
         return self.experts * self.d + bias
 
+    def _norm(self) -> list[int]:
+        """One norm's parameter tensors (a LayerNorm's weight and bias, or a weight)."""
+        return [self.d, self.d] if self.norm == "layer" and self.norm_bias else [self.d]
+
     def layer_params(self, i: int) -> int:
-        norms = self.norms_per_layer * self.d * (2 if self.norm == "layer" else 1)
+        norms = self.norms_per_layer * sum(self._norm())
         if i in self.moe_layers:
             mlp = self.router_params() + self.expert_params() + (
                 self.dense_mlp_params(self.shared_ffn) if self.shared_ffn else 0)
@@ -116,8 +132,7 @@ class DecoderShape:
         """Parameters of the ``...ForCausalLM`` class built from the config."""
         embed = self.vocab * self.d + self.positions * self.d
         head = 0 if self.tied else self.vocab * self.d
-        final = self.d * (2 if self.norm == "layer" else 1)
-        return embed + head + final + sum(self.layer_params(i) for i in range(self.n_layer))
+        return embed + head + sum(self._norm()) + sum(self.layer_params(i) for i in range(self.n_layer))
 
     def active_params(self, embedding: bool = True) -> int:
         """Parameters one token's forward uses: the routed experts' ``top_k / experts`` share.
@@ -128,13 +143,14 @@ class DecoderShape:
         return int(round(self.num_params() - idle - lookup))
 
     def param_numels(self) -> list[int]:
-        """Elements of each parameter tensor of the ``...ForCausalLM`` class, in closed form:
+        """Elements of each parameter tensor of the ``...ForCausalLM`` class (memlab's GPT for a
+        :data:`MEMLAB_GPT` shape), in closed form: the one parameter count memlab has, and
         what DeepSpeed's buffers depend on (the largest tensor, the small ones ZeRO-3 keeps
         whole on every rank). ``transformers`` 5 stores each MoE layer's routed experts as
         two 3-d tensors (``gate_up_proj``, ``down_proj``) and fuses Phi-3's q/k/v and gate/up;
         the sum is :meth:`num_params`."""
         d, q, kv, hd = self.d, self.q_dim, self.kv_dim, self.head_dim
-        norm = [d, d] if self.norm == "layer" else [d]  # LayerNorm has a bias
+        norm = self._norm()
         out = [self.vocab * d] + ([self.positions * d] if self.positions else [])
         for i in range(self.n_layer):
             out += norm * self.norms_per_layer
@@ -154,12 +170,8 @@ class DecoderShape:
                 out += [e * d] + ([e] if self.router == "topk_softmax" else [])
                 out += [e * 2 * f * d, e * d * f] + ([e * 2 * f, e * d] if self.expert_bias else [])
                 out += [d * self.shared_ffn] * 3 if self.shared_ffn else []
-            elif self.mlp == "gelu_new":
-                out += [d * self.ffn, self.ffn, self.ffn * d, d]
             else:
-                f = self.ffn
-                out += [2 * d * f, f * d] if self.fused_qkv else [d * f, d * f, f * d]
-                out += [f, f, d] if self.mlp_bias else []
+                out += self._dense_mlp(self.ffn)
         return out + norm + ([] if self.tied else [self.vocab * d])
 
     def linears(self, i: int) -> dict[str, list[tuple[int, int]]]:
@@ -167,6 +179,10 @@ class DecoderShape:
         name peft's ``target_modules`` matches (GPT-2's ``c_proj`` names two). Routed experts
         (3-d parameters in transformers 5) and routers are not ``Linear`` modules."""
         d, q, kv, a, vd = self.d, self.q_dim, self.kv_dim, self.heads, self.v_head_dim
+        if self.model_type == MEMLAB_GPT:  # memlab.models.gpt_unet's module names
+            mlp = {"fc": [(d, self.ffn)], "out": [(self.ffn, d)]}
+            return {"qkv": [(d, q + 2 * kv)], "proj": [(q, d)], **mlp,
+                    **({"gate": [(d, self.ffn)]} if self.mlp == "gated" else {})}
         if self.mlp == "gelu_new":
             return {"c_attn": [(d, 3 * d)], "c_proj": [(d, d), (self.ffn, d)], "c_fc": [(d, self.ffn)]}
         if self.kv_lora_rank is not None:
@@ -181,7 +197,7 @@ class DecoderShape:
         f = self.shared_ffn if i in self.moe_layers else self.ffn
         if i in self.moe_layers and not f:
             return out
-        if self.fused_qkv:
+        if self.fused_gate_up:
             out.update(gate_up_proj=[(d, 2 * f)], down_proj=[(f, d)])
         else:
             out.update(gate_proj=[(d, f)], up_proj=[(d, f)], down_proj=[(f, d)])
@@ -228,4 +244,4 @@ class DecoderShape:
         return len(self.moe_layers) * self.expert_params()
 
 
-__all__ = ["DecoderShape"]
+__all__ = ["MEMLAB_GPT", "DecoderShape"]

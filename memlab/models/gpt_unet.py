@@ -38,6 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from memlab.core.errors import InputError
 from memlab.core.quiet import OneLine
 from memlab.models.chunked_loss import linear_cross_entropy
+from memlab.models.decoder_shape import MEMLAB_GPT, DecoderShape
 
 Attention = Literal["naive", "sdpa"]
 Checkpointing = Literal["none", "full", "selective", "op"]
@@ -185,35 +186,35 @@ class GPTConfig(OneLine):
     def hidden(self) -> int:
         return self.mlp_hidden or 4 * self.d_model
 
+    @property
+    def shape(self) -> DecoderShape:
+        """This GPT as a decoder's shape (``model_type`` :data:`memlab.models.decoder_shape.MEMLAB_GPT`):
+        the one description of widths and parameter tensors every model memlab reads has
+        (:meth:`param_numels` and :meth:`matmul_numels` are its)."""
+        return DecoderShape(
+            MEMLAB_GPT, self.name, self.n_layer, self.d_model, self.vocab_size, self.n_head, self.kv_heads,
+            self.head_dim, self.head_dim, self.hidden, self.tie_embeddings,
+            norm="layer" if self.norm == "layernorm" else "rms", norm_bias=self.bias, qkv_bias=self.has_qkv_bias,
+            o_bias=self.bias, fused_qkv=True, mlp="gelu" if self.mlp == "gelu" else "gated", mlp_bias=self.bias,
+            positions=self.block_size if self.position == "learned" else 0, context=self.block_size,
+            use_cache=False)
+
     def matmul_numels(self) -> tuple[list[int], int]:
         """Elements of the matmul weights of one block (fused ``qkv``, ``proj``, the MLP's
-        two or three) and of the head (autocast copies these). The fused ``qkv`` has
-        ``(n_head + 2 n_kv_head) * head_dim`` rows, so grouped-query attention copies less."""
-        d, f = self.d_model, self.hidden
-        kv = self.kv_heads * self.head_dim  # width of the k and of the v projection
-        mlp = [d * f, f * d] + ([d * f] if self.mlp == "swiglu" else [])
-        return [(d + 2 * kv) * d, d * d] + mlp, self.vocab_size * d
+        two or three) and of the head (autocast copies these), from :attr:`shape`. The fused
+        ``qkv`` has ``(n_head + 2 n_kv_head) * head_dim`` rows, so grouped-query attention copies less."""
+        s = self.shape
+        return [i * o for ios in s.linears(0).values() for i, o in ios], s.vocab * s.d
 
     def param_numels(self) -> list[int]:
-        """Elements of every parameter, closed form (tied embeddings counted once): the one
-        parameter count of a GPT (``num_params``, the model-state formulas, the estimate)."""
-        d, f, v = self.d_model, self.hidden, self.vocab_size
-        kv = self.kv_heads * self.head_dim
-        b = self.bias
-        norm = ([d, d] if b else [d]) if self.norm == "layernorm" else [d]
-        layer = 2 * norm + self.matmul_numels()[0]
-        if self.has_qkv_bias:
-            layer.append(d + 2 * kv)
-        layer += ([d, f, d] if b else [])  # proj, MLP in and out biases
-        if self.mlp == "swiglu" and b:
-            layer.append(f)
-        emb = [v * d] + ([self.block_size * d] if self.position == "learned" else [])
-        return emb + self.n_layer * layer + norm + ([] if self.tie_embeddings else [v * d])
+        """Elements of every parameter (tied embeddings counted once), from :attr:`shape`'s one
+        count (:meth:`memlab.models.decoder_shape.DecoderShape.param_numels`)."""
+        return self.shape.param_numels()
 
     def num_params(self) -> int:
-        """Parameter count, closed form (tied embeddings counted once); equals
+        """Parameter count (tied embeddings counted once); equals
         ``sum(p.numel() for p in GPT(cfg).parameters())`` for every config."""
-        return sum(self.param_numels())
+        return self.shape.num_params()
 
     def check_tensor_parallel(self, tensor_parallel: int) -> str:
         """How ``tensor_parallel`` ranks split this model's attention, or an InputError.

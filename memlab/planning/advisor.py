@@ -54,7 +54,6 @@ from memlab.core.hardware import GPU_PRESETS, resolve_budget
 from memlab.core.units import fmt_bytes, parse_size
 from memlab.distributed.deepspeed_zero import measure_distributed
 from memlab.hf.config import load_config
-from memlab.hf.estimate import estimate_run
 from memlab.hf.shape import decoder_shape
 from memlab.hf.simulate import simulate_hf
 from memlab.lenses.estimate import estimate_step
@@ -268,22 +267,6 @@ def flowchart(world_size: int, mixed: str = "bf16") -> list[tuple[str, dict[str,
     return chain
 
 
-def estimate_plan(step: StepConfig, tensor_parallel: int, target):
-    """The estimate of a planned step on ``tensor_parallel`` ranks: memlab's GPT by
-    :func:`memlab.lenses.estimate.estimate_step`, a Hugging Face decoder's shape by
-    :func:`memlab.hf.estimate.estimate_run` (the one estimate ``memlab estimate --hf-config`` gives).
-
-    Args:
-        step: the step; tensor_parallel: its tensor-parallel degree; target: a :class:`memlab.policy.Target`.
-
-    Returns:
-        The :class:`~memlab.step.training_step.MemoryReport` per rank.
-    """
-    if isinstance(step.model_config, DecoderShape):
-        return estimate_run(step, tensor_parallel=tensor_parallel, target=target)
-    return estimate_step(step, tensor_parallel=tensor_parallel, target=target)
-
-
 def _simulate(step: StepConfig, target, hf: dict | None = None) -> int:
     """Simulated peak of ``step`` on ``target``: a DeepSpeed step runs in its own dtype on fake
     tensors with its model states in DeepSpeed's layout (:func:`memlab.lenses.simulate.simulate_step`;
@@ -333,9 +316,9 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
 
     ``hf_config``: a Hugging Face ``config.json`` (a path or a shipped name) instead of ``model``:
     its decoder's shape (:func:`memlab.hf.shape.decoder_shape`), estimated as ``memlab estimate
-    --hf-config`` does (:func:`estimate_plan`) and simulated in its own class. ``finetune``: also walk the
-    fine-tuner's ladder (:func:`finetune_ladder`: 8-bit AdamW, LoRA of ``lora_rank`` on
-    ``lora_targets``, QLoRA) from the flowchart's plan; its rows are ``Advice.ladder``.
+    --hf-config`` does (:func:`memlab.lenses.estimate.estimate_step`) and simulated in its own
+    class. ``finetune``: also walk the fine-tuner's ladder (:func:`finetune_ladder`: 8-bit AdamW,
+    LoRA of ``lora_rank`` on ``lora_targets``, QLoRA) from the flowchart's plan; its rows are ``Advice.ladder``.
 
     ``host_memory``: the host memory of one machine (bytes or a size; ``"here"``: this
     machine's RAM, :func:`memlab.lenses.guard.host_total_bytes`; ``None``: no bound). An offload
@@ -405,7 +388,7 @@ class _Lenses:
     def record(self, technique: str, s: StepConfig, t: int) -> PlanStep:
         """The row of ``technique``: ``s`` on ``t`` tensor-parallel ranks, estimated and, on
         one rank while time is left, simulated; its peak is the larger."""
-        est = estimate_plan(s, t, self.target).peak_bytes
+        est = estimate_step(s, tensor_parallel=t, target=self.target).peak_bytes
         sim = None
         if self.simulate and t == 1 and time.perf_counter() - self.started < self.simulate_seconds:
             sim = _simulate(s, self.target, self.hf)
@@ -469,11 +452,9 @@ def _held_back_message(held_back: list[HeldBack], host_limit: int, local_ranks: 
 
 def _fastest_fit(cfg, gpu, tgt, world_size: int, seq: int, batch: int, usable: int,
                  attention: str | None, optimizer: str, host_limit: int | None = None):
-    """The fastest plan that fits (:mod:`memlab.planning.plan_search`), on a card with datasheet
-    figures (the GPU preset named, else the target's card); ``None`` on a bare size, and for a
-    Hugging Face decoder (the search prices memlab's GPT: its time lens and pipeline stages)."""
-    if isinstance(cfg, DecoderShape):
-        return None
+    """The fastest plan that fits (:mod:`memlab.planning.plan_search`: memlab's GPT or a decoder's
+    shape), on a card with datasheet figures (the GPU preset named, else the target's card);
+    ``None`` on a bare size."""
     name = gpu if isinstance(gpu, str) and gpu in SPEEDS else getattr(getattr(tgt, "card", None), "name", None)
     if name not in SPEEDS:
         return None
@@ -493,7 +474,7 @@ def _message(step: StepConfig, tp: int, tgt, plan: list[str], peak: int, budget:
                 f"usable ({fmt_bytes(budget)} less {headroom:.0%} headroom): short by "
                 f"{fmt_bytes(peak - usable)}; use more ranks, a shorter sequence "
                 f"or a smaller batch (with gradient accumulation)")
-        cats = estimate_plan(step, tp, tgt).by_category
+        cats = estimate_step(step, tensor_parallel=tp, target=tgt).by_category
         if max(cats, key=cats.get) == "activations":
             text += ("; the activations are the largest part: sequence parallelism (Korthikanti et "
                      "al. 2022, sec. 4.2.2) would split the block inputs tensor parallelism keeps "
@@ -511,7 +492,7 @@ def finetune_ladder(step: StepConfig, usable: int, target, *, rank: int = 16,
     (all the attention and MLP projections by default) with 8-bit AdamW, QLoRA (NF4 base
     with double quantization). Each rung's peak is
     :func:`memlab.techniques.finetune.estimate_finetune`'s; for a Hugging Face decoder's shape
-    :func:`memlab.hf.estimate.estimate_run`'s, LoRA on every ``Linear`` of its layers by default
+    :func:`memlab.lenses.decoder_estimate.estimate_run`'s, LoRA on every ``Linear`` of its layers by default
     (peft's ``all-linear``)."""
     plain = replace(step, zero=0, offload="none")
     cfg = plain.model_config
@@ -522,7 +503,7 @@ def finetune_ladder(step: StepConfig, usable: int, target, *, rank: int = 16,
                 (f"QLoRA r={rank} (NF4)", replace(plain, optimizer="adamw-8bit", lora=lora,
                                                   quantization=QuantConfig(bits=4)))]
         return [LadderRung(name, peak_bytes=p, fits=p <= usable)
-                for name, p in ((n, estimate_run(r, target=target).peak_bytes) for n, r in runs)]
+                for name, p in ((n, estimate_step(r, target=target).peak_bytes) for n, r in runs)]
     targets = tuple(targets or lora_targets_for(cfg))
     rungs = [("8-bit AdamW", dict(optimizer="adamw-8bit")),
              (f"LoRA r={rank}", dict(optimizer="adamw-8bit", lora=(rank, targets))),
@@ -537,7 +518,7 @@ def finetune_ladder(step: StepConfig, usable: int, target, *, rank: int = 16,
 
 def estimate_host_bytes(step: StepConfig) -> int:
     """Host bytes per rank of the model states ``step`` offloads (0 without offload)."""
-    return estimate_plan(step, 1, "cpu").host_bytes  # host bytes: the same on any target
+    return estimate_step(step, target="cpu").host_bytes  # host bytes: the same on any target
 
 
 def _runs_as(step: StepConfig, tp: int, host_bytes: int) -> str:

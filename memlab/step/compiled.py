@@ -22,20 +22,29 @@ What each lens does with it, precisely:
 * **simulate** (:class:`PartitionedModel`, on fake tensors): the step is traced by AOT
   autograd and cut by inductor's own partitioner (inductor's decompositions, joint-graph
   passes and ``min_cut_rematerialization_partition``, parameters static), so forward saves
-  exactly the tensors a real compile saves (checked against :func:`count_compiled_saved`);
-  the two graphs then run op by op with inductor's fusion approximated: a pointwise or view
-  op whose every user fuses with it (pointwise, view, reduction) is never materialised, and
-  no lens sees it (gather and embedding count as pointwise: inductor lowers them to indexed
-  loads). Against the measured peak (tests/test_compile.py): at the default budget within 2%
-  (tiny GPT -1.8%, tiny Llama -0.0%); at a budget of 0.5 -12% and -14%, because inductor's
-  scheduler fuses the backward's recomputation of several layers into one kernel run at the
-  start of backward (read from its generated code), so those buffers live longer than the
-  partitioned graph's order keeps them, which this model does not follow.
-* **estimate** counts the eager step and says so in its notes.
+  exactly the tensors a real compile saves (checked against :func:`count_compiled_saved`).
+  Each graph is then handed to inductor up to its generated Python wrapper, which runs with
+  its kernels left out (:func:`memlab.core.torch_private.inductor_wrapper_call`): every
+  allocation, free and in-place reuse happens where inductor's code does it. That order is not
+  the partitioned graph's: at a budget of 0.5 inductor's scheduler fuses the backward's
+  recomputed residual stream of several layers into one kernel (it reads the recomputed
+  attention output of an earlier layer), so that recomputation and its buffers move to the
+  start of backward; its wrapper reuses a freed buffer of the same size in place and the saved
+  tensors AOT autograd donates. Against the measured peak (tests/test_compile.py, when written):
+  tiny GPT +0.00% and -0.09%, tiny Llama +0.00% and +0.00% at budgets 1.0 and 0.5 (the
+  partitioned graph's order, run op by op with fusion approximated, was 12-14% low at 0.5).
+  The GPT's -0.09% is scratch the CPU flash-attention backward allocates inside its kernel
+  (64 KiB + 128 B on the two-thread test machine, read from the allocator's events), which no
+  tensor returns and the fake step does not see.
+  Lowering and generating the code of both graphs takes seconds (no C++ is compiled). The
+  graphs are lowered for the fake tensors' device, the CPU, also for a CUDA target: there
+  inductor writes Triton kernels, whose fusion and order this does not follow.
+* **estimate** (:func:`memlab.lenses.estimate.compiled_pass_bytes`): a GPT's compiled forward
+  and backward are traced as the simulation runs them (cached per shape; only for
+  ``compile=True``), beside the closed-form model states and optimizer step.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +54,37 @@ from memlab.core.errors import InputError
 from memlab.core.torch_private import (
     activation_memory_budget,
     aot_inductor_partition,
+    boxed_graph,
     inductor_backend_seeing_graphs,
-    outside_dispatch_modes,
+    inductor_wrapper_call,
     reset_compiled,
 )
+
+#: what the estimate and the simulation add for a compiled step on a CUDA target
+CUDA_LOWERING_NOTE = ("compiled on a CUDA target: the graphs are lowered and code-generated for the CPU (the fake "
+                      "tensors' device), so the fusion and order followed are CPU inductor's, not those of the "
+                      "Triton code inductor writes for a GPU; measure a compiled step there")
+
+#: torch releases whose inductor internals :func:`memlab.core.torch_private.inductor_wrapper_call`
+#: was checked on (its private API moves between releases)
+LOWERED_ON = ("2.13.",)
+#: what the lenses add where this torch is not one of those
+UNLOWERED_NOTE = ("compiled on a torch whose inductor internals memlab has not checked (checked: "
+                  + ", ".join(v.rstrip(".") for v in LOWERED_ON) + "): the partitioned graphs ran in their own "
+                  "order, without inductor's fusion, reordering and buffer reuse (on CPU at a budget of 0.5 that "
+                  "read 12-14% low); the saved set is still the partitioner's")
+
+
+def inductor_lowering_available() -> bool:
+    """Whether this torch is one whose inductor the lenses run up to its generated code
+    (:data:`LOWERED_ON`); elsewhere a compiled step's partitioned graphs run as they are."""
+    return torch.__version__.startswith(LOWERED_ON)
+
+
+def lowering_notes(is_cuda: bool) -> list[str]:
+    """The notes a lens adds to a compiled step's report: a CUDA target's graphs are lowered for
+    the CPU (:data:`CUDA_LOWERING_NOTE`); an unchecked torch runs them unlowered (:data:`UNLOWERED_NOTE`)."""
+    return ([CUDA_LOWERING_NOTE] if is_cuda else []) + ([] if inductor_lowering_available() else [UNLOWERED_NOTE])
 
 
 def check_budget(budget: float | None, compile: bool) -> None:
@@ -123,100 +159,11 @@ def count_compiled_saved(model: nn.Module, batch: tuple, budget: float | None = 
     return CompiledSaved(sum(storages.values()), counted[0], budget)
 
 
-#: reductions inductor fuses a pointwise producer into (the producer is never materialised)
-REDUCTIONS = frozenset({"sum", "amax", "amin", "mean", "var_mean", "var", "prod", "argmax", "argmin", "any", "all"})
-
-
-#: ops inductor lowers to pointwise loads (gather and embedding read through an index), fused as
-#: pointwise ops are
-INDEXED_LOADS = frozenset({"convert_element_type", "clone", "gather", "embedding", "index"})
-
-
-def op_kind(node: torch.fx.Node) -> str:
-    """``"view"``, ``"pointwise"``, ``"reduction"`` or ``"other"`` (a kernel inductor calls as
-    is: matmuls, attention, gather/scatter, cat) for a node of an aten graph."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return "other"
-    name = target._schema.name.split("::")[-1]
-    if target.is_view:
-        return "view"
-    if name in REDUCTIONS:
-        return "reduction"
-    if torch.Tag.pointwise in target.tags or name in INDEXED_LOADS:
-        return "pointwise"
-    return "other"
-
-
-def fused_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """The nodes of ``gm`` inductor would fuse away: pointwise ops with a tensor input whose
-    value no unfusable op (``"other"``), view of a needed value, or graph output needs, and views
-    of such nodes."""
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    needed: dict[torch.fx.Node, bool] = {}
-
-    def is_needed(node: torch.fx.Node) -> bool:
-        if node not in needed:
-            needed[node] = any(u is output or op_kind(u) == "other" or (op_kind(u) == "view" and is_needed(u))
-                               for u in node.users)
-        return needed[node]
-
-    fused: set[torch.fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        kind = op_kind(node)
-        if kind == "pointwise" and node.all_input_nodes and not is_needed(node):
-            fused.add(node)
-        elif kind == "view" and node.all_input_nodes and node.all_input_nodes[0] in fused:
-            fused.add(node)
-    return fused
-
-
-def run_fused(gm: torch.fx.GraphModule, _example_inputs: object = None):
-    """A boxed callable running ``gm`` op by op: each value dropped after its last use, each
-    input as soon as it is used last (inductor frees its inputs so), the nodes of
-    :func:`fused_nodes` outside every dispatch mode (no tracker counts them)."""
-    gm.graph.eliminate_dead_code()
-    nodes = list(gm.graph.nodes)
-    last_use: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in nodes:
-        for source in node.all_input_nodes:
-            last_use[source] = node
-    dying: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for value, node in last_use.items():
-        dying.setdefault(node, []).append(value)
-    fused = fused_nodes(gm)
-
-    def run(args: list):
-        env: dict[torch.fx.Node, object] = {}
-        args.reverse()   # popped one by one: no list keeps an input alive past its last use
-        for node in nodes:
-            if node.op == "placeholder":
-                value = args.pop()
-                if node in last_use:
-                    env[node] = value
-                del value
-                continue
-            if node.op == "output":
-                return torch.fx.node.map_arg(node.args[0], env.__getitem__)
-            a, kw = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            with outside_dispatch_modes() if node in fused else contextlib.nullcontext():
-                env[node] = node.target(*a, **kw)
-            del a, kw
-            for value in dying.get(node, ()):
-                del env[value]
-            if not node.users:
-                del env[node]
-        raise AssertionError("an FX graph ends in an output node")
-    run._boxed_call = True
-    return run
-
-
 class PartitionedModel(nn.Module):
     """``model`` as a compiled step runs it, for the simulation (fake tensors): traced by AOT
     autograd at its first call, partitioned by inductor's partitioner under the budget set
-    then, each graph run by :func:`run_fused`. Its parameters are ``model``'s."""
+    then, each graph run as the wrapper inductor generates for it with its kernels left out
+    (:func:`memlab.core.torch_private.inductor_wrapper_call`). Its parameters are ``model``'s."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -225,10 +172,12 @@ class PartitionedModel(nn.Module):
         #: bytes of what the partitioned forward saves for backward (:func:`saved_storages`), once traced
         self.saved_bytes: int | None = None
 
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs: object):
-        if any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes):
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list, is_backward: bool, donated: tuple[int, ...]):
+        if is_backward:  # counted before inductor's post-grad passes rewrite the graph
             self.saved_bytes = sum(saved_storages(gm).values())
-        return run_fused(gm, example_inputs)
+        if not inductor_lowering_available():  # another torch's inductor: the graph as partitioned
+            return boxed_graph(gm)
+        return inductor_wrapper_call(gm, example_inputs, is_backward, donated)
 
     def forward(self, *args):
         state = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
@@ -238,5 +187,5 @@ class PartitionedModel(nn.Module):
         return self._compiled(state, *args)
 
 
-__all__ = ["CompiledSaved", "PartitionedModel", "check_budget", "compile_model", "count_compiled_saved",
-           "fused_nodes", "op_kind", "run_fused", "saved_storages"]
+__all__ = ["CUDA_LOWERING_NOTE", "LOWERED_ON", "UNLOWERED_NOTE", "CompiledSaved", "PartitionedModel", "check_budget",
+           "compile_model", "count_compiled_saved", "inductor_lowering_available", "lowering_notes", "saved_storages"]

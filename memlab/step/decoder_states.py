@@ -1,6 +1,6 @@
 """The model states of a Hugging Face run, per rank: a full fine-tune or LoRA on a frozen base.
 
-:func:`run_states` gives the estimate's peak moments (:mod:`memlab.hf.estimate`) their model
+:func:`run_states` gives the estimate's peak moments (:mod:`memlab.lenses.decoder_estimate`) their model
 states: :func:`memlab.step.states.model_states` over what trains (every parameter tensor of the
 class, :meth:`memlab.models.decoder_shape.DecoderShape.param_numels`, or the LoRA adapters of
 :func:`adapter_shapes`), a frozen base held beside the adapters in the run's dtype or in

@@ -24,7 +24,7 @@ from memlab.core.errors import InputError
 from memlab.core.precision import PRECISIONS, check_precision
 from memlab.core.torch_private import activation_memory_budget
 from memlab.core.units import MiB, fmt_bytes
-from memlab.models.decoder_shape import DecoderShape
+from memlab.models.decoder_shape import MEMLAB_GPT, DecoderShape
 from memlab.models.gpt_unet import GPTConfig, UNetConfig, build_model, get_config
 from memlab.step.activation_offload import offload_context
 from memlab.step.compiled import PartitionedModel, check_budget, compile_model
@@ -175,6 +175,9 @@ class StepConfig:
     def _check_decoder(self) -> None:
         """The fields of a decoder's run (a :class:`DecoderShape` model)."""
         s = self.model
+        if s.model_type == MEMLAB_GPT:  # its shape describes it; its class and switches are the config's
+            raise InputError(f"model={s.name!r} is memlab's GPT as a shape; allowed: its GPTConfig (or preset "
+                             f"name), whose class the lenses build")
         if self.optimizer not in OPTIMIZER_STATES:
             raise InputError(f"optimizer={self.optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
         if (self.checkpointing or "none") not in DECODER_CHECKPOINTING:
@@ -607,7 +610,7 @@ def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: in
         opt = OptimizerInBackward(model.parameters(), lambda ps: _optimizer(ps, step.optimizer))
     else:
         opt = build_optimizer(model, step.optimizer)
-    if step.compile:  # on fake tensors, inductor's partition run op by op (memlab.step.compiled)
+    if step.compile:  # on fake tensors, inductor's partition and generated code (memlab.step.compiled)
         model = PartitionedModel(model) if fake else compile_model(model)
     return Trainer(step, device, model, opt, scaler, fake, offload_to_host=device.type == "cuda")
 
