@@ -353,7 +353,10 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
         laid = replace(ms, parameters=rs.inputs["parameters"])
         full_grads = trainable * precision_bytes(run_precision)[0]
         if zero == 2 and world_size > 1:
-            report = _zero2_ranks(report, laid, trainable_numels(build), world_size, full_grads)
+            # the order of what trains, from the run without its 4-/8-bit base: bitsandbytes cannot
+            # quantise a meta tensor, and the adapters' shapes follow the Linear's features either way
+            sizes = trainable_numels(build_run(d, lora=lora))
+            report = _zero2_ranks(report, laid, sizes, world_size, full_grads)
         else:
             deepspeed_layout(report, laid, full_grads, gathered)
         report.budget_bytes = resolve_budget(budget)
