@@ -54,10 +54,11 @@ def _measured(name: str, option: str):
 
 OPTIONS = ("accumulation", "lora", "8bit", "qlora")
 FAST = [("llama", o) for o in OPTIONS] + [("gpt2", "qlora")]
-MOE_LORA = pytest.mark.xfail(strict=True, reason="LoRA on a mixture of experts' attention simulates ~5.6% high "
-                             "at the activations (mixtral: 14,881,168 vs 14,094,736 B), already at c8f37d7; open")
-SLOW = [pytest.param(n, o, marks=[MOE_LORA] if (n, o) in {("mixtral", "lora"), ("deepseek_v3", "lora")} else [])
-        for n in ("qwen3", "gemma2", "phi3", "gpt2", "mixtral", "deepseek_v3") for o in OPTIONS if (n, o) not in FAST]
+# LoRA on the attention of each mixture of experts: frozen experts, whose routed inputs the real
+# grouped GEMM does not keep (mixtral was 11.8% high, deepseek_v3 5.6%, gpt_oss 7.4% while the fake
+# experts ran transformers' grouped_mm_fallback op, which saves its input always)
+SLOW = [(n, o) for n in ("qwen3", "gemma2", "phi3", "gpt2", "mixtral", "deepseek_v3") for o in OPTIONS
+        if (n, o) not in FAST] + [("qwen3_moe", "lora"), ("gpt_oss", "lora")]
 
 
 def _check_equal(name: str, option: str) -> None:

@@ -11,6 +11,8 @@ from memlab.step.states import (
     param_numels,
     pinned_bytes,
     under_deepspeed,
+    with_zero2_partition,
+    zero2_partition_elements,
 )
 from memlab.step.zero import zero_formula
 
@@ -158,3 +160,37 @@ def test_zero3_steps_one_sub_group_at_a_time(ranks):
     assert scratch <= 4 * max(groups) * 1.25
     if s.num_params() / ranks <= SUB_GROUP_SIZE:
         assert scratch == pytest.approx(4 * s.num_params() / ranks)
+
+
+def test_zero2_partition_is_deepspeeds_params_in_partition_whole():
+    """Each rank's ZeRO-2 gradient partition is the parameters DeepSpeed's own ``get_partition_info``
+    (0.19.8 stage_1_and_2.py 2579-2611, run here on meta tensors) puts in ``params_in_partition``,
+    whole; the share is the flat group padded to 2 x ranks (lines 441-446), over the ranks (586).
+    On the Llama config of tests/test_hf_zero.py, in its class's parameter order, real DeepSpeed
+    on 2 gloo ranks allocated 229,632 and 213,376 elements (measured: sum of params_in_partition)."""
+    import random
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    rng = random.Random(0)
+    for _ in range(40):
+        sizes = [rng.choice([0, 1, 7, 64, 4096, 10_000]) for _ in range(rng.randint(1, 12))]
+        n = rng.randint(1, 5)
+        if not sum(sizes):
+            continue
+        share = -(-sum(sizes) // (2 * n)) * 2 * n // n
+        metas = [torch.empty(k, device="meta") for k in sizes]
+        theirs = [sum(t.numel() for t in DeepSpeedZeroOptimizer.get_partition_info(None, metas, share, r)[0])
+                  for r in range(n)]
+        assert zero2_partition_elements(sizes, n) == theirs, (sizes, n)
+    pytest.importorskip("transformers")
+    from test_hf_lora import CONFIGS
+
+    from memlab.hf.simulate import build_run, trainable_numels
+    sizes = trainable_numels(build_run(CONFIGS["llama"]))
+    assert zero2_partition_elements(sizes, 2) == [229_632, 213_376]
+    ms = model_states(sum(sizes), zero=2, world_size=2)
+    assert ms.gradients == 4 * sum(sizes) / 2  # the paper's even share, 65,280 B under rank 0's
+    assert with_zero2_partition(ms, sizes, 2).gradients == 4 * 229_632
+    assert with_zero2_partition(ms, sizes, 2, rank=1).gradients == 4 * 213_376
+    z3 = model_states(sum(sizes), zero=3, world_size=2)
+    assert with_zero2_partition(z3, sizes, 2) == z3  # stage 3's partition is its own flat buffer

@@ -222,3 +222,26 @@ def test_inductors_wrapper_on_fake_tensors_allocates_what_the_compiled_step_allo
             before = mt.live_bytes
             run(params, fx).backward()
             assert (mt.peak_bytes - before, mt.live_bytes - before) == (real_peak, real_left)
+
+
+def test_fake_grouped_mm_is_torchs_op_in_fp32_saving_what_the_real_one_saves():
+    """fp32 experts on fake tensors: the CPU kernel's output (shape, strides) and torch's own
+    autograd node, which keeps the routed input only when the experts' weight needs its gradient
+    (frozen experts under LoRA free it after forward, as the real step does); outside the block
+    torch's meta refuses fp32 again, even for a call it made while open (the dispatch cache)."""
+
+    def grouped(x, w, offs):
+        return torch._grouped_mm(x * 1, w, offs=offs)  # x * 1: a non-leaf input, as routed tokens are
+
+    def mats(train: bool):
+        x, w = torch.randn(6, 8, requires_grad=True), torch.randn(2, 8, 4, requires_grad=train)
+        return x, w, torch.tensor([2, 6], dtype=torch.int32)
+    for train in (False, True):
+        real = grouped(*mats(train))
+        with tp.FakeTensorMode(), tp.fake_grouped_mm_any_dtype():
+            fake = grouped(*mats(train))
+        assert isinstance(fake, tp.FakeTensor) and (fake.shape, fake.stride()) == (real.shape, real.stride())
+        assert type(fake.grad_fn) is type(real.grad_fn)
+        assert (fake.grad_fn._saved_self is None) == (real.grad_fn._saved_self is None) == (not train)
+    with tp.FakeTensorMode(), pytest.raises(RuntimeError, match="Expected inputs of BF16 type"):
+        grouped(*mats(False))

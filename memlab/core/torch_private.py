@@ -360,6 +360,46 @@ def profiler_memory_events(fn) -> list[tuple[int, int]]:
 
 
 @contextlib.contextmanager
+def fake_grouped_mm_any_dtype() -> Iterator[None]:
+    """While open, fake tensors run ``aten._grouped_mm`` in any dtype: the output its meta kernel
+    makes (``_meta_registrations._create_grouped_mm_output_tensor``: shape, dtype, strides),
+    without ``_meta_grouped_mm_common``'s bf16-only check, which no real kernel of an fp32 run
+    reaches (the CPU kernel takes fp32). The op itself, and so its autograd node
+    (``GroupedMmBackward0``, which saves ``mat2`` only for ``self``'s gradient and ``self`` only
+    for ``mat2``'s), stay torch's own. The rule sits in FakeTensorMode's table of op rules
+    (``fake_impls.op_implementations_dict``, consulted before the meta kernel) while open.
+
+    FakeTensorMode's dispatch cache is one dict for every mode (``FakeTensorMode.cache``,
+    ``fake_tensor.py`` 1433), so the op's entries made while open are dropped on leaving: an fp32
+    call after the block is refused again, as torch refuses it.
+
+    Checked: 2.13 (``_meta_registrations.py`` 8569-8647, ``fake_impls.py`` 163-205).
+    """
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import in_kernel_invocation_manager
+    op = torch.ops.aten._grouped_mm.default
+
+    def rule(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        device = mat_a.device
+        with in_kernel_invocation_manager(fake_mode):
+            out = _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+        return FakeTensor(fake_mode, out, device)
+    table = fake_impls.op_implementations_dict
+    saved = table.get(op)
+    table[op] = rule
+    try:
+        yield
+    finally:
+        if saved is None:
+            table.pop(op, None)
+        else:
+            table[op] = saved
+        for key in [k for k in FakeTensorMode.cache if k.key and k.key[0] is op]:
+            del FakeTensorMode.cache[key]
+
+
+@contextlib.contextmanager
 def _stderr_fd_dropped() -> Iterator[None]:
     """File descriptor 2 to ``os.devnull`` for the block (C++ code writes there, past ``sys.stderr``)."""
     sys.stderr.flush()
@@ -377,6 +417,7 @@ __all__ = ["aot_inductor_partition", "backward_donated_inputs", "boxed_graph", "
            "inductor_backend_seeing_graphs", "profiler_memory_events", "reset_compiled", "AUTOCAST_CPU_KEYS",
            "FakeCopyMode", "FakeStore", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
            "aten_ops_with_kernel", "current_autograd_node", "exclude_dispatch_keys", "fsdp2_mem_tracker",
-           "dump_memory_snapshot", "in_backward", "is_traceable_wrapper_subclass", "memory_snapshot",
+           "dump_memory_snapshot", "fake_grouped_mm_any_dtype", "in_backward", "is_traceable_wrapper_subclass",
+           "memory_snapshot",
            "op_schema", "parse_to", "record_memory_history", "stop_memory_history", "tensor_version",
            "tree_flatten", "tree_leaves", "tree_map_only"]

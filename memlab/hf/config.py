@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from memlab.core.errors import InputError
-from memlab.core.torch_private import FakeCopyMode, FakeTensor, parse_to
+from memlab.core.torch_private import FakeCopyMode, FakeTensor, fake_grouped_mm_any_dtype, parse_to
 from memlab.hf.config_check import check_config, expert_count, field_value
 from memlab.models.chunked_loss import linear_cross_entropy
 from memlab.step.optimizer_in_backward import OptimizerInBackward
@@ -121,32 +121,23 @@ def is_moe(cfg: dict) -> bool:
 #: How the simulation routes tokens, said in every mixture-of-experts report.
 ROUTING_NOTE = ("experts: transformers' grouped_mm implementation, one grouped GEMM over all "
                 "tokens x top-k (token, expert) pairs, so the bytes do not depend on which experts "
-                "the router picks; on fake tensors in fp32 the GEMM runs through transformers' own "
-                "grouped_mm fallback op (same saved input, weight and offsets), since "
-                "torch._grouped_mm's meta kernel accepts bf16 only")
+                "the router picks; on fake tensors the GEMM is torch's own _grouped_mm in every "
+                "dtype (its meta kernel's bf16-only check is stepped past, as the CPU kernel takes "
+                "fp32), so its backward saves what the real one saves")
 
 
 @contextlib.contextmanager
 def fake_grouped_mm() -> Iterator[None]:
-    """While open, transformers' experts send a grouped GEMM that is not bf16 x bf16 to its
-    own fallback op (``torch.ops.transformers.grouped_mm_fallback``, which has a fake kernel
-    and saves what ``torch._grouped_mm`` saves) rather than to ``torch._grouped_mm``, whose
-    meta kernel refuses anything but bf16 ("Expected inputs of BF16 type"), so fake fp32
-    experts run. Nothing changes for bf16 experts, or where transformers has no experts."""
-    try:
-        from transformers.integrations import moe
-    except ImportError:
+    """While open, fake experts run transformers' own dispatch to ``torch._grouped_mm`` in any
+    dtype (:func:`memlab.core.torch_private.fake_grouped_mm_any_dtype`): its meta kernel refuses
+    anything but bf16 ("Expected inputs of BF16 type"), while the real fp32 step runs the op on
+    the CPU. transformers' own fallback op (``grouped_mm_fallback``, taken when
+    ``_can_use_grouped_mm`` says no) is not the real step's: its ``setup_context`` saves the
+    input and the weight always (``integrations/moe.py`` line 232, transformers 5.23), where
+    torch's ``GroupedMmBackward0`` saves the input only for the weight's gradient, so frozen
+    experts under LoRA kept every routed input and every SwiGLU product alive."""
+    with fake_grouped_mm_any_dtype():
         yield
-        return
-    check = moe._can_use_grouped_mm
-
-    def bf16_only(input, weight, offs):
-        return check(input, weight, offs) and input.dtype == weight.dtype == torch.bfloat16
-    moe._can_use_grouped_mm = bf16_only
-    try:
-        yield
-    finally:
-        moe._can_use_grouped_mm = check
 
 
 def attn_implementation(conf, attention: str | None) -> str:

@@ -29,7 +29,9 @@ keyword names, so one run description feeds both) and runs them on fake tensors
 * **ZeRO 1-3 and offload**: the step runs unsharded in DeepSpeed's compute dtype (the module
   cast to it, adapters included); its model states are then put in DeepSpeed's layout per
   rank (:func:`memlab.lenses.simulate.deepspeed_layout`) from :func:`memlab.step.decoder_states.run_states`,
-  the frozen base of a LoRA run held beside the adapters' shards.
+  the frozen base of a LoRA run held beside the adapters' shards; ZeRO-2's ranks differ by their
+  gradient partitions (:func:`memlab.step.states.zero2_partition_elements`, in the class's
+  parameter order), so its report is the largest rank's, with ``per_rank`` every rank's.
 
 :func:`build_run` and :func:`memlab.hf.config.causal_lm_step` are also what :func:`memlab.hf.measure.measure_hf`
 runs for real, so the two lenses run one step.
@@ -63,7 +65,7 @@ from memlab.policy import precision_bytes, resolve_target
 from memlab.step.decoder_states import adapter_shapes, adapters_for, run_states
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 from memlab.step.low_bit import NF4_BLOCK, OPTIMIZER_STATES, PAGED, QMAP_ENTRIES
-from memlab.step.states import ZeroBuckets
+from memlab.step.states import ModelStates, ZeroBuckets, with_zero2_partition
 from memlab.step.training_step import PRECISIONS, MemoryReport, StepConfig
 from memlab.step.zero3_gathers import gathered_by_op, module_params
 from memlab.tracking.tracker import CATEGORIES, Event
@@ -348,18 +350,58 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
         trainable = s.num_params() if ad is None else sum(r * c for r, c in adapter_shapes(s, ad))
         gathered = zero3_gathered(build, report.timeline, buckets or ZeroBuckets(), world_size,
                                   precision_bytes(run_precision)[0]) if zero == 3 else None
-        deepspeed_layout(report, replace(ms, parameters=rs.inputs["parameters"]),
-                         trainable * precision_bytes(run_precision)[0], gathered)
+        laid = replace(ms, parameters=rs.inputs["parameters"])
+        full_grads = trainable * precision_bytes(run_precision)[0]
+        if zero == 2 and world_size > 1:
+            # the order of what trains, from the run without its 4-/8-bit base: bitsandbytes cannot
+            # quantise a meta tensor, and the adapters' shapes follow the Linear's features either way
+            sizes = trainable_numels(build_run(d, lora=lora))
+            report = _zero2_ranks(report, laid, sizes, world_size, full_grads)
+        else:
+            deepspeed_layout(report, laid, full_grads, gathered)
         report.budget_bytes = resolve_budget(budget)
     if optimizer in PAGED:
         _page_out(report, optimizer)
     report.step = run
+    for rep in report.per_rank or []:
+        rep.step, rep.budget_bytes = run, report.budget_bytes
     report.notes.extend(rs.notes)
     if micro_batches > 1:
         report.notes.append(f"{micro_batches} micro-batches of {batch // micro_batches}, simulated in turn")
     if is_moe(d):
         report.notes.append(ROUTING_NOTE)
     return report
+
+
+def trainable_numels(build: Callable) -> list[int]:
+    """Elements of each trainable parameter of :func:`build_run`'s model, in its ``parameters()``
+    order (what DeepSpeed flattens and partitions), the model made on the meta device."""
+    with torch.device("meta"):
+        model, _ = build()
+    return [p.numel() for p in model.parameters() if p.requires_grad]
+
+
+def _zero2_ranks(report: MemoryReport, ms: ModelStates, sizes: list[int], world_size: int,
+                 full_grads: float) -> MemoryReport:
+    """ZeRO-2's layout on each rank (:func:`memlab.lenses.simulate.deepspeed_layout`): the ranks
+    differ only in their gradient partition (:func:`memlab.step.states.zero2_partition_elements`:
+    the parameters overlapping a rank's share, whole). Returns the largest rank's report, with
+    ``per_rank`` one report per rank (ranks with equal partitions share one)."""
+    by_size: dict[float, MemoryReport] = {}
+    ranks = []
+    for r in range(world_size):
+        states = with_zero2_partition(ms, sizes, world_size, r)
+        if states.gradients not in by_size:
+            rep = replace(report, notes=list(report.notes), per_rank=None)
+            deepspeed_layout(rep, states, full_grads)
+            by_size[states.gradients] = rep
+        ranks.append(by_size[states.gradients])
+    top = max(ranks, key=lambda rep: rep.peak_bytes)
+    top = replace(top, notes=list(top.notes), per_rank=ranks)
+    top.notes.append(f"ZeRO-2 over {world_size} ranks: each rank's gradient partition holds the parameters "
+                     f"overlapping its share whole (DeepSpeed's grads_in_partition); the largest rank's peak, "
+                     f"per_rank every rank's")
+    return top
 
 
 def zero3_gathered(build: Callable, timeline: list, buckets: ZeroBuckets, world_size: int,
@@ -426,4 +468,4 @@ def _page_out(report: MemoryReport, optimizer: str) -> None:
 
 
 __all__ = ["MatMul4BitSim", "Linear4bitSim", "MatMul8bitSim", "Linear8bitSim", "quantize_base",
-           "make_optimizer", "build_run", "simulate_hf"]
+           "make_optimizer", "build_run", "simulate_hf", "trainable_numels"]

@@ -766,7 +766,8 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     backward, the end of backward, the optimizer step, a recomputed layer (the last one, layer 0,
     with nearly every gradient; under LoRA, whose gradients are small, the first one, with every
     layer's checkpointed input still held). ``bucket``: stages 1-2's reduce bucket, there from
-    the first trained parameter's gradient to the end of backward; ``early_late``: ``late`` where
+    the first trained parameter's gradient (an untied head's, whose hook holds it beside the
+    bucket) to the end of backward; ``early_late``: ``late`` where
     the head's gradient alone fills ZeRO-2's first bucket, else 0; ``partitioned``: ZeRO-2 or 3
     (a gradient leaves ``param.grad`` at its hook). ``gathered_forward``: ZeRO-3's gathered
     parameters at the end of forward (``gathered`` after it), the root's flat buffer with the
@@ -816,6 +817,12 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
                                         gradients=max(G_prev, kept + early_late) + held + bucket,
                                         temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered
                                         + tied_grad)
+    if bucket and chunk is None and trains_base and not s.tied:
+        # an untied head's weight has the first trained gradient: its hook allocates stages 1-2's
+        # bucket with that gradient alive (the hook copies it in) beside the hidden state's; the
+        # head's input went with its backward; after the first micro-batch the partition is there
+        m["head gradient hook"] = dict(activations=A - t * D * z.c, gradients=G_prev + held + bucket,
+                                       temporaries=V * D * z.w + t * D * z.c + gathered)
     if bucket and chunk is None and s.mlp == "gelu_new" and trains_base and not full:
         m["last MLP backward"] = _last_mlp_backward(s, z, t, A - softcap, partitioned, head_grad,
                                                     G_prev, early_late, held + bucket, gathered)

@@ -211,9 +211,12 @@ def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float,
     """
     i = {c: k for k, c in enumerate(CATEGORIES)}
     events = []
-    # stages 1-2's bucket comes at the first gradient's hook in each backward: DeepSpeed hooks the
-    # parameters' AccumulateGrad nodes, so the bucket is there from the op after the first one
-    armed, hooked = False, False
+    # stages 1-2's bucket comes at the first gradient's hook in each backward, with that gradient
+    # alive (the hook copies it in): DeepSpeed hooks the parameters' AccumulateGrad nodes, so the
+    # bucket is there from the first one's op on. After the first micro-batch that op is torch's
+    # add_ into .grad, which frees the new gradient an op later; DeepSpeed clears .grad at each
+    # backward's end (stage_1_and_2.py _clear_param_grad_only), so its hook sees the new gradient
+    hooked = False
     # with accumulation the partition made at a backward's end (stage_1_and_2.py
     # copy_grads_in_partition: grads_in_partition, allocated once) holds the sum for the next
     # micro-batches
@@ -222,12 +225,7 @@ def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float,
         cats = list(ev.by_category)
         reduced = reduced or (n > 0 and report.timeline[n - 1].phase == "backward" and ev.phase != "backward")
         grown = cats[i["gradients"]] / full_grads if full_grads else 0.0
-        accumulates = ev.module == ACCUMULATE_GRAD
-        if ev.phase != "backward":
-            armed, hooked = False, False
-        elif armed and not accumulates:
-            hooked = True
-        armed = armed or (ev.phase == "backward" and accumulates)
+        hooked = ev.phase == "backward" and (hooked or ev.module == ACCUMULATE_GRAD)
         in_backward = ms.bucket if hooked else 0.0
         flushed = grown > 0 and grown * full_grads >= ms.flush  # ZeRO-2's first bucket is full
         if ms.gradients_from == "always" or (ms.gradients_from == "first bucket" and flushed):

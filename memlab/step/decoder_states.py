@@ -17,7 +17,7 @@ from memlab.models.decoder_shape import DecoderShape
 from memlab.policy import precision_bytes
 from memlab.step.fine_tune_config import ALL_LINEAR, LoraConfig, QuantConfig
 from memlab.step.low_bit import OPTIMIZER_STATES, PAGED, adafactor_state_bytes, adam_state_bytes, quantized_weight_bytes
-from memlab.step.states import ModelStates, ZeroBuckets, model_states
+from memlab.step.states import ModelStates, ZeroBuckets, model_states, with_zero2_partition
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,9 @@ def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, wo
         own = "pure-bf16" if ad.a == 2 else precision if zero else "fp32"
         ms = model_states(sum(trainable), precision=own, optimizer=base, zero=zero, world_size=world_size,
                           offload=offload, buckets=buckets)
+    # ZeRO-2's gradient partition as DeepSpeed allocates it, on its largest rank (the closed form's
+    # parameter order, which can differ from the class's by where one parameter straddles a share)
+    ms = with_zero2_partition(ms, trainable, world_size)
     run = ms.compute_precision if ms.deepspeed else precision
     inputs, host, notes = ms.peak_inputs(), dict(ms.host), list(ms.notes)
     dequantised = 0.0

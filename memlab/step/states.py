@@ -24,6 +24,9 @@ is the master and K = 8. What DeepSpeed 0.19 (``runtime/zero/stage_1_and_2.py``,
   gradient partition and its fp32 conversion (``single_grad_partition``);
 * stage 2: a contiguous 16-bit gradient partition (``grads_in_partition``), allocated when
   the first reduce bucket is flushed early in backward, and the fp32 conversion at ``step()``;
+  it holds every parameter overlapping the rank's share whole, so ranks differ by up to a
+  parameter (:func:`zero2_partition_elements`; :func:`model_states` keeps the even share,
+  :func:`with_zero2_partition` puts DeepSpeed's in where the parameters' order is known);
 * stage 3: a persistent 16-bit gradient partition (``grad_partitions_flat_buffer``),
   parameters below ``stage3_param_persistence_threshold`` elements kept whole on every rank,
   and during forward/backward the gathered parameters of the running module;
@@ -52,7 +55,7 @@ the CUDA host allocator rounds each pinned block up to a power of two
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -330,6 +333,57 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
                        host, tuple(notes), in_backward, flush, gathered_forward)
 
 
+def zero2_partition_elements(sizes: list[int], world_size: int) -> list[int]:
+    """Elements of DeepSpeed's stage-2 gradient partition on each rank: ``grads_in_partition``
+    holds every parameter that overlaps the rank's share of the flat group *whole*, not the share.
+
+    DeepSpeed 0.19.8 ``runtime/zero/stage_1_and_2.py``: the trainable parameters are flattened in
+    the order the optimizer is given them (the model's ``parameters()``), with no padding between
+    them (line 444: ``param_alignment`` is 1 unless ``zero_optimization.parameter_alignment``)
+    and the group padded to a multiple of ``nccl_start_alignment_factor`` (2, line 387) times the
+    ranks (lines 441, 446); each rank's share is ``len(flat) // world_size`` (line 586);
+    ``get_partition_info`` (lines 2579-2611) puts in ``params_in_partition`` every parameter
+    that starts inside the share or straddles its start; ``copy_grads_in_partition`` (lines
+    2184-2195) allocates ``grads_in_partition`` as the sum of their ``numel()``, once per backward,
+    and with gradient accumulation the micro-batches' sum is held in it between backwards.
+
+    Args:
+        sizes: every trainable parameter's elements, in the model's order.
+        world_size: the data-parallel ranks.
+
+    Returns:
+        One figure per rank, rank 0 first.
+    """
+    import bisect
+    import itertools
+    n = world_size
+    alignment = 2 * n
+    share = -(-sum(sizes) // alignment) * alignment // n
+    ends = list(itertools.accumulate(sizes))
+    starts = [e - s for e, s in zip(ends, sizes, strict=True)]
+    out = []
+    for rank in range(n):
+        lo, hi = share * rank, share * (rank + 1)
+        # a parameter counts when it starts in [lo, hi) or straddles lo (start < lo < end); an
+        # empty one adds nothing either way
+        first = bisect.bisect_right(ends, lo)  # the first parameter ending past lo
+        last = bisect.bisect_left(starts, hi)  # parameters starting at or past hi do not count
+        out.append(sum(sizes[first:last]))
+    return out
+
+
+def with_zero2_partition(ms: ModelStates, sizes: list[int], world_size: int, rank: int | None = None) -> ModelStates:
+    """``ms`` (a ZeRO-2 step's states, no offload) with the gradient partition of ``rank`` as
+    DeepSpeed allocates it (:func:`zero2_partition_elements`), the largest rank's when ``rank`` is
+    None; any other step's states unchanged."""
+    if ms.gradients_from not in ("first bucket", "end of backward") or not sizes:
+        return ms
+    per_rank = zero2_partition_elements(sizes, world_size)
+    e = 4 if ms.compute_precision == "fp32" else 2
+    grads = e * (max(per_rank) if rank is None else per_rank[rank])
+    return replace(ms, gradients=float(grads))
+
+
 def data_parallel_ranks(world_size: int, tensor_parallel: int) -> int:
     """The data-parallel degree left when groups of ``tensor_parallel`` ranks split each layer
     (Megatron-LM): ``world_size / t``, the ranks ZeRO shards over.
@@ -384,4 +438,5 @@ def bytes_per_param(precision: str, stage: int, world_size: int, *, optimizer: s
 
 __all__ = ["data_parallel_ranks", "tensor_parallel_share", "ModelStates", "model_states", "model_state_bytes",
            "under_deepspeed", "step_model_states", "bytes_per_param", "param_numels", "pinned_bytes",
-           "BUCKET_ELEMENTS", "PERSISTENCE_THRESHOLD", "PARAM_OFFLOAD", "SUB_GROUP_SIZE", "ZeroBuckets"]
+           "BUCKET_ELEMENTS", "PERSISTENCE_THRESHOLD", "PARAM_OFFLOAD", "SUB_GROUP_SIZE", "ZeroBuckets",
+           "with_zero2_partition", "zero2_partition_elements"]
