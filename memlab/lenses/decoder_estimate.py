@@ -730,7 +730,10 @@ def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], 
         # the recomputed matmuls save the layer's frozen weights cast by autocast (a frozen weight is
         # not in autocast's cache, so the first forward's casts were transient)
         casts = 0 if quantized or not z.auto else sum(o * i for ios in s.linears(L - 1).values() for i, o in ios) * z.c
-        return dict(activations=embed + L * t * D * z.r + step_inputs(s, t, True) + layers[-1] + casts,
+        # every layer's checkpoint still holds its inputs: the mask of each attention kind, one tensor
+        # the layers of a kind share (``modeling_gemma2.py`` lines 431-432: full and sliding)
+        kinds = 1 + (0 < len(s.sliding_layers) < L)
+        return dict(activations=embed + L * t * D * z.r + step_inputs(s, t, True) + kinds * mask + layers[-1] + casts,
                     gradients=G_prev + held, temporaries=t * D * z.r + t * s.ffn * z.c + gathered)
     return _layer_zero_backward(s, z, t, layers[0], embed=embed + mask, dense_w=dense_w, G=G, G_prev=G_prev,
                                 held=held, late=late, gathered=gathered)
