@@ -682,8 +682,9 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     if k > 1:
         report.notes.append(f"{k} micro-batches of {batch}: activations of one, gradients held throughout")
     if ad is not None and full:
-        report.notes.append("LoRA with full checkpointing: the first recomputed layer's backward is the peak, "
-                            "its gradient temporaries approximate (2-20% low against the real step on CPU); "
+        report.notes.append("LoRA with full checkpointing: the first recomputed layer is the peak (the real step's "
+                            "at the end of its recomputed forward), its temporaries approximate (2-10% low against "
+                            "the real step on CPU, rank 8 on every linear); "
                             "memlab simulate --hf-config runs it")
     if tp > 1:
         report.notes.append(f"tensor parallel t={tp} (Megatron layout, no sequence parallelism: layer inputs "
@@ -754,7 +755,7 @@ def _layer_zero_backward(s: DecoderShape, z: Sizes, t: int, saved: float, *, emb
     * a tied head's weight gradient, in autograd's input buffer until the embedding's backward;
     * every gradient but layer 0's and the embedding's, produced after this layer's backward.
 
-    Then the larger of two moments (the real step's timeline, ``tests/test_hf_families.py``):
+    Then the larger of two moments (the real step's timeline, ``tests/test_hf_checkpointing.py``):
     the gated MLP's product's backward (``modeling_llama.py`` line 164, ``act(gate) * up``):
     ``MulBackward0`` holds the product's gradient and makes the gradients of both factors (the
     product itself freed with ``down_proj``'s backward, whose weight gradient is now there): net
