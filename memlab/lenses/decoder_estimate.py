@@ -94,6 +94,14 @@ def _norm(z: Sizes, s: DecoderShape, rows: int, width: int, in_bytes: int, input
     return _rms(z, rows, width, in_bytes, s.norm, input_counted, frozen)
 
 
+def _post_norm(z: Sizes, s: DecoderShape, t: int, frozen: bool = False) -> float:
+    """Bytes a post-attention or post-MLP norm (Gemma's four a layer) keeps of its ``t x d``
+    input, a projection's output in the compute dtype: the input itself when fp32 (nothing
+    else keeps it), else its fp32 copy, with the rsqrt and the normalised rows (:func:`_norm`)."""
+    c = z.c
+    return _norm(z, s, t, s.d, c, input_counted=c == 4, frozen=frozen) + (t * s.d * c if c == 4 else 0)
+
+
 def _norm_input(s: DecoderShape, rows: int, width: int, in_bytes: int) -> int:
     """The residual stream a norm reads, as the norm keeps it: GPT-2's LayerNorm kernel saves
     it; an HF RMSNorm saves only ``x.float()`` (``modeling_llama.py`` ``LlamaRMSNorm.forward``:
@@ -274,7 +282,7 @@ def layer_activations(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int, p
         n += t * d * _mask_bytes(z, c)
     if s.norms_per_layer == 4:
         if branch_grad:  # post-attention norm
-            n += _norm(z, s, t, d, c, input_counted=c == 4, frozen=frozen) + (t * d * c if c == 4 else 0)
+            n += _post_norm(z, s, t, frozen)
         n += (_norm_input(s, t, d, r) + _norm(z, s, t, d, r, frozen=frozen)) if mid_grad else 0  # the sum, its norm
     elif mid_grad:
         n += _norm_input(s, t, d, r) + _norm(z, s, t, d, r, frozen=frozen)  # the residual sum, its norm
@@ -287,7 +295,7 @@ def layer_activations(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int, p
     if s.resid_dropout > 0:
         n += t * d * _mask_bytes(z, c)
     if s.norms_per_layer == 4:
-        n += _norm(z, s, t, d, c, input_counted=c == 4, frozen=frozen) + (t * d * c if c == 4 else 0)  # post-MLP norm
+        n += _post_norm(z, s, t, frozen)  # post-MLP norm
     return n
 
 
@@ -460,14 +468,29 @@ def kept_activations(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str,
     final = _norm(z, s, t, D, z.r, frozen=frozen) + _norm_input(s, t, D, z.r)
     head_in = 0 if frozen or chunked else (_linear_inputs(z, t, D, 1, z.r) or t * D * z.r)
     head_in += 4 * t if chunked else 0  # linear_cross_entropy's log-sum-exp
-    # the token ids the embedding keeps (for its weight's gradient); the rotary table the first layer's rope keeps
-    rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
-    head_in += (0 if frozen else 8 * t) + 4 * t * rope
+    head_in += step_inputs(s, t, frozen)
     kept = sum(layers) if not full else L * t * D * z.r
     A = embed + kept + final + head_in + copies
     if s.final_softcap:
         A += t * V * z.c  # tanh's output of the logits' softcap
     return A, layers, embed, dense_w
+
+
+def eager_mask(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str) -> int:
+    """Bytes of the additive mask HF's eager attention adds to the scores: ``eager_mask``
+    (``transformers`` 5.23 ``masking_utils.py`` lines 612-633) turns SDPA's boolean mask into a
+    ``(batch, 1, seq, seq)`` tensor of the embeddings' dtype with ``torch.where``. It is an input
+    of every decoder layer: gone with the forward unless checkpointing holds it (each
+    checkpointed layer keeps its inputs until its backward)."""
+    return batch * seq * seq * z.r if path == "eager" else 0
+
+
+def step_inputs(s: DecoderShape, t: int, frozen: bool) -> int:
+    """Bytes the whole backward keeps of the step's inputs: the token ids the embedding saves for
+    its weight's gradient (int64; none when it is frozen, under LoRA) and the rotary table (fp32
+    ``cos`` and ``sin`` of ``t`` rows between them) the first layer's rope keeps."""
+    rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
+    return (0 if frozen else 8 * t) + 4 * t * rope
 
 
 def output_held(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, frozen: bool, full: bool,
@@ -639,7 +662,8 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
                                 full=full, trains_base=trains_base, quantized=quantization is not None,
                                 chunk=loss_chunk if chunked else None,
                                 largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None,
-                                out_held=output_held(s, z, batch, seq, path, ad is not None, full, chunked))
+                                out_held=output_held(s, z, batch, seq, path, ad is not None, full, chunked),
+                                mask=eager_mask(s, z, batch, seq, path))
     # litgpt's own model and loop replace the class's terms (transformers' pass through)
     P, moment, best = implementation_peak(run, s, batch, P, moment, best, G_prev + held)
     cats = dict.fromkeys(CATEGORIES, 0.0)
@@ -662,8 +686,9 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     if k > 1:
         report.notes.append(f"{k} micro-batches of {batch}: activations of one, gradients held throughout")
     if ad is not None and full:
-        report.notes.append("LoRA with full checkpointing: the first recomputed layer's backward is the peak, "
-                            "its gradient temporaries approximate (2-20% low against the real step on CPU); "
+        report.notes.append("LoRA with full checkpointing: the first recomputed layer is the peak (the real step's "
+                            "at the end of its recomputed forward), its temporaries approximate (2-10% low against "
+                            "the real step on CPU, rank 8 on every linear); "
                             "memlab simulate --hf-config runs it")
     if tp > 1:
         report.notes.append(f"tensor parallel t={tp} (Megatron layout, no sequence parallelism: layer inputs "
@@ -686,12 +711,12 @@ def _largest_matrix(s: DecoderShape) -> int:
 
 def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], embed: float, dense_w: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
                      G: float, G_prev: float = 0.0, held: float = 0.0, late: float = 0.0, gathered: float = 0.0,
-                     trains_base: bool = True, quantized: bool = False) -> dict[str, float]:
+                     trains_base: bool = True, quantized: bool = False, mask: float = 0.0) -> dict[str, float]:
     """The categories of a full-checkpointing step's peak layer in backward. A full fine-tune: the
-    last recomputed layer (layer 0) holds its activations with nearly all gradients. LoRA
-    (``trains_base`` False), whose gradients are small: the first recomputed one, with every
-    layer's checkpointed input still held. Under autocast either holds the layer's weights cast
-    to 16 bits.
+    last recomputed layer (layer 0) holds its activations with nearly all gradients
+    (:func:`_layer_zero_backward`). LoRA (``trains_base`` False), whose gradients are small: the
+    first recomputed one, with every layer's checkpointed input still held. Under autocast either
+    holds the layer's weights cast to 16 bits.
 
     Args:
         s, z, t: the shape, the sizes, the tokens of the micro-batch.
@@ -699,22 +724,69 @@ def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], 
         dense_w: the dense weights' elements; G, G_prev: the step's and earlier micro-batches' gradients;
         held: gradient bytes held all step (with ZeRO's bucket); late: ZeRO-2's partition;
         gathered: ZeRO-3's gathered weights; quantized: a 4/8-bit base (dequantised, not autocast's
-        casts: counted by the caller).
+        casts: counted by the caller); mask: layer 0's attention mask, an input its checkpoint holds
+        (:func:`eager_mask`).
 
     Returns:
         A dict of categories (activations, gradients, temporaries) to bytes.
     """
     D, L = s.d, s.n_layer
     if not trains_base:
-        rope = 0 if s.positions else (s.qk_rope_dim or s.head_dim)
         # the recomputed matmuls save the layer's frozen weights cast by autocast (a frozen weight is
         # not in autocast's cache, so the first forward's casts were transient)
         casts = 0 if quantized or not z.auto else sum(o * i for ios in s.linears(L - 1).values() for i, o in ios) * z.c
-        return dict(activations=embed + L * t * D * z.r + 4 * t * rope + layers[-1] + casts,
+        # every layer's checkpoint still holds its inputs: the mask of each attention kind, one tensor
+        # the layers of a kind share (``modeling_gemma2.py`` lines 431-432: full and sliding)
+        kinds = 1 + (0 < len(s.sliding_layers) < L)
+        return dict(activations=embed + L * t * D * z.r + step_inputs(s, t, True) + kinds * mask + layers[-1] + casts,
                     gradients=G_prev + held, temporaries=t * D * z.r + t * s.ffn * z.c + gathered)
-    return dict(activations=embed + t * D * z.r + layers[0] + dense_w / L * z.c * z.auto,
-                gradients=max(G_prev, G * (1 - 1 / max(L, 1)), late) + held,
-                temporaries=t * max(s.ffn, s.moe_ffn * s.top_k) * z.c + gathered)
+    return _layer_zero_backward(s, z, t, layers[0], embed=embed + mask, dense_w=dense_w, G=G, G_prev=G_prev,
+                                held=held, late=late, gathered=gathered)
+
+
+def _layer_zero_backward(s: DecoderShape, z: Sizes, t: int, saved: float, *, embed: float, dense_w: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
+                         G: float, G_prev: float, held: float, late: float, gathered: float) -> dict[str, float]:
+    """A full fine-tune's peak under full checkpointing: layer 0's backward, the last recomputed.
+
+    Non-reentrant checkpointing (``torch/utils/checkpoint.py`` 2.13, ``unpack_hook`` lines
+    1165-1207) reruns the whole layer's forward at the first unpack of one of its saved tensors
+    (line 1183) and hands each recomputed tensor out once (line 1206): at the layer's first
+    backward op every tensor the layer saves (``saved``, :func:`layer_activations`, less its own
+    input, which the checkpoint holds as layer 0's input) is alive with
+
+    * the gradient of the layer's output (``t x d`` in the residual's dtype);
+    * the step's inputs (:func:`step_inputs`): the token ids and the rotary table;
+    * a tied head's weight gradient, in autograd's input buffer until the embedding's backward;
+    * every gradient but layer 0's and the embedding's, produced after this layer's backward.
+
+    Then the larger of two moments (the real step's timeline, ``tests/test_hf_checkpointing.py``):
+    the gated MLP's product's backward (``modeling_llama.py`` line 164, ``act(gate) * up``):
+    ``MulBackward0`` holds the product's gradient and makes the gradients of both factors (the
+    product itself freed with ``down_proj``'s backward, whose weight gradient is now there): net
+    two MLP-wide tensors. Gemma's four norms a layer put a post-MLP norm first, whose backward
+    holds :data:`NORM_BACKWARD_TEMPORARIES` fp32 ``t x d`` tensors, the output's gradient among them.
+    """
+    D, V = s.d, s.vocab
+    params = s.num_params()
+    pending = s.layer_params(0) + V * D + s.positions * D  # layer 0's and the embeddings' gradients
+    f = max(s.ffn, s.moe_ffn * s.top_k)
+    down = s.ffn * D if 0 not in s.moe_layers and s.mlp != "gelu_new" else 0
+
+    def grads(done: float) -> float:
+        return max(G_prev, G * (1 - (pending - done) / params), late) + held
+
+    base = saved - _norm_input(s, t, D, z.r) + (V * D * z.w if s.tied else 0) + gathered
+    acts = embed + t * D * z.r + step_inputs(s, t, False) + dense_w / s.n_layer * z.c * z.auto
+    mlp = base + t * D * z.r + 2 * t * f * z.c
+    if s.norms_per_layer != 4 or s.norm not in NORM_BACKWARD_TEMPORARIES:
+        return dict(activations=acts, gradients=grads(down), temporaries=mlp)
+    # by the MLP's backward the post-MLP norm's saved tensors went with its backward, which left
+    # its input's gradient (in the compute dtype)
+    mlp += t * D * z.c - _post_norm(z, s, t)
+    # the post-MLP norm's backward first: the layer's output gradient is the norm's incoming one
+    norm = base + NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4
+    return max(dict(activations=acts, gradients=grads(down), temporaries=mlp),
+               dict(activations=acts, gradients=grads(0.0), temporaries=norm), key=lambda cats: sum(cats.values()))
 
 
 def _last_mlp_backward(s: DecoderShape, z: Sizes, t: int, A: float, partitioned: bool, head_grad: float,
@@ -759,7 +831,7 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
                  bucket: float, partitioned: bool, head_grad: float, gathered: float, scratch: float, full: bool,
                  trains_base: bool, quantized: bool = False,
                  chunk: int | None = None, largest_grad: float | None = None,
-                 out_held: float = 0.0, gathered_forward: float = 0.0) -> tuple[str, dict]:
+                 out_held: float = 0.0, gathered_forward: float = 0.0, mask: float = 0.0) -> tuple[str, dict]:
     """The moment of the step whose bytes are largest, and its categories: the loss
     (HF's ``ForCausalMLoss``: ``logits.float()``, then cross-entropy in fp32; or, with a
     ``chunk``, :func:`memlab.models.chunked_loss.chunked_loss_bytes`' two moments), the head's
@@ -772,6 +844,7 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     (a gradient leaves ``param.grad`` at its hook). ``gathered_forward``: ZeRO-3's gathered
     parameters at the end of forward (``gathered`` after it), the root's flat buffer with the
     copies when its prefetch took the whole model (:func:`memlab.step.zero3_gathers.gathered_in_closed_form`).
+    ``mask``: the eager attention's mask, which the checkpoint of layer 0 holds (:func:`eager_mask`).
 
     ``largest_grad`` (the optimizer step in backward, :mod:`memlab.step.optimizer_in_backward`): no moment holds
     every gradient; a layer's backward holds the one being applied (at most ``largest_grad``) and a
@@ -830,7 +903,7 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
         m["recomputed layer"] = recomputed_layer(s, z, t, layers=layers, embed=embed, dense_w=dense_w, G=G,
                                                  G_prev=G_prev, held=held + (bucket if trains_base else 0),
                                                  late=late, gathered=gathered, trains_base=trains_base,
-                                                 quantized=quantized)
+                                                 quantized=quantized, mask=mask)
     if largest_grad is not None:
         embed_grad = V * D * z.w
         for name, cats in m.items():
