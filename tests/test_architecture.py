@@ -202,7 +202,10 @@ LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "bitsan
            "memlab.classroom.plots",
            "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining",
            "torch.distributed._tools", "torch.utils.cpp_extension", "resource",
-           "torch._inductor", "torch._functorch", "torch.profiler")  # compile and its profiler: heavy, on use
+           "torch._inductor", "torch._functorch", "torch.profiler",  # compile and its profiler: heavy, on use
+           # private names that move between torch releases: imported where used, so that
+           # core.torch_private itself imports on any release (the GPU machine's 2.11)
+           "torch._meta_registrations", "torch._subclasses")
 #: Modules whose functions may import memlab's own modules late: the CLI, where each command
 #: imports its lens when it runs (`memlab --help` and `estimate` stay near torch's own import:
 #: benchmarks/cli_startup.py, tests/test_startup.py).

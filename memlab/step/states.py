@@ -55,6 +55,8 @@ the CUDA host allocator rounds each pinned block up to a power of two
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -354,8 +356,6 @@ def zero2_partition_elements(sizes: list[int], world_size: int) -> list[int]:
     Returns:
         One figure per rank, rank 0 first.
     """
-    import bisect
-    import itertools
     n = world_size
     alignment = 2 * n
     share = -(-sum(sizes) // alignment) * alignment // n
