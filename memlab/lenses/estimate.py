@@ -79,6 +79,8 @@ class Dtypes:
     probs: int      # naive attention's saved probabilities (and their cast copy), per score
     # (moment, saved, scratch) bytes per logit through the loss (policy.cross_entropy_moments)
     loss_moments: tuple[tuple[str, int, int], ...]
+    # the same for logits the model casts to fp32 first (GPTConfig.logits_fp32)
+    upcast_loss_moments: tuple[tuple[str, int, int], ...]
     target: "str | Target"  # the device the sizes are for (a Target: also its card)
 
 
@@ -96,6 +98,7 @@ def dtypes(precision: str, target: str = "cpu") -> Dtypes:
     return Dtypes(param=param, grad=param, compute=compute, residual=residual,
                   softmax=moments[0][1], weight_copy=lower or 0,
                   probs=attention_probs_bytes(target, precision), loss_moments=moments,
+                  upcast_loss_moments=tuple(cross_entropy_moments(target, precision, upcast_logits=True)),
                   target=target)
 
 
@@ -202,14 +205,14 @@ def op_layer_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str, target:
 def _residual_saved(cfg: GPTConfig, d: Dtypes) -> int:
     """Bytes per element of the residual stream kept for the norms' backward (none when
     the norm keeps an fp32 upcast instead, counted in :func:`_norm_bytes`)."""
-    keeps_input, _, _ = norm_saves(d.target, cfg.norm, d.residual)
+    keeps_input, _, _ = norm_saves(d.target, cfg.norm, d.residual, cfg.norm_fp32)
     return d.residual if keeps_input else 0
 
 
 def _norm_bytes(cfg: GPTConfig, d: Dtypes, t: int) -> int:
     """One norm's saved bytes: its output as the next matmul saves it (``thC``) and what
     the norm itself keeps per element and per row (:func:`memlab.policy.norm_saves`)."""
-    _, per_element, per_row = norm_saves(d.target, cfg.norm, d.residual)
+    _, per_element, per_row = norm_saves(d.target, cfg.norm, d.residual, cfg.norm_fp32)
     return t * cfg.d_model * (d.compute + per_element) + t * per_row
 
 
@@ -241,7 +244,13 @@ def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
         copies = d.weight_copy * (cfg.n_layer * layer_w + head_copy) / tp
     return {"embedding": embed, "layers": layers, "final_norm": final_norm,
             "weight_copies": copies,
-            "log_softmax": 4 * t if chunked else t * v * d.softmax / tp}
+            "log_softmax": 4 * t if chunked else t * v * _loss_moments(cfg, d)[0][1] / tp}
+
+
+def _loss_moments(cfg: GPTConfig, d: Dtypes) -> tuple[tuple[str, int, int], ...]:
+    """The plain loss's ``(moment, saved, scratch)`` bytes per logit for this model: those of
+    its fp32 copy when it casts its logits first (``cfg.logits_fp32``)."""
+    return d.upcast_loss_moments if cfg.logits_fp32 else d.loss_moments
 
 
 def chunked_loss_moments(cfg: GPTConfig, tokens: int, precision: str,
@@ -321,7 +330,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
                              + (cached if forward else 0))
     else:
         # the loss's forward and backward, one moment per tensor it makes, all activations alive
-        for moment, saved, scratch_per_logit in d.loss_moments:
+        for moment, saved, scratch_per_logit in _loss_moments(cfg, d):
             cast_cache = cached if moment == "loss forward" else 0
             m[moment] = dict(activations=A - lse + t * v * saved, gradients=G_prev + held,
                              temporaries=t * v * scratch_per_logit + cast_cache + gathered)
