@@ -309,7 +309,8 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     m = {"end of forward": dict(activations=A - lse, gradients=G_prev + held,
                                 temporaries=states["gathered_forward"] + cached)}
     if step.compile:  # one compiled graph each way: its traced peak, then the optimizer step
-        grown = compiled_pass_bytes(cfg, seq, batch, step.precision, step.activation_memory_budget, target)
+        grown = compiled_pass_bytes(cfg, seq, batch, step.precision, step.activation_memory_budget, target,
+                                    step.compile)
         m = {"compiled forward and backward": dict(
                  activations=grown["activations"], gradients=G_prev + held + grown["gradients"],
                  temporaries=grown["temporaries"] + gathered),
@@ -406,7 +407,7 @@ def _gpt_other(cfg: GPTConfig, step: StepConfig) -> int:
 
 @functools.lru_cache(maxsize=32)
 def compiled_pass_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str, budget: float | None,
-                        target: Target) -> dict[str, int]:
+                        target: Target, scope: bool | str = True) -> dict[str, int]:
     """The compiled forward and backward of one micro-batch (``torch.compile``, inductor), traced on
     fake tensors: the bytes they add, by category, at their peak, over what was held before them
     (parameters, buffers, the batch).
@@ -422,11 +423,12 @@ def compiled_pass_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str, bu
     Args:
         cfg: the model. seq, batch: one micro-batch's shape. precision: the step's (its autocast).
         budget: ``activation_memory_budget`` (``None``: the default). target: whose autocast policy.
+        scope: ``StepConfig.compile``: ``True`` (one graph) or ``"layers"`` (torchtune's blocks and loss apart).
 
     Returns:
         ``{category: bytes}`` added at the pass's peak.
     """
-    step = StepConfig(model=cfg, seq=seq, batch=batch, precision=precision, compile=True,
+    step = StepConfig(model=cfg, seq=seq, batch=batch, precision=precision, compile=scope,
                       activation_memory_budget=budget)
     with FakeTensorMode(), emulate(target):
         model = build_trainer(step, "cpu", fake=True).model

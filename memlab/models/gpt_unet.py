@@ -527,6 +527,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
+        #: the plain loss compiled apart from the model (``StepConfig(compile="layers")``,
+        #: :func:`memlab.step.compiled.compile_layers`); ``None``: ``F.cross_entropy`` eager
+        self.compiled_loss = None
         self.apply(self.init_weights)
 
     @staticmethod
@@ -558,7 +561,15 @@ class GPT(nn.Module):
             logits = logits.float()
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        loss = F.cross_entropy if self.compiled_loss is None else self.compiled_loss
+        return loss(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class CrossEntropy(nn.Module):
+    """``F.cross_entropy`` as a module, so that it can be compiled on its own."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, targets)
 
 
 # --------------------------------------------------------------------------------------

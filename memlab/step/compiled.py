@@ -106,6 +106,36 @@ def compile_model(model: nn.Module, backend: object = "inductor") -> nn.Module:
     return torch.compile(model, backend=backend)
 
 
+def compile_layers(model: nn.Module, fake: bool, backend: object = "inductor") -> nn.Module:
+    """torchtune's compile (``StepConfig(compile="layers")``): each block of a GPT compiled on its
+    own (``m.compile()`` on every decoder layer, torchtune/training/_compile.py:51-55 at 1814feb17)
+    and the loss on its own (``torch.compile(loss)``, :81), the embedding, the final norm, the head
+    and a cast of its logits eager between them. Each compiled region is partitioned apart, so its
+    forward saves its own inputs and outputs, which one whole graph may fuse away.
+
+    Args:
+        model: a :class:`memlab.models.gpt_unet.GPT` with the plain loss.
+        fake: for the simulation (fake tensors): each region a :class:`PartitionedModel`.
+        backend: the real compile's backend.
+
+    Returns:
+        ``model``, its blocks and loss compiled in place.
+    """
+    from memlab.models.gpt_unet import GPT, CrossEntropy  # the models import this module's users
+    if not isinstance(model, GPT) or model.cfg.loss != "plain":
+        raise InputError(f"compile='layers' compiles a GPT's blocks and its plain loss apart, got "
+                         f"{type(model).__name__}; allowed: a GPTConfig model with loss='plain', or compile=True")
+    if fake:
+        model.blocks = nn.ModuleList(PartitionedModel(block) for block in model.blocks)
+        model.compiled_loss = PartitionedModel(CrossEntropy())
+        return model
+    reset_compiled()
+    for block in model.blocks:
+        block.compile(backend=backend)
+    model.compiled_loss = torch.compile(CrossEntropy(), backend=backend)
+    return model
+
+
 @dataclass
 class CompiledSaved:
     """What a compiled forward saves for backward, from the backward graph's inputs."""
@@ -188,4 +218,5 @@ class PartitionedModel(nn.Module):
 
 
 __all__ = ["CUDA_LOWERING_NOTE", "LOWERED_ON", "UNLOWERED_NOTE", "CompiledSaved", "PartitionedModel", "check_budget",
-           "compile_model", "count_compiled_saved", "inductor_lowering_available", "lowering_notes", "saved_storages"]
+           "compile_layers", "compile_model", "count_compiled_saved", "inductor_lowering_available",
+           "lowering_notes", "saved_storages"]
