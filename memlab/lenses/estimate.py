@@ -244,7 +244,9 @@ def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
         copies = d.weight_copy * (cfg.n_layer * layer_w + head_copy) / tp
     return {"embedding": embed, "layers": layers, "final_norm": final_norm,
             "weight_copies": copies,
-            "log_softmax": 4 * t if chunked else t * v * _loss_moments(cfg, d)[0][1] / tp}
+            # chunked_output: every chunk's log-softmax, fp32 (each chunk is cast first)
+            "log_softmax": 4 * t if chunked else t * v * (4 if cfg.loss == "chunked_output"
+                                                          else _loss_moments(cfg, d)[0][1]) / tp}
 
 
 def _loss_moments(cfg: GPTConfig, d: Dtypes) -> tuple[tuple[str, int, int], ...]:
@@ -329,6 +331,9 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
             m[moment] = dict(activations=A, gradients=G_prev + held + in_bwd + cats.get("gradients", 0),
                              temporaries=cats["temporaries"] + gathered
                              + (cached if forward else 0))
+    elif cfg.loss == "chunked_output":
+        m.update(_chunked_output_moments(cfg, d, seq, batch, v, A=A, lse=lse, held=G_prev + held,
+                                         head=max(G_prev, head_grad) + held, gathered=gathered, cached=cached))
     else:
         # the loss's forward and backward, one moment per tensor it makes, all activations alive
         for moment, saved, scratch_per_logit in _loss_moments(cfg, d):
@@ -375,6 +380,32 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     out.update(parameters=P, optimizer=Opt, other=_gpt_other(cfg, step),
                workspace=target.resident_workspace(), **best)
     return out, name
+
+
+def _chunked_output_moments(cfg: GPTConfig, d: Dtypes, seq: int, batch: int, v: int, *, A: float, lse: float,
+                            held: float, head: float, gathered: float, cached: float) -> dict[str, dict]:
+    """The moments of ``loss="chunked_output"`` (torchtune's chunked head and loss, eager): every
+    chunk's logits exist at the last chunk's loss, beside its fp32 cast and every chunk's fp32
+    log-softmax (``lse``, in ``A``); backward runs every chunk's loss before any chunk's head matmul
+    (their nodes are younger), the first (largest) chunk's log-softmax gradients in and out beside
+    all saved log-softmaxes; then all chunks' logit gradients meet the head's backward.
+
+    Args:
+        cfg, d: the model and its element sizes. seq, batch: one micro-batch. v: this rank's vocabulary.
+        A, lse: the activations saved and the log-softmaxes among them. held, head: the gradients
+        held in the loss and in the head's backward. gathered, cached: ZeRO-3's and autocast's buffers.
+
+    Returns:
+        ``{moment: {category: bytes}}``.
+    """
+    logits = seq * batch * v
+    chunk = batch * -(-seq // cfg.output_chunks) * v   # torch.chunk: the first chunks are the largest
+    cast = 4 * chunk if d.compute != 4 else 0           # .float() of fp32 logits is the tensor itself
+    return {"loss forward": dict(activations=A, gradients=held, temporaries=logits * d.compute + cast + cached
+                                 + gathered),
+            "log-softmax backward": dict(activations=A, gradients=held, temporaries=8 * chunk + gathered),
+            "head backward": dict(activations=A - lse, gradients=head,
+                                  temporaries=logits * d.compute + seq * batch * cfg.d_model * d.compute + gathered)}
 
 
 def _in_backward_gradients(m: dict[str, dict], cfg: GPTConfig, grad_bytes: float,

@@ -43,11 +43,11 @@ from memlab.models.decoder_shape import MEMLAB_GPT, DecoderShape
 Attention = Literal["naive", "sdpa"]
 Checkpointing = Literal["none", "full", "selective", "op"]
 GQAKernel = Literal["repeat", "native"]
-Loss = Literal["plain", "chunked"]
+Loss = Literal["plain", "chunked", "chunked_output"]
 ATTENTIONS = ("naive", "sdpa")
 CHECKPOINTINGS = ("none", "full", "selective", "op")
 GQA_KERNELS = ("repeat", "native")
-LOSSES = ("plain", "chunked")
+LOSSES = ("plain", "chunked", "chunked_output")
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,12 @@ class GPTConfig(OneLine):
         ``"plain"``: ``F.cross_entropy`` on the full ``[tokens, vocab]`` logits.
         ``"chunked"``: :func:`memlab.models.chunked_loss.linear_cross_entropy` over ``loss_chunk``
         tokens at a time; the same loss and gradients, without the logits.
+        ``"chunked_output"``: torchtune's ``CEWithChunkedOutputLoss`` (torchtune/modules/loss/
+        ce_chunked_output_loss.py at 1814feb17) on its decoder's ``chunked_output``
+        (transformer.py:750-753): the head makes ``output_chunks`` chunks of logits along the
+        sequence, all in forward, and each chunk is cast to fp32 and summed into the loss on its own.
+    ``output_chunks``
+        The chunks of ``"chunked_output"`` (torchtune's ``num_output_chunks``, 8 by default).
     ``norm_fp32``
         RMSNorm written out as torchtune's (torchtune/modules/rms_norm.py:61-65 at 1814feb17):
         ``x.float()``, ``x * rsqrt(mean(x^2) + eps)`` in fp32, cast back to the input's dtype,
@@ -136,11 +142,13 @@ class GPTConfig(OneLine):
     loss_chunk: int = 1024
     norm_fp32: bool = False
     logits_fp32: bool = False
+    output_chunks: int = 8
 
     def __post_init__(self) -> None:
         for field, value in (("n_layer", self.n_layer), ("n_head", self.n_head),
                              ("d_model", self.d_model), ("vocab_size", self.vocab_size),
-                             ("block_size", self.block_size), ("loss_chunk", self.loss_chunk)):
+                             ("block_size", self.block_size), ("loss_chunk", self.loss_chunk),
+                             ("output_chunks", self.output_chunks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{field} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
@@ -550,6 +558,8 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(s, device=idx.device))
         for block in self.blocks:
             x = block(x)
+        if targets is not None and self.cfg.loss == "chunked_output":
+            return self._chunked_output_loss(self.ln_f(x), targets)
         if targets is not None and self.cfg.loss == "chunked":
             return linear_cross_entropy(self.ln_f(x).flatten(0, 1), self.lm_head.weight,
                                         targets.flatten(), chunk_size=self.cfg.loss_chunk)
@@ -564,11 +574,35 @@ class GPT(nn.Module):
         loss = F.cross_entropy if self.compiled_loss is None else self.compiled_loss
         return loss(logits.view(-1, logits.size(-1)), targets.view(-1))
 
+    def _chunked_output_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """torchtune's ``chunked_output`` then ``CEWithChunkedOutputLoss.forward`` (transformer.py:750-753,
+        ce_chunked_output_loss.py at 1814feb17): every chunk's logits made first, then each one's fp32
+        cross-entropy summed, divided by the token count."""
+        n = self.cfg.output_chunks
+        logits = [self.lm_head(chunk) for chunk in h.chunk(n, dim=1)]
+        ce = summed_fp32_cross_entropy if self.compiled_loss is None else self.compiled_loss
+        total = 0.0
+        for chunk, target in zip(logits, targets.chunk(n, dim=1), strict=True):
+            total = total + ce(chunk.reshape(-1, chunk.size(-1)), target.reshape(-1))
+        return total / targets.numel()
+
+
+def summed_fp32_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """torchtune's ``compute_cross_entropy``: the chunk cast to fp32, its cross-entropy summed."""
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
+
 
 class CrossEntropy(nn.Module):
-    """``F.cross_entropy`` as a module, so that it can be compiled on its own."""
+    """``F.cross_entropy`` as a module, so that it can be compiled on its own; with ``summed_fp32``
+    :func:`summed_fp32_cross_entropy`, the per-chunk loss of ``loss="chunked_output"``."""
+
+    def __init__(self, summed_fp32: bool = False):
+        super().__init__()
+        self.summed_fp32 = summed_fp32
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.summed_fp32:
+            return summed_fp32_cross_entropy(logits, targets)
         return F.cross_entropy(logits, targets)
 
 

@@ -156,10 +156,10 @@ class StepConfig:
         if not isinstance(self.compile, bool) and self.compile != "layers":
             raise InputError(f"compile={self.compile!r}; allowed: True, False, 'layers'")
         if self.compile == "layers" and not (isinstance(self.model_config, GPTConfig)
-                                             and self.model_config.loss == "plain"):
+                                             and self.model_config.loss in ("plain", "chunked_output")):
             raise InputError(f"compile='layers' compiles a GPT's blocks and its plain loss apart; the model "
-                             f"{getattr(self.model_config, 'name', self.model)!r} is not a GPT with loss='plain'; "
-                             f"allowed for it: compile=True or False")
+                             f"{getattr(self.model_config, 'name', self.model)!r} is not a GPT with loss='plain' "
+                             f"or 'chunked_output'; allowed for it: compile=True or False")
         check_budget(self.activation_memory_budget, self.compile)
         if self.quantization is not None and self.lora is None:
             raise InputError("a 4-/8-bit base is frozen: give LoRA adapters to train (lora=LoraConfig(...))")
