@@ -126,10 +126,16 @@ def test_existing_presets_keep_their_shapes():
     (dict(n_kv_head=2.0), "n_kv_head=2.0 must divide"),
     (dict(gqa="fused"), "gqa='fused'; allowed: repeat, native"),
     (dict(n_kv_head=2, gqa="native", attention="naive"), "gqa='native' needs attention='sdpa'"),
-    (dict(loss="fused"), "loss='fused'; allowed: plain, chunked"),
+    (dict(loss="fused"), "loss='fused'; allowed: plain, chunked, chunked_output"),
+    (dict(output_chunks=0), "output_chunks must be a positive integer, got 0"),
     (dict(loss_chunk=0), "loss_chunk must be a positive integer, got 0"),
     (dict(rope_theta=0.0), "rope_theta must be a positive number, got 0.0"),
     (dict(position="rope", n_head=64), "rotary positions need an even head_dim"),
+    (dict(norm_fp32=True), "norm_fp32=True is torchtune's RMSNorm; it needs norm='rmsnorm' (got norm='layernorm')"),
+    (dict(norm_fp32=1), "norm_fp32 must be True or False, got 1"),
+    (dict(logits_fp32="yes"), "logits_fp32 must be True or False, got 'yes'"),
+    (dict(logits_fp32=True, loss="chunked"), "logits_fp32=True casts whole logits before the plain loss; "
+                                             "it needs loss='plain' (got loss='chunked')"),
 ])
 def test_bad_config_values_name_the_value_and_what_is_allowed(kw, needle):
     with pytest.raises(ValueError) as e:

@@ -66,6 +66,7 @@ class PipelineStageModule(nn.Module):
         self.blocks = nn.ModuleList(model.blocks[lo:hi])
         if last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
+        self.logits_fp32 = model.cfg.logits_fp32  # the GPT's cast before the loss, kept per stage
         self.clock = _Clock()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +80,8 @@ class PipelineStageModule(nn.Module):
         for block in self.blocks:
             x = block(x)
         if self.last:
-            return self.lm_head(self.ln_f(x))  # the loss closes this forward, see _loss_fn
+            logits = self.lm_head(self.ln_f(x))  # the loss closes this forward, see _loss_fn
+            return logits.float() if self.logits_fp32 else logits
         clock._fwd += 1
         clock.events.append(("F", mb, clock._f_start, time.perf_counter()))
         return _Mark.apply(x, clock, mb, False)

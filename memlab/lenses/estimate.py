@@ -79,6 +79,8 @@ class Dtypes:
     probs: int      # naive attention's saved probabilities (and their cast copy), per score
     # (moment, saved, scratch) bytes per logit through the loss (policy.cross_entropy_moments)
     loss_moments: tuple[tuple[str, int, int], ...]
+    # the same for logits the model casts to fp32 first (GPTConfig.logits_fp32)
+    upcast_loss_moments: tuple[tuple[str, int, int], ...]
     target: "str | Target"  # the device the sizes are for (a Target: also its card)
 
 
@@ -96,6 +98,7 @@ def dtypes(precision: str, target: str = "cpu") -> Dtypes:
     return Dtypes(param=param, grad=param, compute=compute, residual=residual,
                   softmax=moments[0][1], weight_copy=lower or 0,
                   probs=attention_probs_bytes(target, precision), loss_moments=moments,
+                  upcast_loss_moments=tuple(cross_entropy_moments(target, precision, upcast_logits=True)),
                   target=target)
 
 
@@ -202,14 +205,14 @@ def op_layer_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str, target:
 def _residual_saved(cfg: GPTConfig, d: Dtypes) -> int:
     """Bytes per element of the residual stream kept for the norms' backward (none when
     the norm keeps an fp32 upcast instead, counted in :func:`_norm_bytes`)."""
-    keeps_input, _, _ = norm_saves(d.target, cfg.norm, d.residual)
+    keeps_input, _, _ = norm_saves(d.target, cfg.norm, d.residual, cfg.norm_fp32)
     return d.residual if keeps_input else 0
 
 
 def _norm_bytes(cfg: GPTConfig, d: Dtypes, t: int) -> int:
     """One norm's saved bytes: its output as the next matmul saves it (``thC``) and what
     the norm itself keeps per element and per row (:func:`memlab.policy.norm_saves`)."""
-    _, per_element, per_row = norm_saves(d.target, cfg.norm, d.residual)
+    _, per_element, per_row = norm_saves(d.target, cfg.norm, d.residual, cfg.norm_fp32)
     return t * cfg.d_model * (d.compute + per_element) + t * per_row
 
 
@@ -241,7 +244,15 @@ def activation_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str,
         copies = d.weight_copy * (cfg.n_layer * layer_w + head_copy) / tp
     return {"embedding": embed, "layers": layers, "final_norm": final_norm,
             "weight_copies": copies,
-            "log_softmax": 4 * t if chunked else t * v * d.softmax / tp}
+            # chunked_output: every chunk's log-softmax, fp32 (each chunk is cast first)
+            "log_softmax": 4 * t if chunked else t * v * (4 if cfg.loss == "chunked_output"
+                                                          else _loss_moments(cfg, d)[0][1]) / tp}
+
+
+def _loss_moments(cfg: GPTConfig, d: Dtypes) -> tuple[tuple[str, int, int], ...]:
+    """The plain loss's ``(moment, saved, scratch)`` bytes per logit for this model: those of
+    its fp32 copy when it casts its logits first (``cfg.logits_fp32``)."""
+    return d.upcast_loss_moments if cfg.logits_fp32 else d.loss_moments
 
 
 def chunked_loss_moments(cfg: GPTConfig, tokens: int, precision: str,
@@ -300,7 +311,8 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     m = {"end of forward": dict(activations=A - lse, gradients=G_prev + held,
                                 temporaries=states["gathered_forward"] + cached)}
     if step.compile:  # one compiled graph each way: its traced peak, then the optimizer step
-        grown = compiled_pass_bytes(cfg, seq, batch, step.precision, step.activation_memory_budget, target)
+        grown = compiled_pass_bytes(cfg, seq, batch, step.precision, step.activation_memory_budget, target,
+                                    step.compile)
         m = {"compiled forward and backward": dict(
                  activations=grown["activations"], gradients=G_prev + held + grown["gradients"],
                  temporaries=grown["temporaries"] + gathered),
@@ -319,9 +331,12 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
             m[moment] = dict(activations=A, gradients=G_prev + held + in_bwd + cats.get("gradients", 0),
                              temporaries=cats["temporaries"] + gathered
                              + (cached if forward else 0))
+    elif cfg.loss == "chunked_output":
+        m.update(_chunked_output_moments(cfg, d, seq, batch, v, A=A, lse=lse, held=G_prev + held,
+                                         head=max(G_prev, head_grad) + held, gathered=gathered, cached=cached))
     else:
         # the loss's forward and backward, one moment per tensor it makes, all activations alive
-        for moment, saved, scratch_per_logit in d.loss_moments:
+        for moment, saved, scratch_per_logit in _loss_moments(cfg, d):
             cast_cache = cached if moment == "loss forward" else 0
             m[moment] = dict(activations=A - lse + t * v * saved, gradients=G_prev + held,
                              temporaries=t * v * scratch_per_logit + cast_cache + gathered)
@@ -367,6 +382,32 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     return out, name
 
 
+def _chunked_output_moments(cfg: GPTConfig, d: Dtypes, seq: int, batch: int, v: int, *, A: float, lse: float,
+                            held: float, head: float, gathered: float, cached: float) -> dict[str, dict]:
+    """The moments of ``loss="chunked_output"`` (torchtune's chunked head and loss, eager): every
+    chunk's logits exist at the last chunk's loss, beside its fp32 cast and every chunk's fp32
+    log-softmax (``lse``, in ``A``); backward runs every chunk's loss before any chunk's head matmul
+    (their nodes are younger), the first (largest) chunk's log-softmax gradients in and out beside
+    all saved log-softmaxes; then all chunks' logit gradients meet the head's backward.
+
+    Args:
+        cfg, d: the model and its element sizes. seq, batch: one micro-batch. v: this rank's vocabulary.
+        A, lse: the activations saved and the log-softmaxes among them. held, head: the gradients
+        held in the loss and in the head's backward. gathered, cached: ZeRO-3's and autocast's buffers.
+
+    Returns:
+        ``{moment: {category: bytes}}``.
+    """
+    logits = seq * batch * v
+    chunk = batch * -(-seq // cfg.output_chunks) * v   # torch.chunk: the first chunks are the largest
+    cast = 4 * chunk if d.compute != 4 else 0           # .float() of fp32 logits is the tensor itself
+    return {"loss forward": dict(activations=A, gradients=held, temporaries=logits * d.compute + cast + cached
+                                 + gathered),
+            "log-softmax backward": dict(activations=A, gradients=held, temporaries=8 * chunk + gathered),
+            "head backward": dict(activations=A - lse, gradients=head,
+                                  temporaries=logits * d.compute + seq * batch * cfg.d_model * d.compute + gathered)}
+
+
 def _in_backward_gradients(m: dict[str, dict], cfg: GPTConfig, grad_bytes: float,
                            head_grad: float) -> None:
     """The moments of a step whose optimizer runs in backward (:mod:`memlab.step.optimizer_in_backward`):
@@ -397,7 +438,7 @@ def _gpt_other(cfg: GPTConfig, step: StepConfig) -> int:
 
 @functools.lru_cache(maxsize=32)
 def compiled_pass_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str, budget: float | None,
-                        target: Target) -> dict[str, int]:
+                        target: Target, scope: bool | str = True) -> dict[str, int]:
     """The compiled forward and backward of one micro-batch (``torch.compile``, inductor), traced on
     fake tensors: the bytes they add, by category, at their peak, over what was held before them
     (parameters, buffers, the batch).
@@ -413,11 +454,12 @@ def compiled_pass_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str, bu
     Args:
         cfg: the model. seq, batch: one micro-batch's shape. precision: the step's (its autocast).
         budget: ``activation_memory_budget`` (``None``: the default). target: whose autocast policy.
+        scope: ``StepConfig.compile``: ``True`` (one graph) or ``"layers"`` (torchtune's blocks and loss apart).
 
     Returns:
         ``{category: bytes}`` added at the pass's peak.
     """
-    step = StepConfig(model=cfg, seq=seq, batch=batch, precision=precision, compile=True,
+    step = StepConfig(model=cfg, seq=seq, batch=batch, precision=precision, compile=scope,
                       activation_memory_budget=budget)
     with FakeTensorMode(), emulate(target):
         model = build_trainer(step, "cpu", fake=True).model

@@ -43,11 +43,11 @@ from memlab.models.decoder_shape import MEMLAB_GPT, DecoderShape
 Attention = Literal["naive", "sdpa"]
 Checkpointing = Literal["none", "full", "selective", "op"]
 GQAKernel = Literal["repeat", "native"]
-Loss = Literal["plain", "chunked"]
+Loss = Literal["plain", "chunked", "chunked_output"]
 ATTENTIONS = ("naive", "sdpa")
 CHECKPOINTINGS = ("none", "full", "selective", "op")
 GQA_KERNELS = ("repeat", "native")
-LOSSES = ("plain", "chunked")
+LOSSES = ("plain", "chunked", "chunked_output")
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,24 @@ class GPTConfig(OneLine):
         ``"plain"``: ``F.cross_entropy`` on the full ``[tokens, vocab]`` logits.
         ``"chunked"``: :func:`memlab.models.chunked_loss.linear_cross_entropy` over ``loss_chunk``
         tokens at a time; the same loss and gradients, without the logits.
+        ``"chunked_output"``: torchtune's ``CEWithChunkedOutputLoss`` (torchtune/modules/loss/
+        ce_chunked_output_loss.py at 1814feb17) on its decoder's ``chunked_output``
+        (transformer.py:750-753): the head makes ``output_chunks`` chunks of logits along the
+        sequence, all in forward, and each chunk is cast to fp32 and summed into the loss on its own.
+    ``output_chunks``
+        The chunks of ``"chunked_output"`` (torchtune's ``num_output_chunks``, 8 by default).
+    ``norm_fp32``
+        RMSNorm written out as torchtune's (torchtune/modules/rms_norm.py:61-65 at 1814feb17):
+        ``x.float()``, ``x * rsqrt(mean(x^2) + eps)`` in fp32, cast back to the input's dtype,
+        times the weight. For a 16-bit input it saves the fp32 upcast, an fp32 rstd per row and
+        the cast-back normalised input, where ``F.rms_norm`` (fused on CUDA) keeps the input and
+        the rstd: 4 more bytes per element in bf16 on CUDA. Needs ``norm="rmsnorm"``.
+    ``logits_fp32``
+        The head's logits cast to fp32 before the plain loss, as torchtune's decoders do
+        (``F.linear(h, tok_embeddings.weight).float()``, torchtune/modules/transformer.py:937 at
+        1814feb17, tied; ``self.output(h).float()``, :652, untied): with 16-bit logits the
+        log-softmax, its saved output and its gradients are fp32, twice the bytes. Needs
+        ``loss="plain"`` (the chunked loss never makes whole logits).
 
     Raises:
         InputError: a field value that is not allowed (checked when the config is made).
@@ -122,11 +140,15 @@ class GPTConfig(OneLine):
     rope_theta: float = 10000.0
     loss: Loss = "plain"
     loss_chunk: int = 1024
+    norm_fp32: bool = False
+    logits_fp32: bool = False
+    output_chunks: int = 8
 
     def __post_init__(self) -> None:
         for field, value in (("n_layer", self.n_layer), ("n_head", self.n_head),
                              ("d_model", self.d_model), ("vocab_size", self.vocab_size),
-                             ("block_size", self.block_size), ("loss_chunk", self.loss_chunk)):
+                             ("block_size", self.block_size), ("loss_chunk", self.loss_chunk),
+                             ("output_chunks", self.output_chunks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{field} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
@@ -150,12 +172,26 @@ class GPTConfig(OneLine):
                              f"allowed with naive attention: gqa='repeat'")
         if self.loss not in LOSSES:
             raise InputError(f"loss={self.loss!r}; allowed: {', '.join(LOSSES)}")
+        self._check_fp32_switches()
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
                 or not self.rope_theta > 0:
             raise InputError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
         if self.position == "rope" and self.head_dim % 2:
             raise InputError(f"rotary positions need an even head_dim, got "
                              f"d_model/n_head = {self.head_dim}; choose an even head size")
+
+    def _check_fp32_switches(self) -> None:
+        """``norm_fp32`` and ``logits_fp32``: booleans, each with the norm or loss it changes."""
+        for field, value in (("norm_fp32", self.norm_fp32), ("logits_fp32", self.logits_fp32)):
+            if not isinstance(value, bool):
+                raise InputError(f"{field} must be True or False, got {value!r}")
+        if self.norm_fp32 and self.norm != "rmsnorm":
+            raise InputError(f"norm_fp32=True is torchtune's RMSNorm; it needs norm='rmsnorm' "
+                             f"(got norm={self.norm!r}); allowed with layernorm: norm_fp32=False")
+        if self.logits_fp32 and self.loss != "plain":
+            raise InputError(f"logits_fp32=True casts whole logits before the plain loss; it needs "
+                             f"loss='plain' (got loss={self.loss!r}); allowed with the chunked loss: "
+                             f"logits_fp32=False")
 
     def __str__(self) -> str:
         """One line of the shape: ``GPTConfig tiny: 3.68M params, 4 layers x 256, 4 heads, ...``."""
@@ -330,17 +366,32 @@ def get_config(preset: str, **overrides) -> "GPTConfig | UNetConfig":
 # GPT
 # --------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """RMSNorm: ``F.rms_norm``, or with ``fp32`` torchtune's Python form (``GPTConfig.norm_fp32``).
+
+    Args:
+        dim: the normalised width. eps: added to the mean square.
+        fp32: compute as torchtune/modules/rms_norm.py:61-65 at 1814feb17 does.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, fp32: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fp32 = eps, fp32
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32:
+            # torchtune's ops in its order: pow and the product save the fp32 upcast, rsqrt its
+            # output, the weight's product the cast-back normalised x
+            x_fp32 = x.float()
+            x_normed = (x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+            return x_normed * self.weight
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def _norm(cfg: GPTConfig) -> nn.Module:
-    return nn.LayerNorm(cfg.d_model, bias=cfg.bias) if cfg.norm == "layernorm" else RMSNorm(cfg.d_model)
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+    return RMSNorm(cfg.d_model, fp32=cfg.norm_fp32)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -484,6 +535,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
+        #: the plain loss compiled apart from the model (``StepConfig(compile="layers")``,
+        #: :func:`memlab.step.compiled.compile_layers`); ``None``: ``F.cross_entropy`` eager
+        self.compiled_loss = None
         self.apply(self.init_weights)
 
     @staticmethod
@@ -504,14 +558,52 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(s, device=idx.device))
         for block in self.blocks:
             x = block(x)
+        if targets is not None and self.cfg.loss == "chunked_output":
+            return self._chunked_output_loss(self.ln_f(x), targets)
         if targets is not None and self.cfg.loss == "chunked":
             return linear_cross_entropy(self.ln_f(x).flatten(0, 1), self.lm_head.weight,
                                         targets.flatten(), chunk_size=self.cfg.loss_chunk)
         # one expression, so no local keeps the final norm's output alive through the loss
         logits = self.lm_head(self.ln_f(x))
+        if self.cfg.logits_fp32:
+            # rebinding drops the 16-bit logits: only the fp32 copy lives through the loss, as in
+            # torchtune (transformer.py:937 at 1814feb17, the cast in the forward's expression)
+            logits = logits.float()
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        loss = F.cross_entropy if self.compiled_loss is None else self.compiled_loss
+        return loss(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    def _chunked_output_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """torchtune's ``chunked_output`` then ``CEWithChunkedOutputLoss.forward`` (transformer.py:750-753,
+        ce_chunked_output_loss.py at 1814feb17): every chunk's logits made first, then each one's fp32
+        cross-entropy summed, divided by the token count."""
+        n = self.cfg.output_chunks
+        logits = [self.lm_head(chunk) for chunk in h.chunk(n, dim=1)]
+        ce = summed_fp32_cross_entropy if self.compiled_loss is None else self.compiled_loss
+        total = 0.0
+        for chunk, target in zip(logits, targets.chunk(n, dim=1), strict=True):
+            total = total + ce(chunk.reshape(-1, chunk.size(-1)), target.reshape(-1))
+        return total / targets.numel()
+
+
+def summed_fp32_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """torchtune's ``compute_cross_entropy``: the chunk cast to fp32, its cross-entropy summed."""
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+class CrossEntropy(nn.Module):
+    """``F.cross_entropy`` as a module, so that it can be compiled on its own; with ``summed_fp32``
+    :func:`summed_fp32_cross_entropy`, the per-chunk loss of ``loss="chunked_output"``."""
+
+    def __init__(self, summed_fp32: bool = False):
+        super().__init__()
+        self.summed_fp32 = summed_fp32
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.summed_fp32:
+            return summed_fp32_cross_entropy(logits, targets)
+        return F.cross_entropy(logits, targets)
 
 
 # --------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def attention_probs_bytes(target, precision: str) -> int:
     return probs + (matmul_in if matmul_in != probs else 0)
 
 
-def cross_entropy_moments(target, precision: str) -> list[tuple[str, int, int]]:
+def cross_entropy_moments(target, precision: str, upcast_logits: bool = False) -> list[tuple[str, int, int]]:
     """Bytes per logit alive at each moment of the loss, as ``(moment, saved, scratch)``:
     what the forward saved and is still held, and the other tensors in flight.
 
@@ -37,14 +37,23 @@ def cross_entropy_moments(target, precision: str) -> list[tuple[str, int, int]]:
     ``cross_entropy_loss``: ``x`` is an fp32 copy of the logits), or run log_softmax in the
     logits' dtype (its dtype is explicit, so ``fp32_set_opt_dtype`` keeps it) and cast its
     output to fp32 for ``nll_loss`` (CUDA), which saves that copy.
+
+    ``upcast_logits``: the model casts its logits to fp32 before the loss and drops its
+    16-bit ones (``GPTConfig.logits_fp32``, torchtune's ``.float()``): the loss runs on the
+    fp32 copy alone, and its gradient is cast back at the end.
+
+    Returns:
+        ``[(moment, saved bytes per logit, scratch bytes per logit), ...]`` in the loss's order.
     """
     _, logits, _ = precision_bytes(precision)
-    x = op_bytes(target, "cross_entropy_loss", logits, precision)   # the composite's input
+    # the caller's 16-bit logits are gone once cast; its fp32 ones are the loss's input
+    held = 0 if upcast_logits and logits != 4 else logits
+    x = 4 if upcast_logits else op_bytes(target, "cross_entropy_loss", logits, precision)
     lsm = op_bytes(target, "log_softmax.int", x, precision, explicit_dtype_bytes=x)
     nll = op_bytes(target, "nll_loss", lsm, precision)
     copy = nll if nll != lsm else 0     # a cast copy for nll_loss, saved by it
     upcast = x if x != logits else 0    # the composite's own input cast
-    moments = [("loss forward", lsm + copy, logits + upcast),  # at nll_loss: logits still held
+    moments = [("loss forward", lsm + copy, held + upcast),  # at nll_loss: logits still held
                ("loss backward", lsm + copy, nll)]             # NllLossBackward: its gradient
     if copy:
         moments.append(("loss backward, cast", lsm, nll + lsm))   # gradient cast back
@@ -61,11 +70,15 @@ def activation_copies(precision: str, consumers: int) -> int:
     return consumers if precision_bytes(precision)[2] is not None else 1
 
 
-def norm_saves(target, norm: str, input_bytes: int) -> tuple[bool, int, int]:
+def norm_saves(target, norm: str, input_bytes: int, fp32_python: bool = False) -> tuple[bool, int, int]:
     """What a norm keeps for backward beyond its output: ``(keeps its input, bytes per
     element, bytes per row)``. LayerNorm: its input, mean and rstd. RMSNorm fused (CUDA): its
     input and an fp32 rstd. RMSNorm composite (CPU): ``x * rstd`` and rstd in fp32, and
-    the input itself or, for a 16-bit input, its fp32 upcast instead."""
+    the input itself or, for a 16-bit input, its fp32 upcast instead. ``fp32_python``
+    (``GPTConfig.norm_fp32``, torchtune's RMSNorm, on any target): the fp32 upcast (the input
+    itself when it is fp32), rstd in fp32, and ``x * rstd`` cast back to the input's dtype."""
+    if norm == "rmsnorm" and fp32_python:
+        return (True, 4, 4) if input_bytes == 4 else (False, 4 + input_bytes, 4)
     if norm == "layernorm":
         return True, 0, 2 * layer_norm_stat_bytes(target, input_bytes)
     if rms_norm_fused(target):

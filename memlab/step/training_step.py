@@ -16,6 +16,7 @@ import json
 from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from html import escape
 from importlib import resources
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -27,7 +28,7 @@ from memlab.core.units import MiB, fmt_bytes
 from memlab.models.decoder_shape import MEMLAB_GPT, DecoderShape
 from memlab.models.gpt_unet import GPTConfig, UNetConfig, build_model, get_config
 from memlab.step.activation_offload import offload_context
-from memlab.step.compiled import PartitionedModel, check_budget, compile_model
+from memlab.step.compiled import PartitionedModel, check_budget, compile_layers, compile_model
 from memlab.step.decoder_states import adapter_shapes, adapters_for
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 from memlab.step.low_bit import OPTIMIZER_STATES
@@ -125,9 +126,11 @@ class StepConfig:
     activation_offload: bool = False
     """Forward's saved tensors go to host memory (``torch.autograd.graph.save_on_cpu``), come back
     for backward."""
-    compile: bool = False
+    compile: bool | Literal["layers"] = False
     """The model under ``torch.compile`` (inductor): the min-cut partitioner chooses what forward
-    saves (:mod:`memlab.step.compiled` says what each lens counts)."""
+    saves (:mod:`memlab.step.compiled` says what each lens counts). ``True``: the whole model and
+    its loss, one graph each way. ``"layers"``: as torchtune compiles (a GPT with the plain loss),
+    each block and the loss apart, the rest eager (:func:`memlab.step.compiled.compile_layers`)."""
     activation_memory_budget: float | None = None
     """``torch._functorch.config.activation_memory_budget`` for the compile (``None``: its default,
     1.0); 0.5 keeps about half of what the default saves and recomputes the rest. Needs ``compile``."""
@@ -150,8 +153,13 @@ class StepConfig:
         self._check_in_backward()
         if not isinstance(self.activation_offload, bool):
             raise InputError(f"activation_offload={self.activation_offload!r}; allowed: True, False")
-        if not isinstance(self.compile, bool):
-            raise InputError(f"compile={self.compile!r}; allowed: True, False")
+        if not isinstance(self.compile, bool) and self.compile != "layers":
+            raise InputError(f"compile={self.compile!r}; allowed: True, False, 'layers'")
+        if self.compile == "layers" and not (isinstance(self.model_config, GPTConfig)
+                                             and self.model_config.loss in ("plain", "chunked_output")):
+            raise InputError(f"compile='layers' compiles a GPT's blocks and its plain loss apart; the model "
+                             f"{getattr(self.model_config, 'name', self.model)!r} is not a GPT with loss='plain' "
+                             f"or 'chunked_output'; allowed for it: compile=True or False")
         check_budget(self.activation_memory_budget, self.compile)
         if self.quantization is not None and self.lora is None:
             raise InputError("a 4-/8-bit base is frozen: give LoRA adapters to train (lora=LoraConfig(...))")
@@ -621,7 +629,10 @@ def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: in
     else:
         opt = build_optimizer(model, step.optimizer)
     if step.compile:  # on fake tensors, inductor's partition and generated code (memlab.step.compiled)
-        model = PartitionedModel(model) if fake else compile_model(model)
+        if step.compile == "layers":
+            model = compile_layers(model, fake)
+        else:
+            model = PartitionedModel(model) if fake else compile_model(model)
     return Trainer(step, device, model, opt, scaler, fake, offload_to_host=device.type == "cuda")
 
 

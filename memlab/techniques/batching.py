@@ -325,6 +325,8 @@ class PackedGPT(nn.Module):
             else:
                 x = self._block(block, x, mask)
         logits = gpt.lm_head(gpt.ln_f(x))
+        if gpt.cfg.logits_fp32:  # as GPT.forward: only the fp32 copy lives through the loss
+            logits = logits.float()
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
