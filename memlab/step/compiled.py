@@ -64,6 +64,7 @@ from memlab.core.torch_private import (
     inductor_wrapper_call,
     reset_compiled,
 )
+from memlab.models.gpt_unet import GPT, CrossEntropy
 
 #: what the estimate and the simulation add for a compiled step on a CUDA target
 CUDA_LOWERING_NOTE = ("compiled on a CUDA target: the graphs are lowered and code-generated for the CPU (the fake "
@@ -126,7 +127,6 @@ def compile_layers(model: nn.Module, fake: bool, backend: object = "inductor") -
     Returns:
         ``model``, its blocks and loss compiled in place.
     """
-    from memlab.models.gpt_unet import GPT, CrossEntropy  # the models import this module's users
     if not isinstance(model, GPT) or model.cfg.loss not in ("plain", "chunked_output"):
         raise InputError(f"compile='layers' compiles a GPT's blocks and its plain loss apart, got "
                          f"{type(model).__name__}; allowed: a GPTConfig model with loss='plain' or "
