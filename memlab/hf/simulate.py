@@ -347,18 +347,7 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                                 budget=None if ms.deepspeed else budget, seq=seq, batch=batch,
                                 precision=run_precision, checkpointing=checkpointing or "none")
     if ms.deepspeed:
-        trainable = s.num_params() if ad is None else sum(r * c for r, c in adapter_shapes(s, ad))
-        gathered = zero3_gathered(build, report.timeline, buckets or ZeroBuckets(), world_size,
-                                  precision_bytes(run_precision)[0]) if zero == 3 else None
-        laid = replace(ms, parameters=rs.inputs["parameters"])
-        full_grads = trainable * precision_bytes(run_precision)[0]
-        if zero == 2 and world_size > 1:
-            # the order of what trains, from the run without its 4-/8-bit base: bitsandbytes cannot
-            # quantise a meta tensor, and the adapters' shapes follow the Linear's features either way
-            sizes = trainable_numels(build_run(d, lora=lora))
-            report = _zero2_ranks(report, laid, sizes, world_size, full_grads)
-        else:
-            deepspeed_layout(report, laid, full_grads, gathered)
+        report = _deepspeed_ranks(report, d, run, rs, ad, build)
         report.budget_bytes = resolve_budget(budget)
     if optimizer in PAGED:
         _page_out(report, optimizer)
@@ -370,6 +359,25 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
         report.notes.append(f"{micro_batches} micro-batches of {batch // micro_batches}, simulated in turn")
     if is_moe(d):
         report.notes.append(ROUTING_NOTE)
+    return report
+
+
+def _deepspeed_ranks(report: MemoryReport, d: dict, run: StepConfig, rs, ad, build: Callable) -> MemoryReport:
+    """The simulated step's model states put in DeepSpeed's layout for ``run``'s ZeRO stage
+    (:func:`memlab.lenses.simulate.deepspeed_layout`): ZeRO-3's gathered weights op by op, ZeRO-2's
+    ranks by their gradient partitions (:func:`_zero2_ranks`). ``rs``: the run's
+    :class:`memlab.step.decoder_states.RunStates`; ``ad``: its adapters or ``None``."""
+    s, elem = run.model_config, precision_bytes(rs.run_precision)[0]
+    trainable = s.num_params() if ad is None else sum(r * c for r, c in adapter_shapes(s, ad))
+    gathered = zero3_gathered(build, report.timeline, run.buckets or ZeroBuckets(), run.world_size,
+                              elem) if run.zero == 3 else None
+    laid = replace(rs.states, parameters=rs.inputs["parameters"])
+    if run.zero == 2 and run.world_size > 1:
+        # the order of what trains, from the run without its 4-/8-bit base: bitsandbytes cannot
+        # quantise a meta tensor, and the adapters' shapes follow the Linear's features either way
+        sizes = trainable_numels(build_run(d, lora=run.lora))
+        return _zero2_ranks(report, laid, sizes, run.world_size, trainable * elem)
+    deepspeed_layout(report, laid, trainable * elem, gathered)
     return report
 
 

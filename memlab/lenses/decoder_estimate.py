@@ -826,6 +826,37 @@ def _chunked_loss_moments(s: DecoderShape, z: Sizes, t: int, chunk: int, *, A: f
     return m
 
 
+def _gradient_hooks(s: DecoderShape, z: Sizes, t: int, *, A: float, softcap: float, partitioned: bool,  # noqa: PLR0913 keyword-only: the peak's terms by name
+                    head_grad: float, trains_base: bool, early_late: float, G_prev: float, held: float,
+                    bucket: float, gathered: float) -> dict[str, dict[str, float]]:
+    """The moments where ZeRO stages 1-2 allocate their reduce bucket (``bucket``) in the first
+    trained gradient's hook, with the class's loss (no chunks): the final norm's backward, and an
+    untied head's gradient hook. Args as :func:`_peak_moment`'s; returns moment -> categories."""
+    D, V = s.d, s.vocab
+    m: dict[str, dict[str, float]] = {}
+    if s.norm in NORM_BACKWARD_TEMPORARIES:
+        # the first trained gradient's hook allocates stages 1-2's bucket while nearly every
+        # activation is alive: the final norm's backward (its weight's hook, or the last layer's
+        # first adapter's under LoRA); ZeRO-1 keeps the head's gradient, ZeRO-2 copied it into
+        # the bucket (the partition is there once a bucket was flushed: ``late``)
+        kept = 0.0 if partitioned else head_grad + D * z.w * trains_base
+        # the head's input (autocast's cast), the norm's normalised input and the softcap's tanh
+        # output (Gemma 2) went with their backward; a tied head's weight gradient waits in
+        # autograd's input buffer for the embedding's backward
+        tied_grad = V * D * z.w if s.tied and trains_base else 0
+        m["first gradient hook"] = dict(activations=A - 4 * t - t * D * (z.c + z.r) - softcap,
+                                        gradients=max(G_prev, kept + early_late) + held + bucket,
+                                        temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered
+                                        + tied_grad)
+    if trains_base and not s.tied:
+        # an untied head's weight has the first trained gradient: its hook allocates stages 1-2's
+        # bucket with that gradient alive (the hook copies it in) beside the hidden state's; the
+        # head's input went with its backward; after the first micro-batch the partition is there
+        m["head gradient hook"] = dict(activations=A - t * D * z.c, gradients=G_prev + held + bucket,
+                                       temporaries=V * D * z.w + t * D * z.c + gathered)
+    return m
+
+
 def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
                  dense_w: float, G: float, G_prev: float, held: float, late: float, early_late: float,
                  bucket: float, partitioned: bool, head_grad: float, gathered: float, scratch: float, full: bool,
@@ -876,26 +907,10 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
             del m[key]
         m.update(_chunked_loss_moments(s, z, t, chunk, A=A, G_prev=G_prev, held=held, gathered=gathered,
                                        head_grad=head_grad, late=late, bucket=bucket, trains_base=trains_base))
-    if bucket and chunk is None and s.norm in NORM_BACKWARD_TEMPORARIES:
-        # the first trained gradient's hook allocates stages 1-2's bucket while nearly every
-        # activation is alive: the final norm's backward (its weight's hook, or the last layer's
-        # first adapter's under LoRA); ZeRO-1 keeps the head's gradient, ZeRO-2 copied it into
-        # the bucket (the partition is there once a bucket was flushed: ``late``)
-        kept = 0.0 if partitioned else head_grad + D * z.w * trains_base
-        # the head's input (autocast's cast), the norm's normalised input and the softcap's tanh
-        # output (Gemma 2) went with their backward; a tied head's weight gradient waits in
-        # autograd's input buffer for the embedding's backward
-        tied_grad = V * D * z.w if s.tied and trains_base else 0
-        m["first gradient hook"] = dict(activations=A - 4 * t - t * D * (z.c + z.r) - softcap,
-                                        gradients=max(G_prev, kept + early_late) + held + bucket,
-                                        temporaries=NORM_BACKWARD_TEMPORARIES[s.norm] * t * D * 4 + gathered
-                                        + tied_grad)
-    if bucket and chunk is None and trains_base and not s.tied:
-        # an untied head's weight has the first trained gradient: its hook allocates stages 1-2's
-        # bucket with that gradient alive (the hook copies it in) beside the hidden state's; the
-        # head's input went with its backward; after the first micro-batch the partition is there
-        m["head gradient hook"] = dict(activations=A - t * D * z.c, gradients=G_prev + held + bucket,
-                                       temporaries=V * D * z.w + t * D * z.c + gathered)
+    if bucket and chunk is None:
+        m.update(_gradient_hooks(s, z, t, A=A, softcap=softcap, partitioned=partitioned, head_grad=head_grad,
+                                 trains_base=trains_base, early_late=early_late, G_prev=G_prev, held=held,
+                                 bucket=bucket, gathered=gathered))
     if bucket and chunk is None and s.mlp == "gelu_new" and trains_base and not full:
         m["last MLP backward"] = _last_mlp_backward(s, z, t, A - softcap, partitioned, head_grad,
                                                     G_prev, early_late, held + bucket, gathered)

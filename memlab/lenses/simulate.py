@@ -137,13 +137,7 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
                               host_by_category=tracker.host_peak_by_category())
         if tgt.is_cuda and not ms.deepspeed and tracker.oom is None:
             _add_unsplit_blocks(report, tracker, allocator)
-        gathered = None
-        if step.zero == 3:  # what DeepSpeed's coordinator holds gathered, op by op
-            b = step.buckets or ZeroBuckets()
-            gathered = gathered_by_op(report.timeline, *module_params(trainer.model), world_size=step.world_size,
-                                      element_bytes=4 if ms.compute_precision == "fp32" else 2,
-                                      prefetch=b.prefetch, max_live=b.max_live, reuse_distance=b.max_live,
-                                      persistence=b.persistence)
+        gathered = _zero3_gathered(report, trainer.model, step, ms) if step.zero == 3 else None
         del trainer, batch, tracker
     if ms.deepspeed:
         deepspeed_layout(report, ms, model_states(run.model_config, precision=run.precision,
@@ -157,6 +151,16 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     report.step_seconds = time.perf_counter() - start
     report.notes.append("step_seconds is the wall time of the whole simulation")
     return report
+
+
+def _zero3_gathered(report: MemoryReport, model: torch.nn.Module, step: StepConfig, ms: ModelStates) -> list[float]:
+    """What DeepSpeed's stage-3 coordinator holds gathered at each op of ``report``'s timeline
+    (:func:`memlab.step.zero3_gathers.gathered_by_op`, with the run's buffer sizes)."""
+    b = step.buckets or ZeroBuckets()
+    return gathered_by_op(report.timeline, *module_params(model), world_size=step.world_size,
+                          element_bytes=4 if ms.compute_precision == "fp32" else 2,
+                          prefetch=b.prefetch, max_live=b.max_live, reuse_distance=b.max_live,
+                          persistence=b.persistence)
 
 
 def _offload_note(report: MemoryReport, tgt) -> str:
