@@ -163,3 +163,17 @@ def test_another_torch_runs_the_partitioned_graphs_as_they_are(monkeypatch):
     assert partitioned_saved(fields, 0.5) == lowered
     sim = simulate_step(StepConfig(compile=True, activation_memory_budget=0.5, **fields))
     assert compiled.UNLOWERED_NOTE in sim.notes and sim.peak_bytes > 0
+
+
+@pytest.mark.parametrize("fields", [dict(compile=True), dict(activation_offload=True)])
+def test_a_decoders_run_refuses_what_no_decoder_lens_counts(fields, capsys):
+    """compile and activation offloading are counted for memlab's GPT only: a Hugging Face
+    decoder's run (and the CLI with --hf-config) refuses them instead of answering the plain
+    step's peak (which the estimate did, silently, before)."""
+    from memlab.app.cli import main
+    from memlab.hf.shape import decoder_shape
+    with pytest.raises(InputError, match="allowed for a decoder: compile=False"):
+        StepConfig(decoder_shape("llama-3.1-8b"), seq=128, batch=1, **fields)
+    flag = "--compile" if "compile" in fields else "--activation-offload"
+    assert main(["estimate", "--hf-config", "llama-3.1-8b", flag]) == 2
+    assert "allowed with --hf-config: none of them" in capsys.readouterr().err

@@ -676,6 +676,10 @@ def _hf_step(args: argparse.Namespace, budget: int | str | None, target) -> Memo
     :func:`memlab.hf.estimate.estimate_hf` or :func:`memlab.hf.simulate.simulate_hf`."""
     if args.model != "tiny" or any(v is not None for v in (args.d_model, args.layers, args.heads, args.vocab)):
         raise InputError("--hf-config describes the model: drop --model/--d-model/--layers/--heads/--vocab")
+    if getattr(args, "compile", False) or getattr(args, "activation_offload", False) \
+            or getattr(args, "activation_memory_budget", None) is not None:
+        raise InputError("--compile, --activation-memory-budget and --activation-offload are counted for memlab's "
+                         "GPT (--model); allowed with --hf-config: none of them")
     if getattr(args, "training_args", None) is not None:
         from memlab.hf import post_training
         from memlab.hf import read_run_configs as run_config

@@ -194,6 +194,10 @@ class StepConfig:
         if s.model_type == MEMLAB_GPT:  # its shape describes it; its class and switches are the config's
             raise InputError(f"model={s.name!r} is memlab's GPT as a shape; allowed: its GPTConfig (or preset "
                              f"name), whose class the lenses build")
+        if self.compile or self.activation_offload:  # no lens of a decoder's run counts them
+            raise InputError(f"compile={self.compile!r}, activation_offload={self.activation_offload!r} for a "
+                             f"Hugging Face decoder: counted for memlab's GPT (a GPTConfig model); allowed "
+                             f"for a decoder: compile=False, activation_offload=False")
         if self.optimizer not in OPTIMIZER_STATES:
             raise InputError(f"optimizer={self.optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
         if (self.checkpointing or "none") not in DECODER_CHECKPOINTING:
