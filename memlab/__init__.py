@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from memlab.lenses.your_model import simulate_model, track_step
     from memlab.models.gpt_unet import GPT, PRESETS, UNET_PRESETS, GPTConfig, UNet, UNetConfig, build_model, get_config
     from memlab.planning.advisor import Advice, advise
+    from memlab.step.parallel_dims import ParallelDims
     from memlab.step.training_step import MemoryReport, StepConfig, build_trainer, make_batch
     from memlab.tracking.tracker import CATEGORIES, MemoryTracker
 
@@ -102,7 +103,7 @@ __all__ = [
     # planning and the comparison table
     "advise", "Advice", "measure_table",
     # the step and the models
-    "StepConfig", "GPTConfig", "UNetConfig", "GPT", "UNet", "PRESETS", "UNET_PRESETS",
+    "StepConfig", "ParallelDims", "GPTConfig", "UNetConfig", "GPT", "UNet", "PRESETS", "UNET_PRESETS",
     "get_config", "build_model", "build_trainer", "make_batch", "time_step", "MemoryTracker",
     # cards, ranks and sizes
     "GPU_PRESETS", "resolve_budget", "place_ranks", "MiB", "GiB", "fmt_bytes", "parse_size",

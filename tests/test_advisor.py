@@ -12,6 +12,7 @@ from memlab.lenses.measure import measure_step
 from memlab.lenses.simulate import simulate_step
 from memlab.models.gpt_unet import get_config
 from memlab.planning.advisor import advise, check_plan, flowchart, tensor_parallel_degree
+from memlab.step.parallel_dims import ParallelDims
 from memlab.step.training_step import StepConfig
 
 MiB = 2**20
@@ -97,7 +98,7 @@ def test_tensor_parallel_when_zero_3_is_not_enough():
     a = advise("llama-3-8b", "RTX4090-24GB", world_size=8, seq=8192, batch=1)
     assert a.fits and "zero-3" in a.plan and "tensor-parallel" in a.plan
     assert not any(t.startswith("offload") for t in a.plan)
-    assert a.tensor_parallel == tensor_parallel_degree(get_config("llama-3-8b"), 8) == 8
+    assert a.step.parallel.tensor == tensor_parallel_degree(get_config("llama-3-8b"), 8) == 8
     ds = a.deepspeed_config
     assert ds["tensor_parallel"] == {"autotp_size": 8} and ds["train_batch_size"] == 1
     assert ds["zero_optimization"]["stage"] == 3
@@ -113,7 +114,7 @@ def test_tensor_parallel_is_kept_where_zero3_leaves_activations_to_divide():
     a = advise("llama-3-70b", "H100-80GB", world_size=8, seq=8192, batch=1)
     by = {s.technique.split(" ")[0]: s for s in a.steps}
     tp, z3 = by["tensor-parallel"], by["zero-3"]
-    assert tp.kept and "tensor-parallel" in a.plan and a.tensor_parallel == 8
+    assert tp.kept and "tensor-parallel" in a.plan and a.step.parallel.tensor == 8
     assert 0.9 * z3.peak_bytes < tp.peak_bytes < z3.peak_bytes
 
 
@@ -132,7 +133,7 @@ def test_plans_for_todays_models_match_their_estimate(model, world):
                       offload="all" if "offload_param" in ds["zero_optimization"] else
                       "optimizer" if "offload_optimizer" in ds["zero_optimization"] else "none")
     t = ds.get("tensor_parallel", {}).get("autotp_size", 1)
-    est = estimate_step(step, tensor_parallel=t, card="H100-80GB")
+    est = estimate_step(step, parallel=ParallelDims(tensor=t), card="H100-80GB")
     assert est.peak_bytes == a.peak_bytes
     assert ds["train_batch_size"] == world // t
 
@@ -238,10 +239,10 @@ def test_plan_is_the_estimate_of_the_config_it_emits_on_that_card(card):
     workspace), which is also what the CLI prints for --gpu CARD."""
     a = advise("gpt2-medium", card, seq=1024, batch=16, simulate=False)
     assert a.target.card.name == card
-    est = estimate_step(a.step, tensor_parallel=a.tensor_parallel, card=card)
+    est = estimate_step(a.step, card=card)
     assert a.peak_bytes == est.peak_bytes
     # the card's rules, not the CPU's: the CPU target counts no cuBLAS workspace
-    cpu = estimate_step(a.step, tensor_parallel=a.tensor_parallel, target="cpu")
+    cpu = estimate_step(a.step, target="cpu")
     assert est.by_category["workspace"] == 2 * get_card(card).cublas_workspace() > 0
     assert cpu.by_category["workspace"] == 0
 

@@ -294,3 +294,29 @@ def test_one_shape_type_counts_the_parameters():
                 if not reads & {"shape", "parameters", "params"}:
                     own.add(f"{rel}: {cls.name}.{fn.name}")
     assert own == set()
+
+
+def test_one_run_type_holds_the_parallel_degrees():
+    """Issue 36: one run description. The tensor, pipeline and expert degrees are the run's own
+    (``StepConfig.parallel``, one :class:`memlab.step.parallel_dims.ParallelDims`), not keywords
+    beside it: no lens, time or config entry that reads a run takes one."""
+    import dataclasses
+    import inspect
+
+    from memlab.lenses.decoder_estimate import estimate_run
+    from memlab.lenses.estimate import estimate_step
+    from memlab.lenses.measure import measure_step
+    from memlab.lenses.simulate import simulate_step
+    from memlab.step.parallel_dims import ParallelDims
+    from memlab.step.training_step import StepConfig
+    from memlab.step.write_deepspeed_config import deepspeed_config
+    from memlab.time.communication import step_communication
+    from memlab.time.step_time import report_time, step_time
+
+    degrees = {"tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_imbalance", "tp", "pp", "ep"}
+    beside = {fn.__name__: sorted(set(inspect.signature(fn).parameters) & degrees)
+              for fn in (estimate_step, estimate_run, simulate_step, measure_step, step_time, report_time,
+                         step_communication, deepspeed_config)}
+    assert {k: v for k, v in beside.items() if v} == {}
+    fields = {f.name: f.type for f in dataclasses.fields(StepConfig)}
+    assert fields["parallel"] in (ParallelDims, "ParallelDims") and not set(fields) & degrees

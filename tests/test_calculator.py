@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from memlab import GPU_PRESETS, GiB, InputError, StepConfig, estimate_step
+from memlab import GPU_PRESETS, GiB, InputError, ParallelDims, StepConfig, estimate_step
 from memlab.lenses.calculator import MODELS, calculator, register_model
 from memlab.models.gpt_unet import get_config
 
@@ -24,7 +24,7 @@ def test_calculator_is_estimate_step_for_the_same_settings(kw):
                       precision=kw["precision"], checkpointing=kw.get("checkpointing", "none"),
                       zero=kw.get("zero", 0), world_size=kw.get("ranks", 1))
     e = estimate_step(step, budget="H100-80GB", target="cuda",
-                      tensor_parallel=kw.get("tensor_parallel", 1))
+                      parallel=ParallelDims(tensor=kw.get("tensor_parallel", 1)))
     assert c.by_category == e.by_category and c.peak_bytes == e.peak_bytes  # exactly
     assert c.card_bytes == GPU_PRESETS["H100-80GB"] and c.fits == (e.peak_bytes <= c.card_bytes)
 

@@ -9,6 +9,7 @@ import pytest
 
 from memlab.core.errors import InputError
 from memlab.models.gpt_unet import get_config
+from memlab.step.parallel_dims import ParallelDims
 from memlab.step.training_step import StepConfig
 from memlab.step.write_deepspeed_config import GATHER_EVERY_USE, REDUCE_TO_OWNER, deepspeed_config
 from memlab.time.communication import Transfer, step_communication
@@ -80,7 +81,7 @@ def test_ddp_all_reduces_fp32_gradients_once_per_backward():
 
 def test_tensor_parallel_has_four_all_reduces_per_layer():
     cfg = get_config("tiny")
-    comm = step_communication(TINY, tensor_parallel=2)
+    comm = step_communication(dataclasses.replace(TINY, parallel=ParallelDims(tensor=2)))
     assert comm.payload("all_reduce") == 4 * cfg.n_layer * 16 * 2 * cfg.d_model * 4  # Megatron sec. 3
 
 
@@ -97,8 +98,8 @@ def test_ring_traffic_and_bad_degrees():
     # eight reduces of 100 bytes, one to each owner: each rank sends the seven it does not own
     assert Transfer("x", "reduce", 800, 8).moved_bytes == 700
     assert Transfer("x", "copy", 800, 1, "pcie").moved_bytes == 800
-    with pytest.raises(InputError, match="divide world_size"):
-        step_communication(TINY, tensor_parallel=4)
+    with pytest.raises(InputError, match="allowed: a divisor of the world size"):  # the run refuses it
+        dataclasses.replace(TINY, parallel=ParallelDims(tensor=4))
 
 
 @pytest.mark.distributed
@@ -115,7 +116,7 @@ def test_counted_ddp_bytes_equal_the_formula():
 def test_counted_tensor_parallel_bytes_equal_the_formula():
     from memlab.distributed.comm_count import count_step_communication
     counted = count_step_communication(TINY, "tp")
-    formula = step_communication(TINY, tensor_parallel=2)
+    formula = step_communication(dataclasses.replace(TINY, parallel=ParallelDims(tensor=2)))
     assert counted[0]["bytes"] == {"all_reduce": pytest.approx(formula.payload("all_reduce"), rel=0.02)}
 
 

@@ -10,6 +10,7 @@ from memlab.lenses.measure import allocator_peak, measure_step, run_tracked_step
 from memlab.lenses.simulate import simulate_step
 from memlab.models.gpt_unet import tiny_llama
 from memlab.step.compiled import CUDA_LOWERING_NOTE, count_compiled_saved
+from memlab.step.parallel_dims import ParallelDims
 from memlab.step.training_step import StepConfig, build_trainer, make_batch
 
 MiB = 2**20
@@ -128,7 +129,7 @@ def test_the_estimate_traces_nothing_for_an_eager_step_and_refuses_what_it_canno
     estimate_step(StepConfig(**SMALL))
     assert compiled_pass_bytes.cache_info() == calls
     with pytest.raises(InputError, match="simulate_step"):
-        estimate_step(StepConfig(compile=True, world_size=2, **SMALL), tensor_parallel=2)
+        estimate_step(StepConfig(compile=True, world_size=2, parallel=ParallelDims(tensor=2), **SMALL))
 
 
 @pytest.mark.slow
@@ -177,3 +178,16 @@ def test_a_decoders_run_refuses_what_no_decoder_lens_counts(fields, capsys):
     flag = "--compile" if "compile" in fields else "--activation-offload"
     assert main(["estimate", "--hf-config", "llama-3.1-8b", flag]) == 2
     assert "allowed with --hf-config: none of them" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lens", [simulate_step, measure_step])
+def test_memlabs_own_lenses_name_where_a_decoders_run_is_built(lens):
+    """simulate_step and measure_step build memlab's GPT or UNet: a decoder's run is bad input
+    naming memlab.hf's lens that builds its class (before: an AttributeError inside the build),
+    while the estimate takes the same run."""
+    from memlab.hf.shape import decoder_shape
+    run = StepConfig(decoder_shape("llama-3.1-8b"), seq=128, batch=1)
+    assert estimate_step(run, target="cpu").peak_bytes > 0
+    name = lens.__name__.split("_")[0]
+    with pytest.raises(InputError, match=rf"memlab\.hf\.{name}\.{name}_hf\(config"):
+        lens(run)

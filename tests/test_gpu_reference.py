@@ -25,10 +25,11 @@ dispatcher saw), which both lenses must reproduce up to the allocator's 512-byte
 import pytest
 
 from memlab.lenses.estimate import ALLOCATOR_NOTE, estimate_step
-from memlab.lenses.reference import reference_steps, step_from_description
+from memlab.lenses.reference import reference_steps
 from memlab.lenses.simulate import simulate_step
 from memlab.models.gpt_unet import GPTConfig
 from memlab.policy.caching_allocator import CachingAllocator
+from memlab.step.training_step import StepConfig
 
 STEPS = reference_steps()
 
@@ -145,9 +146,9 @@ def test_llama_dev_row_rebuilds_its_custom_model():
     assert (cfg.mlp, cfg.norm, cfg.position, cfg.mlp_hidden, cfg.vocab_size) == \
         ("swiglu", "rmsnorm", "rope", 2048, 16000)
     assert cfg.num_params() == row.row["config"]["num_params"]  # as recorded on the GPU
-    assert step_from_description(row.step.describe()).describe() == row.step.describe()
+    assert StepConfig.from_dict(row.step.describe()).describe() == row.step.describe()
 
 
 def test_bad_description_names_what_is_missing():
     with pytest.raises(ValueError, match="needs 'model', 'seq' and 'batch'"):
-        step_from_description({"model": "tiny"})
+        StepConfig.from_dict({"model": "tiny"})

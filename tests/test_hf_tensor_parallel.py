@@ -13,6 +13,7 @@ from memlab.lenses.estimate import estimate_step, layer_activation_parts
 from memlab.models.gpt_unet import GPTConfig
 from memlab.policy import resolve_target
 from memlab.step.fine_tune_config import LoraConfig
+from memlab.step.parallel_dims import ParallelDims
 from memlab.step.training_step import StepConfig
 
 SEQ, BATCH, WORLD = 128, 4, 4
@@ -43,8 +44,8 @@ def real_params() -> int:
 def test_model_states_per_rank_agree_with_memlabs_gpt(t, zero):
     hf = estimate_hf(llama(), seq=SEQ, batch=BATCH, precision="bf16", target="cuda", world_size=WORLD,
                      zero=zero, tensor_parallel=t)
-    gpt = estimate_step(StepConfig(same_gpt(), seq=SEQ, batch=BATCH, precision="bf16", world_size=WORLD, zero=zero),
-                        target="cuda", tensor_parallel=t)
+    gpt = estimate_step(StepConfig(same_gpt(), seq=SEQ, batch=BATCH, precision="bf16", world_size=WORLD, zero=zero,
+                                   parallel=ParallelDims(tensor=t)), target="cuda")
     for cat in ("parameters", "optimizer"):
         assert hf.by_category[cat] == gpt.by_category[cat], cat
     if zero == 0:  # plain PyTorch under autocast: fp32 weights, 1/t of every matrix on a rank
@@ -85,7 +86,7 @@ def test_the_peak_per_rank_falls_with_t_and_the_vocabulary_is_split():
 def test_bad_tensor_parallel_is_named():
     with pytest.raises(InputError, match="allowed: 1, 2, 4"):
         estimate_hf(llama(), seq=SEQ, batch=BATCH, world_size=6, tensor_parallel=3)
-    with pytest.raises(InputError, match="must divide world_size=4"):
+    with pytest.raises(InputError, match="= 8 on world_size=4 ranks; allowed: a divisor"):
         estimate_hf(llama(), seq=SEQ, batch=BATCH, world_size=4, tensor_parallel=8)
     with pytest.raises(InputError, match="LoRA"):
         estimate_hf(llama(), seq=SEQ, batch=BATCH, world_size=2, tensor_parallel=2, lora=LoraConfig(rank=4))

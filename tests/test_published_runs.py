@@ -36,6 +36,7 @@ from hf_gpt_mapping import gpt_config
 
 from memlab.core.cards import MEASURED_ROWS, RATE_LEDGER
 from memlab.models.gpt_unet import GPTConfig
+from memlab.step.parallel_dims import ParallelDims
 from memlab.step.training_step import StepConfig
 from memlab.time.flops import gpt_step_flops
 from memlab.time.step_time import StepTime, gemm_seconds, step_time
@@ -76,7 +77,7 @@ def megatron_step(heads: int, hidden: int, layers: int, t: int, p: int, gpus: in
     flops = gpt_step_flops(cfg, S, per_replica, checkpointing="none" if checkpointing == "full" else checkpointing)
     if checkpointing == "full":
         flops = replace(flops, recompute=flops.forward)  # Megatron-LM re-runs the whole forward
-    return step_time(step, "A100-80GB", flops=flops, tensor_parallel=t, pipeline_parallel=p,
+    return step_time(replace(step, parallel=ParallelDims(tensor=t, pipeline=p)), "A100-80GB", flops=flops,
                      gradient_sync="step", sequence_parallel=sequence_parallel, virtual_stages=virtual_stages,
                      whole_forward_recompute=True, dp_overlap=False, network=SELENE_NETWORK)
 
@@ -316,7 +317,7 @@ def test_megatron_recompute_reruns_both_tp_all_reduces():
     one = 3 * 128 * 4 * 256 * 2 * 2 * 3 / 4  # layers x tokens x width x bf16 x the ring's share
 
     def tp(s, whole):
-        return step_communication(s, tensor_parallel=4, whole_forward_recompute=whole).by_kind[
+        return step_communication(replace(s, parallel=ParallelDims(tensor=4)), whole_forward_recompute=whole).by_kind[
             "tensor-parallel all-reduces"]
     assert tp(step, True) == 6 * one and tp(step, False) == 5 * one
     assert tp(replace(step, checkpointing="none"), True) == 4 * one
@@ -330,8 +331,9 @@ def test_sequence_parallel_shards_the_residual_stream_ops_only():
     cfg = GPTConfig(name="g", n_layer=2, n_head=4, d_model=256, vocab_size=1024, block_size=128)
     step = StepConfig(model=cfg, seq=128, batch=4, micro_batches=2, precision="bf16", world_size=4)
     ew = step_elementwise(step, "cuda")
-    on = step_time(step, "A100-80GB", tensor_parallel=4).by_part.elementwise
-    off = step_time(step, "A100-80GB", tensor_parallel=4, sequence_parallel=False).by_part.elementwise
+    tp4 = replace(step, parallel=ParallelDims(tensor=4))
+    on = step_time(tp4, "A100-80GB").by_part.elementwise
+    off = step_time(tp4, "A100-80GB", sequence_parallel=False).by_part.elementwise
     assert 0 < ew.residual < ew.forward + ew.backward
     assert off / on == pytest.approx((ew.forward + ew.backward + 3 * ew.residual) / (ew.forward + ew.backward))
     wide = step_elementwise(replace(step, model=replace(cfg, mlp_hidden=4 * cfg.d_model * 2)), "cuda")
@@ -372,7 +374,7 @@ def llama3_405b_tflops(gpus: int, virtual_stages: int = LLAMA3_VIRTUAL_STAGES) -
     per_replica = 16 * 2**20 // seq // (gpus // (tp * pp))
     step = StepConfig(model=gpt_config(hf, seq=seq), seq=seq, batch=per_replica, micro_batches=per_replica,
                       precision="bf16", world_size=gpus, checkpointing="none")
-    t = step_time(step, "H100-80GB", tensor_parallel=tp, pipeline_parallel=pp, gradient_sync="step",
+    t = step_time(replace(step, parallel=ParallelDims(tensor=tp, pipeline=pp)), "H100-80GB", gradient_sync="step",
                   virtual_stages=virtual_stages)
     return t.mfu * 989.5
 
@@ -397,14 +399,15 @@ def test_interleaved_schedule_divides_the_bubble_and_multiplies_the_sends():
     stage's work and send v times the activations; v = 0 is bad input naming the value."""
     from memlab.core.errors import InputError
     step = StepConfig(model="gpt2-large", seq=1024, batch=8, micro_batches=8, precision="bf16", world_size=4)
-    plain = step_time(step, "H100-80GB", pipeline_parallel=4)
-    inter = step_time(step, "H100-80GB", pipeline_parallel=4, virtual_stages=3)
+    step = replace(step, parallel=ParallelDims(pipeline=4))
+    plain = step_time(step, "H100-80GB")
+    inter = step_time(step, "H100-80GB", virtual_stages=3)
     work = inter.by_part.compute + inter.by_part.recompute + inter.by_part.elementwise
     assert inter.by_part.bubble == pytest.approx(3 / (3 * 8) * work)
     sends = "pipeline activations and their gradients"
     assert inter.communication.by_kind[sends] == pytest.approx(3 * plain.communication.by_kind[sends], rel=1e-6)
     with pytest.raises(InputError, match="virtual_stages"):
-        step_time(step, "H100-80GB", pipeline_parallel=4, virtual_stages=0)
+        step_time(step, "H100-80GB", virtual_stages=0)
 
 
 # torchtune's README ("Memory and training speed", table added in pytorch/torchtune@30b8519e86d2

@@ -312,3 +312,57 @@ def test_plain_zero_fields_are_deepspeeds_own():
         sec = cls()
         for key, value in run_config.PLAIN_OFFLOAD[name].items():
             assert str(getattr(getattr(sec, key), "value", getattr(sec, key))) == str(value), (name, key)
+
+
+def _runs() -> dict:
+    """One run of each kind: memlab's GPT (a preset with a step switch), its UNet, a decoder's
+    full run (LoRA, 4-bit base, ZeRO with a config's buckets, tensor parallelism) and a mixture of
+    experts over expert-parallel ranks."""
+    from memlab.hf.shape import decoder_shape
+    from memlab.step.fine_tune_config import LoraConfig, QuantConfig
+    from memlab.step.parallel_dims import ParallelDims
+    from memlab.step.states import ZeroBuckets
+    qwen = decoder_shape("qwen3-8b")
+    return {"gpt": StepConfig("gpt2-small", seq=512, batch=2, checkpointing="selective", precision="bf16"),
+            "unet": StepConfig("unet-small", seq=64, batch=4),
+            "qlora": StepConfig(qwen, seq=2048, batch=2, precision="bf16", zero=2, world_size=4,
+                                lora=LoraConfig(rank=16, dropout=0.05, targets="all-linear"),
+                                quantization=QuantConfig(bits=4, double_quant=False, compute_dtype="bf16"),
+                                buckets=ZeroBuckets(reduce=5 * 10**7), checkpointing="full"),
+            "tp": StepConfig(qwen, seq=4096, batch=1, precision="bf16", zero=3, world_size=8,
+                             parallel=ParallelDims(tensor=2)),
+            "ep": StepConfig(decoder_shape("qwen3-30b-a3b"), seq=4096, batch=1, precision="bf16", world_size=8,
+                             parallel=ParallelDims(expert=8, expert_imbalance=1.5))}
+
+
+@pytest.mark.parametrize("name", ["gpt", "unet", "qlora", "tp", "ep"])
+def test_a_run_survives_its_json(name):
+    """Issue 36's JSON boundary: ``StepConfig.from_dict`` rebuilds the run ``describe`` wrote,
+    through JSON text, to the field (a preset name comes back as its config, an unset
+    checkpointing as the one the run uses)."""
+    from dataclasses import replace
+    run = _runs()[name]
+    back = StepConfig.from_dict(json.loads(json.dumps(run.describe())))
+    assert back.describe() == run.describe()
+    assert back.checkpointing_used == run.checkpointing_used
+    if not isinstance(run.model, str):
+        assert replace(back, checkpointing=run.checkpointing) == run
+
+
+def test_the_clis_json_is_the_run_it_estimated(tmp_path, capsys):
+    """The flags, a Trainer YAML and a DeepSpeed JSON make one run; ``--json`` prints it, and that
+    run, rebuilt, estimates the printed peak to the byte."""
+    from memlab.lenses.estimate import estimate_step
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                              "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
+    out = _json(capsys, ["estimate", "--hf-config", "qwen3-8b", "--seq", "2048", "--load-in-4bit",
+                         "--lora-rank", "16", "--deepspeed", str(ds), "--gpu", "A100-80GB", "--json"])
+    run = StepConfig.from_dict(out["config"])
+    assert (run.zero, run.micro_batches, run.lora.rank, run.quantization.bits) == (2, 2, 16, 4)
+    assert estimate_step(run, card="A100-80GB").peak_bytes == out["peak_bytes"]
+
+
+def test_a_run_with_a_field_it_does_not_have_is_bad_input():
+    with pytest.raises(InputError, match=r"run fields \['tensor_parallel'\]; allowed: .*parallel"):
+        StepConfig.from_dict({"model": "tiny", "seq": 16, "batch": 2, "tensor_parallel": 2})

@@ -14,6 +14,7 @@ from memlab.core.cards import card_speeds
 from memlab.lenses.estimate import estimate_step
 from memlab.lenses.simulate import simulate_step
 from memlab.models.gpt_unet import build_model, get_config, tiny_llama
+from memlab.step.parallel_dims import ParallelDims
 from memlab.step.training_step import StepConfig
 from memlab.time.elementwise import gpt_elementwise
 from memlab.time.flops import step_flops_formula
@@ -191,7 +192,7 @@ def test_h200_one_gpu_deepspeed_rows(row):
 
 def test_pipeline_bubble_is_p_minus_1_over_m():
     step = StepConfig(model="gpt2-large", seq=1024, batch=8, micro_batches=4, precision="bf16", world_size=4)
-    t = step_time(step, "H100-80GB", pipeline_parallel=4, calibration=NONE)
+    t = step_time(replace(step, parallel=ParallelDims(pipeline=4)), "H100-80GB", calibration=NONE)
     work = t.by_part.compute + t.by_part.recompute + t.by_part.elementwise  # a stage's, idle (p-1)/m
     assert t.by_part.bubble == pytest.approx(3 / 4 * work)
 

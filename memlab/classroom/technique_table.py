@@ -38,6 +38,7 @@ from memlab.lenses.measure import measure_trainer, time_steps
 from memlab.lenses.parallel_formulas import bubble_fraction
 from memlab.lenses.reference import REFERENCE_DIR, load_references
 from memlab.policy.caching_allocator import replay_fragmentation
+from memlab.step.parallel_dims import ParallelDims
 from memlab.step.training_step import StepConfig
 from memlab.step.zero import zero_saving  # one source for the ZeRO formula (re-exported)
 from memlab.techniques.compression import compressed_trainer
@@ -423,10 +424,10 @@ def predicted_times(step: StepConfig, card: str, world_size: int = 2, *,
         add(f"ZeRO-{z}", secs(replace(ranks, zero=z)), z0.seconds, "DeepSpeed stage 0")
     z2 = secs(replace(ranks, zero=2))
     add("offloading", secs(replace(ranks, zero=2, offload="optimizer")), z2.seconds, "ZeRO-2")
-    add("tensor parallelism", secs(replace(step, world_size=world_size), tensor_parallel=world_size),
+    add("tensor parallelism", secs(replace(step, world_size=world_size, parallel=ParallelDims(tensor=world_size))),
         base.seconds, "one device")
-    pp = secs(replace(step, world_size=world_size, micro_batches=PIPELINE_MICRO_BATCHES),
-              pipeline_parallel=world_size)
+    pp = secs(replace(step, world_size=world_size, micro_batches=PIPELINE_MICRO_BATCHES,
+                      parallel=ParallelDims(pipeline=world_size)))
     add("pipeline parallelism", pp, pp.seconds - pp.by_part.bubble, "the same stages without the bubble")
     return out
 

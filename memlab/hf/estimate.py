@@ -12,6 +12,7 @@ from memlab.lenses.decoder_estimate import Sizes, attention_path, estimate_run, 
 from memlab.policy import precision_bytes, resolve_target
 from memlab.step.decoder_states import adapters_for
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
+from memlab.step.parallel_dims import ParallelDims
 from memlab.step.states import ZeroBuckets
 from memlab.step.training_step import MemoryReport, StepConfig
 
@@ -91,9 +92,9 @@ def estimate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     run = StepConfig(s, seq=seq, batch=batch, precision=precision, checkpointing=checkpointing, attention=attention,
                      optimizer=optimizer, micro_batches=micro_batches, zero=zero, world_size=world_size,
                      offload=offload, lora=lora, quantization=quantization, loss=loss, loss_chunk=loss_chunk,
-                     expert_parallel=expert_parallel, expert_imbalance=imbalance, buckets=buckets,
-                     optimizer_in_backward=optimizer_in_backward, implementation=implementation)
-    return estimate_run(run, target=target, budget=budget, card=card, tensor_parallel=tensor_parallel)
+                     buckets=buckets, optimizer_in_backward=optimizer_in_backward, implementation=implementation,
+                     parallel=ParallelDims(tensor=tensor_parallel, expert=expert_parallel, expert_imbalance=imbalance))
+    return estimate_run(run, target=target, budget=budget, card=card)
 
 
 __all__ = ["estimate_hf", "forward_activations"]

@@ -65,6 +65,7 @@ from memlab.policy import precision_bytes, resolve_target
 from memlab.step.decoder_states import adapter_shapes, adapters_for, run_states
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 from memlab.step.low_bit import NF4_BLOCK, OPTIMIZER_STATES, PAGED, QMAP_ENTRIES
+from memlab.step.parallel_dims import ParallelDims
 from memlab.step.states import ModelStates, ZeroBuckets, with_zero2_partition
 from memlab.step.training_step import PRECISIONS, MemoryReport, StepConfig
 from memlab.step.zero3_gathers import gathered_by_op, module_params
@@ -319,8 +320,8 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     run = StepConfig(s, seq=seq, batch=batch, precision=precision, checkpointing=checkpointing, attention=attention,
                      optimizer=optimizer, micro_batches=micro_batches, zero=zero, world_size=world_size,
                      offload=offload, lora=lora, quantization=quantization, loss=loss, loss_chunk=loss_chunk,
-                     expert_parallel=expert_parallel, expert_imbalance=imbalance, buckets=buckets,
-                     optimizer_in_backward=optimizer_in_backward)
+                     buckets=buckets, optimizer_in_backward=optimizer_in_backward,
+                     parallel=ParallelDims(expert=expert_parallel, expert_imbalance=imbalance))
     check_run(s, attention=attention, ep=expert_parallel, zero=zero, world_size=world_size, offload=offload,
               micro_batches=micro_batches, lora=lora)
     if loss == "chunked" and s.final_softcap:

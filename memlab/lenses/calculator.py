@@ -27,6 +27,7 @@ from memlab.core.errors import InputError
 from memlab.core.hardware import GPU_PRESETS
 from memlab.lenses.estimate import estimate_step
 from memlab.models.gpt_unet import PRESETS, GPTConfig
+from memlab.step.parallel_dims import ParallelDims
 from memlab.step.training_step import MemoryReport, StepConfig
 from memlab.tracking.tracker import CATEGORIES
 
@@ -98,8 +99,9 @@ def calculator(model: str | GPTConfig = "gpt2-xl", *, seq: int = 1024, batch: in
         # long-context fine-tuning does (learned positions stop at theirs: StepConfig refuses)
         cfg = replace(cfg, block_size=seq)
     step = StepConfig(model=cfg, seq=seq, batch=batch, precision=precision,
-                      checkpointing=checkpointing, zero=zero, world_size=ranks // pipeline)
-    report = estimate_step(step, budget=gpu, target=target, tensor_parallel=tensor_parallel)
+                      checkpointing=checkpointing, zero=zero, world_size=ranks // pipeline,
+                      parallel=ParallelDims(tensor=tensor_parallel))
+    report = estimate_step(step, budget=gpu, target=target)
     cats = dict(report.by_category)
     host = report.host_bytes
     if pipeline > 1:  # the first stage: 1/p of the model states, the activations as they are

@@ -569,13 +569,13 @@ def check_run(s: DecoderShape, *, attention: str | None, ep: int, zero: int, wor
 
 
 def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | str | None = None,
-                 card=None, tensor_parallel: int = 1) -> MemoryReport:
+                 card=None) -> MemoryReport:
     """Closed-form peak bytes, per rank, of one training step of a run whose model is a decoder's
     shape (:class:`memlab.step.training_step.StepConfig` with a
     :class:`memlab.models.decoder_shape.DecoderShape`): the one estimate of every fine-tune option
     (:func:`memlab.lenses.estimate.estimate_step` hands a decoder's run here).
 
-    ``tensor_parallel`` (t, dividing ``world_size``): Megatron-LM's layout in groups of ``t``
+    ``run.parallel.tensor`` (t, dividing ``world_size``): Megatron-LM's layout in groups of ``t``
     ranks, data parallelism (and ZeRO) across the ``world_size / t`` groups, as
     :func:`memlab.lenses.estimate.estimate_step` counts it for memlab's GPT: a rank's model states are
     :func:`memlab.step.states.tensor_parallel_share` of those over the data-parallel ranks, and its
@@ -589,7 +589,6 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
         target: ``cpu`` or ``cuda`` (:func:`memlab.policy.resolve_target`; left out, it follows the card).
         budget: bytes, a size string or a GPU preset; the report says whether the step fits.
         card: a card profile or preset name (CUDA on that card).
-        tensor_parallel: as above.
 
     Returns:
         A :class:`MemoryReport` (lens ``estimate``) per rank; its ``step`` is ``run``.
@@ -608,10 +607,10 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     attention, optimizer, zero = run.attention, run.optimizer, run.zero
     world_size, offload = run.world_size, run.offload
     lora, quantization, buckets, loss_chunk = run.lora, run.quantization, run.buckets, run.loss_chunk
-    ep, imbalance = run.expert_parallel, run.expert_imbalance
+    ep, imbalance = run.parallel.expert, run.parallel.expert_imbalance
     check_run(s, attention=attention, ep=ep, zero=zero, world_size=world_size, offload=offload,
               micro_batches=run.micro_batches, lora=lora)
-    tp = tensor_parallel
+    tp = run.parallel.tensor
     dp = data_parallel_ranks(world_size, tp)
     if tp != 1:
         s.check_tensor_parallel(tp)

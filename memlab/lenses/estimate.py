@@ -59,6 +59,7 @@ from memlab.policy import (
     sdpa_math_extra_bytes,
 )
 from memlab.step.compiled import lowering_notes
+from memlab.step.parallel_dims import ParallelDims
 from memlab.step.states import ZeroBuckets, data_parallel_ranks, step_model_states, tensor_parallel_share
 from memlab.step.training_step import MemoryReport, StepConfig, autocast_for, build_trainer, resolve_step
 from memlab.time.step_time import report_time
@@ -551,7 +552,7 @@ UNET_COMPILE_NOTE = ("compile is not in this lens for a UNet: the peak is the ea
                      "inductor's code on fake tensors (memlab.step.compiled), measure reads the compiled step's peak")
 
 
-def _decoder_estimate(step: StepConfig, tgt, budget: int | str | None, tp: int, trainable_params: int | None,
+def _decoder_estimate(step: StepConfig, tgt, budget: int | str | None, trainable_params: int | None,
                       frozen_activation_bytes: float, buckets: ZeroBuckets | None) -> MemoryReport:
     """A decoder's run (its shape the model) through :func:`memlab.lenses.decoder_estimate.estimate_run`,
     timed as every estimate is. LoRA and DeepSpeed's buffers are fields of its run."""
@@ -560,14 +561,14 @@ def _decoder_estimate(step: StepConfig, tgt, budget: int | str | None, tp: int, 
                          "decoder's LoRA is a field of its run: StepConfig(..., lora=LoraConfig(...))")
     if buckets is not None:
         step = replace(step, buckets=buckets)
-    report = estimate_run(step, target=tgt, budget=budget, tensor_parallel=tp)
-    report.time = report_time(step, tgt.card, tensor_parallel=tp)
+    report = estimate_run(step, target=tgt, budget=budget)
+    report.time = report_time(step, tgt.card)
     return report
 
 
 def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = None,
                   target: str | None = None, card: "Card | str | None" = None,
-                  tensor_parallel: int = 1, trainable_params: int | None = None,
+                  trainable_params: int | None = None,
                   frozen_activation_bytes: float = 0.0, buckets: ZeroBuckets | None = None,
                   **overrides) -> MemoryReport:
     """Closed-form peak bytes of one steady-state training step, by category, per rank: the one
@@ -584,7 +585,7 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     :mod:`memlab.core.cards`) or a GPU preset budget means CUDA on that card, else the GPU this
     process sees, else (a CPU machine) the CPU (:func:`memlab.policy.resolve_target`).
 
-    ``tensor_parallel`` (t, dividing ``world_size``): Megatron-style tensor parallelism
+    ``step.parallel.tensor`` (t, dividing ``world_size``): Megatron-style tensor parallelism
     inside groups of t ranks, data parallelism (and ZeRO) across the ``world_size / t``
     groups. A rank holds ``1/t`` of the ZeRO-sharded model states (norm weights, replicated,
     are counted as sharded: a fraction of a percent), its heads' and MLP columns' share of
@@ -609,13 +610,13 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     Args:
         step: the step (``None``: ``StepConfig()``); ``overrides`` replace its fields.
         budget: bytes, a size string or a GPU preset; the report says whether the step fits.
-        target, card, tensor_parallel, trainable_params, frozen_activation_bytes, buckets: as above.
+        target, card, trainable_params, frozen_activation_bytes, buckets: as above.
 
     Returns:
         A :class:`MemoryReport` (lens ``"estimate"``) of one rank.
 
     Raises:
-        InputError: a field, preset, budget or ``tensor_parallel`` that is not allowed.
+        InputError: a field, preset, budget or tensor-parallel degree that is not allowed.
 
     Over 80 lines because its docstring documents each lens option; the body, about 50 lines,
     dispatches to the model's closed form.
@@ -623,19 +624,21 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     tgt = resolve_target(target, budget, card)
     step = resolve_step(step, **overrides)
     cfg = step.model_config
-    tp = tensor_parallel
+    tp = step.parallel.tensor
     if isinstance(cfg, DecoderShape):
-        return _decoder_estimate(step, tgt, budget, tp, trainable_params, frozen_activation_bytes, buckets)
+        return _decoder_estimate(step, tgt, budget, trainable_params, frozen_activation_bytes, buckets)
     if step.compile and not isinstance(cfg, UNetConfig) and (
             tp != 1 or trainable_params is not None or step.optimizer_in_backward):
-        raise InputError("compile with tensor_parallel, trainable_params or optimizer_in_backward is not in the "
-                         "estimate (its compiled pass traces a whole, fully trained model, optimizer after "
+        raise InputError("compile with a tensor-parallel degree, trainable_params or optimizer_in_backward is not "
+                         "in the estimate (its compiled pass traces a whole, fully trained model, optimizer after "
                          "backward); allowed: compile=True without them, or simulate_step")
     if tp != 1:
         if not isinstance(cfg, GPTConfig):
-            raise InputError(f"tensor_parallel={tp!r} needs a GPT model, got {cfg.name!r}")
+            raise InputError(f"parallel.tensor={tp!r} needs a GPT model, got {cfg.name!r}")
         cfg.check_tensor_parallel(tp)
-    ms = step_model_states(replace(step, world_size=data_parallel_ranks(step.world_size, tp)), buckets)
+    # the states sharded over the data-parallel replicas, then split t ways (tensor_parallel_share)
+    replicas = replace(step, world_size=data_parallel_ranks(step.world_size, tp), parallel=ParallelDims())
+    ms = step_model_states(replicas, buckets)
     states = tensor_parallel_share(ms.peak_inputs(), tp)
     if trainable_params is not None:  # bytes per parameter are uniform: scale by the count
         share = trainable_params / cfg.num_params()
@@ -673,7 +676,7 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
         report.notes.append("host_bytes: the model states in host memory (pinned buffers at the "
                             "CUDA host allocator's power-of-two sizes); the CPU optimizer's "
                             "scratch during its step is not counted")
-    report.time = report_time(step, tgt.card, tensor_parallel=tp)
+    report.time = report_time(step, tgt.card)
     if step.world_size > 1:
         report.per_rank = [replace(report, per_rank=None, notes=list(report.notes))
                            for _ in range(step.world_size)]

@@ -45,6 +45,7 @@ from memlab.models.decoder_shape import DecoderShape
 from memlab.policy import sdpa_lse_bytes
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 from memlab.step.low_bit import quantized_weight_bytes
+from memlab.step.parallel_dims import ParallelDims
 from memlab.step.training_step import StepConfig
 
 #: bytes per element of what litgpt's RMSNorm keeps (its input in the dtype it computes in, and an
@@ -86,7 +87,7 @@ def check_litgpt_run(run: StepConfig) -> None:
                   world_size=(run.world_size, 1), offload=(run.offload, "none"),
                   micro_batches=(run.micro_batches, 1), attention=(run.attention or "sdpa", "sdpa"),
                   loss=("chunked" if run.loss == "chunked" else "its own", "its own"),
-                  expert_parallel=(run.expert_parallel, 1), compile=(run.compile, False),
+                  parallel=(run.parallel, ParallelDims()), compile=(run.compile, False),
                   activation_offload=(run.activation_offload, False),
                   optimizer_in_backward=(run.optimizer_in_backward, False))
     for name, (value, allowed) in extras.items():

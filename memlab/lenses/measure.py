@@ -182,7 +182,7 @@ def measure_step(step: StepConfig | None = None, *, device: str | None = "cpu",
         InputError: a field, preset, device or budget that is not allowed.
         HostMemoryError: the step does not fit this machine.
     """
-    step = resolve_step(step, **overrides)
+    step = resolve_step(step, lens="measure", **overrides)
     dev = pick_device(device)
     refused = preflight(step, dev, resolve_budget(budget))
     if refused is not None:
@@ -317,7 +317,7 @@ def time_step(step: StepConfig | None = None, *, device: str | None = "cpu", rep
         InputError: a field or device that is not allowed.
         HostMemoryError: the step does not fit this machine.
     """
-    step = resolve_step(step, **overrides)
+    step = resolve_step(step, lens="measure", **overrides)
     dev = pick_device(device)
     preflight(step, dev)
     trainer = build_trainer(step, dev)

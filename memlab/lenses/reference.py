@@ -14,7 +14,6 @@ from importlib import resources
 from pathlib import Path
 
 from memlab.core.errors import InputError
-from memlab.models.gpt_unet import GPTConfig, UNetConfig, get_config
 from memlab.step.training_step import StepConfig
 
 REFERENCE_DIR = Path(str(resources.files("memlab").joinpath("data", "reference")))
@@ -55,46 +54,14 @@ class ReferenceStep:
                 + (" " + " ".join(extra) if extra else ""))
 
 
-def _model_from(d: dict) -> GPTConfig | UNetConfig:
-    """The model of a described step: the recorded ``model_config`` when present (custom
-    models such as ``llama-dev`` have no preset), else the preset named ``model``."""
-    mc = d.get("model_config")
-    if mc is None:
-        return get_config(d["model"])
-    is_unet = "mults" in mc or "channels" in mc
-    cls = UNetConfig if is_unet else GPTConfig
-    allowed = {f.name for f in fields(cls)}
-    unknown = set(mc) - allowed
-    if unknown:
-        raise InputError(f"model_config has unknown field(s) {sorted(unknown)}; "
-                         f"allowed for {cls.__name__}: {sorted(allowed)}")
-    kw = dict(mc)
-    if "mults" in kw:
-        kw["mults"] = tuple(kw["mults"])
-    return cls(**kw)
-
-
-def step_from_description(d: dict) -> StepConfig:
-    """Rebuild a :class:`StepConfig` from :meth:`StepConfig.describe` output (as stored in a
-    reference row's ``config``), or from a ``gpu_check`` row (``model``, ``seq``, ``batch``
-    and the variant's ``precision`` / ``checkpointing``).
-
-    The result describes itself as ``d`` does: ``step_from_description(s.describe())``
-    equals ``s`` up to the preset name being replaced by its config and the model's own
-    switches being written on the step.
-    """
-    if "model" not in d or "seq" not in d or "batch" not in d:
-        raise InputError(f"a step description needs 'model', 'seq' and 'batch'; got keys {sorted(d)}")
-    model = _model_from(d)
-    kw = {k: d[k] for k in ("precision", "optimizer", "micro_batches", "zero", "world_size",
-                            "offload") if d.get(k) is not None}
-    step = StepConfig(model=model, seq=int(d["seq"]), batch=int(d["batch"]),
-                      checkpointing=d.get("checkpointing"),
-                      attention=d.get("attention") if isinstance(model, GPTConfig) else None, **kw)
-    if "num_params" in d and step.model_config.num_params() != d["num_params"]:
-        raise InputError(f"rebuilt {step.model_config.name} has {step.model_config.num_params()} "
-                         f"parameters, the description says {d['num_params']}")
-    return step
+def step_of_row(row: dict) -> StepConfig:
+    """The step a reference row ran: its ``config`` (:meth:`StepConfig.describe` as the recording
+    memlab wrote it) or, for a ``gpu_check`` row without one, the row's own ``model``, ``seq``,
+    ``batch``, ``precision`` and ``checkpointing``; keys a later StepConfig does not have (a row's
+    figures, a renamed field) are left out (:meth:`StepConfig.from_dict` reads the rest)."""
+    desc = row.get("config", row)
+    known = {f.name for f in fields(StepConfig)} | {"model_config", "num_params"}
+    return StepConfig.from_dict({k: v for k, v in desc.items() if k in known})
 
 
 def load_references(directory: str | Path = REFERENCE_DIR) -> list[dict]:
@@ -178,8 +145,7 @@ def reference_steps(gpu: str = "NVIDIA-H200", names: tuple[str, ...] = REFERENCE
     out = []
     for name in names:
         for i, row in enumerate(ref.get(_ROWS_KEY[name], [])):
-            desc = row.get("config", row)
-            out.append(ReferenceStep(gpu, name, i, step_from_description(desc), row))
+            out.append(ReferenceStep(gpu, name, i, step_of_row(row), row))
     return out
 
 
@@ -253,4 +219,4 @@ def offload_reference(gpu: str = "NVIDIA-H200") -> list[OffloadReference]:
 
 
 __all__ = ["OFFLOAD_FILE", "REFERENCE_DIR", "REFERENCE_FILES", "OffloadReference", "ReferenceStep",
-           "load_references", "offload_reference", "reference_steps", "step_from_description"]
+           "load_references", "offload_reference", "reference_steps", "step_of_row"]

@@ -107,7 +107,7 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
         InputError: a field, preset, budget or target that is not allowed.
     """
     tgt = resolve_target(target, budget, card)
-    step = resolve_step(step, **overrides)
+    step = resolve_step(step, lens="simulate", **overrides)
     budget_bytes = resolve_budget(budget)
     start = time.perf_counter()
     ms = model_states(step.model_config, precision=step.precision, optimizer=step.optimizer,

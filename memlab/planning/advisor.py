@@ -20,7 +20,7 @@ on ZeRO-2, Ren et al. 2021 sec. 4; ZeRO-Infinity on ZeRO-3, Rajbhandari et al. 2
 the message says so, and how much host memory the offloaded states take.
 
 Tensor parallelism (``t`` ranks of a node per group, ZeRO across the ``N/t`` groups) is
-estimated by ``estimate_step(step, tensor_parallel=t)``: Megatron's layout without sequence
+estimated by ``estimate_step(step)`` with ``step.parallel.tensor = t``: Megatron's layout without sequence
 parallelism, so the checkpointed block inputs stay whole on every rank; at long context they
 are what sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2) would divide by ``t``.
 Pipeline parallelism adds nothing here: with 1F1B the first of ``p`` stages keeps ``p``
@@ -159,9 +159,10 @@ class Advice:
     """What :func:`advise` found: every step tried, the plan kept, and its DeepSpeed config.
 
     Args:
-        steps, plan, step: every technique tried (a row each), the ones kept, the step they make.
+        steps, plan, step: every technique tried (a row each), the ones kept, the step they make
+            (its tensor-parallel degree in ``step.parallel``).
         peak_bytes, budget_bytes, usable_bytes, headroom, fits: the plan's peak against the card.
-        tensor_parallel, deepspeed_config, message, host_bytes, target: the rest of the plan.
+        deepspeed_config, message, host_bytes, target: the rest of the plan.
     """
 
     steps: list[PlanStep]
@@ -172,7 +173,6 @@ class Advice:
     usable_bytes: int
     headroom: float
     fits: bool
-    tensor_parallel: int = 1
     deepspeed_config: dict = field(default_factory=dict)
     message: str = ""
     host_bytes: int = 0  # host memory the plan's offloaded model states take, per rank
@@ -193,7 +193,7 @@ class Advice:
                 "peak_bytes": self.peak_bytes, "budget_bytes": self.budget_bytes,
                 "usable_bytes": self.usable_bytes, "headroom": self.headroom,
                 "fits": self.fits, "short_bytes": self.short_bytes,
-                "tensor_parallel": self.tensor_parallel, "message": self.message,
+                "tensor_parallel": self.step.parallel.tensor, "message": self.message,
                 "host_bytes": self.host_bytes, "host_limit_bytes": self.host_limit_bytes,
                 "held_back": [asdict(h) for h in self.held_back],
                 "config": self.step.describe(), "deepspeed_config": self.deepspeed_config,
@@ -309,7 +309,7 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
 
     The plan follows the card's rules (:func:`memlab.policy.resolve_target`): a GPU preset
     ``gpu`` (or ``card``) plans with that card's kernels and workspaces, exactly as
-    ``estimate_step(advice.step, tensor_parallel=advice.tensor_parallel, target=advice.target)``
+    ``estimate_step(advice.step, target=advice.target)``
     estimates the config it emits, and with its mixed precision (:func:`mixed_precision_for`:
     fp16 where bf16 is not native); a size plans for the GPU present, else the CPU
     (``target`` names one outright).
@@ -358,15 +358,15 @@ def advise(model: str | GPTConfig = "tiny", gpu: int | str = "A100-40GB", world_
     if simulate is None:
         simulate = world_size == 1 and cfg.num_params() < SIMULATE_MAX_PARAMS
     lenses = _Lenses(tgt, usable, simulate, simulate_seconds, time.perf_counter(), hf)
-    steps, plan, held_back, current, t_now = _walk(step, lenses, host_limit, local_ranks)
+    steps, plan, held_back, current = _walk(step, lenses, host_limit, local_ranks)
     peak = _best(steps).peak_bytes
     host = estimate_host_bytes(current)
     ladder = (finetune_ladder(current, usable, tgt, rank=lora_rank, targets=lora_targets)
               if finetune else [])
     return Advice(steps=steps, plan=plan, step=current, peak_bytes=peak, budget_bytes=budget,
                   usable_bytes=usable, headroom=headroom, fits=peak <= usable,
-                  tensor_parallel=t_now, deepspeed_config=_ds_config(current, t_now),
-                  message=_message(current, t_now, tgt, plan, peak, budget, usable, headroom, host)
+                  deepspeed_config=_ds_config(current),
+                  message=_message(current, tgt, plan, peak, budget, usable, headroom, host)
                   + _held_back_message(held_back, host_limit, local_ranks),
                   host_bytes=host, target=tgt, ladder=ladder, host_limit_bytes=host_limit, held_back=held_back,
                   search=_fastest_fit(cfg, gpu, tgt, world_size, seq, batch, usable, attention, optimizer,
@@ -385,12 +385,12 @@ class _Lenses:
     started: float
     hf: dict | None = None  # a Hugging Face config: simulated in its own class
 
-    def record(self, technique: str, s: StepConfig, t: int) -> PlanStep:
-        """The row of ``technique``: ``s`` on ``t`` tensor-parallel ranks, estimated and, on
-        one rank while time is left, simulated; its peak is the larger."""
-        est = estimate_step(s, tensor_parallel=t, target=self.target).peak_bytes
+    def record(self, technique: str, s: StepConfig) -> PlanStep:
+        """The row of ``technique``: ``s`` (on its ``parallel.tensor`` ranks) estimated and,
+        without tensor parallelism while time is left, simulated; its peak is the larger."""
+        est = estimate_step(s, target=self.target).peak_bytes
         sim = None
-        if self.simulate and t == 1 and time.perf_counter() - self.started < self.simulate_seconds:
+        if self.simulate and s.parallel.tensor == 1 and time.perf_counter() - self.started < self.simulate_seconds:
             sim = _simulate(s, self.target, self.hf)
         peak = max(est, sim or 0)
         return PlanStep(technique, peak_bytes=peak, fits=peak <= self.usable, kept=True, estimate_bytes=est,
@@ -398,28 +398,29 @@ class _Lenses:
 
 
 def _walk(step: StepConfig, lenses: _Lenses, host_limit: int | None,
-          local_ranks: int) -> tuple[list[PlanStep], list[str], list[HeldBack], StepConfig, int]:
+          local_ranks: int) -> tuple[list[PlanStep], list[str], list[HeldBack], StepConfig]:
     """The flowchart from ``step`` until the plan fits: every row tried, the techniques kept,
-    the offload steps the host could not hold, and the plan's step and tensor-parallel degree."""
+    the offload steps the host could not hold, and the plan's step (its tensor-parallel degree in
+    ``parallel``)."""
     cfg, world_size = step.model_config, step.world_size
     tp = tensor_parallel_degree(cfg, world_size) if world_size > 1 else 1
-    steps = [lenses.record("baseline", step, 1)]
+    steps = [lenses.record("baseline", step)]
     plan: list[str] = []
     held_back: list[HeldBack] = []
-    current, t_now = step, 1
+    current = step
     for technique, over in flowchart(world_size, mixed_precision_for(lenses.target)):
         if _best(steps).fits:
             break
         if "zero" in over and technique.startswith("offload"):
             over = {**over, "zero": max(over["zero"], current.zero)}  # never a lower stage
-        cand, t_cand = replace(current, **over), t_now
-        if technique.startswith("offload") and t_now > 1 and isinstance(cfg, DecoderShape):
+        cand = replace(current, **over)
+        if technique.startswith("offload") and current.parallel.tensor > 1 and isinstance(cfg, DecoderShape):
             continue  # a decoder's shape is estimated with tensor parallelism only without offload
         if technique == "tensor-parallel":
             if tp == 1:
                 continue
-            t_cand = tp
-        row = lenses.record(technique + (f" (t={tp})" if technique == "tensor-parallel" else ""), cand, t_cand)
+            cand = replace(cand, parallel=replace(cand.parallel, tensor=tp))
+        row = lenses.record(technique + (f" (t={tp})" if technique == "tensor-parallel" else ""), cand)
         need = estimate_host_bytes(cand) * local_ranks if technique.startswith("offload") else 0
         if host_limit is not None and need > host_limit:  # a plan the host cannot hold does not fit
             held_back.append(HeldBack(technique, host_bytes=need, peak_bytes=row.peak_bytes, fits=row.fits))
@@ -430,12 +431,13 @@ def _walk(step: StepConfig, lenses: _Lenses, host_limit: int | None,
         # two all-reduces per layer each way, so it must save at least TP_MIN_SAVING (it saves
         # nothing when the peak is the optimizer step: ZeRO-3 already divides those states
         # by every rank)
-        keep = row.peak_bytes <= (before * (1 - TP_MIN_SAVING) if t_cand != t_now else before)
+        new_tp = cand.parallel.tensor != current.parallel.tensor
+        keep = row.peak_bytes <= (before * (1 - TP_MIN_SAVING) if new_tp else before)
         if keep:
             plan.append(technique)
-            current, t_now = cand, t_cand
+            current = cand
         steps.append(replace(row, kept=keep))
-    return steps, plan, held_back, current, t_now
+    return steps, plan, held_back, current
 
 
 def _held_back_message(held_back: list[HeldBack], host_limit: int, local_ranks: int) -> str:
@@ -462,7 +464,7 @@ def _fastest_fit(cfg, gpu, tgt, world_size: int, seq: int, batch: int, usable: i
                         optimizer=optimizer, target=tgt, host_limit_bytes=host_limit)
 
 
-def _message(step: StepConfig, tp: int, tgt, plan: list[str], peak: int, budget: int,
+def _message(step: StepConfig, tgt, plan: list[str], peak: int, budget: int,
              usable: int, headroom: float, host_bytes: int) -> str:
     """The verdict: what fits with how much to spare, or by how much it is short and what is
     largest; then how the plan runs (:func:`_runs_as`)."""
@@ -474,14 +476,14 @@ def _message(step: StepConfig, tp: int, tgt, plan: list[str], peak: int, budget:
                 f"usable ({fmt_bytes(budget)} less {headroom:.0%} headroom): short by "
                 f"{fmt_bytes(peak - usable)}; use more ranks, a shorter sequence "
                 f"or a smaller batch (with gradient accumulation)")
-        cats = estimate_step(step, tensor_parallel=tp, target=tgt).by_category
+        cats = estimate_step(step, target=tgt).by_category
         if max(cats, key=cats.get) == "activations":
             text += ("; the activations are the largest part: sequence parallelism (Korthikanti et "
                      "al. 2022, sec. 4.2.2) would split the block inputs tensor parallelism keeps "
                      "whole, context parallelism the sequence itself (neither is planned here)")
     if step.precision == "fp16":
         text += "; fp16 autocast with a torch.amp.GradScaler (this card has no native bf16)"
-    return text + "; " + _runs_as(step, tp, host_bytes)
+    return text + "; " + _runs_as(step, host_bytes)
 
 
 def finetune_ladder(step: StepConfig, usable: int, target, *, rank: int = 16,
@@ -521,7 +523,7 @@ def estimate_host_bytes(step: StepConfig) -> int:
     return estimate_step(step, target="cpu").host_bytes  # host bytes: the same on any target
 
 
-def _runs_as(step: StepConfig, tp: int, host_bytes: int) -> str:
+def _runs_as(step: StepConfig, host_bytes: int) -> str:
     """How the plan runs: plain PyTorch, or DeepSpeed with which stage, and why."""
     if not under_deepspeed(step.zero, step.offload):
         ranks = " with DDP" if step.world_size > 1 else ""
@@ -535,8 +537,8 @@ def _runs_as(step: StepConfig, tp: int, host_bytes: int) -> str:
         if step.world_size == 1:
             text += (f" (one rank: ZeRO-{step.zero} shards nothing, but DeepSpeed offloads only "
                      f"from its ZeRO optimizer, and parameters only at stage 3)")
-    if tp > 1:
-        text += f"; tensor parallel t={tp}"
+    if step.parallel.tensor > 1:
+        text += f"; tensor parallel t={step.parallel.tensor}"
     return text
 
 
@@ -545,13 +547,13 @@ def _best(steps: list[PlanStep]) -> PlanStep:
     return [s for s in steps if s.kept][-1]
 
 
-def _ds_config(step: StepConfig, tp: int) -> dict:
+def _ds_config(step: StepConfig) -> dict:
     """DeepSpeed's config for the plan on its card, from :func:`memlab.step.write_deepspeed_config.deepspeed_config`
-    (fp16 with DeepSpeed's dynamic loss scaling, AutoTP over ``tp`` ranks); empty for a plan that
+    (fp16 with DeepSpeed's dynamic loss scaling, AutoTP over ``step.parallel.tensor`` ranks); empty for a plan that
     runs as plain PyTorch (its peak is estimated as such)."""
     if not under_deepspeed(step.zero, step.offload):
         return {}
-    return deepspeed_config(step, accelerator="cuda", tensor_parallel=tp)
+    return deepspeed_config(step, accelerator="cuda")
 
 
 def check_plan(model: str = "gpt2-medium", seq: int = 1024, batch: int = 16, *,

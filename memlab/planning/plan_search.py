@@ -225,14 +225,14 @@ def _add_plan(out: PlanSearch, base: StepConfig, cfg: GPTConfig, card: str, prec
     """Estimate and time one plan (``rank_batch`` sequences per data-parallel replica) and
     append it to ``out``, with its chunked-loss twin on one GPU per replica."""
     step = replace(base, batch=rank_batch, precision=prec, checkpointing=ckpt, micro_batches=m, zero=zero,
-                   offload=off, world_size=world_size // p)
+                   offload=off, world_size=world_size // p, parallel=replace(base.parallel, tensor=t))
     loss = _loss(step)
-    report = estimate_step(step, tensor_parallel=t, target=target)
+    report = estimate_step(step, target=target)
     peak = report.peak_bytes
     if p > 1:
         states = sum(report.by_category.get(c, 0) for c in ("parameters", "gradients", "optimizer"))
         peak -= int(states * (1 - 1 / p))
-    timed = step_time(replace(step, world_size=world_size), card, tensor_parallel=t, pipeline_parallel=p,
+    timed = step_time(replace(step, world_size=world_size, parallel=replace(step.parallel, pipeline=p)), card,
                       flops=report.time.flops if report.time is not None else None)
     plan = {"precision": prec, "checkpointing": ckpt, "micro_batches": m, "zero": zero, "offload": off,
             "tensor_parallel": t, "pipeline_parallel": p, "batch": rank_batch, "loss": loss,

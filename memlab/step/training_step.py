@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import asdict, dataclass, field, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from html import escape
 from importlib import resources
 from typing import Literal
@@ -33,6 +33,7 @@ from memlab.step.decoder_states import adapter_shapes, adapters_for
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
 from memlab.step.low_bit import OPTIMIZER_STATES
 from memlab.step.optimizer_in_backward import OptimizerInBackward
+from memlab.step.parallel_dims import ParallelDims
 from memlab.step.states import OFFLOADS, PARAM_OFFLOAD, ZeroBuckets
 from memlab.tracking.tracker import CATEGORIES, Event, OOMInfo
 
@@ -98,7 +99,7 @@ class StepConfig:
     zero: int = 0
     """DeepSpeed's ZeRO stage (0-3)."""
     world_size: int = 1
-    """Data-parallel ranks."""
+    """Ranks in all: data-parallel replicas times the tensor and pipeline degrees of ``parallel``."""
     offload: str = "none"
     """DeepSpeed's offload: ``none``, ``optimizer``, ``all``."""
     lora: LoraConfig | None = None
@@ -113,10 +114,9 @@ class StepConfig:
     """A decoder's code (:data:`DECODER_IMPLEMENTATIONS`): ``transformers`` (the Hugging Face class)
     or Lightning-AI/litgpt's model and ``finetune/lora.py`` at commit 8641822 or 6178c7cc, which
     the estimate counts (:mod:`memlab.lenses.litgpt_estimate`)."""
-    expert_parallel: int = 1
-    """Ranks a mixture of experts' routed experts are divided across."""
-    expert_imbalance: float = 1.0
-    """The busiest expert-parallel rank's tokens over the balanced share."""
+    parallel: ParallelDims = ParallelDims()
+    """The tensor, pipeline and expert degrees over ``world_size`` ranks (:class:`ParallelDims`;
+    all 1: data parallelism only)."""
     buckets: ZeroBuckets | None = None
     """DeepSpeed's buffer sizes as a run's config sets them (``None``: DeepSpeed's defaults)."""
     optimizer_in_backward: bool = False
@@ -136,11 +136,12 @@ class StepConfig:
     1.0); 0.5 keeps about half of what the default saves and recomputes the rest. Needs ``compile``."""
 
     def __post_init__(self) -> None:
-        for name in ("seq", "batch", "micro_batches", "world_size", "expert_parallel", "loss_chunk"):
+        for name in ("seq", "batch", "micro_batches", "world_size", "loss_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name.replace('_', ' ')} must be a positive integer, got {value!r}")
         check_precision(self.precision)
+        self._check_parallel()
         # DeepSpeed's parameter-only offload is read from a decoder's DeepSpeed config
         offloads = (*OFFLOADS, PARAM_OFFLOAD) if isinstance(self.model, DecoderShape) else OFFLOADS
         if self.offload not in offloads:
@@ -170,8 +171,8 @@ class StepConfig:
             raise InputError(f"optimizer={self.optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
         extras = {n: getattr(self, n) for n in ("lora", "quantization", "loss", "buckets")}
         extras.update(implementation=self.implementation if self.implementation != "transformers" else None)
-        extras.update(expert_parallel=self.expert_parallel if self.expert_parallel != 1 else None,
-                      expert_imbalance=self.expert_imbalance if self.expert_imbalance != 1.0 else None)
+        experts = (self.parallel.expert, self.parallel.expert_imbalance) != (1, 1.0)
+        extras.update({"parallel.expert": self.parallel if experts else None})
         given = [n for n, v in extras.items() if v is not None]
         if given:
             raise InputError(f"{', '.join(given)}: fields of a Hugging Face decoder's run (a DecoderShape "
@@ -213,10 +214,17 @@ class StepConfig:
             raise InputError(f"seq {self.seq} exceeds the model's context of {s.context} tokens "
                              f"(max_position_embeddings, rope-scaled where the config says so); "
                              f"allowed: 1-{s.context}")
-        if not self.expert_imbalance >= 1.0:
-            raise InputError(f"expert_imbalance={self.expert_imbalance!r}; allowed: >= 1 (1 = balanced routing)")
         if self.lora is not None:  # its target names checked against the layers' Linear modules
             adapters_for(s, self.lora, self.precision, self.quantization is not None)
+
+    def _check_parallel(self) -> None:
+        """``parallel`` is a :class:`ParallelDims` whose tensor and pipeline degrees divide ``world_size``."""
+        if not isinstance(self.parallel, ParallelDims):
+            raise InputError(f"parallel={self.parallel!r}; allowed: a memlab.step.parallel_dims.ParallelDims")
+        split = self.parallel.tensor * self.parallel.pipeline
+        if self.world_size % split:
+            raise InputError(f"parallel.tensor x parallel.pipeline = {split} on world_size={self.world_size} ranks; "
+                             f"allowed: a divisor of the world size")
 
     def _check_in_backward(self) -> None:
         """The conditions the optimizer step in backward needs (see the field)."""
@@ -280,6 +288,40 @@ class StepConfig:
         d["lora"] = None if self.lora is None else self.lora.to_dict()
         d["quantization"] = None if self.quantization is None else self.quantization.to_dict()
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepConfig:
+        """The run a JSON dict describes: :meth:`describe`'s output (``from_dict(s.describe())``
+        describes itself as ``s`` does), or any subset with ``model``, ``seq`` and ``batch``.
+
+        Args:
+            d: the fields; ``model_config`` (a GPT's, a UNet's or a decoder's shape, told apart by
+                their fields) wins over ``model`` (then a preset name); ``lora``, ``quantization``,
+                ``buckets`` and ``parallel`` as dicts; the counts ``describe`` adds are checked.
+
+        Returns:
+            The :class:`StepConfig`.
+
+        Raises:
+            InputError: a missing or unknown field, or a parameter count the model does not have.
+        """
+        if "model" not in d or "seq" not in d or "batch" not in d:
+            raise InputError(f"a run needs 'model', 'seq' and 'batch'; got keys {sorted(d)}")
+        derived = {"model_config", "num_params", "trainable_params"}
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names - derived)
+        if unknown:
+            raise InputError(f"run fields {unknown}; allowed: {', '.join(sorted(names | derived))}")
+        kw = {k: v for k, v in d.items() if k in names and v is not None}
+        kw["model"] = _model_from_dict(d["model_config"]) if d.get("model_config") else d["model"]
+        nested = {"lora": LoraConfig.from_dict, "quantization": QuantConfig.from_dict,
+                  "buckets": lambda b: ZeroBuckets(**b), "parallel": lambda p: ParallelDims(**p)}
+        kw.update({k: make(kw[k]) for k, make in nested.items() if isinstance(kw.get(k), dict)})
+        step = cls(**kw)
+        if "num_params" in d and step.describe()["num_params"] != d["num_params"]:
+            raise InputError(f"rebuilt {step.model_config.name} has {step.describe()['num_params']} "
+                             f"parameters, the description says {d['num_params']}")
+        return step
 
 
 @dataclass
@@ -605,6 +647,20 @@ class Trainer:
         return total
 
 
+#: a model config's class, told apart by a field only it has
+_MODEL_CLASSES = (("model_type", DecoderShape), ("mults", UNetConfig), ("channels", UNetConfig))
+
+
+def _model_from_dict(mc: dict) -> GPTConfig | UNetConfig | DecoderShape:
+    """A model config from its ``asdict`` (lists back to the tuples its fields hold)."""
+    cls = next((c for key, c in _MODEL_CLASSES if key in mc), GPTConfig)
+    allowed = {f.name for f in fields(cls)}
+    unknown = sorted(set(mc) - allowed)
+    if unknown:
+        raise InputError(f"model_config fields {unknown}; allowed for {cls.__name__}: {sorted(allowed)}")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in mc.items()})
+
+
 def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: int = 0,
                   fake: bool = False) -> Trainer:
     """Model + optimizer for ``step`` on ``device``; ``fake=True`` under FakeTensorMode.
@@ -647,10 +703,27 @@ def batch_to(batch: tuple, step: StepConfig) -> tuple:
     return batch
 
 
-def resolve_step(step: StepConfig | None = None, **overrides) -> StepConfig:
-    """``step`` (default :class:`StepConfig()`) with keyword ``overrides`` applied, validated."""
+def resolve_step(step: StepConfig | None = None, *, lens: str | None = None, **overrides) -> StepConfig:
+    """``step`` (default :class:`StepConfig()`) with keyword ``overrides`` applied, validated.
+
+    Args:
+        step: the run; overrides: fields to replace.
+        lens: the lens that builds memlab's own class for it (``"simulate"``, ``"measure"``):
+            a Hugging Face decoder's run is refused there, naming the lens that builds its class.
+
+    Returns:
+        The run.
+
+    Raises:
+        InputError: a field that is not allowed, or a decoder's run for a lens that builds memlab's class.
+    """
     step = step or StepConfig()
-    return replace(step, **overrides) if overrides else step
+    step = replace(step, **overrides) if overrides else step
+    if lens is not None and isinstance(step.model, DecoderShape):
+        raise InputError(f"model={step.model.name!r}, a Hugging Face decoder's shape, in memlab's {lens} lens, "
+                         f"which builds memlab's GPT or UNet; a decoder's class is built from its config: "
+                         f"memlab.hf.{lens}.{lens}_hf(config, ...) or `memlab {lens} --hf-config`")
+    return step
 
 
 __all__ = ["StepConfig", "MemoryReport", "Trainer", "build_trainer", "build_optimizer", "make_batch",

@@ -7,7 +7,7 @@ like the curriculum's config, with memlab's bucket sizes (:data:`memlab.step.sta
 (:data:`REDUCE_TO_OWNER`, :data:`GATHER_EVERY_USE`; :mod:`memlab.time.communication`'s
 ``engine="deepspeed-reduce-scatter"`` is their formula); the default leaves DeepSpeed's own.
 ``accelerator="cuda"`` writes the config a card runs (fp16 with DeepSpeed's dynamic loss
-scaling, which its CPU accelerator lacks), ``tensor_parallel`` DeepSpeed's AutoTP degree.
+scaling, which its CPU accelerator lacks), ``step.parallel.tensor`` DeepSpeed's AutoTP degree.
 
 :func:`deepspeed_batch_sizes` is DeepSpeed's own batch rule (``train_batch_size = micro-batch x
 accumulation x data-parallel ranks``, each derived from the other two), which the writer
@@ -85,7 +85,7 @@ def check_accelerator_precision(precision: str, accelerator: str) -> None:
 def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
                      persistence_threshold: int = PERSISTENCE_THRESHOLD,
                      torch_adam: bool = True, paper_collectives: bool = False,
-                     accelerator: str = "cpu", tensor_parallel: int = 1) -> dict:
+                     accelerator: str = "cpu") -> dict:
     """The DeepSpeed config for ``step`` (a :class:`~memlab.step.training_step.StepConfig`).
 
     Modelled on the curriculum's config (course/curriculum.md, section 5) (train_batch_size,
@@ -97,7 +97,7 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
     1-2) or :data:`GATHER_EVERY_USE` (stage 3): the ZeRO paper's collectives (sec. 7), at the
     cost of ZeRO-3 re-gathering what it could keep. ``accelerator``: ``"cpu"`` (DeepSpeed's CPU
     accelerator: :data:`CPU_PRECISIONS`) or ``"cuda"`` (a card: fp16 too, with dynamic loss
-    scaling, ``loss_scale`` 0). ``tensor_parallel``: DeepSpeed's AutoTP degree t (DeepSpeed >=
+    scaling, ``loss_scale`` 0). ``step.parallel.tensor``: DeepSpeed's AutoTP degree t (DeepSpeed >=
     0.16.4 splits the Linear layers; the data-parallel degree, which the train batch counts, is
     world_size / t).
 
@@ -107,9 +107,9 @@ def deepspeed_config(step, *, bucket_elements: int = BUCKET_ELEMENTS,
     A dict because it is a DeepSpeed config, as ``deepspeed.initialize`` reads it.
     """
     check_accelerator_precision(step.precision, accelerator)
-    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1 \
-            or step.world_size % tensor_parallel:
-        raise InputError(f"tensor_parallel={tensor_parallel!r} on {step.world_size} ranks; allowed: a "
+    tensor_parallel = step.parallel.tensor
+    if step.world_size % tensor_parallel:
+        raise InputError(f"parallel.tensor={tensor_parallel!r} on {step.world_size} ranks; allowed: a "
                          f"divisor of the world size")
     if step.optimizer != "adamw":
         raise InputError(f"optimizer={step.optimizer!r} for DeepSpeed here; allowed: adamw")

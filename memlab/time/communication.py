@@ -148,14 +148,13 @@ def tp_all_reduces_per_layer(step, whole_forward_recompute: bool = False) -> int
     return 2 + TP_BACKWARD_ALL_REDUCES + rerun
 
 
-def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                       engine: str = "deepspeed", sync_every_micro_batch: bool = True,
+def step_communication(step, *, engine: str = "deepspeed", sync_every_micro_batch: bool = True,
                        virtual_stages: int = 1, whole_forward_recompute: bool = False) -> StepComm:
     """The transfers of one rank's step (module doc's rules).
 
     Args:
-        step: a :class:`memlab.step.training_step.StepConfig`; ``world_size`` ranks, ``batch`` per rank.
-        tensor_parallel, pipeline_parallel: degrees ``t`` and ``p``; data parallelism runs
+        step: a :class:`memlab.step.training_step.StepConfig`; ``world_size`` ranks, ``batch`` per rank,
+            its ``parallel`` degrees ``t`` (tensor) and ``p`` (pipeline); data parallelism runs
             over the ``world_size / (t p)`` remaining ranks.
         engine: ``"deepspeed"`` (what DeepSpeed 0.19 runs with memlab's default config),
             ``"paper"`` (the ZeRO paper's collectives, sec. 7) or ``"deepspeed-reduce-scatter"``
@@ -173,15 +172,11 @@ def step_communication(step, *, tensor_parallel: int = 1, pipeline_parallel: int
     Returns:
         :class:`StepComm`; empty on one rank without offload.
     """
-    t, p, w = tensor_parallel, pipeline_parallel, step.world_size
+    t, p, w = step.parallel.tensor, step.parallel.pipeline, step.world_size
     if engine not in ENGINES:
         raise InputError(f"engine={engine!r}; allowed: {', '.join(ENGINES)}")
-    for name, v in (("tensor_parallel", t), ("pipeline_parallel", p), ("virtual_stages", virtual_stages)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InputError(f"{name} must be a positive integer, got {v!r}")
-    if w % (t * p):
-        raise InputError(f"tensor_parallel x pipeline_parallel = {t * p} must divide world_size={w}; "
-                         f"allowed: divisors of {w}")
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise InputError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
     n = w // (t * p)
     cfg = step.model_config
     k = step.micro_batches

@@ -661,7 +661,6 @@ def matmul_rate(cfg: GPTConfig | DecoderShape, tokens: int, *, tensor_parallel: 
 
 
 def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None = None,  # noqa: PLR0913 keyword-only: the time lens's knobs, each documented
-              tensor_parallel: int = 1, pipeline_parallel: int = 1,
               speeds: Speeds | None = None, calibration: Calibration | None = None,
               cpu_adam_params_per_s: float | None = None, engine: str | None = None,
               optimizer: OptimizerPass | None = None, attention_flops_per_s: float | None = None,
@@ -679,10 +678,9 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     :func:`_elementwise_parts`, :func:`_communication_seconds`, :func:`_offload_seconds`).
 
     Args:
-        step: the step.
+        step: the step; its ``parallel`` degrees (tensor, pipeline) divide its ``world_size`` ranks.
         card: a profile or its name; ``None``: the FLOPs only (no card, no seconds).
         flops: the step's FLOPs if already counted (default :func:`memlab.time.flops.step_flops_formula`).
-        tensor_parallel, pipeline_parallel: degrees over ``step.world_size`` ranks.
         speeds: datasheet figures to use instead of the card's (a card memlab has none for).
         calibration: ``memlab doctor --calibrate``'s figures (default: the stored ones).
         cpu_adam_params_per_s: the host's AdamW throughput (default: calibrated, else
@@ -747,9 +745,9 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
         flops, elementwise = count_flops_and_elementwise(
             replace(step, precision=deepspeed_precision(step)) if on_ds else step)
     flops = flops or step_flops_formula(step)
-    comm = step_communication(step, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                              sync_every_micro_batch=gradient_sync == "micro-batch", virtual_stages=virtual_stages,
-                              whole_forward_recompute=whole_forward_recompute)
+    t, p = step.parallel.tensor, step.parallel.pipeline
+    comm = step_communication(step, sync_every_micro_batch=gradient_sync == "micro-batch",
+                              virtual_stages=virtual_stages, whole_forward_recompute=whole_forward_recompute)
     if card is None and speeds is None:
         return StepTime(flops, communication=comm, rule="no card: FLOPs only")
     if isinstance(card, str):
@@ -763,10 +761,9 @@ def step_time(step, card: Card | str | None = None, *, flops: StepFlops | None =
     if card is not None and closed:
         # each GEMM under its roofline (gemm_seconds), at the large-GEMM rate found above
         rate = matmul_rate(step.model_config, step.seq * step.batch // step.micro_batches,
-                           tensor_parallel=tensor_parallel, peak=rate / sp.achievable, achievable=sp.achievable,
+                           tensor_parallel=t, peak=rate / sp.achievable, achievable=sp.achievable,
                            hbm=sp.hbm, elem_bytes=2 if dtype in ("bf16", "fp16") else 4)
     attn_rate = attention_flops_per_s or calibrated_rate(name, dtype, calibration, attention=True) or rate
-    t, p = tensor_parallel, pipeline_parallel
     share = t * p
     # the attention term at its kernel's rate, the rest at the matmuls'; the seconds are split
     # between the parts by their FLOPs (memlab.time.flops counts attention over all three together)
@@ -885,12 +882,12 @@ def _offload_seconds(step, comm, sp: Speeds, gpu: float, share: int, *, on_ds: b
 
 
 def report_time(step, card: Card | None, *, flops: StepFlops | None = None,
-                tensor_parallel: int = 1, elementwise: ElementwiseWork | None = None) -> StepTime:
+                elementwise: ElementwiseWork | None = None) -> StepTime:
     """The ``time`` of a lens's report: on ``card`` when memlab has its figures, else the
     FLOPs alone (the CPU, a card without a datasheet entry)."""
     if card is not None and card.name not in SPEEDS:
         card = None
-    return step_time(step, card, flops=flops, tensor_parallel=tensor_parallel, elementwise=elementwise)
+    return step_time(step, card, flops=flops, elementwise=elementwise)
 
 
 __all__ = ["report_time", "ADAMW_BYTES", "ADAMW_FOREACH_OPS", "DEEPSPEED_FP32_STAGE0",
