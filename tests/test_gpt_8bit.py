@@ -97,3 +97,15 @@ def test_the_cli_runs_8bit_adamw_as_the_step_in_every_lens(capsys):
         peaks[lens] = out["peak_bytes"]
     assert peaks["simulate"] == peaks["measure"]
     assert abs(peaks["estimate"] - peaks["measure"]) <= 0.02 * peaks["measure"]
+
+
+def test_the_time_lens_steps_the_8bit_state():
+    """The optimizer pass of an 8-bit step is bitsandbytes' kernel per tensor: 16 bytes an element
+    (fp32 weight and gradient read, weight written, two 1-byte moments read and written;
+    :func:`memlab.time.step_time.optimizer_pass`), one launch a tensor, against fused AdamW's passes."""
+    from memlab.time.step_time import ADAMW_BYTES, engine_time, parameter_tensors
+    step = StepConfig(model="gpt2-small", seq=256, batch=2, precision="bf16")
+    cfg = get_config("gpt2-small")
+    eight = engine_time(replace(step, optimizer="paged-adamw-8bit"), 2e12, deepspeed=False, hidden=0.0)
+    assert (eight.hbm_bytes, eight.launches) == (16 * cfg.num_params(), parameter_tensors(cfg))
+    assert engine_time(step, 2e12, deepspeed=False, hidden=0.0).hbm_bytes == ADAMW_BYTES * cfg.num_params()
