@@ -65,7 +65,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         'step': "a training step and its run description (LoRA, quantisation, the optimizer step in backward, activation offload), its report, the model states per rank (ZeRO, low-bit, a decoder's), its DeepSpeed config",
         'step.training_step': "`StepConfig` (a step; its model config owns checkpointing and attention), `MemoryReport`, `Trainer`, `build_trainer`, `make_batch`",
         'step.states': "model states per rank and where they live: plain PyTorch or DeepSpeed's layout per ZeRO stage and offload",
-        'step.low_bit': "byte layouts of bitsandbytes' 8-bit and paged optimizer state, its 4-/8-bit weights (QLoRA's NF4), Adafactor's factored state",
+        'step.low_bit': "byte layouts of bitsandbytes' 8-bit and paged optimizer state, its 4-/8-bit weights (QLoRA's NF4), Adafactor's factored state; the 8-bit AdamW every lens runs",
         'step.parallel_dims': "`ParallelDims`: a run's tensor, pipeline and expert degrees in one object",
         'step.fine_tune_config': "what a fine-tune adds to a run, typed: `LoraConfig` (rank, targets, dropout, adapter dtype) and `QuantConfig` (4/8 bits, double quantisation, compute dtype)",
         'step.decoder_states': "an HF run's model states per rank: full or LoRA, a frozen base in 16 bits or bitsandbytes' 4-/8-bit layout, low-bit optimizer state, ZeRO",

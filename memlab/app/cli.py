@@ -41,7 +41,15 @@ from memlab.hf import config as hf
 from memlab.hf import simulation_bound
 from memlab.models.gpt_unet import ATTENTIONS, CHECKPOINTINGS, PRESETS, UNET_PRESETS, GPTConfig, get_config
 from memlab.step import low_bit
-from memlab.step.training_step import DECODER_LOSSES, OFFLOADS, OPTIMIZERS, PRECISIONS, MemoryReport, StepConfig
+from memlab.step.training_step import (
+    DECODER_LOSSES,
+    GPT_OPTIMIZERS,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    MemoryReport,
+    StepConfig,
+)
 
 if TYPE_CHECKING:  # annotations only: each command imports what it runs when it runs (startup)
     from memlab.classroom.technique_table import Table
@@ -170,15 +178,21 @@ def _fine_tune(args: argparse.Namespace, cfg) -> tuple[dict | None, list[str]]:
     if args.load_in_4bit and args.load_in_8bit:
         raise InputError("give --load-in-4bit or --load-in-8bit, not both")
     quant = "4bit" if args.load_in_4bit else "8bit" if args.load_in_8bit else "none"
-    if lora is None and quant == "none" and kind in OPTIMIZERS:
+    if lora is None and quant == "none" and kind in GPT_OPTIMIZERS:  # a field of the step (_step_optimizer)
         return None, notes
     return {"lora": lora, "optimizer": kind, "quantization": quant}, notes
 
 
-def _step_optimizer(name: str) -> str:
-    """The StepConfig optimizer of an --optimizer name: SGD, else AdamW (8-bit, paged and
-    Adafactor state replace AdamW's in memlab.techniques.finetune.estimate_finetune)."""
-    return "sgd" if low_bit.HF_OPTIMIZERS.get(name, name) == "sgd" else "adamw"
+def _step_optimizer(args: argparse.Namespace) -> str:
+    """The StepConfig optimizer of the --optimizer name: SGD; bitsandbytes' 8-bit AdamW, plain or
+    paged, when no adapter or quantised base is asked for (a run field every lens runs); else AdamW
+    (Adafactor's and the adapters' state replace AdamW's in memlab.techniques.finetune.estimate_finetune)."""
+    kind = low_bit.HF_OPTIMIZERS.get(args.optimizer, args.optimizer)
+    tuned = any(getattr(args, f, None) for f in ("lora_rank", "lora_targets", "lora_config", "load_in_4bit",
+                                                  "load_in_8bit"))
+    if kind in low_bit.EIGHT_BIT and not tuned:
+        return kind
+    return "sgd" if kind == "sgd" else "adamw"
 
 
 def _configured(args: argparse.Namespace) -> bool:
@@ -195,7 +209,7 @@ def _configured_step(args: argparse.Namespace):
     offload, precision and batch keys (the flags fill only its "auto" values)."""
     from memlab.hf import read_run_configs as run_config
     step = step_from_args(args)
-    step = replace(step, optimizer=_step_optimizer(args.optimizer),
+    step = replace(step, optimizer=_step_optimizer(args),
                    optimizer_in_backward=args.optimizer_in_backward)
     if args.deepspeed is None:
         return step, None, []
@@ -560,7 +574,7 @@ def step_from_args(args: argparse.Namespace) -> StepConfig:
         model = replace(model, name="custom", **custom)
     return StepConfig(model=model, seq=args.seq, batch=args.batch, precision=args.precision,
                       checkpointing=args.checkpointing, attention=args.attention,
-                      optimizer=_step_optimizer(args.optimizer), micro_batches=args.micro_batches, zero=args.zero,
+                      optimizer=_step_optimizer(args), micro_batches=args.micro_batches, zero=args.zero,
                       world_size=args.world_size, offload=args.offload,
                       optimizer_in_backward=args.optimizer_in_backward,
                       activation_offload=args.activation_offload, compile=args.compile,

@@ -59,17 +59,16 @@ from memlab.hf.config import (
 )
 from memlab.hf.shape import FAMILIES, decoder_shape
 from memlab.lenses.decoder_estimate import check_run
-from memlab.lenses.simulate import deepspeed_layout
+from memlab.lenses.simulate import deepspeed_layout, page_out
 from memlab.lenses.your_model import simulate_model
 from memlab.policy import precision_bytes, resolve_target
 from memlab.step.decoder_states import adapter_shapes, adapters_for, run_states
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
-from memlab.step.low_bit import NF4_BLOCK, OPTIMIZER_STATES, PAGED, QMAP_ENTRIES
+from memlab.step.low_bit import EIGHT_BIT, NF4_BLOCK, OPTIMIZER_STATES, PAGED, QMAP_ENTRIES, eight_bit_adamw
 from memlab.step.parallel_dims import ParallelDims
 from memlab.step.states import ModelStates, ZeroBuckets, with_zero2_partition
 from memlab.step.training_step import PRECISIONS, MemoryReport, StepConfig
 from memlab.step.zero3_gathers import gathered_by_op, module_params
-from memlab.tracking.tracker import CATEGORIES, Event
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -234,25 +233,10 @@ def make_optimizer(params: list, optimizer: str, lr: float = 1e-4, fake: bool = 
     if optimizer == "adafactor":
         from transformers.optimization import Adafactor
         return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False)
+    if optimizer in EIGHT_BIT:
+        return eight_bit_adamw(params, optimizer, lr, fake)
     import bitsandbytes as bnb
-    if fake and optimizer in ("adamw-8bit", "paged-adamw-8bit"):
-        return _fake_8bit(bnb.optim.AdamW8bit)(params, lr=lr)
-    if optimizer == "adamw-8bit":
-        return bnb.optim.AdamW8bit(params, lr=lr)
-    if optimizer == "paged-adamw-8bit":
-        return bnb.optim.PagedAdamW8bit(params, lr=lr)
     return bnb.optim.AdamW(params, lr=lr) if fake else bnb.optim.PagedAdamW(params, lr=lr)
-
-
-def _fake_8bit(cls: type) -> type:
-    """``cls`` with its two quantisation maps made as fake tensors of their real size
-    (``create_dynamic_map``'s 256 fp32 entries, ``Optimizer8bit.fill_qmap``), since building
-    them reads values a fake tensor does not have; everything else is bitsandbytes' own."""
-    class Fake8bit(cls):
-        def fill_qmap(self):
-            for name in ("dynamic", "udynamic"):
-                self.name2qmap[name] = torch.empty(QMAP_ENTRIES, dtype=torch.float32)
-    return Fake8bit
 
 
 def build_run(cfg: dict, *, precision: str = "fp32", checkpointing: str | None = None,
@@ -351,7 +335,7 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
         report = _deepspeed_ranks(report, d, run, rs, ad, build)
         report.budget_bytes = resolve_budget(budget)
     if optimizer in PAGED:
-        _page_out(report, optimizer)
+        page_out(report, optimizer)
     report.step = run
     for rep in report.per_rank or []:
         rep.step, rep.budget_bytes = run, report.budget_bytes
@@ -452,28 +436,6 @@ def _simulate_plain(d: dict, *, seq: int, batch: int, precision: str, checkpoint
     if is_moe(d):
         report.notes.append(ROUTING_NOTE)
     return report
-
-
-def _page_out(report: MemoryReport, optimizer: str) -> None:
-    """Paged state lives in CUDA unified memory (``get_paged``), outside the caching allocator:
-    the simulated optimizer state leaves every device moment for the host."""
-    i = CATEGORIES.index("optimizer")
-    state = max((ev.by_category[i] for ev in report.timeline), default=report.by_category.get("optimizer", 0))
-    events = []
-    for ev in report.timeline:
-        cats = list(ev.by_category)
-        cats[i] = 0
-        events.append(Event(ev.index, ev.op, ev.module, ev.phase, tuple(cats), ev.host_by_category))
-    if events:
-        report.replace_timeline(events)
-    else:
-        report.peak_bytes -= report.by_category.get("optimizer", 0)
-        report.by_category["optimizer"] = 0
-    host = dict(report.host_by_category or dict.fromkeys(CATEGORIES, 0))
-    host["optimizer"] = host.get("optimizer", 0) + state
-    report.host_by_category, report.host_bytes = host, sum(host.values())
-    report.notes.append(f"{optimizer}: its state in CUDA unified memory (bitsandbytes get_paged), "
-                        f"counted as host bytes")
 
 
 __all__ = ["MatMul4BitSim", "Linear4bitSim", "MatMul8bitSim", "Linear8bitSim", "quantize_base",

@@ -59,6 +59,7 @@ from memlab.policy import (
     sdpa_math_extra_bytes,
 )
 from memlab.step.compiled import lowering_notes
+from memlab.step.low_bit import EIGHT_BIT, PAGED
 from memlab.step.parallel_dims import ParallelDims
 from memlab.step.states import ZeroBuckets, data_parallel_ranks, step_model_states, tensor_parallel_share
 from memlab.step.training_step import MemoryReport, StepConfig, autocast_for, build_trainer, resolve_step
@@ -632,6 +633,10 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
         raise InputError("compile with a tensor-parallel degree, trainable_params or optimizer_in_backward is not "
                          "in the estimate (its compiled pass traces a whole, fully trained model, optimizer after "
                          "backward); allowed: compile=True without them, or simulate_step")
+    if trainable_params is not None and step.optimizer in EIGHT_BIT:
+        raise InputError(f"trainable_params with optimizer={step.optimizer!r}: 8-bit state is laid out per "
+                         f"tensor, not per parameter; allowed: memlab.techniques.finetune.estimate_finetune "
+                         f"(lora=..., optimizer={step.optimizer!r}), which lays it out over the adapters")
     if tp != 1:
         if not isinstance(cfg, GPTConfig):
             raise InputError(f"parallel.tensor={tp!r} needs a GPT model, got {cfg.name!r}")
@@ -672,7 +677,7 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
         report.notes.append(f"tensor parallel t={tp} (Megatron layout, no sequence parallelism: "
                             f"block inputs and norms whole on every rank) x data parallel "
                             f"{step.world_size // tp}")
-    if report.host_bytes:
+    if report.host_bytes and step.optimizer not in PAGED:  # a paged state's note is ms.notes'
         report.notes.append("host_bytes: the model states in host memory (pinned buffers at the "
                             "CUDA host allocator's power-of-two sizes); the CPU optimizer's "
                             "scratch during its step is not counted")

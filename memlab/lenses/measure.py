@@ -27,6 +27,7 @@ from memlab.core.hardware import pick_device, resolve_budget
 from memlab.core.torch_private import profiler_memory_events
 from memlab.core.units import fmt_bytes
 from memlab.lenses.guard import HostMemoryError, preflight
+from memlab.step.low_bit import PAGED
 from memlab.step.training_step import (
     MemoryReport,
     StepConfig,
@@ -39,6 +40,14 @@ from memlab.step.training_step import (
 from memlab.time.step_time import report_time
 from memlab.tracking.oom_messages import requested_bytes
 from memlab.tracking.tracker import CATEGORIES, DeviceAccounting, MemoryTracker, OOMInfo, is_host_oom
+
+#: what the measured peak holds of a paged state (the simulation and the estimate count it as host bytes)
+PAGED_NOTE_CPU = ("paged 8-bit AdamW on a CPU: bitsandbytes keeps its state in ordinary tensors "
+                  "(0.50 optim/optimizer.py:375-382, get_state_buffer), counted in this peak; simulate and "
+                  "estimate count it as host bytes, as CUDA's unified memory holds it")
+PAGED_NOTE_CUDA = ("paged 8-bit AdamW on CUDA: the state of tensors of 1e5 elements or more is in unified "
+                   "memory (get_paged), outside the caching allocator, but the tracker counts every state "
+                   "tensor on the device; simulate and estimate count it as host bytes")
 
 
 def run_tracked_step(trainer: Trainer, batch: tuple, budget_bytes: int | None, *,
@@ -217,6 +226,8 @@ def measure_trainer(trainer: Trainer, batch: tuple, *, budget: int | str | None 
                           host_by_category=tracker.host_peak_by_category())
     card = detect_card() if trainer.device.type == "cuda" else None
     report.time = report_time(trainer.step_config, card)  # the prediction beside step_seconds
+    if trainer.step_config.optimizer in PAGED:
+        report.notes.append(PAGED_NOTE_CPU if trainer.device.type == "cpu" else PAGED_NOTE_CUDA)
     return add_workspace(report)
 
 

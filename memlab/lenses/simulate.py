@@ -51,6 +51,7 @@ from memlab.models.gpt_unet import GPTConfig, UNetConfig
 from memlab.policy import emulate, resolve_target
 from memlab.policy.caching_allocator import CachingAllocator, replay_steady_step
 from memlab.step.compiled import lowering_notes
+from memlab.step.low_bit import PAGED
 from memlab.step.states import ModelStates, ZeroBuckets, model_states
 from memlab.step.training_step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
 from memlab.step.zero3_gathers import ACCUMULATE_GRAD, gathered_by_op, module_params
@@ -135,8 +136,11 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
                               tracker.timeline, {}, before, after,
                               host_bytes=tracker.host_peak_bytes,
                               host_by_category=tracker.host_peak_by_category())
+        paged = step.optimizer in PAGED
+        if paged:  # before the allocator's replay: unified memory is not the caching allocator's
+            page_out(report, step.optimizer)
         if tgt.is_cuda and not ms.deepspeed and tracker.oom is None:
-            _add_unsplit_blocks(report, tracker, allocator)
+            _add_unsplit_blocks(report, tracker, allocator, paged)
         gathered = _zero3_gathered(report, trainer.model, step, ms) if step.zero == 3 else None
         del trainer, batch, tracker
     if ms.deepspeed:
@@ -178,17 +182,45 @@ def _offload_note(report: MemoryReport, tgt) -> str:
     return note
 
 
-def _add_unsplit_blocks(report: MemoryReport, tracker, allocator: CachingAllocator | None) -> None:
+def _add_unsplit_blocks(report: MemoryReport, tracker, allocator: CachingAllocator | None,
+                        paged: bool = False) -> None:
     """Count what the CUDA caching allocator hands out beyond the rounded requests: the
     step's allocations replayed through its block rules (warm-up, then the step measured,
     :func:`memlab.policy.caching_allocator.replay_steady_step`); the excess of that peak over the
-    tracker's goes to ``workspace``, as :func:`memlab.lenses.measure.add_workspace` counts it on a GPU."""
-    extra = replay_steady_step(*tracker.allocation_log(), allocator).peak_allocated - report.peak_bytes
+    tracker's goes to ``workspace``, as :func:`memlab.lenses.measure.add_workspace` counts it on a GPU.
+    ``paged``: the optimizer state is in unified memory (:func:`page_out`), not replayed."""
+    held, events = tracker.allocation_log()
+    if paged:
+        held = [h for h in held if h[2] != "optimizer"]
+    extra = replay_steady_step(held, events, allocator).peak_allocated - report.peak_bytes
     if extra > 0:
         report.peak_bytes += extra
         report.by_category["workspace"] = report.by_category.get("workspace", 0) + extra
         report.notes.append(f"{fmt_bytes(extra)} of whole blocks the CUDA caching allocator "
                             f"hands out unsplit (counted as workspace; the timeline is the tracker's)")
+
+
+def page_out(report: MemoryReport, optimizer: str) -> None:
+    """Paged state lives in CUDA unified memory (bitsandbytes' ``get_paged``), outside the caching
+    allocator: the simulated optimizer state leaves every device moment for the host (its largest
+    figure over the timeline: the state is made in the warm-up and held all step)."""
+    i = CATEGORIES.index("optimizer")
+    state = max((ev.by_category[i] for ev in report.timeline), default=report.by_category.get("optimizer", 0))
+    events = []
+    for ev in report.timeline:
+        cats = list(ev.by_category)
+        cats[i] = 0
+        events.append(Event(ev.index, ev.op, ev.module, ev.phase, tuple(cats), ev.host_by_category))
+    if events:
+        report.replace_timeline(events)
+    else:
+        report.peak_bytes -= report.by_category.get("optimizer", 0)
+        report.by_category["optimizer"] = 0
+    host = dict(report.host_by_category or dict.fromkeys(CATEGORIES, 0))
+    host["optimizer"] = host.get("optimizer", 0) + state
+    report.host_by_category, report.host_bytes = host, sum(host.values())
+    report.notes.append(f"{optimizer}: its state in CUDA unified memory (bitsandbytes get_paged), "
+                        f"counted as host bytes")
 
 
 #: The note a DeepSpeed simulation carries: which of its numbers are the formula's, not the
@@ -258,4 +290,4 @@ def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float,
     report.notes.extend(ms.notes)
 
 
-__all__ = ["FORMULA_CATEGORIES", "FORMULA_NOTE", "deepspeed_layout", "simulate_step"]
+__all__ = ["FORMULA_CATEGORIES", "FORMULA_NOTE", "deepspeed_layout", "page_out", "simulate_step"]

@@ -26,11 +26,17 @@ offset. transformers converts no embedding and keeps the head (``lm_head``) in 1
 weight to the compute dtype: one such weight is a temporary. ``load_in_8bit``
 (``Linear8bitLt``, ``Int8Params``): one int8 per element and one fp32 scale per output row
 (``SCB``). :func:`quantized_weight_bytes` is that layout (tests compare it with bitsandbytes).
+
+**The 8-bit optimizers themselves** (:func:`eight_bit_adamw`): every lens that runs a step with
+8-bit state (memlab's GPT and a Hugging Face decoder, real or on fake tensors) builds it here, so
+the simulated state is bitsandbytes' own allocation and the estimate's is :func:`adam_state_bytes`.
 """
 from __future__ import annotations
 
 import math
 from typing import Iterable
+
+import torch
 
 from memlab.core.errors import InputError
 
@@ -43,6 +49,9 @@ OPTIMIZER_STATES = ("adamw", "adamw-8bit", "paged-adamw-8bit", "paged-adamw", "a
 #: second moment (Kingma and Ba 2015, Algorithm 1: m and v), SGD's momentum buffer
 MOMENTS = {"adamw": 2, "sgd": 1}
 PAGED = ("paged-adamw-8bit", "paged-adamw")  # state in CUDA unified memory (host bytes here)
+#: bitsandbytes' 8-bit AdamW, plain and paged (``AdamW8bit``, ``PagedAdamW8bit``): the states memlab's
+#: own GPT runs beside :data:`MOMENTS`' (:func:`eight_bit_adamw`)
+EIGHT_BIT = ("adamw-8bit", "paged-adamw-8bit")
 #: Hugging Face ``TrainingArguments.optim`` names -> the state memlab counts
 HF_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
                  "adamw_apex_fused": "adamw", "adamw_torch_xla": "adamw",
@@ -63,7 +72,7 @@ def moment_bytes(optimizer: str, element_bytes: int = 4) -> int:
     return MOMENTS[optimizer] * element_bytes
 
 
-def adam_state_bytes(shapes: Iterable[int], kind: str = "adamw") -> int:
+def adam_state_bytes(shapes: Iterable[int], kind: str = "adamw", *, per_tensor: bool = False) -> int:
     """Optimizer state bytes of Adam/AdamW over tensors of ``shapes`` (element counts):
     ``"adamw"`` (and ``"paged-adamw"``) two fp32 moments (8 B per parameter); ``"adamw-8bit"``
     (and ``"paged-adamw-8bit"``) bitsandbytes' layout (module doc): per tensor of n >= 4096
@@ -71,7 +80,8 @@ def adam_state_bytes(shapes: Iterable[int], kind: str = "adamw") -> int:
     and the two 256-entry fp32 quantisation maps once (``Optimizer2State.init_state`` gives every
     state the optimizer's own ``name2qmap`` tensors); ``"sgd"`` one fp32 momentum. The step
     counters (a few bytes per tensor, or none) are not counted. Adafactor needs the matrix
-    shapes: :func:`adafactor_state_bytes`."""
+    shapes: :func:`adafactor_state_bytes`. ``per_tensor``: one optimizer per tensor (the step in
+    backward, :mod:`memlab.step.optimizer_in_backward`), each 8-bit one with its own two maps."""
     if kind not in OPTIMIZER_STATES or kind == "adafactor":
         allowed = ", ".join(k for k in OPTIMIZER_STATES if k != "adafactor")
         raise InputError(f"optimizer state {kind!r} from element counts; allowed: {allowed}")
@@ -83,8 +93,35 @@ def adam_state_bytes(shapes: Iterable[int], kind: str = "adamw") -> int:
             total += moment_bytes("adamw") * n
         else:
             total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
-            maps = 2 * 4 * QMAP_ENTRIES
+            maps = maps + 2 * 4 * QMAP_ENTRIES if per_tensor else 2 * 4 * QMAP_ENTRIES
     return total + maps
+
+
+def eight_bit_adamw(params: list, optimizer: str, lr: float = 1e-4, fake: bool = False) -> torch.optim.Optimizer:
+    """bitsandbytes' ``AdamW8bit`` (``"adamw-8bit"``) or ``PagedAdamW8bit`` (``"paged-adamw-8bit"``)
+    over ``params``. On fake tensors (``fake=True``) both run as ``AdamW8bit`` with its two
+    quantisation maps made fake (:func:`fake_qmaps`): the same state (bitsandbytes' ops have fake
+    kernels), since unified memory cannot be faked; the lenses put a paged state in host bytes.
+    On a CPU tensor ``PagedAdamW8bit`` itself falls back to ordinary tensors (bitsandbytes 0.50
+    ``optim/optimizer.py:375-382``, ``get_state_buffer``)."""
+    import bitsandbytes as bnb
+    if optimizer not in EIGHT_BIT:
+        raise InputError(f"optimizer={optimizer!r}; allowed: {', '.join(EIGHT_BIT)}")
+    if fake:
+        return fake_qmaps(bnb.optim.AdamW8bit)(params, lr=lr)
+    cls = bnb.optim.AdamW8bit if optimizer == "adamw-8bit" else bnb.optim.PagedAdamW8bit
+    return cls(params, lr=lr)
+
+
+def fake_qmaps(cls: type) -> type:
+    """``cls`` (a bitsandbytes 8-bit optimizer) with its two quantisation maps made as fake tensors
+    of their real size (``create_dynamic_map``'s 256 fp32 entries, ``Optimizer8bit.fill_qmap``),
+    since building them reads values a fake tensor does not have; everything else is bitsandbytes' own."""
+    class Fake8bit(cls):
+        def fill_qmap(self) -> None:
+            for name in ("dynamic", "udynamic"):
+                self.name2qmap[name] = torch.empty(QMAP_ENTRIES, dtype=torch.float32)
+    return Fake8bit
 
 
 def adafactor_state_bytes(shapes: Iterable[tuple[int, ...]]) -> int:
@@ -119,5 +156,5 @@ def quantized_weight_bytes(out_features: int, in_features: int, quantization: st
 
 
 __all__ = ["BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "QMAP_ENTRIES", "OPTIMIZER_STATES", "MOMENTS", "moment_bytes",
-           "PAGED", "HF_OPTIMIZERS", "NF4_BLOCK",
+           "PAGED", "EIGHT_BIT", "eight_bit_adamw", "fake_qmaps", "HF_OPTIMIZERS", "NF4_BLOCK",
            "NESTED_BLOCK", "QUANTIZATIONS", "adam_state_bytes", "adafactor_state_bytes", "quantized_weight_bytes"]

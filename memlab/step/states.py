@@ -7,7 +7,10 @@ Two layouts, decided by :func:`under_deepspeed`:
 **Plain PyTorch** (no ZeRO, no offload): the optimizer updates the model's own weights.
 fp32 and autocast (``bf16``/``fp16``: the weights stay fp32) keep 4 + 4 + 8 bytes per
 parameter with AdamW (weights, gradients, two fp32 moments); ``pure-bf16`` keeps 2 + 2 + 4;
-SGD with momentum has one moment instead of two.
+SGD with momentum has one moment instead of two. bitsandbytes' 8-bit AdamW
+(``"adamw-8bit"``) keeps its state in :func:`memlab.step.low_bit.adam_state_bytes`' layout, whatever
+the weights' dtype; its paged twin (``"paged-adamw-8bit"``) the same bytes in CUDA unified
+memory: host bytes, none on the device.
 
 **DeepSpeed** (ZeRO stage 1-3 or offload): in ``bf16``/``fp16`` mode DeepSpeed casts the model
 to 16 bits (no autocast: activations are those of a pure 16-bit step) and its optimizer
@@ -64,7 +67,7 @@ import torch
 from memlab.core.errors import InputError
 from memlab.core.precision import SIZES, check_precision
 from memlab.models.gpt_unet import build_model
-from memlab.step.low_bit import moment_bytes
+from memlab.step.low_bit import EIGHT_BIT, PAGED, adam_state_bytes, moment_bytes
 from memlab.step.zero import zero_formula
 from memlab.step.zero3_gathers import gathered_in_closed_form, persists
 
@@ -233,31 +236,15 @@ def _gathered(sizes: list[int] | None, psi: int, e: int, n: int, buckets: ZeroBu
                                    max_live=buckets.max_live, persistence=buckets.persistence)
 
 
-def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", zero: int = 0,
-                 world_size: int = 1, offload: str = "none", deepspeed: bool | None = None,
-                 pinned: bool = True, bucket_elements: int = BUCKET_ELEMENTS,
-                 buckets: ZeroBuckets | None = None) -> ModelStates:
-    """Per-rank model states of a step (see the module docstring for the layouts).
-
-    ``model`` is a model config (exact largest and small parameters for DeepSpeed's buffers)
-    or a parameter count (buffers then left out). ``deepspeed=None`` decides by
-    :func:`under_deepspeed`; ``True`` gives DeepSpeed's layout at stage 0 too (what a
-    DeepSpeed config with stage 0 runs). ``pinned=False`` counts host buffers at their own
-    size (DeepSpeed's CPU accelerator does not pin). ``buckets`` (a :class:`ZeroBuckets`)
-    replaces ``bucket_elements`` and ``pinned`` with a run config's sizes.
-
-    Over 80 lines because it is the layouts' table (plain PyTorch, DeepSpeed stages 0-3, offload),
-    one line per state and layout.
-    """
-    if buckets is None:
-        buckets = ZeroBuckets(reduce=bucket_elements, prefetch=bucket_elements,
-                              max_live=4 * bucket_elements, pinned=pinned)
+def _check_layout(precision: str, optimizer: str, zero: int, world_size: int, offload: str) -> None:
+    """The arguments of :func:`model_states` that name no layout, refused before any is built."""
     if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
         raise InputError(f"ZeRO stage {zero!r} is outside 0-3")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world size {world_size!r} must be a positive integer")
     check_precision(precision)
-    moment_bytes(optimizer)  # refuses an optimizer memlab keeps no moments of, before the layout
+    if optimizer not in EIGHT_BIT:
+        moment_bytes(optimizer)  # refuses an optimizer memlab keeps no moments of, before the layout
     if offload not in (*OFFLOADS, PARAM_OFFLOAD):
         raise InputError(f"offload={offload!r}; allowed: {', '.join((*OFFLOADS, PARAM_OFFLOAD))}")
     if offload in ("all", PARAM_OFFLOAD) and zero != 3:
@@ -265,6 +252,29 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     if offload == "optimizer" and zero == 0:
         raise InputError("offload='optimizer' needs ZeRO stage 1-3 (DeepSpeed's ZeRO optimizer), "
                          "got stage 0")
+
+
+def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", zero: int = 0,
+                 world_size: int = 1, offload: str = "none", deepspeed: bool | None = None,
+                 pinned: bool = True, bucket_elements: int = BUCKET_ELEMENTS,
+                 buckets: ZeroBuckets | None = None, per_tensor: bool = False) -> ModelStates:
+    """Per-rank model states of a step (see the module docstring for the layouts).
+
+    ``model`` is a model config (exact largest and small parameters for DeepSpeed's buffers)
+    or a parameter count (buffers then left out). ``deepspeed=None`` decides by
+    :func:`under_deepspeed`; ``True`` gives DeepSpeed's layout at stage 0 too (what a
+    DeepSpeed config with stage 0 runs). ``pinned=False`` counts host buffers at their own
+    size (DeepSpeed's CPU accelerator does not pin). ``buckets`` (a :class:`ZeroBuckets`)
+    replaces ``bucket_elements`` and ``pinned`` with a run config's sizes. ``per_tensor``: one
+    optimizer per parameter (the step in backward; 8-bit state keeps its maps per tensor).
+
+    Over 80 lines because it is the layouts' table (plain PyTorch, DeepSpeed stages 0-3, offload),
+    one line per state and layout.
+    """
+    if buckets is None:
+        buckets = ZeroBuckets(reduce=bucket_elements, prefetch=bucket_elements,
+                              max_live=4 * bucket_elements, pinned=pinned)
+    _check_layout(precision, optimizer, zero, world_size, offload)
     psi, largest, small, sizes = _count(model, buckets.persistence)
     ds = under_deepspeed(zero, offload) if deepspeed is None else deepspeed
     if not ds:
@@ -272,7 +282,12 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
             raise InputError("ZeRO and offload run under DeepSpeed: deepspeed=False needs zero=0 "
                              "and offload='none'")
         w, g = PLAIN[precision]
+        if optimizer in EIGHT_BIT:
+            return _eight_bit_states(w * psi, g * psi, sizes or [psi], optimizer, precision, per_tensor)
         return ModelStates(w * psi, g * psi, moment_bytes(optimizer, w) * psi, False, precision)
+    if optimizer in EIGHT_BIT:
+        raise InputError(f"optimizer={optimizer!r} is bitsandbytes' own, for plain PyTorch; DeepSpeed's ZeRO "
+                         f"optimizer keeps its fp32 state: allowed with it: zero=0, offload='none'")
     e = 4 if precision == "fp32" else 2  # DeepSpeed's bf16/fp16 mode casts the model to 16 bits
     compute = "fp32" if e == 4 else "pure-bf16"
     master = 0 if (e == 4 and zero == 0) else 4  # fp32 stage 0: the model is the master
@@ -333,6 +348,19 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
     flush = e * buckets.reduce if grads_from == "first bucket" else 0.0
     return ModelStates(params, grads, opt, True, compute, grads_from, buffers, gathered, scratch,
                        host, tuple(notes), in_backward, flush, gathered_forward)
+
+
+def _eight_bit_states(params: float, grads: float, sizes: list[int], optimizer: str, precision: str,
+                      per_tensor: bool) -> ModelStates:
+    """Plain PyTorch's states with bitsandbytes' 8-bit AdamW over tensors of ``sizes`` elements
+    (:func:`memlab.step.low_bit.adam_state_bytes`); a paged one's state all in host memory."""
+    state = adam_state_bytes(sizes, optimizer, per_tensor=per_tensor)
+    per = f"{state / max(sum(sizes), 1):.3f} B per parameter"
+    if optimizer in PAGED:
+        return ModelStates(params, grads, 0.0, False, precision, host={"optimizer": float(state)},
+                           notes=(f"{optimizer}: {state / 2**20:.1f} MiB of state ({per}) in CUDA unified memory "
+                                  f"(bitsandbytes get_paged), paged to the host when the device is full: host bytes",))
+    return ModelStates(params, grads, float(state), False, precision, notes=(f"{optimizer} state: {per}",))
 
 
 def zero2_partition_elements(sizes: list[int], world_size: int) -> list[int]:
@@ -415,7 +443,7 @@ def step_model_states(step, buckets: ZeroBuckets | None = None) -> ModelStates:
     optimizer, ZeRO stage, world size and offload), with a run config's ``buckets``."""
     return model_states(step.model_config, precision=step.precision, optimizer=step.optimizer,
                         zero=step.zero, world_size=step.world_size, offload=step.offload,
-                        buckets=buckets)
+                        buckets=buckets, per_tensor=step.optimizer_in_backward)
 
 
 def model_state_bytes(num_params: int, *, precision: str = "fp32", optimizer: str = "adamw",

@@ -31,13 +31,15 @@ from memlab.step.activation_offload import offload_context
 from memlab.step.compiled import PartitionedModel, check_budget, compile_layers, compile_model
 from memlab.step.decoder_states import adapter_shapes, adapters_for
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
-from memlab.step.low_bit import OPTIMIZER_STATES
+from memlab.step.low_bit import EIGHT_BIT, OPTIMIZER_STATES, eight_bit_adamw
 from memlab.step.optimizer_in_backward import OptimizerInBackward
 from memlab.step.parallel_dims import ParallelDims
 from memlab.step.states import OFFLOADS, PARAM_OFFLOAD, ZeroBuckets
 from memlab.tracking.tracker import CATEGORIES, Event, OOMInfo
 
 OPTIMIZERS = ("adamw", "sgd")
+#: memlab's GPT also runs bitsandbytes' 8-bit AdamW, plain or paged (:data:`memlab.step.low_bit.EIGHT_BIT`)
+GPT_OPTIMIZERS = (*OPTIMIZERS, *EIGHT_BIT)
 #: a Hugging Face decoder's steps (:class:`memlab.models.decoder_shape.DecoderShape` models) checkpoint whole layers
 DECODER_CHECKPOINTING = ("none", "full")
 #: a decoder's losses: its class's own (``None``: ``transformers``' upcast logits) or chunked
@@ -92,8 +94,10 @@ class StepConfig:
     attention: str | None = None
     """``None``: the model config's own (a decoder: its class's SDPA); ``naive`` or ``sdpa``."""
     optimizer: str = "adamw"
-    """:data:`OPTIMIZERS` for memlab's models; a decoder also takes
-    :data:`memlab.step.low_bit.OPTIMIZER_STATES` (8-bit, paged, Adafactor)."""
+    """:data:`OPTIMIZERS` for memlab's models; memlab's GPT also bitsandbytes' ``AdamW8bit`` and
+    ``PagedAdamW8bit`` (:data:`GPT_OPTIMIZERS`: ``"adamw-8bit"``, ``"paged-adamw-8bit"``, plain PyTorch
+    only: no ZeRO or offload); a decoder all of :data:`memlab.step.low_bit.OPTIMIZER_STATES`
+    (8-bit, paged, Adafactor)."""
     micro_batches: int = 1
     """Micro-batches accumulated into one optimizer step."""
     zero: int = 0
@@ -167,8 +171,6 @@ class StepConfig:
         if isinstance(self.model, DecoderShape):
             self._check_decoder()
             return
-        if self.optimizer not in OPTIMIZERS:
-            raise InputError(f"optimizer={self.optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
         extras = {n: getattr(self, n) for n in ("lora", "quantization", "loss", "buckets")}
         extras.update(implementation=self.implementation if self.implementation != "transformers" else None)
         experts = (self.parallel.expert, self.parallel.expert_imbalance) != (1, 1.0)
@@ -176,8 +178,8 @@ class StepConfig:
         given = [n for n, v in extras.items() if v is not None]
         if given:
             raise InputError(f"{', '.join(given)}: fields of a Hugging Face decoder's run (a DecoderShape "
-                             f"model); memlab's own models take LoRA and 8-bit state through "
-                             f"memlab.techniques.finetune and their loss from their config")
+                             f"model); memlab's own models take LoRA through memlab.techniques.finetune "
+                             f"and their loss from their config")
         cfg = get_config(self.model) if isinstance(self.model, str) else self.model
         for name in SWITCHES:
             on_step = getattr(self, name)
@@ -185,6 +187,7 @@ class StepConfig:
                 raise InputError(f"{name}={on_step!r}: the model {cfg.name!r} has no {name} "
                                  f"switch; leave {name} unset")
         cfg = self.model_config  # validates the preset name and the switches' values
+        self._check_optimizer(cfg)
         limit = cfg.block_size if isinstance(cfg, GPTConfig) else 4096
         if self.seq > limit:
             raise InputError(f"seq {self.seq} exceeds the model's block size; allowed: 1-{limit}")
@@ -225,6 +228,17 @@ class StepConfig:
         if self.world_size % split:
             raise InputError(f"parallel.tensor x parallel.pipeline = {split} on world_size={self.world_size} ranks; "
                              f"allowed: a divisor of the world size")
+
+    def _check_optimizer(self, cfg: GPTConfig | UNetConfig) -> None:
+        """The optimizer of memlab's own model: :data:`OPTIMIZERS`, and for its GPT bitsandbytes'
+        8-bit AdamW, which DeepSpeed's ZeRO optimizer does not run."""
+        allowed = GPT_OPTIMIZERS if isinstance(cfg, GPTConfig) else OPTIMIZERS
+        if self.optimizer not in allowed:
+            raise InputError(f"optimizer={self.optimizer!r} for {cfg.name!r}; allowed: {', '.join(allowed)}")
+        if self.optimizer in EIGHT_BIT and (self.zero or self.offload != "none"):
+            raise InputError(f"optimizer={self.optimizer!r} with zero={self.zero}, offload={self.offload!r}: "
+                             f"bitsandbytes' optimizer steps plain PyTorch's weights, DeepSpeed runs its own; "
+                             f"allowed with it: zero=0, offload='none'")
 
     def _check_in_backward(self) -> None:
         """The conditions the optimizer step in backward needs (see the field)."""
@@ -568,22 +582,27 @@ def make_batch(step: StepConfig, device: torch.device | str = "cpu", seed: int =
     return idx.to(device), tgt.to(device)
 
 
-def build_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
-    """AdamW (two moments per parameter) or SGD with momentum (one), as fused kernels.
+def build_optimizer(model: nn.Module, name: str, fake: bool = False) -> torch.optim.Optimizer:
+    """AdamW (two moments per parameter) or SGD with momentum (one), as fused kernels; or
+    bitsandbytes' 8-bit AdamW, plain or paged (:func:`memlab.step.low_bit.eight_bit_adamw`; ``fake``:
+    the model's tensors are fake).
 
     Fused kernels update each parameter in one pass without full-size temporaries (the
     ``foreach`` default on CUDA adds up to 4 bytes per parameter at the optimizer step), and
     they are what large-model training uses (nanoGPT's ``configure_optimizers``, say).
+    bitsandbytes' 8-bit update is one kernel per tensor on CUDA, in place.
     """
-    return _optimizer(model.parameters(), name)
+    return _optimizer(model.parameters(), name, fake)
 
 
-def _optimizer(params, name: str) -> torch.optim.Optimizer:
+def _optimizer(params, name: str, fake: bool = False) -> torch.optim.Optimizer:
+    if name in EIGHT_BIT:
+        return eight_bit_adamw(list(params), name, lr=1e-4, fake=fake)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-4, fused=True)
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9, fused=True)
-    raise InputError(f"optimizer={name!r}; allowed: {', '.join(OPTIMIZERS)}")
+    raise InputError(f"optimizer={name!r}; allowed: {', '.join(GPT_OPTIMIZERS)}")
 
 
 def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -685,9 +704,10 @@ def build_trainer(step: StepConfig, device: torch.device | str = "cpu", seed: in
         torch.set_default_dtype(previous)
     scaler = torch.amp.GradScaler(device.type) if step.precision == "fp16" else None
     if step.optimizer_in_backward:
-        opt = OptimizerInBackward(model.parameters(), lambda ps: _optimizer(ps, step.optimizer))
+        # one optimizer per parameter, as torchtune's optimizer_in_bwd builds bitsandbytes' too
+        opt = OptimizerInBackward(model.parameters(), lambda ps: _optimizer(ps, step.optimizer, fake))
     else:
-        opt = build_optimizer(model, step.optimizer)
+        opt = build_optimizer(model, step.optimizer, fake)
     if step.compile:  # on fake tensors, inductor's partition and generated code (memlab.step.compiled)
         if step.compile == "layers":
             model = compile_layers(model, fake)
@@ -727,4 +747,4 @@ def resolve_step(step: StepConfig | None = None, *, lens: str | None = None, **o
 
 
 __all__ = ["StepConfig", "MemoryReport", "Trainer", "build_trainer", "build_optimizer", "make_batch",
-           "batch_to", "resolve_step", "autocast_for", "PRECISIONS", "OPTIMIZERS", "OFFLOADS"]
+           "batch_to", "resolve_step", "autocast_for", "PRECISIONS", "OPTIMIZERS", "GPT_OPTIMIZERS", "OFFLOADS"]

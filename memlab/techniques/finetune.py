@@ -23,6 +23,7 @@ from memlab.core.errors import InputError
 from memlab.lenses.estimate import dtypes, estimate_step
 from memlab.models.gpt_unet import GPT, GPTConfig
 from memlab.step.low_bit import (
+    EIGHT_BIT,
     OPTIMIZER_STATES,
     PAGED,
     QUANTIZATIONS,
@@ -175,7 +176,9 @@ def estimate_finetune(step: StepConfig, *, lora: tuple[int, Iterable[str]] | Non
 
     ``lora`` as ``(rank, target modules)`` (:func:`estimate_lora`); ``optimizer`` one of
     :data:`OPTIMIZER_STATES` (``eight_bit=True``: ``"adamw-8bit"``), its state counted over
-    the trainable tensors (the adapters under LoRA), a paged one in host memory;
+    the trainable tensors (the adapters under LoRA), a paged one in host memory; a full
+    fine-tune's 8-bit AdamW, plain or paged, is the run's own field
+    (``StepConfig(optimizer="adamw-8bit")``, which :func:`memlab.lenses.estimate.estimate_step` counts);
     ``quantization`` ``"4bit"`` (QLoRA) or ``"8bit"``: the frozen base as bitsandbytes holds
     it (:func:`quantized_model_bytes`), needing ``lora``, plus the dequantised weight of the
     largest matmul as a temporary (4-bit). Optimizer state and weights are held all step, so
@@ -196,8 +199,10 @@ def estimate_finetune(step: StepConfig, *, lora: tuple[int, Iterable[str]] | Non
     if not isinstance(cfg, GPTConfig):
         raise InputError(f"fine-tuning is counted for GPT-shaped models, not {cfg.name!r}")
     base = replace(step, optimizer="sgd" if kind == "sgd" else "adamw")
+    # a full fine-tune's 8-bit state is a field of the run (StepConfig.optimizer): the one path every lens takes
+    run_field = lora is None and kind in EIGHT_BIT
     if lora is None:
-        report = estimate_step(base, budget=budget, target=target)
+        report = estimate_step(replace(step, optimizer=kind) if run_field else base, budget=budget, target=target)
         trainable: list = cfg.param_numels()
     else:
         rank, targets = lora
@@ -205,7 +210,7 @@ def estimate_finetune(step: StepConfig, *, lora: tuple[int, Iterable[str]] | Non
         trainable = lora_shapes(cfg, rank, targets)
     cats, host = dict(report.by_category), dict(report.host_by_category)
     notes = list(report.notes)
-    if kind not in ("adamw", "sgd"):
+    if kind not in ("adamw", "sgd") and not run_field:  # the adapters' state, or Adafactor's
         w = dtypes(step.precision, target).param
         if kind == "adafactor":
             shapes = param_shapes(cfg) if lora is None else _lora_matrix_shapes(cfg, *lora)

@@ -83,6 +83,7 @@ from memlab.core.cards import SPEEDS, Card, Speeds, card_speeds, get_card
 from memlab.core.errors import InputError
 from memlab.models.decoder_shape import DecoderShape
 from memlab.models.gpt_unet import GPTConfig, UNetConfig
+from memlab.step.low_bit import EIGHT_BIT
 from memlab.step.states import under_deepspeed
 from memlab.time.communication import StepComm, step_communication
 from memlab.time.elementwise import ElementwiseWork, count_flops_and_elementwise, deepspeed_precision, step_elementwise
@@ -424,7 +425,8 @@ def engine_time(step, hbm: float, *, deepspeed: bool, hidden: float, tensors: in
         hidden: seconds of GPU work (forward + backward) the host's un-synced launches overlap.
         tensors: parameter tensors (default :func:`parameter_tensors`).
         launch_seconds: host seconds per launch (default :data:`LAUNCH_SECONDS`).
-        optimizer: plain torch's optimizer pass (default fp32 AdamW over every parameter).
+        optimizer: plain torch's optimizer pass (default fp32 AdamW over every parameter; memlab's
+            GPT with an 8-bit AdamW: bitsandbytes' pass, :func:`optimizer_pass`).
         model_parallel: tensor x pipeline degree: each rank steps its ``1 / model_parallel``
             of the parameters.
 
@@ -447,7 +449,9 @@ def engine_time(step, hbm: float, *, deepspeed: bool, hidden: float, tensors: in
     adam_launches = ADAMW_FOREACH_OPS * max(1, -(-int(shard) // FOREACH_ELEMENTS))
     offloaded = step.offload != "none"
     if passes is None:
-        opt = optimizer or optimizer_pass("adamw", shard, tensors)
+        # memlab's GPT with bitsandbytes' 8-bit AdamW (StepConfig.optimizer): its one kernel per tensor
+        eight = isinstance(cfg, GPTConfig) and getattr(step, "optimizer", None) in EIGHT_BIT
+        opt = optimizer or optimizer_pass("adamw-8bit" if eight else "adamw", shard, tensors)
         launches, syncs, hbm_bytes = opt.launches, 0.0, opt.bytes * opt.elements
         extra = 0.0
     else:
