@@ -7,16 +7,16 @@ Lightning's ``BitsandbytesPrecision`` (Lightning ``71aed751``,
 ``src/lightning/fabric/plugins/precision/bitsandbytes.py``) made of it with bitsandbytes 0.41.1
 (commit ``18e827d6``), the table's:
 
-* every ``torch.nn.Linear``, the head included, becomes a ``Linear4bit`` (lines 130-137: the
+* every ``torch.nn.Linear``, the head included, becomes a ``Linear4bit`` (line 130: the
   class replaced while the model is built); ``lora_A`` and ``lora_B`` are parameters, not
   ``Linear`` modules, and stay bf16;
-* ``_Linear4bit._quantize_weight`` (lines 225-236) quantises ``weight.to(torch.half)``, so the
+* ``_Linear4bit._quantize_weight`` (lines 218-229) quantises ``weight.to(torch.half)``, so the
   quantisation state's dtype is fp16: ``dequantize_4bit`` makes an fp16 weight and
-  ``MatMul4Bit`` casts it to the input's bf16 (``autograd/_functions.py`` line 514 at 18e827d6:
-  ``F.dequantize_4bit(B, state).to(A.dtype).t()``), in forward and again in backward (line 543):
+  ``MatMul4Bit`` casts it to the input's bf16 (``autograd/_functions.py`` line 516 at 18e827d6:
+  ``F.dequantize_4bit(B, state).to(A.dtype).t()``), in forward and again in backward (line 547):
   for a moment both copies, 4 bytes per weight;
 * ``MatMul4Bit.forward`` keeps ``ctx.tensors = (A, B)`` when any input needs a gradient (lines
-  520-523) as attributes of its node, not saved tensors: autograd frees saved tensors as
+  522-523) as attributes of its node, not saved tensors: autograd frees saved tensors as
   backward passes them, a node's attributes only with the node, when the graph goes (the loop's
   ``loss`` holds it to the next iteration). With :attr:`QuantConfig.matmul_keeps_input` off (the
   later bitsandbytes) only the packed weight is saved.
@@ -46,14 +46,14 @@ def _dequantized(B: torch.Tensor, state) -> torch.Tensor:
 
 
 class MatMul4BitLit(torch.autograd.Function):
-    """bitsandbytes 0.41.1's ``MatMul4Bit`` (``autograd/_functions.py`` lines 495-546 at
+    """bitsandbytes 0.41.1's ``MatMul4Bit`` (``autograd/_functions.py`` lines 494-549 at
     18e827d6) as Lightning's 4-bit layer ran it (the module doc): the fp16 weight cast to the
     input's dtype in forward and backward; ``A`` (with ``keeps_input``) and ``B`` kept as the
     node's attributes."""
 
     @staticmethod
     def forward(ctx, A, B, state, keeps_input):
-        # one expression, as line 514: the fp16 copy dies when the cast returns
+        # one expression, as line 516: the fp16 copy dies when the cast returns
         out = F.linear(A, _dequantized(B, state).to(A.dtype))
         ctx.state = state
         if keeps_input:

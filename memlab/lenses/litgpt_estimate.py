@@ -29,7 +29,7 @@ changed only the RMSNorm for these runs (:data:`NORM_BYTES`). What that code kee
   log-probabilities, and the loop keeps the fp32 list through backward.
 * QLoRA (``--quantize bnb.nf4``): Lightning's ``BitsandbytesPrecision`` makes every
   ``torch.nn.Linear``, the head included, a ``Linear4bit`` (``plugins/precision/bitsandbytes.py``
-  line 130), quantised from ``weight.half()`` (lines 225-236), so each weight is dequantised in
+  line 130), quantised from ``weight.half()`` (lines 218-229), so each weight is dequantised in
   fp16 and cast to bf16 (:data:`DEQUANTISED_BYTES`: the head's two copies are the peak's
   temporaries); what its matmul keeps is :attr:`memlab.step.fine_tune_config.QuantConfig.matmul_keeps_input`'s,
   the attention's projection's input among it: a copy of SDPA's output (``reshape`` of its
@@ -63,9 +63,9 @@ LITGPT_TARGETS = ("q_proj", "k_proj", "v_proj")
 #: bytes of a 16-bit element (``bf16-true``: every tensor, the adapters too)
 _E = 2
 #: bytes per weight ``dequantize_4bit`` makes under litgpt's 4-bit base: Lightning's
-#: ``_Linear4bit._quantize_weight`` (``plugins/precision/bitsandbytes.py`` lines 225-236 at 71aed751)
+#: ``_Linear4bit._quantize_weight`` (``plugins/precision/bitsandbytes.py`` lines 218-229 at 71aed751)
 #: quantises ``weight.to(torch.half)``, so the state's dtype, the dequantised weight's, is fp16;
-#: ``MatMul4Bit`` then casts it to the input's dtype (bitsandbytes 0.41.1 ``_functions.py`` line 514)
+#: ``MatMul4Bit`` then casts it to the input's dtype (bitsandbytes 0.41.1 ``_functions.py`` line 516)
 DEQUANTISED_BYTES = 2
 
 
@@ -193,8 +193,9 @@ def litgpt_layer_bytes(s: DecoderShape, batch: int, seq: int, i: int, lora: Lora
         # MatMul4Bit keeps A where any input needs a gradient: q/k/v's input (not layer 0's, and
         # kept already as lora_A's input without dropout), fc_1/fc_2's shared input, the MLP's
         # proj's input and the attention's proj's: ``y.transpose(1, 2).reshape(B, T, C)``
-        # (lit_gpt/model.py line 226) copies SDPA's output, which flash writes in q's layout
-        # (B, heads, T, head dim), so the copy is a tensor of its own
+        # (lit_gpt/model.py line 229 at 8641822) copies SDPA's output, which flash writes in q's layout,
+        # (B, heads, T, head dim) here (``mha_fwd``'s ``out = at::empty_like(q_padded)``, PyTorch's
+        # aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp), so the copy is a tensor of its own
         n += (t * d * _E if grad_in and lora.dropout > 0 else 0) + 2 * t * d * _E + t * f * _E
     return n
 

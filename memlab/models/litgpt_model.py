@@ -9,21 +9,22 @@ litgpt's step kept. For a Llama with one key/value head per query head (Llama 2 
 
 * :class:`RMSNorm`: ``lit_gpt/rmsnorm.py`` lines 17-21; at 6178c7cc the input is cast to fp32
   first (``x = x.float()``, line 19 there) and the result cast back.
-* :class:`LoRAQKVLinear`: ``lit_gpt/lora.py`` (6178c7cc) lines 244-262 (``zero_pad``: a zero
+* :class:`LoRAQKVLinear`: ``lit_gpt/lora.py`` (6178c7cc) lines 256-296 (``zero_pad``: a zero
   tensor, ``index_copy`` of the adapters' columns, with an int64 index made each call),
-  264-296 (``conv1d`` grouped by adapted projection), 372-386 (``forward``: one dropout for
+  298-331 (``conv1d`` grouped by adapted projection), 351-386 (``forward``: one dropout for
   every adapter, ``lora_A`` by ``F.linear``, ``lora_B`` by ``conv1d``).
-* :class:`CausalSelfAttention`: ``lit_gpt/model.py`` (8641822) lines 185-232: q, k and v are
+* :class:`CausalSelfAttention`: ``lit_gpt/model.py`` (8641822) lines 185-231: q, k and v are
   views of the fused output; rope in the cache's dtype (fp32: ``finetune/lora.py`` sets
   ``model.max_seq_length`` outside Fabric's bf16 context, rebuilding the cache in the default
-  fp32), ``type_as`` back, ``torch.cat``; SDPA, causal, no mask.
-* :class:`LLaMAMLP`: ``lit_gpt/model.py`` lines 301-305.
-* :class:`LitGPT`: ``lit_gpt/lora.py`` lines 480-503: the head in chunks of ``lm_head_chunk_size``
+  fp32), ``type_as`` back, ``torch.cat``; SDPA, causal, no mask; its output, in q's layout (flash's
+  ``mha_fwd`` allocates ``empty_like(q)``), transposed and reshaped: a copy, the projection's input.
+* :class:`LLaMAMLP`: ``lit_gpt/model.py`` lines 294-305.
+* :class:`LitGPT`: ``lit_gpt/lora.py`` lines 478-503: the head in chunks of ``lm_head_chunk_size``
   tokens, a list; :func:`fabric_forward` is Fabric's ``_FabricModule.forward`` (Lightning
   ``src/lightning/fabric/wrappers.py`` lines 116-124): the output list cast to the default dtype,
-  fp32 (``plugins/precision/half.py`` line 51, ``bitsandbytes.py`` line 143).
+  fp32 (``plugins/precision/half.py`` line 52, ``bitsandbytes.py`` line 143).
 * :func:`chunked_cross_entropy`: ``lit_gpt/utils.py`` lines 238-262, the per-chunk path.
-* :func:`litgpt_step`: one iteration of ``finetune/lora.py``'s ``train`` (lines 205-221 at
+* :func:`litgpt_step`: one iteration of ``finetune/lora.py``'s ``train`` (lines 212-224 at
   6178c7cc): ``logits[-1]`` sliced to drop the last token, the loss, backward, the optimizer step;
   ``logits`` and ``loss`` live on until the next iteration rebinds them.
 
@@ -107,7 +108,7 @@ class LoRAQKVLinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
 
     def zero_pad(self, x: torch.Tensor) -> torch.Tensor:
-        """The adapters' output scattered into the fused width (lines 244-262): ``index_copy``
+        """The adapters' output scattered into the fused width (lines 256-296): ``index_copy``
         keeps its source (a reshaped copy of the transposed output) and its int64 index."""
         if all(self.enable):
             return x
@@ -120,7 +121,7 @@ class LoRAQKVLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pretrained = self.linear(x)
         after_a = F.linear(self.dropout(x), self.lora_A)
-        # one group per adapted projection (MHA: ``n_head == n_query_groups``, lines 286-287)
+        # one group per adapted projection (MHA: ``n_head == n_query_groups``, lines 319-320)
         after_b = F.conv1d(after_a.transpose(-2, -1), self.lora_B.unsqueeze(-1),
                            groups=sum(self.enable)).transpose(-2, -1)
         return pretrained + self.zero_pad(after_b) * self.scaling
@@ -134,7 +135,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention on the fused projection (``lit_gpt/model.py`` lines 185-232, MHA)."""
+    """Multi-head attention on the fused projection (``lit_gpt/model.py`` lines 185-231, MHA)."""
 
     def __init__(self, c: LitGPTConfig):
         super().__init__()
@@ -155,7 +156,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class LLaMAMLP(nn.Module):
-    """``silu(fc_1(x)) * fc_2(x)`` then ``proj`` (``lit_gpt/model.py`` lines 301-305)."""
+    """``silu(fc_1(x)) * fc_2(x)`` then ``proj`` (``lit_gpt/model.py`` lines 294-305)."""
 
     def __init__(self, c: LitGPTConfig):
         super().__init__()
