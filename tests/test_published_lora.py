@@ -103,7 +103,7 @@ def test_litgpt_lora_rows_simulated(cfg, batch, published, trainable):
     (achieved -0.31% to -0.18%), rows that ran out of memory do not fit the 40 GB card."""
     sim = _simulate(cfg, batch)
     assert sim.step.trainable_params == trainable
-    assert any(n.startswith(f"implementation {LITGPT}") for n in sim.notes)
+    assert any(n.startswith(f"implementation {LITGPT}") and "run on fake tensors" in n for n in sim.notes)
     if published is None:
         assert sim.fits is False
     else:

@@ -356,7 +356,7 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     report.step = run
     for rep in report.per_rank or []:
         rep.step, rep.budget_bytes = run, report.budget_bytes
-    report.notes.extend(implementation_notes(run, rs.notes))
+    report.notes.extend(implementation_notes(run, rs.notes, simulated=True))
     if micro_batches > 1:
         report.notes.append(f"{micro_batches} micro-batches of {batch // micro_batches}, simulated in turn")
     if is_moe(d):

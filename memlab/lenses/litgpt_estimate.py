@@ -139,14 +139,15 @@ def implementation_peak(run: StepConfig, s: DecoderShape, batch: int, parameters
     return parameters + litgpt_head_bytes(s, run.quantization), name, dict(cats, gradients=gradients)
 
 
-def implementation_notes(run: StepConfig, notes: list[str]) -> list[str]:
+def implementation_notes(run: StepConfig, notes: list[str], simulated: bool = False) -> list[str]:
     """The model states' notes as the run's implementation holds them: under litgpt a 4-bit base
     quantises the head too (Lightning's ``BitsandbytesPrecision`` replaces every ``Linear``), so
     the class's "embeddings, head and norms" in 16 bits reads "embeddings and norms"; and a
     line saying whose code was counted.
 
     Args:
-        run: the step; notes: the notes the model states gave.
+        run: the step; notes: the notes the model states gave; simulated: the line names the
+            simulation (memlab's copy of litgpt's code on fake tensors), not this count.
 
     Returns:
         The notes to print.
@@ -155,8 +156,10 @@ def implementation_notes(run: StepConfig, notes: list[str]) -> list[str]:
         return notes
     out = [re.sub(r"embeddings, head and norms in (\w+)", r"embeddings and norms in \1; the head in 4 bits too", n)
            if run.quantization is not None else n for n in notes]
+    how = ("memlab's copy run on fake tensors (memlab.hf.litgpt_simulate)" if simulated
+           else "counted op by op (memlab.lenses.litgpt_estimate)")
     return out + [f"implementation {run.implementation}: litgpt's model and finetune/lora.py under Fabric "
-                  f"bf16-true, counted op by op (memlab.lenses.litgpt_estimate)"]
+                  f"bf16-true, {how}"]
 
 
 def litgpt_layer_bytes(s: DecoderShape, batch: int, seq: int, i: int, lora: LoraConfig,
