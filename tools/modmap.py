@@ -59,6 +59,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         'models.gpt_unet': "GPT (MHA/GQA) and UNet, their configs and presets with published shapes",
         'models.chunked_loss': "the language-model head and cross-entropy over chunks of tokens (the loss spike's fix)",
         'models.diffusion': "the UNet's activations by part and resolution",
+        'models.litgpt_model': "litgpt's Llama with LoRA and its finetune/lora.py iteration (commits 8641822, 6178c7cc), memlab's copy for the simulation",
         'models.decoder_shape': "`DecoderShape`: the one description of a decoder's shape the lenses read (widths, heads, norms, MLA, experts), its parameter counts and tensors",
     }),
     ('step', {
@@ -133,6 +134,7 @@ LAYERS: list[tuple[str, dict[str, str]]] = [
         'hf.measure': "the measure lens of an HF config: its real step under the guard",
         'hf.deepspeed_measure': "the measure lens of an HF config's ZeRO run: real DeepSpeed on its ranks",
         'hf.simulate': "the simulate lens of a whole HF run: accumulation, every optimizer, QLoRA, ZeRO, on fake tensors",
+        'hf.litgpt_simulate': "litgpt's LoRA/QLoRA run on fake tensors: memlab's litgpt model, Lightning's 4-bit layer with bitsandbytes 0.41.1's matmul",
         'hf.post_training': "a DPO or GRPO step (TRL 1.16) in closed form: the reference, the fused log-probabilities, generation's KV cache, the vLLM share",
         'hf.evaluation': "`Trainer.evaluate`'s accumulated logits: the estimate and the real loop on CPU",
         'hf.trl_measure': "the measure lens of a DPO or GRPO step: TRL's real trainer for one step, tracked on CPU",

@@ -57,10 +57,13 @@ from memlab.hf.config import (
     is_moe,
     load_config,
 )
+from memlab.hf.litgpt_simulate import build_litgpt_run
 from memlab.hf.shape import FAMILIES, decoder_shape
 from memlab.lenses.decoder_estimate import check_run
+from memlab.lenses.litgpt_estimate import NORM_BYTES, check_implementation, implementation_notes
 from memlab.lenses.simulate import deepspeed_layout, page_out
 from memlab.lenses.your_model import simulate_model
+from memlab.models.litgpt_model import litgpt_step
 from memlab.policy import precision_bytes, resolve_target
 from memlab.step.decoder_states import adapter_shapes, adapters_for, run_states
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
@@ -274,14 +277,16 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                 zero: int = 0, world_size: int = 1, offload: str = "none", micro_batches: int = 1,
                 lora: LoraConfig | None = None, quantization: QuantConfig | None = None,
                 buckets: ZeroBuckets | None = None, loss: str = "transformers",
-                loss_chunk: int = 1024, optimizer_in_backward: bool = False) -> MemoryReport:
+                loss_chunk: int = 1024, optimizer_in_backward: bool = False,
+                implementation: str = "transformers") -> MemoryReport:
     """One optimizer step of the run on fake tensors, per rank (see the module doc).
 
     Args:
         cfg, seq, batch, precision, checkpointing, attention, target, budget, card, optimizer,
             zero, world_size, offload, micro_batches, lora, quantization, buckets, loss,
-            loss_chunk, optimizer_in_backward: as :func:`memlab.hf.estimate.estimate_hf` (``batch``: sequences per rank
-            per optimizer step).
+            loss_chunk, optimizer_in_backward, implementation: as :func:`memlab.hf.estimate.estimate_hf`
+            (``batch``: sequences per rank per optimizer step; ``implementation`` a litgpt commit:
+            memlab's copy of litgpt's model and step, :mod:`memlab.hf.litgpt_simulate`).
         expert_parallel, imbalance: 1 only (an expert-parallel rank is estimated, not simulated).
 
     Returns:
@@ -304,8 +309,9 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     run = StepConfig(s, seq=seq, batch=batch, precision=precision, checkpointing=checkpointing, attention=attention,
                      optimizer=optimizer, micro_batches=micro_batches, zero=zero, world_size=world_size,
                      offload=offload, lora=lora, quantization=quantization, loss=loss, loss_chunk=loss_chunk,
-                     buckets=buckets, optimizer_in_backward=optimizer_in_backward,
+                     buckets=buckets, optimizer_in_backward=optimizer_in_backward, implementation=implementation,
                      parallel=ParallelDims(expert=expert_parallel, expert_imbalance=imbalance))
+    check_implementation(run)
     check_run(s, attention=attention, ep=expert_parallel, zero=zero, world_size=world_size, offload=offload,
               micro_batches=micro_batches, lora=lora)
     if loss == "chunked" and s.final_softcap:
@@ -322,12 +328,8 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
                     offload=offload, ep=1, ad=ad, quant=quantization, buckets=buckets)
     ms = rs.states
     run_precision = rs.run_precision
-    build = build_run(d, precision=run_precision, checkpointing=checkpointing, attention=attention,
-                      optimizer=optimizer, lora=lora, quantization=quantization,
-                      cast_adapters=ms.deepspeed and run_precision == "pure-bf16",
-                      optimizer_in_backward=optimizer_in_backward)
+    build, step = _build_and_step(d, run, run_precision, ms.deepspeed)
     with fake_grouped_mm():
-        step = causal_lm_step(seq, batch, run_precision, micro_batches=micro_batches, loss=loss, loss_chunk=loss_chunk)
         report = simulate_model(build, step, target=tgt,
                                 budget=None if ms.deepspeed else budget, seq=seq, batch=batch,
                                 precision=run_precision, checkpointing=checkpointing or "none")
@@ -339,12 +341,30 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
     report.step = run
     for rep in report.per_rank or []:
         rep.step, rep.budget_bytes = run, report.budget_bytes
-    report.notes.extend(rs.notes)
+    report.notes.extend(implementation_notes(run, rs.notes, simulated=True))
     if micro_batches > 1:
         report.notes.append(f"{micro_batches} micro-batches of {batch // micro_batches}, simulated in turn")
     if is_moe(d):
         report.notes.append(ROUTING_NOTE)
     return report
+
+
+def _build_and_step(d: dict, run: StepConfig, run_precision: str, deepspeed: bool) -> tuple[Callable, Callable]:
+    """The run's ``build_fn`` and ``step_fn``: transformers' class and :func:`memlab.hf.config.causal_lm_step`,
+    or for a litgpt ``implementation`` memlab's copy of litgpt's model and loop
+    (:func:`memlab.hf.litgpt_simulate.build_litgpt_run`, :func:`memlab.models.litgpt_model.litgpt_step`)."""
+    if run.implementation in NORM_BYTES:
+        def optimizer_fn(params):
+            return make_optimizer(params, run.optimizer, fake=bool(params) and isinstance(params[0], FakeTensor))
+        build = build_litgpt_run(run.model_config, run.seq, run.lora, run.quantization, run.implementation,
+                                 optimizer_fn)
+        return build, litgpt_step(run.seq, run.batch, run.model_config.vocab)
+    build = build_run(d, precision=run_precision, checkpointing=run.checkpointing, attention=run.attention,
+                      optimizer=run.optimizer, lora=run.lora, quantization=run.quantization,
+                      cast_adapters=deepspeed and run_precision == "pure-bf16",
+                      optimizer_in_backward=run.optimizer_in_backward)
+    return build, causal_lm_step(run.seq, run.batch, run_precision, micro_batches=run.micro_batches, loss=run.loss,
+                                 loss_chunk=run.loss_chunk)
 
 
 def _deepspeed_ranks(report: MemoryReport, d: dict, run: StepConfig, rs, ad, build: Callable) -> MemoryReport:

@@ -29,12 +29,17 @@ changed only the RMSNorm for these runs (:data:`NORM_BYTES`). What that code kee
   log-probabilities, and the loop keeps the fp32 list through backward.
 * QLoRA (``--quantize bnb.nf4``): Lightning's ``BitsandbytesPrecision`` makes every
   ``torch.nn.Linear``, the head included, a ``Linear4bit`` (``plugins/precision/bitsandbytes.py``
-  line 130); what its matmul keeps is :attr:`memlab.step.fine_tune_config.QuantConfig.matmul_keeps_input`'s.
+  line 130), quantised from ``weight.half()`` (lines 218-229), so each weight is dequantised in
+  fp16 and cast to bf16 (:data:`DEQUANTISED_BYTES`: the head's two copies are the peak's
+  temporaries); what its matmul keeps is :attr:`memlab.step.fine_tune_config.QuantConfig.matmul_keeps_input`'s,
+  the attention's projection's input among it: a copy of SDPA's output (``reshape`` of its
+  transpose), not a view.
 
 8641822's code run on fake CUDA tensors (:func:`memlab.lenses.your_model.simulate_model`, this
 torch) peaks where this count does, to 0.2%, and reproduces the table's GPT-NeoX rows (phi-1.5,
 StableLM-Alpha 3B: LayerNorm, no RMSNorm) within 0.2%; its Llama 2 rows read 3-5% low. With
-6178c7cc's fp32 RMSNorm they read within 0.4% (``tests/test_published_lora.py``).
+6178c7cc's fp32 RMSNorm they read within 0.4%, the QLoRA rows too (``tests/test_published_lora.py``);
+the ``simulate`` lens runs memlab's copy of this code (:mod:`memlab.hf.litgpt_simulate`), within 0.4% of each row.
 """
 from __future__ import annotations
 
@@ -58,6 +63,11 @@ LITGPT_HEAD_CHUNK = 128
 LITGPT_TARGETS = ("q_proj", "k_proj", "v_proj")
 #: bytes of a 16-bit element (``bf16-true``: every tensor, the adapters too)
 _E = 2
+#: bytes per weight ``dequantize_4bit`` makes under litgpt's 4-bit base: Lightning's
+#: ``_Linear4bit._quantize_weight`` (``plugins/precision/bitsandbytes.py`` lines 218-229 at 71aed751)
+#: quantises ``weight.to(torch.half)``, so the state's dtype, the dequantised weight's, is fp16;
+#: ``MatMul4Bit`` then casts it to the input's dtype (bitsandbytes 0.41.1 ``_functions.py`` line 516)
+DEQUANTISED_BYTES = 2
 
 
 def check_litgpt_run(run: StepConfig) -> None:
@@ -130,14 +140,15 @@ def implementation_peak(run: StepConfig, s: DecoderShape, batch: int, parameters
     return parameters + litgpt_head_bytes(s, run.quantization), name, dict(cats, gradients=gradients)
 
 
-def implementation_notes(run: StepConfig, notes: list[str]) -> list[str]:
+def implementation_notes(run: StepConfig, notes: list[str], simulated: bool = False) -> list[str]:
     """The model states' notes as the run's implementation holds them: under litgpt a 4-bit base
     quantises the head too (Lightning's ``BitsandbytesPrecision`` replaces every ``Linear``), so
     the class's "embeddings, head and norms" in 16 bits reads "embeddings and norms"; and a
     line saying whose code was counted.
 
     Args:
-        run: the step; notes: the notes the model states gave.
+        run: the step; notes: the notes the model states gave; simulated: the line names the
+            simulation (memlab's copy of litgpt's code on fake tensors), not this count.
 
     Returns:
         The notes to print.
@@ -146,8 +157,10 @@ def implementation_notes(run: StepConfig, notes: list[str]) -> list[str]:
         return notes
     out = [re.sub(r"embeddings, head and norms in (\w+)", r"embeddings and norms in \1; the head in 4 bits too", n)
            if run.quantization is not None else n for n in notes]
+    how = ("memlab's copy run on fake tensors (memlab.hf.litgpt_simulate)" if simulated
+           else "counted op by op (memlab.lenses.litgpt_estimate)")
     return out + [f"implementation {run.implementation}: litgpt's model and finetune/lora.py under Fabric "
-                  f"bf16-true, counted op by op (memlab.lenses.litgpt_estimate)"]
+                  f"bf16-true, {how}"]
 
 
 def litgpt_layer_bytes(s: DecoderShape, batch: int, seq: int, i: int, lora: LoraConfig,
@@ -182,9 +195,12 @@ def litgpt_layer_bytes(s: DecoderShape, batch: int, seq: int, i: int, lora: Lora
     n += 3 * t * f * _E                                        # fc_1's output, silu's, fc_2's
     if quant is not None and quant.matmul_keeps_input:
         # MatMul4Bit keeps A where any input needs a gradient: q/k/v's input (not layer 0's, and
-        # kept already as lora_A's input without dropout), fc_1/fc_2's shared input, proj's input;
-        # the attention's proj reads SDPA's output, kept already
-        n += (t * d * _E if grad_in and lora.dropout > 0 else 0) + t * d * _E + t * f * _E
+        # kept already as lora_A's input without dropout), fc_1/fc_2's shared input, the MLP's
+        # proj's input and the attention's proj's: ``y.transpose(1, 2).reshape(B, T, C)``
+        # (lit_gpt/model.py line 229 at 8641822) copies SDPA's output, which flash writes in q's layout,
+        # (B, heads, T, head dim) here (``mha_fwd``'s ``out = at::empty_like(q_padded)``, PyTorch's
+        # aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp), so the copy is a tensor of its own
+        n += (t * d * _E if grad_in and lora.dropout > 0 else 0) + 2 * t * d * _E + t * f * _E
     return n
 
 
@@ -216,10 +232,14 @@ def litgpt_moments(s: DecoderShape, batch: int, seq: int, lora: LoraConfig,
                "loss backward": dict(activations=A, temporaries=logits + batch * (seq - 1) * V * 4
                                      + 2 * batch * LITGPT_HEAD_CHUNK * V * 4)}
     if quant is not None:
-        weight = V * d * quant.compute_bytes                   # the head's weight dequantised
+        # the head's weight dequantised in the state's fp16 (Lightning quantises ``weight.half()``)
+        # and cast to the compute dtype: both copies at the cast (:data:`DEQUANTISED_BYTES`)
+        weight = V * d * (DEQUANTISED_BYTES + quant.compute_bytes)
         moments["4-bit head forward"] = dict(activations=A, temporaries=t * V * _E + weight)
-        moments["4-bit head backward"] = dict(activations=A, temporaries=logits + batch * (seq - 1) * V * 4
-                                              + batch * LITGPT_HEAD_CHUNK * V * _E + weight)
+        # the first chunk's MatMul4Bit.backward: every chunk's fp32 gradient already cast to
+        # bf16 (the casts' nodes are younger than the head's, so the engine runs them all first)
+        moments["4-bit head backward"] = dict(activations=A, temporaries=logits + batch * (seq - 1) * V * _E
+                                              + weight)
     return moments
 
 
@@ -239,5 +259,6 @@ def litgpt_head_bytes(s: DecoderShape, quant: QuantConfig | None) -> float:
     return packed - s.vocab * s.d * quant.rest_bytes
 
 
-__all__ = ["NORM_BYTES", "LITGPT_HEAD_CHUNK", "LITGPT_TARGETS", "check_implementation", "check_litgpt_run",
-           "implementation_notes", "implementation_peak", "litgpt_layer_bytes", "litgpt_moments", "litgpt_head_bytes"]
+__all__ = ["NORM_BYTES", "DEQUANTISED_BYTES", "LITGPT_HEAD_CHUNK", "LITGPT_TARGETS", "check_implementation",
+           "check_litgpt_run", "implementation_notes", "implementation_peak", "litgpt_layer_bytes", "litgpt_moments",
+           "litgpt_head_bytes"]
