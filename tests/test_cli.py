@@ -125,3 +125,24 @@ def test_multi_rank_measure_prints_only_json_with_per_rank_halves():
         acc = r["allocator"]
         assert acc["gradients"] * 2 == pytest.approx(acc["parameters"], rel=0.01)
         assert acc["optimizer_state"] == pytest.approx(acc["parameters"], rel=0.01)
+
+
+@pytest.mark.parametrize("flag, scope", [(["--compile"], True), (["--compile", "graph"], True), ([], False),
+                                         (["--compile", "layers"], "layers"), (["--compile=layers"], "layers")])
+def test_compile_takes_its_scope_and_bare_compile_keeps_its_meaning(flag, scope, capsys):
+    """``--compile layers`` is torchtune's compile (``StepConfig(compile="layers")``); bare ``--compile`` and
+    ``--compile graph`` stay the whole graph (``compile=True``). The CLI's estimate is the library's of that step."""
+    from memlab.lenses.estimate import estimate_step
+    from memlab.step.training_step import StepConfig
+    assert main(["estimate", "--seq", "32", "--batch", "2", "--target", "cpu", "--json", *flag]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["compile"] == scope
+    assert out["peak_bytes"] == estimate_step(StepConfig(seq=32, batch=2, compile=scope), target="cpu").peak_bytes
+
+
+@pytest.mark.parametrize("value", ["foo", "Layers", "true"])
+def test_a_compile_scope_not_allowed_exits_2_naming_it(value, capsys):
+    assert main(["estimate", "--compile", value]) == 2
+    err = capsys.readouterr().err
+    assert f"argument --compile: {value!r}; allowed: graph" in err and "layers (torchtune's" in err
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -45,10 +45,19 @@ torchtune/modules/transformer.py:750-753), each chunk cast to fp32 in its own co
 (torchtune/training/_compile.py:74-77): 42.96 GiB (+0.1%). memlab's own chunked loss (no logits
 kept) is not torchtune's.
 
-The rows from "+ Activation Checkpointing" on add checkpointing to the compiled, chunked-loss step;
-with every layer checkpointed the peak is the training state plus one layer's recompute and the
-loss, and the simulation of the eager step with memlab's GPT and its bf16 loss lands within 10% of
-those rows.
+The rows from "+ Activation Checkpointing" on run the step torchtune ran: the compiled, chunked-loss
+step above with every decoder layer checkpointed (``checkpointing="full"``), then the optimizer step in
+backward, then activation offloading. torchtune compiles each layer first and then wraps it in a
+non-reentrant ``checkpoint_wrapper`` (recipes/full_finetune_single_device.py:424-430 at 1814feb17), so the
+checkpoint runs eager around each compiled layer, keeping only its input
+(:class:`memlab.step.compiled.CheckpointedRegion`; tests/test_torchtune_compose.py checks each composition
+against measured CPU steps). Simulated: 25.53 GiB (+2.6%; its peak after the layers' backward, every
+gradient held and the tied embedding's two gradients in flight, 1.47 GiB), 23.25 GiB (+0.7%; no
+gradient held, 1.49 GiB of activations at its peak: the 28 checkpointed inputs, 1.31), 22.02 GiB
+(+1.0%; none left on the device at its peak). memlab's eager GPT with its bf16
+loss stood in for them before: +2.5%, -8.0%, -5.4%. The offloaded row's host bytes are memlab's
+``save_on_cpu`` count (every saved tensor, the head's weight once per chunk), not torchtune's
+``OffloadActivations``, which skips parameters, tensors under 1 KiB, the output head and the loss.
 
 "+ 8-bit AdamW" is simulated with bitsandbytes' ``AdamW8bit`` on the offloading row (``EIGHT_BIT_ADAMW``,
 at the end of the file, says why not the paged one); the LoRA/QLoRA rows are not simulated here.
@@ -79,8 +88,8 @@ TORCHTUNE_3B = replace(LLAMA_3_2_3B, norm_fp32=True, logits_fp32=True)
 PACKED = dict(model=TORCHTUNE_3B, seq=4096, batch=2, precision="pure-bf16")
 COMPILED = dict(PACKED, compile="layers")
 CHUNKED_CE = dict(COMPILED, model=replace(TORCHTUNE_3B, logits_fp32=False, loss="chunked_output"))
-#: the compiled rows' eager stand-in: memlab's GPT and its bf16 loss (see the module doc)
-AC = dict(PACKED, model=LLAMA_3_2_3B, checkpointing="full")
+#: the rows after it add to torchtune's compiled, chunked-loss step (see the module doc)
+AC = dict(CHUNKED_CE, checkpointing="full")
 IN_BWD = dict(AC, optimizer_in_backward=True)
 OFFLOAD = dict(IN_BWD, activation_offload=True)
 
@@ -106,17 +115,21 @@ def test_the_model_is_llama_3_2_3b():
     assert round(LLAMA_3_2_3B.num_params() / 1e9, 2) == 3.21
 
 
-def test_the_checkpointed_row_by_the_estimate_within_10_percent():
-    """The fast sibling of the simulated rows: the estimate of "+ Activation Checkpointing"."""
+@pytest.mark.slow
+def test_the_checkpointed_row_by_the_estimate_within_5_percent():
+    """The estimate of "+ Activation Checkpointing": it traces the compiled layers as the simulation runs
+    them (minutes at this size), beside the formula's model states: +2.5% when written (memlab's eager
+    GPT standing in for the row, a fast test then: +2.7%)."""
     est = estimate_step(StepConfig(**AC), card="A100-80GB", target="cuda")
     assert est.peak_bytes == pytest.approx(24.9 * GiB, rel=0.05)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("row,published,step", ROWS, ids=[r[0] for r in ROWS])
-def test_torchtune_optimization_flags_row_within_10_percent(row, published, step):
-    """Measured on torchtune's run: within 10% (+2.5%, -8.0%, -5.4% when written)."""
-    assert simulate(step) == pytest.approx(published * GiB, rel=0.10), row
+def test_torchtune_optimization_flags_row_within_5_percent(row, published, step):
+    """Measured on torchtune's run: within 5% (+2.6%, +0.7%, +1.0% when written, 2-3 minutes each on
+    two cores; the issue asked for 10%; memlab's eager GPT standing in for them read +2.5%, -8.0%, -5.4%)."""
+    assert simulate(step) == pytest.approx(published * GiB, rel=0.05), row
 
 
 def test_the_packed_row_by_the_estimate_within_2_percent():

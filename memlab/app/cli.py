@@ -320,6 +320,19 @@ def _zero_stage(text: str) -> int:
     return value
 
 
+#: ``--compile``'s scopes and the ``StepConfig.compile`` value each gives
+COMPILE_SCOPES = {"graph": True, "layers": "layers"}
+
+
+def _compile_scope(text: str) -> bool | str:
+    """``--compile``'s value: ``graph`` (what bare ``--compile`` means) or ``layers``."""
+    if text not in COMPILE_SCOPES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}; allowed: graph (the whole model and loss as one graph; bare --compile), "
+            f"layers (torchtune's: each block and the loss compiled apart)")
+    return COMPILE_SCOPES[text]
+
+
 def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = False) -> None:
     models = ", ".join([*PRESETS, *UNET_PRESETS])
     p.add_argument("--model", default="tiny", help=f"preset: {models}")
@@ -343,10 +356,11 @@ def _add_step_args(p: argparse.ArgumentParser, *, device: bool, target: bool = F
                    help="the optimizer step fused into backward: each gradient applied and freed as it is made")
     p.add_argument("--activation-offload", action="store_true",
                    help="save_on_cpu: forward's saved tensors copied to host memory, brought back for backward")
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--compile", nargs="?", const=True, default=False, type=_compile_scope, metavar="{graph,layers}",
                    help="torch.compile (inductor): the min-cut partitioner chooses what forward saves "
                         "(measured from the allocator's events; estimate and simulate trace inductor's partition "
-                        "and generated code on fake tensors: seconds)")
+                        "and generated code on fake tensors: seconds). graph (bare --compile): the whole model "
+                        "and loss, one graph; layers: as torchtune compiles, each block and the loss apart")
     p.add_argument("--activation-memory-budget", type=float, default=None, metavar="FRACTION",
                    help="torch._functorch.config.activation_memory_budget for --compile, in (0, 1]")
     p.add_argument("--gpu", default=None, help=f"budget from a card: {', '.join(GPU_PRESETS)}")

@@ -30,6 +30,7 @@ moments, which read best beside each other.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, replace
 
@@ -58,6 +59,7 @@ from memlab.policy import (
     sdpa_lse_bytes,
     sdpa_math_extra_bytes,
 )
+from memlab.step.activation_offload import offload_context
 from memlab.step.compiled import lowering_notes
 from memlab.step.low_bit import EIGHT_BIT, PAGED
 from memlab.step.parallel_dims import ParallelDims
@@ -314,11 +316,12 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
                                 temporaries=states["gathered_forward"] + cached)}
     if step.compile:  # one compiled graph each way: its traced peak, then the optimizer step
         grown = compiled_pass_bytes(cfg, seq, batch, step.precision, step.activation_memory_budget, target,
-                                    step.compile)
+                                    step.compile, step.optimizer_in_backward, step.activation_offload)
         m = {"compiled forward and backward": dict(
                  activations=grown["activations"], gradients=G_prev + held + grown["gradients"],
-                 temporaries=grown["temporaries"] + gathered),
-             "optimizer step": dict(gradients=G + held, temporaries=scratch)}
+                 temporaries=grown["temporaries"] + gathered)}
+        if not step.optimizer_in_backward:  # in backward each update ran in the traced pass
+            m["optimizer step"] = dict(gradients=G + held, temporaries=scratch)
         name, best = max(m.items(), key=lambda kv: sum(kv[1].values()))
         out = dict.fromkeys(CATEGORIES, 0.0)
         out.update(parameters=P, optimizer=Opt, other=_gpt_other(cfg, step),
@@ -440,7 +443,8 @@ def _gpt_other(cfg: GPTConfig, step: StepConfig) -> int:
 
 @functools.lru_cache(maxsize=32)
 def compiled_pass_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str, budget: float | None,
-                        target: Target, scope: bool | str = True) -> dict[str, int]:
+                        target: Target, scope: bool | str = True, in_backward: bool = False,
+                        offload: bool = False) -> dict[str, int]:
     """The compiled forward and backward of one micro-batch (``torch.compile``, inductor), traced on
     fake tensors: the bytes they add, by category, at their peak, over what was held before them
     (parameters, buffers, the batch).
@@ -457,24 +461,34 @@ def compiled_pass_bytes(cfg: GPTConfig, seq: int, batch: int, precision: str, bu
         cfg: the model. seq, batch: one micro-batch's shape. precision: the step's (its autocast).
         budget: ``activation_memory_budget`` (``None``: the default). target: whose autocast policy.
         scope: ``StepConfig.compile``: ``True`` (one graph) or ``"layers"`` (torchtune's blocks and loss apart).
+        in_backward: ``StepConfig.optimizer_in_backward``: each parameter's update runs in the traced
+            backward as its gradient is ready, which then frees it (its optimizer state, made in the
+            untraced first pass, is the formula's).
+        offload: ``StepConfig.activation_offload``: the forward under the simulation's offload hooks
+            (saved tensors leave the device on a CUDA target, :mod:`memlab.step.activation_offload`).
 
     Returns:
-        ``{category: bytes}`` added at the pass's peak.
+        ``{category: bytes}`` added at the pass's peak on the device.
     """
     step = StepConfig(model=cfg, seq=seq, batch=batch, precision=precision, compile=scope,
-                      activation_memory_budget=budget)
+                      activation_memory_budget=budget, optimizer_in_backward=in_backward)
     with FakeTensorMode(), emulate(target):
-        model = build_trainer(step, "cpu", fake=True).model
+        trainer = build_trainer(step, "cpu", fake=True)
+        model = trainer.model
         batch_ids = tuple(torch.randint(0, cfg.vocab_size, (batch, seq)) for _ in range(2))
 
         def forward_backward() -> None:
-            with activation_memory_budget(budget), autocast_for(precision, torch.device("cpu")):
+            hooks = (offload_context(torch.device("cpu"), to_host=target.is_cuda, fake=True) if offload
+                     else contextlib.nullcontext())
+            with hooks, activation_memory_budget(budget), autocast_for(precision, torch.device("cpu")):
                 loss = model(*batch_ids)
             loss.backward()
         forward_backward()   # the first call traces, partitions and lowers: not counted
         model.zero_grad(set_to_none=True)
         with MemoryTracker(accounting=target.accounting()) as mt:
             mt.track_model(model)
+            # in backward the updates touch the state the first pass made: held before, not grown
+            mt.track_optimizer(trainer.optimizer)
             mt.track_tensors(batch_ids)
             before = mt.by_category()
             forward_backward()
@@ -548,6 +562,11 @@ COMPILE_NOTE = ("compiled: the forward and backward are counted as inductor runs
                 "are the formula's. Within 0.1% of the measured compiled peak on the CPU test steps at budgets "
                 "1.0 and 0.5 (tests/test_compile.py)")
 
+#: what the estimate says of a compiled step's activation offloading: traced with the compiled pass
+COMPILED_OFFLOAD_NOTE = ("activation_offload: the compiled pass is traced under the simulation's offload hooks "
+                         "(memlab.step.activation_offload), so the device bytes are the offloaded step's; the "
+                         "host bytes it moves are simulate's to report")
+
 #: what the estimate says of a compiled UNet step: its compiled pass is not traced
 UNET_COMPILE_NOTE = ("compile is not in this lens for a UNet: the peak is the eager step's; simulate traces "
                      "inductor's code on fake tensors (memlab.step.compiled), measure reads the compiled step's peak")
@@ -605,8 +624,9 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     ``compile`` (``StepConfig.compile``, with ``activation_memory_budget``): a compiled GPT's
     forward and backward have no closed form (the partitioner's saved set, inductor's order of
     the backward's recomputation); they are traced once per shape on fake tensors as inductor
-    runs them (:func:`compiled_pass_bytes`: seconds, only when ``compile=True``), beside the
-    closed-form model states and optimizer step.
+    runs them (:func:`compiled_pass_bytes`: seconds, only for a compiled step; the optimizer step in
+    backward and activation offloading are traced with it), beside the closed-form model states and
+    optimizer step.
 
     Args:
         step: the step (``None``: ``StepConfig()``); ``overrides`` replace its fields.
@@ -628,11 +648,10 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
     tp = step.parallel.tensor
     if isinstance(cfg, DecoderShape):
         return _decoder_estimate(step, tgt, budget, trainable_params, frozen_activation_bytes, buckets)
-    if step.compile and not isinstance(cfg, UNetConfig) and (
-            tp != 1 or trainable_params is not None or step.optimizer_in_backward):
-        raise InputError("compile with a tensor-parallel degree, trainable_params or optimizer_in_backward is not "
-                         "in the estimate (its compiled pass traces a whole, fully trained model, optimizer after "
-                         "backward); allowed: compile=True without them, or simulate_step")
+    if step.compile and not isinstance(cfg, UNetConfig) and (tp != 1 or trainable_params is not None):
+        raise InputError("compile with a tensor-parallel degree or trainable_params is not in the estimate (its "
+                         "compiled pass traces a whole, fully trained model on one rank); allowed: compile "
+                         "without them, or simulate_step")
     if trainable_params is not None and step.optimizer in EIGHT_BIT:
         raise InputError(f"trainable_params with optimizer={step.optimizer!r}: 8-bit state is laid out per "
                          f"tensor, not per parameter; allowed: memlab.techniques.finetune.estimate_finetune "
@@ -666,7 +685,9 @@ def estimate_step(step: StepConfig | None = None, *, budget: int | str | None = 
         report.notes.append(UNET_COMPILE_NOTE if isinstance(cfg, UNetConfig) else COMPILE_NOTE)
         if not isinstance(cfg, UNetConfig):
             report.notes.extend(lowering_notes(tgt.is_cuda))
-    if step.activation_offload:
+    if step.activation_offload and step.compile and not isinstance(cfg, UNetConfig):
+        report.notes.append(COMPILED_OFFLOAD_NOTE)
+    elif step.activation_offload:
         report.notes.append("activation_offload is not in this formula (the peak is the plain step's): "
                             "save_on_cpu copies every saved tensor, weights and views included; "
                             "simulate counts its device and host bytes (memlab.step.activation_offload)")

@@ -16,8 +16,10 @@ What each lens counts, precisely:
   tensor into an empty tensor on the ``meta`` device, which the tracker counts as host bytes
   (another device type), and unpacks it into a new device tensor in backward, as
   ``save_on_cpu`` does; its ``host_bytes`` are the bytes the copies move each way over PCIe.
-* The estimate does not model it (it says so in its notes): which tensors a matmul saves
-  beside the activations (its weight, views of one storage) is the simulation's to count.
+* The estimate does not model it for an eager step (it says so in its notes): which tensors a
+  matmul saves beside the activations (its weight, views of one storage) is the simulation's to
+  count. A compiled step's estimate traces its pass under the simulation's hooks
+  (:func:`memlab.lenses.estimate.compiled_pass_bytes`), so its device bytes are the offloaded step's.
 """
 from __future__ import annotations
 

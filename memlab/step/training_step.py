@@ -134,7 +134,8 @@ class StepConfig:
     """The model under ``torch.compile`` (inductor): the min-cut partitioner chooses what forward
     saves (:mod:`memlab.step.compiled` says what each lens counts). ``True``: the whole model and
     its loss, one graph each way. ``"layers"``: as torchtune compiles (a GPT with the plain loss),
-    each block and the loss apart, the rest eager (:func:`memlab.step.compiled.compile_layers`)."""
+    each block and the loss apart, the rest eager (:func:`memlab.step.compiled.compile_layers`); with
+    full checkpointing each compiled block is checkpointed from outside, torchtune's order."""
     activation_memory_budget: float | None = None
     """``torch._functorch.config.activation_memory_budget`` for the compile (``None``: its default,
     1.0); 0.5 keeps about half of what the default saves and recomputes the rest. Needs ``compile``."""
