@@ -465,15 +465,65 @@ def kept_activations(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str,
         cached = sum(r * c for r, c in adapter_shapes(s, ad))  # the adapters' cached casts
         copies = ((base if not full else 0) * z.c + head_copy + cached * z.c) if z.auto else 0
     embed = (t * D * s.embd_dropout and t * D * _mask_bytes(z, z.r)) if not frozen else 0
+    kept = sum(layers) if not full else L * t * D * z.r
+    A = embed + kept + step_inputs(s, t, frozen) + copies + after_layers(s, z, t, frozen, chunked)
+    return A, layers, embed, dense_w
+
+
+def after_layers(s: DecoderShape, z: Sizes, t: int, frozen: bool, chunked: bool) -> float:
+    """Bytes the forward keeps after its last decoder layer: the final norm's (its input and
+    its own, :func:`_norm`), the head's input (none when the head is frozen; the chunked loss's
+    log-sum-exp instead) and the softcap's ``tanh`` output (Gemma 2). Autocast's copy of the head's
+    weight is also made after the layers; :func:`kept_activations` counts it with the other casts."""
+    D = s.d
     final = _norm(z, s, t, D, z.r, frozen=frozen) + _norm_input(s, t, D, z.r)
     head_in = 0 if frozen or chunked else (_linear_inputs(z, t, D, 1, z.r) or t * D * z.r)
     head_in += 4 * t if chunked else 0  # linear_cross_entropy's log-sum-exp
-    head_in += step_inputs(s, t, frozen)
-    kept = sum(layers) if not full else L * t * D * z.r
-    A = embed + kept + final + head_in + copies
-    if s.final_softcap:
-        A += t * V * z.c  # tanh's output of the logits' softcap
-    return A, layers, embed, dense_w
+    return final + head_in + (t * s.vocab * z.c if s.final_softcap else 0)
+
+
+def last_experts_forward(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, *, ep: int = 1,  # noqa: PLR0913 keyword-only: the run's options by name
+                         imbalance: float = 1.0, frozen: bool = False, chunked: bool = False,
+                         quantized: bool = False) -> tuple[float, float] | None:
+    """The last experts' forward, ``weighted_out[inv_perm]`` in transformers' grouped experts
+    (``integrations/moe.py`` line 529, 5.23) when the last layer is an MoE layer (``None``
+    otherwise, or under checkpointing, whose forward keeps no layer's activations): the bytes
+    of the forward's activations not yet made (:func:`after_layers`, autocast's copy of the head's
+    weight, the shared experts' and the layer's residual branch's), and the temporaries alive
+    then that no backward saves (ZeRO-3's gathered parameters apart):
+
+    * ``weighted_out`` and its reordered copy, ``tokens x top_k`` rows of ``d`` each
+      (lines 524, 529; a plain index saves only ``inv_perm``), in the experts' weight dtype;
+    * the down projection's bias gathered per row (line 508, ``selected_biases``, a local
+      alive to the return: gpt-oss's experts' biases);
+    * ``histc``'s float (CPU) or int32 (CUDA) expert ids and the two per-expert counts (lines 448-450);
+    * the router's logits, which the MoE block holds as ``_`` to its return (``modeling_mixtral.py``
+      line 126, ``modeling_qwen3_moe.py`` line 278, ``modeling_gpt_oss.py`` line 142,
+      ``modeling_deepseek_v3.py`` line 218; DeepSeek's fp32, line 135);
+    * the model's forward holds its inputs to every layer: the position ids (int64, ``modeling_gpt_oss.py``
+      line 455), the eager path's additive masks (one per attention kind, lines 466-469;
+      :func:`eager_mask`) and the KV cache every layer's attention has filled (:func:`kv_cache_held`).
+
+    A pure 16-bit run whose router weights stay fp32 (Mixtral's) promotes ``weighted_out`` to fp32:
+    there this moment is low, and the loss's is the peak."""
+    L, E, d, t = s.n_layer, s.experts, s.d, batch * seq
+    if (L - 1) not in s.moe_layers:
+        return None
+    gone = after_layers(s, z, t, frozen, chunked)
+    gone += s.vocab * d * z.c if z.auto and not chunked and not (frozen and quantized) else 0
+    if s.shared_ffn:  # the shared experts run after the routed ones (modeling_deepseek_v3.py line 221)
+        gone += (3 if frozen else 4) * t * s.shared_ffn * z.c
+        gone += 0 if frozen else 2 * t * d * z.c * (z.auto and z.r != z.c)  # their gate and up's cast input
+    if s.resid_dropout > 0:
+        gone += t * d * _mask_bytes(z, z.c)
+    if s.norms_per_layer == 4:
+        gone += _post_norm(z, s, t, frozen)
+    rows = t * s.top_k * (imbalance if ep > 1 else 1)
+    temps = 2 * rows * d * z.w + rows * d * z.w * s.expert_bias + rows * 4 + 2 * E * 4
+    temps += t * E * (4 if s.router == "sigmoid_group" else z.c) + 8 * seq
+    kinds = 1 + (0 < len(s.sliding_layers) < L)
+    temps += kinds * eager_mask(s, z, batch, seq, path) + kv_cache_held(s, z, batch, seq, path, frozen, False)
+    return gone, temps
 
 
 def eager_mask(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str) -> int:
@@ -520,12 +570,19 @@ def output_held(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, froz
     t, n = batch * seq, 0.0
     if not chunked and (frozen or _linear_inputs(z, t, s.d, 1, z.r)):
         n += t * s.d * z.r
+    return n + kv_cache_held(s, z, batch, seq, path, frozen, full)
+
+
+def kv_cache_held(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, frozen: bool, full: bool) -> float:
+    """The KV cache's bytes that no backward saves (:func:`output_held`'s second item): there
+    from each layer's attention to the end of the loss's forward; none under checkpointing."""
+    t, n = batch * seq, 0.0
     if not s.use_cache or full:
         return n
     elem = key_bytes(s, z)  # the cache takes the keys' dtype
     if s.kv_lora_rank is not None:
         latent_saved = elem == z.c and not frozen
-        return n + s.n_layer * t * elem * (s.kv_lora_rank * (not latent_saved) + s.qk_rope_dim)
+        return s.n_layer * t * elem * (s.kv_lora_rank * (not latent_saved) + s.qk_rope_dim)
     mha = s.kv_heads == s.heads
     for i in range(s.n_layer):
         fused = path not in ("eager", "math") and not any(sdpa_kv_repeated(s, z, i, seq))  # else repeat_kv's copies
@@ -663,7 +720,10 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
                                 chunk=loss_chunk if chunked else None,
                                 largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None,
                                 out_held=output_held(s, z, batch, seq, path, ad is not None, full, chunked),
-                                mask=eager_mask(s, z, batch, seq, path))
+                                mask=eager_mask(s, z, batch, seq, path),
+                                experts=None if full else last_experts_forward(
+                                    s, z, batch, seq, path, ep=ep, imbalance=imbalance, frozen=ad is not None,
+                                    chunked=chunked, quantized=quantization is not None))
     # litgpt's own model and loop replace the class's terms (transformers' pass through)
     P, moment, best = implementation_peak(run, s, batch, P, moment, best, G_prev + held)
     cats = dict.fromkeys(CATEGORIES, 0.0)
@@ -862,7 +922,8 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
                  bucket: float, partitioned: bool, head_grad: float, gathered: float, scratch: float, full: bool,
                  trains_base: bool, quantized: bool = False,
                  chunk: int | None = None, largest_grad: float | None = None,
-                 out_held: float = 0.0, gathered_forward: float = 0.0, mask: float = 0.0) -> tuple[str, dict]:
+                 out_held: float = 0.0, gathered_forward: float = 0.0, mask: float = 0.0,
+                 experts: tuple[float, float] | None = None) -> tuple[str, dict]:
     """The moment of the step whose bytes are largest, and its categories: the loss
     (HF's ``ForCausalMLoss``: ``logits.float()``, then cross-entropy in fp32; or, with a
     ``chunk``, :func:`memlab.models.chunked_loss.chunked_loss_bytes`' two moments), the head's
@@ -876,6 +937,8 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     parameters at the end of forward (``gathered`` after it), the root's flat buffer with the
     copies when its prefetch took the whole model (:func:`memlab.step.zero3_gathers.gathered_in_closed_form`).
     ``mask``: the eager attention's mask, which the checkpoint of layer 0 holds (:func:`eager_mask`).
+    ``experts``: the last experts' forward, activations not yet made and temporaries
+    (:func:`last_experts_forward`): with ZeRO-3's flat buffer it can be the step's peak.
 
     ``largest_grad`` (the optimizer step in backward, :mod:`memlab.step.optimizer_in_backward`): no moment holds
     every gradient; a layer's backward holds the one being applied (at most ``largest_grad``) and a
@@ -914,6 +977,10 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     if bucket and chunk is None and s.mlp == "gelu_new" and trains_base and not full:
         m["last MLP backward"] = _last_mlp_backward(s, z, t, A - softcap, partitioned, head_grad,
                                                     G_prev, early_late, held + bucket, gathered)
+    if experts is not None:  # the last experts' forward: ZeRO-3's flat buffer is still there
+        gone, temps = experts
+        m["last experts' forward"] = dict(activations=A - gone, temporaries=temps + gathered_forward,
+                                          gradients=G_prev + held)
     if full:
         m["recomputed layer"] = recomputed_layer(s, z, t, layers=layers, embed=embed, dense_w=dense_w, G=G,
                                                  G_prev=G_prev, held=held + (bucket if trains_base else 0),
