@@ -296,7 +296,12 @@ def test_estimate_shards_every_family_as_the_zero_paper_says(name):
     s = decoder_shape(FAMILIES[name])
     before_logits = SEQ * BATCH * s.vocab * (4 + 2 * bool(s.final_softcap))
     end = z3_report.notes[0].startswith("peak moment: end of forward")
-    assert z3["activations"] == pure.by_category["activations"] - end * before_logits
+    # or the last experts' forward (Mixtral, GPT-OSS), before the final RMSNorm's fp32 copy of its
+    # 16-bit input, its rsqrt and bf16 normalised rows, and the head's input (8 t d + 4 t bytes)
+    experts = z3_report.notes[0].startswith("peak moment: last experts' forward")
+    t = SEQ * BATCH
+    assert z3["activations"] == (pure.by_category["activations"] - (end or experts) * before_logits
+                                 - experts * (8 * t * s.d + 4 * t))
     off = estimate_hf(FAMILIES[name], zero=2, offload="optimizer", **kw)
     assert off.by_category["optimizer"] == 0 and off.host_by_category["optimizer"] >= 12 * psi / n
 

@@ -366,6 +366,10 @@ def _attention_core(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int,
         o_in, o_in_saved = 0, True
         if s.fused_qkv:
             o_in, o_in_saved = t * s.q_dim * c, False  # q sliced from the fused output: copied for o_proj
+            if not v_rep and not (cache and s.use_cache):
+                # v is a slice of the fused output (``modeling_phi3.py`` line 222) that SDPA saves as it
+                # is: the whole output stays, its q and k columns too (a KV cache's copy is saved instead)
+                core += t * (s.q_dim + s.kv_dim) * c
         core += sdpa_lse_bytes(path if path != "cpu_flash" else "flash", batch, a, seq)
     if path != "eager" and sdpa_masked(s, i, seq):
         core += batch * seq * seq * c  # the sliding window's mask, a tensor SDPA keeps (not is_causal)
@@ -464,16 +468,73 @@ def kept_activations(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str,
         base = 0 if ad.quantized else lin - pre
         cached = sum(r * c for r, c in adapter_shapes(s, ad))  # the adapters' cached casts
         copies = ((base if not full else 0) * z.c + head_copy + cached * z.c) if z.auto else 0
-    embed = (t * D * s.embd_dropout and t * D * _mask_bytes(z, z.r)) if not frozen else 0
+    # the embeddings' dropout keeps its mask where its output needs a gradient: a trained embedding,
+    # or HF's checkpointing, which makes the embeddings' output require one (``modeling_utils.py``
+    # line 3189, ``enable_input_require_grads``: ``output.requires_grad_(True)``, line 2144)
+    embed = (t * D * s.embd_dropout and t * D * _mask_bytes(z, z.r)) if not frozen or full else 0
+    if frozen and full and (s.positions or s.embd_dropout > 0):
+        # a frozen embedding's output so made a leaf that needs a gradient: its AccumulateGrad node
+        # holds it all step, a tensor of its own where positions are added or dropout follows (GPT-2)
+        embed += t * D * z.r
+    kept = sum(layers) if not full else L * t * D * z.r
+    A = embed + kept + step_inputs(s, t, frozen) + copies + after_layers(s, z, t, frozen, chunked)
+    return A, layers, embed, dense_w
+
+
+def after_layers(s: DecoderShape, z: Sizes, t: int, frozen: bool, chunked: bool) -> float:
+    """Bytes the forward keeps after its last decoder layer: the final norm's (its input and
+    its own, :func:`_norm`), the head's input (none when the head is frozen; the chunked loss's
+    log-sum-exp instead) and the softcap's ``tanh`` output (Gemma 2). Autocast's copy of the head's
+    weight is also made after the layers; :func:`kept_activations` counts it with the other casts."""
+    D = s.d
     final = _norm(z, s, t, D, z.r, frozen=frozen) + _norm_input(s, t, D, z.r)
     head_in = 0 if frozen or chunked else (_linear_inputs(z, t, D, 1, z.r) or t * D * z.r)
     head_in += 4 * t if chunked else 0  # linear_cross_entropy's log-sum-exp
-    head_in += step_inputs(s, t, frozen)
-    kept = sum(layers) if not full else L * t * D * z.r
-    A = embed + kept + final + head_in + copies
-    if s.final_softcap:
-        A += t * V * z.c  # tanh's output of the logits' softcap
-    return A, layers, embed, dense_w
+    return final + head_in + (t * s.vocab * z.c if s.final_softcap else 0)
+
+
+def last_experts_forward(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, *, ep: int = 1,  # noqa: PLR0913 keyword-only: the run's options by name
+                         imbalance: float = 1.0, frozen: bool = False, chunked: bool = False,
+                         quantized: bool = False) -> tuple[float, float] | None:
+    """The last experts' forward, ``weighted_out[inv_perm]`` in transformers' grouped experts
+    (``integrations/moe.py`` line 529, 5.23) when the last layer is an MoE layer (``None``
+    otherwise, or under checkpointing, whose forward keeps no layer's activations): the bytes
+    of the forward's activations not yet made (:func:`after_layers`, autocast's copy of the head's
+    weight, the shared experts' and the layer's residual branch's), and the temporaries alive
+    then that no backward saves (ZeRO-3's gathered parameters apart):
+
+    * ``weighted_out`` and its reordered copy, ``tokens x top_k`` rows of ``d`` each
+      (lines 524, 529; a plain index saves only ``inv_perm``), in the experts' weight dtype;
+    * the down projection's bias gathered per row (line 508, ``selected_biases``, a local
+      alive to the return: gpt-oss's experts' biases);
+    * ``histc``'s float (CPU) or int32 (CUDA) expert ids and the two per-expert counts (lines 448-450);
+    * the router's logits, which the MoE block holds as ``_`` to its return (``modeling_mixtral.py``
+      line 126, ``modeling_qwen3_moe.py`` line 278, ``modeling_gpt_oss.py`` line 142,
+      ``modeling_deepseek_v3.py`` line 218; DeepSeek's fp32, line 135);
+    * the model's forward holds its inputs to every layer: the position ids (int64, ``modeling_gpt_oss.py``
+      line 455), the eager path's additive masks (one per attention kind, lines 466-469;
+      :func:`eager_mask`) and the KV cache every layer's attention has filled (:func:`kv_cache_held`).
+
+    A pure 16-bit run whose router weights stay fp32 (Mixtral's) promotes ``weighted_out`` to fp32:
+    there this moment is low, and the loss's is the peak."""
+    L, E, d, t = s.n_layer, s.experts, s.d, batch * seq
+    if (L - 1) not in s.moe_layers:
+        return None
+    gone = after_layers(s, z, t, frozen, chunked)
+    gone += s.vocab * d * z.c if z.auto and not chunked and not (frozen and quantized) else 0
+    if s.shared_ffn:  # the shared experts run after the routed ones (modeling_deepseek_v3.py line 221)
+        gone += (3 if frozen else 4) * t * s.shared_ffn * z.c
+        gone += 0 if frozen else 2 * t * d * z.c * (z.auto and z.r != z.c)  # their gate and up's cast input
+    if s.resid_dropout > 0:
+        gone += t * d * _mask_bytes(z, z.c)
+    if s.norms_per_layer == 4:
+        gone += _post_norm(z, s, t, frozen)
+    rows = t * s.top_k * (imbalance if ep > 1 else 1)
+    temps = 2 * rows * d * z.w + rows * d * z.w * s.expert_bias + rows * 4 + 2 * E * 4
+    temps += t * E * (4 if s.router == "sigmoid_group" else z.c) + 8 * seq
+    kinds = 1 + (0 < len(s.sliding_layers) < L)
+    temps += kinds * eager_mask(s, z, batch, seq, path) + kv_cache_held(s, z, batch, seq, path, frozen, False)
+    return gone, temps
 
 
 def eager_mask(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str) -> int:
@@ -520,12 +581,19 @@ def output_held(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, froz
     t, n = batch * seq, 0.0
     if not chunked and (frozen or _linear_inputs(z, t, s.d, 1, z.r)):
         n += t * s.d * z.r
+    return n + kv_cache_held(s, z, batch, seq, path, frozen, full)
+
+
+def kv_cache_held(s: DecoderShape, z: Sizes, batch: int, seq: int, path: str, frozen: bool, full: bool) -> float:
+    """The KV cache's bytes that no backward saves (:func:`output_held`'s second item): there
+    from each layer's attention to the end of the loss's forward; none under checkpointing."""
+    t, n = batch * seq, 0.0
     if not s.use_cache or full:
         return n
     elem = key_bytes(s, z)  # the cache takes the keys' dtype
     if s.kv_lora_rank is not None:
         latent_saved = elem == z.c and not frozen
-        return n + s.n_layer * t * elem * (s.kv_lora_rank * (not latent_saved) + s.qk_rope_dim)
+        return s.n_layer * t * elem * (s.kv_lora_rank * (not latent_saved) + s.qk_rope_dim)
     mha = s.kv_heads == s.heads
     for i in range(s.n_layer):
         fused = path not in ("eager", "math") and not any(sdpa_kv_repeated(s, z, i, seq))  # else repeat_kv's copies
@@ -662,7 +730,10 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
                                 chunk=loss_chunk if chunked else None,
                                 largest_grad=_largest_matrix(s) * z.w if optimizer_in_backward else None,
                                 out_held=output_held(s, z, batch, seq, path, ad is not None, full, chunked),
-                                mask=eager_mask(s, z, batch, seq, path))
+                                mask=eager_mask(s, z, batch, seq, path),
+                                experts=None if full else last_experts_forward(
+                                    s, z, batch, seq, path, ep=ep, imbalance=imbalance, frozen=ad is not None,
+                                    chunked=chunked, quantized=quantization is not None), adapters=ad)
     # litgpt's own model and loop replace the class's terms (transformers' pass through)
     P, moment, best = implementation_peak(run, s, batch, P, moment, best, G_prev + held)
     cats = dict.fromkeys(CATEGORIES, 0.0)
@@ -684,10 +755,10 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     report.notes.extend(implementation_notes(run, rs.notes))
     if k > 1:
         report.notes.append(f"{k} micro-batches of {batch}: activations of one, gradients held throughout")
-    if ad is not None and full:
-        report.notes.append("LoRA with full checkpointing: the first recomputed layer is the peak (the real step's "
-                            "at the end of its recomputed forward), its temporaries approximate (2-10% low against "
-                            "the real step on CPU, rank 8 on every linear); "
+    if ad is not None and full and lora_recompute_tail(s, z, t, ad) is None:
+        report.notes.append("LoRA with full checkpointing and no adapter on the last layer's MLP projection (or "
+                            "experts there): the first recomputed layer's temporaries are approximate (with "
+                            "adapters on every linear they are counted: within 0.3% of the real step on CPU); "
                             "memlab simulate --hf-config runs it")
     if tp > 1:
         report.notes.append(f"tensor parallel t={tp} (Megatron layout, no sequence parallelism: layer inputs "
@@ -710,7 +781,8 @@ def _largest_matrix(s: DecoderShape) -> int:
 
 def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], embed: float, dense_w: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
                      G: float, G_prev: float = 0.0, held: float = 0.0, late: float = 0.0, gathered: float = 0.0,
-                     trains_base: bool = True, quantized: bool = False, mask: float = 0.0) -> dict[str, float]:
+                     trains_base: bool = True, quantized: bool = False, mask: float = 0.0,
+                     adapters: Adapters | None = None) -> dict[str, float]:
     """The categories of a full-checkpointing step's peak layer in backward. A full fine-tune: the
     last recomputed layer (layer 0) holds its activations with nearly all gradients
     (:func:`_layer_zero_backward`). LoRA (``trains_base`` False), whose gradients are small: the
@@ -724,7 +796,7 @@ def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], 
         held: gradient bytes held all step (with ZeRO's bucket); late: ZeRO-2's partition;
         gathered: ZeRO-3's gathered weights; quantized: a 4/8-bit base (dequantised, not autocast's
         casts: counted by the caller); mask: layer 0's attention mask, an input its checkpoint holds
-        (:func:`eager_mask`).
+        (:func:`eager_mask`); adapters: LoRA's (its peak's tail: :func:`lora_recompute_tail`).
 
     Returns:
         A dict of categories (activations, gradients, temporaries) to bytes.
@@ -737,10 +809,79 @@ def recomputed_layer(s: DecoderShape, z: Sizes, t: int, *, layers: list[float], 
         # every layer's checkpoint still holds its inputs: the mask of each attention kind, one tensor
         # the layers of a kind share (``modeling_gemma2.py`` lines 431-432: full and sliding)
         kinds = 1 + (0 < len(s.sliding_layers) < L)
-        return dict(activations=embed + L * t * D * z.r + step_inputs(s, t, True) + kinds * mask + layers[-1] + casts,
-                    gradients=G_prev + held, temporaries=t * D * z.r + t * s.ffn * z.c + gathered)
+        held_in = embed + L * t * D * z.r + step_inputs(s, t, True) + kinds * mask + casts
+        tail = None if adapters is None else lora_recompute_tail(s, z, t, adapters)
+        if tail is None:  # no adapter on the MLP's last projection (or experts there): the bound of old
+            return dict(activations=held_in + layers[-1], gradients=G_prev + held,
+                        temporaries=t * D * z.r + t * s.ffn * z.c + gathered)
+        # the layer's input is its checkpoint's (counted in held_in), not a tensor of its own
+        saved = layers[-1] - _norm_input(s, t, D, z.r)
+        gone, transients = max(tail, key=lambda m: m[1] - m[0])
+        return dict(activations=held_in + saved - gone, gradients=G_prev + held,
+                    temporaries=t * D * z.r + transients + gathered)
     return _layer_zero_backward(s, z, t, layers[0], embed=embed + mask, dense_w=dense_w, G=G, G_prev=G_prev,
                                 held=held, late=late, gathered=gathered)
+
+
+def lora_recompute_tail(s: DecoderShape, z: Sizes, t: int, ad: Adapters) -> list[tuple[float, float]] | None:
+    """LoRA under full checkpointing: the end of the first recomputed forward (the last layer's),
+    the step's peak. Non-reentrant checkpointing reruns the layer's forward at its backward's first
+    unpack and stops it once the last tensor the layer saves is made (``torch/utils/checkpoint.py``
+    2.13, line 1131, ``_StopRecomputationError``): with adapters on the MLP's last projection, that is
+    ``lora_A``'s output (Llama's layout), or, where the layer saves more after the projection (GPT-2's
+    residual dropout mask, Gemma's post-MLP norm), the rest, through the adapter's
+    ``lora_B(...) * scaling`` (peft ``tuners/lora/layer.py`` line 1102). Returns the bytes of the
+    moments, each as the bytes of the layer's saved tensors not there (not yet made, or freed) and
+    the transients alive beside the output's gradient (``None`` where the last projection has no
+    adapter or the last layer has experts): the ends of ``lora_A`` and of ``* scaling``, where
+
+
+    * the MLP's input, the last projection's input (the gated product, GPT-2's ``gelu_new`` output)
+      and its frozen ``base_layer``'s output (``layer.py`` line 1082): frames' locals no frozen
+      weight saves (an input ``lora_A`` keeps as it is, dropout-free and uncast, is counted there);
+    * peft's cast of the projection's input to the adapters' dtype (line 1100, a local to the loop's
+      end) and autocast's casts of the layer's adapter weights (the recompute reenters autocast,
+      line 1682, whose cache keeps a trained leaf's cast; ``lora_B``'s is not made at ``lora_A``'s end);
+    * the gradients the layer's backward made before its first unpack, by ops that save nothing: a
+      16-bit branch's cast of the output's gradient at the residual add, and where nothing follows the
+      projection ``* scaling``'s; Gemma's post-MLP norm's ``type_as`` makes an fp32 copy instead;
+    * at ``lora_A``'s end under autocast, the dropped copy ``lora_A`` casts again; at ``* scaling``,
+      ``lora_B``'s output and its scaled copy;
+    * GPT-2's block keeps the attention's output in ``attn_output`` to its return
+      (``modeling_gpt2.py`` lines 274, 282);
+
+    and, without autocast and with adapters in the compute dtype, the projection's backward: its
+    input's gradient through the frozen base and through the adapter, and their sum (autograd's
+    input buffer adds out of place), once the adapter's saved input (the projection's input kept
+    as it is, or the dropout's mask and dropped copy) and ``lora_A``'s output went with its backward
+    and the tensors saved after the projection with theirs (the real step's peak without dropout).
+    """
+    L, d, c, r, a = s.n_layer, s.d, z.c, z.r, ad.a
+    gelu = s.mlp == "gelu_new"
+    if (L - 1) in s.moe_layers or not ad.count(s, L - 1, "c_proj" if gelu else "down_proj") or (
+            gelu and "c_fc" not in ad.names):
+        return None
+    f, rank, drop = s.ffn, ad.config.rank, ad.config.dropout > 0
+    b = c if z.auto else a                        # lora_B's output dtype
+    kept_as_is = not drop and not z.auto          # lora_A saves an uncast, undropped input itself
+    n = 0 if kept_as_is and a == r else t * d * r                 # the MLP's input
+    n += (0 if kept_as_is and a == c else t * f * c) + t * d * c  # the projection's input, base output
+    n += t * f * a if a != c else 0                               # peft's cast of it
+    n += t * d * c if gelu else 0                                 # GPT-2's attn_output
+    if z.auto:  # the layer's adapters' weights, cast and cached by the recompute's autocast
+        n += sum(rank * (i + o) for name, ios in s.linears(L - 1).items() if name in ad.names for i, o in ios) * c
+    later = (t * d * _mask_bytes(z, c) if s.resid_dropout > 0 else 0) + (
+        _post_norm(z, s, t, frozen=True) if s.norms_per_layer == 4 else 0)
+    if s.norms_per_layer == 4:
+        n += t * d * 4 if c != 4 else 0
+    else:
+        n += (t * d * c if c != r else 0) + (0 if later else t * d * b)
+    at_a = n + (t * f * a if drop and z.auto and a != c else 0) - (d * rank * c if z.auto else 0)
+    moments = [(later, at_a)] + ([(later, n + 2 * t * d * b)] if later else [])
+    if not z.auto and a == c:
+        kept = t * f * (_mask_bytes(z, a) + a) if drop else t * f * c  # lora_A's input, as saved
+        moments.append((later + kept + t * rank * c, 3 * t * f * c))
+    return moments
 
 
 def _layer_zero_backward(s: DecoderShape, z: Sizes, t: int, saved: float, *, embed: float, dense_w: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
@@ -764,19 +905,47 @@ def _layer_zero_backward(s: DecoderShape, z: Sizes, t: int, saved: float, *, emb
     product itself freed with ``down_proj``'s backward, whose weight gradient is now there): net
     two MLP-wide tensors. Gemma's four norms a layer put a post-MLP norm first, whose backward
     holds :data:`NORM_BACKWARD_TEMPORARIES` fp32 ``t x d`` tensors, the output's gradient among them.
+    An MoE layer 0 has the experts' product over ``tokens x top_k`` rows (in the experts' weight
+    dtype), and, before any of its gradients, the recompute's end at the reordering and the
+    reordering's backward (the real step's timeline: Mixtral's peak is the product's, Qwen3-MoE's
+    the reordering's backward, GPT-OSS's the recompute's end).
     """
     D, V = s.d, s.vocab
     params = s.num_params()
     pending = s.layer_params(0) + V * D + s.positions * D  # layer 0's and the embeddings' gradients
-    f = max(s.ffn, s.moe_ffn * s.top_k)
-    down = s.ffn * D if 0 not in s.moe_layers and s.mlp != "gelu_new" else 0
+    if 0 in s.moe_layers:
+        # the experts' product ``act(gate) * up`` over ``tokens x top_k`` rows, in the experts' weight
+        # dtype (the grouped GEMM casts its input to it: ``integrations/moe.py`` lines 378-382); its
+        # backward follows the down projection's, whose weight (and bias) gradients are then there,
+        # and the routing weights' multiply's and the reordering's (lines 524-529), whose saved
+        # down-projection output, routing weights and ``inv_perm`` went with them
+        rows = t * s.top_k
+        f, fb, down = s.moe_ffn * s.top_k, z.w, s.experts * s.moe_ffn * D + s.experts * D * s.expert_bias
+        gone = rows * (D * z.w + 8 + (4 if z.w == 4 or not z.auto else z.c))
+    else:
+        f, fb, down, gone = s.ffn, z.c, (s.ffn * D if s.mlp != "gelu_new" else 0), 0
 
     def grads(done: float) -> float:
         return max(G_prev, G * (1 - (pending - done) / params), late) + held
 
     base = saved - _norm_input(s, t, D, z.r) + (V * D * z.w if s.tied else 0) + gathered
     acts = embed + t * D * z.r + step_inputs(s, t, False) + dense_w / s.n_layer * z.c * z.auto
-    mlp = base + t * D * z.r + 2 * t * f * z.c
+    mlp = base + t * D * z.r + 2 * t * f * fb - gone
+    if 0 in s.moe_layers:
+        # before its first unpack the layer's backward makes the reordered rows' gradient: the final
+        # ``.view(tokens, top_k, d).sum(1)``'s expanded gradient, copied by the view's backward
+        # (``integrations/moe.py`` line 535); then the recompute stops once the layer's last saved
+        # tensor, the reordering's ``inv_perm`` (lines 527-529), is made, with ``weighted_out``,
+        # ``arange``'s positions, the gathered down-projection biases, ``histc``'s ids and counts and
+        # the router's logits alive; then the reordering's backward (``new_zeros`` and an
+        # out-of-place ``index_put``): no gradient of layer 0 yet at either
+        E, pre = s.experts, rows * D * z.w
+        tail = rows * (D * z.w * (1 + s.expert_bias) + 8 + 4) + 2 * E * 4
+        tail += t * E * (4 if s.router == "sigmoid_group" else z.c)
+        early = base + t * D * z.r + pre + max(tail, 2 * rows * D * z.w)
+        return max(dict(activations=acts, gradients=grads(down), temporaries=mlp),
+                   dict(activations=acts, gradients=grads(0.0), temporaries=early),
+                   key=lambda cats: sum(cats.values()))
     if s.norms_per_layer != 4 or s.norm not in NORM_BACKWARD_TEMPORARIES:
         return dict(activations=acts, gradients=grads(down), temporaries=mlp)
     # by the MLP's backward the post-MLP norm's saved tensors went with its backward, which left
@@ -861,7 +1030,8 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
                  bucket: float, partitioned: bool, head_grad: float, gathered: float, scratch: float, full: bool,
                  trains_base: bool, quantized: bool = False,
                  chunk: int | None = None, largest_grad: float | None = None,
-                 out_held: float = 0.0, gathered_forward: float = 0.0, mask: float = 0.0) -> tuple[str, dict]:
+                 out_held: float = 0.0, gathered_forward: float = 0.0, mask: float = 0.0,
+                 experts: tuple[float, float] | None = None, adapters: Adapters | None = None) -> tuple[str, dict]:
     """The moment of the step whose bytes are largest, and its categories: the loss
     (HF's ``ForCausalMLoss``: ``logits.float()``, then cross-entropy in fp32; or, with a
     ``chunk``, :func:`memlab.models.chunked_loss.chunked_loss_bytes`' two moments), the head's
@@ -875,6 +1045,8 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     parameters at the end of forward (``gathered`` after it), the root's flat buffer with the
     copies when its prefetch took the whole model (:func:`memlab.step.zero3_gathers.gathered_in_closed_form`).
     ``mask``: the eager attention's mask, which the checkpoint of layer 0 holds (:func:`eager_mask`).
+    ``experts``: the last experts' forward, activations not yet made and temporaries
+    (:func:`last_experts_forward`): with ZeRO-3's flat buffer it can be the step's peak.
 
     ``largest_grad`` (the optimizer step in backward, :mod:`memlab.step.optimizer_in_backward`): no moment holds
     every gradient; a layer's backward holds the one being applied (at most ``largest_grad``) and a
@@ -913,11 +1085,15 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     if bucket and chunk is None and s.mlp == "gelu_new" and trains_base and not full:
         m["last MLP backward"] = _last_mlp_backward(s, z, t, A - softcap, partitioned, head_grad,
                                                     G_prev, early_late, held + bucket, gathered)
+    if experts is not None:  # the last experts' forward: ZeRO-3's flat buffer is still there
+        gone, temps = experts
+        m["last experts' forward"] = dict(activations=A - gone, temporaries=temps + gathered_forward,
+                                          gradients=G_prev + held)
     if full:
         m["recomputed layer"] = recomputed_layer(s, z, t, layers=layers, embed=embed, dense_w=dense_w, G=G,
                                                  G_prev=G_prev, held=held + (bucket if trains_base else 0),
                                                  late=late, gathered=gathered, trains_base=trains_base,
-                                                 quantized=quantized, mask=mask)
+                                                 quantized=quantized, mask=mask, adapters=adapters)
     if largest_grad is not None:
         embed_grad = V * D * z.w
         for name, cats in m.items():
@@ -927,6 +1103,7 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     return max(m.items(), key=lambda kv: sum(kv[1].values()))
 
 
-__all__ = ["NORM_BACKWARD_TEMPORARIES", "Sizes", "adapter_saved", "attention_path", "check_run", "output_held",
+__all__ = ["NORM_BACKWARD_TEMPORARIES", "Sizes", "adapter_saved", "after_layers", "attention_path", "check_run",
+           "kv_cache_held", "last_experts_forward", "lora_recompute_tail", "output_held",
            "sdpa_masked", "sdpa_kv_repeated", "key_bytes", "kept_activations", "layer_activations",
            "recomputed_layer", "moe_activations", "estimate_run"]
