@@ -19,7 +19,8 @@ run to this module: one estimate entry for every model). The terms are the tenso
   in MLA) keeps fp32 scaled q and k, v, and the ``(b, a, s, s)`` probabilities, plus the
   dropout mask and the dropped probabilities; HF's eager path (Gemma 2's logit softcapping,
   which SDPA cannot do, gpt-oss's attention sinks) keeps q, k and v repeated to every head,
-  the softcap's ``tanh``, the fp32 softmax and its cast copy, and the dropout mask.
+  the softcap's ``tanh``, the fp32 softmax (gpt-oss's in its logits' dtype,
+  :func:`eager_softmax_bytes`) and its cast copy, and the dropout mask.
 * **MLP**: gated (SwiGLU/GeGLU: four hidden-size tensors a token) or GPT-2's ``gelu_new``
   (five); dropout masks on the residual branches and the embeddings.
 * **mixtures of experts** (transformers' ``grouped_mm`` experts, :data:`memlab.hf.config.ROUTING_NOTE`):
@@ -329,6 +330,19 @@ def _attention_inputs(ly: _Layer, normed: int, grad_in: bool, attn_grad: bool) -
     return n
 
 
+def eager_softmax_bytes(s: DecoderShape, z: Sizes) -> int:
+    """Bytes per element of the eager path's softmax. HF's eager attention takes it in fp32
+    (``modeling_llama.py`` line 197: ``softmax(..., dtype=torch.float32)``,
+    then cast to the query's dtype). gpt-oss's takes it in the dtype of its logits
+    (``modeling_gpt_oss.py`` lines 239-252, ``transformers`` 5.23: ``softmax(combined_logits,
+    dtype=combined_logits.dtype)``), which ``attn_weights + attention_mask`` and
+    ``torch.cat([attn_weights, sinks])`` promote from the scores (the compute dtype ``c``), the
+    additive mask (the embeddings', ``r``: :func:`eager_mask`) and the sinks (a parameter,
+    ``w``): fp32 under autocast over fp32 weights, 16-bit in a 16-bit model (pure bf16, a QLoRA
+    base in its compute dtype), where ``.to(value_states.dtype)`` then copies nothing."""
+    return max(z.c, z.r, z.w) if s.sinks else 4
+
+
 def _attention_core(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int,
                     path: str, cache: bool = True) -> tuple[float, float, bool]:
     """The attention core of layer ``i`` on ``path`` (``eager``, ``math`` or an SDPA kernel):
@@ -346,10 +360,11 @@ def _attention_core(s: DecoderShape, z: Sizes, i: int, batch: int, seq: int,
         cols = seq + 1 if s.sinks else seq
         if s.sinks:
             core += 8 * batch * a * seq             # the row max's indices (stabilised sinks)
-        core += batch * a * seq * cols * 4          # fp32 softmax
+        soft = eager_softmax_bytes(s, z)
+        core += batch * a * seq * cols * soft       # the softmax's output
         if s.attn_dropout > 0:
             core += hs * _mask_bytes(z, c) + hs * c  # mask, dropped probabilities (matmul input)
-        elif c != 4:
+        elif soft != c:
             core += hs * c                          # the probabilities cast for the matmul
         o_in, o_in_saved = t * a * vd * c, False    # the transposed output, o_proj's input
     elif path == "math":
@@ -420,8 +435,8 @@ def moe_activations(s: DecoderShape, z: Sizes, t: int, normed: int, ep: int = 1,
     elif s.router == "sigmoid_group":
         g, tg = s.router_groups, s.router_topk_groups
         n += t * E * 4 + t * g * 2 * 8 + t * tg * 8 + t * E + t * k * 8 + t * 4 + t * k * 4
-    else:  # gpt-oss: top-k of the logits, softmax over the k
-        n += t * k * 8 + t * k * 4
+    else:  # gpt-oss: top-k of the logits, softmax over the k in the logits' (the linear's) dtype
+        n += t * k * 8 + t * k * z.c  # modeling_gpt_oss.py lines 126-128
     rows = t * k * imbalance if ep > 1 else t * k
     idx = 4 if s.expert_bias else 3               # sort/gather/inverse-sort indices (+ bias gather)
     hidden = 7 * f if s.gate == "clamped_glu" else 4 * f   # gate_up out, then act and product
