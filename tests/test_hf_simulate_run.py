@@ -92,11 +92,12 @@ def test_8bit_and_4bit_state_are_bitsandbytes_layout():
     packed = sum((i * o + 1) // 2 for i, o in lin)               # two NF4 values a byte (the Parameter)
     rest = 2 * (s.num_params() - sum(i * o for i, o in lin))  # embeddings, norms, head in bf16
     adapters = sum(4 * 8 * (i + o) for i, o in lin)             # fp32 A and B, r = 8
-    assert q.by_category["parameters"] == packed + rest + adapters == \
+    # each weight's state: the maxima (uint8, double quantised), their fp32 maxima and offset, and
+    # its own copies of the NF4 code (16 fp32) and the nested maxima's map (256 fp32)
+    stats = sum(-(-i * o // 64) + 4 * -(-i * o // 64 // 256) + 4 + 4 * (16 + 256) for i, o in lin)
+    assert stats == sum(quantized_weight_bytes(o, i) - (i * o + 1) // 2 for i, o in lin)
+    assert q.by_category["parameters"] == packed + rest + adapters + stats == \
         _measured("llama", "qlora").by_category["parameters"]
-    # the maxima (uint8, double quantised), their fp32 maxima and offset: quantized_weight_bytes less the packed weight
-    stats = sum(quantized_weight_bytes(o, i) - (i * o + 1) // 2 for i, o in lin)
-    assert stats == sum(-(-i * o // 64) + 4 * -(-i * o // 64 // 256) + 4 for i, o in lin)
 
 
 def test_paged_state_is_host_bytes():

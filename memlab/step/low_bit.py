@@ -61,6 +61,7 @@ HF_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf
 #: bitsandbytes 4-bit layout (module doc)
 NF4_BLOCK = 64
 NESTED_BLOCK = 256
+NF4_CODE = 16  # entries of the NF4/FP4 code table each 4-bit weight's state holds
 QUANTIZATIONS = ("none", "4bit", "8bit")
 
 
@@ -141,9 +142,13 @@ def adafactor_state_bytes(shapes: Iterable[tuple[int, ...]]) -> int:
 def quantized_weight_bytes(out_features: int, in_features: int, quantization: str = "4bit", *,
                            double_quant: bool = True, blocksize: int = NF4_BLOCK) -> int:
     """Bytes of one ``Linear(in, out)`` weight as bitsandbytes stores it (module doc):
-    ``"4bit"`` NF4 packed two per byte plus the block maxima (double quantised or fp32) and
-    the offset; ``"8bit"`` int8 plus one fp32 scale per row. The 16-entry NF4 code and the
-    256-entry map of the nested maxima are shared by every weight and not counted."""
+    ``"4bit"`` NF4 packed two per byte plus the block maxima (double quantised or fp32), the
+    offset and the state's own code tables; ``"8bit"`` int8 plus one fp32 scale per row.
+
+    Every 4-bit weight's ``QuantState`` holds its own copy of the 16-entry NF4 code
+    (``get_4bit_type`` makes a new tensor each call, bitsandbytes 0.50.2 ``functional.py:854``,
+    called at ``:936``) and, double quantised, of the 256-entry map of its nested maxima
+    (``code.to(A.device, copy=True)``, ``:670``): 64 and 1,024 fp32 bytes a weight."""
     n = out_features * in_features
     if quantization == "8bit":
         return n + 4 * out_features
@@ -151,10 +156,11 @@ def quantized_weight_bytes(out_features: int, in_features: int, quantization: st
         raise InputError(f"quantization {quantization!r}; allowed: 4bit, 8bit")
     blocks = math.ceil(n / blocksize)
     if not double_quant:
-        return math.ceil(n / 2) + 4 * blocks
-    return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4
+        return math.ceil(n / 2) + 4 * blocks + 4 * NF4_CODE
+    return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4 + 4 * (NF4_CODE + QMAP_ENTRIES)
 
 
 __all__ = ["BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "QMAP_ENTRIES", "OPTIMIZER_STATES", "MOMENTS", "moment_bytes",
            "PAGED", "EIGHT_BIT", "eight_bit_adamw", "fake_qmaps", "HF_OPTIMIZERS", "NF4_BLOCK",
-           "NESTED_BLOCK", "QUANTIZATIONS", "adam_state_bytes", "adafactor_state_bytes", "quantized_weight_bytes"]
+           "NESTED_BLOCK", "NF4_CODE",
+           "QUANTIZATIONS", "adam_state_bytes", "adafactor_state_bytes", "quantized_weight_bytes"]

@@ -181,6 +181,30 @@ class OOMInfo:
         return max(self.by_category, key=self.by_category.get) if self.by_category else "unknown"
 
 
+
+def quant_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors of every 4-bit quantisation state in ``model``: bitsandbytes keeps a packed
+    weight's block maxima, their own maxima and offset (double quantisation) and its code table in
+    a ``QuantState`` on the parameter (``Params4bit.quant_state``) or the layer, outside
+    ``parameters()`` and ``buffers()``; they are stored with the weight all step (CUDA's allocator
+    counts them), so the tracker counts them as parameters.
+
+    Args:
+        model: any module (read by attribute: no bitsandbytes import here).
+
+    Returns:
+        The state's tensors (a shared code table once per state; the tracker counts a storage once).
+    """
+    states = [getattr(p, "quant_state", None) for p in model.parameters()]
+    states += [getattr(m, "quant_state", None) for m in model.modules()]
+    out: list[torch.Tensor] = []
+    for qs in states:
+        while qs is not None and hasattr(qs, "absmax"):  # the state, then its nested state2
+            out += [t for t in (qs.absmax, getattr(qs, "offset", None), getattr(qs, "code", None))
+                    if isinstance(t, torch.Tensor)]
+            qs = getattr(qs, "state2", None)
+    return out
+
 class MemoryTracker(TorchDispatchMode):
     """Track live tensor bytes by category.
 
@@ -273,6 +297,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def _scan_module(self, model: torch.nn.Module) -> None:
         self.track_tensors(model.parameters(), "parameters")
+        self.track_tensors(quant_state_tensors(model), "parameters")
         self.track_tensors(model.buffers(), "other")
         self.track_tensors((p.grad for p in model.parameters() if p.grad is not None), "gradients")
 
