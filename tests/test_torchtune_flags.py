@@ -183,8 +183,11 @@ EIGHT_BIT_ADAMW = dict(OFFLOAD, optimizer="adamw-8bit")
 
 @pytest.mark.slow
 def test_the_8bit_adamw_row_within_10_percent():
-    """"+ 8-bit AdamW", 17.6 GiB: 18.06 GiB (+2.6%) when written, the state 2.03 bytes a parameter
-    on the device (bitsandbytes' own allocation on fake tensors); the row above less 5.89 GiB."""
+    """"+ 8-bit AdamW", 17.6 GiB: on the compiled, chunked-loss offloading row, 16.14 GiB (-8.3%)
+    when written (18.06, +2.6%, on the eager stand-in the row used before), the state 2.03 bytes a
+    parameter on the device (bitsandbytes' own allocation on fake tensors). The row above less the
+    state's saving: to 0.5%, since the two steps in backward peak at different moments (15 MB of
+    6.3 GB apart when written; on the eager stand-in it was within 0.1%)."""
     assert simulate(EIGHT_BIT_ADAMW) == pytest.approx(17.6 * GiB, rel=0.10)
     assert simulate(OFFLOAD) - simulate(EIGHT_BIT_ADAMW) == pytest.approx(
-        LLAMA_3_2_3B.num_params() * 4 - adam_state_bytes(LLAMA_3_2_3B.param_numels(), "adamw-8bit"), rel=0.001)
+        LLAMA_3_2_3B.num_params() * 4 - adam_state_bytes(LLAMA_3_2_3B.param_numels(), "adamw-8bit"), rel=0.005)
