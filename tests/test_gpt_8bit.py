@@ -22,11 +22,16 @@ from memlab.step.training_step import StepConfig
 pytest.importorskip("bitsandbytes")
 
 LLAMA = tiny_llama()  # 2 layers, d_model 64: tensors on both sides of bitsandbytes' 4096-element floor
-CASES = [("tiny", "fp32", "adamw-8bit", False), ("tiny", "bf16", "adamw-8bit", False),
+#: memlab's tiny llama by default (both sides of the 4096-element floor, paged, in backward); the
+#: tiny GPT's twins under ``make test-slow``
+SLOW = pytest.mark.slow
+CASES = [pytest.param("tiny", "fp32", "adamw-8bit", False, marks=SLOW),
+         pytest.param("tiny", "bf16", "adamw-8bit", False, marks=SLOW),
          (LLAMA, "fp32", "adamw-8bit", False), (LLAMA, "bf16", "adamw-8bit", False),
-         ("tiny", "fp32", "paged-adamw-8bit", False), (LLAMA, "bf16", "paged-adamw-8bit", False),
+         pytest.param("tiny", "fp32", "paged-adamw-8bit", False, marks=SLOW),
+         (LLAMA, "bf16", "paged-adamw-8bit", False),
          # torchtune's single-device full fine-tune: paged 8-bit AdamW stepped in backward
-         (LLAMA, "fp32", "paged-adamw-8bit", True), ("tiny", "bf16", "adamw-8bit", True)]
+         (LLAMA, "fp32", "paged-adamw-8bit", True), pytest.param("tiny", "bf16", "adamw-8bit", True, marks=SLOW)]
 
 
 def _numels(model) -> list[int]:
@@ -34,8 +39,12 @@ def _numels(model) -> list[int]:
     return cfg.param_numels()
 
 
-@pytest.mark.parametrize("model, precision, optimizer, in_backward", CASES,
-                         ids=[f"{getattr(m, 'name', m)}-{p}-{o}{'-in-bwd' if b else ''}" for m, p, o, b in CASES])
+def _id(case) -> str:
+    m, p, o, b = case.values if hasattr(case, "values") else case
+    return f"{getattr(m, 'name', m)}-{p}-{o}{'-in-bwd' if b else ''}"
+
+
+@pytest.mark.parametrize("model, precision, optimizer, in_backward", CASES, ids=[_id(c) for c in CASES])
 def test_simulation_equals_the_measured_step_and_the_estimate_is_within_2_percent(model, precision, optimizer,
                                                                                    in_backward):
     step = StepConfig(model=model, seq=64, batch=4, precision=precision, optimizer=optimizer,
