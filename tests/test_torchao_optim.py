@@ -31,7 +31,7 @@ def test_the_layout_is_torchaos_own_state_after_one_step(kind, dtype):
         p.grad = torch.randn_like(p)
     opt = torchao_adamw(params, kind)
     opt.step()
-    for p, shape in zip(params, SHAPES):
+    for p, shape in zip(params, SHAPES, strict=True):
         state = opt.state[p]
         moments = _tensor_bytes(state["exp_avg"]) + _tensor_bytes(state["exp_avg_sq"])
         assert moments == torchao_state_bytes([p.numel()], kind, dtype.itemsize), shape

@@ -215,6 +215,7 @@ def quantized_weight_bytes(out_features: int, in_features: int, quantization: st
 
 __all__ = ["BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "QMAP_ENTRIES", "OPTIMIZER_STATES", "MOMENTS", "moment_bytes",
            "PAGED", "EIGHT_BIT", "BLOCKWISE", "TORCHAO", "TORCHAO_LAYOUTS", "TORCHAO_MIN_SIZE",
-           "TORCHAO_STEP_BYTES", "torchao_moment_bytes", "torchao_state_bytes", "torchao_adamw", "eight_bit_adamw", "fake_qmaps", "HF_OPTIMIZERS", "NF4_BLOCK",
+           "TORCHAO_STEP_BYTES", "torchao_moment_bytes", "torchao_state_bytes", "torchao_adamw",
+           "eight_bit_adamw", "fake_qmaps", "HF_OPTIMIZERS", "NF4_BLOCK",
            "NESTED_BLOCK", "NF4_CODE",
            "QUANTIZATIONS", "adam_state_bytes", "adafactor_state_bytes", "quantized_weight_bytes"]
