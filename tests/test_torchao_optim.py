@@ -8,7 +8,19 @@ source (``adam.py:75`` floor and divisibility, ``subclass_*bit.py`` zeros).
 import pytest
 import torch
 
-from memlab.step.low_bit import TORCHAO, TORCHAO_STEP_BYTES, torchao_adamw, torchao_state_bytes
+from memlab.core.torch_private import profiler_memory_events
+from memlab.lenses.estimate import estimate_step
+from memlab.lenses.measure import allocator_peak, measure_step
+from memlab.lenses.simulate import simulate_step
+from memlab.models.gpt_unet import get_config, tiny_llama
+from memlab.step.low_bit import (
+    TORCHAO,
+    TORCHAO_STEP_BYTES,
+    torchao_adamw,
+    torchao_state_bytes,
+    torchao_update_bytes,
+)
+from memlab.step.training_step import StepConfig
 
 pytest.importorskip("torchao")
 
@@ -36,3 +48,40 @@ def test_the_layout_is_torchaos_own_state_after_one_step(kind, dtype):
         moments = _tensor_bytes(state["exp_avg"]) + _tensor_bytes(state["exp_avg_sq"])
         assert moments == torchao_state_bytes([p.numel()], kind, dtype.itemsize), shape
         assert _tensor_bytes(state["step"]) == TORCHAO_STEP_BYTES and state["step"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("kind", TORCHAO)
+def test_the_compiled_update_allocates_what_the_layout_says(kind):
+    """The allocator's events over one steady compiled step of one tensor (torchao's own, on this CPU):
+    their running peak is :func:`torchao_update_bytes` for a 1-d and 2-d quantised tensor, and a few
+    scalars (under 16 B) for one torchao keeps in full precision."""
+    for shape in [(4096,), (1024, 256), (48, 48)]:
+        p = torch.nn.Parameter(torch.randn(shape))
+        p.grad = torch.randn_like(p)
+        opt = torchao_adamw([p], kind)
+        opt.step()
+        peak, _ = allocator_peak(profiler_memory_events(opt.step))
+        assert torchao_update_bytes(p.numel(), kind) <= peak <= torchao_update_bytes(p.numel(), kind) + 16, shape
+
+
+LLAMA = tiny_llama()  # 2 layers, d_model 64: tensors on both sides of the 4096-element floor
+GPT_CASES = [(kind, model, precision) for kind in TORCHAO for model, precision in (("tiny", "fp32"), (LLAMA, "bf16"))]
+
+
+@pytest.mark.parametrize("kind, model, precision", GPT_CASES,
+                         ids=[f"{k}-{getattr(m, 'name', m)}-{p}" for k, m, p in GPT_CASES])
+def test_memlabs_gpt_runs_torchaos_state_in_every_lens(kind, model, precision):
+    """Measured: torchao's real optimizer, compiled by torchao itself (peak from the allocator's events
+    over the tracked state). The held state is the layout plus one fp32 step counter per tensor (on the
+    CPU the host is the device); the simulation (torchao's subclasses on fake tensors) equals the
+    measured peak, and the estimate, which counts the layout, is within 2%."""
+    step = StepConfig(model=model, seq=64, batch=4, precision=precision, optimizer=kind)
+    numels = (get_config(model) if isinstance(model, str) else model).param_numels()
+    state = torchao_state_bytes(numels, kind, 4)  # autocast: fp32 weights
+    measured = measure_step(step)
+    assert measured.by_category["optimizer"] == state + TORCHAO_STEP_BYTES * len(numels)
+    sim, est = simulate_step(step, target="cpu"), estimate_step(step, target="cpu")
+    assert sim.category_peaks()["optimizer"] == measured.by_category["optimizer"]
+    assert est.by_category["optimizer"] == state
+    assert abs(sim.peak_bytes - measured.peak_bytes) <= 0.005 * measured.peak_bytes
+    assert abs(est.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes

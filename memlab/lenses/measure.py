@@ -27,7 +27,7 @@ from memlab.core.hardware import pick_device, resolve_budget
 from memlab.core.torch_private import profiler_memory_events
 from memlab.core.units import fmt_bytes
 from memlab.lenses.guard import HostMemoryError, preflight
-from memlab.step.low_bit import PAGED
+from memlab.step.low_bit import PAGED, TORCHAO
 from memlab.step.training_step import (
     MemoryReport,
     StepConfig,
@@ -208,7 +208,9 @@ def measure_trainer(trainer: Trainer, batch: tuple, *, budget: int | str | None 
     a warm-up step, then one tracked step, reported. Under a budget the warm-up only creates
     the optimizer state, so that every op of the step runs under the budget."""
     budget_bytes = resolve_budget(budget)
-    if trainer.step_config.compile:
+    # torchao's low-bit AdamW compiles its per-tensor update (torch.compile(fullgraph=True), torchao 0.18
+    # optim/adam.py:142), which refuses to run under any dispatch mode: the step is measured as compiled
+    if trainer.step_config.compile or trainer.step_config.optimizer in TORCHAO:
         if budget_bytes is not None or cuda_history or snapshot_path:
             raise InputError("a compiled step is measured from the allocator's events, without a budget "
                              "or a CUDA history (the tracker, a dispatch mode, would run it eagerly); "
@@ -274,7 +276,9 @@ def measure_compiled(trainer: Trainer, batch: tuple) -> MemoryReport:
                           None, seconds, live_before=before, live_after=before + left)
     budget = trainer.step_config.activation_memory_budget
     budget = "default" if budget is None else budget
-    report.notes.append(f"compiled with inductor (activation_memory_budget {budget}): "
+    what = (f"compiled with inductor (activation_memory_budget {budget})" if trainer.step_config.compile else
+            f"{trainer.step_config.optimizer}: torchao compiles each tensor's update (adam.py:142)")
+    report.notes.append(f"{what}: "
                         f"the peak is the allocator's (profiler memory events) over the tracked state; "
                         f"the step's growth, {fmt_bytes(growth)}, is under activations (activations, "
                         f"gradients and temporaries are not told apart inside compiled code); step_seconds "

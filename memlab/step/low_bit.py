@@ -42,6 +42,17 @@ keeps ``torch.zeros_like(p)``: two moments in the *parameter's* dtype (``adam.py
 bitsandbytes. The step counter is ``torch.tensor(0.0)`` (``adam.py:124``): 4 bytes per tensor on the
 host whatever the parameter's device, and the learning rate one fp32 tensor per group (``adam.py:59``).
 :func:`torchao_state_bytes` is that layout; :func:`torchao_adamw` builds the optimizer.
+
+torchao compiles each tensor's update (``torch.compile(single_param_adam, fullgraph=True)``,
+``adam.py:142``); the compiled CPU update of a quantised tensor allocates, besides its own
+outputs, buffers the allocator's events show (torch 2.13 inductor, this CPU, fp32 and bf16 weights
+alike; tests/test_torchao_optim.py): per moment its new block scales (``4 n / block``), and the
+8-bit update one fp32 copy of the scaled moment (``4 n``), the 4-bit one that, the int64 codes of
+``quantize_4bit_with_qmap`` (``8 n``) and the unpacked uint8 codes (``n``) (``quant_utils.py:95-106``):
+8-bit ``8 n``, 4-bit ``26 n``, FP8 none, over the two moments, plus the scales
+(:func:`torchao_update_bytes`). Not followed: inductor's other choices for some shapes (a 3-d 8-bit
+moment adds ``4 n`` fp32 / ``2 n`` bf16; an FP8 (64, 128) update ``2 n``); a CUDA target's
+Triton update, unmeasured here.
 """
 from __future__ import annotations
 
@@ -51,6 +62,7 @@ from typing import Iterable
 import torch
 
 from memlab.core.errors import InputError
+from memlab.core.torch_private import outside_dispatch_modes
 
 #: bitsandbytes 8-bit Adam layout (module doc)
 BNB_BLOCK = 256
@@ -102,6 +114,20 @@ def torchao_moment_bytes(n: int, kind: str, element_bytes: int = 4) -> int:
     if n < TORCHAO_MIN_SIZE or n % block:
         return element_bytes * n
     return n * bits // 8 + 4 * (n // block) + 4 * entries
+
+
+#: bytes per element the compiled CPU update of a quantised tensor allocates besides its scales (module doc)
+TORCHAO_UPDATE_RATE = {"torchao-adamw-8bit": 8, "torchao-adamw-4bit": 26, "torchao-adamw-fp8": 0}
+
+
+def torchao_update_bytes(n: int, kind: str) -> int:
+    """What torchao's compiled update of one tensor of ``n`` elements allocates while it runs (module
+    doc): nothing for an unquantised tensor (a few scalars), else :data:`TORCHAO_UPDATE_RATE` bytes an
+    element and both moments' new block scales."""
+    block, _, _ = TORCHAO_LAYOUTS[kind]
+    if n < TORCHAO_MIN_SIZE or n % block:
+        return 0
+    return TORCHAO_UPDATE_RATE[kind] * n + 2 * 4 * (n // block)
 
 
 def torchao_state_bytes(shapes: Iterable[int], kind: str, element_bytes: int = 4) -> int:
@@ -156,15 +182,56 @@ def eight_bit_adamw(params: list, optimizer: str, lr: float = 1e-4, fake: bool =
     return cls(params, lr=lr)
 
 
-def torchao_adamw(params: list, optimizer: str, lr: float = 1e-4) -> torch.optim.Optimizer:
+def torchao_adamw(params: list, optimizer: str, lr: float = 1e-4, fake: bool = False) -> torch.optim.Optimizer:
     """torchao's ``AdamW8bit``, ``AdamW4bit`` or ``AdamWFp8`` (:data:`TORCHAO`) over ``params``, with
-    its default block; the same class on fake tensors, whose subclass states torchao builds itself."""
+    its default block. On fake tensors (``fake=True``) the same class with its update run eagerly
+    (:func:`eager_update`): torchao compiles it with ``fullgraph=True`` (``adam.py:142``), which refuses
+    to run under a dispatch mode (the simulation's tracker); the state is torchao's own subclasses."""
     import torchao.optim  # optional (memlab[hf]) and heavy, as bitsandbytes
     if optimizer not in TORCHAO:
         raise InputError(f"optimizer={optimizer!r}; allowed: {', '.join(TORCHAO)}")
     cls = {"torchao-adamw-8bit": torchao.optim.AdamW8bit, "torchao-adamw-4bit": torchao.optim.AdamW4bit,
-           "torchao-adamw-fp8": torchao.optim.AdamWFp8}
-    return cls[optimizer](params, lr=lr)
+           "torchao-adamw-fp8": torchao.optim.AdamWFp8}[optimizer]
+    return eager_update(cls, optimizer)(params, lr=lr) if fake else cls(params, lr=lr)
+
+
+def eager_update(cls: type, kind: str) -> type:
+    """``cls`` (a torchao ``_AdamBase`` of layout ``kind``) whose ``step`` is torchao's own loop
+    (``adam.py:106-158``: state made by ``_new_buffer`` at the first step, step counter, then
+    ``single_param_adam`` per tensor) with the update called as written rather than through
+    ``torch.compile``, outside the tracker, and the compiled update's buffers
+    (:func:`torchao_update_bytes`) allocated in its place."""
+    from torchao.optim import subclass_4bit, subclass_8bit
+    from torchao.optim.adam import single_param_adam
+    # the code tables are computed once from values (lru_cache, subclass_8bit.py:30-37,
+    # subclass_4bit.py:34-41), which a fake tensor has none of: computed on real tensors here
+    with outside_dispatch_modes():
+        for module in (subclass_8bit, subclass_4bit):
+            module.get_qmap_signed(), module.get_qmap_unsigned()
+
+    class Eager(cls):
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if len(state) == 0:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                    state["step"] += 1
+                    # outside the tracker: the eager update's fp32 temporaries are not the compiled one's
+                    with outside_dispatch_modes():
+                            single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
+                                          None, group["lr"], group["betas"][0], group["betas"][1],
+                                          group["weight_decay"], group["eps"], self.is_adamw,
+                                          self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+                    # the compiled update's own buffers, tracked while it runs (torchao_update_bytes)
+                    scratch = torch.empty(torchao_update_bytes(p.numel(), kind), dtype=torch.uint8, device=p.device)
+                    del scratch
+    return Eager
 
 
 def fake_qmaps(cls: type) -> type:
@@ -215,7 +282,8 @@ def quantized_weight_bytes(out_features: int, in_features: int, quantization: st
 
 __all__ = ["BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "QMAP_ENTRIES", "OPTIMIZER_STATES", "MOMENTS", "moment_bytes",
            "PAGED", "EIGHT_BIT", "BLOCKWISE", "TORCHAO", "TORCHAO_LAYOUTS", "TORCHAO_MIN_SIZE",
-           "TORCHAO_STEP_BYTES", "torchao_moment_bytes", "torchao_state_bytes", "torchao_adamw",
+           "TORCHAO_STEP_BYTES", "TORCHAO_UPDATE_RATE", "torchao_update_bytes", "torchao_moment_bytes",
+           "torchao_state_bytes", "torchao_adamw", "eager_update",
            "eight_bit_adamw", "fake_qmaps", "HF_OPTIMIZERS", "NF4_BLOCK",
            "NESTED_BLOCK", "NF4_CODE",
            "QUANTIZATIONS", "adam_state_bytes", "adafactor_state_bytes", "quantized_weight_bytes"]
