@@ -7,8 +7,15 @@ source (``adam.py:75`` floor and divisibility, ``subclass_*bit.py`` zeros).
 """
 import pytest
 import torch
+from hf_families import BATCH, SEQ
+from test_hf_lora import LLAMA as LLAMA_HF
 
 from memlab.core.torch_private import profiler_memory_events
+from memlab.hf.config import load_config
+from memlab.hf.estimate import estimate_hf
+from memlab.hf.measure import measure_hf
+from memlab.hf.shape import decoder_shape
+from memlab.hf.simulate import simulate_hf
 from memlab.lenses.estimate import estimate_step
 from memlab.lenses.measure import allocator_peak, measure_step
 from memlab.lenses.simulate import simulate_step
@@ -81,6 +88,26 @@ def test_memlabs_gpt_runs_torchaos_state_in_every_lens(kind, model, precision):
     measured = measure_step(step)
     assert measured.by_category["optimizer"] == state + TORCHAO_STEP_BYTES * len(numels)
     sim, est = simulate_step(step, target="cpu"), estimate_step(step, target="cpu")
+    assert sim.category_peaks()["optimizer"] == measured.by_category["optimizer"]
+    assert est.by_category["optimizer"] == state
+    assert abs(sim.peak_bytes - measured.peak_bytes) <= 0.005 * measured.peak_bytes
+    assert abs(est.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
+
+
+HF_CASES = [("torchao-adamw-8bit", "fp32"), ("torchao-adamw-4bit", "pure-bf16"), ("torchao-adamw-fp8", "bf16")]
+
+
+@pytest.mark.parametrize("kind, precision", HF_CASES, ids=[f"{k}-{p}" for k, p in HF_CASES])
+def test_a_hugging_face_decoders_run_counts_torchaos_state(kind, precision):
+    """transformers' Llama (two layers), its real step with torchao's optimizer on this CPU: the held
+    state is the layout (moments of tensors torchao keeps whole in the weights' dtype: 16-bit under
+    pure-bf16) plus the step counters; the simulation equals it, the estimate is within 2%."""
+    kw = dict(seq=SEQ, batch=BATCH, precision=precision, optimizer=kind)
+    measured = measure_hf(LLAMA_HF, **kw)
+    numels = decoder_shape(load_config(LLAMA_HF)).param_numels()
+    state = torchao_state_bytes(numels, kind, 2 if precision == "pure-bf16" else 4)
+    assert measured.by_category["optimizer"] == state + TORCHAO_STEP_BYTES * len(numels)
+    sim, est = simulate_hf(LLAMA_HF, target="cpu", **kw), estimate_hf(LLAMA_HF, target="cpu", **kw)
     assert sim.category_peaks()["optimizer"] == measured.by_category["optimizer"]
     assert est.by_category["optimizer"] == state
     assert abs(sim.peak_bytes - measured.peak_bytes) <= 0.005 * measured.peak_bytes
