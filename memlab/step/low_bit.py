@@ -70,7 +70,10 @@ BNB_MIN_8BIT_SIZE = 4096
 QMAP_ENTRIES = 256
 #: torchao 0.18 low-bit AdamW (module doc): name -> (default block, bits of a code, code-table entries)
 TORCHAO_LAYOUTS = {"torchao-adamw-8bit": (256, 8, 256), "torchao-adamw-4bit": (128, 4, 16),
-                   "torchao-adamw-fp8": (256, 8, 0)}
+                   "torchao-adamw-fp8": (256, 8, 0),
+                   # transformers' Trainer (``adamw_torch_4bit``) passes ``block_size`` 256 to AdamW4bit
+                   # (transformers 5.23 trainer_optimizer.py:470, ``optim_args.get("block_size", 256)``)
+                   "torchao-adamw-4bit-256": (256, 4, 16)}
 TORCHAO = tuple(TORCHAO_LAYOUTS)
 TORCHAO_MIN_SIZE = 4096  # torchao/optim/adam.py:75, "follow bitsandbytes"
 TORCHAO_STEP_BYTES = 4  # torch.tensor(0.0), adam.py:124: host memory, one per tensor
@@ -89,7 +92,9 @@ HF_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf
                  "adamw_apex_fused": "adamw", "adamw_torch_xla": "adamw",
                  "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit",
                  "paged_adamw_8bit": "paged-adamw-8bit", "paged_adamw_32bit": "paged-adamw",
-                 "paged_adamw": "paged-adamw", "adafactor": "adafactor", "sgd": "sgd"}
+                 "paged_adamw": "paged-adamw", "adafactor": "adafactor", "sgd": "sgd",
+                 # torchao's, as the Trainer builds them (_get_torchao_optimizer: block 256 for both)
+                 "adamw_torch_8bit": "torchao-adamw-8bit", "adamw_torch_4bit": "torchao-adamw-4bit-256"}
 #: bitsandbytes 4-bit layout (module doc)
 NF4_BLOCK = 64
 NESTED_BLOCK = 256
@@ -117,7 +122,8 @@ def torchao_moment_bytes(n: int, kind: str, element_bytes: int = 4) -> int:
 
 
 #: bytes per element the compiled CPU update of a quantised tensor allocates besides its scales (module doc)
-TORCHAO_UPDATE_RATE = {"torchao-adamw-8bit": 8, "torchao-adamw-4bit": 26, "torchao-adamw-fp8": 0}
+TORCHAO_UPDATE_RATE = {"torchao-adamw-8bit": 8, "torchao-adamw-4bit": 26, "torchao-adamw-fp8": 0,
+                       "torchao-adamw-4bit-256": 26}
 
 
 def torchao_update_bytes(n: int, kind: str) -> int:
@@ -184,15 +190,18 @@ def eight_bit_adamw(params: list, optimizer: str, lr: float = 1e-4, fake: bool =
 
 def torchao_adamw(params: list, optimizer: str, lr: float = 1e-4, fake: bool = False) -> torch.optim.Optimizer:
     """torchao's ``AdamW8bit``, ``AdamW4bit`` or ``AdamWFp8`` (:data:`TORCHAO`) over ``params``, with
-    its default block. On fake tensors (``fake=True``) the same class with its update run eagerly
+    its default block (``"torchao-adamw-4bit-256"``: AdamW4bit with the Trainer's block of 256). On
+    fake tensors (``fake=True``) the same class with its update run eagerly
     (:func:`eager_update`): torchao compiles it with ``fullgraph=True`` (``adam.py:142``), which refuses
     to run under a dispatch mode (the simulation's tracker); the state is torchao's own subclasses."""
     import torchao.optim  # optional (memlab[hf]) and heavy, as bitsandbytes
     if optimizer not in TORCHAO:
         raise InputError(f"optimizer={optimizer!r}; allowed: {', '.join(TORCHAO)}")
     cls = {"torchao-adamw-8bit": torchao.optim.AdamW8bit, "torchao-adamw-4bit": torchao.optim.AdamW4bit,
-           "torchao-adamw-fp8": torchao.optim.AdamWFp8}[optimizer]
-    return eager_update(cls, optimizer)(params, lr=lr) if fake else cls(params, lr=lr)
+           "torchao-adamw-fp8": torchao.optim.AdamWFp8,
+           "torchao-adamw-4bit-256": torchao.optim.AdamW4bit}[optimizer]
+    block = TORCHAO_LAYOUTS[optimizer][0]
+    return (eager_update(cls, optimizer) if fake else cls)(params, lr=lr, block_size=block)
 
 
 def eager_update(cls: type, kind: str) -> type:
