@@ -94,6 +94,19 @@ def test_memlabs_gpt_runs_torchaos_state_in_every_lens(kind, model, precision):
     assert abs(est.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
 
 
+@pytest.mark.parametrize("kind", ["torchao-adamw-4bit", "torchao-adamw-8bit"])
+def test_stepped_in_backward_each_update_peaks_in_its_own_block(kind):
+    """One torchao optimizer per tensor, stepped in its gradient's hook: the 4-bit update of a block's
+    MLP matrix (26 bytes an element) is the peak, with the block's activations alive; the simulation
+    equals the measured step and the estimate, which puts that scratch in the block's backward, is
+    within 2% (4-bit: -216 B; 8-bit: +0.6%)."""
+    step = StepConfig(model="tiny", seq=64, batch=4, precision="fp32", optimizer=kind, optimizer_in_backward=True)
+    measured = measure_step(step)
+    sim, est = simulate_step(step, target="cpu"), estimate_step(step, target="cpu")
+    assert abs(sim.peak_bytes - measured.peak_bytes) <= 0.005 * measured.peak_bytes
+    assert abs(est.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
+
+
 HF_CASES = [("torchao-adamw-8bit", "fp32"), ("torchao-adamw-4bit", "pure-bf16"), ("torchao-adamw-fp8", "bf16")]
 
 
