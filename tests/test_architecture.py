@@ -197,8 +197,8 @@ def test_every_table_starts_with_its_header(page):
 #: post-training measure lens only), accelerate (the hf extra; the post-training simulation's
 #: autocast wrap only); memlab's ``plots`` is matplotlib.
 #: Everything else is imported at the top, where a reader sees it.
-LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "bitsandbytes", "matplotlib", "tqdm.auto",
-           "nbformat", "nbclient", "yaml", "trl", "datasets", "tokenizers", "accelerate",
+LATE_OK = ("deepspeed", "ipywidgets", "IPython", "transformers", "peft", "bitsandbytes", "torchao", "matplotlib",
+           "tqdm.auto", "nbformat", "nbclient", "yaml", "trl", "datasets", "tokenizers", "accelerate",
            "memlab.classroom.plots",
            "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.pipelining",
            "torch.distributed._tools", "torch.utils.cpp_extension", "resource",

@@ -185,12 +185,13 @@ def _fine_tune(args: argparse.Namespace, cfg) -> tuple[dict | None, list[str]]:
 
 def _step_optimizer(args: argparse.Namespace) -> str:
     """The StepConfig optimizer of the --optimizer name: SGD; bitsandbytes' 8-bit AdamW, plain or
-    paged, when no adapter or quantised base is asked for (a run field every lens runs); else AdamW
+    paged, or torchao's low-bit AdamW,
+    when no adapter or quantised base is asked for (a run field every lens runs); else AdamW
     (Adafactor's and the adapters' state replace AdamW's in memlab.techniques.finetune.estimate_finetune)."""
     kind = low_bit.HF_OPTIMIZERS.get(args.optimizer, args.optimizer)
     tuned = any(getattr(args, f, None) for f in ("lora_rank", "lora_targets", "lora_config", "load_in_4bit",
                                                   "load_in_8bit"))
-    if kind in low_bit.EIGHT_BIT and not tuned:
+    if kind in low_bit.BLOCKWISE and not tuned:
         return kind
     return "sgd" if kind == "sgd" else "adamw"
 

@@ -41,6 +41,12 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only
 AUTOCAST_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
 
+def outside_dispatch_modes() -> contextlib.AbstractContextManager:
+    """While open, no dispatch mode (fake tensors, memlab's tracker) sees the ops run: real tensors
+    made from constants (torchao's code tables) stay real."""
+    return _disable_current_modes()
+
+
 def exclude_dispatch_keys(keys: torch._C.DispatchKeySet) -> contextlib.AbstractContextManager:
     """A guard under which ops skip ``keys`` (``torch._C._ExcludeDispatchKeyGuard``).
 

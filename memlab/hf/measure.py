@@ -21,6 +21,7 @@ from memlab.hf.simulate import build_run
 from memlab.lenses.guard import HostMemoryError, StepEstimate, memory_needs, target_for
 from memlab.lenses.your_model import track_step
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
+from memlab.step.low_bit import TORCHAO
 from memlab.step.training_step import PRECISIONS, MemoryReport
 
 
@@ -70,8 +71,9 @@ def measure_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisio
                                optimizer=optimizer, lora=lora, quantization=quantization,
                                optimizer_in_backward=optimizer_in_backward)()
         step = causal_lm_step(seq, batch, precision, micro_batches=micro_batches)
+        # torchao's update is compiled (torch.compile(fullgraph=True), adam.py:142): no dispatch mode
         report = track_step(lambda: step(model, opt), model=model, optimizer=opt, budget=budget,
-                            seq=seq, batch=batch, precision=precision,
+                            compiled=optimizer in TORCHAO, seq=seq, batch=batch, precision=precision,
                             checkpointing=checkpointing or "none")
     report.step = replace(report.step, name=(d.get("architectures") or [d["model_type"]])[0])
     if is_moe(d):

@@ -67,7 +67,16 @@ from memlab.models.litgpt_model import litgpt_step
 from memlab.policy import precision_bytes, resolve_target
 from memlab.step.decoder_states import adapter_shapes, adapters_for, run_states
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
-from memlab.step.low_bit import EIGHT_BIT, NF4_BLOCK, OPTIMIZER_STATES, PAGED, QMAP_ENTRIES, eight_bit_adamw
+from memlab.step.low_bit import (
+    EIGHT_BIT,
+    NF4_BLOCK,
+    OPTIMIZER_STATES,
+    PAGED,
+    QMAP_ENTRIES,
+    TORCHAO,
+    eight_bit_adamw,
+    torchao_adamw,
+)
 from memlab.step.parallel_dims import ParallelDims
 from memlab.step.states import ModelStates, ZeroBuckets, with_zero2_partition
 from memlab.step.training_step import PRECISIONS, MemoryReport, StepConfig
@@ -225,7 +234,8 @@ def make_optimizer(params: list, optimizer: str, lr: float = 1e-4, fake: bool = 
     """The optimizer the run names (:data:`memlab.step.low_bit.OPTIMIZER_STATES`): torch's fused AdamW,
     SGD with momentum 0.9, bitsandbytes' ``AdamW8bit`` / ``PagedAdamW8bit`` / ``PagedAdamW``, or the
     Trainer's ``adafactor`` (``transformers.optimization.Adafactor`` with ``scale_parameter`` and
-    ``relative_step`` off). On fake tensors the paged ones run as their unpaged twins (the same
+    ``relative_step`` off), or torchao's low-bit AdamW (:func:`memlab.step.low_bit.torchao_adamw`).
+    On fake tensors the paged ones run as their unpaged twins (the same
     state; unified memory cannot be faked), whose state the simulation moves to the host."""
     if optimizer not in OPTIMIZER_STATES:
         raise InputError(f"optimizer={optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
@@ -238,6 +248,8 @@ def make_optimizer(params: list, optimizer: str, lr: float = 1e-4, fake: bool = 
         return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False)
     if optimizer in EIGHT_BIT:
         return eight_bit_adamw(params, optimizer, lr, fake)
+    if optimizer in TORCHAO:
+        return torchao_adamw(params, optimizer, lr, fake)
     import bitsandbytes as bnb
     return bnb.optim.AdamW(params, lr=lr) if fake else bnb.optim.PagedAdamW(params, lr=lr)
 

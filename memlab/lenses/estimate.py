@@ -61,7 +61,7 @@ from memlab.policy import (
 )
 from memlab.step.activation_offload import offload_context
 from memlab.step.compiled import lowering_notes
-from memlab.step.low_bit import EIGHT_BIT, PAGED
+from memlab.step.low_bit import EIGHT_BIT, PAGED, TORCHAO, torchao_update_bytes
 from memlab.step.parallel_dims import ParallelDims
 from memlab.step.states import ZeroBuckets, data_parallel_ranks, step_model_states, tensor_parallel_share
 from memlab.step.training_step import MemoryReport, StepConfig, autocast_for, build_trainer, resolve_step
@@ -379,7 +379,7 @@ def _gpt_peak(step: StepConfig, cfg: GPTConfig, states: dict[str, float],
     m["end of backward"] = dict(gradients=G + held + bucket, temporaries=tied + t * h * d.residual)
     m["optimizer step"] = dict(gradients=G + held, temporaries=scratch)
     if step.optimizer_in_backward:
-        _in_backward_gradients(m, cfg, d.grad / tp, head_grad)
+        _in_backward_gradients(m, cfg, d.grad / tp, head_grad, scratch, step.optimizer)
     name, best = max(m.items(), key=lambda kv: sum(kv[1].values()))
     out = dict.fromkeys(CATEGORIES, 0.0)
     out.update(parameters=P, optimizer=Opt, other=_gpt_other(cfg, step),
@@ -414,22 +414,30 @@ def _chunked_output_moments(cfg: GPTConfig, d: Dtypes, seq: int, batch: int, v: 
 
 
 def _in_backward_gradients(m: dict[str, dict], cfg: GPTConfig, grad_bytes: float,
-                           head_grad: float) -> None:
+                           head_grad: float, scratch: float = 0.0, optimizer: str = "adamw") -> None:
     """The moments of a step whose optimizer runs in backward (:mod:`memlab.step.optimizer_in_backward`):
     no moment holds every gradient. In a block's backward the gradient alive is the one being
     applied (at most the block's largest matrix) plus, with a tied head, the head's gradient,
     which autograd keeps in flight until the embedding's backward adds to it; the head's
     backward holds its own; the end of backward the embedding's. The optimizer-step moment
-    is gone: its updates happened one parameter at a time."""
-    largest = max(cfg.matmul_numels()[0]) * grad_bytes
+    is gone: its updates happened one parameter at a time, each with its own scratch once the
+    gradient is whole, after the op that made it freed its temporaries (so the larger of the two; torchao's
+    compiled update, :func:`memlab.step.low_bit.torchao_update_bytes`: a block's largest matrix's in
+    the block, the step's largest, ``scratch``, at an untied head and the embedding)."""
+    numel = max(cfg.matmul_numels()[0])
+    largest = numel * grad_bytes
+    block_scratch = torchao_update_bytes(numel, optimizer) if optimizer in TORCHAO else 0.0
     in_flight = head_grad if cfg.tie_embeddings else 0.0
     for name, cats in m.items():
-        if name == "head backward":
+        if name == "head backward":  # an untied head is updated here, a tied one with the embedding
             cats["gradients"] = head_grad
+            cats["temporaries"] = max(cats.get("temporaries", 0.0), 0.0 if cfg.tie_embeddings else scratch)
         elif name.endswith(("block", "block backward")):
             cats["gradients"] = largest + in_flight
+            cats["temporaries"] = max(cats.get("temporaries", 0.0), block_scratch)
         elif name == "end of backward":
             cats["gradients"] = head_grad
+            cats["temporaries"] = max(cats.get("temporaries", 0.0), scratch)
         else:
             cats["gradients"] = 0.0
     del m["optimizer step"]

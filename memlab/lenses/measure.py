@@ -18,6 +18,7 @@ import contextlib
 import gc
 import time
 import traceback
+from typing import Callable
 
 import torch
 
@@ -27,7 +28,7 @@ from memlab.core.hardware import pick_device, resolve_budget
 from memlab.core.torch_private import profiler_memory_events
 from memlab.core.units import fmt_bytes
 from memlab.lenses.guard import HostMemoryError, preflight
-from memlab.step.low_bit import PAGED
+from memlab.step.low_bit import PAGED, TORCHAO
 from memlab.step.training_step import (
     MemoryReport,
     StepConfig,
@@ -208,7 +209,9 @@ def measure_trainer(trainer: Trainer, batch: tuple, *, budget: int | str | None 
     a warm-up step, then one tracked step, reported. Under a budget the warm-up only creates
     the optimizer state, so that every op of the step runs under the budget."""
     budget_bytes = resolve_budget(budget)
-    if trainer.step_config.compile:
+    # torchao's low-bit AdamW compiles its per-tensor update (torch.compile(fullgraph=True), torchao 0.18
+    # optim/adam.py:142), which refuses to run under any dispatch mode: the step is measured as compiled
+    if trainer.step_config.compile or trainer.step_config.optimizer in TORCHAO:
         if budget_bytes is not None or cuda_history or snapshot_path:
             raise InputError("a compiled step is measured from the allocator's events, without a budget "
                              "or a CUDA history (the tracker, a dispatch mode, would run it eagerly); "
@@ -241,40 +244,50 @@ def allocator_peak(events: list[tuple[int, int]]) -> tuple[int, int]:
     return peak, live
 
 
-def measure_compiled(trainer: Trainer, batch: tuple) -> MemoryReport:
-    """A compiled step (``StepConfig.compile``, :mod:`memlab.step.compiled`): two warm-up steps
-    (the first compiles forward and backward, the second is steady), the state held before
-    the step counted by the tracker, then one step whose peak is read from the allocator's
-    events (:func:`memlab.core.torch_private.profiler_memory_events`, on CPU; on CUDA
-    ``max_memory_allocated``). The step's growth is reported as ``activations``: inside
-    compiled code activations, gradients and temporaries are not told apart."""
-    trainer.step(batch)
-    trainer.step(batch)
+def allocator_step(step_fn: Callable[[], object], model: torch.nn.Module, optimizer, tensors: tuple,
+                   device: torch.device) -> tuple[int, dict[str, float], int, int, float]:
+    """A step whose ops no dispatch mode may see (compiled code): two warm-up calls of ``step_fn``
+    (compile, then steady), the state held before the step tracked (``model``, ``optimizer``,
+    ``tensors`` as ``other``), then one step whose peak is read from the allocator's events
+    (:func:`memlab.core.torch_private.profiler_memory_events` on CPU; on CUDA ``max_memory_allocated``).
+    Returns ``(held bytes, held by category, the step's growth to its peak, what it left, seconds)``."""
+    step_fn()
+    step_fn()
     gc.collect()
-    holder = MemoryTracker(device=trainer.device)
+    holder = MemoryTracker(device=device)
     with holder:
-        holder.track_model(trainer.model)
-        holder.track_optimizer(trainer.optimizer)
-        holder.track_tensors(batch, "other")
+        holder.track_model(model)
+        holder.track_optimizer(optimizer)
+        holder.track_tensors(tensors, "other")
         before, held = holder.live_bytes, holder.by_category()
     start = time.perf_counter()
-    if trainer.device.type == "cuda":
+    if device.type == "cuda":
         torch.cuda.synchronize()
         at_start = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        trainer.step(batch)
+        step_fn()
         torch.cuda.synchronize()
         growth, left = torch.cuda.max_memory_allocated() - at_start, torch.cuda.memory_allocated() - at_start
     else:
-        growth, left = allocator_peak(profiler_memory_events(lambda: trainer.step(batch)))
-    seconds = time.perf_counter() - start
+        growth, left = allocator_peak(profiler_memory_events(step_fn))
+    return before, held, growth, left, time.perf_counter() - start
+
+
+def measure_compiled(trainer: Trainer, batch: tuple) -> MemoryReport:
+    """A compiled step (``StepConfig.compile``, :mod:`memlab.step.compiled`, or torchao's compiled
+    optimizer update) measured by :func:`allocator_step`. The step's growth is reported as
+    ``activations``: inside compiled code activations, gradients and temporaries are not told apart."""
+    before, held, growth, left, seconds = allocator_step(lambda: trainer.step(batch), trainer.model,
+                                                         trainer.optimizer, batch, trainer.device)
     by_category = {c: int(held.get(c, 0)) for c in CATEGORIES}
     by_category["activations"] += growth
     report = MemoryReport("measure", trainer.step_config, trainer.device.type, before + growth, by_category,
                           None, seconds, live_before=before, live_after=before + left)
     budget = trainer.step_config.activation_memory_budget
     budget = "default" if budget is None else budget
-    report.notes.append(f"compiled with inductor (activation_memory_budget {budget}): "
+    what = (f"compiled with inductor (activation_memory_budget {budget})" if trainer.step_config.compile else
+            f"{trainer.step_config.optimizer}: torchao compiles each tensor's update (adam.py:142)")
+    report.notes.append(f"{what}: "
                         f"the peak is the allocator's (profiler memory events) over the tracked state; "
                         f"the step's growth, {fmt_bytes(growth)}, is under activations (activations, "
                         f"gradients and temporaries are not told apart inside compiled code); step_seconds "
@@ -353,6 +366,7 @@ def time_steps(runs: dict[str, tuple[Trainer, tuple]], repeats: int = 3, *,
     return {name: min(t) if fastest else sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
-__all__ = ["measure_step", "measure_trainer", "measure_compiled", "allocator_peak", "time_step", "time_steps",
+__all__ = ["measure_step", "measure_trainer", "measure_compiled", "allocator_peak", "allocator_step", "time_step",
+           "time_steps",
            "run_tracked_step",
            "add_workspace", "cuda_budget", "is_host_oom", "HostMemoryError", "InputError"]

@@ -30,7 +30,7 @@ from memlab.core.errors import InputError
 from memlab.core.hardware import resolve_budget
 from memlab.core.torch_private import FakeTensorMode
 from memlab.core.units import fmt_bytes
-from memlab.lenses.measure import add_workspace, run_tracked_step
+from memlab.lenses.measure import add_workspace, allocator_step, run_tracked_step
 from memlab.policy import emulate, resolve_target
 from memlab.step.low_bit import moment_bytes
 from memlab.step.training_step import MemoryReport
@@ -155,7 +155,7 @@ def _device_of(model: nn.Module, device: str | torch.device | None) -> torch.dev
 
 def track_step(step_fn: Callable[[], object], *, model: nn.Module, optimizer=None,
                budget: int | str | None = None, device: str | torch.device | None = None,
-               warmup: bool = True, snapshot_path: str | None = None,
+               warmup: bool = True, snapshot_path: str | None = None, compiled: bool = False,
                **known) -> MemoryReport:
     """Measure one step of your own code: ``step_fn()`` runs forward, backward and the
     optimizer step on ``model`` (and ``optimizer``).
@@ -167,11 +167,14 @@ def track_step(step_fn: Callable[[], object], *, model: nn.Module, optimizer=Non
     states alone exceed the budget the step is not run (a ``build``-phase OOM).
     ``snapshot_path`` (CUDA) writes the allocator history for pytorch.org/memory_viz.
     ``known`` (``seq``, ``batch``, ``precision``, ``checkpointing``) labels the report.
+    ``compiled``: the step runs compiled code, which refuses a dispatch mode (torchao's optimizer
+    update): measured from the allocator's events over the tracked state
+    (:func:`memlab.lenses.measure.allocator_step`), its growth under ``activations``.
 
     Args:
         step_fn: one training step of your code, called with no arguments.
         model, optimizer: what ``step_fn`` trains (their bytes are parameters, gradients, optimizer).
-        budget, device, warmup, snapshot_path, known: as above.
+        budget, device, warmup, snapshot_path, compiled, known: as above.
 
     Returns:
         A :class:`MemoryReport` (lens ``"measure"``).
@@ -184,6 +187,11 @@ def track_step(step_fn: Callable[[], object], *, model: nn.Module, optimizer=Non
     dev = _device_of(model, device)
     info = model_step(model, **known)
     budget_bytes = resolve_budget(budget)
+    if compiled:
+        if budget_bytes is not None or snapshot_path:
+            raise InputError("a compiled step is measured from the allocator's events; allowed: budget=None, "
+                             "no snapshot")
+        return _allocator_report(step_fn, model, optimizer, dev, info)
     if budget_bytes is not None:
         refused = _states_refused(model, optimizer, info, dev.type, budget_bytes)
         if refused is not None:
@@ -195,6 +203,19 @@ def track_step(step_fn: Callable[[], object], *, model: nn.Module, optimizer=Non
         tracker.dump_snapshot(snapshot_path)
     return add_workspace(_report("measure", info, dev.type, tracker, budget_bytes, seconds,
                                  before, after))
+
+
+def _allocator_report(step_fn: Callable[[], object], model: nn.Module, optimizer, dev: torch.device,
+                      info: ModelStep) -> MemoryReport:
+    """:func:`track_step` of a compiled step: :func:`memlab.lenses.measure.allocator_step`'s peak."""
+    before, held, growth, left, seconds = allocator_step(step_fn, model, optimizer, (), dev)
+    by_category = {c: int(held.get(c, 0)) for c in CATEGORIES}
+    by_category["activations"] += growth
+    report = MemoryReport("measure", info, dev.type, before + growth, by_category, None, seconds,
+                          live_before=before, live_after=before + left)
+    report.notes.append(f"compiled code in the step: the peak is the allocator's (profiler memory events) over "
+                        f"the tracked state; the step's growth, {growth:,} B, is under activations")
+    return report
 
 
 def _report(lens: str, info: ModelStep, device: str, tracker: MemoryTracker,

@@ -16,7 +16,15 @@ from memlab.core.errors import InputError
 from memlab.models.decoder_shape import DecoderShape
 from memlab.policy import precision_bytes
 from memlab.step.fine_tune_config import ALL_LINEAR, LoraConfig, QuantConfig
-from memlab.step.low_bit import OPTIMIZER_STATES, PAGED, adafactor_state_bytes, adam_state_bytes, quantized_weight_bytes
+from memlab.step.low_bit import (
+    OPTIMIZER_STATES,
+    PAGED,
+    TORCHAO,
+    adafactor_state_bytes,
+    adam_state_bytes,
+    quantized_weight_bytes,
+    torchao_update_bytes,
+)
 from memlab.step.states import ModelStates, ZeroBuckets, model_states, with_zero2_partition
 
 
@@ -157,9 +165,13 @@ def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, wo
         if optimizer == "adafactor":
             state = adafactor_state_bytes(adapter_shapes(s, ad))
         else:
-            state = adam_state_bytes(trainable, optimizer)
+            # torchao's unquantised moments, and torch's paged ones, follow the weights' dtype
+            weights = 2 if (ad.a == 2 if ad is not None else precision == "pure-bf16") else 4
+            state = adam_state_bytes(trainable, optimizer, element_bytes=weights)
             if optimizer == "paged-adamw" and ad is None and precision == "pure-bf16":
                 state //= 2  # torch's moments follow the 16-bit weights
+            if optimizer in TORCHAO:  # its compiled update of the largest quantised tensor
+                inputs["step"] = float(max(torchao_update_bytes(n, optimizer) for n in trainable))
         if optimizer in PAGED:
             inputs["optimizer"] = 0.0
             host["optimizer"] = host.get("optimizer", 0.0) + state

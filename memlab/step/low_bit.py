@@ -30,6 +30,29 @@ weight to the compute dtype: one such weight is a temporary. ``load_in_8bit``
 **The 8-bit optimizers themselves** (:func:`eight_bit_adamw`): every lens that runs a step with
 8-bit state (memlab's GPT and a Hugging Face decoder, real or on fake tensors) builds it here, so
 the simulated state is bitsandbytes' own allocation and the estimate's is :func:`adam_state_bytes`.
+
+**torchao's low-bit AdamW** (torchao 0.18 ``torchao.optim``: ``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``;
+:data:`TORCHAO`): each moment of a tensor of ``n >= 4096`` elements with ``n`` a multiple of the
+block (``adam.py:75``) is a tensor subclass of codes, one fp32 scale per block and, 8- and 4-bit,
+its *own* fp32 code table (``subclass_8bit.py:112-115``, ``subclass_4bit.py:126-129``,
+``subclass_fp8.py:93-94``): 8-bit ``n + 4 n / 256 + 4 * 256`` bytes (block 256, ``adam.py:319``),
+4-bit ``n / 2 + 4 n / 128 + 4 * 16`` (block 128, ``adam.py:352``; ``create_dynamic_map(True, 3, 4)``
+and 16 linear levels), FP8 (E4M3) ``n + 4 n / 256`` (block 256, ``adam.py:385``). Any other tensor
+keeps ``torch.zeros_like(p)``: two moments in the *parameter's* dtype (``adam.py:78``), not fp32 as
+bitsandbytes. The step counter is ``torch.tensor(0.0)`` (``adam.py:124``): 4 bytes per tensor on the
+host whatever the parameter's device, and the learning rate one fp32 tensor per group (``adam.py:59``).
+:func:`torchao_state_bytes` is that layout; :func:`torchao_adamw` builds the optimizer.
+
+torchao compiles each tensor's update (``torch.compile(single_param_adam, fullgraph=True)``,
+``adam.py:142``); the compiled CPU update of a quantised tensor allocates, besides its own
+outputs, buffers the allocator's events show (torch 2.13 inductor, this CPU, fp32 and bf16 weights
+alike; tests/test_torchao_optim.py): per moment its new block scales (``4 n / block``), and the
+8-bit update one fp32 copy of the scaled moment (``4 n``), the 4-bit one that, the int64 codes of
+``quantize_4bit_with_qmap`` (``8 n``) and the unpacked uint8 codes (``n``) (``quant_utils.py:95-106``):
+8-bit ``8 n``, 4-bit ``26 n``, FP8 none, over the two moments, plus the scales
+(:func:`torchao_update_bytes`). Not followed: inductor's other choices for some shapes (a 3-d 8-bit
+moment adds ``4 n`` fp32 / ``2 n`` bf16; an FP8 (64, 128) update ``2 n``); a CUDA target's
+Triton update, unmeasured here.
 """
 from __future__ import annotations
 
@@ -39,12 +62,22 @@ from typing import Iterable
 import torch
 
 from memlab.core.errors import InputError
+from memlab.core.torch_private import outside_dispatch_modes
 
 #: bitsandbytes 8-bit Adam layout (module doc)
 BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 QMAP_ENTRIES = 256
-OPTIMIZER_STATES = ("adamw", "adamw-8bit", "paged-adamw-8bit", "paged-adamw", "adafactor", "sgd")
+#: torchao 0.18 low-bit AdamW (module doc): name -> (default block, bits of a code, code-table entries)
+TORCHAO_LAYOUTS = {"torchao-adamw-8bit": (256, 8, 256), "torchao-adamw-4bit": (128, 4, 16),
+                   "torchao-adamw-fp8": (256, 8, 0),
+                   # transformers' Trainer (``adamw_torch_4bit``) passes ``block_size`` 256 to AdamW4bit
+                   # (transformers 5.23 trainer_optimizer.py:470, ``optim_args.get("block_size", 256)``)
+                   "torchao-adamw-4bit-256": (256, 4, 16)}
+TORCHAO = tuple(TORCHAO_LAYOUTS)
+TORCHAO_MIN_SIZE = 4096  # torchao/optim/adam.py:75, "follow bitsandbytes"
+TORCHAO_STEP_BYTES = 4  # torch.tensor(0.0), adam.py:124: host memory, one per tensor
+OPTIMIZER_STATES = ("adamw", "adamw-8bit", "paged-adamw-8bit", "paged-adamw", "adafactor", "sgd", *TORCHAO)
 #: moments an optimizer keeps per parameter, each the parameter's size: Adam/AdamW's first and
 #: second moment (Kingma and Ba 2015, Algorithm 1: m and v), SGD's momentum buffer
 MOMENTS = {"adamw": 2, "sgd": 1}
@@ -52,12 +85,16 @@ PAGED = ("paged-adamw-8bit", "paged-adamw")  # state in CUDA unified memory (hos
 #: bitsandbytes' 8-bit AdamW, plain and paged (``AdamW8bit``, ``PagedAdamW8bit``): the states memlab's
 #: own GPT runs beside :data:`MOMENTS`' (:func:`eight_bit_adamw`)
 EIGHT_BIT = ("adamw-8bit", "paged-adamw-8bit")
+#: every blockwise-quantised state whose layout :func:`adam_state_bytes` counts per tensor
+BLOCKWISE = (*EIGHT_BIT, *TORCHAO)
 #: Hugging Face ``TrainingArguments.optim`` names -> the state memlab counts
 HF_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
                  "adamw_apex_fused": "adamw", "adamw_torch_xla": "adamw",
                  "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit",
                  "paged_adamw_8bit": "paged-adamw-8bit", "paged_adamw_32bit": "paged-adamw",
-                 "paged_adamw": "paged-adamw", "adafactor": "adafactor", "sgd": "sgd"}
+                 "paged_adamw": "paged-adamw", "adafactor": "adafactor", "sgd": "sgd",
+                 # torchao's, as the Trainer builds them (_get_torchao_optimizer: block 256 for both)
+                 "adamw_torch_8bit": "torchao-adamw-8bit", "adamw_torch_4bit": "torchao-adamw-4bit-256"}
 #: bitsandbytes 4-bit layout (module doc)
 NF4_BLOCK = 64
 NESTED_BLOCK = 256
@@ -73,7 +110,40 @@ def moment_bytes(optimizer: str, element_bytes: int = 4) -> int:
     return MOMENTS[optimizer] * element_bytes
 
 
-def adam_state_bytes(shapes: Iterable[int], kind: str = "adamw", *, per_tensor: bool = False) -> int:
+def torchao_moment_bytes(n: int, kind: str, element_bytes: int = 4) -> int:
+    """Bytes of one torchao moment buffer (``_new_buffer``, ``adam.py:72-78``) over a tensor of ``n``
+    elements whose parameter has ``element_bytes`` per element (module doc)."""
+    if kind not in TORCHAO_LAYOUTS:
+        raise InputError(f"optimizer state {kind!r}; allowed: {', '.join(TORCHAO)}")
+    block, bits, entries = TORCHAO_LAYOUTS[kind]
+    if n < TORCHAO_MIN_SIZE or n % block:
+        return element_bytes * n
+    return n * bits // 8 + 4 * (n // block) + 4 * entries
+
+
+#: bytes per element the compiled CPU update of a quantised tensor allocates besides its scales (module doc)
+TORCHAO_UPDATE_RATE = {"torchao-adamw-8bit": 8, "torchao-adamw-4bit": 26, "torchao-adamw-fp8": 0,
+                       "torchao-adamw-4bit-256": 26}
+
+
+def torchao_update_bytes(n: int, kind: str) -> int:
+    """What torchao's compiled update of one tensor of ``n`` elements allocates while it runs (module
+    doc): nothing for an unquantised tensor (a few scalars), else :data:`TORCHAO_UPDATE_RATE` bytes an
+    element and both moments' new block scales."""
+    block, _, _ = TORCHAO_LAYOUTS[kind]
+    if n < TORCHAO_MIN_SIZE or n % block:
+        return 0
+    return TORCHAO_UPDATE_RATE[kind] * n + 2 * 4 * (n // block)
+
+
+def torchao_state_bytes(shapes: Iterable[int], kind: str, element_bytes: int = 4) -> int:
+    """torchao's low-bit AdamW state over tensors of ``shapes`` (element counts): two moments per
+    tensor (:func:`torchao_moment_bytes`); the host step counters are :data:`TORCHAO_STEP_BYTES` each."""
+    return sum(2 * torchao_moment_bytes(n, kind, element_bytes) for n in shapes)
+
+
+def adam_state_bytes(shapes: Iterable[int], kind: str = "adamw", *, per_tensor: bool = False,
+                     element_bytes: int = 4) -> int:
     """Optimizer state bytes of Adam/AdamW over tensors of ``shapes`` (element counts):
     ``"adamw"`` (and ``"paged-adamw"``) two fp32 moments (8 B per parameter); ``"adamw-8bit"``
     (and ``"paged-adamw-8bit"``) bitsandbytes' layout (module doc): per tensor of n >= 4096
@@ -82,7 +152,11 @@ def adam_state_bytes(shapes: Iterable[int], kind: str = "adamw", *, per_tensor: 
     state the optimizer's own ``name2qmap`` tensors); ``"sgd"`` one fp32 momentum. The step
     counters (a few bytes per tensor, or none) are not counted. Adafactor needs the matrix
     shapes: :func:`adafactor_state_bytes`. ``per_tensor``: one optimizer per tensor (the step in
-    backward, :mod:`memlab.step.optimizer_in_backward`), each 8-bit one with its own two maps."""
+    backward, :mod:`memlab.step.optimizer_in_backward`), each 8-bit one with its own two maps.
+    torchao's (:data:`TORCHAO`): :func:`torchao_state_bytes`, whose unquantised tensors keep their
+    moments in the parameter's ``element_bytes``."""
+    if kind in TORCHAO:
+        return torchao_state_bytes(shapes, kind, element_bytes)
     if kind not in OPTIMIZER_STATES or kind == "adafactor":
         allowed = ", ".join(k for k in OPTIMIZER_STATES if k != "adafactor")
         raise InputError(f"optimizer state {kind!r} from element counts; allowed: {allowed}")
@@ -112,6 +186,61 @@ def eight_bit_adamw(params: list, optimizer: str, lr: float = 1e-4, fake: bool =
         return fake_qmaps(bnb.optim.AdamW8bit)(params, lr=lr)
     cls = bnb.optim.AdamW8bit if optimizer == "adamw-8bit" else bnb.optim.PagedAdamW8bit
     return cls(params, lr=lr)
+
+
+def torchao_adamw(params: list, optimizer: str, lr: float = 1e-4, fake: bool = False) -> torch.optim.Optimizer:
+    """torchao's ``AdamW8bit``, ``AdamW4bit`` or ``AdamWFp8`` (:data:`TORCHAO`) over ``params``, with
+    its default block (``"torchao-adamw-4bit-256"``: AdamW4bit with the Trainer's block of 256). On
+    fake tensors (``fake=True``) the same class with its update run eagerly
+    (:func:`eager_update`): torchao compiles it with ``fullgraph=True`` (``adam.py:142``), which refuses
+    to run under a dispatch mode (the simulation's tracker); the state is torchao's own subclasses."""
+    import torchao.optim  # optional (memlab[hf]) and heavy, as bitsandbytes
+    if optimizer not in TORCHAO:
+        raise InputError(f"optimizer={optimizer!r}; allowed: {', '.join(TORCHAO)}")
+    cls = {"torchao-adamw-8bit": torchao.optim.AdamW8bit, "torchao-adamw-4bit": torchao.optim.AdamW4bit,
+           "torchao-adamw-fp8": torchao.optim.AdamWFp8,
+           "torchao-adamw-4bit-256": torchao.optim.AdamW4bit}[optimizer]
+    block = TORCHAO_LAYOUTS[optimizer][0]
+    return (eager_update(cls, optimizer) if fake else cls)(params, lr=lr, block_size=block)
+
+
+def eager_update(cls: type, kind: str) -> type:
+    """``cls`` (a torchao ``_AdamBase`` of layout ``kind``) whose ``step`` is torchao's own loop
+    (``adam.py:106-158``: state made by ``_new_buffer`` at the first step, step counter, then
+    ``single_param_adam`` per tensor) with the update called as written rather than through
+    ``torch.compile``, outside the tracker, and the compiled update's buffers
+    (:func:`torchao_update_bytes`) allocated in its place."""
+    from torchao.optim import subclass_4bit, subclass_8bit
+    from torchao.optim.adam import single_param_adam
+    # the code tables are computed once from values (lru_cache, subclass_8bit.py:30-37,
+    # subclass_4bit.py:34-41), which a fake tensor has none of: computed on real tensors here
+    with outside_dispatch_modes():
+        for module in (subclass_8bit, subclass_4bit):
+            module.get_qmap_signed(), module.get_qmap_unsigned()
+
+    class Eager(cls):
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if len(state) == 0:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                    state["step"] += 1
+                    # outside the tracker: the eager update's fp32 temporaries are not the compiled one's
+                    with outside_dispatch_modes():
+                            single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
+                                          None, group["lr"], group["betas"][0], group["betas"][1],
+                                          group["weight_decay"], group["eps"], self.is_adamw,
+                                          self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+                    # the compiled update's own buffers, tracked while it runs (torchao_update_bytes)
+                    scratch = torch.empty(torchao_update_bytes(p.numel(), kind), dtype=torch.uint8, device=p.device)
+                    del scratch
+    return Eager
 
 
 def fake_qmaps(cls: type) -> type:
@@ -161,6 +290,9 @@ def quantized_weight_bytes(out_features: int, in_features: int, quantization: st
 
 
 __all__ = ["BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "QMAP_ENTRIES", "OPTIMIZER_STATES", "MOMENTS", "moment_bytes",
-           "PAGED", "EIGHT_BIT", "eight_bit_adamw", "fake_qmaps", "HF_OPTIMIZERS", "NF4_BLOCK",
+           "PAGED", "EIGHT_BIT", "BLOCKWISE", "TORCHAO", "TORCHAO_LAYOUTS", "TORCHAO_MIN_SIZE",
+           "TORCHAO_STEP_BYTES", "TORCHAO_UPDATE_RATE", "torchao_update_bytes", "torchao_moment_bytes",
+           "torchao_state_bytes", "torchao_adamw", "eager_update",
+           "eight_bit_adamw", "fake_qmaps", "HF_OPTIMIZERS", "NF4_BLOCK",
            "NESTED_BLOCK", "NF4_CODE",
            "QUANTIZATIONS", "adam_state_bytes", "adafactor_state_bytes", "quantized_weight_bytes"]

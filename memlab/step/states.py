@@ -10,7 +10,8 @@ parameter with AdamW (weights, gradients, two fp32 moments); ``pure-bf16`` keeps
 SGD with momentum has one moment instead of two. bitsandbytes' 8-bit AdamW
 (``"adamw-8bit"``) keeps its state in :func:`memlab.step.low_bit.adam_state_bytes`' layout, whatever
 the weights' dtype; its paged twin (``"paged-adamw-8bit"``) the same bytes in CUDA unified
-memory: host bytes, none on the device.
+memory: host bytes, none on the device. torchao's low-bit AdamW (``"torchao-adamw-8bit"``, ``-4bit``,
+``-fp8``) its layout there, whose unquantised tensors keep moments in the weights' dtype.
 
 **DeepSpeed** (ZeRO stage 1-3 or offload): in ``bf16``/``fp16`` mode DeepSpeed casts the model
 to 16 bits (no autocast: activations are those of a pure 16-bit step) and its optimizer
@@ -67,7 +68,7 @@ import torch
 from memlab.core.errors import InputError
 from memlab.core.precision import SIZES, check_precision
 from memlab.models.gpt_unet import build_model
-from memlab.step.low_bit import EIGHT_BIT, PAGED, adam_state_bytes, moment_bytes
+from memlab.step.low_bit import BLOCKWISE, PAGED, TORCHAO, adam_state_bytes, moment_bytes, torchao_update_bytes
 from memlab.step.zero import zero_formula
 from memlab.step.zero3_gathers import gathered_in_closed_form, persists
 
@@ -243,7 +244,7 @@ def _check_layout(precision: str, optimizer: str, zero: int, world_size: int, of
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world size {world_size!r} must be a positive integer")
     check_precision(precision)
-    if optimizer not in EIGHT_BIT:
+    if optimizer not in BLOCKWISE:
         moment_bytes(optimizer)  # refuses an optimizer memlab keeps no moments of, before the layout
     if offload not in (*OFFLOADS, PARAM_OFFLOAD):
         raise InputError(f"offload={offload!r}; allowed: {', '.join((*OFFLOADS, PARAM_OFFLOAD))}")
@@ -282,11 +283,12 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
             raise InputError("ZeRO and offload run under DeepSpeed: deepspeed=False needs zero=0 "
                              "and offload='none'")
         w, g = PLAIN[precision]
-        if optimizer in EIGHT_BIT:
-            return _eight_bit_states(w * psi, g * psi, sizes or [psi], optimizer, precision, per_tensor)
+        if optimizer in BLOCKWISE:
+            return _eight_bit_states(w * psi, g * psi, sizes or [psi], optimizer, precision, per_tensor, w)
         return ModelStates(w * psi, g * psi, moment_bytes(optimizer, w) * psi, False, precision)
-    if optimizer in EIGHT_BIT:
-        raise InputError(f"optimizer={optimizer!r} is bitsandbytes' own, for plain PyTorch; DeepSpeed's ZeRO "
+    if optimizer in BLOCKWISE:
+        raise InputError(f"optimizer={optimizer!r} is bitsandbytes' or torchao's own, for plain PyTorch; "
+                         f"DeepSpeed's ZeRO "
                          f"optimizer keeps its fp32 state: allowed with it: zero=0, offload='none'")
     e = 4 if precision == "fp32" else 2  # DeepSpeed's bf16/fp16 mode casts the model to 16 bits
     compute = "fp32" if e == 4 else "pure-bf16"
@@ -351,16 +353,20 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
 
 
 def _eight_bit_states(params: float, grads: float, sizes: list[int], optimizer: str, precision: str,
-                      per_tensor: bool) -> ModelStates:
-    """Plain PyTorch's states with bitsandbytes' 8-bit AdamW over tensors of ``sizes`` elements
-    (:func:`memlab.step.low_bit.adam_state_bytes`); a paged one's state all in host memory."""
-    state = adam_state_bytes(sizes, optimizer, per_tensor=per_tensor)
+                      per_tensor: bool, element_bytes: int = 4) -> ModelStates:
+    """Plain PyTorch's states with bitsandbytes' 8-bit AdamW or torchao's low-bit AdamW over tensors of
+    ``sizes`` elements of ``element_bytes`` (:func:`memlab.step.low_bit.adam_state_bytes`); a paged one's
+    state all in host memory."""
+    state = adam_state_bytes(sizes, optimizer, per_tensor=per_tensor, element_bytes=element_bytes)
     per = f"{state / max(sum(sizes), 1):.3f} B per parameter"
     if optimizer in PAGED:
         return ModelStates(params, grads, 0.0, False, precision, host={"optimizer": float(state)},
                            notes=(f"{optimizer}: {state / 2**20:.1f} MiB of state ({per}) in CUDA unified memory "
                                   f"(bitsandbytes get_paged), paged to the host when the device is full: host bytes",))
-    return ModelStates(params, grads, float(state), False, precision, notes=(f"{optimizer} state: {per}",))
+    # torchao's compiled update of the largest quantised tensor: its buffers while it runs
+    scratch = max((torchao_update_bytes(n, optimizer) for n in sizes), default=0) if optimizer in TORCHAO else 0
+    return ModelStates(params, grads, float(state), False, precision, step_scratch=float(scratch),
+                       notes=(f"{optimizer} state: {per}",))
 
 
 def zero2_partition_elements(sizes: list[int], world_size: int) -> list[int]:

@@ -31,15 +31,16 @@ from memlab.step.activation_offload import offload_context
 from memlab.step.compiled import PartitionedModel, check_budget, compile_layers, compile_model
 from memlab.step.decoder_states import adapter_shapes, adapters_for
 from memlab.step.fine_tune_config import LoraConfig, QuantConfig
-from memlab.step.low_bit import EIGHT_BIT, OPTIMIZER_STATES, eight_bit_adamw
+from memlab.step.low_bit import BLOCKWISE, EIGHT_BIT, OPTIMIZER_STATES, TORCHAO, eight_bit_adamw, torchao_adamw
 from memlab.step.optimizer_in_backward import OptimizerInBackward
 from memlab.step.parallel_dims import ParallelDims
 from memlab.step.states import OFFLOADS, PARAM_OFFLOAD, ZeroBuckets
 from memlab.tracking.tracker import CATEGORIES, Event, OOMInfo
 
 OPTIMIZERS = ("adamw", "sgd")
-#: memlab's GPT also runs bitsandbytes' 8-bit AdamW, plain or paged (:data:`memlab.step.low_bit.EIGHT_BIT`)
-GPT_OPTIMIZERS = (*OPTIMIZERS, *EIGHT_BIT)
+#: memlab's GPT also runs bitsandbytes' 8-bit AdamW, plain or paged, and torchao's low-bit AdamW
+#: (:data:`memlab.step.low_bit.BLOCKWISE`)
+GPT_OPTIMIZERS = (*OPTIMIZERS, *BLOCKWISE)
 #: a Hugging Face decoder's steps (:class:`memlab.models.decoder_shape.DecoderShape` models) checkpoint whole layers
 DECODER_CHECKPOINTING = ("none", "full")
 #: a decoder's losses: its class's own (``None``: ``transformers``' upcast logits) or chunked
@@ -236,9 +237,10 @@ class StepConfig:
         allowed = GPT_OPTIMIZERS if isinstance(cfg, GPTConfig) else OPTIMIZERS
         if self.optimizer not in allowed:
             raise InputError(f"optimizer={self.optimizer!r} for {cfg.name!r}; allowed: {', '.join(allowed)}")
-        if self.optimizer in EIGHT_BIT and (self.zero or self.offload != "none"):
+        if self.optimizer in BLOCKWISE and (self.zero or self.offload != "none"):
             raise InputError(f"optimizer={self.optimizer!r} with zero={self.zero}, offload={self.offload!r}: "
-                             f"bitsandbytes' optimizer steps plain PyTorch's weights, DeepSpeed runs its own; "
+                             f"bitsandbytes' and torchao's optimizers step plain PyTorch's weights, "
+                             f"DeepSpeed runs its own; "
                              f"allowed with it: zero=0, offload='none'")
 
     def _check_in_backward(self) -> None:
@@ -599,6 +601,8 @@ def build_optimizer(model: nn.Module, name: str, fake: bool = False) -> torch.op
 def _optimizer(params, name: str, fake: bool = False) -> torch.optim.Optimizer:
     if name in EIGHT_BIT:
         return eight_bit_adamw(list(params), name, lr=1e-4, fake=fake)
+    if name in TORCHAO:
+        return torchao_adamw(list(params), name, lr=1e-4, fake=fake)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-4, fused=True)
     if name == "sgd":

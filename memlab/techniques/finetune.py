@@ -23,7 +23,7 @@ from memlab.core.errors import InputError
 from memlab.lenses.estimate import dtypes, estimate_step
 from memlab.models.gpt_unet import GPT, GPTConfig
 from memlab.step.low_bit import (
-    EIGHT_BIT,
+    BLOCKWISE,
     OPTIMIZER_STATES,
     PAGED,
     QUANTIZATIONS,
@@ -200,7 +200,7 @@ def estimate_finetune(step: StepConfig, *, lora: tuple[int, Iterable[str]] | Non
         raise InputError(f"fine-tuning is counted for GPT-shaped models, not {cfg.name!r}")
     base = replace(step, optimizer="sgd" if kind == "sgd" else "adamw")
     # a full fine-tune's 8-bit state is a field of the run (StepConfig.optimizer): the one path every lens takes
-    run_field = lora is None and kind in EIGHT_BIT
+    run_field = lora is None and kind in BLOCKWISE
     if lora is None:
         report = estimate_step(replace(step, optimizer=kind) if run_field else base, budget=budget, target=target)
         trainable: list = cfg.param_numels()
@@ -216,7 +216,7 @@ def estimate_finetune(step: StepConfig, *, lora: tuple[int, Iterable[str]] | Non
             shapes = param_shapes(cfg) if lora is None else _lora_matrix_shapes(cfg, *lora)
             state = adafactor_state_bytes(shapes)
         else:
-            state = adam_state_bytes(trainable, kind)
+            state = adam_state_bytes(trainable, kind, element_bytes=w)
             if w == 2 and kind == "paged-adamw":  # pure-bf16: torch's moments follow the weights
                 state //= 2
         if kind in PAGED:
