@@ -7,14 +7,14 @@ the worst rank against the largest), ``estimate`` in [-2%, +3%]. ``python tools/
 prints the table. The other test files hold most cells beside their own checks
 (tests/test_hf_families.py, test_hf_run_options.py, test_hf_lora.py, test_hf_simulate_run.py,
 test_hf_zero.py); this one holds every cell, so no (family, option) is left out: the QLoRA
-estimate of the default families runs in ``make test`` (no other file measures it), the rest
-under ``make test-slow``.
+estimate of Llama, GPT-2 and DeepSeek-V3 runs in ``make test`` (no other file measures it), the
+rest under ``make test-slow``.
 """
 import functools
 
 import pytest
 import torch
-from hf_families import BATCH, DEFAULT_RUN, SEQ
+from hf_families import BATCH, SEQ
 from test_hf_lora import CONFIGS
 from test_hf_run_options import _step
 from test_hf_simulate_run import MOE_TARGETS
@@ -79,7 +79,7 @@ def errors(name: str, option: str) -> tuple[float, float]:
 
 
 def _marks(name: str, option: str) -> list:
-    fast = name in DEFAULT_RUN and option == "qlora"
+    fast = name in ("llama", "gpt2", "deepseek_v3") and option == "qlora"  # dense, Conv1D, MLA + experts
     return [] if fast else [pytest.mark.slow]
 
 

@@ -43,7 +43,8 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
+                         ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", TORCHAO)
 def test_the_layout_is_torchaos_own_state_after_one_step(kind, dtype):
     params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in SHAPES]
@@ -73,10 +74,11 @@ def test_the_compiled_update_allocates_what_the_layout_says(kind):
 
 
 LLAMA = tiny_llama()  # 2 layers, d_model 64: tensors on both sides of the 4096-element floor
-#: memlab's tiny llama in bf16 for every kind by default; the tiny GPT in fp32 for the 4-bit update (the
-#: largest scratch) by default, its other kinds under ``make test-slow``
+#: by default memlab's tiny llama in bf16 with the 4-bit update (the largest scratch; every lens compiles
+#: torchao's update once per tensor shape, seconds each on two cores); the other kinds and the tiny GPT
+#: under ``make test-slow``
 GPT_CASES = [pytest.param(kind, model, precision, id=f"{kind}-{getattr(model, 'name', model)}-{precision}",
-                          marks=[pytest.mark.slow] if model == "tiny" and kind != "torchao-adamw-4bit" else [])
+                          marks=[] if model is LLAMA and kind == "torchao-adamw-4bit" else [pytest.mark.slow])
              for kind in TORCHAO for model, precision in (("tiny", "fp32"), (LLAMA, "bf16"))]
 
 
@@ -98,6 +100,7 @@ def test_memlabs_gpt_runs_torchaos_state_in_every_lens(kind, model, precision):
     assert abs(est.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["torchao-adamw-4bit", "torchao-adamw-8bit"])
 def test_stepped_in_backward_each_update_peaks_in_its_own_block(kind):
     """One torchao optimizer per tensor, stepped in its gradient's hook: the 4-bit update of a block's
@@ -111,10 +114,17 @@ def test_stepped_in_backward_each_update_peaks_in_its_own_block(kind):
     assert abs(est.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
 
 
-HF_CASES = [("torchao-adamw-8bit", "fp32"), ("torchao-adamw-4bit", "pure-bf16"), ("torchao-adamw-fp8", "bf16")]
+#: by default FP8 in bf16 (no compiled scratch: the quickest); the others under ``make test-slow``
+HF_CASES = [pytest.param("torchao-adamw-8bit", "fp32", marks=pytest.mark.slow),
+            pytest.param("torchao-adamw-4bit", "pure-bf16", marks=pytest.mark.slow), ("torchao-adamw-fp8", "bf16")]
 
 
-@pytest.mark.parametrize("kind, precision", HF_CASES, ids=[f"{k}-{p}" for k, p in HF_CASES])
+def _hf_id(case) -> str:
+    kind, precision = case.values if hasattr(case, "values") else case
+    return f"{kind}-{precision}"
+
+
+@pytest.mark.parametrize("kind, precision", HF_CASES, ids=[_hf_id(c) for c in HF_CASES])
 def test_a_hugging_face_decoders_run_counts_torchaos_state(kind, precision):
     """transformers' Llama (two layers), its real step with torchao's optimizer on this CPU: the held
     state is the layout (moments of tensors torchao keeps whole in the weights' dtype: 16-bit under
@@ -131,6 +141,7 @@ def test_a_hugging_face_decoders_run_counts_torchaos_state(kind, precision):
     assert abs(est.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
 
 
+@pytest.mark.slow
 def test_the_cli_runs_the_trainers_torchao_names_as_the_step(capsys):
     """``--optimizer adamw_torch_4bit`` (transformers' ``OptimizerNames``, which builds torchao's
     AdamW4bit with a block of 256) on memlab's GPT: a field of the step in every lens, simulated
