@@ -92,6 +92,7 @@ def test_the_estimate_refuses_8bit_state_scaled_by_a_parameter_count():
         estimate_step(StepConfig(seq=16, batch=2, optimizer="adamw-8bit"), trainable_params=1000)
 
 
+@pytest.mark.slow
 def test_the_cli_runs_8bit_adamw_as_the_step_in_every_lens(capsys):
     """``--optimizer adamw_bnb_8bit`` (Hugging Face's name) on memlab's GPT: a field of the step,
     simulated and measured, not only estimated; the simulation equals the measured step."""

@@ -59,7 +59,8 @@ def test_the_layout_is_torchaos_own_state_after_one_step(kind, dtype):
         assert _tensor_bytes(state["step"]) == TORCHAO_STEP_BYTES and state["step"].device.type == "cpu"
 
 
-@pytest.mark.parametrize("kind", TORCHAO)
+@pytest.mark.parametrize("kind", [k if k == "torchao-adamw-4bit" else pytest.param(k, marks=pytest.mark.slow)
+                                  for k in TORCHAO])  # 4-bit (the largest scratch) by default
 def test_the_compiled_update_allocates_what_the_layout_says(kind):
     """The allocator's events over one steady compiled step of one tensor (torchao's own, on this CPU):
     their running peak is :func:`torchao_update_bytes` for a 1-d and 2-d quantised tensor, and a few
