@@ -93,18 +93,22 @@ def test_the_estimate_refuses_8bit_state_scaled_by_a_parameter_count():
 
 
 @pytest.mark.slow
-def test_the_cli_runs_8bit_adamw_as_the_step_in_every_lens(capsys):
-    """``--optimizer adamw_bnb_8bit`` (Hugging Face's name) on memlab's GPT: a field of the step,
-    simulated and measured, not only estimated; the simulation equals the measured step."""
+@pytest.mark.parametrize("name, state", [("adamw_bnb_8bit", "adamw-8bit"),
+                                         # transformers' OptimizerNames: torchao's AdamW4bit, block 256
+                                         ("adamw_torch_4bit", "torchao-adamw-4bit-256")])
+def test_the_cli_runs_a_low_bit_adamw_name_as_the_step_in_every_lens(name, state, capsys):
+    """``--optimizer NAME`` (Hugging Face's name: bitsandbytes' 8-bit AdamW, torchao's 4-bit) on
+    memlab's GPT: a field of the step, simulated and measured, not only estimated; the simulation
+    equals the measured step."""
     import json
 
     from memlab.app.cli import main
     peaks = {}
     for lens in ("estimate", "simulate", "measure"):
-        argv = [lens, "--model", "tiny", "--seq", "32", "--batch", "2", "--optimizer", "adamw_bnb_8bit", "--json"]
+        argv = [lens, "--model", "tiny", "--seq", "32", "--batch", "2", "--optimizer", name, "--json"]
         assert main(argv + (["--target", "cpu"] if lens != "measure" else [])) == 0, capsys.readouterr().err
         out = json.loads(capsys.readouterr().out)
-        assert out["config"]["optimizer"] == "adamw-8bit"
+        assert out["config"]["optimizer"] == state
         peaks[lens] = out["peak_bytes"]
     assert peaks["simulate"] == peaks["measure"]
     assert abs(peaks["estimate"] - peaks["measure"]) <= 0.02 * peaks["measure"]

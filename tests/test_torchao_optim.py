@@ -142,25 +142,6 @@ def test_a_hugging_face_decoders_run_counts_torchaos_state(kind, precision):
     assert abs(est.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes
 
 
-@pytest.mark.slow
-def test_the_cli_runs_the_trainers_torchao_names_as_the_step(capsys):
-    """``--optimizer adamw_torch_4bit`` (transformers' ``OptimizerNames``, which builds torchao's
-    AdamW4bit with a block of 256) on memlab's GPT: a field of the step in every lens, simulated
-    equal to the measured step."""
-    import json
-
-    from memlab.app.cli import main
-    peaks = {}
-    for lens in ("estimate", "simulate", "measure"):
-        argv = [lens, "--model", "tiny", "--seq", "32", "--batch", "2", "--optimizer", "adamw_torch_4bit", "--json"]
-        assert main(argv + (["--target", "cpu"] if lens != "measure" else [])) == 0, capsys.readouterr().err
-        out = json.loads(capsys.readouterr().out)
-        assert out["config"]["optimizer"] == "torchao-adamw-4bit-256"
-        peaks[lens] = out["peak_bytes"]
-    assert peaks["simulate"] == peaks["measure"]
-    assert abs(peaks["estimate"] - peaks["measure"]) <= 0.02 * peaks["measure"]
-
-
 def test_the_states_account_for_torchaos_published_llama2_7b_savings():
     """torchao's README (pytorch/ao torchao/optim/README.md, "Fine-tune Llama2-7B on Alpaca", torchtune
     52d1b838, full BF16, A100): peak memory allocated (torchtune's get_memory_stats,
