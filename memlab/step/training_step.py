@@ -335,9 +335,9 @@ class StepConfig:
                   "buckets": lambda b: ZeroBuckets(**b), "parallel": lambda p: ParallelDims(**p)}
         kw.update({k: make(kw[k]) for k, make in nested.items() if isinstance(kw.get(k), dict)})
         step = cls(**kw)
-        if "num_params" in d and step.describe()["num_params"] != d["num_params"]:
-            raise InputError(f"rebuilt {step.model_config.name} has {step.describe()['num_params']} "
-                             f"parameters, the description says {d['num_params']}")
+        if "num_params" in d and (n := step.describe()["num_params"]) != d["num_params"]:
+            raise InputError(f"rebuilt {step.model_config.name} has {n} parameters, the description "
+                             f"says {d['num_params']}")
         return step
 
 
