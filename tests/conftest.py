@@ -11,12 +11,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _torchrun(*args: str, timeout: float = 180) -> str:
     """``torchrun --standalone --nproc-per-node 2 -m ARGS`` (gloo on CPU); its stdout."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    # faulthandler: a rank that aborts shows where (its Python stack, or that it had none)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", "-m", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
+    err = done.stderr if len(done.stderr) < 6000 else done.stderr[:2000] + "\n...\n" + done.stderr[-4000:]
+    assert done.returncode == 0, f"exit {done.returncode}; stdout ends {done.stdout[-300:]!r}\n{err}"
     return done.stdout
 
 

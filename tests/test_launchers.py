@@ -2,6 +2,9 @@
 accelerate launch's and Slurm's variables, set by hand."""
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +63,16 @@ def test_apply_exports_what_init_process_group_reads():
     launcher_env(env).apply(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"],
             env["MASTER_ADDR"], env["MASTER_PORT"]) == ("3", "4", "1", "2", "127.0.0.7", "29500")
+
+
+def test_exit_rank_flushes_what_the_rank_printed_and_exits_with_the_code():
+    """``os._exit`` skips the interpreter's own flush: a rank's last JSON line to a pipe would be
+    lost without exit_rank's (torchrun starts ranks with ``python -u``; srun and mpirun do not)."""
+    code = "from memlab.distributed.launch_env import exit_rank; print(17); exit_rank(3); print(18)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).parent.parent, env=env)
+    assert (done.stdout, done.returncode) == ("17\n", 3)
 
 
 def test_zero_worker_under_srun_reads_slurm_not_rank(monkeypatch, capsys):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from memlab.core.hardware import place_ranks
-from memlab.distributed.launch_env import launcher_env
+from memlab.distributed.launch_env import exit_rank, launcher_env
 from memlab.distributed.pipeline_parallel import pp_worker
 from memlab.distributed.tensor_parallel import tp_worker
 from memlab.lenses.parallel_formulas import SCHEDULES
@@ -61,3 +61,4 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
 
 if __name__ == "__main__":
     main()
+    exit_rank()

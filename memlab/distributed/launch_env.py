@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -135,4 +136,23 @@ def launcher_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(launcher, rank, local, world, local_world, node, addr, port)
 
 
-__all__ = ["DEFAULT_MASTER_PORT", "LaunchEnv", "first_host", "launcher_env"]
+def exit_rank(code: int = 0) -> None:
+    """End a launched rank's process once its work is done and printed: flush stdout and stderr,
+    then ``os._exit(code)``, as :mod:`multiprocessing` ends a forked child.
+
+    Why not a normal exit: after the last Python line, in the interpreter's and the C++
+    libraries' exit handlers, a gloo rank under torchrun sometimes aborts ("terminate called
+    without an active exception", SIGABRT, ``faulthandler`` shows no Python frame). On a loaded
+    2-core machine ``python -m memlab.distributed pp`` did so in 5 of 166 runs, every time
+    after rank 0 had printed the complete result; torchrun then reports the job failed. The
+    caller destroys its process group first; nothing is left to run.
+
+    Args:
+        code: the exit status.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+__all__ = ["DEFAULT_MASTER_PORT", "LaunchEnv", "exit_rank", "first_host", "launcher_env"]

@@ -21,7 +21,7 @@ import torch
 
 from memlab.core.hardware import place_ranks
 from memlab.distributed.deepspeed_zero import zero_rank_step
-from memlab.distributed.launch_env import launcher_env
+from memlab.distributed.launch_env import exit_rank, launcher_env
 from memlab.distributed.ranks import set_cache_env
 from memlab.step.training_step import StepConfig
 
@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     # together (seen in CI). One write of less than PIPE_BUF bytes to a pipe is atomic (POSIX).
     sys.stdout.write(json.dumps({"world_size": world, **out}) + "\n")
     sys.stdout.flush()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_rank()
