@@ -731,6 +731,8 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     # ZeRO-2's partition comes at its first flush: with the head's gradient only if that fills a bucket
     early_late = late if V * D * z.w * (not s.tied) * (ad is None) >= states["flush"] else 0.0
     G_prev = G if k > 1 else 0.0
+    # ZeRO-1's bucket, made at the first micro-batch's first gradient, is there as the last one starts
+    bucket_early = states["bucket_step"] if k > 1 else 0.0
     trains_base = ad is None
     head_grad = min(G, V * D * z.w * (not s.tied) / (dp if zero >= 2 else 1)) if trains_base else 0.0
     full = checkpointing == "full"
@@ -739,7 +741,7 @@ def estimate_run(run: StepConfig, *, target: str | None = None, budget: int | st
     A, layers, embed, dense_w = kept_activations(s, z, batch, seq, path, full, params, ep, imbalance, ad, chunked)
     moment, best = _peak_moment(s, z, t, A=A, layers=layers, embed=embed, dense_w=dense_w, G=G, G_prev=G_prev,
                                 held=held, late=late, early_late=early_late, bucket=bucket,
-                                partitioned=zero >= 2, head_grad=head_grad,
+                                bucket_early=bucket_early, partitioned=zero >= 2, head_grad=head_grad,
                                 gathered=gathered, gathered_forward=gathered_forward, scratch=scratch,
                                 full=full, trains_base=trains_base, quantized=quantization is not None,
                                 chunk=loss_chunk if chunked else None,
@@ -1043,7 +1045,7 @@ def _gradient_hooks(s: DecoderShape, z: Sizes, t: int, *, A: float, softcap: flo
 def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[float], embed: float,  # noqa: PLR0913 keyword-only: the peak's terms by name
                  dense_w: float, G: float, G_prev: float, held: float, late: float, early_late: float,
                  bucket: float, partitioned: bool, head_grad: float, gathered: float, scratch: float, full: bool,
-                 trains_base: bool, quantized: bool = False,
+                 trains_base: bool, quantized: bool = False, bucket_early: float = 0.0,
                  chunk: int | None = None, largest_grad: float | None = None,
                  out_held: float = 0.0, gathered_forward: float = 0.0, mask: float = 0.0,
                  experts: tuple[float, float] | None = None, adapters: Adapters | None = None) -> tuple[str, dict]:
@@ -1054,7 +1056,9 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     with nearly every gradient; under LoRA, whose gradients are small, the first one, with every
     layer's checkpointed input still held). ``bucket``: stages 1-2's reduce bucket, there from
     the first trained parameter's gradient (an untied head's, whose hook holds it beside the
-    bucket) to the end of backward; ``early_late``: ``late`` where
+    bucket) to the end of backward; ``bucket_early``: the part of it there before the last
+    micro-batch's first gradient (ZeRO-1 with accumulation holds it from the first one's:
+    :class:`memlab.step.states.ModelStates` ``bucket_until``); ``early_late``: ``late`` where
     the head's gradient alone fills ZeRO-2's first bucket, else 0; ``partitioned``: ZeRO-2 or 3
     (a gradient leaves ``param.grad`` at its hook). ``gathered_forward``: ZeRO-3's gathered
     parameters at the end of forward (``gathered`` after it), the root's flat buffer with the
@@ -1067,6 +1071,8 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
     every gradient; a layer's backward holds the one being applied (at most ``largest_grad``) and a
     tied head's, in flight until the embedding's backward; the optimizer-step moment is gone."""
     V, D = s.vocab, s.d
+    # an early bucket is held like the earlier micro-batches' gradients; a hook adds the rest
+    G_prev, whole_bucket, bucket = G_prev + bucket_early, bucket, bucket - bucket_early
     lsm, softcap = t * V * 4, t * V * z.c if s.final_softcap else 0  # softcap: in A until the loss's backward
     cast = t * V * 4 if z.c != 4 else 0
     # autocast's cache keeps every trained weight's 16-bit cast until the forward's autocast
@@ -1085,7 +1091,7 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
                                       temporaries=2 * t * V * 4 + gathered),
          "head backward": dict(activations=A, temporaries=t * V * z.c + t * D * z.c + gathered,
                                gradients=max(G_prev, head_grad + early_late) + held),
-         "end of backward": dict(gradients=G + held + bucket,
+         "end of backward": dict(gradients=G + held + whole_bucket,
                                  temporaries=(2 * V * D * z.w if trains_base and s.tied else 0) + t * D * z.r),
          "optimizer step": dict(gradients=G + held, temporaries=scratch)}
     if chunk is not None:  # no logits: the chunked loss's own moments replace the loss and the head's
@@ -1093,11 +1099,11 @@ def _peak_moment(s: DecoderShape, z: Sizes, t: int, *, A: float, layers: list[fl
             del m[key]
         m.update(_chunked_loss_moments(s, z, t, chunk, A=A, G_prev=G_prev, held=held, gathered=gathered,
                                        head_grad=head_grad, late=late, bucket=bucket, trains_base=trains_base))
-    if bucket and chunk is None:
+    if whole_bucket and chunk is None:
         m.update(_gradient_hooks(s, z, t, A=A, softcap=softcap, partitioned=partitioned, head_grad=head_grad,
                                  trains_base=trains_base, early_late=early_late, G_prev=G_prev, held=held,
                                  bucket=bucket, gathered=gathered))
-    if bucket and chunk is None and s.mlp == "gelu_new" and trains_base and not full:
+    if whole_bucket and chunk is None and s.mlp == "gelu_new" and trains_base and not full:
         m["last MLP backward"] = _last_mlp_backward(s, z, t, A - softcap, partitioned, head_grad,
                                                     G_prev, early_late, held + bucket, gathered)
     if experts is not None:  # the last experts' forward: ZeRO-3's flat buffer is still there

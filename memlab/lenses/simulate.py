@@ -240,7 +240,8 @@ def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float,
     Parameters and optimizer state are held all step; gradients grow through backward as
     simulated (scaled to the rank's share), or are held from the first reduce bucket (ZeRO-2)
     or all step (ZeRO-3); DeepSpeed's buffers are added everywhere (stages 1-2's reduce bucket
-    from backward's first gradient to its end, ``ModelStates.bucket``), ZeRO-3's gathered
+    from backward's first gradient to its end, ZeRO-1's to the last backward's end:
+    ``ModelStates.bucket``, ``bucket_until``), ZeRO-3's gathered
     parameters in forward and backward (``gathered``, one figure per op of the timeline, where
     :func:`memlab.step.zero3_gathers.gathered_by_op` replayed DeepSpeed's coordinator; else the
     bound ``ModelStates.gathered``), the fp32 gradient copy in the optimizer step.
@@ -253,6 +254,8 @@ def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float,
     # add_ into .grad, which frees the new gradient an op later; DeepSpeed clears .grad at each
     # backward's end (stage_1_and_2.py _clear_param_grad_only), so its hook sees the new gradient
     hooked = False
+    # ZeRO-1 releases its bucket only at the last backward's end (ModelStates.bucket_until)
+    last_backward = max((n for n, ev in enumerate(report.timeline) if ev.phase == "backward"), default=-1)
     # with accumulation the partition made at a backward's end (stage_1_and_2.py
     # copy_grads_in_partition: grads_in_partition, allocated once) holds the sum for the next
     # micro-batches
@@ -261,7 +264,11 @@ def deepspeed_layout(report: MemoryReport, ms: ModelStates, full_grads: float,
         cats = list(ev.by_category)
         reduced = reduced or (n > 0 and report.timeline[n - 1].phase == "backward" and ev.phase != "backward")
         grown = cats[i["gradients"]] / full_grads if full_grads else 0.0
-        hooked = ev.phase == "backward" and (hooked or ev.module == ACCUMULATE_GRAD)
+        first_hook = ev.phase == "backward" and ev.module == ACCUMULATE_GRAD
+        if ms.bucket_until == "step":
+            hooked = n <= last_backward and (hooked or first_hook)
+        else:
+            hooked = ev.phase == "backward" and (hooked or first_hook)
         in_backward = ms.bucket if hooked else 0.0
         flushed = grown > 0 and grown * full_grads >= ms.flush  # ZeRO-2's first bucket is full
         if ms.gradients_from == "always" or (ms.gradients_from == "first bucket" and flushed):

@@ -115,16 +115,19 @@ class ModelStates:
     (ZeRO-3's reduce bucket, the offload staging buffer). ``bucket``: stages 1-2's reduce
     bucket, which lives in backward only: 0.19.8 ``stage_1_and_2.py`` allocates it at the first
     gradient's hook (``process_gradients`` -> ``setup_buckets``) and frees it when the last hook
-    has run (``independent_gradient_partition_epilogue`` -> ``_release_ipg_buffers``), every
-    backward, before the optimizer step. ``flush``: ZeRO-2's gradient bytes made before its first
-    bucket is full and flushed, which allocates the partition (``"first bucket"``). ``gathered``:
-    ZeRO-3's parameters gathered at any moment of forward and backward but the forward's first
-    part, ``gathered_forward``: when the root's prefetch gathered the whole model, the forward
-    holds its flat buffer with the copies until the last parameter is fetched
-    (:func:`memlab.step.zero3_gathers.gathered_in_closed_form`).
-    ``step_scratch``: what ``optimizer.step()`` adds (the gradient partition flattened and
-    converted to fp32). ``host``: bytes in host
-    memory by category. ``compute_precision``: the precision the forward runs in
+    has run (``independent_gradient_partition_epilogue`` -> ``_release_ipg_buffers``);
+    ``bucket_until`` says which backward that is: ``"backward"``, each one (ZeRO-2: DeepSpeed's
+    engine runs the epilogue after every backward), or ``"step"``, the last before the optimizer
+    step (ZeRO-1: 0.19.8 ``runtime/engine.py`` ``allreduce_gradients`` reduces stage 1's gradients,
+    and so runs the epilogue, only at the accumulation boundary, so with micro-batches the bucket
+    made at the first one's first gradient is held through the later forwards). ``flush``: ZeRO-2's
+    gradient bytes made before its first bucket is full and flushed, which allocates the partition
+    (``"first bucket"``). ``gathered``: ZeRO-3's parameters gathered at any moment of forward and
+    backward but the forward's first part, ``gathered_forward``: when the root's prefetch gathered
+    the whole model, the forward holds its flat buffer with the copies until the last parameter is
+    fetched (:func:`memlab.step.zero3_gathers.gathered_in_closed_form`). ``step_scratch``: what
+    ``optimizer.step()`` adds (the gradient partition flattened and converted to fp32). ``host``:
+    bytes in host memory by category. ``compute_precision``: the precision the forward runs in
     (``"pure-bf16"`` under DeepSpeed's 16-bit mode: no autocast, 16-bit weights).
     """
 
@@ -142,6 +145,7 @@ class ModelStates:
     bucket: float = 0.0
     flush: float = 0.0
     gathered_forward: float = 0.0
+    bucket_until: str = "backward"
 
     @property
     def host_bytes(self) -> float:
@@ -157,7 +161,8 @@ class ModelStates:
         """The quantities the estimate's peak moments use: ``parameters``, ``optimizer``,
         ``gradients`` (grown through backward), ``held`` (gradient bytes held all step),
         ``late`` (held from the first reduce bucket on), ``bucket`` (held from the first
-        gradient to the end of backward), ``flush`` (gradient bytes made before ``late`` is
+        gradient to the end of backward), ``bucket_step`` (``bucket`` when it is held to the last
+        backward's end: ZeRO-1), ``flush`` (gradient bytes made before ``late`` is
         allocated), ``step`` (optimizer-step scratch), ``gathered`` and ``gathered_forward``
         (ZeRO-3's gathered parameters in forward and backward, and in the forward until the root's
         flat buffer goes)."""
@@ -165,7 +170,8 @@ class ModelStates:
         return {"parameters": self.parameters, "optimizer": self.optimizer,
                 "gradients": self.gradients - always, "held": self.buffers + always,
                 "late": self.gradients if self.gradients_from == "first bucket" else 0.0,
-                "bucket": self.bucket, "flush": self.flush, "step": self.step_scratch,
+                "bucket": self.bucket, "bucket_step": self.bucket if self.bucket_until == "step" else 0.0,
+                "flush": self.flush, "step": self.step_scratch,
                 "gathered": self.gathered, "gathered_forward": self.gathered_forward}
 
 
@@ -349,7 +355,8 @@ def model_states(model, *, precision: str = "fp32", optimizer: str = "adamw", ze
                      "those gathered for the running module")
     flush = e * buckets.reduce if grads_from == "first bucket" else 0.0
     return ModelStates(params, grads, opt, True, compute, grads_from, buffers, gathered, scratch,
-                       host, tuple(notes), in_backward, flush, gathered_forward)
+                       host, tuple(notes), in_backward, flush, gathered_forward,
+                       bucket_until="step" if zero == 1 else "backward")
 
 
 def _eight_bit_states(params: float, grads: float, sizes: list[int], optimizer: str, precision: str,
