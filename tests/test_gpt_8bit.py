@@ -55,11 +55,14 @@ def test_simulation_equals_the_measured_step_and_the_estimate_is_within_2_percen
     assert measured.category_peaks()["optimizer"] == state
     sim, est = simulate_step(step, target="cpu"), estimate_step(step, target="cpu")
     if optimizer == "paged-adamw-8bit":
-        # unified memory: the state leaves the device for the host in both lenses; on this CPU the real
-        # PagedAdamW8bit keeps it in ordinary memory, so the measured peak holds it
-        assert sim.category_peaks()["optimizer"] == est.by_category["optimizer"] == 0
-        assert sim.host_by_category["optimizer"] == est.host_by_category["optimizer"] == state
-        sim_peak, est_peak = sim.peak_bytes + state, est.peak_bytes + state
+        # unified memory: the uint8 moments of each tensor of 1e5 elements or more (bitsandbytes 0.50
+        # get_state_buffer) leave the device for the host in both lenses; smaller tensors' state and every
+        # block maximum stay (the tiny llama has no such tensor, the tiny GPT 26). On this CPU the real
+        # PagedAdamW8bit keeps it all in ordinary memory, so the measured peak holds it
+        unified = sum(2 * n for n in _numels(model) if n >= 100_000)
+        assert sim.category_peaks()["optimizer"] == est.by_category["optimizer"] == state - unified
+        assert sim.host_by_category["optimizer"] == est.host_by_category["optimizer"] == unified
+        sim_peak, est_peak = sim.peak_bytes + unified, est.peak_bytes + unified
         assert any("ordinary tensors" in n for n in measured.notes)
     else:
         assert sim.by_category["optimizer"] == est.by_category["optimizer"] == state

@@ -349,7 +349,7 @@ def simulate_hf(cfg: dict | str | pathlib.Path, *, seq: int, batch: int, precisi
         report = _deepspeed_ranks(report, d, run, rs, ad, build)
         report.budget_bytes = resolve_budget(budget)
     if optimizer in PAGED:
-        page_out(report, optimizer)
+        page_out(report, optimizer, rs.host.get("optimizer", 0.0))
     report.step = run
     for rep in report.per_rank or []:
         rep.step, rep.budget_bytes = run, report.budget_bytes

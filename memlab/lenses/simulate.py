@@ -51,7 +51,7 @@ from memlab.models.gpt_unet import GPTConfig, UNetConfig
 from memlab.policy import emulate, resolve_target
 from memlab.policy.caching_allocator import CachingAllocator, replay_steady_step
 from memlab.step.compiled import lowering_notes
-from memlab.step.low_bit import PAGED
+from memlab.step.low_bit import PAGED, paged_note
 from memlab.step.states import ModelStates, ZeroBuckets, model_states
 from memlab.step.training_step import MemoryReport, StepConfig, batch_to, build_trainer, resolve_step
 from memlab.step.zero3_gathers import ACCUMULATE_GRAD, gathered_by_op, module_params
@@ -136,9 +136,9 @@ def simulate_step(step: StepConfig | None = None, *, budget: int | str | None = 
                               tracker.timeline, {}, before, after,
                               host_bytes=tracker.host_peak_bytes,
                               host_by_category=tracker.host_peak_by_category())
-        paged = step.optimizer in PAGED
-        if paged:  # before the allocator's replay: unified memory is not the caching allocator's
-            page_out(report, step.optimizer)
+        paged = ms.host.get("optimizer", 0.0) if step.optimizer in PAGED else 0.0
+        if step.optimizer in PAGED:  # before the allocator's replay: unified memory is not the caching allocator's
+            page_out(report, step.optimizer, paged)
         if tgt.is_cuda and not ms.deepspeed and tracker.oom is None:
             _add_unsplit_blocks(report, tracker, allocator, paged)
         gathered = _zero3_gathered(report, trainer.model, step, ms) if step.zero == 3 else None
@@ -183,15 +183,22 @@ def _offload_note(report: MemoryReport, tgt) -> str:
 
 
 def _add_unsplit_blocks(report: MemoryReport, tracker, allocator: CachingAllocator | None,
-                        paged: bool = False) -> None:
+                        paged: float = 0.0) -> None:
     """Count what the CUDA caching allocator hands out beyond the rounded requests: the
     step's allocations replayed through its block rules (warm-up, then the step measured,
     :func:`memlab.policy.caching_allocator.replay_steady_step`); the excess of that peak over the
     tracker's goes to ``workspace``, as :func:`memlab.lenses.measure.add_workspace` counts it on a GPU.
-    ``paged``: the optimizer state is in unified memory (:func:`page_out`), not replayed."""
+    ``paged``: bytes of optimizer state in unified memory (:func:`page_out`), not replayed: the
+    largest optimizer storages up to that total (the paged moments are each large tensor's
+    largest state; the device keeps the small tensors' and the block maxima)."""
     held, events = tracker.allocation_log()
     if paged:
-        held = [h for h in held if h[2] != "optimizer"]
+        out, left = set(), paged
+        for key, nbytes, _ in sorted((h for h in held if h[2] == "optimizer"), key=lambda h: -h[1]):
+            if nbytes <= left:
+                out.add(key)
+                left -= nbytes
+        held = [h for h in held if h[0] not in out]
     extra = replay_steady_step(held, events, allocator).peak_allocated - report.peak_bytes
     if extra > 0:
         report.peak_bytes += extra
@@ -200,27 +207,36 @@ def _add_unsplit_blocks(report: MemoryReport, tracker, allocator: CachingAllocat
                             f"hands out unsplit (counted as workspace; the timeline is the tracker's)")
 
 
-def page_out(report: MemoryReport, optimizer: str) -> None:
-    """Paged state lives in CUDA unified memory (bitsandbytes' ``get_paged``), outside the caching
-    allocator: the simulated optimizer state leaves every device moment for the host (its largest
-    figure over the timeline: the state is made in the warm-up and held all step)."""
+def page_out(report: MemoryReport, optimizer: str, paged: float) -> None:
+    """Move a paged optimizer's unified-memory bytes off the device timeline, to the host.
+
+    bitsandbytes' ``get_paged`` puts the moments of large tensors in CUDA unified memory, outside
+    the caching allocator; the rest of the simulated state stays on the device
+    (:func:`memlab.step.low_bit.paged_state_bytes`). The state is made in the warm-up and held all
+    step, so every moment loses the same bytes.
+
+    Args:
+        report: the simulated step; changed in place.
+        optimizer: the paged optimizer's name, for the note.
+        paged: the state's bytes in unified memory.
+    """
     i = CATEGORIES.index("optimizer")
     state = max((ev.by_category[i] for ev in report.timeline), default=report.by_category.get("optimizer", 0))
+    moved = int(min(paged, state))
     events = []
     for ev in report.timeline:
         cats = list(ev.by_category)
-        cats[i] = 0
+        cats[i] -= min(cats[i], moved)
         events.append(Event(ev.index, ev.op, ev.module, ev.phase, tuple(cats), ev.host_by_category))
     if events:
         report.replace_timeline(events)
     else:
-        report.peak_bytes -= report.by_category.get("optimizer", 0)
-        report.by_category["optimizer"] = 0
+        report.peak_bytes -= min(report.by_category.get("optimizer", 0), moved)
+        report.by_category["optimizer"] = max(report.by_category.get("optimizer", 0) - moved, 0)
     host = dict(report.host_by_category or dict.fromkeys(CATEGORIES, 0))
-    host["optimizer"] = host.get("optimizer", 0) + state
+    host["optimizer"] = host.get("optimizer", 0) + moved
     report.host_by_category, report.host_bytes = host, sum(host.values())
-    report.notes.append(f"{optimizer}: its state in CUDA unified memory (bitsandbytes get_paged), "
-                        f"counted as host bytes")
+    report.notes.append(paged_note(optimizer, state, moved))
 
 
 #: The note a DeepSpeed simulation carries: which of its numbers are the formula's, not the

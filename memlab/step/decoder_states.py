@@ -22,6 +22,8 @@ from memlab.step.low_bit import (
     TORCHAO,
     adafactor_state_bytes,
     adam_state_bytes,
+    paged_note,
+    paged_state_bytes,
     quantized_weight_bytes,
     torchao_update_bytes,
 )
@@ -173,10 +175,11 @@ def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, wo
             if optimizer in TORCHAO:  # its compiled update of the largest quantised tensor
                 inputs["step"] = float(max(torchao_update_bytes(n, optimizer) for n in trainable))
         if optimizer in PAGED:
-            inputs["optimizer"] = 0.0
-            host["optimizer"] = host.get("optimizer", 0.0) + state
-            notes.append(f"{optimizer}: {state / 2**20:.1f} MiB of state in CUDA unified memory "
-                         f"(bitsandbytes get_paged), paged to the host when the device is full: host bytes")
+            halved = optimizer == "paged-adamw" and ad is None and precision == "pure-bf16"
+            paged = paged_state_bytes(trainable, optimizer, moment_element_bytes=2 if halved else 4)
+            inputs["optimizer"] = float(state - paged)
+            host["optimizer"] = host.get("optimizer", 0.0) + paged
+            notes.append(paged_note(optimizer, state, paged))
         else:
             inputs["optimizer"] = float(state)
             notes.append(f"{optimizer} state: {state / sum(trainable):.3f} B per trainable parameter")

@@ -81,7 +81,10 @@ OPTIMIZER_STATES = ("adamw", "adamw-8bit", "paged-adamw-8bit", "paged-adamw", "a
 #: moments an optimizer keeps per parameter, each the parameter's size: Adam/AdamW's first and
 #: second moment (Kingma and Ba 2015, Algorithm 1: m and v), SGD's momentum buffer
 MOMENTS = {"adamw": 2, "sgd": 1}
-PAGED = ("paged-adamw-8bit", "paged-adamw")  # state in CUDA unified memory (host bytes here)
+PAGED = ("paged-adamw-8bit", "paged-adamw")  # large tensors' state in CUDA unified memory (host bytes here)
+#: bitsandbytes pages a tensor's state only from this many elements on (0.50 ``optim/optimizer.py``,
+#: ``get_state_buffer``, line 383: ``p.numel() < 1e5`` gives an ordinary device tensor)
+BNB_PAGED_MIN_SIZE = 100_000
 #: bitsandbytes' 8-bit AdamW, plain and paged (``AdamW8bit``, ``PagedAdamW8bit``): the states memlab's
 #: own GPT runs beside :data:`MOMENTS`' (:func:`eight_bit_adamw`)
 EIGHT_BIT = ("adamw-8bit", "paged-adamw-8bit")
@@ -170,6 +173,36 @@ def adam_state_bytes(shapes: Iterable[int], kind: str = "adamw", *, per_tensor: 
             total += 2 * n + 2 * 4 * math.ceil(n / BNB_BLOCK)
             maps = maps + 2 * 4 * QMAP_ENTRIES if per_tensor else 2 * 4 * QMAP_ENTRIES
     return total + maps
+
+
+def paged_state_bytes(shapes: Iterable[int], kind: str, *, moment_element_bytes: int = 4) -> int:
+    """The part of a paged optimizer's state that bitsandbytes puts in CUDA unified memory.
+
+    Only the moments of a tensor of :data:`BNB_PAGED_MIN_SIZE` elements or more are paged
+    (``get_paged``). The rest is ordinary device tensors: the smaller tensors' moments, every 8-bit
+    tensor's block maxima (``absmax1``/``absmax2``, bitsandbytes 0.50 ``optim/optimizer.py``
+    lines 528-529) and the quantisation maps.
+
+    Args:
+        shapes: element counts of the tensors the optimizer steps.
+        kind: ``"paged-adamw-8bit"`` (two uint8 moments) or ``"paged-adamw"`` (two moments of
+            ``moment_element_bytes``).
+
+    Returns:
+        Bytes in unified memory; the device keeps :func:`adam_state_bytes` less these.
+    """
+    if kind not in PAGED:
+        raise InputError(f"optimizer={kind!r} is not paged; allowed: {', '.join(PAGED)}")
+    per_element = 2 if kind == "paged-adamw-8bit" else 2 * moment_element_bytes
+    return sum(per_element * n for n in shapes if n >= BNB_PAGED_MIN_SIZE)
+
+
+def paged_note(kind: str, state: int, paged: int) -> str:
+    """What a lens says of a paged optimizer's ``state`` bytes, ``paged`` of them in unified memory."""
+    return (f"{kind}: {paged / 2**20:.1f} MiB of its {state / 2**20:.1f} MiB of state in CUDA unified memory "
+            f"(bitsandbytes get_paged: the moments of tensors of {BNB_PAGED_MIN_SIZE:,} elements or more), "
+            f"paged to the host when the device is full: host bytes; the rest (smaller tensors' moments, "
+            f"block maxima, maps) on the device")
 
 
 def eight_bit_adamw(params: list, optimizer: str, lr: float = 1e-4, fake: bool = False) -> torch.optim.Optimizer:
@@ -290,7 +323,8 @@ def quantized_weight_bytes(out_features: int, in_features: int, quantization: st
 
 
 __all__ = ["BNB_BLOCK", "BNB_MIN_8BIT_SIZE", "QMAP_ENTRIES", "OPTIMIZER_STATES", "MOMENTS", "moment_bytes",
-           "PAGED", "EIGHT_BIT", "BLOCKWISE", "TORCHAO", "TORCHAO_LAYOUTS", "TORCHAO_MIN_SIZE",
+           "PAGED", "BNB_PAGED_MIN_SIZE", "paged_note", "paged_state_bytes", "EIGHT_BIT", "BLOCKWISE", "TORCHAO",
+           "TORCHAO_LAYOUTS", "TORCHAO_MIN_SIZE",
            "TORCHAO_STEP_BYTES", "TORCHAO_UPDATE_RATE", "torchao_update_bytes", "torchao_moment_bytes",
            "torchao_state_bytes", "torchao_adamw", "eager_update",
            "eight_bit_adamw", "fake_qmaps", "HF_OPTIMIZERS", "NF4_BLOCK",

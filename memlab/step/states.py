@@ -68,7 +68,16 @@ import torch
 from memlab.core.errors import InputError
 from memlab.core.precision import SIZES, check_precision
 from memlab.models.gpt_unet import build_model
-from memlab.step.low_bit import BLOCKWISE, PAGED, TORCHAO, adam_state_bytes, moment_bytes, torchao_update_bytes
+from memlab.step.low_bit import (
+    BLOCKWISE,
+    PAGED,
+    TORCHAO,
+    adam_state_bytes,
+    moment_bytes,
+    paged_note,
+    paged_state_bytes,
+    torchao_update_bytes,
+)
 from memlab.step.zero import zero_formula
 from memlab.step.zero3_gathers import gathered_in_closed_form, persists
 
@@ -363,13 +372,13 @@ def _eight_bit_states(params: float, grads: float, sizes: list[int], optimizer: 
                       per_tensor: bool, element_bytes: int = 4) -> ModelStates:
     """Plain PyTorch's states with bitsandbytes' 8-bit AdamW or torchao's low-bit AdamW over tensors of
     ``sizes`` elements of ``element_bytes`` (:func:`memlab.step.low_bit.adam_state_bytes`); a paged one's
-    state all in host memory."""
+    large tensors' moments in host memory (:func:`memlab.step.low_bit.paged_state_bytes`)."""
     state = adam_state_bytes(sizes, optimizer, per_tensor=per_tensor, element_bytes=element_bytes)
     per = f"{state / max(sum(sizes), 1):.3f} B per parameter"
     if optimizer in PAGED:
-        return ModelStates(params, grads, 0.0, False, precision, host={"optimizer": float(state)},
-                           notes=(f"{optimizer}: {state / 2**20:.1f} MiB of state ({per}) in CUDA unified memory "
-                                  f"(bitsandbytes get_paged), paged to the host when the device is full: host bytes",))
+        paged = paged_state_bytes(sizes, optimizer)
+        return ModelStates(params, grads, float(state - paged), False, precision, host={"optimizer": float(paged)},
+                           notes=(paged_note(optimizer, state, paged) + f" ({per} in all)",))
     # torchao's compiled update of the largest quantised tensor: its buffers while it runs
     scratch = max((torchao_update_bytes(n, optimizer) for n in sizes), default=0) if optimizer in TORCHAO else 0
     return ModelStates(params, grads, float(state), False, precision, step_scratch=float(scratch),

@@ -29,6 +29,8 @@ from memlab.step.low_bit import (
     QUANTIZATIONS,
     adafactor_state_bytes,
     adam_state_bytes,
+    paged_note,
+    paged_state_bytes,
     quantized_weight_bytes,
 )
 from memlab.step.training_step import MemoryReport, StepConfig, resolve_step
@@ -220,11 +222,11 @@ def estimate_finetune(step: StepConfig, *, lora: tuple[int, Iterable[str]] | Non
             if w == 2 and kind == "paged-adamw":  # pure-bf16: torch's moments follow the weights
                 state //= 2
         if kind in PAGED:
-            cats["optimizer"] = 0
-            host["optimizer"] = host.get("optimizer", 0) + state
-            notes.append(f"{kind}: {state / 2**20:.1f} MiB of state in CUDA unified memory "
-                         f"(bitsandbytes get_paged), paged to host memory when the device is full: "
-                         f"counted as host bytes")
+            moment = 2 if w == 2 and kind == "paged-adamw" else 4
+            paged = paged_state_bytes(trainable, kind, moment_element_bytes=moment)
+            cats["optimizer"] = state - paged
+            host["optimizer"] = host.get("optimizer", 0) + paged
+            notes.append(paged_note(kind, state, paged))
         else:
             cats["optimizer"] = state
             notes.append(f"{kind} state: {state / sum(trainable):.3f} B per trainable parameter")
