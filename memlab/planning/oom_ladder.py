@@ -83,7 +83,7 @@ RUNGS: tuple[Rung, ...] = (
     Rung("qlora", "+ QLoRA (NF4 base)", "03", "quality: base rounded to 4 bits; time: dequantised per matmul"),
     Rung("packing", "+ packing", "06", "samples must not attend to each other: block-diagonal mask or varlen"),
     Rung("in-backward", "full fine-tune: paged 8-bit AdamW + optimizer step in backward, micro-batch = batch",
-         "03", "no accumulation, no global-norm clipping; the 8-bit state in unified memory", "full"),
+         "03", "no accumulation, no global-norm clipping; large tensors' 8-bit moments in unified memory", "full"),
     Rung("zero-3", "full fine-tune: ZeRO-3 / FSDP over N", "10", "N cards; time: all-gathers each step", "full"),
     Rung("offload", "full fine-tune: ZeRO-3 + offload to host", "11", "host memory; time: PCIe and the host's Adam",
          "full"),
