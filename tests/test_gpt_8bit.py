@@ -57,7 +57,7 @@ def test_simulation_equals_the_measured_step_and_the_estimate_is_within_2_percen
     if optimizer == "paged-adamw-8bit":
         # unified memory: the uint8 moments of each tensor of 1e5 elements or more (bitsandbytes 0.50
         # get_state_buffer) leave the device for the host in both lenses; smaller tensors' state and every
-        # block maximum stay (the tiny llama has no such tensor, the tiny GPT 26). On this CPU the real
+        # block maximum stay (the tiny llama has no such tensor, the tiny GPT 14 of its 52). On this CPU the real
         # PagedAdamW8bit keeps it all in ordinary memory, so the measured peak holds it
         unified = sum(2 * n for n in _numels(model) if n >= 100_000)
         assert sim.category_peaks()["optimizer"] == est.by_category["optimizer"] == state - unified
