@@ -164,19 +164,20 @@ def run_states(s: DecoderShape, *, precision: str, optimizer: str, zero: int, wo
                          "for backward (the final hidden states as lora_A reads them, tokens x hidden, and "
                          "its rank-r output) is not in the activations")
     if low_bit:
+        # torch's paged moments follow the weights when the whole model is 16-bit
+        moment = 2 if optimizer == "paged-adamw" and ad is None and precision == "pure-bf16" else 4
         if optimizer == "adafactor":
             state = adafactor_state_bytes(adapter_shapes(s, ad))
         else:
             # torchao's unquantised moments, and torch's paged ones, follow the weights' dtype
             weights = 2 if (ad.a == 2 if ad is not None else precision == "pure-bf16") else 4
             state = adam_state_bytes(trainable, optimizer, element_bytes=weights)
-            if optimizer == "paged-adamw" and ad is None and precision == "pure-bf16":
-                state //= 2  # torch's moments follow the 16-bit weights
+            if moment == 2:
+                state //= 2
             if optimizer in TORCHAO:  # its compiled update of the largest quantised tensor
                 inputs["step"] = float(max(torchao_update_bytes(n, optimizer) for n in trainable))
         if optimizer in PAGED:
-            halved = optimizer == "paged-adamw" and ad is None and precision == "pure-bf16"
-            paged = paged_state_bytes(trainable, optimizer, moment_element_bytes=2 if halved else 4)
+            paged = paged_state_bytes(trainable, optimizer, moment_element_bytes=moment)
             inputs["optimizer"] = float(state - paged)
             host["optimizer"] = host.get("optimizer", 0.0) + paged
             notes.append(paged_note(optimizer, state, paged))

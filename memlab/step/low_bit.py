@@ -266,7 +266,7 @@ def eager_update(cls: type, kind: str) -> type:
                     state["step"] += 1
                     # outside the tracker: the eager update's fp32 temporaries are not the compiled one's
                     with outside_dispatch_modes():
-                            single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
+                        single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
                                           None, group["lr"], group["betas"][0], group["betas"][1],
                                           group["weight_decay"], group["eps"], self.is_adamw,
                                           self.bf16_stochastic_round and p.dtype is torch.bfloat16)

@@ -214,15 +214,15 @@ def estimate_finetune(step: StepConfig, *, lora: tuple[int, Iterable[str]] | Non
     notes = list(report.notes)
     if kind not in ("adamw", "sgd") and not run_field:  # the adapters' state, or Adafactor's
         w = dtypes(step.precision, target).param
+        moment = 2 if w == 2 and kind == "paged-adamw" else 4  # pure-bf16: torch's moments follow the weights
         if kind == "adafactor":
             shapes = param_shapes(cfg) if lora is None else _lora_matrix_shapes(cfg, *lora)
             state = adafactor_state_bytes(shapes)
         else:
             state = adam_state_bytes(trainable, kind, element_bytes=w)
-            if w == 2 and kind == "paged-adamw":  # pure-bf16: torch's moments follow the weights
+            if moment == 2:
                 state //= 2
         if kind in PAGED:
-            moment = 2 if w == 2 and kind == "paged-adamw" else 4
             paged = paged_state_bytes(trainable, kind, moment_element_bytes=moment)
             cats["optimizer"] = state - paged
             host["optimizer"] = host.get("optimizer", 0) + paged
